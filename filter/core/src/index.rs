@@ -1,0 +1,342 @@
+//! The prefix index: which worker has (approximately) cached which prefix.
+//!
+//! Keys are chained block hashes ([`crate::blocks`]), so the index is a flat map rather than a
+//! tree, and the same request yields the same keys in every filter and in the control plane:
+//! an insert is `(worker, hashes)`, an eviction `(hash, worker)`, both small enough to ship
+//! in snapshot deltas.
+//!
+//! Recency is a logical clock. An insert stamps its blocks so that deeper blocks are older
+//! than shallower ones; LRU eviction therefore removes the leaves of a prefix before its
+//! root, as a radix tree's leaf eviction does, and never strands a reachable suffix.
+
+use std::collections::HashMap;
+
+use nohash_hasher::BuildNoHashHasher;
+
+use crate::worker::WorkerId;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Owner {
+    worker: WorkerId,
+    tick: u32,
+}
+
+/// The workers holding one block; almost always a single one, so that case stays inline.
+#[derive(Debug)]
+enum Owners {
+    One(Owner),
+    Many(Box<Vec<Owner>>),
+}
+
+impl Owners {
+    fn as_slice(&self) -> &[Owner] {
+        match self {
+            Owners::One(o) => std::slice::from_ref(o),
+            Owners::Many(v) => v,
+        }
+    }
+
+    /// Stamps `worker` with `tick`, adding it when it is new on this block.
+    fn touch(&mut self, worker: WorkerId, tick: u32) {
+        let fresh = Owner { worker, tick };
+        match self {
+            Owners::One(o) if o.worker == worker => o.tick = tick,
+            Owners::One(o) => *self = Owners::Many(Box::new(vec![*o, fresh])),
+            Owners::Many(v) => match v.iter_mut().find(|o| o.worker == worker) {
+                Some(o) => o.tick = tick,
+                None => v.push(fresh),
+            },
+        }
+    }
+
+    /// Removes `worker`; returns true when no owner is left.
+    fn remove(&mut self, worker: WorkerId) -> bool {
+        match self {
+            Owners::One(o) => o.worker == worker,
+            Owners::Many(v) => {
+                v.retain(|o| o.worker != worker);
+                match v.as_slice() {
+                    [] => true,
+                    [only] => {
+                        *self = Owners::One(*only);
+                        false
+                    }
+                    _ => false,
+                }
+            }
+        }
+    }
+}
+
+/// The deepest block of a request that a worker holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PrefixMatch {
+    pub worker: WorkerId,
+    /// Number of leading blocks matched.
+    pub blocks: usize,
+}
+
+/// Block hashes per worker, with LRU eviction to a per-worker size.
+#[derive(Debug, Default)]
+pub struct PrefixIndex {
+    nodes: HashMap<u64, Owners, BuildNoHashHasher<u64>>,
+    sizes: HashMap<WorkerId, u64, BuildNoHashHasher<WorkerId>>,
+    clock: u32,
+}
+
+impl PrefixIndex {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Records that `worker` now holds the prefix whose chained block hashes are `hashes`.
+    pub fn insert(&mut self, worker: WorkerId, hashes: &[u64]) {
+        let n = hashes.len() as u32;
+        let base = self.clock;
+        self.clock = self.clock.wrapping_add(n);
+        for (i, &hash) in hashes.iter().enumerate() {
+            // Deeper blocks get older stamps, so eviction takes leaves first.
+            let tick = base.wrapping_add(n - 1 - i as u32);
+            let added = match self.nodes.get_mut(&hash) {
+                Some(owners) => {
+                    let had = owners.as_slice().iter().any(|o| o.worker == worker);
+                    owners.touch(worker, tick);
+                    !had
+                }
+                None => {
+                    self.nodes.insert(hash, Owners::One(Owner { worker, tick }));
+                    true
+                }
+            };
+            if added {
+                *self.sizes.entry(worker).or_default() += 1;
+            }
+        }
+    }
+
+    /// For every worker holding some leading blocks of `hashes`, the deepest such block.
+    /// The walk stops at the first block nobody holds.
+    pub fn match_prefix(&self, hashes: &[u64]) -> Vec<PrefixMatch> {
+        let mut found: Vec<PrefixMatch> = Vec::new();
+        for (i, hash) in hashes.iter().enumerate() {
+            let Some(owners) = self.nodes.get(hash) else {
+                break;
+            };
+            for o in owners.as_slice() {
+                match found.iter_mut().find(|m| m.worker == o.worker) {
+                    Some(m) => m.blocks = i + 1,
+                    None => found.push(PrefixMatch {
+                        worker: o.worker,
+                        blocks: i + 1,
+                    }),
+                }
+            }
+        }
+        found
+    }
+
+    /// Number of blocks `worker` holds (its "tree size").
+    pub fn size_of(&self, worker: WorkerId) -> u64 {
+        self.sizes.get(&worker).copied().unwrap_or(0)
+    }
+
+    /// Number of distinct blocks indexed.
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+
+    /// Sum over workers of the blocks each holds.
+    pub fn entries(&self) -> u64 {
+        self.sizes.values().sum()
+    }
+
+    /// Forgets everything `worker` holds.
+    pub fn remove_worker(&mut self, worker: WorkerId) {
+        self.nodes.retain(|_, owners| !owners.remove(worker));
+        self.sizes.remove(&worker);
+    }
+
+    /// Removes `worker` from one block (an eviction decided elsewhere, e.g. by the control
+    /// plane).
+    pub fn remove(&mut self, hash: u64, worker: WorkerId) {
+        let Some(owners) = self.nodes.get_mut(&hash) else {
+            return;
+        };
+        if !owners.as_slice().iter().any(|o| o.worker == worker) {
+            return;
+        }
+        if owners.remove(worker) {
+            self.nodes.remove(&hash);
+        }
+        if let Some(size) = self.sizes.get_mut(&worker) {
+            *size = size.saturating_sub(1);
+        }
+    }
+
+    /// Evicts the least recently used blocks of every worker holding more than `max_blocks`,
+    /// down to `max_blocks`. Returns the evicted `(hash, worker)` pairs.
+    pub fn evict_to(&mut self, max_blocks: u64) -> Vec<(u64, WorkerId)> {
+        let over: Vec<(WorkerId, u64)> = self
+            .sizes
+            .iter()
+            .filter(|(_, &size)| size > max_blocks)
+            .map(|(&w, &size)| (w, size - max_blocks))
+            .collect();
+        let mut evicted = Vec::new();
+        for (worker, excess) in over {
+            let mut stamps: Vec<(u32, u64)> = self
+                .nodes
+                .iter()
+                .filter_map(|(&h, owners)| {
+                    owners
+                        .as_slice()
+                        .iter()
+                        .find(|o| o.worker == worker)
+                        .map(|o| (self.age(o.tick), h))
+                })
+                .collect();
+            // Oldest first: the largest age.
+            let k = (excess as usize).min(stamps.len());
+            if k < stamps.len() {
+                stamps.select_nth_unstable_by(k, |a, b| b.0.cmp(&a.0));
+            }
+            for &(_, hash) in &stamps[..k] {
+                self.remove(hash, worker);
+                evicted.push((hash, worker));
+            }
+        }
+        evicted
+    }
+
+    /// How many ticks ago `tick` was stamped (the clock wraps; ages stay right while fewer
+    /// than 2^32 blocks are inserted between two evictions).
+    fn age(&self, tick: u32) -> u32 {
+        self.clock.wrapping_sub(tick)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::blocks::block_hashes;
+
+    fn h(text: &str) -> Vec<u64> {
+        block_hashes(text.as_bytes(), 4)
+    }
+
+    #[test]
+    fn longest_prefix_per_worker() {
+        let mut idx = PrefixIndex::new();
+        idx.insert(1, &h("aaaabbbbcccc"));
+        idx.insert(2, &h("aaaabbbbzzzz"));
+        idx.insert(3, &h("qqqq"));
+        let mut m = idx.match_prefix(&h("aaaabbbbccccdddd"));
+        m.sort_by_key(|m| m.worker);
+        assert_eq!(
+            m,
+            vec![
+                PrefixMatch {
+                    worker: 1,
+                    blocks: 3
+                },
+                PrefixMatch {
+                    worker: 2,
+                    blocks: 2
+                }
+            ]
+        );
+        assert!(idx.match_prefix(&h("xxxx")).is_empty());
+        assert_eq!(idx.size_of(1), 3);
+        assert_eq!(idx.size_of(2), 3);
+        assert_eq!(idx.len(), 5, "the two shared blocks are stored once");
+        assert_eq!(idx.entries(), 7);
+    }
+
+    #[test]
+    fn reinserting_does_not_grow() {
+        let mut idx = PrefixIndex::new();
+        idx.insert(1, &h("aaaabbbb"));
+        idx.insert(1, &h("aaaabbbb"));
+        assert_eq!(idx.size_of(1), 2);
+        assert_eq!(idx.len(), 2);
+    }
+
+    #[test]
+    fn eviction_takes_least_recent_leaves_first() {
+        let mut idx = PrefixIndex::new();
+        idx.insert(1, &h("aaaabbbbcccc")); // old
+        idx.insert(1, &h("xxxxyyyy")); // newer
+        let evicted = idx.evict_to(3);
+        assert_eq!(evicted.len(), 2);
+        assert_eq!(idx.size_of(1), 3);
+        // The old prefix lost its two deepest blocks, its root stays reachable.
+        assert_eq!(
+            idx.match_prefix(&h("aaaabbbbcccc")),
+            vec![PrefixMatch {
+                worker: 1,
+                blocks: 1
+            }]
+        );
+        assert_eq!(
+            idx.match_prefix(&h("xxxxyyyy")),
+            vec![PrefixMatch {
+                worker: 1,
+                blocks: 2
+            }]
+        );
+    }
+
+    #[test]
+    fn eviction_only_touches_workers_over_the_limit() {
+        let mut idx = PrefixIndex::new();
+        idx.insert(1, &h("aaaabbbbcccc"));
+        idx.insert(2, &h("aaaabbbbcccc"));
+        idx.insert(2, &h("zzzz"));
+        idx.evict_to(3);
+        assert_eq!(idx.size_of(1), 3);
+        assert_eq!(idx.size_of(2), 3);
+        assert_eq!(idx.match_prefix(&h("aaaabbbbcccc")).len(), 2);
+        assert_eq!(
+            idx.match_prefix(&h("zzzz")),
+            vec![PrefixMatch {
+                worker: 2,
+                blocks: 1
+            }]
+        );
+    }
+
+    #[test]
+    fn touching_a_prefix_protects_it() {
+        let mut idx = PrefixIndex::new();
+        idx.insert(1, &h("aaaabbbb"));
+        idx.insert(1, &h("cccc"));
+        idx.insert(1, &h("aaaabbbb")); // used again: now the most recent
+        idx.evict_to(2);
+        assert_eq!(
+            idx.match_prefix(&h("aaaabbbb")),
+            vec![PrefixMatch {
+                worker: 1,
+                blocks: 2
+            }]
+        );
+        assert!(idx.match_prefix(&h("cccc")).is_empty());
+    }
+
+    #[test]
+    fn remove_worker_and_single_block() {
+        let mut idx = PrefixIndex::new();
+        idx.insert(1, &h("aaaa"));
+        idx.insert(2, &h("aaaabbbb"));
+        idx.remove_worker(2);
+        assert_eq!(idx.size_of(2), 0);
+        assert_eq!(idx.len(), 1);
+        let hashes = h("aaaa");
+        idx.remove(hashes[0], 1);
+        assert!(idx.is_empty());
+        assert_eq!(idx.entries(), 0);
+    }
+}

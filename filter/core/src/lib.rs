@@ -1,0 +1,30 @@
+//! The kvmesh routing core.
+//!
+//! Pure Rust with no proxy-wasm, tokio or clock access: everything that varies (time,
+//! randomness, worker loads) is passed in as plain data. The filter (compiled to
+//! `wasm32-wasip1`) and the control plane both build on it, and its tests run natively and
+//! under wasm32.
+//!
+//! - [`request`]: parse a request body and extract the routing text.
+//! - [`blocks`]: chained xxh3 block hashes of the routing text (the prefix index's keys).
+//! - [`index`]: the prefix index with LRU eviction.
+//! - [`policy`]: the routing policies (one file each) over plain-data candidates.
+//! - [`config`]: the filter's policy configuration, validated once.
+//! - [`worker`]: the worker table (a snapshot of workers) the policies choose from.
+//! - [`errors`]: the OpenAI-style JSON error body the gateway answers with.
+
+pub mod blocks;
+pub mod config;
+pub mod errors;
+pub mod index;
+pub mod policy;
+pub mod request;
+pub mod rng;
+pub mod router;
+pub mod worker;
+
+pub use config::{Config, ConfigError};
+pub use errors::ErrorBody;
+pub use request::{Endpoint, ParsedRequest, RequestError};
+pub use router::{Decision, Router};
+pub use worker::{Worker, WorkerId, WorkerTable};

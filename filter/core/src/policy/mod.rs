@@ -1,0 +1,151 @@
+//! Routing policies, one file each. They choose among plain-data [`Candidate`]s (the healthy
+//! workers with their current load) and never see live worker objects, sockets or clocks.
+
+mod cache_aware;
+mod power_of_two;
+mod random;
+mod round_robin;
+
+use std::fmt;
+use std::str::FromStr;
+
+pub use cache_aware::{CacheAware, CacheAwareParams, Choice, Reason};
+pub use power_of_two::PowerOfTwo;
+pub use random::Random;
+pub use round_robin::RoundRobin;
+
+use crate::rng::Rng;
+use crate::worker::WorkerId;
+
+/// A worker a policy may pick, with its load: the control plane's load table plus this
+/// gateway's in-flight requests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Candidate {
+    pub id: WorkerId,
+    pub load: u64,
+}
+
+/// The policy names of `--policy` (sglang-router's, plus llm-d's and seed 002's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PolicyKind {
+    Random,
+    RoundRobin,
+    PowerOfTwo,
+    CacheAware,
+    PrefixHash,
+    MarginalUtility,
+}
+
+impl PolicyKind {
+    pub const ALL: [PolicyKind; 6] = [
+        Self::Random,
+        Self::RoundRobin,
+        Self::PowerOfTwo,
+        Self::CacheAware,
+        Self::PrefixHash,
+        Self::MarginalUtility,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Random => "random",
+            Self::RoundRobin => "round_robin",
+            Self::PowerOfTwo => "power_of_two",
+            Self::CacheAware => "cache_aware",
+            Self::PrefixHash => "prefix_hash",
+            Self::MarginalUtility => "marginal_utility",
+        }
+    }
+
+    /// Whether this build can route with it.
+    pub fn implemented(self) -> bool {
+        !matches!(self, Self::PrefixHash | Self::MarginalUtility)
+    }
+
+    /// Whether the policy looks at the routing text (so it must be hashed).
+    pub fn uses_text(self) -> bool {
+        matches!(self, Self::CacheAware | Self::PrefixHash)
+    }
+}
+
+impl fmt::Display for PolicyKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for PolicyKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Self::ALL.iter().map(|k| k.name()).collect();
+                format!(
+                    "unknown policy `{s}` (expected one of {})",
+                    names.join(", ")
+                )
+            })
+    }
+}
+
+/// Position of the least-loaded candidate among `positions`, ties broken at random.
+pub(crate) fn least_loaded(
+    cands: &[Candidate],
+    positions: impl IntoIterator<Item = usize>,
+    rng: &mut dyn Rng,
+) -> Option<usize> {
+    let mut best: Option<usize> = None;
+    let mut ties = 0usize;
+    for p in positions {
+        match best {
+            Some(b) if cands[p].load > cands[b].load => {}
+            Some(b) if cands[p].load == cands[b].load => {
+                // Reservoir sampling over the tied candidates.
+                ties += 1;
+                if rng.below(ties + 1) == 0 {
+                    best = Some(p);
+                }
+            }
+            _ => {
+                best = Some(p);
+                ties = 0;
+            }
+        }
+    }
+    best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::FastRng;
+
+    #[test]
+    fn names_round_trip_and_unknown_is_explained() {
+        for k in PolicyKind::ALL {
+            assert_eq!(k.name().parse::<PolicyKind>(), Ok(k));
+        }
+        let e = "fastest".parse::<PolicyKind>().unwrap_err();
+        assert!(e.contains("`fastest`") && e.contains("cache_aware"), "{e}");
+    }
+
+    #[test]
+    fn least_loaded_breaks_ties_at_random() {
+        let cands = [
+            Candidate { id: 0, load: 3 },
+            Candidate { id: 1, load: 1 },
+            Candidate { id: 2, load: 1 },
+            Candidate { id: 3, load: 2 },
+        ];
+        let mut rng = FastRng::seeded(1);
+        let mut hits = [0; 4];
+        for _ in 0..400 {
+            hits[least_loaded(&cands, 0..4, &mut rng).unwrap()] += 1;
+        }
+        assert_eq!(hits[0] + hits[3], 0);
+        assert!(hits[1] > 100 && hits[2] > 100, "{hits:?}");
+        assert_eq!(least_loaded(&cands, [], &mut rng), None);
+    }
+}

@@ -1,0 +1,126 @@
+//! The workers the policies choose from: plain data, replaced as a whole when the worker set
+//! changes (from the plugin configuration today, from control-plane snapshots later).
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+
+use thiserror::Error;
+
+/// A worker's stable identity within one worker table lineage (index keys refer to it).
+pub type WorkerId = u32;
+
+#[derive(Debug, Error, PartialEq)]
+pub enum AddrError {
+    #[error("worker URL `{0}` must start with http://")]
+    Scheme(String),
+    #[error("worker URL `{0}` must name an IP address (or localhost) and a port")]
+    Host(String),
+}
+
+/// One worker as the router sees it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Worker {
+    pub id: WorkerId,
+    /// As configured, e.g. `http://10.0.0.7:30000`.
+    pub url: String,
+    /// `ip:port` (`[v6]:port`), the value Envoy's ORIGINAL_DST cluster connects to.
+    pub addr: String,
+    pub healthy: bool,
+    /// Load reported from outside this gateway (the control plane's load table).
+    pub load: u64,
+}
+
+impl Worker {
+    pub fn from_url(id: WorkerId, url: &str) -> Result<Self, AddrError> {
+        Ok(Self {
+            id,
+            url: url.to_string(),
+            addr: socket_addr(url)?.to_string(),
+            healthy: true,
+            load: 0,
+        })
+    }
+}
+
+/// Parses `http://host:port[/...]` into a socket address; `localhost` means 127.0.0.1.
+pub fn socket_addr(url: &str) -> Result<SocketAddr, AddrError> {
+    let rest = url
+        .strip_prefix("http://")
+        .ok_or_else(|| AddrError::Scheme(url.to_string()))?;
+    let authority = rest.split('/').next().unwrap_or(rest);
+    let bad = || AddrError::Host(url.to_string());
+    let (host, port) = authority.rsplit_once(':').ok_or_else(bad)?;
+    let port: u16 = port.parse().map_err(|_| bad())?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let ip: IpAddr = if host.eq_ignore_ascii_case("localhost") {
+        IpAddr::V4(Ipv4Addr::LOCALHOST)
+    } else {
+        host.parse().map_err(|_| bad())?
+    };
+    Ok(SocketAddr::new(ip, port))
+}
+
+/// The current worker set.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct WorkerTable {
+    pub version: u64,
+    pub workers: Vec<Worker>,
+}
+
+impl WorkerTable {
+    /// A static table (version 0) of healthy workers with ids 0.. in the order given.
+    pub fn from_urls<S: AsRef<str>>(urls: &[S]) -> Result<Self, AddrError> {
+        let workers = urls
+            .iter()
+            .enumerate()
+            .map(|(i, u)| Worker::from_url(i as WorkerId, u.as_ref()))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self {
+            version: 0,
+            workers,
+        })
+    }
+
+    pub fn healthy(&self) -> impl Iterator<Item = &Worker> {
+        self.workers.iter().filter(|w| w.healthy)
+    }
+
+    pub fn get(&self, id: WorkerId) -> Option<&Worker> {
+        self.workers.iter().find(|w| w.id == id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_from_urls() {
+        assert_eq!(
+            socket_addr("http://127.0.0.1:30001").unwrap().to_string(),
+            "127.0.0.1:30001"
+        );
+        assert_eq!(
+            socket_addr("http://localhost:8000/").unwrap().to_string(),
+            "127.0.0.1:8000"
+        );
+        assert_eq!(
+            socket_addr("http://[::1]:9000").unwrap().to_string(),
+            "[::1]:9000"
+        );
+        assert_eq!(
+            socket_addr("https://1.2.3.4:5"),
+            Err(AddrError::Scheme("https://1.2.3.4:5".into()))
+        );
+        assert!(socket_addr("http://1.2.3.4").is_err());
+        assert!(socket_addr("http://worker-0.svc:8000").is_err());
+        assert!(socket_addr("http://1.2.3.4:99999").is_err());
+    }
+
+    #[test]
+    fn table_assigns_ids_in_order() {
+        let t = WorkerTable::from_urls(&["http://127.0.0.1:1", "http://127.0.0.1:2"]).unwrap();
+        assert_eq!(t.workers[1].id, 1);
+        assert_eq!(t.get(1).map(|w| w.addr.as_str()), Some("127.0.0.1:2"));
+        assert_eq!(t.healthy().count(), 2);
+    }
+}
