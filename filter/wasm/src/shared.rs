@@ -1,0 +1,305 @@
+//! State shared by every VM (one per Envoy worker thread) of one plugin, kept in Envoy's
+//! shared data behind the small [`SharedStore`] trait so the logic is testable natively.
+//!
+//! - [`Inflight`]: in-flight requests per worker, updated by compare-and-swap.
+//! - [`InsertLog`]: a ring of recent prefix-index inserts, so that a prefix routed on one
+//!   thread is known to the others before their next request.
+//!
+//! Values are small byte strings (the host copies a value in and out on every access).
+
+use kvmesh_core::WorkerId;
+
+/// Why a write to shared data failed.
+#[derive(Debug, PartialEq, Eq)]
+pub enum SetError {
+    /// Another VM wrote the key since we read it.
+    CasMismatch,
+    Other,
+}
+
+/// Envoy's shared data (or a fake): values with a version for compare-and-swap.
+pub trait SharedStore {
+    fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>);
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError>;
+}
+
+const CAS_RETRIES: usize = 32;
+
+/// Reads `key`, applies `update` and writes it back with compare-and-swap, retrying on
+/// conflicts. Returns whether the write went through.
+fn update(store: &dyn SharedStore, key: &str, mut update: impl FnMut(&mut Vec<u8>)) -> bool {
+    for _ in 0..CAS_RETRIES {
+        let (value, cas) = store.get(key);
+        let mut value = value.unwrap_or_default();
+        update(&mut value);
+        match store.set(key, &value, cas) {
+            Ok(()) => return true,
+            Err(SetError::CasMismatch) => continue,
+            Err(SetError::Other) => return false,
+        }
+    }
+    false
+}
+
+fn u32_at(bytes: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?))
+}
+
+fn u64_at(bytes: &[u8], at: usize) -> Option<u64> {
+    Some(u64::from_le_bytes(bytes.get(at..at + 8)?.try_into().ok()?))
+}
+
+/// In-flight requests per worker: one value of `(worker id u32, count u32)` pairs.
+pub struct Inflight;
+
+impl Inflight {
+    const KEY: &'static str = "kvmesh.inflight";
+
+    /// Current counts as `(worker, count)` pairs.
+    pub fn read(store: &dyn SharedStore) -> Vec<(WorkerId, u32)> {
+        let value = store.get(Self::KEY).0.unwrap_or_default();
+        value
+            .chunks_exact(8)
+            .filter_map(|c| Some((u32_at(c, 0)?, u32_at(c, 4)?)))
+            .collect()
+    }
+
+    /// Adds `delta` to `worker`'s count (never below zero).
+    pub fn add(store: &dyn SharedStore, worker: WorkerId, delta: i32) -> bool {
+        update(store, Self::KEY, |value| {
+            let mut pos = None;
+            for (i, c) in value.chunks_exact(8).enumerate() {
+                if u32_at(c, 0) == Some(worker) {
+                    pos = Some(i * 8 + 4);
+                }
+            }
+            let at = pos.unwrap_or_else(|| {
+                value.extend_from_slice(&worker.to_le_bytes());
+                value.extend_from_slice(&0u32.to_le_bytes());
+                value.len() - 4
+            });
+            let count = u32_at(value, at).unwrap_or(0).saturating_add_signed(delta);
+            value[at..at + 4].copy_from_slice(&count.to_le_bytes());
+        })
+    }
+}
+
+/// A ring of the last [`InsertLog::SLOTS`] prefix-index inserts. The writer takes a sequence
+/// number by CAS on the head, then writes its slot; readers follow the head and apply what
+/// other VMs wrote.
+pub struct InsertLog {
+    /// The last sequence number this VM has applied or skipped.
+    cursor: u64,
+    vm: u32,
+}
+
+/// One insert read back from the log.
+#[derive(Debug, PartialEq, Eq)]
+pub struct LoggedInsert {
+    pub worker: WorkerId,
+    pub hashes: Vec<u64>,
+}
+
+impl InsertLog {
+    pub const SLOTS: u64 = 256;
+    const HEAD: &'static str = "kvmesh.log.head";
+
+    /// A reader/writer for VM `vm` that starts with the inserts still in the ring.
+    pub fn new(store: &dyn SharedStore, vm: u32) -> Self {
+        let head = Self::head(store);
+        Self {
+            cursor: head.saturating_sub(Self::SLOTS),
+            vm,
+        }
+    }
+
+    fn head(store: &dyn SharedStore) -> u64 {
+        store
+            .get(Self::HEAD)
+            .0
+            .and_then(|v| u64_at(&v, 0))
+            .unwrap_or(0)
+    }
+
+    fn slot_key(seq: u64) -> String {
+        format!("kvmesh.log.{}", seq % Self::SLOTS)
+    }
+
+    /// Appends an insert made by this VM.
+    pub fn append(&mut self, store: &dyn SharedStore, worker: WorkerId, hashes: &[u64]) {
+        let mut seq = 0;
+        let took = update(store, Self::HEAD, |value| {
+            seq = value.get(..8).and_then(|b| u64_at(b, 0)).unwrap_or(0) + 1;
+            value.clear();
+            value.extend_from_slice(&seq.to_le_bytes());
+        });
+        if !took {
+            return;
+        }
+        let mut entry = Vec::with_capacity(16 + hashes.len() * 8);
+        entry.extend_from_slice(&seq.to_le_bytes());
+        entry.extend_from_slice(&self.vm.to_le_bytes());
+        entry.extend_from_slice(&worker.to_le_bytes());
+        for h in hashes {
+            entry.extend_from_slice(&h.to_le_bytes());
+        }
+        // The slot belongs to this sequence number; no CAS needed.
+        let _ = store.set(&Self::slot_key(seq), &entry, None);
+    }
+
+    /// The inserts other VMs made since the last call, oldest first.
+    pub fn poll(&mut self, store: &dyn SharedStore) -> Vec<LoggedInsert> {
+        let head = Self::head(store);
+        if head <= self.cursor {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        let mut seq = self.cursor.max(head.saturating_sub(Self::SLOTS)) + 1;
+        while seq <= head {
+            let entry = store.get(&Self::slot_key(seq)).0.unwrap_or_default();
+            let written = u64_at(&entry, 0).unwrap_or(0);
+            if written < seq {
+                break; // Taken but not written yet: read it next time.
+            }
+            if written == seq && u32_at(&entry, 8) != Some(self.vm) {
+                if let Some(worker) = u32_at(&entry, 12) {
+                    let hashes = entry[16..]
+                        .chunks_exact(8)
+                        .filter_map(|c| u64_at(c, 0))
+                        .collect();
+                    out.push(LoggedInsert { worker, hashes });
+                }
+            }
+            self.cursor = seq;
+            seq += 1;
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+pub mod fake {
+    //! An in-memory [`SharedStore`] with Envoy's CAS semantics.
+    use std::cell::RefCell;
+    use std::collections::HashMap;
+
+    use super::{SetError, SharedStore};
+
+    #[derive(Default)]
+    pub struct FakeStore {
+        data: RefCell<HashMap<String, (Vec<u8>, u32)>>,
+    }
+
+    impl SharedStore for FakeStore {
+        fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+            match self.data.borrow().get(key) {
+                Some((v, cas)) => (Some(v.clone()), Some(*cas)),
+                None => (None, None),
+            }
+        }
+
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
+            let mut data = self.data.borrow_mut();
+            let entry = data.entry(key.to_string()).or_insert((Vec::new(), 0));
+            if matches!(cas, Some(c) if c != 0 && c != entry.1) {
+                return Err(SetError::CasMismatch);
+            }
+            *entry = (value.to_vec(), entry.1 + 1);
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fake::FakeStore;
+    use super::*;
+
+    #[test]
+    fn inflight_counts_per_worker_and_never_negative() {
+        let store = FakeStore::default();
+        assert!(Inflight::add(&store, 3, 1));
+        assert!(Inflight::add(&store, 3, 1));
+        assert!(Inflight::add(&store, 7, 1));
+        assert!(Inflight::add(&store, 3, -1));
+        assert_eq!(Inflight::read(&store), vec![(3, 1), (7, 1)]);
+        assert!(Inflight::add(&store, 7, -5));
+        assert_eq!(Inflight::read(&store), vec![(3, 1), (7, 0)]);
+    }
+
+    #[test]
+    fn a_stale_cas_is_retried() {
+        let store = FakeStore::default();
+        Inflight::add(&store, 1, 1);
+        let (_, stale) = store.get(Inflight::KEY);
+        Inflight::add(&store, 1, 1);
+        assert_eq!(
+            store.set(Inflight::KEY, b"", stale),
+            Err(SetError::CasMismatch)
+        );
+        assert_eq!(Inflight::read(&store), vec![(1, 2)]);
+    }
+
+    #[test]
+    fn inserts_reach_other_vms_only() {
+        let store = FakeStore::default();
+        let mut a = InsertLog::new(&store, 1);
+        let mut b = InsertLog::new(&store, 2);
+        a.append(&store, 5, &[10, 11]);
+        b.append(&store, 6, &[12]);
+        assert_eq!(
+            a.poll(&store),
+            vec![LoggedInsert {
+                worker: 6,
+                hashes: vec![12]
+            }]
+        );
+        assert_eq!(
+            b.poll(&store),
+            vec![LoggedInsert {
+                worker: 5,
+                hashes: vec![10, 11]
+            }]
+        );
+        assert!(a.poll(&store).is_empty());
+        // A VM started later replays what the ring still holds.
+        let mut c = InsertLog::new(&store, 3);
+        assert_eq!(c.poll(&store).len(), 2);
+    }
+
+    #[test]
+    fn a_reader_that_falls_behind_skips_overwritten_slots() {
+        let store = FakeStore::default();
+        let mut a = InsertLog::new(&store, 1);
+        let mut b = InsertLog::new(&store, 2);
+        for i in 0..(InsertLog::SLOTS + 10) {
+            a.append(&store, 1, &[i]);
+        }
+        let got = b.poll(&store);
+        assert_eq!(got.len() as u64, InsertLog::SLOTS);
+        assert_eq!(got[0].hashes, vec![10]);
+    }
+
+    #[test]
+    fn a_taken_but_unwritten_slot_is_read_later() {
+        let store = FakeStore::default();
+        let mut b = InsertLog::new(&store, 2);
+        // Another VM took sequence 1 but has not written its slot yet.
+        store
+            .set(InsertLog::HEAD, &1u64.to_le_bytes(), None)
+            .unwrap();
+        assert!(b.poll(&store).is_empty());
+        let mut entry = 1u64.to_le_bytes().to_vec();
+        entry.extend_from_slice(&9u32.to_le_bytes());
+        entry.extend_from_slice(&4u32.to_le_bytes());
+        entry.extend_from_slice(&77u64.to_le_bytes());
+        store.set("kvmesh.log.1", &entry, None).unwrap();
+        assert_eq!(
+            b.poll(&store),
+            vec![LoggedInsert {
+                worker: 4,
+                hashes: vec![77]
+            }]
+        );
+    }
+}

@@ -1,0 +1,76 @@
+//! The simulated prefix KV cache: pages of [`PAGE_TOKENS`] tokens keyed by chained hashes,
+//! LRU beyond the capacity. A request's cached tokens are its leading pages found here.
+
+use kvmesh_core::blocks::block_hashes;
+use lru::LruCache;
+use std::num::NonZeroUsize;
+
+/// Tokens per cache page.
+pub const PAGE_TOKENS: u64 = 16;
+/// Bytes of prompt per simulated token.
+pub const BYTES_PER_TOKEN: u64 = 4;
+
+pub struct KvCache {
+    pages: LruCache<u64, ()>,
+}
+
+impl KvCache {
+    pub fn new(capacity_tokens: u64) -> Self {
+        let pages = (capacity_tokens / PAGE_TOKENS).max(1) as usize;
+        Self {
+            pages: LruCache::new(NonZeroUsize::new(pages).unwrap_or(NonZeroUsize::MIN)),
+        }
+    }
+
+    /// Looks up the prompt (its bytes; a token is [`BYTES_PER_TOKEN`] bytes), stores all of
+    /// it, and returns how many of its `prompt_tokens` were already cached.
+    pub fn lookup_and_store(&mut self, prompt: &[u8], prompt_tokens: u64) -> u64 {
+        let hashes = block_hashes(prompt, (PAGE_TOKENS * BYTES_PER_TOKEN) as usize);
+        let hit_pages = hashes
+            .iter()
+            .take_while(|h| self.pages.contains(*h))
+            .count() as u64;
+        for h in hashes {
+            self.pages.put(h, ());
+        }
+        (hit_pages * PAGE_TOKENS).min(prompt_tokens)
+    }
+
+    pub fn used_tokens(&self) -> u64 {
+        self.pages.len() as u64 * PAGE_TOKENS
+    }
+
+    pub fn capacity_tokens(&self) -> u64 {
+        self.pages.cap().get() as u64 * PAGE_TOKENS
+    }
+}
+
+/// Simulated token count of a prompt of `len` bytes.
+pub fn tokens_of(len: usize) -> u64 {
+    (len as u64).div_ceil(BYTES_PER_TOKEN).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn repeated_prefixes_hit() {
+        let mut c = KvCache::new(1024);
+        let a = "x".repeat(640);
+        assert_eq!(c.lookup_and_store(a.as_bytes(), tokens_of(a.len())), 0);
+        let b = format!("{a}and more");
+        assert_eq!(c.lookup_and_store(b.as_bytes(), tokens_of(b.len())), 160);
+    }
+
+    #[test]
+    fn lru_capacity_is_enforced() {
+        let mut c = KvCache::new(32); // two pages
+        let a = "a".repeat(128);
+        let b = "b".repeat(128);
+        c.lookup_and_store(a.as_bytes(), 32);
+        c.lookup_and_store(b.as_bytes(), 32);
+        assert_eq!(c.used_tokens(), 32);
+        assert_eq!(c.lookup_and_store(a.as_bytes(), 32), 0, "evicted by b");
+    }
+}

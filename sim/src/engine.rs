@@ -1,0 +1,143 @@
+//! The simulated inference engine: admission (queueing past `--max-running`), prefill whose
+//! cost is the uncached part of the prompt, decode steps that slow down as the batch grows,
+//! fault injection, and the counters `/metrics`, `/get_load` and `/sim/stats` report.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use tokio::sync::{Semaphore, SemaphorePermit};
+
+use crate::cache::KvCache;
+use crate::cli::Args;
+
+#[derive(Default)]
+pub struct Counters {
+    pub requests: AtomicU64,
+    pub failures: AtomicU64,
+    pub prompt_tokens: AtomicU64,
+    pub cached_tokens: AtomicU64,
+    pub completion_tokens: AtomicU64,
+    pub running: AtomicU64,
+    pub waiting: AtomicU64,
+}
+
+pub struct Engine {
+    pub args: Args,
+    pub addr: String,
+    cache: Mutex<KvCache>,
+    slots: Semaphore,
+    pub counters: Counters,
+}
+
+/// An admitted request: holds a running slot until dropped.
+pub struct Run<'a> {
+    engine: &'a Engine,
+    _slot: SemaphorePermit<'a>,
+    pub cached_tokens: u64,
+    pub started: Instant,
+}
+
+impl Drop for Run<'_> {
+    fn drop(&mut self) {
+        self.engine.counters.running.fetch_sub(1, Relaxed);
+    }
+}
+
+/// The injected failure of `--fail-rate`.
+#[derive(Debug)]
+pub struct InjectedFailure;
+
+impl Engine {
+    pub fn new(args: Args) -> Self {
+        Self {
+            addr: format!("{}:{}", args.host, args.port),
+            cache: Mutex::new(KvCache::new(args.kv_capacity_tokens)),
+            slots: Semaphore::new(args.max_running),
+            counters: Counters::default(),
+            args,
+        }
+    }
+
+    fn scaled(&self, secs: f64) -> Option<Duration> {
+        let s = secs * self.args.time_scale * self.args.slowdown;
+        (s > 0.0).then(|| Duration::from_secs_f64(s))
+    }
+
+    async fn pause(&self, secs: f64) {
+        if let Some(d) = self.scaled(secs) {
+            tokio::time::sleep(d).await;
+        }
+    }
+
+    /// Queues for a slot, then runs the prefill of `prompt` (`prompt_tokens` tokens).
+    pub async fn admit(
+        &self,
+        prompt: &[u8],
+        prompt_tokens: u64,
+    ) -> Result<Run<'_>, InjectedFailure> {
+        let started = Instant::now();
+        self.counters.waiting.fetch_add(1, Relaxed);
+        let slot = self.slots.acquire().await;
+        self.counters.waiting.fetch_sub(1, Relaxed);
+        let Ok(slot) = slot else {
+            return Err(InjectedFailure);
+        };
+        self.counters.running.fetch_add(1, Relaxed);
+        let mut run = Run {
+            engine: self,
+            _slot: slot,
+            cached_tokens: 0,
+            started,
+        };
+        let cached = match self.cache.lock() {
+            Ok(mut cache) => cache.lookup_and_store(prompt, prompt_tokens),
+            Err(_) => 0,
+        };
+        self.counters
+            .prompt_tokens
+            .fetch_add(prompt_tokens, Relaxed);
+        self.counters.cached_tokens.fetch_add(cached, Relaxed);
+        self.pause((prompt_tokens - cached) as f64 * self.args.prefill_us_per_token / 1e6)
+            .await;
+        run.cached_tokens = cached;
+        Ok(run)
+    }
+
+    /// Counts a request and decides whether `--fail-rate` fails it.
+    pub fn accept(&self) -> Result<(), InjectedFailure> {
+        self.counters.requests.fetch_add(1, Relaxed);
+        if self.args.fail_rate > 0.0 && fastrand::f64() < self.args.fail_rate {
+            self.counters.failures.fetch_add(1, Relaxed);
+            return Err(InjectedFailure);
+        }
+        Ok(())
+    }
+
+    /// One decode step (one output token) of a running request.
+    pub async fn decode_step(&self) {
+        self.counters.completion_tokens.fetch_add(1, Relaxed);
+        let running = self.counters.running.load(Relaxed) as f64;
+        self.pause(
+            self.args.decode_ms_per_token / 1e3 * (1.0 + self.args.batch_slowdown * running),
+        )
+        .await;
+    }
+
+    pub fn cache_usage(&self) -> (u64, u64) {
+        self.cache
+            .lock()
+            .map(|c| (c.used_tokens(), c.capacity_tokens()))
+            .unwrap_or((0, 1))
+    }
+
+    /// Cached prompt tokens over prompt tokens, since start.
+    pub fn hit_rate(&self) -> f64 {
+        let prompt = self.counters.prompt_tokens.load(Relaxed);
+        if prompt == 0 {
+            0.0
+        } else {
+            self.counters.cached_tokens.load(Relaxed) as f64 / prompt as f64
+        }
+    }
+}

@@ -1,0 +1,64 @@
+//! `kvmesh-sim`: a simulated SGLang worker.
+
+mod api;
+mod cache;
+mod cli;
+mod engine;
+mod prompt;
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::Parser;
+
+fn main() -> ExitCode {
+    let args = cli::Args::parse();
+    if let Err(msg) = args.validate() {
+        eprintln!("kvmesh-sim: {msg}");
+        return ExitCode::from(2);
+    }
+    if args.role != cli::Role::Regular {
+        eprintln!(
+            "kvmesh-sim: --role {:?} is not available yet; use --role regular",
+            args.role
+        );
+        return ExitCode::from(2);
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("kvmesh-sim: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvmesh-sim: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: cli::Args) -> anyhow::Result<()> {
+    let addr = format!("{}:{}", args.host, args.port);
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr}"))?;
+    eprintln!(
+        "kvmesh-sim: {:?} worker listening on http://{addr}",
+        args.role
+    );
+    let engine = Arc::new(engine::Engine::new(args));
+    axum::serve(listener, api::router(engine))
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await
+        .context("server failed")
+}
