@@ -29,20 +29,20 @@ impl RootContext for Root {
         let bytes = match hostcalls::get_buffer(BufferType::PluginConfiguration, 0, size) {
             Ok(b) => b.unwrap_or_default(),
             Err(status) => {
-                error!("kvmesh: cannot read the plugin configuration: {status:?}");
+                error!("cannot read the plugin configuration: {status:?}");
                 return false;
             }
         };
         let config = match Config::from_json(&bytes) {
             Ok(c) => c,
             Err(e) => {
-                error!("kvmesh: {e}");
+                error!("invalid configuration: {e}");
                 return false;
             }
         };
         let seed = random_u64().unwrap_or_else(|_| now_nanos());
         info!(
-            "kvmesh: policy {} over {} static workers, max payload {} bytes",
+            "policy {} over {} static workers, max payload {} bytes",
             config.policy,
             config.workers.workers.len(),
             config.max_payload_size
@@ -66,7 +66,7 @@ impl RootContext for Root {
         };
         if let Some(evicted) = gateway.tick(now_nanos() / 1_000_000_000) {
             info!(
-                "kvmesh: evicted {evicted} index blocks, {} left",
+                "evicted {evicted} index blocks, {} left",
                 gateway.index_len()
             );
         }

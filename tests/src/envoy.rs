@@ -1,0 +1,231 @@
+//! Envoy with the kvmesh filter, configured from the shipped `envoy/envoy.yaml`: the tests
+//! run the file users run, with only ports, paths and filter settings replaced.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context};
+use serde_json::Value as Json;
+use serde_yaml::Value as Yaml;
+
+use crate::proc::{free_port, wait_until, Proc};
+use crate::{envoy_bin, http, repo_root, wasm_path};
+
+/// What to change in the shipped configuration.
+#[derive(Clone, Debug)]
+pub struct EnvoyOptions {
+    /// The configuration file to start from.
+    pub template: PathBuf,
+    pub listener_port: u16,
+    pub admin_port: u16,
+    pub wasm: PathBuf,
+    /// Keys merged over the filter's JSON configuration (e.g. `worker_urls`, `policy`).
+    pub filter: Json,
+    /// Envoy worker threads.
+    pub concurrency: u32,
+}
+
+impl EnvoyOptions {
+    /// Free ports, the built `.wasm`, the shipped `envoy/envoy.yaml`, 2 worker threads.
+    pub fn new(filter: Json) -> anyhow::Result<Self> {
+        Ok(Self {
+            template: repo_root().join("envoy/envoy.yaml"),
+            listener_port: free_port()?,
+            admin_port: free_port()?,
+            wasm: wasm_path(),
+            filter,
+            concurrency: 2,
+        })
+    }
+}
+
+fn at<'a>(v: &'a mut Yaml, path: &[&str]) -> anyhow::Result<&'a mut Yaml> {
+    let mut cur = v;
+    for key in path {
+        cur = match key.parse::<usize>() {
+            Ok(i) => cur.get_mut(i),
+            Err(_) => cur.get_mut(*key),
+        }
+        .ok_or_else(|| anyhow!("envoy config has no `{}`", path.join(".")))?;
+    }
+    Ok(cur)
+}
+
+/// The wasm filter's `config` block in the first listener.
+fn wasm_config(doc: &mut Yaml) -> anyhow::Result<&mut Yaml> {
+    let filters = at(
+        doc,
+        &[
+            "static_resources",
+            "listeners",
+            "0",
+            "filter_chains",
+            "0",
+            "filters",
+            "0",
+            "typed_config",
+            "http_filters",
+        ],
+    )?;
+    let seq = filters
+        .as_sequence_mut()
+        .ok_or_else(|| anyhow!("http_filters is not a list"))?;
+    let wasm = seq
+        .iter_mut()
+        .find(|f| f.get("name").and_then(Yaml::as_str) == Some("envoy.filters.http.wasm"))
+        .ok_or_else(|| anyhow!("no envoy.filters.http.wasm filter"))?;
+    at(wasm, &["typed_config", "config"])
+}
+
+/// Renders the configuration text for `opts`.
+pub fn render(opts: &EnvoyOptions) -> anyhow::Result<String> {
+    let text = std::fs::read_to_string(&opts.template)
+        .with_context(|| format!("reading {}", opts.template.display()))?;
+    let mut doc: Yaml = serde_yaml::from_str(&text)?;
+    *at(
+        &mut doc,
+        &["admin", "address", "socket_address", "port_value"],
+    )? = opts.admin_port.into();
+    *at(
+        &mut doc,
+        &[
+            "static_resources",
+            "listeners",
+            "0",
+            "address",
+            "socket_address",
+            "port_value",
+        ],
+    )? = opts.listener_port.into();
+    let config = wasm_config(&mut doc)?;
+    if config
+        .get("allow_on_headers_stop_iteration")
+        .and_then(Yaml::as_bool)
+        != Some(true)
+    {
+        bail!("{}: the wasm filter lacks `allow_on_headers_stop_iteration: true`; LLM requests would hang", opts.template.display());
+    }
+    *at(config, &["vm_config", "code", "local", "filename"])? =
+        opts.wasm.display().to_string().into();
+    let value = at(config, &["configuration", "value"])?;
+    let mut filter: Json = serde_json::from_str(value.as_str().unwrap_or("{}"))
+        .context("the filter configuration is not JSON")?;
+    if let (Some(base), Some(extra)) = (filter.as_object_mut(), opts.filter.as_object()) {
+        for (k, v) in extra {
+            base.insert(k.clone(), v.clone());
+        }
+    }
+    *value = serde_json::to_string_pretty(&filter)?.into();
+    Ok(serde_yaml::to_string(&doc)?)
+}
+
+/// A running Envoy.
+pub struct Envoy {
+    pub port: u16,
+    pub admin_port: u16,
+    pub config_path: PathBuf,
+    proc: Proc,
+}
+
+impl Envoy {
+    /// Starts Envoy and waits until its admin endpoint reports it live.
+    pub fn start(opts: &EnvoyOptions) -> anyhow::Result<Envoy> {
+        let mut envoy = Self::spawn(opts)?;
+        let ready = format!("http://127.0.0.1:{}/ready", opts.admin_port);
+        let waited = wait_until("envoy to become ready", Duration::from_secs(30), || {
+            envoy.proc.exited().is_some()
+                || http::get(&ready).map(|r| r.status == 200).unwrap_or(false)
+        });
+        if let Some(status) = envoy.proc.exited() {
+            bail!("envoy exited with {status}\n{}", envoy.proc.log_tail());
+        }
+        waited.map_err(|e| e.context(envoy.proc.log_tail()))?;
+        Ok(envoy)
+    }
+
+    /// Starts Envoy without waiting (for tests of bad configurations).
+    pub fn spawn(opts: &EnvoyOptions) -> anyhow::Result<Envoy> {
+        if !opts.wasm.exists() {
+            bail!(
+                "{} is missing: run `cargo xtask test` (it builds the filter)",
+                opts.wasm.display()
+            );
+        }
+        let dir = std::env::temp_dir().join("kvmesh-envoy");
+        std::fs::create_dir_all(&dir)?;
+        let config_path = dir.join(format!(
+            "envoy-{}-{}.yaml",
+            std::process::id(),
+            opts.listener_port
+        ));
+        std::fs::write(&config_path, render(opts)?)?;
+        Ok(Envoy {
+            port: opts.listener_port,
+            admin_port: opts.admin_port,
+            proc: Self::launch(&config_path, opts.concurrency)?,
+            config_path,
+        })
+    }
+
+    fn launch(config: &Path, concurrency: u32) -> anyhow::Result<Proc> {
+        let mut cmd = Command::new(envoy_bin());
+        cmd.arg("-c")
+            .arg(config)
+            .args([
+                "--concurrency",
+                &concurrency.to_string(),
+                "--disable-hot-restart",
+                "--log-level",
+                "warn",
+            ])
+            .args(["--component-log-level", "wasm:info"]);
+        Proc::spawn("envoy", cmd)
+            .with_context(|| format!("is Envoy installed at {}?", envoy_bin().display()))
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.admin_port)
+    }
+
+    /// One statistic's value from `/stats` (counters and gauges). The filter's own stats
+    /// are named `wasmcustom.<name>` there (and plain `<name>` in `/stats/prometheus`).
+    pub fn stat(&self, name: &str) -> anyhow::Result<Option<u64>> {
+        let text = http::get(&self.admin_url(&format!("/stats?filter=^{name}$")))?.text();
+        Ok(text
+            .lines()
+            .filter_map(|l| l.split_once(": "))
+            .find(|(n, _)| *n == name)
+            .and_then(|(_, v)| v.trim().parse().ok()))
+    }
+
+    pub fn proc(&mut self) -> &mut Proc {
+        &mut self.proc
+    }
+}
+
+/// Runs `envoy --mode validate` on a file.
+pub fn validate(config: &Path) -> anyhow::Result<String> {
+    let out = Command::new(envoy_bin())
+        .arg("--mode")
+        .arg("validate")
+        .arg("-c")
+        .arg(config)
+        .args(["--log-level", "error"])
+        .current_dir(repo_root())
+        .output()
+        .with_context(|| format!("running {}", envoy_bin().display()))?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if !out.status.success() {
+        bail!("envoy rejected {}: {text}", config.display());
+    }
+    Ok(text)
+}
