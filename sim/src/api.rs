@@ -49,16 +49,8 @@ pub fn router(engine: Arc<Engine>) -> Router {
 }
 
 fn error(status: StatusCode, message: &str) -> Response {
-    let kind = if status.is_client_error() {
-        "BadRequestError"
-    } else {
-        "InternalServerError"
-    };
-    (
-        status,
-        Json(json!({"error": {"message": message, "type": kind, "code": status.as_u16()}})),
-    )
-        .into_response()
+    let kind = if status.is_client_error() { "BadRequestError" } else { "InternalServerError" };
+    (status, Json(json!({"error": {"message": message, "type": kind, "code": status.as_u16()}}))).into_response()
 }
 
 async fn generate(State(e): Shared, body: Bytes) -> Response {
@@ -108,47 +100,30 @@ async fn serve(e: Arc<Engine>, endpoint: Endpoint, body: Bytes) -> Response {
         Err(msg) => return error(StatusCode::BAD_REQUEST, &msg),
     };
     if e.accept().is_err() {
-        return error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            &format!("injected failure on {}", e.addr),
-        );
+        return error(StatusCode::INTERNAL_SERVER_ERROR, &format!("injected failure on {}", e.addr));
     }
     if job.stream {
         return Sse::new(stream(e, endpoint, job)).into_response();
     }
-    let done: Option<Vec<Done>> = join_all(
-        job.items
-            .iter()
-            .map(|item| run_item(&e, item, job.max_tokens)),
-    )
-    .await
-    .into_iter()
-    .collect();
+    let done: Option<Vec<Done>> =
+        join_all(job.items.iter().map(|item| run_item(&e, item, job.max_tokens))).await.into_iter().collect();
     let Some(done) = done else {
         return error(StatusCode::SERVICE_UNAVAILABLE, "server is shutting down");
     };
     let body = match endpoint {
         Endpoint::Generate => {
-            let items: Vec<Value> = done
-                .iter()
-                .enumerate()
-                .map(|(i, d)| generate_item(&d.text, &job.rid(i), d, true))
-                .collect();
+            let items: Vec<Value> =
+                done.iter().enumerate().map(|(i, d)| generate_item(&d.text, &job.rid(i), d, true)).collect();
             if job.batch {
                 Value::Array(items)
             } else {
                 items.into_iter().next().unwrap_or(Value::Null)
             }
         }
-        Endpoint::Completions => {
-            openai_body(&e, "text_completion", &done, |d| json!({"text": d.text}))
+        Endpoint::Completions => openai_body(&e, "text_completion", &done, |d| json!({"text": d.text})),
+        Endpoint::ChatCompletions => {
+            openai_body(&e, "chat.completion", &done, |d| json!({"message": {"role": "assistant", "content": d.text}}))
         }
-        Endpoint::ChatCompletions => openai_body(
-            &e,
-            "chat.completion",
-            &done,
-            |d| json!({"message": {"role": "assistant", "content": d.text}}),
-        ),
     };
     Json(body).into_response()
 }
@@ -181,9 +156,7 @@ fn usage(done: &[Done]) -> Value {
 }
 
 fn created() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
 fn openai_body(e: &Engine, object: &str, done: &[Done], choice: impl Fn(&Done) -> Value) -> Value {
@@ -214,11 +187,7 @@ fn event(v: &Value) -> Result<Event, Infallible> {
 
 /// The SSE stream of a request: SGLang's cumulative-text events for `/generate`, OpenAI
 /// chunks otherwise, then `data: [DONE]`.
-fn stream(
-    e: Arc<Engine>,
-    endpoint: Endpoint,
-    job: Job,
-) -> impl Stream<Item = Result<Event, Infallible>> {
+fn stream(e: Arc<Engine>, endpoint: Endpoint, job: Job) -> impl Stream<Item = Result<Event, Infallible>> {
     async_stream::stream! {
         let id = format!("cmpl-{:024x}", fastrand::u128(..));
         let object = if endpoint == Endpoint::ChatCompletions { "chat.completion.chunk" } else { "text_completion" };
@@ -257,14 +226,7 @@ fn stream(
     }
 }
 
-fn chunk(
-    e: &Engine,
-    id: &str,
-    object: &str,
-    index: usize,
-    mut choice: Value,
-    finish: Option<&str>,
-) -> Value {
+fn chunk(e: &Engine, id: &str, object: &str, index: usize, mut choice: Value, finish: Option<&str>) -> Value {
     choice["index"] = json!(index);
     choice["finish_reason"] = json!(finish);
     json!({"id": id, "object": object, "created": created(), "model": e.args.model, "choices": [choice]})
@@ -279,63 +241,26 @@ async fn get_load(State(e): Shared) -> Json<Value> {
     let c = &e.counters;
     let (running, waiting) = (c.running.load(Relaxed), c.waiting.load(Relaxed));
     let (used, _) = e.cache_usage();
-    Json(
-        json!([{"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting, "num_tokens": used}]),
-    )
+    Json(json!([{"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting, "num_tokens": used}]))
 }
 
 async fn metrics(State(e): Shared) -> impl IntoResponse {
     let c = &e.counters;
     let (used, cap) = e.cache_usage();
     let lines = [
-        (
-            "sglang:num_running_reqs",
-            "gauge",
-            c.running.load(Relaxed) as f64,
-        ),
-        (
-            "sglang:num_queue_reqs",
-            "gauge",
-            c.waiting.load(Relaxed) as f64,
-        ),
-        (
-            "sglang:token_usage",
-            "gauge",
-            used as f64 / cap.max(1) as f64,
-        ),
+        ("sglang:num_running_reqs", "gauge", c.running.load(Relaxed) as f64),
+        ("sglang:num_queue_reqs", "gauge", c.waiting.load(Relaxed) as f64),
+        ("sglang:token_usage", "gauge", used as f64 / cap.max(1) as f64),
         ("sglang:cache_hit_rate", "gauge", e.hit_rate()),
-        (
-            "sglang:prompt_tokens_total",
-            "counter",
-            c.prompt_tokens.load(Relaxed) as f64,
-        ),
-        (
-            "sglang:generation_tokens_total",
-            "counter",
-            c.completion_tokens.load(Relaxed) as f64,
-        ),
-        (
-            "kvmesh_sim_cached_tokens_total",
-            "counter",
-            c.cached_tokens.load(Relaxed) as f64,
-        ),
-        (
-            "kvmesh_sim_requests_total",
-            "counter",
-            c.requests.load(Relaxed) as f64,
-        ),
-        (
-            "kvmesh_sim_failures_total",
-            "counter",
-            c.failures.load(Relaxed) as f64,
-        ),
+        ("sglang:prompt_tokens_total", "counter", c.prompt_tokens.load(Relaxed) as f64),
+        ("sglang:generation_tokens_total", "counter", c.completion_tokens.load(Relaxed) as f64),
+        ("kvmesh_sim_cached_tokens_total", "counter", c.cached_tokens.load(Relaxed) as f64),
+        ("kvmesh_sim_requests_total", "counter", c.requests.load(Relaxed) as f64),
+        ("kvmesh_sim_failures_total", "counter", c.failures.load(Relaxed) as f64),
     ];
     let mut out = String::new();
     for (name, kind, value) in lines {
-        out.push_str(&format!(
-            "# TYPE {name} {kind}\n{name}{{model_name=\"{}\"}} {value}\n",
-            e.args.model
-        ));
+        out.push_str(&format!("# TYPE {name} {kind}\n{name}{{model_name=\"{}\"}} {value}\n", e.args.model));
     }
     ([("content-type", "text/plain; version=0.0.4")], out)
 }

@@ -17,19 +17,14 @@ pub struct KvCache {
 impl KvCache {
     pub fn new(capacity_tokens: u64) -> Self {
         let pages = (capacity_tokens / PAGE_TOKENS).max(1) as usize;
-        Self {
-            pages: LruCache::new(NonZeroUsize::new(pages).unwrap_or(NonZeroUsize::MIN)),
-        }
+        Self { pages: LruCache::new(NonZeroUsize::new(pages).unwrap_or(NonZeroUsize::MIN)) }
     }
 
     /// Looks up the prompt (its bytes; a token is [`BYTES_PER_TOKEN`] bytes), stores all of
     /// it, and returns how many of its `prompt_tokens` were already cached.
     pub fn lookup_and_store(&mut self, prompt: &[u8], prompt_tokens: u64) -> u64 {
         let hashes = block_hashes(prompt, (PAGE_TOKENS * BYTES_PER_TOKEN) as usize);
-        let hit_pages = hashes
-            .iter()
-            .take_while(|h| self.pages.contains(*h))
-            .count() as u64;
+        let hit_pages = hashes.iter().take_while(|h| self.pages.contains(*h)).count() as u64;
         for h in hashes {
             self.pages.put(h, ());
         }

@@ -62,10 +62,7 @@ impl Args {
     /// Checks value ranges clap cannot express.
     pub fn validate(&self) -> Result<(), String> {
         if !(0.0..=1.0).contains(&self.fail_rate) {
-            return Err(format!(
-                "--fail-rate {} is not between 0 and 1",
-                self.fail_rate
-            ));
+            return Err(format!("--fail-rate {} is not between 0 and 1", self.fail_rate));
         }
         if !(self.time_scale >= 0.0 && self.time_scale.is_finite()) {
             return Err(format!("--time-scale {} must be >= 0", self.time_scale));

@@ -71,11 +71,7 @@ impl Engine {
     }
 
     /// Queues for a slot, then runs the prefill of `prompt` (`prompt_tokens` tokens).
-    pub async fn admit(
-        &self,
-        prompt: &[u8],
-        prompt_tokens: u64,
-    ) -> Result<Run<'_>, InjectedFailure> {
+    pub async fn admit(&self, prompt: &[u8], prompt_tokens: u64) -> Result<Run<'_>, InjectedFailure> {
         let started = Instant::now();
         self.counters.waiting.fetch_add(1, Relaxed);
         let slot = self.slots.acquire().await;
@@ -84,22 +80,14 @@ impl Engine {
             return Err(InjectedFailure);
         };
         self.counters.running.fetch_add(1, Relaxed);
-        let mut run = Run {
-            engine: self,
-            _slot: slot,
-            cached_tokens: 0,
-            started,
-        };
+        let mut run = Run { engine: self, _slot: slot, cached_tokens: 0, started };
         let cached = match self.cache.lock() {
             Ok(mut cache) => cache.lookup_and_store(prompt, prompt_tokens),
             Err(_) => 0,
         };
-        self.counters
-            .prompt_tokens
-            .fetch_add(prompt_tokens, Relaxed);
+        self.counters.prompt_tokens.fetch_add(prompt_tokens, Relaxed);
         self.counters.cached_tokens.fetch_add(cached, Relaxed);
-        self.pause((prompt_tokens - cached) as f64 * self.args.prefill_us_per_token / 1e6)
-            .await;
+        self.pause((prompt_tokens - cached) as f64 * self.args.prefill_us_per_token / 1e6).await;
         run.cached_tokens = cached;
         Ok(run)
     }
@@ -118,17 +106,11 @@ impl Engine {
     pub async fn decode_step(&self) {
         self.counters.completion_tokens.fetch_add(1, Relaxed);
         let running = self.counters.running.load(Relaxed) as f64;
-        self.pause(
-            self.args.decode_ms_per_token / 1e3 * (1.0 + self.args.batch_slowdown * running),
-        )
-        .await;
+        self.pause(self.args.decode_ms_per_token / 1e3 * (1.0 + self.args.batch_slowdown * running)).await;
     }
 
     pub fn cache_usage(&self) -> (u64, u64) {
-        self.cache
-            .lock()
-            .map(|c| (c.used_tokens(), c.capacity_tokens()))
-            .unwrap_or((0, 1))
+        self.cache.lock().map(|c| (c.used_tokens(), c.capacity_tokens())).unwrap_or((0, 1))
     }
 
     /// Cached prompt tokens over prompt tokens, since start.

@@ -19,17 +19,10 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     if args.role != cli::Role::Regular {
-        eprintln!(
-            "kvmesh-sim: --role {:?} is not available yet; use --role regular",
-            args.role
-        );
+        eprintln!("kvmesh-sim: --role {:?} is not available yet; use --role regular", args.role);
         return ExitCode::from(2);
     }
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-    {
+    let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
         Ok(r) => r,
         Err(e) => {
             eprintln!("kvmesh-sim: cannot start the runtime: {e}");
@@ -47,13 +40,8 @@ fn main() -> ExitCode {
 
 async fn run(args: cli::Args) -> anyhow::Result<()> {
     let addr = format!("{}:{}", args.host, args.port);
-    let listener = tokio::net::TcpListener::bind(&addr)
-        .await
-        .with_context(|| format!("cannot listen on {addr}"))?;
-    eprintln!(
-        "kvmesh-sim: {:?} worker listening on http://{addr}",
-        args.role
-    );
+    let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+    eprintln!("kvmesh-sim: {:?} worker listening on http://{addr}", args.role);
     let engine = Arc::new(engine::Engine::new(args));
     axum::serve(listener, api::router(engine))
         .with_graceful_shutdown(async {

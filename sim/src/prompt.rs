@@ -26,17 +26,11 @@ fn ids_prompt(ids: &[Value]) -> Option<Prompt> {
     for id in ids {
         bytes.extend_from_slice(&(id.as_u64()? as u32).to_le_bytes());
     }
-    Some(Prompt {
-        tokens: ids.len().max(1) as u64,
-        bytes,
-    })
+    Some(Prompt { tokens: ids.len().max(1) as u64, bytes })
 }
 
 fn text_prompt(s: &str) -> Prompt {
-    Prompt {
-        bytes: s.as_bytes().to_vec(),
-        tokens: tokens_of(s.len()),
-    }
+    Prompt { bytes: s.as_bytes().to_vec(), tokens: tokens_of(s.len()) }
 }
 
 /// A string, list of strings, list of ids or list of id lists.
@@ -45,15 +39,11 @@ fn prompts(v: &Value, field: &str) -> Result<(Vec<Prompt>, bool), String> {
     match v {
         Value::String(s) => Ok((vec![text_prompt(s)], false)),
         Value::Array(items) if items.first().is_some_and(Value::is_string) => {
-            let out = items
-                .iter()
-                .map(|i| i.as_str().map(text_prompt).ok_or_else(bad));
+            let out = items.iter().map(|i| i.as_str().map(text_prompt).ok_or_else(bad));
             Ok((out.collect::<Result<_, _>>()?, true))
         }
         Value::Array(items) if items.first().is_some_and(Value::is_array) => {
-            let out = items
-                .iter()
-                .map(|i| i.as_array().and_then(|ids| ids_prompt(ids)).ok_or_else(bad));
+            let out = items.iter().map(|i| i.as_array().and_then(|ids| ids_prompt(ids)).ok_or_else(bad));
             Ok((out.collect::<Result<_, _>>()?, true))
         }
         Value::Array(ids) if !ids.is_empty() => Ok((vec![ids_prompt(ids).ok_or_else(bad)?], false)),
@@ -70,19 +60,13 @@ impl Job {
             Endpoint::Generate if !v["text"].is_null() => prompts(&v["text"], "text")?,
             Endpoint::Generate => prompts(&v["input_ids"], "input_ids")?,
             Endpoint::Completions => prompts(&v["prompt"], "prompt")?,
-            Endpoint::ChatCompletions => (
-                vec![Prompt {
-                    tokens: tokens_of(routing.text.len()),
-                    bytes: routing.text.into_owned(),
-                }],
-                false,
-            ),
+            Endpoint::ChatCompletions => {
+                (vec![Prompt { tokens: tokens_of(routing.text.len()), bytes: routing.text.into_owned() }], false)
+            }
         };
         let max_tokens = match endpoint {
             Endpoint::Generate => v["sampling_params"]["max_new_tokens"].as_u64(),
-            _ => v["max_completion_tokens"]
-                .as_u64()
-                .or(v["max_tokens"].as_u64()),
+            _ => v["max_completion_tokens"].as_u64().or(v["max_tokens"].as_u64()),
         }
         .unwrap_or(default_max_tokens)
         .min(1 << 16);
@@ -95,9 +79,7 @@ impl Job {
             batch,
             max_tokens,
             stream: routing.stream,
-            include_usage: v["stream_options"]["include_usage"]
-                .as_bool()
-                .unwrap_or(false),
+            include_usage: v["stream_options"]["include_usage"].as_bool().unwrap_or(false),
             rids,
             items,
         })
@@ -105,10 +87,6 @@ impl Job {
 
     /// The request id of item `i`: the client's, else a fresh one.
     pub fn rid(&self, i: usize) -> String {
-        self.rids
-            .get(i)
-            .cloned()
-            .flatten()
-            .unwrap_or_else(|| format!("{:032x}", fastrand::u128(..)))
+        self.rids.get(i).cloned().flatten().unwrap_or_else(|| format!("{:032x}", fastrand::u128(..)))
     }
 }

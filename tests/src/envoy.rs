@@ -24,6 +24,8 @@ pub struct EnvoyOptions {
     pub filter: Json,
     /// Envoy worker threads.
     pub concurrency: u32,
+    /// Baseline mode: no kvmesh filter, a plain round-robin cluster over these `ip:port`s.
+    pub plain_upstreams: Option<Vec<String>>,
 }
 
 impl EnvoyOptions {
@@ -36,6 +38,7 @@ impl EnvoyOptions {
             wasm: wasm_path(),
             filter,
             concurrency: 2,
+            plain_upstreams: None,
         })
     }
 }
@@ -56,21 +59,9 @@ fn at<'a>(v: &'a mut Yaml, path: &[&str]) -> anyhow::Result<&'a mut Yaml> {
 fn wasm_config(doc: &mut Yaml) -> anyhow::Result<&mut Yaml> {
     let filters = at(
         doc,
-        &[
-            "static_resources",
-            "listeners",
-            "0",
-            "filter_chains",
-            "0",
-            "filters",
-            "0",
-            "typed_config",
-            "http_filters",
-        ],
+        &["static_resources", "listeners", "0", "filter_chains", "0", "filters", "0", "typed_config", "http_filters"],
     )?;
-    let seq = filters
-        .as_sequence_mut()
-        .ok_or_else(|| anyhow!("http_filters is not a list"))?;
+    let seq = filters.as_sequence_mut().ok_or_else(|| anyhow!("http_filters is not a list"))?;
     let wasm = seq
         .iter_mut()
         .find(|f| f.get("name").and_then(Yaml::as_str) == Some("envoy.filters.http.wasm"))
@@ -80,44 +71,60 @@ fn wasm_config(doc: &mut Yaml) -> anyhow::Result<&mut Yaml> {
 
 /// Renders the configuration text for `opts`.
 pub fn render(opts: &EnvoyOptions) -> anyhow::Result<String> {
-    let text = std::fs::read_to_string(&opts.template)
-        .with_context(|| format!("reading {}", opts.template.display()))?;
+    let text =
+        std::fs::read_to_string(&opts.template).with_context(|| format!("reading {}", opts.template.display()))?;
     let mut doc: Yaml = serde_yaml::from_str(&text)?;
-    *at(
-        &mut doc,
-        &["admin", "address", "socket_address", "port_value"],
-    )? = opts.admin_port.into();
-    *at(
-        &mut doc,
-        &[
-            "static_resources",
-            "listeners",
-            "0",
-            "address",
-            "socket_address",
-            "port_value",
-        ],
-    )? = opts.listener_port.into();
+    *at(&mut doc, &["admin", "address", "socket_address", "port_value"])? = opts.admin_port.into();
+    *at(&mut doc, &["static_resources", "listeners", "0", "address", "socket_address", "port_value"])? =
+        opts.listener_port.into();
     let config = wasm_config(&mut doc)?;
-    if config
-        .get("allow_on_headers_stop_iteration")
-        .and_then(Yaml::as_bool)
-        != Some(true)
-    {
-        bail!("{}: the wasm filter lacks `allow_on_headers_stop_iteration: true`; LLM requests would hang", opts.template.display());
+    if config.get("allow_on_headers_stop_iteration").and_then(Yaml::as_bool) != Some(true) {
+        bail!(
+            "{}: the wasm filter lacks `allow_on_headers_stop_iteration: true`; LLM requests would hang",
+            opts.template.display()
+        );
     }
-    *at(config, &["vm_config", "code", "local", "filename"])? =
-        opts.wasm.display().to_string().into();
+    *at(config, &["vm_config", "code", "local", "filename"])? = opts.wasm.display().to_string().into();
     let value = at(config, &["configuration", "value"])?;
-    let mut filter: Json = serde_json::from_str(value.as_str().unwrap_or("{}"))
-        .context("the filter configuration is not JSON")?;
+    let mut filter: Json =
+        serde_json::from_str(value.as_str().unwrap_or("{}")).context("the filter configuration is not JSON")?;
     if let (Some(base), Some(extra)) = (filter.as_object_mut(), opts.filter.as_object()) {
         for (k, v) in extra {
             base.insert(k.clone(), v.clone());
         }
     }
     *value = serde_json::to_string_pretty(&filter)?.into();
+    if let Some(upstreams) = &opts.plain_upstreams {
+        make_plain(&mut doc, upstreams)?;
+    }
     Ok(serde_yaml::to_string(&doc)?)
+}
+
+/// Turns the configuration into the plain-Envoy baseline: the same listener and routes, no
+/// wasm filter, and a round-robin cluster over fixed upstreams.
+fn make_plain(doc: &mut Yaml, upstreams: &[String]) -> anyhow::Result<()> {
+    let filters = at(
+        doc,
+        &["static_resources", "listeners", "0", "filter_chains", "0", "filters", "0", "typed_config", "http_filters"],
+    )?;
+    if let Some(seq) = filters.as_sequence_mut() {
+        seq.retain(|f| f.get("name").and_then(Yaml::as_str) != Some("envoy.filters.http.wasm"));
+    }
+    let endpoints: Vec<serde_json::Value> = upstreams
+        .iter()
+        .filter_map(|u| u.rsplit_once(':'))
+        .map(|(ip, port)| serde_json::json!({"endpoint": {"address": {"socket_address": {"address": ip, "port_value": port.parse::<u16>().unwrap_or(0)}}}}))
+        .collect();
+    let cluster = at(doc, &["static_resources", "clusters", "0"])?;
+    let map = cluster.as_mapping_mut().ok_or_else(|| anyhow!("cluster is not a mapping"))?;
+    map.remove("original_dst_lb_config");
+    map.remove("cleanup_interval");
+    map.insert("type".into(), "STATIC".into());
+    map.insert("lb_policy".into(), "ROUND_ROBIN".into());
+    let name = map.get("name").cloned().unwrap_or_else(|| "kvmesh_workers".into());
+    let assignment = serde_json::json!({"cluster_name": name, "endpoints": [{"lb_endpoints": endpoints}]});
+    map.insert("load_assignment".into(), serde_yaml::to_value(assignment)?);
+    Ok(())
 }
 
 /// A running Envoy.
@@ -134,8 +141,7 @@ impl Envoy {
         let mut envoy = Self::spawn(opts)?;
         let ready = format!("http://127.0.0.1:{}/ready", opts.admin_port);
         let waited = wait_until("envoy to become ready", Duration::from_secs(30), || {
-            envoy.proc.exited().is_some()
-                || http::get(&ready).map(|r| r.status == 200).unwrap_or(false)
+            envoy.proc.exited().is_some() || http::get(&ready).map(|r| r.status == 200).unwrap_or(false)
         });
         if let Some(status) = envoy.proc.exited() {
             bail!("envoy exited with {status}\n{}", envoy.proc.log_tail());
@@ -147,18 +153,11 @@ impl Envoy {
     /// Starts Envoy without waiting (for tests of bad configurations).
     pub fn spawn(opts: &EnvoyOptions) -> anyhow::Result<Envoy> {
         if !opts.wasm.exists() {
-            bail!(
-                "{} is missing: run `cargo xtask test` (it builds the filter)",
-                opts.wasm.display()
-            );
+            bail!("{} is missing: run `cargo xtask test` (it builds the filter)", opts.wasm.display());
         }
         let dir = std::env::temp_dir().join("kvmesh-envoy");
         std::fs::create_dir_all(&dir)?;
-        let config_path = dir.join(format!(
-            "envoy-{}-{}.yaml",
-            std::process::id(),
-            opts.listener_port
-        ));
+        let config_path = dir.join(format!("envoy-{}-{}.yaml", std::process::id(), opts.listener_port));
         std::fs::write(&config_path, render(opts)?)?;
         Ok(Envoy {
             port: opts.listener_port,
@@ -172,16 +171,9 @@ impl Envoy {
         let mut cmd = Command::new(envoy_bin());
         cmd.arg("-c")
             .arg(config)
-            .args([
-                "--concurrency",
-                &concurrency.to_string(),
-                "--disable-hot-restart",
-                "--log-level",
-                "warn",
-            ])
+            .args(["--concurrency", &concurrency.to_string(), "--disable-hot-restart", "--log-level", "warn"])
             .args(["--component-log-level", "wasm:info"]);
-        Proc::spawn("envoy", cmd)
-            .with_context(|| format!("is Envoy installed at {}?", envoy_bin().display()))
+        Proc::spawn("envoy", cmd).with_context(|| format!("is Envoy installed at {}?", envoy_bin().display()))
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -219,11 +211,7 @@ pub fn validate(config: &Path) -> anyhow::Result<String> {
         .current_dir(repo_root())
         .output()
         .with_context(|| format!("running {}", envoy_bin().display()))?;
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     if !out.status.success() {
         bail!("envoy rejected {}: {text}", config.display());
     }

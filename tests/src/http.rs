@@ -13,10 +13,7 @@ pub struct Response {
 
 impl Response {
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(n, _)| n.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
+        self.headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
     }
 
     pub fn text(&self) -> String {
@@ -30,9 +27,7 @@ impl Response {
 }
 
 fn agent() -> ureq::Agent {
-    ureq::AgentBuilder::new()
-        .timeout(Duration::from_secs(60))
-        .build()
+    ureq::AgentBuilder::new().timeout(Duration::from_secs(60)).build()
 }
 
 fn finish(result: Result<ureq::Response, ureq::Error>) -> anyhow::Result<ureq::Response> {
@@ -44,18 +39,10 @@ fn finish(result: Result<ureq::Response, ureq::Error>) -> anyhow::Result<ureq::R
 
 fn collect(r: ureq::Response) -> anyhow::Result<Response> {
     let status = r.status();
-    let headers = r
-        .headers_names()
-        .into_iter()
-        .filter_map(|n| Some((n.clone(), r.header(&n)?.to_string())))
-        .collect();
+    let headers = r.headers_names().into_iter().filter_map(|n| Some((n.clone(), r.header(&n)?.to_string()))).collect();
     let mut body = Vec::new();
     r.into_reader().read_to_end(&mut body)?;
-    Ok(Response {
-        status,
-        headers,
-        body,
-    })
+    Ok(Response { status, headers, body })
 }
 
 pub fn get(url: &str) -> anyhow::Result<Response> {
@@ -90,10 +77,7 @@ pub struct Event {
 
 impl Streaming {
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(n, _)| n.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
+        self.headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
     }
 
     /// Reads the next `data:` line; `None` at the end of the stream.
@@ -105,10 +89,7 @@ impl Streaming {
                 return Ok(None);
             }
             if let Some(data) = line.trim_end().strip_prefix("data:") {
-                return Ok(Some(Event {
-                    data: data.trim_start().to_string(),
-                    at: Instant::now(),
-                }));
+                return Ok(Some(Event { data: data.trim_start().to_string(), at: Instant::now() }));
             }
         }
     }
@@ -125,21 +106,8 @@ impl Streaming {
 
 /// POSTs JSON and returns as soon as the response headers are in.
 pub fn post_streaming(url: &str, body: &serde_json::Value) -> anyhow::Result<Streaming> {
-    let r = finish(
-        agent()
-            .post(url)
-            .set("content-type", "application/json")
-            .send_string(&body.to_string()),
-    )?;
+    let r = finish(agent().post(url).set("content-type", "application/json").send_string(&body.to_string()))?;
     let status = r.status();
-    let headers = r
-        .headers_names()
-        .into_iter()
-        .filter_map(|n| Some((n.clone(), r.header(&n)?.to_string())))
-        .collect();
-    Ok(Streaming {
-        status,
-        headers,
-        reader: BufReader::new(r.into_reader()),
-    })
+    let headers = r.headers_names().into_iter().filter_map(|n| Some((n.clone(), r.header(&n)?.to_string()))).collect();
+    Ok(Streaming { status, headers, reader: BufReader::new(r.into_reader()) })
 }

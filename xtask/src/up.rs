@@ -40,7 +40,8 @@ fn parse(args: &[String]) -> anyhow::Result<Options> {
         match a.as_str() {
             "--gateways" => {
                 let n = it.next().context("--gateways needs a number")?;
-                opts.gateways = n.parse().ok().filter(|&n| n >= 1).with_context(|| format!("--gateways {n}: not a number >= 1"))?;
+                opts.gateways =
+                    n.parse().ok().filter(|&n| n >= 1).with_context(|| format!("--gateways {n}: not a number >= 1"))?;
             }
             "--pd" => opts.pd = true,
             "--" => break,
@@ -68,7 +69,10 @@ fn parse(args: &[String]) -> anyhow::Result<Options> {
             }
             f if NUMERIC.contains(&f) => {
                 let [v] = values.as_slice() else { bail!("--{f} takes one value") };
-                let n: Value = serde_json::from_str(v).ok().filter(Value::is_number).with_context(|| format!("--{f} {v}: not a number"))?;
+                let n: Value = serde_json::from_str(v)
+                    .ok()
+                    .filter(Value::is_number)
+                    .with_context(|| format!("--{f} {v}: not a number"))?;
                 opts.filter.insert(key, n);
             }
             f => bail!("--{f} is a kvmesh-cp flag; the control plane is not part of this build yet"),
@@ -124,7 +128,13 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     for g in &gateways {
         println!("  gateway  {}    admin {}    config {}", g.url(""), g.admin_url(""), g.config_path.display());
     }
-    println!("  workers  {}", filter["worker_urls"].as_array().map(|a| a.iter().filter_map(Value::as_str).collect::<Vec<_>>().join(" ")).unwrap_or_default());
+    println!(
+        "  workers  {}",
+        filter["worker_urls"]
+            .as_array()
+            .map(|a| a.iter().filter_map(Value::as_str).collect::<Vec<_>>().join(" "))
+            .unwrap_or_default()
+    );
     if opts.gateways > 1 {
         println!("  note: without the control plane each gateway keeps its own prefix index");
     }

@@ -18,10 +18,7 @@ pub enum ConfigError {
 }
 
 fn invalid(field: &'static str, reason: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid {
-        field,
-        reason: reason.into(),
-    }
+    ConfigError::Invalid { field, reason: reason.into() }
 }
 
 /// The validated configuration.
@@ -88,58 +85,37 @@ impl Config {
         if bytes.iter().all(u8::is_ascii_whitespace) {
             return Ok(Self::default());
         }
-        let raw: Raw =
-            serde_json::from_slice(bytes).map_err(|e| ConfigError::Json(e.to_string()))?;
+        let raw: Raw = serde_json::from_slice(bytes).map_err(|e| ConfigError::Json(e.to_string()))?;
         let d = Self::default();
         let policy = match raw.policy {
             Some(p) => p.parse::<PolicyKind>().map_err(|e| invalid("policy", e))?,
             None => d.policy,
         };
         if !policy.implemented() {
-            return Err(invalid(
-                "policy",
-                format!("`{policy}` is not available in this build yet"),
-            ));
+            return Err(invalid("policy", format!("`{policy}` is not available in this build yet")));
         }
         let cache_threshold = raw.cache_threshold.unwrap_or(d.cache_aware.cache_threshold);
         if !(0.0..=1.0).contains(&cache_threshold) {
-            return Err(invalid(
-                "cache_threshold",
-                format!("{cache_threshold} is not between 0 and 1"),
-            ));
+            return Err(invalid("cache_threshold", format!("{cache_threshold} is not between 0 and 1")));
         }
-        let balance_rel_threshold = raw
-            .balance_rel_threshold
-            .unwrap_or(d.cache_aware.balance_rel_threshold);
+        let balance_rel_threshold = raw.balance_rel_threshold.unwrap_or(d.cache_aware.balance_rel_threshold);
         if !balance_rel_threshold.is_finite() || balance_rel_threshold < 1.0 {
-            return Err(invalid(
-                "balance_rel_threshold",
-                format!("{balance_rel_threshold} must be >= 1"),
-            ));
+            return Err(invalid("balance_rel_threshold", format!("{balance_rel_threshold} must be >= 1")));
         }
         let positive = |field: &'static str, v: Option<u64>, default: u64| match v {
             Some(0) => Err(invalid(field, "must be greater than 0")),
             Some(v) => Ok(v),
             None => Ok(default),
         };
-        let block_size = positive(
-            "block_size",
-            raw.block_size.map(|b| b as u64),
-            d.block_size as u64,
-        )?;
+        let block_size = positive("block_size", raw.block_size.map(|b| b as u64), d.block_size as u64)?;
         if block_size > 1 << 20 {
-            return Err(invalid(
-                "block_size",
-                format!("{block_size} is larger than 1 MiB"),
-            ));
+            return Err(invalid("block_size", format!("{block_size} is larger than 1 MiB")));
         }
         Ok(Self {
             policy,
             cache_aware: CacheAwareParams {
                 cache_threshold,
-                balance_abs_threshold: raw
-                    .balance_abs_threshold
-                    .unwrap_or(d.cache_aware.balance_abs_threshold),
+                balance_abs_threshold: raw.balance_abs_threshold.unwrap_or(d.cache_aware.balance_abs_threshold),
                 balance_rel_threshold,
             },
             eviction_interval_secs: positive(
@@ -149,11 +125,7 @@ impl Config {
             )?,
             max_tree_size: positive("max_tree_size", raw.max_tree_size, d.max_tree_size)?,
             block_size: block_size as usize,
-            max_payload_size: positive(
-                "max_payload_size",
-                raw.max_payload_size,
-                d.max_payload_size,
-            )?,
+            max_payload_size: positive("max_payload_size", raw.max_payload_size, d.max_payload_size)?,
             workers: WorkerTable::from_urls(&raw.worker_urls)?,
         })
     }

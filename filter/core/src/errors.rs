@@ -20,18 +20,8 @@ impl<'a> ErrorBody<'a> {
     /// `kind` follows the HTTP status: client errors are `invalid_request_error`, the rest
     /// `server_error` (as OpenAI's API names them).
     pub fn new(status: u16, code: &'a str, message: &'a str) -> Self {
-        let kind = if (400..500).contains(&status) {
-            "invalid_request_error"
-        } else {
-            "server_error"
-        };
-        Self {
-            error: ErrorFields {
-                message,
-                kind,
-                code,
-            },
-        }
+        let kind = if (400..500).contains(&status) { "invalid_request_error" } else { "server_error" };
+        Self { error: ErrorFields { message, kind, code } }
     }
 
     pub fn to_json(&self) -> Vec<u8> {
@@ -52,13 +42,11 @@ mod tests {
     #[test]
     fn shape_and_escaping() {
         let v: serde_json::Value =
-            serde_json::from_slice(&error_json(400, "invalid_field", "field `text` \"x\""))
-                .unwrap();
+            serde_json::from_slice(&error_json(400, "invalid_field", "field `text` \"x\"")).unwrap();
         assert_eq!(v["error"]["message"], "field `text` \"x\"");
         assert_eq!(v["error"]["type"], "invalid_request_error");
         assert_eq!(v["error"]["code"], "invalid_field");
-        let v: serde_json::Value =
-            serde_json::from_slice(&error_json(503, "no_healthy_worker", "m")).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&error_json(503, "no_healthy_worker", "m")).unwrap();
         assert_eq!(v["error"]["type"], "server_error");
     }
 }

@@ -25,6 +25,8 @@ struct Owner {
 #[derive(Debug)]
 enum Owners {
     One(Owner),
+    // Boxed so that `Owners` stays 16 bytes: the map holds millions of them.
+    #[allow(clippy::box_collection)]
     Many(Box<Vec<Owner>>),
 }
 
@@ -91,6 +93,12 @@ impl PrefixIndex {
 
     /// Records that `worker` now holds the prefix whose chained block hashes are `hashes`.
     pub fn insert(&mut self, worker: WorkerId, hashes: &[u64]) {
+        self.insert_reporting(worker, hashes, |_| {});
+    }
+
+    /// [`insert`](Self::insert), calling `added` with each block that is new for `worker`
+    /// (what other copies of the index need to learn).
+    pub fn insert_reporting(&mut self, worker: WorkerId, hashes: &[u64], mut added_block: impl FnMut(u64)) {
         let n = hashes.len() as u32;
         let base = self.clock;
         self.clock = self.clock.wrapping_add(n);
@@ -110,6 +118,7 @@ impl PrefixIndex {
             };
             if added {
                 *self.sizes.entry(worker).or_default() += 1;
+                added_block(hash);
             }
         }
     }
@@ -125,10 +134,7 @@ impl PrefixIndex {
             for o in owners.as_slice() {
                 match found.iter_mut().find(|m| m.worker == o.worker) {
                     Some(m) => m.blocks = i + 1,
-                    None => found.push(PrefixMatch {
-                        worker: o.worker,
-                        blocks: i + 1,
-                    }),
+                    None => found.push(PrefixMatch { worker: o.worker, blocks: i + 1 }),
                 }
             }
         }
@@ -192,11 +198,7 @@ impl PrefixIndex {
                 .nodes
                 .iter()
                 .filter_map(|(&h, owners)| {
-                    owners
-                        .as_slice()
-                        .iter()
-                        .find(|o| o.worker == worker)
-                        .map(|o| (self.age(o.tick), h))
+                    owners.as_slice().iter().find(|o| o.worker == worker).map(|o| (self.age(o.tick), h))
                 })
                 .collect();
             // Oldest first: the largest age.
@@ -236,19 +238,7 @@ mod tests {
         idx.insert(3, &h("qqqq"));
         let mut m = idx.match_prefix(&h("aaaabbbbccccdddd"));
         m.sort_by_key(|m| m.worker);
-        assert_eq!(
-            m,
-            vec![
-                PrefixMatch {
-                    worker: 1,
-                    blocks: 3
-                },
-                PrefixMatch {
-                    worker: 2,
-                    blocks: 2
-                }
-            ]
-        );
+        assert_eq!(m, vec![PrefixMatch { worker: 1, blocks: 3 }, PrefixMatch { worker: 2, blocks: 2 }]);
         assert!(idx.match_prefix(&h("xxxx")).is_empty());
         assert_eq!(idx.size_of(1), 3);
         assert_eq!(idx.size_of(2), 3);
@@ -260,9 +250,12 @@ mod tests {
     fn reinserting_does_not_grow() {
         let mut idx = PrefixIndex::new();
         idx.insert(1, &h("aaaabbbb"));
+        let mut new = Vec::new();
+        idx.insert_reporting(1, &h("aaaabbbbcccc"), |b| new.push(b));
+        assert_eq!(new, h("aaaabbbbcccc")[2..]);
         idx.insert(1, &h("aaaabbbb"));
-        assert_eq!(idx.size_of(1), 2);
-        assert_eq!(idx.len(), 2);
+        assert_eq!(idx.size_of(1), 3);
+        assert_eq!(idx.len(), 3);
     }
 
     #[test]
@@ -274,20 +267,8 @@ mod tests {
         assert_eq!(evicted.len(), 2);
         assert_eq!(idx.size_of(1), 3);
         // The old prefix lost its two deepest blocks, its root stays reachable.
-        assert_eq!(
-            idx.match_prefix(&h("aaaabbbbcccc")),
-            vec![PrefixMatch {
-                worker: 1,
-                blocks: 1
-            }]
-        );
-        assert_eq!(
-            idx.match_prefix(&h("xxxxyyyy")),
-            vec![PrefixMatch {
-                worker: 1,
-                blocks: 2
-            }]
-        );
+        assert_eq!(idx.match_prefix(&h("aaaabbbbcccc")), vec![PrefixMatch { worker: 1, blocks: 1 }]);
+        assert_eq!(idx.match_prefix(&h("xxxxyyyy")), vec![PrefixMatch { worker: 1, blocks: 2 }]);
     }
 
     #[test]
@@ -300,13 +281,7 @@ mod tests {
         assert_eq!(idx.size_of(1), 3);
         assert_eq!(idx.size_of(2), 3);
         assert_eq!(idx.match_prefix(&h("aaaabbbbcccc")).len(), 2);
-        assert_eq!(
-            idx.match_prefix(&h("zzzz")),
-            vec![PrefixMatch {
-                worker: 2,
-                blocks: 1
-            }]
-        );
+        assert_eq!(idx.match_prefix(&h("zzzz")), vec![PrefixMatch { worker: 2, blocks: 1 }]);
     }
 
     #[test]
@@ -316,13 +291,7 @@ mod tests {
         idx.insert(1, &h("cccc"));
         idx.insert(1, &h("aaaabbbb")); // used again: now the most recent
         idx.evict_to(2);
-        assert_eq!(
-            idx.match_prefix(&h("aaaabbbb")),
-            vec![PrefixMatch {
-                worker: 1,
-                blocks: 2
-            }]
-        );
+        assert_eq!(idx.match_prefix(&h("aaaabbbb")), vec![PrefixMatch { worker: 1, blocks: 2 }]);
         assert!(idx.match_prefix(&h("cccc")).is_empty());
     }
 

@@ -44,10 +44,7 @@ pub enum RequestError {
     #[error("request body must be a JSON object")]
     NotAnObject,
     #[error("field `{field}` must be {expected}")]
-    WrongType {
-        field: String,
-        expected: &'static str,
-    },
+    WrongType { field: String, expected: &'static str },
     #[error("field `{field}` must not be an empty list")]
     EmptyList { field: String },
     #[error("request must contain {0}")]
@@ -112,8 +109,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest<'_>, Reque
     let fields = parse_object(body)?;
     let stream = match present(fields.stream) {
         None => false,
-        Some(raw) => serde_json::from_str::<bool>(raw.get())
-            .map_err(|_| wrong_type("stream", "a boolean"))?,
+        Some(raw) => serde_json::from_str::<bool>(raw.get()).map_err(|_| wrong_type("stream", "a boolean"))?,
     };
     let (text, batch) = match endpoint {
         Endpoint::Generate => generate_text(&fields)?,
@@ -126,12 +122,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest<'_>, Reque
             None => return Err(RequestError::Missing("`messages`")),
         },
     };
-    Ok(ParsedRequest {
-        endpoint,
-        text,
-        stream,
-        batch,
-    })
+    Ok(ParsedRequest { endpoint, text, stream, batch })
 }
 
 fn parse_object(body: &[u8]) -> Result<Fields<'_>, RequestError> {
@@ -143,8 +134,7 @@ fn parse_object(body: &[u8]) -> Result<Fields<'_>, RequestError> {
             Err(e) => Err(RequestError::MalformedJson(e.to_string())),
         };
     }
-    serde_json::from_slice::<Fields<'_>>(body)
-        .map_err(|e| RequestError::MalformedJson(e.to_string()))
+    serde_json::from_slice::<Fields<'_>>(body).map_err(|e| RequestError::MalformedJson(e.to_string()))
 }
 
 /// A field that is present and not `null`.
@@ -153,10 +143,7 @@ fn present(raw: Option<&RawValue>) -> Option<&RawValue> {
 }
 
 fn wrong_type(field: impl Into<String>, expected: &'static str) -> RequestError {
-    RequestError::WrongType {
-        field: field.into(),
-        expected,
-    }
+    RequestError::WrongType { field: field.into(), expected }
 }
 
 fn generate_text<'a>(fields: &Fields<'a>) -> Result<(Cow<'a, [u8]>, Option<usize>), RequestError> {
@@ -171,21 +158,15 @@ fn generate_text<'a>(fields: &Fields<'a>) -> Result<(Cow<'a, [u8]>, Option<usize
 
 /// `prompt` of `/v1/completions`: a string, a list of strings, a list of token ids, or a list
 /// of lists of token ids.
-fn prompt_text<'a>(
-    field: &str,
-    raw: &'a RawValue,
-) -> Result<(Cow<'a, [u8]>, Option<usize>), RequestError> {
+fn prompt_text<'a>(field: &str, raw: &'a RawValue) -> Result<(Cow<'a, [u8]>, Option<usize>), RequestError> {
     const EXPECTED: &str = "a string, a list of strings, or (lists of) token ids";
     match raw.get().as_bytes().first() {
         Some(b'"') => string_or_list(field, raw, EXPECTED),
         Some(b'[') => {
-            let items: Vec<&RawValue> =
-                serde_json::from_str(raw.get()).map_err(|_| wrong_type(field, EXPECTED))?;
+            let items: Vec<&RawValue> = serde_json::from_str(raw.get()).map_err(|_| wrong_type(field, EXPECTED))?;
             match items.first().and_then(|i| i.get().as_bytes().first()) {
                 Some(b'"') => string_or_list(field, raw, EXPECTED),
-                None => Err(RequestError::EmptyList {
-                    field: field.into(),
-                }),
+                None => Err(RequestError::EmptyList { field: field.into() }),
                 _ => ids_or_batch(field, raw),
             }
         }
@@ -200,19 +181,12 @@ fn string_or_list<'a>(
     expected: &'static str,
 ) -> Result<(Cow<'a, [u8]>, Option<usize>), RequestError> {
     if raw.get().starts_with('[') {
-        let items: Vec<Cow<'a, str>> =
-            serde_json::from_str(raw.get()).map_err(|_| wrong_type(field, expected))?;
+        let items: Vec<Cow<'a, str>> = serde_json::from_str(raw.get()).map_err(|_| wrong_type(field, expected))?;
         let n = items.len();
-        let first = items
-            .into_iter()
-            .next()
-            .ok_or_else(|| RequestError::EmptyList {
-                field: field.into(),
-            })?;
+        let first = items.into_iter().next().ok_or_else(|| RequestError::EmptyList { field: field.into() })?;
         return Ok((cow_bytes(first), Some(n)));
     }
-    let text: BorrowedStr<'a> =
-        serde_json::from_str(raw.get()).map_err(|_| wrong_type(field, expected))?;
+    let text: BorrowedStr<'a> = serde_json::from_str(raw.get()).map_err(|_| wrong_type(field, expected))?;
     Ok((cow_bytes(text.0), None))
 }
 
@@ -227,26 +201,18 @@ fn cow_bytes(s: Cow<'_, str>) -> Cow<'_, [u8]> {
 }
 
 /// Token ids (a list of non-negative integers), or a batch (a non-empty list of such lists).
-fn ids_or_batch<'a>(
-    field: &str,
-    raw: &RawValue,
-) -> Result<(Cow<'a, [u8]>, Option<usize>), RequestError> {
+fn ids_or_batch<'a>(field: &str, raw: &RawValue) -> Result<(Cow<'a, [u8]>, Option<usize>), RequestError> {
     const EXPECTED: &str = "a list of token ids or a list of lists of token ids";
     let nested = raw.get()[1..].trim_start().starts_with('[');
     if nested {
-        let batch: Vec<Vec<u32>> =
-            serde_json::from_str(raw.get()).map_err(|_| wrong_type(field, EXPECTED))?;
+        let batch: Vec<Vec<u32>> = serde_json::from_str(raw.get()).map_err(|_| wrong_type(field, EXPECTED))?;
         let n = batch.len();
-        let first = batch.first().ok_or_else(|| RequestError::EmptyList {
-            field: field.into(),
-        })?;
+        let first = batch.first().ok_or_else(|| RequestError::EmptyList { field: field.into() })?;
         return Ok((Cow::Owned(ids_bytes(first)), Some(n)));
     }
     let ids: Vec<u32> = serde_json::from_str(raw.get()).map_err(|_| wrong_type(field, EXPECTED))?;
     if ids.is_empty() {
-        return Err(RequestError::EmptyList {
-            field: field.into(),
-        });
+        return Err(RequestError::EmptyList { field: field.into() });
     }
     Ok((Cow::Owned(ids_bytes(&ids)), None))
 }
@@ -274,20 +240,18 @@ struct Part<'a> {
 /// The chat's routing text: `role: content\n` per message, in order, with only the text parts
 /// of multi-part contents.
 fn chat_text(raw: &RawValue) -> Result<Vec<u8>, RequestError> {
-    let messages: Vec<&RawValue> = serde_json::from_str(raw.get())
-        .map_err(|_| wrong_type("messages", "a list of message objects"))?;
+    let messages: Vec<&RawValue> =
+        serde_json::from_str(raw.get()).map_err(|_| wrong_type("messages", "a list of message objects"))?;
     if messages.is_empty() {
-        return Err(RequestError::EmptyList {
-            field: "messages".into(),
-        });
+        return Err(RequestError::EmptyList { field: "messages".into() });
     }
     let mut out = Vec::with_capacity(raw.get().len());
     for (i, m) in messages.iter().enumerate() {
-        let msg: Message<'_> = serde_json::from_str(m.get())
-            .map_err(|_| wrong_type(format!("messages[{i}]"), "an object"))?;
+        let msg: Message<'_> =
+            serde_json::from_str(m.get()).map_err(|_| wrong_type(format!("messages[{i}]"), "an object"))?;
         if let Some(role) = present(msg.role) {
-            let role: BorrowedStr<'_> = serde_json::from_str(role.get())
-                .map_err(|_| wrong_type(format!("messages[{i}].role"), "a string"))?;
+            let role: BorrowedStr<'_> =
+                serde_json::from_str(role.get()).map_err(|_| wrong_type(format!("messages[{i}].role"), "a string"))?;
             out.extend_from_slice(role.0.as_bytes());
         }
         out.extend_from_slice(b": ");
@@ -302,13 +266,13 @@ fn chat_text(raw: &RawValue) -> Result<Vec<u8>, RequestError> {
 fn append_content(out: &mut Vec<u8>, i: usize, content: &RawValue) -> Result<(), RequestError> {
     const EXPECTED: &str = "a string or a list of content parts";
     if content.get().starts_with('"') {
-        let s: BorrowedStr<'_> = serde_json::from_str(content.get())
-            .map_err(|_| wrong_type(format!("messages[{i}].content"), EXPECTED))?;
+        let s: BorrowedStr<'_> =
+            serde_json::from_str(content.get()).map_err(|_| wrong_type(format!("messages[{i}].content"), EXPECTED))?;
         out.extend_from_slice(s.0.as_bytes());
         return Ok(());
     }
-    let parts: Vec<Part<'_>> = serde_json::from_str(content.get())
-        .map_err(|_| wrong_type(format!("messages[{i}].content"), EXPECTED))?;
+    let parts: Vec<Part<'_>> =
+        serde_json::from_str(content.get()).map_err(|_| wrong_type(format!("messages[{i}].content"), EXPECTED))?;
     for part in parts {
         if part.kind.as_deref().unwrap_or("text") == "text" {
             if let Some(text) = part.text {
@@ -324,56 +288,34 @@ mod tests {
     use super::*;
 
     fn text_of(endpoint: Endpoint, body: &str) -> Vec<u8> {
-        parse(endpoint, body.as_bytes())
-            .map(|p| p.text.into_owned())
-            .unwrap_or_default()
+        parse(endpoint, body.as_bytes()).map(|p| p.text.into_owned()).unwrap_or_default()
     }
 
     #[test]
     fn endpoints_from_paths() {
         assert_eq!(Endpoint::from_path("/generate"), Some(Endpoint::Generate));
-        assert_eq!(
-            Endpoint::from_path("/v1/chat/completions?x=1"),
-            Some(Endpoint::ChatCompletions)
-        );
-        assert_eq!(
-            Endpoint::from_path("/v1/completions"),
-            Some(Endpoint::Completions)
-        );
+        assert_eq!(Endpoint::from_path("/v1/chat/completions?x=1"), Some(Endpoint::ChatCompletions));
+        assert_eq!(Endpoint::from_path("/v1/completions"), Some(Endpoint::Completions));
         assert_eq!(Endpoint::from_path("/v1/models"), None);
         assert_eq!(Endpoint::from_path("/generate/x"), None);
     }
 
     #[test]
     fn generate_text_single_and_batch() {
-        let p = parse(
-            Endpoint::Generate,
-            br#"{"text":"hello world","stream":true}"#,
-        )
-        .unwrap();
+        let p = parse(Endpoint::Generate, br#"{"text":"hello world","stream":true}"#).unwrap();
         assert_eq!(&*p.text, b"hello world");
         assert!(p.stream);
         assert_eq!(p.batch, None);
-        assert!(
-            matches!(p.text, Cow::Borrowed(_)),
-            "a plain string is not copied"
-        );
+        assert!(matches!(p.text, Cow::Borrowed(_)), "a plain string is not copied");
 
-        let p = parse(
-            Endpoint::Generate,
-            br#"{"text":["first","second","third"]}"#,
-        )
-        .unwrap();
+        let p = parse(Endpoint::Generate, br#"{"text":["first","second","third"]}"#).unwrap();
         assert_eq!(&*p.text, b"first");
         assert_eq!(p.batch, Some(3));
     }
 
     #[test]
     fn escaped_text_is_decoded() {
-        assert_eq!(
-            text_of(Endpoint::Generate, r#"{"text":"a\nb\u00e9"}"#),
-            "a\nbé".as_bytes()
-        );
+        assert_eq!(text_of(Endpoint::Generate, r#"{"text":"a\nb\u00e9"}"#), "a\nbé".as_bytes());
     }
 
     #[test]
@@ -387,14 +329,8 @@ mod tests {
 
     #[test]
     fn text_wins_over_input_ids_and_null_is_absent() {
-        assert_eq!(
-            text_of(Endpoint::Generate, r#"{"text":"t","input_ids":[1]}"#),
-            b"t"
-        );
-        assert_eq!(
-            text_of(Endpoint::Generate, r#"{"text":null,"input_ids":[1]}"#),
-            [1, 0, 0, 0]
-        );
+        assert_eq!(text_of(Endpoint::Generate, r#"{"text":"t","input_ids":[1]}"#), b"t");
+        assert_eq!(text_of(Endpoint::Generate, r#"{"text":null,"input_ids":[1]}"#), [1, 0, 0, 0]);
     }
 
     #[test]
@@ -404,24 +340,15 @@ mod tests {
             {"role":"user","content":[{"type":"text","text":"hi "},{"type":"image_url","image_url":{"url":"x"}},{"type":"text","text":"there"}]},
             {"role":"assistant","content":null}
         ]}"#;
-        assert_eq!(
-            text_of(Endpoint::ChatCompletions, body),
-            b"system: be brief\nuser: hi there\nassistant: \n"
-        );
+        assert_eq!(text_of(Endpoint::ChatCompletions, body), b"system: be brief\nuser: hi there\nassistant: \n");
     }
 
     #[test]
     fn completions_prompt_forms() {
-        assert_eq!(
-            text_of(Endpoint::Completions, r#"{"prompt":"abc"}"#),
-            b"abc"
-        );
+        assert_eq!(text_of(Endpoint::Completions, r#"{"prompt":"abc"}"#), b"abc");
         let p = parse(Endpoint::Completions, br#"{"prompt":["x","y"]}"#).unwrap();
         assert_eq!((&*p.text, p.batch), (&b"x"[..], Some(2)));
-        assert_eq!(
-            text_of(Endpoint::Completions, r#"{"prompt":[5]}"#),
-            [5, 0, 0, 0]
-        );
+        assert_eq!(text_of(Endpoint::Completions, r#"{"prompt":[5]}"#), [5, 0, 0, 0]);
         let p = parse(Endpoint::Completions, br#"{"prompt":[[5],[6]]}"#).unwrap();
         assert_eq!(p.batch, Some(2));
     }
@@ -436,88 +363,43 @@ mod tests {
     #[test]
     fn errors_name_the_field() {
         let e = err(Endpoint::Generate, r#"{"text": 5}"#);
-        assert_eq!(
-            e.to_string(),
-            "field `text` must be a string or a list of strings"
-        );
+        assert_eq!(e.to_string(), "field `text` must be a string or a list of strings");
         assert_eq!(e.status(), 400);
-        assert!(err(Endpoint::Generate, r#"{"text":[1]}"#)
+        assert!(err(Endpoint::Generate, r#"{"text":[1]}"#).to_string().contains("`text`"));
+        assert!(err(Endpoint::Generate, r#"{"input_ids":["a"]}"#).to_string().contains("`input_ids`"));
+        assert!(err(Endpoint::Generate, r#"{"input_ids":[-1]}"#).to_string().contains("`input_ids`"));
+        assert!(err(Endpoint::Generate, r#"{"text":"x","stream":"yes"}"#).to_string().contains("`stream`"));
+        assert!(err(Endpoint::ChatCompletions, r#"{"messages":"hi"}"#).to_string().contains("`messages`"));
+        assert!(err(Endpoint::ChatCompletions, r#"{"messages":[{"role":"user","content":7}]}"#)
             .to_string()
-            .contains("`text`"));
-        assert!(err(Endpoint::Generate, r#"{"input_ids":["a"]}"#)
+            .contains("`messages[0].content`"));
+        assert!(err(Endpoint::ChatCompletions, r#"{"messages":[{"role":1,"content":"a"}]}"#)
             .to_string()
-            .contains("`input_ids`"));
-        assert!(err(Endpoint::Generate, r#"{"input_ids":[-1]}"#)
-            .to_string()
-            .contains("`input_ids`"));
-        assert!(err(Endpoint::Generate, r#"{"text":"x","stream":"yes"}"#)
-            .to_string()
-            .contains("`stream`"));
-        assert!(err(Endpoint::ChatCompletions, r#"{"messages":"hi"}"#)
-            .to_string()
-            .contains("`messages`"));
-        assert!(err(
-            Endpoint::ChatCompletions,
-            r#"{"messages":[{"role":"user","content":7}]}"#
-        )
-        .to_string()
-        .contains("`messages[0].content`"));
-        assert!(err(
-            Endpoint::ChatCompletions,
-            r#"{"messages":[{"role":1,"content":"a"}]}"#
-        )
-        .to_string()
-        .contains("`messages[0].role`"));
-        assert!(err(Endpoint::Completions, r#"{"prompt":{}}"#)
-            .to_string()
-            .contains("`prompt`"));
-        assert_eq!(
-            err(Endpoint::Generate, r#"{"text":[]}"#),
-            RequestError::EmptyList {
-                field: "text".into()
-            }
-        );
-        assert_eq!(
-            err(Endpoint::ChatCompletions, r#"{"messages":[]}"#).status(),
-            400
-        );
+            .contains("`messages[0].role`"));
+        assert!(err(Endpoint::Completions, r#"{"prompt":{}}"#).to_string().contains("`prompt`"));
+        assert_eq!(err(Endpoint::Generate, r#"{"text":[]}"#), RequestError::EmptyList { field: "text".into() });
+        assert_eq!(err(Endpoint::ChatCompletions, r#"{"messages":[]}"#).status(), 400);
     }
 
     #[test]
     fn malformed_empty_and_non_objects() {
         assert_eq!(err(Endpoint::Generate, ""), RequestError::EmptyBody);
         assert_eq!(err(Endpoint::Generate, "  \n"), RequestError::EmptyBody);
-        assert!(matches!(
-            err(Endpoint::Generate, r#"{"text": "#),
-            RequestError::MalformedJson(_)
-        ));
-        assert!(matches!(
-            err(Endpoint::Generate, "[1,"),
-            RequestError::MalformedJson(_)
-        ));
-        assert!(matches!(
-            err(Endpoint::Generate, r#"{"text":"a"} x"#),
-            RequestError::MalformedJson(_)
-        ));
+        assert!(matches!(err(Endpoint::Generate, r#"{"text": "#), RequestError::MalformedJson(_)));
+        assert!(matches!(err(Endpoint::Generate, "[1,"), RequestError::MalformedJson(_)));
+        assert!(matches!(err(Endpoint::Generate, r#"{"text":"a"} x"#), RequestError::MalformedJson(_)));
         assert_eq!(err(Endpoint::Generate, "[1,2]"), RequestError::NotAnObject);
         assert_eq!(
             err(Endpoint::Generate, r#"{"sampling_params":{}}"#),
             RequestError::Missing("`text` or `input_ids`")
         );
-        assert_eq!(
-            err(Endpoint::ChatCompletions, r#"{}"#),
-            RequestError::Missing("`messages`")
-        );
+        assert_eq!(err(Endpoint::ChatCompletions, r#"{}"#), RequestError::Missing("`messages`"));
     }
 
     #[test]
     fn unknown_fields_are_skipped_but_validated() {
-        let body =
-            r#"{"model":"x","sampling_params":{"max_new_tokens":8,"stop":["a"]},"text":"q"}"#;
+        let body = r#"{"model":"x","sampling_params":{"max_new_tokens":8,"stop":["a"]},"text":"q"}"#;
         assert_eq!(text_of(Endpoint::Generate, body), b"q");
-        assert!(matches!(
-            err(Endpoint::Generate, r#"{"x":[1,,2],"text":"q"}"#),
-            RequestError::MalformedJson(_)
-        ));
+        assert!(matches!(err(Endpoint::Generate, r#"{"x":[1,,2],"text":"q"}"#), RequestError::MalformedJson(_)));
     }
 }

@@ -19,8 +19,8 @@ pub struct Decision {
     pub reason: Option<Reason>,
     /// Bytes of the routing text found in the chosen worker's index.
     pub matched_bytes: usize,
-    /// The block hashes inserted for the chosen worker (empty for text-blind policies); other
-    /// gateways and threads apply the same insert.
+    /// The blocks newly indexed for the chosen worker (empty for text-blind policies):
+    /// what other threads and gateways must apply to their copies of the index.
     pub inserted: Vec<u64>,
 }
 
@@ -51,23 +51,11 @@ impl Router {
 
     /// Chooses a candidate for a request whose routing text is `text`, and records the
     /// choice in the index when the policy is cache-aware.
-    pub fn route(
-        &mut self,
-        text: &[u8],
-        cands: &[Candidate],
-        rng: &mut dyn Rng,
-    ) -> Option<Decision> {
+    pub fn route(&mut self, text: &[u8], cands: &[Candidate], rng: &mut dyn Rng) -> Option<Decision> {
         let (pos, reason, matched_bytes, hashes) = match self.kind {
             PolicyKind::CacheAware => {
                 let hashes = block_hashes(text, self.block_size);
-                let c = self.cache_aware.pick(
-                    text.len(),
-                    &hashes,
-                    self.block_size,
-                    cands,
-                    &self.index,
-                    rng,
-                )?;
+                let c = self.cache_aware.pick(text.len(), &hashes, self.block_size, cands, &self.index, rng)?;
                 (c.pos, Some(c.reason), c.matched_bytes, hashes)
             }
             kind => (self.pick_blind(kind, cands, rng)?, None, 0, Vec::new()),
@@ -76,13 +64,7 @@ impl Router {
         if !hashes.is_empty() {
             self.index.insert(worker, &hashes);
         }
-        Some(Decision {
-            pos,
-            worker,
-            reason,
-            matched_bytes,
-            inserted: hashes,
-        })
+        Some(Decision { pos, worker, reason, matched_bytes, inserted: hashes })
     }
 
     /// Chooses a candidate for a request that carries no routing text (other paths).
@@ -93,12 +75,7 @@ impl Router {
         }
     }
 
-    fn pick_blind(
-        &mut self,
-        kind: PolicyKind,
-        cands: &[Candidate],
-        rng: &mut dyn Rng,
-    ) -> Option<usize> {
+    fn pick_blind(&mut self, kind: PolicyKind, cands: &[Candidate], rng: &mut dyn Rng) -> Option<usize> {
         match kind {
             PolicyKind::RoundRobin => self.round_robin.pick(cands),
             PolicyKind::PowerOfTwo => PowerOfTwo.pick(cands, rng),
@@ -139,32 +116,16 @@ mod tests {
         let mut r = Router::new(&Config::default());
         let mut rng = FastRng::seeded(11);
         let prefix = "You are a meticulous assistant. ".repeat(20);
-        let first = r
-            .route(
-                format!("{prefix}question 0").as_bytes(),
-                &cands(4),
-                &mut rng,
-            )
-            .unwrap();
+        let first = r.route(format!("{prefix}question 0").as_bytes(), &cands(4), &mut rng).unwrap();
         for i in 1..20 {
-            let d = r
-                .route(
-                    format!("{prefix}question {i}").as_bytes(),
-                    &cands(4),
-                    &mut rng,
-                )
-                .unwrap();
+            let d = r.route(format!("{prefix}question {i}").as_bytes(), &cands(4), &mut rng).unwrap();
             assert_eq!(d.worker, first.worker);
             assert_eq!(d.reason, Some(Reason::CacheHit));
         }
         let mut used = std::collections::HashSet::new();
         for i in 0..8 {
             let text = format!("{i} completely different conversation {}", "x".repeat(200));
-            used.insert(
-                r.route(text.as_bytes(), &cands(4), &mut rng)
-                    .unwrap()
-                    .worker,
-            );
+            used.insert(r.route(text.as_bytes(), &cands(4), &mut rng).unwrap().worker);
         }
         // Distinct prefixes go to the smallest indexes: the three workers without the prefix.
         assert_eq!(used.len(), 3);

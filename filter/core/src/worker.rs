@@ -31,21 +31,13 @@ pub struct Worker {
 
 impl Worker {
     pub fn from_url(id: WorkerId, url: &str) -> Result<Self, AddrError> {
-        Ok(Self {
-            id,
-            url: url.to_string(),
-            addr: socket_addr(url)?.to_string(),
-            healthy: true,
-            load: 0,
-        })
+        Ok(Self { id, url: url.to_string(), addr: socket_addr(url)?.to_string(), healthy: true, load: 0 })
     }
 }
 
 /// Parses `http://host:port[/...]` into a socket address; `localhost` means 127.0.0.1.
 pub fn socket_addr(url: &str) -> Result<SocketAddr, AddrError> {
-    let rest = url
-        .strip_prefix("http://")
-        .ok_or_else(|| AddrError::Scheme(url.to_string()))?;
+    let rest = url.strip_prefix("http://").ok_or_else(|| AddrError::Scheme(url.to_string()))?;
     let authority = rest.split('/').next().unwrap_or(rest);
     let bad = || AddrError::Host(url.to_string());
     let (host, port) = authority.rsplit_once(':').ok_or_else(bad)?;
@@ -74,10 +66,7 @@ impl WorkerTable {
             .enumerate()
             .map(|(i, u)| Worker::from_url(i as WorkerId, u.as_ref()))
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(Self {
-            version: 0,
-            workers,
-        })
+        Ok(Self { version: 0, workers })
     }
 
     pub fn healthy(&self) -> impl Iterator<Item = &Worker> {
@@ -95,22 +84,10 @@ mod tests {
 
     #[test]
     fn addresses_from_urls() {
-        assert_eq!(
-            socket_addr("http://127.0.0.1:30001").unwrap().to_string(),
-            "127.0.0.1:30001"
-        );
-        assert_eq!(
-            socket_addr("http://localhost:8000/").unwrap().to_string(),
-            "127.0.0.1:8000"
-        );
-        assert_eq!(
-            socket_addr("http://[::1]:9000").unwrap().to_string(),
-            "[::1]:9000"
-        );
-        assert_eq!(
-            socket_addr("https://1.2.3.4:5"),
-            Err(AddrError::Scheme("https://1.2.3.4:5".into()))
-        );
+        assert_eq!(socket_addr("http://127.0.0.1:30001").unwrap().to_string(), "127.0.0.1:30001");
+        assert_eq!(socket_addr("http://localhost:8000/").unwrap().to_string(), "127.0.0.1:8000");
+        assert_eq!(socket_addr("http://[::1]:9000").unwrap().to_string(), "[::1]:9000");
+        assert_eq!(socket_addr("https://1.2.3.4:5"), Err(AddrError::Scheme("https://1.2.3.4:5".into())));
         assert!(socket_addr("http://1.2.3.4").is_err());
         assert!(socket_addr("http://worker-0.svc:8000").is_err());
         assert!(socket_addr("http://1.2.3.4:99999").is_err());

@@ -38,11 +38,7 @@ pub struct Reply {
 
 impl Reply {
     fn error(status: u16, code: &str, message: &str) -> Self {
-        Self {
-            status,
-            body: error_json(status, code, message),
-            retry_after: None,
-        }
+        Self { status, body: error_json(status, code, message), retry_after: None }
     }
 
     fn request(e: &RequestError) -> Self {
@@ -50,10 +46,7 @@ impl Reply {
     }
 
     fn no_worker() -> Self {
-        Self {
-            retry_after: Some(1),
-            ..Self::error(503, "no_healthy_worker", "no healthy worker is available")
-        }
+        Self { retry_after: Some(1), ..Self::error(503, "no_healthy_worker", "no healthy worker is available") }
     }
 }
 
@@ -87,16 +80,12 @@ impl Gateway {
     /// body is read.
     pub fn check_length(&self, content_length: Option<u64>) -> Option<Reply> {
         let limit = self.config.max_payload_size;
-        content_length
-            .filter(|&len| len > limit)
-            .map(|_| Reply::request(&RequestError::TooLarge { limit }))
+        content_length.filter(|&len| len > limit).map(|_| Reply::request(&RequestError::TooLarge { limit }))
     }
 
     /// A body that grew past the limit while buffering.
     pub fn too_large(&self) -> Reply {
-        Reply::request(&RequestError::TooLarge {
-            limit: self.config.max_payload_size,
-        })
+        Reply::request(&RequestError::TooLarge { limit: self.config.max_payload_size })
     }
 
     /// An LLM request that arrived with no body at all.
@@ -105,30 +94,12 @@ impl Gateway {
     }
 
     /// The healthy workers with their loads: the table's plus this Envoy's in-flight counts.
-    fn candidates(&self, store: &dyn SharedStore) -> Vec<Candidate> {
-        let inflight = Inflight::read(store);
-        self.table
-            .healthy()
-            .map(|w| {
-                let local = inflight
-                    .iter()
-                    .find(|(id, _)| *id == w.id)
-                    .map_or(0, |(_, n)| u64::from(*n));
-                Candidate {
-                    id: w.id,
-                    load: w.load + local,
-                }
-            })
-            .collect()
+    fn candidates(&self, inflight: &Inflight) -> Vec<Candidate> {
+        self.table.healthy().map(|w| Candidate { id: w.id, load: w.load + u64::from(inflight.count(w.id)) }).collect()
     }
 
     /// Routes an LLM request by its body.
-    pub fn route_request(
-        &mut self,
-        store: &dyn SharedStore,
-        endpoint: Endpoint,
-        body: &[u8],
-    ) -> Outcome {
+    pub fn route_request(&mut self, store: &dyn SharedStore, endpoint: Endpoint, body: &[u8]) -> Outcome {
         if body.len() as u64 > self.config.max_payload_size {
             return Outcome::Reply(self.too_large());
         }
@@ -141,20 +112,21 @@ impl Gateway {
                 self.router.apply_insert(insert.worker, &insert.hashes);
             }
         }
-        let cands = self.candidates(store);
+        let inflight = Inflight::load(store);
+        let cands = self.candidates(&inflight);
         let Some(decision) = self.router.route(&parsed.text, &cands, &mut self.rng) else {
             return Outcome::Reply(Reply::no_worker());
         };
         if !decision.inserted.is_empty() {
             self.log.append(store, decision.worker, &decision.inserted);
         }
-        let counted = Inflight::add(store, decision.worker, 1);
+        let counted = inflight.add_loaded(store, decision.worker, 1);
         self.routed(decision.worker, counted, decision.matched_bytes)
     }
 
     /// Routes a request on another path (models, health, info) to any healthy worker.
     pub fn route_other(&mut self, store: &dyn SharedStore) -> Outcome {
-        let cands = self.candidates(store);
+        let cands = self.candidates(&Inflight::load(store));
         match self.router.route_any(&cands, &mut self.rng) {
             Some(pos) => self.routed(cands[pos].id, false, 0),
             None => Outcome::Reply(Reply::no_worker()),
@@ -163,12 +135,7 @@ impl Gateway {
 
     fn routed(&self, worker: WorkerId, counted: bool, matched_bytes: usize) -> Outcome {
         match self.table.get(worker) {
-            Some(w) => Outcome::Route(Routed {
-                worker,
-                addr: w.addr.clone(),
-                counted,
-                matched_bytes,
-            }),
+            Some(w) => Outcome::Route(Routed { worker, addr: w.addr.clone(), counted, matched_bytes }),
             None => Outcome::Reply(Reply::no_worker()),
         }
     }
@@ -201,9 +168,7 @@ impl Gateway {
 /// Whether a client-sent request header could steer routing and must be dropped.
 pub fn is_routing_header(name: &str) -> bool {
     let name = name.to_ascii_lowercase();
-    name == "x-envoy-original-dst-host"
-        || name == "x-gateway-destination-endpoint"
-        || name.starts_with("x-kvmesh-")
+    name == "x-envoy-original-dst-host" || name == "x-gateway-destination-endpoint" || name.starts_with("x-kvmesh-")
 }
 
 #[cfg(test)]
@@ -221,11 +186,7 @@ mod tests {
     fn routed(o: Outcome) -> Routed {
         match o {
             Outcome::Route(r) => r,
-            Outcome::Reply(r) => panic!(
-                "expected a route, got {} {}",
-                r.status,
-                String::from_utf8_lossy(&r.body)
-            ),
+            Outcome::Reply(r) => panic!("expected a route, got {} {}", r.status, String::from_utf8_lossy(&r.body)),
         }
     }
 
@@ -245,11 +206,9 @@ mod tests {
         let store = FakeStore::default();
         let mut g = gateway(&store, "");
         let prefix = "p".repeat(400);
-        let first =
-            routed(g.route_request(&store, Endpoint::Generate, &body(&format!("{prefix}a"))));
+        let first = routed(g.route_request(&store, Endpoint::Generate, &body(&format!("{prefix}a"))));
         assert!(first.counted);
-        let again =
-            routed(g.route_request(&store, Endpoint::Generate, &body(&format!("{prefix}b"))));
+        let again = routed(g.route_request(&store, Endpoint::Generate, &body(&format!("{prefix}b"))));
         assert_eq!(again.addr, first.addr);
         assert!(again.matched_bytes >= 384);
         assert_eq!(Inflight::read(&store), vec![(first.worker, 2)]);
@@ -264,10 +223,8 @@ mod tests {
         let mut a = gateway(&store, "");
         let mut b = Gateway::new(a.config().clone(), &store, 7);
         let prefix = "q".repeat(400);
-        let on_a =
-            routed(a.route_request(&store, Endpoint::Generate, &body(&format!("{prefix}1"))));
-        let on_b =
-            routed(b.route_request(&store, Endpoint::Generate, &body(&format!("{prefix}2"))));
+        let on_a = routed(a.route_request(&store, Endpoint::Generate, &body(&format!("{prefix}1"))));
+        let on_b = routed(b.route_request(&store, Endpoint::Generate, &body(&format!("{prefix}2"))));
         assert_eq!(on_a.addr, on_b.addr);
     }
 
@@ -278,14 +235,8 @@ mod tests {
         let r = reply(g.route_request(&store, Endpoint::Generate, br#"{"text": 5}"#));
         assert_eq!(r.status, 400);
         assert!(String::from_utf8_lossy(&r.body).contains("`text`"));
-        assert_eq!(
-            reply(g.route_request(&store, Endpoint::Generate, b"{")).status,
-            400
-        );
-        assert_eq!(
-            reply(g.route_request(&store, Endpoint::Generate, &[b' '; 100])).status,
-            413
-        );
+        assert_eq!(reply(g.route_request(&store, Endpoint::Generate, b"{")).status, 400);
+        assert_eq!(reply(g.route_request(&store, Endpoint::Generate, &[b' '; 100])).status, 413);
         assert_eq!(g.check_length(Some(65)).map(|r| r.status), Some(413));
         assert_eq!(g.check_length(Some(64)), None);
         assert!(Inflight::read(&store).is_empty());
@@ -313,11 +264,9 @@ mod tests {
         let store = FakeStore::default();
         let mut g = gateway(&store, r#","balance_abs_threshold":2"#);
         let prefix = "z".repeat(400);
-        let first =
-            routed(g.route_request(&store, Endpoint::Generate, &body(&format!("{prefix}0"))));
+        let first = routed(g.route_request(&store, Endpoint::Generate, &body(&format!("{prefix}0"))));
         for i in 1..3 {
-            let r =
-                routed(g.route_request(&store, Endpoint::Generate, &body(&format!("{prefix}{i}"))));
+            let r = routed(g.route_request(&store, Endpoint::Generate, &body(&format!("{prefix}{i}"))));
             assert_eq!(r.worker, first.worker);
         }
         // Three in flight on one worker, none elsewhere: imbalanced past abs threshold 2.
@@ -328,10 +277,7 @@ mod tests {
     #[test]
     fn eviction_runs_on_its_interval() {
         let store = FakeStore::default();
-        let mut g = gateway(
-            &store,
-            r#","max_tree_size":64,"block_size":16,"eviction_interval_secs":10"#,
-        );
+        let mut g = gateway(&store, r#","max_tree_size":64,"block_size":16,"eviction_interval_secs":10"#);
         routed(g.route_request(&store, Endpoint::Generate, &body(&"e".repeat(320))));
         assert_eq!(g.index_len(), 20);
         assert_eq!(g.tick(100), None);
@@ -342,20 +288,38 @@ mod tests {
 
     #[test]
     fn routing_headers_are_recognised() {
-        for h in [
-            "x-envoy-original-dst-host",
-            "X-Gateway-Destination-Endpoint",
-            "x-kvmesh-worker",
-            "x-kvmesh-anything",
-        ] {
+        for h in ["x-envoy-original-dst-host", "X-Gateway-Destination-Endpoint", "x-kvmesh-worker", "x-kvmesh-anything"]
+        {
             assert!(is_routing_header(h), "{h}");
         }
-        for h in [
-            "x-request-id",
-            "content-type",
-            "x-envoy-expected-rq-timeout-ms",
-        ] {
+        for h in ["x-request-id", "content-type", "x-envoy-expected-rq-timeout-ms"] {
             assert!(!is_routing_header(h), "{h}");
         }
+    }
+}
+
+#[cfg(test)]
+mod timing {
+    use super::*;
+    use crate::shared::fake::FakeStore;
+
+    #[test]
+    #[ignore]
+    fn time_route_request() {
+        let store = FakeStore::default();
+        let json = r#"{"worker_urls":["http://127.0.0.1:30001","http://127.0.0.1:30002","http://127.0.0.1:30003","http://127.0.0.1:30004"]}"#;
+        let mut g = Gateway::new(Config::from_json(json.as_bytes()).unwrap(), &store, 42);
+        let bodies: Vec<Vec<u8>> = (0..4096).map(|i| {
+            let group = i % 16;
+            let system = format!("System prompt {group}: you are assistant number {group}. ").repeat(20);
+            serde_json::json!({"text": format!("{system}Question {i}: what is {i} squared?"), "sampling_params": {"max_new_tokens": 1}}).to_string().into_bytes()
+        }).collect();
+        let t = std::time::Instant::now();
+        for i in 0..40960 {
+            if let Outcome::Route(r) = g.route_request(&store, Endpoint::Generate, &bodies[i % 4096]) {
+                g.finish(&store, &r);
+            }
+        }
+        eprintln!("per request: {:?}", t.elapsed() / 40960);
     }
 }

@@ -29,12 +29,7 @@ pub struct Http {
 
 impl Http {
     pub fn new(gateway: Option<Rc<RefCell<Gateway>>>, metrics: Option<Rc<Metrics>>) -> Self {
-        Self {
-            gateway,
-            metrics,
-            endpoint: None,
-            routed: None,
-        }
+        Self { gateway, metrics, endpoint: None, routed: None }
     }
 
     fn metric(&self, pick: impl Fn(&Metrics) -> Option<u32>) -> Option<u32> {
@@ -56,20 +51,10 @@ impl Http {
         match outcome {
             Outcome::Reply(reply) => self.reply(reply),
             Outcome::Route(routed) => {
-                if hostcalls::set_map_value(
-                    MapType::HttpRequestHeaders,
-                    DST_HEADER,
-                    Some(&routed.addr),
-                )
-                .is_err()
-                {
+                if hostcalls::set_map_value(MapType::HttpRequestHeaders, DST_HEADER, Some(&routed.addr)).is_err() {
                     return self.reply(Reply {
                         status: 500,
-                        body: kvmesh_core::errors::error_json(
-                            500,
-                            "internal",
-                            "cannot set the destination",
-                        ),
+                        body: kvmesh_core::errors::error_json(500, "internal", "cannot set the destination"),
                         retry_after: None,
                     });
                 }
@@ -86,11 +71,7 @@ impl Http {
     fn not_configured(&self) -> Action {
         self.reply(Reply {
             status: 503,
-            body: kvmesh_core::errors::error_json(
-                503,
-                "not_configured",
-                "the kvmesh filter has no configuration",
-            ),
+            body: kvmesh_core::errors::error_json(503, "not_configured", "the kvmesh filter has no configuration"),
             retry_after: Some(1),
         })
     }
@@ -103,10 +84,7 @@ fn strip_routing_headers(headers: &[(String, String)]) {
 }
 
 fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
-    headers
-        .iter()
-        .find(|(n, _)| n.eq_ignore_ascii_case(name))
-        .map(|(_, v)| v.as_str())
+    headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
 }
 
 impl Context for Http {}
@@ -123,18 +101,14 @@ impl HttpContext for Http {
         };
 
         let post = header(&headers, ":method") == Some("POST");
-        let endpoint = header(&headers, ":path")
-            .filter(|_| post)
-            .and_then(Endpoint::from_path);
+        let endpoint = header(&headers, ":path").filter(|_| post).and_then(Endpoint::from_path);
         let Some(endpoint) = endpoint else {
             let outcome = gw.route_other(&EnvoyShared);
             drop(gw);
             return self.apply(outcome);
         };
         let content_length = header(&headers, "content-length").and_then(|v| v.trim().parse().ok());
-        let reply = gw
-            .check_length(content_length)
-            .or_else(|| end_of_stream.then(|| gw.empty_body()));
+        let reply = gw.check_length(content_length).or_else(|| end_of_stream.then(|| gw.empty_body()));
         drop(gw);
         if let Some(reply) = reply {
             return self.reply(reply);
@@ -165,27 +139,17 @@ impl HttpContext for Http {
         if !end_of_stream {
             return Action::Pause; // Buffer until the whole body is here.
         }
-        let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size)
-            .ok()
-            .flatten()
-            .unwrap_or_default();
+        let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size).ok().flatten().unwrap_or_default();
         let started = now_nanos();
         let outcome = gw.route_request(&EnvoyShared, endpoint, &body);
-        Metrics::record(
-            self.metric(|m| m.decision_ns),
-            now_nanos().saturating_sub(started),
-        );
+        Metrics::record(self.metric(|m| m.decision_ns), now_nanos().saturating_sub(started));
         drop(gw);
         self.apply(outcome)
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         if let Some(routed) = &self.routed {
-            let _ = hostcalls::set_map_value(
-                MapType::HttpResponseHeaders,
-                WORKER_HEADER,
-                Some(&routed.addr),
-            );
+            let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, WORKER_HEADER, Some(&routed.addr));
         }
         Action::Continue
     }

@@ -6,10 +6,7 @@
 //! is compiled for wasm32 alone. A panic would abort the VM and fail every request on its
 //! Envoy thread, so `unwrap`, `expect` and `panic!` are denied here.
 
-#![cfg_attr(
-    not(test),
-    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
-)]
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
 pub mod gateway;
 pub mod shared;

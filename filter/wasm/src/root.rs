@@ -47,11 +47,7 @@ impl RootContext for Root {
             config.workers.workers.len(),
             config.max_payload_size
         );
-        self.gateway = Some(Rc::new(RefCell::new(Gateway::new(
-            config,
-            &EnvoyShared,
-            seed,
-        ))));
+        self.gateway = Some(Rc::new(RefCell::new(Gateway::new(config, &EnvoyShared, seed))));
         self.metrics = Some(Rc::new(Metrics::define()));
         let _ = hostcalls::set_tick_period(Duration::from_secs(1));
         true
@@ -65,19 +61,13 @@ impl RootContext for Root {
             return;
         };
         if let Some(evicted) = gateway.tick(now_nanos() / 1_000_000_000) {
-            info!(
-                "evicted {evicted} index blocks, {} left",
-                gateway.index_len()
-            );
+            info!("evicted {evicted} index blocks, {} left", gateway.index_len());
         }
         Metrics::record(metrics.index_blocks, gateway.index_len() as u64);
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(Http::new(
-            self.gateway.clone(),
-            self.metrics.clone(),
-        )))
+        Some(Box::new(Http::new(self.gateway.clone(), self.metrics.clone())))
     }
 
     fn get_type(&self) -> Option<ContextType> {

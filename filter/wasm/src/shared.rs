@@ -50,37 +50,58 @@ fn u64_at(bytes: &[u8], at: usize) -> Option<u64> {
 }
 
 /// In-flight requests per worker: one value of `(worker id u32, count u32)` pairs.
-pub struct Inflight;
+pub struct Inflight {
+    value: Vec<u8>,
+    cas: Option<u32>,
+}
 
 impl Inflight {
     const KEY: &'static str = "kvmesh.inflight";
 
-    /// Current counts as `(worker, count)` pairs.
+    /// Reads the current counts (one host call), keeping the version for a later update.
+    pub fn load(store: &dyn SharedStore) -> Self {
+        let (value, cas) = store.get(Self::KEY);
+        Self { value: value.unwrap_or_default(), cas }
+    }
+
+    /// `worker`'s count.
+    pub fn count(&self, worker: WorkerId) -> u32 {
+        self.value.chunks_exact(8).find(|c| u32_at(c, 0) == Some(worker)).and_then(|c| u32_at(c, 4)).unwrap_or(0)
+    }
+
+    /// All counts as `(worker, count)` pairs.
     pub fn read(store: &dyn SharedStore) -> Vec<(WorkerId, u32)> {
         let value = store.get(Self::KEY).0.unwrap_or_default();
-        value
-            .chunks_exact(8)
-            .filter_map(|c| Some((u32_at(c, 0)?, u32_at(c, 4)?)))
-            .collect()
+        value.chunks_exact(8).filter_map(|c| Some((u32_at(c, 0)?, u32_at(c, 4)?))).collect()
+    }
+
+    /// Adds `delta` to `worker`'s count in the value loaded by [`load`](Self::load), falling
+    /// back to a read-modify-write loop if another VM wrote in between.
+    pub fn add_loaded(mut self, store: &dyn SharedStore, worker: WorkerId, delta: i32) -> bool {
+        apply_delta(&mut self.value, worker, delta);
+        match store.set(Self::KEY, &self.value, self.cas) {
+            Ok(()) => true,
+            Err(SetError::CasMismatch) => Self::add(store, worker, delta),
+            Err(SetError::Other) => false,
+        }
     }
 
     /// Adds `delta` to `worker`'s count (never below zero).
     pub fn add(store: &dyn SharedStore, worker: WorkerId, delta: i32) -> bool {
-        update(store, Self::KEY, |value| {
-            let mut pos = None;
-            for (i, c) in value.chunks_exact(8).enumerate() {
-                if u32_at(c, 0) == Some(worker) {
-                    pos = Some(i * 8 + 4);
-                }
-            }
-            let at = pos.unwrap_or_else(|| {
-                value.extend_from_slice(&worker.to_le_bytes());
-                value.extend_from_slice(&0u32.to_le_bytes());
-                value.len() - 4
-            });
-            let count = u32_at(value, at).unwrap_or(0).saturating_add_signed(delta);
-            value[at..at + 4].copy_from_slice(&count.to_le_bytes());
-        })
+        update(store, Self::KEY, |value| apply_delta(value, worker, delta))
+    }
+}
+
+fn apply_delta(value: &mut Vec<u8>, worker: WorkerId, delta: i32) {
+    let pos = value.chunks_exact(8).position(|c| u32_at(c, 0) == Some(worker)).map(|i| i * 8 + 4);
+    let at = pos.unwrap_or_else(|| {
+        value.extend_from_slice(&worker.to_le_bytes());
+        value.extend_from_slice(&0u32.to_le_bytes());
+        value.len() - 4
+    });
+    let count = u32_at(value, at).unwrap_or(0).saturating_add_signed(delta);
+    if let Some(slot) = value.get_mut(at..at + 4) {
+        slot.copy_from_slice(&count.to_le_bytes());
     }
 }
 
@@ -107,18 +128,11 @@ impl InsertLog {
     /// A reader/writer for VM `vm` that starts with the inserts still in the ring.
     pub fn new(store: &dyn SharedStore, vm: u32) -> Self {
         let head = Self::head(store);
-        Self {
-            cursor: head.saturating_sub(Self::SLOTS),
-            vm,
-        }
+        Self { cursor: head.saturating_sub(Self::SLOTS), vm }
     }
 
     fn head(store: &dyn SharedStore) -> u64 {
-        store
-            .get(Self::HEAD)
-            .0
-            .and_then(|v| u64_at(&v, 0))
-            .unwrap_or(0)
+        store.get(Self::HEAD).0.and_then(|v| u64_at(&v, 0)).unwrap_or(0)
     }
 
     fn slot_key(seq: u64) -> String {
@@ -163,10 +177,7 @@ impl InsertLog {
             }
             if written == seq && u32_at(&entry, 8) != Some(self.vm) {
                 if let Some(worker) = u32_at(&entry, 12) {
-                    let hashes = entry[16..]
-                        .chunks_exact(8)
-                        .filter_map(|c| u64_at(c, 0))
-                        .collect();
+                    let hashes = entry[16..].chunks_exact(8).filter_map(|c| u64_at(c, 0)).collect();
                     out.push(LoggedInsert { worker, hashes });
                 }
             }
@@ -228,15 +239,25 @@ mod tests {
     }
 
     #[test]
+    fn a_loaded_snapshot_updates_once_or_retries() {
+        let store = FakeStore::default();
+        Inflight::add(&store, 1, 2);
+        let snap = Inflight::load(&store);
+        assert_eq!((snap.count(1), snap.count(9)), (2, 0));
+        assert!(snap.add_loaded(&store, 1, 1));
+        let stale = Inflight::load(&store);
+        Inflight::add(&store, 1, 1); // another VM
+        assert!(stale.add_loaded(&store, 1, 1));
+        assert_eq!(Inflight::read(&store), vec![(1, 5)]);
+    }
+
+    #[test]
     fn a_stale_cas_is_retried() {
         let store = FakeStore::default();
         Inflight::add(&store, 1, 1);
         let (_, stale) = store.get(Inflight::KEY);
         Inflight::add(&store, 1, 1);
-        assert_eq!(
-            store.set(Inflight::KEY, b"", stale),
-            Err(SetError::CasMismatch)
-        );
+        assert_eq!(store.set(Inflight::KEY, b"", stale), Err(SetError::CasMismatch));
         assert_eq!(Inflight::read(&store), vec![(1, 2)]);
     }
 
@@ -247,20 +268,8 @@ mod tests {
         let mut b = InsertLog::new(&store, 2);
         a.append(&store, 5, &[10, 11]);
         b.append(&store, 6, &[12]);
-        assert_eq!(
-            a.poll(&store),
-            vec![LoggedInsert {
-                worker: 6,
-                hashes: vec![12]
-            }]
-        );
-        assert_eq!(
-            b.poll(&store),
-            vec![LoggedInsert {
-                worker: 5,
-                hashes: vec![10, 11]
-            }]
-        );
+        assert_eq!(a.poll(&store), vec![LoggedInsert { worker: 6, hashes: vec![12] }]);
+        assert_eq!(b.poll(&store), vec![LoggedInsert { worker: 5, hashes: vec![10, 11] }]);
         assert!(a.poll(&store).is_empty());
         // A VM started later replays what the ring still holds.
         let mut c = InsertLog::new(&store, 3);
@@ -285,21 +294,13 @@ mod tests {
         let store = FakeStore::default();
         let mut b = InsertLog::new(&store, 2);
         // Another VM took sequence 1 but has not written its slot yet.
-        store
-            .set(InsertLog::HEAD, &1u64.to_le_bytes(), None)
-            .unwrap();
+        store.set(InsertLog::HEAD, &1u64.to_le_bytes(), None).unwrap();
         assert!(b.poll(&store).is_empty());
         let mut entry = 1u64.to_le_bytes().to_vec();
         entry.extend_from_slice(&9u32.to_le_bytes());
         entry.extend_from_slice(&4u32.to_le_bytes());
         entry.extend_from_slice(&77u64.to_le_bytes());
         store.set("kvmesh.log.1", &entry, None).unwrap();
-        assert_eq!(
-            b.poll(&store),
-            vec![LoggedInsert {
-                worker: 4,
-                hashes: vec![77]
-            }]
-        );
+        assert_eq!(b.poll(&store), vec![LoggedInsert { worker: 4, hashes: vec![77] }]);
     }
 }

@@ -49,14 +49,10 @@ impl CacheAware {
 
     /// Whether the candidates' loads count as imbalanced.
     pub fn imbalanced(&self, cands: &[Candidate]) -> bool {
-        let (Some(max), Some(min)) = (
-            cands.iter().map(|c| c.load).max(),
-            cands.iter().map(|c| c.load).min(),
-        ) else {
+        let (Some(max), Some(min)) = (cands.iter().map(|c| c.load).max(), cands.iter().map(|c| c.load).min()) else {
             return false;
         };
-        max - min > self.params.balance_abs_threshold
-            && max as f64 > self.params.balance_rel_threshold * min as f64
+        max - min > self.params.balance_abs_threshold && max as f64 > self.params.balance_rel_threshold * min as f64
     }
 
     pub fn pick(
@@ -73,11 +69,7 @@ impl CacheAware {
         }
         if self.imbalanced(cands) {
             let pos = least_loaded(cands, 0..cands.len(), rng)?;
-            return Some(Choice {
-                pos,
-                reason: Reason::Imbalanced,
-                matched_bytes: 0,
-            });
+            return Some(Choice { pos, reason: Reason::Imbalanced, matched_bytes: 0 });
         }
 
         // Deepest match per candidate (workers not among the candidates are ignored).
@@ -90,35 +82,15 @@ impl CacheAware {
             }
         }
         let matched = covered_bytes(best_blocks, block_size, text_len);
-        let ratio = if text_len == 0 {
-            0.0
-        } else {
-            matched as f64 / text_len as f64
-        };
+        let ratio = if text_len == 0 { 0.0 } else { matched as f64 / text_len as f64 };
         if best_blocks > 0 && ratio > self.params.cache_threshold {
-            let pos = least_loaded(
-                cands,
-                (0..cands.len()).filter(|&p| depth[p] == best_blocks),
-                rng,
-            )?;
-            return Some(Choice {
-                pos,
-                reason: Reason::CacheHit,
-                matched_bytes: matched,
-            });
+            let pos = least_loaded(cands, (0..cands.len()).filter(|&p| depth[p] == best_blocks), rng)?;
+            return Some(Choice { pos, reason: Reason::CacheHit, matched_bytes: matched });
         }
 
         let smallest = cands.iter().map(|c| index.size_of(c.id)).min()?;
-        let pos = least_loaded(
-            cands,
-            (0..cands.len()).filter(|&p| index.size_of(cands[p].id) == smallest),
-            rng,
-        )?;
-        Some(Choice {
-            pos,
-            reason: Reason::SmallestIndex,
-            matched_bytes: 0,
-        })
+        let pos = least_loaded(cands, (0..cands.len()).filter(|&p| index.size_of(cands[p].id) == smallest), rng)?;
+        Some(Choice { pos, reason: Reason::SmallestIndex, matched_bytes: 0 })
     }
 }
 
@@ -131,50 +103,22 @@ mod tests {
     const BS: usize = 4;
 
     fn policy() -> CacheAware {
-        CacheAware::new(CacheAwareParams {
-            cache_threshold: 0.5,
-            balance_abs_threshold: 4,
-            balance_rel_threshold: 1.5,
-        })
+        CacheAware::new(CacheAwareParams { cache_threshold: 0.5, balance_abs_threshold: 4, balance_rel_threshold: 1.5 })
     }
 
     fn cands(loads: &[u64]) -> Vec<Candidate> {
-        loads
-            .iter()
-            .enumerate()
-            .map(|(i, &load)| Candidate {
-                id: i as u32 + 10,
-                load,
-            })
-            .collect()
+        loads.iter().enumerate().map(|(i, &load)| Candidate { id: i as u32 + 10, load }).collect()
     }
 
-    fn pick(
-        p: &CacheAware,
-        text: &str,
-        cands: &[Candidate],
-        idx: &PrefixIndex,
-        rng: &mut FastRng,
-    ) -> Choice {
-        p.pick(
-            text.len(),
-            &block_hashes(text.as_bytes(), BS),
-            BS,
-            cands,
-            idx,
-            rng,
-        )
-        .unwrap()
+    fn pick(p: &CacheAware, text: &str, cands: &[Candidate], idx: &PrefixIndex, rng: &mut FastRng) -> Choice {
+        p.pick(text.len(), &block_hashes(text.as_bytes(), BS), BS, cands, idx, rng).unwrap()
     }
 
     #[test]
     fn imbalance_needs_both_thresholds() {
         let p = policy();
         assert!(p.imbalanced(&cands(&[0, 5])));
-        assert!(
-            !p.imbalanced(&cands(&[0, 4])),
-            "abs difference not exceeded"
-        );
+        assert!(!p.imbalanced(&cands(&[0, 4])), "abs difference not exceeded");
         assert!(!p.imbalanced(&cands(&[20, 26])), "26 <= 1.5 * 20");
         assert!(p.imbalanced(&cands(&[20, 31])));
         assert!(!p.imbalanced(&[]));
@@ -186,13 +130,7 @@ mod tests {
         let mut idx = PrefixIndex::new();
         idx.insert(11, &block_hashes(b"system prompt: you are helpful", BS));
         let mut rng = FastRng::seeded(1);
-        let c = pick(
-            &p,
-            "system prompt: you are helpful. Q1",
-            &cands(&[0, 3, 0]),
-            &idx,
-            &mut rng,
-        );
+        let c = pick(&p, "system prompt: you are helpful. Q1", &cands(&[0, 3, 0]), &idx, &mut rng);
         assert_eq!((c.pos, c.reason), (1, Reason::CacheHit));
         assert_eq!(c.matched_bytes, 28);
     }
@@ -205,13 +143,7 @@ mod tests {
         idx.insert(11, &block_hashes(b"abcd", BS));
         let mut rng = FastRng::seeded(1);
         // "abcd" matches worker 11 for 4 of 30 bytes: below the threshold.
-        let c = pick(
-            &p,
-            "abcd-something-else-entirely!!",
-            &cands(&[0, 0, 1]),
-            &idx,
-            &mut rng,
-        );
+        let c = pick(&p, "abcd-something-else-entirely!!", &cands(&[0, 0, 1]), &idx, &mut rng);
         assert_eq!((c.pos, c.reason), (2, Reason::SmallestIndex));
     }
 

@@ -37,14 +37,8 @@ pub enum PolicyKind {
 }
 
 impl PolicyKind {
-    pub const ALL: [PolicyKind; 6] = [
-        Self::Random,
-        Self::RoundRobin,
-        Self::PowerOfTwo,
-        Self::CacheAware,
-        Self::PrefixHash,
-        Self::MarginalUtility,
-    ];
+    pub const ALL: [PolicyKind; 6] =
+        [Self::Random, Self::RoundRobin, Self::PowerOfTwo, Self::CacheAware, Self::PrefixHash, Self::MarginalUtility];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -77,16 +71,10 @@ impl fmt::Display for PolicyKind {
 impl FromStr for PolicyKind {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        Self::ALL
-            .into_iter()
-            .find(|k| k.name() == s)
-            .ok_or_else(|| {
-                let names: Vec<&str> = Self::ALL.iter().map(|k| k.name()).collect();
-                format!(
-                    "unknown policy `{s}` (expected one of {})",
-                    names.join(", ")
-                )
-            })
+        Self::ALL.into_iter().find(|k| k.name() == s).ok_or_else(|| {
+            let names: Vec<&str> = Self::ALL.iter().map(|k| k.name()).collect();
+            format!("unknown policy `{s}` (expected one of {})", names.join(", "))
+        })
     }
 }
 

@@ -31,11 +31,7 @@ mod tests {
 
     #[test]
     fn the_most_loaded_worker_never_wins() {
-        let cands = [
-            Candidate { id: 0, load: 9 },
-            Candidate { id: 1, load: 1 },
-            Candidate { id: 2, load: 2 },
-        ];
+        let cands = [Candidate { id: 0, load: 9 }, Candidate { id: 1, load: 1 }, Candidate { id: 2, load: 2 }];
         let mut rng = FastRng::seeded(5);
         let mut hits = [0; 3];
         for _ in 0..300 {
