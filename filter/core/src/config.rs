@@ -4,6 +4,7 @@
 use serde::Deserialize;
 use thiserror::Error;
 
+use crate::pd::Decider;
 use crate::policy::{CacheAwareParams, PolicyKind};
 use crate::worker::{AddrError, WorkerTable};
 
@@ -35,6 +36,64 @@ pub struct Config {
     pub max_payload_size: u64,
     /// The static workers, used until a control-plane snapshot arrives.
     pub workers: WorkerTable,
+    /// Prefill/decode disaggregation, when enabled.
+    pub pd: Option<PdConfig>,
+    /// Upper bound of a request (and of the prefill leg), like sglang-router's flag.
+    pub request_timeout_secs: u64,
+    /// Passive health: this many consecutive failures take a worker out of rotation for
+    /// `cb_timeout_duration_secs` (sglang-router's circuit-breaker flags).
+    pub cb_failure_threshold: u32,
+    pub cb_timeout_duration_secs: u64,
+}
+
+/// PD mode settings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PdConfig {
+    pub prefill_policy: PolicyKind,
+    pub decode_policy: PolicyKind,
+    pub decider: Decider,
+}
+
+/// A `--prefill URL [BOOTSTRAP_PORT|none]` entry in JSON: `"url"`, `["url", port|null|"none"]`
+/// or `{"url": ..., "bootstrap_port": ...}`.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum PrefillSpec {
+    Url(String),
+    Pair(String, Option<PortSpec>),
+    Object { url: String, bootstrap_port: Option<PortSpec> },
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum PortSpec {
+    Port(u16),
+    Word(String),
+}
+
+impl PrefillSpec {
+    fn parts(self) -> Result<(String, Option<u16>), ConfigError> {
+        let (url, port) = match self {
+            PrefillSpec::Url(u) => (u, None),
+            PrefillSpec::Pair(u, p) | PrefillSpec::Object { url: u, bootstrap_port: p } => (u, p),
+        };
+        let port = match port {
+            None => None,
+            Some(PortSpec::Port(p)) => Some(p),
+            Some(PortSpec::Word(w)) if w.eq_ignore_ascii_case("none") => None,
+            Some(PortSpec::Word(w)) => {
+                return Err(invalid("prefill", format!("bootstrap port `{w}` of {url} is not a port or `none`")))
+            }
+        };
+        Ok((url, port))
+    }
+}
+
+struct PdRaw {
+    prefill_policy: Option<String>,
+    decode_policy: Option<String>,
+    decider: Option<String>,
+    non_cached_tokens: Option<u64>,
 }
 
 /// The JSON form; every key is optional.
@@ -51,6 +110,18 @@ struct Raw {
     max_payload_size: Option<u64>,
     #[serde(default)]
     worker_urls: Vec<String>,
+    pd_disaggregation: Option<bool>,
+    #[serde(default)]
+    prefill: Vec<PrefillSpec>,
+    #[serde(default)]
+    decode: Vec<String>,
+    prefill_policy: Option<String>,
+    decode_policy: Option<String>,
+    pd_decider: Option<String>,
+    non_cached_tokens: Option<u64>,
+    request_timeout_secs: Option<u64>,
+    cb_failure_threshold: Option<u32>,
+    cb_timeout_duration_secs: Option<u64>,
 }
 
 pub const DEFAULT_CACHE_THRESHOLD: f64 = 0.3;
@@ -60,6 +131,10 @@ pub const DEFAULT_EVICTION_INTERVAL_SECS: u64 = 120;
 pub const DEFAULT_MAX_TREE_SIZE: u64 = 1 << 26;
 pub const DEFAULT_BLOCK_SIZE: usize = 32;
 pub const DEFAULT_MAX_PAYLOAD_SIZE: u64 = 256 * 1024 * 1024;
+pub const DEFAULT_REQUEST_TIMEOUT_SECS: u64 = 1800;
+pub const DEFAULT_CB_FAILURE_THRESHOLD: u32 = 10;
+pub const DEFAULT_CB_TIMEOUT_DURATION_SECS: u64 = 60;
+pub const DEFAULT_NON_CACHED_TOKENS: u64 = 128;
 
 impl Default for Config {
     fn default() -> Self {
@@ -75,8 +150,23 @@ impl Default for Config {
             block_size: DEFAULT_BLOCK_SIZE,
             max_payload_size: DEFAULT_MAX_PAYLOAD_SIZE,
             workers: WorkerTable::default(),
+            pd: None,
+            request_timeout_secs: DEFAULT_REQUEST_TIMEOUT_SECS,
+            cb_failure_threshold: DEFAULT_CB_FAILURE_THRESHOLD,
+            cb_timeout_duration_secs: DEFAULT_CB_TIMEOUT_DURATION_SECS,
         }
     }
+}
+
+fn policy_named(field: &'static str, name: Option<String>, default: PolicyKind) -> Result<PolicyKind, ConfigError> {
+    let policy = match name {
+        Some(p) => p.parse::<PolicyKind>().map_err(|e| invalid(field, e))?,
+        None => default,
+    };
+    if !policy.implemented() {
+        return Err(invalid(field, format!("`{policy}` is not available in this build yet")));
+    }
+    Ok(policy)
 }
 
 impl Config {
@@ -87,13 +177,13 @@ impl Config {
         }
         let raw: Raw = serde_json::from_slice(bytes).map_err(|e| ConfigError::Json(e.to_string()))?;
         let d = Self::default();
-        let policy = match raw.policy {
-            Some(p) => p.parse::<PolicyKind>().map_err(|e| invalid("policy", e))?,
-            None => d.policy,
+        let pd_raw = PdRaw {
+            prefill_policy: raw.prefill_policy,
+            decode_policy: raw.decode_policy,
+            decider: raw.pd_decider,
+            non_cached_tokens: raw.non_cached_tokens,
         };
-        if !policy.implemented() {
-            return Err(invalid("policy", format!("`{policy}` is not available in this build yet")));
-        }
+        let policy = policy_named("policy", raw.policy, d.policy)?;
         let cache_threshold = raw.cache_threshold.unwrap_or(d.cache_aware.cache_threshold);
         if !(0.0..=1.0).contains(&cache_threshold) {
             return Err(invalid("cache_threshold", format!("{cache_threshold} is not between 0 and 1")));
@@ -111,7 +201,7 @@ impl Config {
         if block_size > 1 << 20 {
             return Err(invalid("block_size", format!("{block_size} is larger than 1 MiB")));
         }
-        Ok(Self {
+        Self {
             policy,
             cache_aware: CacheAwareParams {
                 cache_threshold,
@@ -126,8 +216,57 @@ impl Config {
             max_tree_size: positive("max_tree_size", raw.max_tree_size, d.max_tree_size)?,
             block_size: block_size as usize,
             max_payload_size: positive("max_payload_size", raw.max_payload_size, d.max_payload_size)?,
-            workers: WorkerTable::from_urls(&raw.worker_urls)?,
-        })
+            request_timeout_secs: positive("request_timeout_secs", raw.request_timeout_secs, d.request_timeout_secs)?,
+            cb_failure_threshold: positive(
+                "cb_failure_threshold",
+                raw.cb_failure_threshold.map(u64::from),
+                u64::from(d.cb_failure_threshold),
+            )? as u32,
+            cb_timeout_duration_secs: positive(
+                "cb_timeout_duration_secs",
+                raw.cb_timeout_duration_secs,
+                d.cb_timeout_duration_secs,
+            )?,
+            pd: None,
+            workers: WorkerTable::default(),
+        }
+        .with_workers(raw.pd_disaggregation.unwrap_or(false), raw.worker_urls, raw.prefill, raw.decode, pd_raw)
+    }
+
+    /// Fills in the worker table (and the PD settings in PD mode).
+    fn with_workers(
+        mut self,
+        pd: bool,
+        worker_urls: Vec<String>,
+        prefill: Vec<PrefillSpec>,
+        decode: Vec<String>,
+        pd_raw: PdRaw,
+    ) -> Result<Self, ConfigError> {
+        if !pd {
+            if !prefill.is_empty() || !decode.is_empty() {
+                return Err(invalid("prefill", "prefill and decode workers need \"pd_disaggregation\": true"));
+            }
+            self.workers = WorkerTable::from_urls(&worker_urls)?;
+            return Ok(self);
+        }
+        if !worker_urls.is_empty() {
+            return Err(invalid("worker_urls", "in PD mode workers are given as `prefill` and `decode`"));
+        }
+        let prefill = prefill.into_iter().map(PrefillSpec::parts).collect::<Result<Vec<_>, _>>()?;
+        self.workers = WorkerTable::pd(&prefill, &decode)?;
+        let decider = match pd_raw.decider.as_deref() {
+            None | Some("always") => Decider::Always,
+            Some("prefix") => {
+                Decider::Prefix { non_cached_tokens: pd_raw.non_cached_tokens.unwrap_or(DEFAULT_NON_CACHED_TOKENS) }
+            }
+            Some(other) => return Err(invalid("pd_decider", format!("unknown decider `{other}` (always, prefix)"))),
+        };
+        self.pd = Some(PdConfig {
+            prefill_policy: policy_named("prefill_policy", pd_raw.prefill_policy, PolicyKind::CacheAware)?,
+            decode_policy: policy_named("decode_policy", pd_raw.decode_policy, PolicyKind::PowerOfTwo)?,
+            decider,
+        });
+        Ok(self)
     }
 
     /// The per-worker index budget in blocks.
@@ -163,6 +302,27 @@ mod tests {
         assert_eq!(c.cache_aware.balance_abs_threshold, 2);
         assert_eq!(c.workers.workers[0].addr, "127.0.0.1:30001");
         assert_eq!(c.max_payload_size, 1024);
+    }
+
+    #[test]
+    fn pd_config() {
+        let c = Config::from_json(
+            br#"{"pd_disaggregation":true,
+                "prefill":[["http://127.0.0.1:1",8998],["http://127.0.0.1:2","none"],{"url":"http://127.0.0.1:5","bootstrap_port":null},"http://127.0.0.1:6"],
+                "decode":["http://127.0.0.1:3"],"pd_decider":"prefix","non_cached_tokens":64}"#,
+        )
+        .unwrap();
+        let pd = c.pd.unwrap();
+        assert_eq!((pd.prefill_policy, pd.decode_policy), (PolicyKind::CacheAware, PolicyKind::PowerOfTwo));
+        assert_eq!(pd.decider, Decider::Prefix { non_cached_tokens: 64 });
+        let ports: Vec<Option<u16>> = c.workers.workers.iter().map(|w| w.bootstrap_port).collect();
+        assert_eq!(ports, vec![Some(8998), None, None, None, None]);
+        let err = |json: &str| Config::from_json(json.as_bytes()).unwrap_err().to_string();
+        assert!(err(r#"{"prefill":["http://127.0.0.1:1"]}"#).contains("pd_disaggregation"));
+        assert!(err(r#"{"pd_disaggregation":true,"worker_urls":["http://127.0.0.1:1"]}"#).contains("`worker_urls`"));
+        assert!(err(r#"{"pd_disaggregation":true,"prefill":[["http://127.0.0.1:1","x"]]}"#).contains("`prefill`"));
+        assert!(err(r#"{"pd_disaggregation":true,"pd_decider":"sometimes"}"#).contains("`pd_decider`"));
+        assert!(err(r#"{"pd_disaggregation":true,"decode_policy":"nope"}"#).contains("`decode_policy`"));
     }
 
     #[test]

@@ -14,9 +14,12 @@
 //! - [`errors`]: the OpenAI-style JSON error body the gateway answers with.
 
 pub mod blocks;
+pub mod bootstrap;
 pub mod config;
 pub mod errors;
 pub mod index;
+pub mod logprobs;
+pub mod pd;
 pub mod policy;
 pub mod request;
 pub mod rng;
@@ -27,4 +30,4 @@ pub use config::{Config, ConfigError};
 pub use errors::ErrorBody;
 pub use request::{Endpoint, ParsedRequest, RequestError};
 pub use router::{Decision, Router};
-pub use worker::{Worker, WorkerId, WorkerTable};
+pub use worker::{Role, Worker, WorkerId, WorkerTable};

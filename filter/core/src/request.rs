@@ -49,6 +49,8 @@ pub enum RequestError {
     EmptyList { field: String },
     #[error("request must contain {0}")]
     Missing(&'static str),
+    #[error("field `{field}` has {got} entries but the batch has {expected} items")]
+    BatchLength { field: String, expected: usize, got: usize },
     #[error("request body is larger than the limit of {limit} bytes")]
     TooLarge { limit: u64 },
 }
@@ -67,7 +69,7 @@ impl RequestError {
         match self {
             Self::TooLarge { .. } => "payload_too_large",
             Self::EmptyBody | Self::MalformedJson(_) | Self::NotAnObject => "invalid_json",
-            Self::WrongType { .. } | Self::EmptyList { .. } => "invalid_field",
+            Self::WrongType { .. } | Self::EmptyList { .. } | Self::BatchLength { .. } => "invalid_field",
             Self::Missing(_) => "missing_field",
         }
     }
@@ -84,6 +86,12 @@ pub struct ParsedRequest<'a> {
     pub stream: bool,
     /// `Some(n)` when the request is a batch of `n` items.
     pub batch: Option<usize>,
+    /// SGLang's `return_logprob` (any item, for batches).
+    pub return_logprob: bool,
+    /// Whether the client set `rid` itself.
+    pub has_rid: bool,
+    /// Whether the client sent any `bootstrap_*` field (the gateway sets them in PD mode).
+    pub has_bootstrap: bool,
 }
 
 /// The fields of any of the three endpoints that routing looks at; all else is skipped.
@@ -99,6 +107,57 @@ struct Fields<'a> {
     prompt: Option<&'a RawValue>,
     #[serde(borrow)]
     stream: Option<&'a RawValue>,
+    #[serde(borrow)]
+    return_logprob: Option<&'a RawValue>,
+    #[serde(borrow)]
+    rid: Option<&'a RawValue>,
+    #[serde(borrow)]
+    bootstrap_host: Option<&'a RawValue>,
+    #[serde(borrow)]
+    bootstrap_port: Option<&'a RawValue>,
+    #[serde(borrow)]
+    bootstrap_room: Option<&'a RawValue>,
+}
+
+/// Per-item fields of SGLang's batch requests: when a batch carries one as a list, the list
+/// must have one entry per item.
+const BATCH_FIELDS: [&str; 9] = [
+    "sampling_params",
+    "rid",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_text_in_logprobs",
+    "lora_path",
+    "image_data",
+    "custom_logit_processor",
+];
+
+/// Checks that every per-item list field of a batch of `n` has `n` entries.
+fn check_batch_fields(body: &[u8], n: usize) -> Result<(), RequestError> {
+    let all: std::collections::HashMap<&str, &RawValue> =
+        serde_json::from_slice(body).map_err(|e| RequestError::MalformedJson(e.to_string()))?;
+    for field in BATCH_FIELDS {
+        let Some(raw) = all.get(field) else { continue };
+        if raw.get().starts_with('[') {
+            let items: Vec<&RawValue> = serde_json::from_str(raw.get()).map_err(|_| wrong_type(field, "a list"))?;
+            if items.len() != n {
+                return Err(RequestError::BatchLength { field: field.to_string(), expected: n, got: items.len() });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `return_logprob`: a boolean, or (batches) a list of booleans; true if any is true.
+fn logprob_requested(raw: Option<&RawValue>) -> Result<bool, RequestError> {
+    let Some(raw) = present(raw) else { return Ok(false) };
+    if raw.get().starts_with('[') {
+        let flags: Vec<bool> = serde_json::from_str(raw.get())
+            .map_err(|_| wrong_type("return_logprob", "a boolean or a list of booleans"))?;
+        return Ok(flags.contains(&true));
+    }
+    serde_json::from_str(raw.get()).map_err(|_| wrong_type("return_logprob", "a boolean or a list of booleans"))
 }
 
 /// Parses `body` for `endpoint` and extracts its routing text.
@@ -122,7 +181,20 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest<'_>, Reque
             None => return Err(RequestError::Missing("`messages`")),
         },
     };
-    Ok(ParsedRequest { endpoint, text, stream, batch })
+    if let Some(n) = batch {
+        check_batch_fields(body, n)?;
+    }
+    Ok(ParsedRequest {
+        endpoint,
+        text,
+        stream,
+        batch,
+        return_logprob: logprob_requested(fields.return_logprob)?,
+        has_rid: present(fields.rid).is_some(),
+        has_bootstrap: [fields.bootstrap_host, fields.bootstrap_port, fields.bootstrap_room]
+            .iter()
+            .any(|f| f.is_some()),
+    })
 }
 
 fn parse_object(body: &[u8]) -> Result<Fields<'_>, RequestError> {
@@ -394,6 +466,29 @@ mod tests {
             RequestError::Missing("`text` or `input_ids`")
         );
         assert_eq!(err(Endpoint::ChatCompletions, r#"{}"#), RequestError::Missing("`messages`"));
+    }
+
+    #[test]
+    fn batch_fields_must_match_the_batch() {
+        let ok = r#"{"text":["a","b"],"sampling_params":[{},{}],"rid":["x","y"],"return_logprob":[false,true]}"#;
+        let p = parse(Endpoint::Generate, ok.as_bytes()).unwrap();
+        assert!(p.return_logprob && p.has_rid && !p.has_bootstrap);
+        let e = err(Endpoint::Generate, r#"{"text":["a","b","c"],"sampling_params":[{},{}]}"#);
+        assert_eq!(e, RequestError::BatchLength { field: "sampling_params".into(), expected: 3, got: 2 });
+        assert!(e.to_string().contains("`sampling_params`"));
+        assert!(err(Endpoint::Completions, r#"{"prompt":["a","b"],"rid":["x"]}"#).to_string().contains("`rid`"));
+        // A single dict of sampling params applies to every item.
+        assert!(parse(Endpoint::Generate, br#"{"text":["a","b"],"sampling_params":{"temperature":0}}"#).is_ok());
+    }
+
+    #[test]
+    fn logprob_and_bootstrap_flags() {
+        let p = parse(Endpoint::Generate, br#"{"text":"a","return_logprob":true,"bootstrap_room":5}"#).unwrap();
+        assert!(p.return_logprob && p.has_bootstrap && !p.has_rid);
+        assert!(!parse(Endpoint::Generate, br#"{"text":"a","return_logprob":false}"#).unwrap().return_logprob);
+        assert!(err(Endpoint::Generate, r#"{"text":"a","return_logprob":"yes"}"#)
+            .to_string()
+            .contains("`return_logprob`"));
     }
 
     #[test]

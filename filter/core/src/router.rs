@@ -1,6 +1,6 @@
 //! The router: one policy plus the prefix index it consults, behind one call per request.
 
-use crate::blocks::block_hashes;
+use crate::blocks::{block_hashes, covered_bytes};
 use crate::config::Config;
 use crate::index::PrefixIndex;
 use crate::policy::{CacheAware, Candidate, PolicyKind, PowerOfTwo, Random, RoundRobin};
@@ -26,6 +26,8 @@ pub struct Decision {
 
 pub struct Router {
     kind: PolicyKind,
+    /// Index prefixes even under a text-blind policy (the PD prefix decider needs it).
+    track: bool,
     round_robin: RoundRobin,
     cache_aware: CacheAware,
     index: PrefixIndex,
@@ -35,8 +37,14 @@ pub struct Router {
 
 impl Router {
     pub fn new(config: &Config) -> Self {
+        Self::with_policy(config, config.policy)
+    }
+
+    /// A router with `config`'s parameters and another policy (one leg of PD mode).
+    pub fn with_policy(config: &Config, kind: PolicyKind) -> Self {
         Self {
-            kind: config.policy,
+            kind,
+            track: false,
             round_robin: RoundRobin::default(),
             cache_aware: CacheAware::new(config.cache_aware),
             index: PrefixIndex::new(),
@@ -49,6 +57,16 @@ impl Router {
         self.kind
     }
 
+    /// Keeps the prefix index (and reports matches) whatever the policy.
+    pub fn track_prefixes(&mut self, on: bool) {
+        self.track = on;
+    }
+
+    /// Whether routing looks at (and indexes) the text.
+    pub fn uses_text(&self) -> bool {
+        self.track || self.kind.uses_text()
+    }
+
     /// Chooses a candidate for a request whose routing text is `text`, and records the
     /// choice in the index when the policy is cache-aware.
     pub fn route(&mut self, text: &[u8], cands: &[Candidate], rng: &mut dyn Rng) -> Option<Decision> {
@@ -58,7 +76,18 @@ impl Router {
                 let c = self.cache_aware.pick(text.len(), &hashes, self.block_size, cands, &self.index, rng)?;
                 (c.pos, Some(c.reason), c.matched_bytes, hashes)
             }
-            kind => (self.pick_blind(kind, cands, rng)?, None, 0, Vec::new()),
+            kind => {
+                let pos = self.pick_blind(kind, cands, rng)?;
+                if !self.track {
+                    (pos, None, 0, Vec::new())
+                } else {
+                    let hashes = block_hashes(text, self.block_size);
+                    let id = cands[pos].id;
+                    let blocks =
+                        self.index.match_prefix(&hashes).iter().find(|m| m.worker == id).map_or(0, |m| m.blocks);
+                    (pos, None, covered_bytes(blocks, self.block_size, text.len()), hashes)
+                }
+            }
         };
         let worker = cands[pos].id;
         if !hashes.is_empty() {

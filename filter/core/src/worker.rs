@@ -16,6 +16,16 @@ pub enum AddrError {
     Host(String),
 }
 
+/// What a worker does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Regular,
+    /// Runs the prefill of disaggregated requests and serves their KV on its bootstrap port.
+    Prefill,
+    /// Fetches the KV from the prefill worker and decodes.
+    Decode,
+}
+
 /// One worker as the router sees it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Worker {
@@ -24,6 +34,11 @@ pub struct Worker {
     pub url: String,
     /// `ip:port` (`[v6]:port`), the value Envoy's ORIGINAL_DST cluster connects to.
     pub addr: String,
+    /// The URL's host as written (`bootstrap_host` of a prefill worker).
+    pub host: String,
+    pub role: Role,
+    /// A prefill worker's bootstrap port; `None` is sglang-router's `none` (JSON null).
+    pub bootstrap_port: Option<u16>,
     pub healthy: bool,
     /// Load reported from outside this gateway (the control plane's load table).
     pub load: u64,
@@ -31,8 +46,27 @@ pub struct Worker {
 
 impl Worker {
     pub fn from_url(id: WorkerId, url: &str) -> Result<Self, AddrError> {
-        Ok(Self { id, url: url.to_string(), addr: socket_addr(url)?.to_string(), healthy: true, load: 0 })
+        Ok(Self {
+            id,
+            url: url.to_string(),
+            addr: socket_addr(url)?.to_string(),
+            host: url_host(url).to_string(),
+            role: Role::Regular,
+            bootstrap_port: None,
+            healthy: true,
+            load: 0,
+        })
     }
+}
+
+/// The host of an URL as written: no scheme, no port, no path (IPv6 keeps its brackets).
+pub fn url_host(url: &str) -> &str {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let authority = rest.split('/').next().unwrap_or(rest);
+    if authority.starts_with('[') {
+        return authority.split_once(']').map_or(authority, |(h, _)| &authority[..h.len() + 1]);
+    }
+    authority.split(':').next().unwrap_or(authority)
 }
 
 /// Parses `http://host:port[/...]` into a socket address; `localhost` means 127.0.0.1.
@@ -69,8 +103,30 @@ impl WorkerTable {
         Ok(Self { version: 0, workers })
     }
 
+    /// A static table for PD mode: prefill workers (with bootstrap ports) then decode workers.
+    pub fn pd<S: AsRef<str>>(prefill: &[(S, Option<u16>)], decode: &[S]) -> Result<Self, AddrError> {
+        let mut workers = Vec::with_capacity(prefill.len() + decode.len());
+        for (url, port) in prefill {
+            let mut w = Worker::from_url(workers.len() as WorkerId, url.as_ref())?;
+            w.role = Role::Prefill;
+            w.bootstrap_port = *port;
+            workers.push(w);
+        }
+        for url in decode {
+            let mut w = Worker::from_url(workers.len() as WorkerId, url.as_ref())?;
+            w.role = Role::Decode;
+            workers.push(w);
+        }
+        Ok(Self { version: 0, workers })
+    }
+
     pub fn healthy(&self) -> impl Iterator<Item = &Worker> {
         self.workers.iter().filter(|w| w.healthy)
+    }
+
+    /// Healthy workers with `role`.
+    pub fn healthy_with(&self, role: Role) -> impl Iterator<Item = &Worker> {
+        self.healthy().filter(move |w| w.role == role)
     }
 
     pub fn get(&self, id: WorkerId) -> Option<&Worker> {
@@ -91,6 +147,27 @@ mod tests {
         assert!(socket_addr("http://1.2.3.4").is_err());
         assert!(socket_addr("http://worker-0.svc:8000").is_err());
         assert!(socket_addr("http://1.2.3.4:99999").is_err());
+    }
+
+    #[test]
+    fn hosts_as_written() {
+        assert_eq!(url_host("http://localhost:30001"), "localhost");
+        assert_eq!(url_host("http://10.1.2.3:30001/x"), "10.1.2.3");
+        assert_eq!(url_host("http://[::1]:30001"), "[::1]");
+        assert_eq!(url_host("prefill-0.svc"), "prefill-0.svc");
+    }
+
+    #[test]
+    fn pd_table_has_roles_and_ports() {
+        let t = WorkerTable::pd(
+            &[("http://127.0.0.1:1", Some(8998)), ("http://127.0.0.1:2", None)],
+            &["http://127.0.0.1:3"],
+        )
+        .unwrap();
+        assert_eq!(t.healthy_with(Role::Prefill).count(), 2);
+        assert_eq!(t.workers[1].bootstrap_port, None);
+        assert_eq!(t.workers[2].role, Role::Decode);
+        assert_eq!(t.workers[2].id, 2);
     }
 
     #[test]

@@ -1,0 +1,173 @@
+//! PD bootstrap injection: what SGLang's router adds to both legs of a disaggregated request.
+//!
+//! `bootstrap_host` (the prefill worker's host), `bootstrap_port` (its bootstrap port, or
+//! null for `none`) and `bootstrap_room` (a random 63-bit id the decode worker uses to fetch
+//! the KV) go into the body, identical for both legs; for a batch of N each is a list of N
+//! (rooms distinct). The request id becomes `rid` when the client set none. Every other
+//! field passes through byte for byte: the fields are spliced in before the object's closing
+//! brace, unless the client sent its own `bootstrap_*` fields, which are then replaced.
+
+use serde_json::{Map, Value};
+
+use crate::request::{Endpoint, ParsedRequest, RequestError};
+
+/// The fields to inject.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Bootstrap {
+    pub host: String,
+    pub port: Option<u16>,
+    /// One room per item (one for a single request).
+    pub rooms: Vec<u64>,
+    /// The request id to use as `rid` when the client gave none.
+    pub request_id: Option<String>,
+}
+
+/// `n` random rooms below 2^63 (sglang-router masks a random u64 to 63 bits).
+pub fn random_rooms(n: usize, rng: impl FnMut() -> u64) -> Vec<u64> {
+    let mut next = rng;
+    (0..n.max(1)).map(|_| next() & (i64::MAX as u64)).collect()
+}
+
+impl Bootstrap {
+    fn fields(&self, parsed: &ParsedRequest<'_>) -> Vec<(&'static str, Value)> {
+        let host = Value::from(self.host.as_str());
+        let port = self.port.map_or(Value::Null, Value::from);
+        let mut fields = match parsed.batch {
+            Some(n) => vec![
+                ("bootstrap_host", Value::Array(vec![host; n])),
+                ("bootstrap_port", Value::Array(vec![port; n])),
+                ("bootstrap_room", Value::Array(self.rooms.iter().take(n).map(|&r| Value::from(r)).collect())),
+            ],
+            None => vec![
+                ("bootstrap_host", host),
+                ("bootstrap_port", port),
+                ("bootstrap_room", Value::from(self.rooms.first().copied().unwrap_or(0))),
+            ],
+        };
+        if let (false, Some(id)) = (parsed.has_rid, &self.request_id) {
+            let rid = match (parsed.endpoint, parsed.batch) {
+                // SGLang's batch /generate takes one rid per item.
+                (Endpoint::Generate, Some(n)) => {
+                    Value::Array((0..n).map(|i| Value::from(format!("{id}-{i}"))).collect())
+                }
+                _ => Value::from(id.as_str()),
+            };
+            fields.push(("rid", rid));
+        }
+        fields
+    }
+
+    /// The body both legs receive.
+    pub fn inject(&self, body: &[u8], parsed: &ParsedRequest<'_>) -> Result<Vec<u8>, RequestError> {
+        let fields = self.fields(parsed);
+        if !parsed.has_bootstrap {
+            if let Some(out) = splice(body, &fields) {
+                return Ok(out);
+            }
+        }
+        let mut map: Map<String, Value> =
+            serde_json::from_slice(body).map_err(|e| RequestError::MalformedJson(e.to_string()))?;
+        for (k, v) in fields {
+            map.insert(k.to_string(), v);
+        }
+        serde_json::to_vec(&map).map_err(|e| RequestError::MalformedJson(e.to_string()))
+    }
+}
+
+/// Appends `fields` inside the top-level object, before its closing brace.
+fn splice(body: &[u8], fields: &[(&str, Value)]) -> Option<Vec<u8>> {
+    let end = body.iter().rposition(|b| !b.is_ascii_whitespace())?;
+    if body[end] != b'}' {
+        return None;
+    }
+    let empty = body[..end].iter().rev().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
+    let mut out = Vec::with_capacity(body.len() + 160);
+    out.extend_from_slice(&body[..end]);
+    for (i, (k, v)) in fields.iter().enumerate() {
+        if i > 0 || !empty {
+            out.push(b',');
+        }
+        out.push(b'"');
+        out.extend_from_slice(k.as_bytes());
+        out.extend_from_slice(b"\":");
+        out.extend_from_slice(v.to_string().as_bytes());
+    }
+    out.extend_from_slice(&body[end..]);
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::request::parse;
+
+    fn boot(port: Option<u16>, rooms: Vec<u64>) -> Bootstrap {
+        Bootstrap { host: "10.0.0.7".into(), port, rooms, request_id: Some("req-1".into()) }
+    }
+
+    fn inject(endpoint: Endpoint, body: &str, b: &Bootstrap) -> Value {
+        let parsed = parse(endpoint, body.as_bytes()).unwrap();
+        let out = b.inject(body.as_bytes(), &parsed).unwrap();
+        serde_json::from_slice(&out).unwrap()
+    }
+
+    #[test]
+    fn single_request_gets_the_three_fields_and_rid() {
+        let v = inject(
+            Endpoint::ChatCompletions,
+            r#"{"messages":[{"role":"user","content":"hi"}],"temperature":0.7}"#,
+            &boot(Some(8998), vec![42]),
+        );
+        assert_eq!(v["bootstrap_host"], "10.0.0.7");
+        assert_eq!(v["bootstrap_port"], 8998);
+        assert_eq!(v["bootstrap_room"], 42);
+        assert_eq!(v["rid"], "req-1");
+        assert_eq!(v["temperature"], 0.7, "other fields pass through");
+    }
+
+    #[test]
+    fn none_port_is_json_null_and_client_rid_is_kept() {
+        let v = inject(Endpoint::Generate, r#"{"text":"a","rid":"mine"}"#, &boot(None, vec![1]));
+        assert!(v["bootstrap_port"].is_null() && v.get("bootstrap_port").is_some());
+        assert_eq!(v["rid"], "mine");
+    }
+
+    #[test]
+    fn batches_get_lists_with_distinct_rooms() {
+        let v = inject(Endpoint::Generate, r#"{"text":["a","b","c"]}"#, &boot(Some(9), vec![1, 2, 3]));
+        assert_eq!(v["bootstrap_host"], serde_json::json!(["10.0.0.7", "10.0.0.7", "10.0.0.7"]));
+        assert_eq!(v["bootstrap_port"], serde_json::json!([9, 9, 9]));
+        assert_eq!(v["bootstrap_room"], serde_json::json!([1, 2, 3]));
+        assert_eq!(v["rid"], serde_json::json!(["req-1-0", "req-1-1", "req-1-2"]));
+        let v = inject(Endpoint::Completions, r#"{"prompt":["a","b"]}"#, &boot(None, vec![5, 6]));
+        assert_eq!(v["bootstrap_port"], serde_json::json!([null, null]));
+        assert_eq!(v["rid"], "req-1");
+    }
+
+    #[test]
+    fn splicing_keeps_the_body_bytes_and_handles_empty_objects() {
+        let body = "{\"text\": \"a\",  \"x\": {\"y\": 1}}\n";
+        let parsed = parse(Endpoint::Generate, body.as_bytes()).unwrap();
+        let out = String::from_utf8(boot(Some(1), vec![2]).inject(body.as_bytes(), &parsed).unwrap()).unwrap();
+        assert!(out.starts_with("{\"text\": \"a\",  \"x\": {\"y\": 1},\"bootstrap_host\""), "{out}");
+        assert_eq!(splice(b"{ }", &[("a", Value::from(1))]).unwrap(), b"{ \"a\":1}");
+    }
+
+    #[test]
+    fn client_bootstrap_fields_are_replaced_not_duplicated() {
+        let body = r#"{"text":"a","bootstrap_room":7,"bootstrap_host":"evil"}"#;
+        let parsed = parse(Endpoint::Generate, body.as_bytes()).unwrap();
+        let out = boot(Some(1), vec![99]).inject(body.as_bytes(), &parsed).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert_eq!(text.matches("bootstrap_room").count(), 1);
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!((v["bootstrap_room"].as_u64(), v["bootstrap_host"].as_str()), (Some(99), Some("10.0.0.7")));
+    }
+
+    #[test]
+    fn rooms_are_63_bit() {
+        let rooms = random_rooms(3, || u64::MAX);
+        assert_eq!(rooms, vec![i64::MAX as u64; 3]);
+        assert_eq!(random_rooms(0, || 5).len(), 1);
+    }
+}

@@ -1,0 +1,222 @@
+//! Merging the prefill leg's input logprobs into the decode leg's response.
+//!
+//! In PD mode the prompt's logprobs are computed by the prefill worker, but the client gets
+//! the decode worker's response. When the client asked for `return_logprob`, the prefill
+//! response's `meta_info.input_token_logprobs` is put in front of the decode response's,
+//! per batch item (`index`): in the JSON body, or in every SSE event that carries them.
+
+use serde_json::Value;
+use thiserror::Error;
+
+#[derive(Debug, Error, PartialEq)]
+pub enum MergeError {
+    #[error("response is not JSON: {0}")]
+    NotJson(String),
+}
+
+/// The prefill leg's input logprobs, per item.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PrefillLogprobs(Vec<Option<Vec<Value>>>);
+
+fn item_logprobs(item: &Value) -> Option<Vec<Value>> {
+    item.get("meta_info")?.get("input_token_logprobs")?.as_array().cloned()
+}
+
+fn item_index(item: &Value, fallback: usize) -> usize {
+    item.get("index").and_then(Value::as_u64).map_or(fallback, |i| i as usize)
+}
+
+impl PrefillLogprobs {
+    /// From the prefill response: a JSON object, a JSON list (batch) or an SSE stream (the
+    /// last event of each item that carries them).
+    pub fn from_response(body: &[u8]) -> Result<Self, MergeError> {
+        let mut out = PrefillLogprobs::default();
+        let first = body.iter().find(|b| !b.is_ascii_whitespace());
+        if matches!(first, Some(b'{' | b'[')) {
+            let v: Value = serde_json::from_slice(body).map_err(|e| MergeError::NotJson(e.to_string()))?;
+            match v {
+                Value::Array(items) => items.iter().enumerate().for_each(|(i, it)| out.set(i, item_logprobs(it))),
+                item => out.set(0, item_logprobs(&item)),
+            }
+            return Ok(out);
+        }
+        for data in sse_data(body) {
+            if let Ok(item) = serde_json::from_str::<Value>(data) {
+                if let Some(lp) = item_logprobs(&item) {
+                    out.set(item_index(&item, 0), Some(lp));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn set(&mut self, index: usize, lp: Option<Vec<Value>>) {
+        if self.0.len() <= index {
+            self.0.resize(index + 1, None);
+        }
+        self.0[index] = lp;
+    }
+
+    pub fn get(&self, index: usize) -> Option<&[Value]> {
+        self.0.get(index).and_then(|o| o.as_deref())
+    }
+
+    /// Prepends item `index`'s prefill logprobs to `item`'s own, if it carries them.
+    fn merge_into(&self, item: &mut Value, index: usize) -> bool {
+        let Some(prefill) = self.get(index) else { return false };
+        let Some(own) = item.get_mut("meta_info").and_then(|m| m.get_mut("input_token_logprobs")) else {
+            return false;
+        };
+        let Some(list) = own.as_array_mut() else { return false };
+        let mut merged = prefill.to_vec();
+        merged.append(list);
+        *list = merged;
+        true
+    }
+
+    /// Merges into a complete JSON response (object or batch list).
+    pub fn merge_json(&self, decode: &[u8]) -> Result<Vec<u8>, MergeError> {
+        let mut v: Value = serde_json::from_slice(decode).map_err(|e| MergeError::NotJson(e.to_string()))?;
+        match &mut v {
+            Value::Array(items) => {
+                for (i, item) in items.iter_mut().enumerate() {
+                    self.merge_into(item, i);
+                }
+            }
+            item => {
+                self.merge_into(item, 0);
+            }
+        }
+        serde_json::to_vec(&v).map_err(|e| MergeError::NotJson(e.to_string()))
+    }
+}
+
+/// The `data:` payloads of the complete events in `body`.
+fn sse_data(body: &[u8]) -> impl Iterator<Item = &str> {
+    std::str::from_utf8(body).unwrap_or("").lines().filter_map(|l| l.strip_prefix("data:")).map(str::trim)
+}
+
+/// Rewrites an SSE stream chunk by chunk, merging into each event that carries logprobs.
+/// Partial events are held back until their end arrives.
+pub struct SseMerger {
+    prefill: PrefillLogprobs,
+    pending: Vec<u8>,
+}
+
+impl SseMerger {
+    pub fn new(prefill: PrefillLogprobs) -> Self {
+        Self { prefill, pending: Vec::new() }
+    }
+
+    /// The rewritten bytes for the complete events now available.
+    pub fn push(&mut self, chunk: &[u8]) -> Vec<u8> {
+        self.pending.extend_from_slice(chunk);
+        let Some(end) = last_event_end(&self.pending) else { return Vec::new() };
+        let complete: Vec<u8> = self.pending.drain(..end).collect();
+        self.rewrite(&complete)
+    }
+
+    /// Whatever is left at the end of the stream.
+    pub fn finish(&mut self) -> Vec<u8> {
+        let rest = std::mem::take(&mut self.pending);
+        self.rewrite(&rest)
+    }
+
+    fn rewrite(&self, events: &[u8]) -> Vec<u8> {
+        let Ok(text) = std::str::from_utf8(events) else { return events.to_vec() };
+        let mut out = String::with_capacity(text.len() + 256);
+        for line in text.split_inclusive('\n') {
+            let Some(data) = line.strip_prefix("data:") else {
+                out.push_str(line);
+                continue;
+            };
+            let eol = &line[line.trim_end_matches(['\r', '\n']).len()..];
+            match serde_json::from_str::<Value>(data.trim()) {
+                Ok(mut item) => {
+                    let index = item_index(&item, 0);
+                    if self.prefill.merge_into(&mut item, index) {
+                        out.push_str("data: ");
+                        out.push_str(&item.to_string());
+                        out.push_str(eol);
+                    } else {
+                        out.push_str(line);
+                    }
+                }
+                Err(_) => out.push_str(line),
+            }
+        }
+        out.into_bytes()
+    }
+}
+
+/// The end of the last complete event (after its blank line) in `buf`.
+fn last_event_end(buf: &[u8]) -> Option<usize> {
+    let lf = buf.windows(2).rposition(|w| w == b"\n\n").map(|i| i + 2);
+    let crlf = buf.windows(4).rposition(|w| w == b"\r\n\r\n").map(|i| i + 4);
+    lf.max(crlf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn lp(ids: &[i64]) -> Value {
+        Value::Array(ids.iter().map(|&i| json!([-0.1 * i as f64, i, null])).collect())
+    }
+
+    #[test]
+    fn json_single_and_batch() {
+        let prefill = json!({"text": "", "meta_info": {"input_token_logprobs": lp(&[1, 2, 3])}});
+        let p = PrefillLogprobs::from_response(prefill.to_string().as_bytes()).unwrap();
+        let decode = json!({"text": "x", "meta_info": {"input_token_logprobs": lp(&[4]), "id": "r"}});
+        let merged: Value = serde_json::from_slice(&p.merge_json(decode.to_string().as_bytes()).unwrap()).unwrap();
+        assert_eq!(merged["meta_info"]["input_token_logprobs"], lp(&[1, 2, 3, 4]));
+        assert_eq!(merged["meta_info"]["id"], "r");
+
+        let prefill = json!([{"meta_info": {"input_token_logprobs": lp(&[1])}}, {"meta_info": {"input_token_logprobs": lp(&[2])}}]);
+        let p = PrefillLogprobs::from_response(prefill.to_string().as_bytes()).unwrap();
+        let decode =
+            json!([{"meta_info": {"input_token_logprobs": lp(&[9])}}, {"meta_info": {"input_token_logprobs": []}}]);
+        let merged: Value = serde_json::from_slice(&p.merge_json(decode.to_string().as_bytes()).unwrap()).unwrap();
+        assert_eq!(merged[0]["meta_info"]["input_token_logprobs"], lp(&[1, 9]));
+        assert_eq!(merged[1]["meta_info"]["input_token_logprobs"], lp(&[2]));
+    }
+
+    #[test]
+    fn prefill_sse_takes_each_items_last_logprobs() {
+        let sse = format!(
+            "data: {}\n\ndata: {}\n\ndata: [DONE]\n\n",
+            json!({"index": 1, "meta_info": {"input_token_logprobs": lp(&[7])}}),
+            json!({"index": 0, "meta_info": {"input_token_logprobs": lp(&[5, 6])}})
+        );
+        let p = PrefillLogprobs::from_response(sse.as_bytes()).unwrap();
+        assert_eq!(p.get(0).unwrap().len(), 2);
+        assert_eq!(p.get(1).unwrap().len(), 1);
+        assert_eq!(p.get(2), None);
+    }
+
+    #[test]
+    fn sse_events_are_merged_across_chunk_boundaries() {
+        let p = PrefillLogprobs::from_response(
+            json!({"meta_info": {"input_token_logprobs": lp(&[1, 2])}}).to_string().as_bytes(),
+        )
+        .unwrap();
+        let mut m = SseMerger::new(p);
+        let e1 = format!("data: {}\n\n", json!({"text": "a", "meta_info": {"input_token_logprobs": lp(&[3])}}));
+        let e2 = format!("data: {}\n\n", json!({"text": "ab", "meta_info": {"completion_tokens": 2}}));
+        let stream = format!("{e1}{e2}data: [DONE]\n\n");
+        let (a, b) = stream.as_bytes().split_at(e1.len() - 5);
+        let mut out = m.push(a);
+        assert!(out.is_empty(), "a partial event is held back");
+        out.extend(m.push(b));
+        out.extend(m.finish());
+        let text = String::from_utf8(out).unwrap();
+        let events: Vec<&str> = text.split("\n\n").filter(|e| !e.is_empty()).collect();
+        assert_eq!(events.len(), 3);
+        let first: Value = serde_json::from_str(events[0].trim_start_matches("data: ")).unwrap();
+        assert_eq!(first["meta_info"]["input_token_logprobs"], lp(&[1, 2, 3]));
+        assert_eq!(events[1], e2.trim_end(), "events without logprobs pass through unchanged");
+        assert_eq!(events[2], "data: [DONE]");
+    }
+}
