@@ -7,7 +7,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{HeaderValue, StatusCode};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -17,6 +17,8 @@ use futures_util::Stream;
 use kvmesh_core::Endpoint;
 use serde_json::{json, Value};
 
+use crate::bootstrap::{self, RoomKv};
+use crate::cli::Role;
 use crate::engine::Engine;
 use crate::prompt::{Job, Prompt};
 
@@ -36,6 +38,7 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/get_model_info", get(model_info))
         .route("/get_server_info", get(server_info))
         .route("/sim/stats", get(stats))
+        .route("/sim/requests", get(recent))
         .layer(DefaultBodyLimit::disable())
         .layer(axum::middleware::map_response(move |mut r: Response| {
             let addr = addr.clone();
@@ -53,16 +56,16 @@ fn error(status: StatusCode, message: &str) -> Response {
     (status, Json(json!({"error": {"message": message, "type": kind, "code": status.as_u16()}}))).into_response()
 }
 
-async fn generate(State(e): Shared, body: Bytes) -> Response {
-    serve(e, Endpoint::Generate, body).await
+async fn generate(State(e): Shared, headers: HeaderMap, body: Bytes) -> Response {
+    serve(e, Endpoint::Generate, &headers, body).await
 }
 
-async fn completions(State(e): Shared, body: Bytes) -> Response {
-    serve(e, Endpoint::Completions, body).await
+async fn completions(State(e): Shared, headers: HeaderMap, body: Bytes) -> Response {
+    serve(e, Endpoint::Completions, &headers, body).await
 }
 
-async fn chat(State(e): Shared, body: Bytes) -> Response {
-    serve(e, Endpoint::ChatCompletions, body).await
+async fn chat(State(e): Shared, headers: HeaderMap, body: Bytes) -> Response {
+    serve(e, Endpoint::ChatCompletions, &headers, body).await
 }
 
 /// One item's result.
@@ -72,16 +75,101 @@ struct Done {
     cached_tokens: u64,
     completion_tokens: u64,
     latency: f64,
+    /// `meta_info.input_token_logprobs`, when asked for.
+    input_logprobs: Option<Value>,
 }
 
 fn token(i: u64) -> String {
     format!(" w{i}")
 }
 
-async fn run_item(e: &Engine, item: &Prompt, max_tokens: u64) -> Option<Done> {
-    let run = e.admit(&item.bytes, item.tokens).await.ok()?;
+/// How one item is served, decided before any byte of the response is sent.
+#[derive(Clone, Copy)]
+enum Plan {
+    /// Prefill here and decode here (regular worker, or a decode worker given no room).
+    Local,
+    /// PD prefill: prefill here, publish the KV under the room, answer one token.
+    Prefill { room: u64 },
+    /// PD decode: the KV came from the prefill worker.
+    Decode { tokens: u64 },
+}
+
+fn prompt_hash(item: &Prompt) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(&item.bytes)
+}
+
+/// Input logprobs in SGLang's shape `[logprob, token_id, text]`; the text says which worker
+/// computed the entry (`p` prefill, `d` decode, `t` a regular worker), so merged lists can
+/// be checked for order.
+fn input_logprobs(item: &Prompt, plan: Plan) -> Value {
+    let entry = |i: u64, tag: char| json!([-((i % 997) as f64) / 1000.0, 1000 + i, format!("{tag}{i}")]);
+    match plan {
+        Plan::Prefill { .. } => Value::Array((0..item.tokens).map(|i| entry(i, 'p')).collect()),
+        Plan::Decode { .. } => json!([entry(item.tokens - 1, 'd')]),
+        Plan::Local => Value::Array((0..item.tokens).map(|i| entry(i, 't')).collect()),
+    }
+}
+
+/// Works out each item's plan; for a decode worker that means fetching the KV of its room.
+async fn plan(e: &Engine, job: &Job) -> Result<Vec<Plan>, (StatusCode, String)> {
+    let mut plans = Vec::with_capacity(job.items.len());
+    for (item, boot) in job.items.iter().zip(&job.boots) {
+        let plan = match (e.args.role, boot.room) {
+            (Role::Regular, _) => Plan::Local,
+            (Role::Prefill, Some(room)) => Plan::Prefill { room },
+            (Role::Prefill, None) => {
+                return Err((StatusCode::BAD_REQUEST, "disaggregated prefill request without bootstrap_room".into()))
+            }
+            (Role::Decode, None) => Plan::Local,
+            (Role::Decode, Some(room)) => {
+                let Some(host) = &boot.host else {
+                    return Err((StatusCode::BAD_REQUEST, format!("bootstrap_room {room} without bootstrap_host")));
+                };
+                let port = boot.port.flatten().unwrap_or(e.args.default_bootstrap_port);
+                let wait = std::time::Duration::from_millis(e.args.bootstrap_timeout_ms);
+                let kv = bootstrap::fetch(host, port, room, wait)
+                    .await
+                    .map_err(|m| (StatusCode::INTERNAL_SERVER_ERROR, m))?;
+                if kv.prompt_hash != prompt_hash(item) {
+                    return Err((
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        format!("KV of bootstrap_room {room} at {host}:{port} was computed for another prompt"),
+                    ));
+                }
+                Plan::Decode { tokens: kv.tokens }
+            }
+        };
+        plans.push(plan);
+    }
+    Ok(plans)
+}
+
+async fn admit<'a>(e: &'a Engine, item: &Prompt, plan: Plan) -> Option<crate::engine::Run<'a>> {
+    let run = match plan {
+        Plan::Decode { tokens } => e.admit_transferred(tokens).await,
+        _ => e.admit(&item.bytes, item.tokens).await,
+    }
+    .ok()?;
+    if let Plan::Prefill { room } = plan {
+        e.rooms.publish(room, RoomKv { prompt_hash: prompt_hash(item), tokens: item.tokens });
+    }
+    Some(run)
+}
+
+fn output_tokens(plan: Plan, max_tokens: u64) -> u64 {
+    // A prefill worker produces the first token only; the decode worker does the rest.
+    if matches!(plan, Plan::Prefill { .. }) {
+        1
+    } else {
+        max_tokens
+    }
+}
+
+async fn run_item(e: &Engine, item: &Prompt, plan: Plan, logprobs: bool, max_tokens: u64) -> Option<Done> {
+    let run = admit(e, item, plan).await?;
+    let n = output_tokens(plan, max_tokens);
     let mut text = String::new();
-    for i in 0..max_tokens {
+    for i in 0..n {
         e.decode_step().await;
         text.push_str(&token(i));
     }
@@ -89,12 +177,16 @@ async fn run_item(e: &Engine, item: &Prompt, max_tokens: u64) -> Option<Done> {
         text,
         prompt_tokens: item.tokens,
         cached_tokens: run.cached_tokens,
-        completion_tokens: max_tokens,
+        completion_tokens: n,
         latency: run.started.elapsed().as_secs_f64(),
+        input_logprobs: logprobs.then(|| input_logprobs(item, plan)),
     })
 }
 
-async fn serve(e: Arc<Engine>, endpoint: Endpoint, body: Bytes) -> Response {
+async fn serve(e: Arc<Engine>, endpoint: Endpoint, headers: &HeaderMap, body: Bytes) -> Response {
+    let request_id = headers.get("x-request-id").and_then(|v| v.to_str().ok()).map(String::from);
+    let recorded = serde_json::from_slice::<Value>(&body).unwrap_or(Value::Null);
+    e.record(json!({"path": endpoint_path(endpoint), "x_request_id": request_id, "body": recorded}));
     let job = match Job::parse(endpoint, &body, e.args.default_max_tokens) {
         Ok(j) => j,
         Err(msg) => return error(StatusCode::BAD_REQUEST, &msg),
@@ -102,11 +194,20 @@ async fn serve(e: Arc<Engine>, endpoint: Endpoint, body: Bytes) -> Response {
     if e.accept().is_err() {
         return error(StatusCode::INTERNAL_SERVER_ERROR, &format!("injected failure on {}", e.addr));
     }
+    let plans = match plan(&e, &job).await {
+        Ok(p) => p,
+        Err((status, msg)) => return error(status, &msg),
+    };
     if job.stream {
-        return Sse::new(stream(e, endpoint, job)).into_response();
+        return Sse::new(stream(e, endpoint, job, plans)).into_response();
     }
-    let done: Option<Vec<Done>> =
-        join_all(job.items.iter().map(|item| run_item(&e, item, job.max_tokens))).await.into_iter().collect();
+    let runs = job
+        .items
+        .iter()
+        .zip(&plans)
+        .zip(&job.logprobs)
+        .map(|((item, &plan), &lp)| run_item(&e, item, plan, lp, job.max_tokens));
+    let done: Option<Vec<Done>> = join_all(runs).await.into_iter().collect();
     let Some(done) = done else {
         return error(StatusCode::SERVICE_UNAVAILABLE, "server is shutting down");
     };
@@ -128,15 +229,29 @@ async fn serve(e: Arc<Engine>, endpoint: Endpoint, body: Bytes) -> Response {
     Json(body).into_response()
 }
 
+fn endpoint_path(endpoint: Endpoint) -> &'static str {
+    match endpoint {
+        Endpoint::Generate => "/generate",
+        Endpoint::Completions => "/v1/completions",
+        Endpoint::ChatCompletions => "/v1/chat/completions",
+    }
+}
+
 fn meta(rid: &str, d: &Done, finished: bool) -> Value {
-    json!({
+    let mut m = json!({
         "id": rid,
         "finish_reason": if finished { json!({"type": "length", "length": d.completion_tokens}) } else { Value::Null },
         "prompt_tokens": d.prompt_tokens,
         "completion_tokens": d.completion_tokens,
         "cached_tokens": d.cached_tokens,
         "e2e_latency": d.latency,
-    })
+    });
+    if let Some(lp) = &d.input_logprobs {
+        m["input_token_logprobs"] = lp.clone();
+        m["output_token_logprobs"] =
+            Value::Array((0..d.completion_tokens).map(|i| json!([-0.25, 2000 + i, Value::Null])).collect());
+    }
+    m
 }
 
 fn generate_item(text: &str, rid: &str, d: &Done, finished: bool) -> Value {
@@ -187,27 +302,35 @@ fn event(v: &Value) -> Result<Event, Infallible> {
 
 /// The SSE stream of a request: SGLang's cumulative-text events for `/generate`, OpenAI
 /// chunks otherwise, then `data: [DONE]`.
-fn stream(e: Arc<Engine>, endpoint: Endpoint, job: Job) -> impl Stream<Item = Result<Event, Infallible>> {
+fn stream(
+    e: Arc<Engine>,
+    endpoint: Endpoint,
+    job: Job,
+    plans: Vec<Plan>,
+) -> impl Stream<Item = Result<Event, Infallible>> {
     async_stream::stream! {
         let id = format!("cmpl-{:024x}", fastrand::u128(..));
         let object = if endpoint == Endpoint::ChatCompletions { "chat.completion.chunk" } else { "text_completion" };
         let mut all = Vec::new();
         for (index, item) in job.items.iter().enumerate() {
             let rid = job.rid(index);
-            let Ok(run) = e.admit(&item.bytes, item.tokens).await else { break };
+            let plan = plans.get(index).copied().unwrap_or(Plan::Local);
+            let lp = job.logprobs.get(index).copied().unwrap_or(false).then(|| input_logprobs(item, plan));
+            let Some(run) = admit(&e, item, plan).await else { break };
             if endpoint == Endpoint::ChatCompletions {
                 yield event(&chunk(&e, &id, object, index, json!({"delta": {"role": "assistant", "content": ""}}), None));
             }
+            let n = output_tokens(plan, job.max_tokens);
             let mut text = String::new();
-            for i in 0..job.max_tokens {
+            for i in 0..n {
                 e.decode_step().await;
                 let piece = token(i);
                 text.push_str(&piece);
-                let last = i + 1 == job.max_tokens;
+                let last = i + 1 == n;
                 let finish = last.then_some("length");
                 let v = match endpoint {
                     Endpoint::Generate => {
-                        let d = Done { text: String::new(), prompt_tokens: item.tokens, cached_tokens: run.cached_tokens, completion_tokens: i + 1, latency: run.started.elapsed().as_secs_f64() };
+                        let d = Done { text: String::new(), prompt_tokens: item.tokens, cached_tokens: run.cached_tokens, completion_tokens: i + 1, latency: run.started.elapsed().as_secs_f64(), input_logprobs: lp.clone() };
                         let mut v = generate_item(&text, &rid, &d, last);
                         v["index"] = json!(index);
                         v
@@ -217,7 +340,7 @@ fn stream(e: Arc<Engine>, endpoint: Endpoint, job: Job) -> impl Stream<Item = Re
                 };
                 yield event(&v);
             }
-            all.push(Done { text, prompt_tokens: item.tokens, cached_tokens: run.cached_tokens, completion_tokens: job.max_tokens, latency: run.started.elapsed().as_secs_f64() });
+            all.push(Done { text, prompt_tokens: item.tokens, cached_tokens: run.cached_tokens, completion_tokens: n, latency: run.started.elapsed().as_secs_f64(), input_logprobs: None });
         }
         if job.include_usage && endpoint != Endpoint::Generate {
             yield event(&json!({"id": id, "object": object, "created": created(), "model": e.args.model, "choices": [], "usage": usage(&all)}));
@@ -230,6 +353,11 @@ fn chunk(e: &Engine, id: &str, object: &str, index: usize, mut choice: Value, fi
     choice["index"] = json!(index);
     choice["finish_reason"] = json!(finish);
     json!({"id": id, "object": object, "created": created(), "model": e.args.model, "choices": [choice]})
+}
+
+/// The last requests this worker received, oldest first (`/sim/requests`).
+async fn recent(State(e): Shared) -> Json<Value> {
+    Json(Value::Array(e.recent.lock().map(|r| r.iter().cloned().collect()).unwrap_or_default()))
 }
 
 async fn health() -> &'static str {
@@ -291,6 +419,7 @@ async fn stats(State(e): Shared) -> Json<Value> {
         "prompt_tokens": c.prompt_tokens.load(Relaxed),
         "cached_tokens": c.cached_tokens.load(Relaxed),
         "completion_tokens": c.completion_tokens.load(Relaxed),
+        "transferred_tokens": c.transferred_tokens.load(Relaxed),
         "running": c.running.load(Relaxed),
         "waiting": c.waiting.load(Relaxed),
         "cache_hit_rate": e.hit_rate(),

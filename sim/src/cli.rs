@@ -53,6 +53,12 @@ pub struct Args {
     /// Output tokens when the request does not say.
     #[arg(long, default_value_t = 16)]
     pub default_max_tokens: u64,
+    /// Bootstrap port a decode worker uses when a request's `bootstrap_port` is null.
+    #[arg(long, default_value_t = 8998)]
+    pub default_bootstrap_port: u16,
+    /// How long a decode worker waits for the prefill's KV, in milliseconds.
+    #[arg(long, default_value_t = 5000)]
+    pub bootstrap_timeout_ms: u64,
     /// Model name reported by `/v1/models`.
     #[arg(long, default_value = "kvmesh-sim")]
     pub model: String,

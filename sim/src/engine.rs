@@ -2,12 +2,16 @@
 //! cost is the uncached part of the prompt, decode steps that slow down as the batch grows,
 //! fault injection, and the counters `/metrics`, `/get_load` and `/sim/stats` report.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{Semaphore, SemaphorePermit};
 
+use serde_json::Value;
+
+use crate::bootstrap::Rooms;
 use crate::cache::KvCache;
 use crate::cli::Args;
 
@@ -20,11 +24,17 @@ pub struct Counters {
     pub completion_tokens: AtomicU64,
     pub running: AtomicU64,
     pub waiting: AtomicU64,
+    /// Prompt tokens whose KV arrived from a prefill worker (PD decode).
+    pub transferred_tokens: AtomicU64,
 }
 
 pub struct Engine {
     pub args: Args,
     pub addr: String,
+    /// PD: the KV this prefill worker holds per bootstrap room.
+    pub rooms: Arc<Rooms>,
+    /// The last requests received (for tests and debugging: `/sim/requests`).
+    pub recent: Mutex<VecDeque<Value>>,
     cache: Mutex<KvCache>,
     slots: Semaphore,
     pub counters: Counters,
@@ -53,6 +63,8 @@ impl Engine {
         Self {
             addr: format!("{}:{}", args.host, args.port),
             cache: Mutex::new(KvCache::new(args.kv_capacity_tokens)),
+            rooms: Arc::new(Rooms::default()),
+            recent: Mutex::new(VecDeque::new()),
             slots: Semaphore::new(args.max_running),
             counters: Counters::default(),
             args,
@@ -68,6 +80,29 @@ impl Engine {
         if let Some(d) = self.scaled(secs) {
             tokio::time::sleep(d).await;
         }
+    }
+
+    /// Remembers a request (bounded to the last 64).
+    pub fn record(&self, entry: Value) {
+        if let Ok(mut recent) = self.recent.lock() {
+            if recent.len() == 64 {
+                recent.pop_front();
+            }
+            recent.push_back(entry);
+        }
+    }
+
+    /// Queues for a slot for a prompt whose KV was transferred from a prefill worker: no
+    /// prefill here.
+    pub async fn admit_transferred(&self, prompt_tokens: u64) -> Result<Run<'_>, InjectedFailure> {
+        let started = Instant::now();
+        self.counters.waiting.fetch_add(1, Relaxed);
+        let slot = self.slots.acquire().await;
+        self.counters.waiting.fetch_sub(1, Relaxed);
+        let Ok(slot) = slot else { return Err(InjectedFailure) };
+        self.counters.running.fetch_add(1, Relaxed);
+        self.counters.transferred_tokens.fetch_add(prompt_tokens, Relaxed);
+        Ok(Run { engine: self, _slot: slot, cached_tokens: prompt_tokens, started })
     }
 
     /// Queues for a slot, then runs the prefill of `prompt` (`prompt_tokens` tokens).

@@ -1,6 +1,7 @@
 //! `kvmesh-sim`: a simulated SGLang worker.
 
 mod api;
+mod bootstrap;
 mod cache;
 mod cli;
 mod engine;
@@ -16,10 +17,6 @@ fn main() -> ExitCode {
     let args = cli::Args::parse();
     if let Err(msg) = args.validate() {
         eprintln!("kvmesh-sim: {msg}");
-        return ExitCode::from(2);
-    }
-    if args.role != cli::Role::Regular {
-        eprintln!("kvmesh-sim: --role {:?} is not available yet; use --role regular", args.role);
         return ExitCode::from(2);
     }
     let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
@@ -42,7 +39,17 @@ async fn run(args: cli::Args) -> anyhow::Result<()> {
     let addr = format!("{}:{}", args.host, args.port);
     let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))?;
     eprintln!("kvmesh-sim: {:?} worker listening on http://{addr}", args.role);
+    let role = args.role;
+    let bootstrap_addr = format!("{}:{}", args.host, args.bootstrap_port);
     let engine = Arc::new(engine::Engine::new(args));
+    if role == cli::Role::Prefill {
+        let boot = tokio::net::TcpListener::bind(&bootstrap_addr)
+            .await
+            .with_context(|| format!("cannot listen on bootstrap port {bootstrap_addr}"))?;
+        eprintln!("kvmesh-sim: bootstrap server on {bootstrap_addr}");
+        let rooms = engine.rooms.clone();
+        tokio::spawn(async move { axum::serve(boot, bootstrap::router(rooms)).await });
+    }
     axum::serve(listener, api::router(engine))
         .with_graceful_shutdown(async {
             let _ = tokio::signal::ctrl_c().await;

@@ -11,8 +11,19 @@ pub struct Prompt {
     pub tokens: u64,
 }
 
+/// The PD fields of one item.
+#[derive(Clone, Debug, Default)]
+pub struct Boot {
+    pub host: Option<String>,
+    /// `Some(None)`: present and null (use the default bootstrap port).
+    pub port: Option<Option<u16>>,
+    pub room: Option<u64>,
+}
+
 pub struct Job {
     pub items: Vec<Prompt>,
+    pub boots: Vec<Boot>,
+    pub logprobs: Vec<bool>,
     /// Whether the client sent a list (a batch), even of one.
     pub batch: bool,
     pub max_tokens: u64,
@@ -70,12 +81,29 @@ impl Job {
         }
         .unwrap_or(default_max_tokens)
         .min(1 << 16);
+        let n = items.len();
+        let item = |field: &str, i: usize| -> Value {
+            match &v[field] {
+                Value::Array(list) if batch => list.get(i).cloned().unwrap_or(Value::Null),
+                other => other.clone(),
+            }
+        };
+        let boots = (0..n)
+            .map(|i| Boot {
+                host: item("bootstrap_host", i).as_str().map(String::from),
+                port: v.get("bootstrap_port").map(|_| item("bootstrap_port", i).as_u64().map(|p| p as u16)),
+                room: item("bootstrap_room", i).as_u64(),
+            })
+            .collect();
+        let logprobs = (0..n).map(|i| item("return_logprob", i).as_bool().unwrap_or(false)).collect();
         let rids = match &v["rid"] {
             Value::String(s) => vec![Some(s.clone())],
             Value::Array(list) => list.iter().map(|r| r.as_str().map(String::from)).collect(),
             _ => Vec::new(),
         };
         Ok(Job {
+            boots,
+            logprobs,
             batch,
             max_tokens,
             stream: routing.stream,
