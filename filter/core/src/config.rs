@@ -44,6 +44,8 @@ pub struct Config {
     /// `cb_timeout_duration_secs` (sglang-router's circuit-breaker flags).
     pub cb_failure_threshold: u32,
     pub cb_timeout_duration_secs: u64,
+    /// The Envoy cluster (ORIGINAL_DST) the prefill callouts go through.
+    pub upstream_cluster: String,
 }
 
 /// PD mode settings.
@@ -122,6 +124,7 @@ struct Raw {
     request_timeout_secs: Option<u64>,
     cb_failure_threshold: Option<u32>,
     cb_timeout_duration_secs: Option<u64>,
+    upstream_cluster: Option<String>,
 }
 
 pub const DEFAULT_CACHE_THRESHOLD: f64 = 0.3;
@@ -135,6 +138,7 @@ pub const DEFAULT_REQUEST_TIMEOUT_SECS: u64 = 1800;
 pub const DEFAULT_CB_FAILURE_THRESHOLD: u32 = 10;
 pub const DEFAULT_CB_TIMEOUT_DURATION_SECS: u64 = 60;
 pub const DEFAULT_NON_CACHED_TOKENS: u64 = 128;
+pub const DEFAULT_UPSTREAM_CLUSTER: &str = "kvmesh_workers";
 
 impl Default for Config {
     fn default() -> Self {
@@ -154,6 +158,7 @@ impl Default for Config {
             request_timeout_secs: DEFAULT_REQUEST_TIMEOUT_SECS,
             cb_failure_threshold: DEFAULT_CB_FAILURE_THRESHOLD,
             cb_timeout_duration_secs: DEFAULT_CB_TIMEOUT_DURATION_SECS,
+            upstream_cluster: DEFAULT_UPSTREAM_CLUSTER.to_string(),
         }
     }
 }
@@ -229,6 +234,7 @@ impl Config {
             )?,
             pd: None,
             workers: WorkerTable::default(),
+            upstream_cluster: raw.upstream_cluster.unwrap_or(d.upstream_cluster),
         }
         .with_workers(raw.pd_disaggregation.unwrap_or(false), raw.worker_urls, raw.prefill, raw.decode, pd_raw)
     }

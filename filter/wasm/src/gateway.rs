@@ -1,20 +1,25 @@
 //! The filter's request logic, independent of proxy-wasm: what to do with a request given its
 //! path, its body and the shared state. `http.rs` translates host callbacks into these calls.
 
+use kvmesh_core::bootstrap::{random_rooms, Bootstrap};
 use kvmesh_core::errors::error_json;
+use kvmesh_core::pd::{PdDecision, PdRouter};
 use kvmesh_core::policy::Candidate;
 use kvmesh_core::request::{self, RequestError};
-use kvmesh_core::rng::FastRng;
-use kvmesh_core::{Config, Endpoint, Router, WorkerId, WorkerTable};
+use kvmesh_core::rng::{random_u64, FastRng, Rng};
+use kvmesh_core::{Config, Decision, Endpoint, Role, Router, WorkerId, WorkerTable};
 
+use crate::health::Health;
 use crate::shared::{Inflight, InsertLog, SharedStore};
 
 /// What the filter does with a request.
 #[derive(Debug, PartialEq)]
 pub enum Outcome {
-    /// Send it to `addr`. `counted` when it was added to the in-flight table (and must be
-    /// taken off it when the stream ends).
+    /// Send it to one worker.
     Route(Routed),
+    /// PD: send the rewritten body to the decode worker and, at the same time, to the
+    /// prefill worker as a callout.
+    Pd(PdRouted),
     /// Answer locally with a JSON error.
     Reply(Reply),
 }
@@ -23,9 +28,21 @@ pub enum Outcome {
 pub struct Routed {
     pub worker: WorkerId,
     pub addr: String,
+    /// Whether it was added to the in-flight table (and must be taken off when done).
     pub counted: bool,
     /// Bytes of the routing text the worker was believed to hold already.
     pub matched_bytes: usize,
+}
+
+#[derive(Debug, PartialEq)]
+pub struct PdRouted {
+    pub decode: Routed,
+    pub prefill: Routed,
+    /// The body both legs receive (bootstrap fields and `rid` injected).
+    pub body: Vec<u8>,
+    /// Whether the prefill's input logprobs must be merged into the decode response.
+    pub merge_logprobs: bool,
+    pub stream: bool,
 }
 
 #[derive(Debug, PartialEq)]
@@ -37,7 +54,7 @@ pub struct Reply {
 }
 
 impl Reply {
-    fn error(status: u16, code: &str, message: &str) -> Self {
+    pub fn error(status: u16, code: &str, message: &str) -> Self {
         Self { status, body: error_json(status, code, message), retry_after: None }
     }
 
@@ -45,28 +62,51 @@ impl Reply {
         Self::error(e.status(), e.code(), &e.to_string())
     }
 
-    fn no_worker() -> Self {
-        Self { retry_after: Some(1), ..Self::error(503, "no_healthy_worker", "no healthy worker is available") }
+    fn no_worker(what: &str) -> Self {
+        Self {
+            retry_after: Some(1),
+            ..Self::error(503, "no_healthy_worker", &format!("no healthy {what} is available"))
+        }
     }
+}
+
+/// Per-request facts from the host.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RequestInfo<'a> {
+    /// The request id (`x-request-id`), used as `rid` in PD bodies when the client set none.
+    pub request_id: Option<&'a str>,
+    /// Seconds since the epoch.
+    pub now_secs: u64,
+}
+
+enum Mode {
+    Regular(Router),
+    Pd(PdRouter),
 }
 
 /// One VM's routing state.
 pub struct Gateway {
     config: Config,
     table: WorkerTable,
-    router: Router,
+    mode: Mode,
     rng: FastRng,
     log: InsertLog,
+    health: Health,
     last_eviction_secs: u64,
 }
 
 impl Gateway {
     pub fn new(config: Config, store: &dyn SharedStore, seed: u64) -> Self {
+        let mode = match &config.pd {
+            Some(pd) => Mode::Pd(PdRouter::new(&config, pd.prefill_policy, pd.decode_policy, pd.decider)),
+            None => Mode::Regular(Router::new(&config)),
+        };
         Self {
             table: config.workers.clone(),
-            router: Router::new(&config),
+            mode,
             rng: FastRng::seeded(seed),
             log: InsertLog::new(store, seed as u32 ^ (seed >> 32) as u32),
+            health: Health::new(config.cb_failure_threshold, config.cb_timeout_duration_secs),
             last_eviction_secs: 0,
             config,
         }
@@ -93,13 +133,62 @@ impl Gateway {
         Reply::request(&RequestError::EmptyBody)
     }
 
-    /// The healthy workers with their loads: the table's plus this Envoy's in-flight counts.
-    fn candidates(&self, inflight: &Inflight) -> Vec<Candidate> {
-        self.table.healthy().map(|w| Candidate { id: w.id, load: w.load + u64::from(inflight.count(w.id)) }).collect()
+    /// The available workers of `role` with their loads: the table's plus this Envoy's
+    /// in-flight counts.
+    fn candidates(&self, inflight: &Inflight, role: Role, now: u64) -> Vec<Candidate> {
+        self.table
+            .healthy_with(role)
+            .filter(|w| self.health.available(w.id, now))
+            .map(|w| Candidate { id: w.id, load: w.load + u64::from(inflight.count(w.id)) })
+            .collect()
+    }
+
+    /// The router whose index holds `worker`'s prefixes.
+    fn router_of(&mut self, worker: WorkerId) -> Option<&mut Router> {
+        let role = self.table.get(worker)?.role;
+        match (&mut self.mode, role) {
+            (Mode::Regular(r), Role::Regular) => Some(r),
+            (Mode::Pd(pd), Role::Prefill) => Some(pd.prefill_router()),
+            (Mode::Pd(pd), Role::Decode) => Some(pd.decode_router()),
+            _ => None,
+        }
+    }
+
+    /// Applies the prefix inserts other VMs made.
+    fn catch_up(&mut self, store: &dyn SharedStore) {
+        let uses_text = match &mut self.mode {
+            Mode::Regular(r) => r.uses_text(),
+            Mode::Pd(pd) => pd.prefill_router().uses_text() || pd.decode_router().uses_text(),
+        };
+        if !uses_text {
+            return;
+        }
+        for insert in self.log.poll(store) {
+            if let Some(router) = self.router_of(insert.worker) {
+                router.apply_insert(insert.worker, &insert.hashes);
+            }
+        }
+    }
+
+    fn publish(&mut self, store: &dyn SharedStore, d: &Decision) {
+        if !d.inserted.is_empty() {
+            self.log.append(store, d.worker, &d.inserted);
+        }
+    }
+
+    fn routed(&self, d: &Decision, counted: bool) -> Option<Routed> {
+        let w = self.table.get(d.worker)?;
+        Some(Routed { worker: d.worker, addr: w.addr.clone(), counted, matched_bytes: d.matched_bytes })
     }
 
     /// Routes an LLM request by its body.
-    pub fn route_request(&mut self, store: &dyn SharedStore, endpoint: Endpoint, body: &[u8]) -> Outcome {
+    pub fn route_request(
+        &mut self,
+        store: &dyn SharedStore,
+        endpoint: Endpoint,
+        body: &[u8],
+        info: &RequestInfo<'_>,
+    ) -> Outcome {
         if body.len() as u64 > self.config.max_payload_size {
             return Outcome::Reply(self.too_large());
         }
@@ -107,37 +196,71 @@ impl Gateway {
             Ok(p) => p,
             Err(e) => return Outcome::Reply(Reply::request(&e)),
         };
-        if self.router.policy().uses_text() {
-            for insert in self.log.poll(store) {
-                self.router.apply_insert(insert.worker, &insert.hashes);
+        self.catch_up(store);
+        let inflight = Inflight::load(store);
+        let now = info.now_secs;
+        let regular = self.candidates(&inflight, Role::Regular, now);
+        let prefill = self.candidates(&inflight, Role::Prefill, now);
+        let decode = self.candidates(&inflight, Role::Decode, now);
+        let decision = match &mut self.mode {
+            Mode::Regular(router) => router.route(&parsed.text, &regular, &mut self.rng).map(PdDecision::DecodeOnly),
+            Mode::Pd(pd) => match pd.route(&parsed.text, &prefill, &decode, &mut self.rng) {
+                Some(d) => Some(d),
+                None if decode.is_empty() => return Outcome::Reply(Reply::no_worker("decode worker")),
+                None => return Outcome::Reply(Reply::no_worker("prefill worker")),
+            },
+        };
+        match decision {
+            None => Outcome::Reply(Reply::no_worker("worker")),
+            Some(PdDecision::DecodeOnly(d)) => {
+                self.publish(store, &d);
+                let counted = inflight.add_loaded(store, &[(d.worker, 1)]);
+                self.routed(&d, counted).map_or(Outcome::Reply(Reply::no_worker("worker")), Outcome::Route)
+            }
+            Some(PdDecision::Split { prefill, decode }) => {
+                self.publish(store, &prefill);
+                self.publish(store, &decode);
+                let Some(p) = self.table.get(prefill.worker) else {
+                    return Outcome::Reply(Reply::no_worker("prefill worker"));
+                };
+                let rng = &mut self.rng;
+                let boot = Bootstrap {
+                    host: p.host.clone(),
+                    port: p.bootstrap_port,
+                    rooms: random_rooms(parsed.batch.unwrap_or(1), || random_u64().unwrap_or_else(|_| rng.next_u64())),
+                    request_id: info.request_id.map(String::from),
+                };
+                let new_body = match boot.inject(body, &parsed) {
+                    Ok(b) => b,
+                    Err(e) => return Outcome::Reply(Reply::request(&e)),
+                };
+                let counted = inflight.add_loaded(store, &[(decode.worker, 1), (prefill.worker, 1)]);
+                match (self.routed(&decode, counted), self.routed(&prefill, counted)) {
+                    (Some(decode), Some(prefill)) => Outcome::Pd(PdRouted {
+                        decode,
+                        prefill,
+                        body: new_body,
+                        merge_logprobs: parsed.return_logprob && endpoint == Endpoint::Generate,
+                        stream: parsed.stream,
+                    }),
+                    _ => Outcome::Reply(Reply::no_worker("worker")),
+                }
             }
         }
-        let inflight = Inflight::load(store);
-        let cands = self.candidates(&inflight);
-        let Some(decision) = self.router.route(&parsed.text, &cands, &mut self.rng) else {
-            return Outcome::Reply(Reply::no_worker());
+    }
+
+    /// Routes a request on another path (models, health, info) to any available worker (a
+    /// decode worker in PD mode).
+    pub fn route_other(&mut self, store: &dyn SharedStore, now: u64) -> Outcome {
+        let role = if matches!(self.mode, Mode::Pd(_)) { Role::Decode } else { Role::Regular };
+        let cands = self.candidates(&Inflight::load(store), role, now);
+        let pos = match &mut self.mode {
+            Mode::Regular(r) => r.route_any(&cands, &mut self.rng),
+            Mode::Pd(pd) => pd.decode_router().route_any(&cands, &mut self.rng),
         };
-        if !decision.inserted.is_empty() {
-            self.log.append(store, decision.worker, &decision.inserted);
-        }
-        let counted = inflight.add_loaded(store, decision.worker, 1);
-        self.routed(decision.worker, counted, decision.matched_bytes)
-    }
-
-    /// Routes a request on another path (models, health, info) to any healthy worker.
-    pub fn route_other(&mut self, store: &dyn SharedStore) -> Outcome {
-        let cands = self.candidates(&Inflight::load(store));
-        match self.router.route_any(&cands, &mut self.rng) {
-            Some(pos) => self.routed(cands[pos].id, false, 0),
-            None => Outcome::Reply(Reply::no_worker()),
-        }
-    }
-
-    fn routed(&self, worker: WorkerId, counted: bool, matched_bytes: usize) -> Outcome {
-        match self.table.get(worker) {
-            Some(w) => Outcome::Route(Routed { worker, addr: w.addr.clone(), counted, matched_bytes }),
-            None => Outcome::Reply(Reply::no_worker()),
-        }
+        let Some(pos) = pos else { return Outcome::Reply(Reply::no_worker("worker")) };
+        let d = Decision { pos, worker: cands[pos].id, reason: None, matched_bytes: 0, inserted: Vec::new() };
+        self.routed(&d, false).map_or(Outcome::Reply(Reply::no_worker("worker")), Outcome::Route)
     }
 
     /// The stream of a counted request ended (completed, failed or reset).
@@ -147,9 +270,19 @@ impl Gateway {
         }
     }
 
-    /// Periodic work: LRU eviction every `eviction_interval_secs`. Returns the number of
-    /// blocks evicted when it ran.
-    pub fn tick(&mut self, now_secs: u64) -> Option<usize> {
+    /// A request to `routed`'s worker succeeded or failed: passive health.
+    pub fn outcome(&mut self, store: &dyn SharedStore, routed: &Routed, ok: bool, now: u64) {
+        if ok {
+            self.health.success(routed.worker);
+        } else if self.health.failure(store, routed.worker, now) {
+            log::warn!("worker {} taken out of rotation after failures", routed.addr);
+        }
+    }
+
+    /// Periodic work: breakers opened by other VMs, and LRU eviction every
+    /// `eviction_interval_secs`. Returns the number of blocks evicted when that ran.
+    pub fn tick(&mut self, store: &dyn SharedStore, now_secs: u64) -> Option<usize> {
+        self.health.sync(store);
         if self.last_eviction_secs == 0 {
             self.last_eviction_secs = now_secs;
         }
@@ -157,11 +290,17 @@ impl Gateway {
             return None;
         }
         self.last_eviction_secs = now_secs;
-        Some(self.router.evict().len())
+        Some(match &mut self.mode {
+            Mode::Regular(r) => r.evict().len(),
+            Mode::Pd(pd) => pd.prefill_router().evict().len() + pd.decode_router().evict().len(),
+        })
     }
 
-    pub fn index_len(&self) -> usize {
-        self.router.index().len()
+    pub fn index_len(&mut self) -> usize {
+        match &mut self.mode {
+            Mode::Regular(r) => r.index().len(),
+            Mode::Pd(pd) => pd.prefill_router().index().len() + pd.decode_router().index().len(),
+        }
     }
 }
 
@@ -176,6 +315,16 @@ mod tests {
     use super::*;
     use crate::shared::fake::FakeStore;
 
+    pub trait Req {
+        fn req(&mut self, store: &FakeStore, endpoint: Endpoint, body: &[u8]) -> Outcome;
+    }
+
+    impl Req for Gateway {
+        fn req(&mut self, store: &FakeStore, endpoint: Endpoint, body: &[u8]) -> Outcome {
+            self.route_request(store, endpoint, body, &RequestInfo { request_id: Some("rq-1"), now_secs: 1000 })
+        }
+    }
+
     fn gateway(store: &FakeStore, extra: &str) -> Gateway {
         let json = format!(
             r#"{{"worker_urls":["http://127.0.0.1:30001","http://127.0.0.1:30002","http://127.0.0.1:30003"]{extra}}}"#
@@ -187,6 +336,7 @@ mod tests {
         match o {
             Outcome::Route(r) => r,
             Outcome::Reply(r) => panic!("expected a route, got {} {}", r.status, String::from_utf8_lossy(&r.body)),
+            Outcome::Pd(p) => panic!("expected a route, got a PD split {p:?}"),
         }
     }
 
@@ -194,6 +344,7 @@ mod tests {
         match o {
             Outcome::Reply(r) => r,
             Outcome::Route(r) => panic!("expected a reply, routed to {}", r.addr),
+            Outcome::Pd(p) => panic!("expected a reply, got a PD split {p:?}"),
         }
     }
 
@@ -206,9 +357,9 @@ mod tests {
         let store = FakeStore::default();
         let mut g = gateway(&store, "");
         let prefix = "p".repeat(400);
-        let first = routed(g.route_request(&store, Endpoint::Generate, &body(&format!("{prefix}a"))));
+        let first = routed(g.req(&store, Endpoint::Generate, &body(&format!("{prefix}a"))));
         assert!(first.counted);
-        let again = routed(g.route_request(&store, Endpoint::Generate, &body(&format!("{prefix}b"))));
+        let again = routed(g.req(&store, Endpoint::Generate, &body(&format!("{prefix}b"))));
         assert_eq!(again.addr, first.addr);
         assert!(again.matched_bytes >= 384);
         assert_eq!(Inflight::read(&store), vec![(first.worker, 2)]);
@@ -223,8 +374,8 @@ mod tests {
         let mut a = gateway(&store, "");
         let mut b = Gateway::new(a.config().clone(), &store, 7);
         let prefix = "q".repeat(400);
-        let on_a = routed(a.route_request(&store, Endpoint::Generate, &body(&format!("{prefix}1"))));
-        let on_b = routed(b.route_request(&store, Endpoint::Generate, &body(&format!("{prefix}2"))));
+        let on_a = routed(a.req(&store, Endpoint::Generate, &body(&format!("{prefix}1"))));
+        let on_b = routed(b.req(&store, Endpoint::Generate, &body(&format!("{prefix}2"))));
         assert_eq!(on_a.addr, on_b.addr);
     }
 
@@ -232,11 +383,11 @@ mod tests {
     fn bad_requests_get_json_errors_and_do_not_count() {
         let store = FakeStore::default();
         let mut g = gateway(&store, r#","max_payload_size":64"#);
-        let r = reply(g.route_request(&store, Endpoint::Generate, br#"{"text": 5}"#));
+        let r = reply(g.req(&store, Endpoint::Generate, br#"{"text": 5}"#));
         assert_eq!(r.status, 400);
         assert!(String::from_utf8_lossy(&r.body).contains("`text`"));
-        assert_eq!(reply(g.route_request(&store, Endpoint::Generate, b"{")).status, 400);
-        assert_eq!(reply(g.route_request(&store, Endpoint::Generate, &[b' '; 100])).status, 413);
+        assert_eq!(reply(g.req(&store, Endpoint::Generate, b"{")).status, 400);
+        assert_eq!(reply(g.req(&store, Endpoint::Generate, &[b' '; 100])).status, 413);
         assert_eq!(g.check_length(Some(65)).map(|r| r.status), Some(413));
         assert_eq!(g.check_length(Some(64)), None);
         assert!(Inflight::read(&store).is_empty());
@@ -246,16 +397,16 @@ mod tests {
     fn no_workers_is_503_with_retry_after() {
         let store = FakeStore::default();
         let mut g = Gateway::new(Config::default(), &store, 1);
-        let r = reply(g.route_request(&store, Endpoint::Generate, &body("x")));
+        let r = reply(g.req(&store, Endpoint::Generate, &body("x")));
         assert_eq!((r.status, r.retry_after), (503, Some(1)));
-        assert_eq!(reply(g.route_other(&store)).status, 503);
+        assert_eq!(reply(g.route_other(&store, 0)).status, 503);
     }
 
     #[test]
     fn other_paths_go_to_some_worker_uncounted() {
         let store = FakeStore::default();
         let mut g = gateway(&store, "");
-        let r = routed(g.route_other(&store));
+        let r = routed(g.route_other(&store, 0));
         assert!(r.addr.starts_with("127.0.0.1:3000") && !r.counted);
     }
 
@@ -264,13 +415,13 @@ mod tests {
         let store = FakeStore::default();
         let mut g = gateway(&store, r#","balance_abs_threshold":2"#);
         let prefix = "z".repeat(400);
-        let first = routed(g.route_request(&store, Endpoint::Generate, &body(&format!("{prefix}0"))));
+        let first = routed(g.req(&store, Endpoint::Generate, &body(&format!("{prefix}0"))));
         for i in 1..3 {
-            let r = routed(g.route_request(&store, Endpoint::Generate, &body(&format!("{prefix}{i}"))));
+            let r = routed(g.req(&store, Endpoint::Generate, &body(&format!("{prefix}{i}"))));
             assert_eq!(r.worker, first.worker);
         }
         // Three in flight on one worker, none elsewhere: imbalanced past abs threshold 2.
-        let r = routed(g.route_request(&store, Endpoint::Generate, &body(&format!("{prefix}3"))));
+        let r = routed(g.req(&store, Endpoint::Generate, &body(&format!("{prefix}3"))));
         assert_ne!(r.worker, first.worker);
     }
 
@@ -278,12 +429,96 @@ mod tests {
     fn eviction_runs_on_its_interval() {
         let store = FakeStore::default();
         let mut g = gateway(&store, r#","max_tree_size":64,"block_size":16,"eviction_interval_secs":10"#);
-        routed(g.route_request(&store, Endpoint::Generate, &body(&"e".repeat(320))));
+        routed(g.req(&store, Endpoint::Generate, &body(&"e".repeat(320))));
         assert_eq!(g.index_len(), 20);
-        assert_eq!(g.tick(100), None);
-        assert_eq!(g.tick(105), None);
-        assert_eq!(g.tick(110), Some(16));
+        assert_eq!(g.tick(&store, 100), None);
+        assert_eq!(g.tick(&store, 105), None);
+        assert_eq!(g.tick(&store, 110), Some(16));
         assert_eq!(g.index_len(), 4);
+    }
+
+    fn pd_gateway(store: &FakeStore, extra: &str) -> Gateway {
+        let json = format!(
+            r#"{{"pd_disaggregation":true,"prefill":[["http://127.0.0.1:30001",8998],["http://127.0.0.1:30002","none"]],
+                "decode":["http://127.0.0.1:30003","http://127.0.0.1:30004"],"cb_failure_threshold":1{extra}}}"#
+        );
+        Gateway::new(Config::from_json(json.as_bytes()).unwrap(), store, 5)
+    }
+
+    fn split(o: Outcome) -> PdRouted {
+        match o {
+            Outcome::Pd(p) => p,
+            Outcome::Route(r) => panic!("expected a PD split, routed to {}", r.addr),
+            Outcome::Reply(r) => panic!("expected a PD split, got {} {}", r.status, String::from_utf8_lossy(&r.body)),
+        }
+    }
+
+    #[test]
+    fn pd_split_injects_bootstrap_and_counts_both_legs() {
+        let store = FakeStore::default();
+        let mut g = pd_gateway(&store, "");
+        let p = split(g.req(&store, Endpoint::Generate, br#"{"text":["a","b","c"],"return_logprob":true}"#));
+        assert!(p.prefill.addr.ends_with(":30001") || p.prefill.addr.ends_with(":30002"));
+        assert!(p.decode.addr.ends_with(":30003") || p.decode.addr.ends_with(":30004"));
+        assert!(p.merge_logprobs && !p.stream);
+        let v: serde_json::Value = serde_json::from_slice(&p.body).unwrap();
+        let rooms = v["bootstrap_room"].as_array().unwrap();
+        assert_eq!(rooms.len(), 3);
+        assert!(rooms[0] != rooms[1] && rooms[1] != rooms[2]);
+        assert_eq!(v["bootstrap_host"][2], "127.0.0.1");
+        let expected_port =
+            if p.prefill.addr.ends_with(":30001") { serde_json::json!(8998) } else { serde_json::Value::Null };
+        assert_eq!(v["bootstrap_port"][0], expected_port);
+        assert_eq!(v["rid"], serde_json::json!(["rq-1-0", "rq-1-1", "rq-1-2"]));
+        let mut counts = Inflight::read(&store);
+        counts.sort();
+        let mut expected = vec![(p.prefill.worker, 1), (p.decode.worker, 1)];
+        expected.sort();
+        assert_eq!(counts, expected);
+    }
+
+    #[test]
+    fn pd_failed_prefill_is_avoided_next_time() {
+        let store = FakeStore::default();
+        let mut g = pd_gateway(&store, "");
+        let text = format!(r#"{{"text":"{}"}}"#, "s".repeat(300));
+        let first = split(g.req(&store, Endpoint::Generate, text.as_bytes()));
+        g.outcome(&store, &first.prefill, false, 1000);
+        for _ in 0..10 {
+            let next = split(g.req(&store, Endpoint::Generate, text.as_bytes()));
+            assert_ne!(next.prefill.worker, first.prefill.worker, "the failed prefill worker is out of rotation");
+        }
+    }
+
+    #[test]
+    fn pd_without_decode_workers_is_503_naming_the_role() {
+        let store = FakeStore::default();
+        let json = r#"{"pd_disaggregation":true,"prefill":["http://127.0.0.1:1"]}"#;
+        let mut g = Gateway::new(Config::from_json(json.as_bytes()).unwrap(), &store, 1);
+        let r = reply(g.req(&store, Endpoint::Generate, br#"{"text":"x"}"#));
+        assert_eq!(r.status, 503);
+        assert!(String::from_utf8_lossy(&r.body).contains("decode worker"));
+        assert!(Inflight::read(&store).is_empty());
+    }
+
+    #[test]
+    fn pd_other_paths_go_to_decode_workers() {
+        let store = FakeStore::default();
+        let mut g = pd_gateway(&store, "");
+        for _ in 0..10 {
+            let r = routed(g.route_other(&store, 0));
+            assert!(r.addr.ends_with(":30003") || r.addr.ends_with(":30004"));
+        }
+    }
+
+    #[test]
+    fn pd_bad_batches_are_refused_before_anything_is_counted() {
+        let store = FakeStore::default();
+        let mut g = pd_gateway(&store, "");
+        let r = reply(g.req(&store, Endpoint::Generate, br#"{"text":["a","b"],"sampling_params":[{}]}"#));
+        assert_eq!(r.status, 400);
+        assert!(String::from_utf8_lossy(&r.body).contains("`sampling_params`"));
+        assert!(Inflight::read(&store).is_empty());
     }
 
     #[test]
@@ -300,6 +535,7 @@ mod tests {
 
 #[cfg(test)]
 mod timing {
+    use super::tests::Req;
     use super::*;
     use crate::shared::fake::FakeStore;
 
@@ -316,7 +552,7 @@ mod timing {
         }).collect();
         let t = std::time::Instant::now();
         for i in 0..40960 {
-            if let Outcome::Route(r) = g.route_request(&store, Endpoint::Generate, &bodies[i % 4096]) {
+            if let Outcome::Route(r) = g.req(&store, Endpoint::Generate, &bodies[i % 4096]) {
                 g.finish(&store, &r);
             }
         }

@@ -9,6 +9,7 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
 pub mod gateway;
+pub mod health;
 pub mod shared;
 
 #[cfg(target_arch = "wasm32")]

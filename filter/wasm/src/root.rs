@@ -41,12 +41,20 @@ impl RootContext for Root {
             }
         };
         let seed = random_u64().unwrap_or_else(|_| now_nanos());
-        info!(
-            "policy {} over {} static workers, max payload {} bytes",
-            config.policy,
-            config.workers.workers.len(),
-            config.max_payload_size
-        );
+        match &config.pd {
+            Some(pd) => info!(
+                "PD mode: prefill policy {}, decode policy {}, {} static workers",
+                pd.prefill_policy,
+                pd.decode_policy,
+                config.workers.workers.len()
+            ),
+            None => info!(
+                "policy {} over {} static workers, max payload {} bytes",
+                config.policy,
+                config.workers.workers.len(),
+                config.max_payload_size
+            ),
+        }
         self.gateway = Some(Rc::new(RefCell::new(Gateway::new(config, &EnvoyShared, seed))));
         self.metrics = Some(Rc::new(Metrics::define()));
         let _ = hostcalls::set_tick_period(Duration::from_secs(1));
@@ -60,7 +68,7 @@ impl RootContext for Root {
         let Ok(mut gateway) = gateway.try_borrow_mut() else {
             return;
         };
-        if let Some(evicted) = gateway.tick(now_nanos() / 1_000_000_000) {
+        if let Some(evicted) = gateway.tick(&EnvoyShared, now_nanos() / 1_000_000_000) {
             info!("evicted {evicted} index blocks, {} left", gateway.index_len());
         }
         Metrics::record(metrics.index_blocks, gateway.index_len() as u64);

@@ -27,7 +27,7 @@ const CAS_RETRIES: usize = 32;
 
 /// Reads `key`, applies `update` and writes it back with compare-and-swap, retrying on
 /// conflicts. Returns whether the write went through.
-fn update(store: &dyn SharedStore, key: &str, mut update: impl FnMut(&mut Vec<u8>)) -> bool {
+pub fn update(store: &dyn SharedStore, key: &str, mut update: impl FnMut(&mut Vec<u8>)) -> bool {
     for _ in 0..CAS_RETRIES {
         let (value, cas) = store.get(key);
         let mut value = value.unwrap_or_default();
@@ -75,13 +75,17 @@ impl Inflight {
         value.chunks_exact(8).filter_map(|c| Some((u32_at(c, 0)?, u32_at(c, 4)?))).collect()
     }
 
-    /// Adds `delta` to `worker`'s count in the value loaded by [`load`](Self::load), falling
-    /// back to a read-modify-write loop if another VM wrote in between.
-    pub fn add_loaded(mut self, store: &dyn SharedStore, worker: WorkerId, delta: i32) -> bool {
-        apply_delta(&mut self.value, worker, delta);
+    /// Applies `deltas` to the value loaded by [`load`](Self::load), falling back to a
+    /// read-modify-write loop if another VM wrote in between.
+    pub fn add_loaded(mut self, store: &dyn SharedStore, deltas: &[(WorkerId, i32)]) -> bool {
+        for &(worker, delta) in deltas {
+            apply_delta(&mut self.value, worker, delta);
+        }
         match store.set(Self::KEY, &self.value, self.cas) {
             Ok(()) => true,
-            Err(SetError::CasMismatch) => Self::add(store, worker, delta),
+            Err(SetError::CasMismatch) => {
+                update(store, Self::KEY, |value| deltas.iter().for_each(|&(w, d)| apply_delta(value, w, d)))
+            }
             Err(SetError::Other) => false,
         }
     }
@@ -244,10 +248,10 @@ mod tests {
         Inflight::add(&store, 1, 2);
         let snap = Inflight::load(&store);
         assert_eq!((snap.count(1), snap.count(9)), (2, 0));
-        assert!(snap.add_loaded(&store, 1, 1));
+        assert!(snap.add_loaded(&store, &[(1, 1)]));
         let stale = Inflight::load(&store);
         Inflight::add(&store, 1, 1); // another VM
-        assert!(stale.add_loaded(&store, 1, 1));
+        assert!(stale.add_loaded(&store, &[(1, 1)]));
         assert_eq!(Inflight::read(&store), vec![(1, 5)]);
     }
 
