@@ -22,10 +22,11 @@ struct Opts {
     seconds: u64,
     connections: usize,
     sglang: bool,
+    pd: bool,
 }
 
 fn parse(args: &[String]) -> anyhow::Result<Opts> {
-    let mut o = Opts { seconds: 10, connections: 32, sglang: true };
+    let mut o = Opts { seconds: 10, connections: 32, sglang: true, pd: false };
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut num = |name: &str| -> anyhow::Result<u64> {
@@ -34,10 +35,11 @@ fn parse(args: &[String]) -> anyhow::Result<Opts> {
         };
         match a.as_str() {
             "overhead" => {}
+            "pd" => o.pd = true,
             "--seconds" => o.seconds = num("--seconds")?,
             "--connections" => o.connections = num("--connections")? as usize,
             "--no-sglang" => o.sglang = false,
-            other => bail!("unknown bench option `{other}` (overhead, --seconds N, --connections N, --no-sglang)"),
+            other => bail!("unknown bench option `{other}` (overhead | pd, --seconds N, --connections N, --no-sglang)"),
         }
     }
     Ok(o)
@@ -134,6 +136,9 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     std::env::set_var("ENVOY_BIN", ensure_envoy()?);
     let python = if o.sglang { Some(ensure_sglang_router()?) } else { None };
     build()?;
+    if o.pd {
+        return pd(&o, python);
+    }
 
     step("starting 4 simulated workers (--time-scale 0)");
     let sims: Vec<Sim> =
@@ -163,27 +168,9 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     drop(kvmesh);
 
     if let Some(python) = python {
-        let port = free_port()?;
-        let mut cmd = Command::new(python);
-        cmd.args([
-            "-m",
-            "sglang_router.launch_router",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            &port.to_string(),
-            "--policy",
-            "cache_aware",
-            "--worker-urls",
-        ])
-        .args(&urls);
-        let mut router = Proc::spawn("sglang-router", cmd)?;
-        let probe = format!("http://127.0.0.1:{port}/generate");
-        wait_until("sglang-router to serve", Duration::from_secs(90), || {
-            router.exited().is_some()
-                || http::post_json(&probe, &json!({"text": "warm up"})).map(|r| r.status == 200).unwrap_or(false)
-        })
-        .map_err(|e| e.context(router.log_tail()))?;
+        let mut args = vec!["--policy".to_string(), "cache_aware".into(), "--worker-urls".into()];
+        args.extend(urls.iter().cloned());
+        let (router, port) = start_sglang_router(&python, &args)?;
         let (load, cpu) = measure_cpu("sglang-router", router.pid(), &[addr(port)], &requests, &o);
         rows.push(("sglang-router 0.3.2 (cache_aware)".into(), load, Some(cpu)));
     }
@@ -223,5 +210,117 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         println!("- kvmesh / sglang-router added p50 latency: {:.2} (target <= 0.5)", added(k) / added(s));
     }
     println!("- filter routing decision inside Envoy (kvmesh_route_decision_ns): {decision}");
+    Ok(())
+}
+
+/// Starts sglang-router with `args` and waits until it serves `/generate`.
+fn start_sglang_router(python: &std::path::Path, args: &[String]) -> anyhow::Result<(Proc, u16)> {
+    let port = free_port()?;
+    let mut cmd = Command::new(python);
+    cmd.args(["-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", &port.to_string()]).args(args);
+    let mut router = Proc::spawn("sglang-router", cmd)?;
+    let probe = format!("http://127.0.0.1:{port}/generate");
+    wait_until("sglang-router to serve", Duration::from_secs(90), || {
+        router.exited().is_some()
+            || http::post_json(&probe, &json!({"text": "warm up"})).map(|r| r.status == 200).unwrap_or(false)
+    })
+    .map_err(|e| e.context(router.log_tail()))?;
+    Ok((router, port))
+}
+
+/// `bench pd`: the latency the PD path adds over the regular path on the same workers.
+fn pd(o: &Opts, python: Option<std::path::PathBuf>) -> anyhow::Result<()> {
+    step("starting 2 prefill and 2 decode simulated workers (--time-scale 0)");
+    let mut prefill = Vec::new();
+    for _ in 0..2 {
+        let boot = free_port()?;
+        prefill.push((
+            Sim::start(&[
+                "--role",
+                "prefill",
+                "--bootstrap-port",
+                &boot.to_string(),
+                "--time-scale",
+                "0",
+                "--max-running",
+                "4096",
+            ])?,
+            boot,
+        ));
+    }
+    let decode: Vec<Sim> = (0..2)
+        .map(|_| Sim::start(&["--role", "decode", "--time-scale", "0", "--max-running", "4096"]))
+        .collect::<Result<_, _>>()?;
+    let decode_urls: Vec<String> = decode.iter().map(Sim::url).collect();
+    let requests = workload();
+    let mut rows: Vec<(String, Load)> = Vec::new();
+
+    let mut regular = EnvoyOptions::new(json!({"worker_urls": decode_urls}))?;
+    regular.concurrency = 1;
+    let envoy = Envoy::start(&regular)?;
+    rows.push((
+        "kvmesh regular path (decode workers only)".into(),
+        measure("kvmesh regular", &[addr(envoy.port)], &requests, o),
+    ));
+    drop(envoy);
+
+    let filter = json!({
+        "pd_disaggregation": true,
+        "prefill": prefill.iter().map(|(s, b)| json!([s.url(), b])).collect::<Vec<_>>(),
+        "decode": decode_urls,
+    });
+    let mut pd_opts = EnvoyOptions::new(filter)?;
+    pd_opts.template = kvmesh_testkit::repo_root().join("envoy/envoy-pd.yaml");
+    pd_opts.concurrency = 1;
+    let envoy = Envoy::start(&pd_opts)?;
+    rows.push((
+        "kvmesh PD path (prefill callout + decode)".into(),
+        measure("kvmesh PD", &[addr(envoy.port)], &requests, o),
+    ));
+    let decision = histogram(&envoy, "kvmesh_route_decision_ns");
+    drop(envoy);
+
+    if let Some(python) = python {
+        let mut args = vec!["--pd-disaggregation".to_string(), "--policy".into(), "cache_aware".into()];
+        for (s, b) in &prefill {
+            args.extend(["--prefill".into(), s.url(), b.to_string()]);
+        }
+        for u in &decode_urls {
+            args.extend(["--decode".into(), u.clone()]);
+        }
+        let (_router, port) = start_sglang_router(&python, &args)?;
+        rows.push(("sglang-router 0.3.2 PD".into(), measure("sglang-router PD", &[addr(port)], &requests, o)));
+    }
+
+    println!(
+        "\n## kvmesh PD benchmark ({} s, {} connections, 2 prefill + 2 decode workers at --time-scale 0)\n",
+        o.seconds, o.connections
+    );
+    println!("| setup | req/s | p50 ms | p99 ms | errors |");
+    println!("| --- | ---: | ---: | ---: | ---: |");
+    for (name, l) in &rows {
+        println!(
+            "| {name} | {:.0} | {:.3} | {:.3} | {} |",
+            l.rps(),
+            ms(l.quantile(0.5)),
+            ms(l.quantile(0.99)),
+            l.errors
+        );
+    }
+    let (regular, pd) = (&rows[0].1, &rows[1].1);
+    println!(
+        "\n- PD path adds {:.3} ms at p50 ({:.2}x the regular path's throughput)",
+        ms(pd.quantile(0.5)) - ms(regular.quantile(0.5)),
+        pd.rps() / regular.rps()
+    );
+    if let Some((_, s)) = rows.get(2) {
+        println!(
+            "- kvmesh PD / sglang-router PD throughput: {:.2}; p50 {:.3} vs {:.3} ms",
+            pd.rps() / s.rps(),
+            ms(pd.quantile(0.5)),
+            ms(s.quantile(0.5))
+        );
+    }
+    println!("- filter routing decision inside Envoy (PD, kvmesh_route_decision_ns): {decision}");
     Ok(())
 }

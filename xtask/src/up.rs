@@ -23,7 +23,11 @@ struct Options {
 }
 
 /// Flags of `kvmesh-cp` (sglang-router's) that map onto the filter's configuration.
-const NUMERIC: [&str; 7] = [
+const NUMERIC: [&str; 11] = [
+    "non-cached-tokens",
+    "request-timeout-secs",
+    "cb-failure-threshold",
+    "cb-timeout-duration-secs",
     "cache-threshold",
     "balance-abs-threshold",
     "balance-rel-threshold",
@@ -63,8 +67,27 @@ fn parse(args: &[String]) -> anyhow::Result<Options> {
             "worker-urls" => {
                 opts.filter.insert(key, json!(values));
             }
-            "policy" => {
-                let [p] = values.as_slice() else { bail!("--policy takes one value") };
+            "pd-disaggregation" => {
+                opts.pd = true;
+            }
+            "prefill" => {
+                let entry = match values.as_slice() {
+                    [url] => json!([url, null]),
+                    [url, port] if port == "none" => json!([url, null]),
+                    [url, port] => json!([
+                        url,
+                        port.parse::<u16>().with_context(|| format!("--prefill {url} {port}: not a port or `none`"))?
+                    ]),
+                    _ => bail!("--prefill takes URL [BOOTSTRAP_PORT|none]"),
+                };
+                push(&mut opts.filter, "prefill", entry);
+            }
+            "decode" => {
+                let [url] = values.as_slice() else { bail!("--decode takes one URL") };
+                push(&mut opts.filter, "decode", json!(url));
+            }
+            "policy" | "prefill-policy" | "decode-policy" | "pd-decider" => {
+                let [p] = values.as_slice() else { bail!("--{flag} takes one value") };
                 opts.filter.insert(key, json!(p));
             }
             f if NUMERIC.contains(&f) => {
@@ -81,15 +104,18 @@ fn parse(args: &[String]) -> anyhow::Result<Options> {
     Ok(opts)
 }
 
+fn push(filter: &mut Map<String, Value>, key: &str, entry: Value) {
+    if let Value::Array(list) = filter.entry(key).or_insert_with(|| json!([])) {
+        list.push(entry);
+    }
+}
+
 fn port_free(port: u16) -> bool {
     TcpListener::bind(("127.0.0.1", port)).is_ok()
 }
 
 pub fn run(args: &[String]) -> anyhow::Result<()> {
     let opts = parse(args)?;
-    if opts.pd {
-        bail!("--pd (prefill/decode disaggregation) is not available in this build yet");
-    }
     ensure_wasm_target()?;
     let envoy_bin = ensure_envoy()?;
     std::env::set_var("ENVOY_BIN", &envoy_bin);
@@ -97,7 +123,36 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
 
     let mut filter = opts.filter;
     let mut sims = Vec::new();
-    if !filter.contains_key("worker_urls") {
+    let own_workers = ["worker_urls", "prefill", "decode"].iter().any(|k| filter.contains_key(*k));
+    if opts.pd {
+        filter.insert("pd_disaggregation".into(), json!(true));
+    }
+    if !own_workers && opts.pd {
+        step("starting 2 simulated prefill workers (30001, 30002; bootstrap 8998, 8999) and 2 decode workers (30003, 30004)");
+        let mut prefill = Vec::new();
+        for (port, boot) in [(30001u16, 8998u16), (30002, 8999)] {
+            for p in [port, boot] {
+                if !port_free(p) {
+                    bail!("port {p} is in use (another `cargo xtask up`?)");
+                }
+            }
+            sims.push(Sim::start_on(
+                port,
+                &["--role", "prefill", "--bootstrap-port", &boot.to_string(), "--time-scale", "1"],
+            )?);
+            prefill.push(json!([format!("http://127.0.0.1:{port}"), boot]));
+        }
+        let mut decode = Vec::new();
+        for port in [30003u16, 30004] {
+            if !port_free(port) {
+                bail!("port {port} is in use (another `cargo xtask up`?)");
+            }
+            sims.push(Sim::start_on(port, &["--role", "decode", "--time-scale", "1"])?);
+            decode.push(json!(format!("http://127.0.0.1:{port}")));
+        }
+        filter.insert("prefill".into(), json!(prefill));
+        filter.insert("decode".into(), json!(decode));
+    } else if !own_workers {
         step(&format!("starting {SIMS} simulated workers on ports {FIRST_SIM_PORT}-{}", FIRST_SIM_PORT + SIMS - 1));
         for port in FIRST_SIM_PORT..FIRST_SIM_PORT + SIMS {
             if !port_free(port) {
@@ -107,6 +162,12 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         }
         filter.insert("worker_urls".into(), json!(sims.iter().map(Sim::url).collect::<Vec<_>>()));
     }
+    let template = if opts.pd { "envoy/envoy-pd.yaml" } else { "envoy/envoy.yaml" };
+    let workers_line = ["worker_urls", "prefill", "decode"]
+        .iter()
+        .filter_map(|k| filter.get(*k).map(|v| format!("{k}: {v}")))
+        .collect::<Vec<_>>()
+        .join("\n           ");
     let filter = Value::Object(filter);
 
     let mut gateways = Vec::new();
@@ -119,6 +180,7 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         }
         step(&format!("starting Envoy with the kvmesh filter on :{port} (admin :{admin})"));
         let mut o = EnvoyOptions::new(filter.clone())?;
+        o.template = kvmesh_testkit::repo_root().join(template);
         o.listener_port = port;
         o.admin_port = admin;
         gateways.push(Envoy::start(&o)?);
@@ -128,13 +190,7 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     for g in &gateways {
         println!("  gateway  {}    admin {}    config {}", g.url(""), g.admin_url(""), g.config_path.display());
     }
-    println!(
-        "  workers  {}",
-        filter["worker_urls"]
-            .as_array()
-            .map(|a| a.iter().filter_map(Value::as_str).collect::<Vec<_>>().join(" "))
-            .unwrap_or_default()
-    );
+    println!("  workers  {workers_line}");
     if opts.gateways > 1 {
         println!("  note: without the control plane each gateway keeps its own prefix index");
     }

@@ -557,5 +557,15 @@ mod timing {
             }
         }
         eprintln!("per request: {:?}", t.elapsed() / 40960);
+        let pd = r#"{"pd_disaggregation":true,"prefill":[["http://127.0.0.1:30001",8998],["http://127.0.0.1:30002",8999]],"decode":["http://127.0.0.1:30003","http://127.0.0.1:30004"]}"#;
+        let mut g = Gateway::new(Config::from_json(pd.as_bytes()).unwrap(), &store, 42);
+        let t = std::time::Instant::now();
+        for i in 0..40960 {
+            if let Outcome::Pd(p) = g.req(&store, Endpoint::Generate, &bodies[i % 4096]) {
+                g.finish(&store, &p.prefill);
+                g.finish(&store, &p.decode);
+            }
+        }
+        eprintln!("PD per request: {:?}", t.elapsed() / 40960);
     }
 }

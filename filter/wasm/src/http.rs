@@ -359,9 +359,8 @@ impl HttpContext for Http {
         let info = RequestInfo { request_id: self.request_id.as_deref(), now_secs: started / 1_000_000_000 };
         let outcome = gw.route_request(&EnvoyShared, endpoint, &body, &info);
         drop(gw);
-        let action = self.apply(outcome, body_size);
         Metrics::record(self.metric(|m| m.decision_ns), now_nanos().saturating_sub(started));
-        action
+        self.apply(outcome, body_size)
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {

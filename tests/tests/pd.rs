@@ -1,0 +1,333 @@
+//! Prefill/decode disaggregation end to end: real Envoy with `envoy/envoy-pd.yaml`, the real
+//! filter, simulated prefill workers (with bootstrap KV servers) and decode workers that
+//! fetch the KV of each room — a wrong host, port or room fails the request visibly.
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use kvmesh_testkit::http::{self, Response};
+use kvmesh_testkit::{free_port, repo_root, Envoy, EnvoyOptions, Sim};
+use serde_json::{json, Value};
+
+struct Pd {
+    prefill: Vec<(Sim, Option<u16>)>,
+    decode: Vec<Sim>,
+    envoy: Envoy,
+}
+
+/// Prefill workers and decode workers. The first prefill worker is configured with `none`:
+/// it listens on the decode workers' default bootstrap port (as SGLang's default 8998 would
+/// be); the others announce their own port.
+fn pd_stack(prefills: usize, decodes: usize, filter: Value) -> Pd {
+    let boot0 = free_port().unwrap();
+    let mut prefill = Vec::new();
+    for i in 0..prefills {
+        let boot = if i == 0 { boot0 } else { free_port().unwrap() };
+        let sim =
+            Sim::start(&["--role", "prefill", "--bootstrap-port", &boot.to_string(), "--time-scale", "0"]).unwrap();
+        prefill.push((sim, (i > 0).then_some(boot)));
+    }
+    // With `none`, the decode worker falls back to its default port: the first prefill's.
+    let default = boot0.to_string();
+    let decode: Vec<Sim> = (0..decodes)
+        .map(|_| {
+            let args = [
+                "--role",
+                "decode",
+                "--time-scale",
+                "0",
+                "--default-bootstrap-port",
+                &default,
+                "--bootstrap-timeout-ms",
+                "3000",
+            ];
+            Sim::start(&args).unwrap()
+        })
+        .collect();
+    let mut filter = filter;
+    filter["prefill"] = json!(prefill.iter().map(|(s, p)| json!([s.url(), p])).collect::<Vec<_>>());
+    filter["decode"] = json!(decode.iter().map(Sim::url).collect::<Vec<_>>());
+    let mut opts = EnvoyOptions::new(filter).unwrap();
+    opts.template = repo_root().join("envoy/envoy-pd.yaml");
+    let envoy = Envoy::start(&opts).unwrap();
+    Pd { prefill, decode, envoy }
+}
+
+impl Pd {
+    fn sim(&self, addr: &str) -> &Sim {
+        self.prefill.iter().map(|(s, _)| s).chain(&self.decode).find(|s| s.addr() == addr).expect("a known worker")
+    }
+
+    /// The body worker `addr` received for request `id`.
+    fn received(&self, addr: &str, id: &str) -> Value {
+        let log = http::get(&format!("{}/sim/requests", self.sim(addr).url())).unwrap().json().unwrap();
+        let found = log.as_array().unwrap().iter().rev().find(|r| r["x_request_id"] == id).cloned();
+        found.unwrap_or_else(|| panic!("{addr} saw no request {id}: {log}"))["body"].clone()
+    }
+
+    fn prefill_port(&self, addr: &str) -> Value {
+        json!(self.prefill.iter().find(|(s, _)| s.addr() == addr).expect("a prefill worker").1)
+    }
+}
+
+fn send(pd: &Pd, path: &str, body: &Value, id: &str) -> Response {
+    http::post(&pd.envoy.url(path), body.to_string().as_bytes(), &[("x-request-id", id)]).unwrap()
+}
+
+fn legs(r: &Response) -> (String, String) {
+    assert_eq!(r.status, 200, "{}", r.text());
+    let decode = r.header("x-kvmesh-worker").expect("x-kvmesh-worker").to_string();
+    assert_eq!(r.header("x-sim-worker"), Some(decode.as_str()), "the decode worker answered");
+    (r.header("x-kvmesh-prefill").expect("x-kvmesh-prefill").to_string(), decode)
+}
+
+/// Both legs saw the same bootstrap fields, naming the prefill worker; lists for batches.
+fn assert_same_bootstrap(pd: &Pd, prefill: &str, decode: &str, id: &str, batch: Option<usize>) -> Value {
+    let p = pd.received(prefill, id);
+    let d = pd.received(decode, id);
+    for field in ["bootstrap_host", "bootstrap_port", "bootstrap_room"] {
+        assert_eq!(p[field], d[field], "{field} differs between the legs");
+    }
+    let port = pd.prefill_port(prefill);
+    match batch {
+        None => {
+            assert_eq!(p["bootstrap_host"], "127.0.0.1");
+            assert_eq!(p["bootstrap_port"], port);
+            assert!(p["bootstrap_room"].as_u64().unwrap() <= i64::MAX as u64);
+        }
+        Some(n) => {
+            assert_eq!(p["bootstrap_host"], json!(vec!["127.0.0.1"; n]));
+            assert_eq!(p["bootstrap_port"], json!(vec![port; n]));
+            let rooms: HashSet<u64> =
+                p["bootstrap_room"].as_array().unwrap().iter().map(|r| r.as_u64().unwrap()).collect();
+            assert_eq!(rooms.len(), n, "distinct rooms per item");
+        }
+    }
+    assert!(p.get("rid").is_some(), "the request id is set as rid: {p}");
+    p
+}
+
+#[test]
+fn every_endpoint_streaming_or_not_single_or_batch_pairs_correctly() {
+    let pd = pd_stack(2, 2, json!({}));
+    let mut ports_seen = HashSet::new();
+    let mut n = 0;
+    for stream in [false, true] {
+        for batch in [None, Some(3)] {
+            let prompt = |i: usize| format!("case {n} item {i}: {}", "words ".repeat(40));
+            let text: Value = match batch {
+                None => json!(prompt(0)),
+                Some(k) => json!((0..k).map(prompt).collect::<Vec<_>>()),
+            };
+            let mut cases = vec![
+                ("/generate", json!({"text": text, "stream": stream, "sampling_params": {"max_new_tokens": 3}})),
+                ("/v1/completions", json!({"prompt": text, "stream": stream, "max_tokens": 3})),
+            ];
+            if batch.is_none() {
+                cases.push((
+                    "/v1/chat/completions",
+                    json!({"messages": [{"role": "user", "content": prompt(0)}], "stream": stream, "max_tokens": 3}),
+                ));
+            }
+            for (path, body) in cases {
+                n += 1;
+                let id = format!("req-{n}");
+                let r = send(&pd, path, &body, &id);
+                let (prefill, decode) = legs(&r);
+                let text = r.text();
+                if stream {
+                    assert!(text.trim_end().ends_with("data: [DONE]"), "{path}: {text}");
+                } else {
+                    let v = r.json().unwrap();
+                    let items = if batch.is_some() && path == "/generate" { v.as_array().unwrap().len() } else { 1 };
+                    assert_eq!(items, if path == "/generate" { batch.unwrap_or(1) } else { 1 }, "{v}");
+                }
+                let received = assert_same_bootstrap(
+                    &pd,
+                    &prefill,
+                    &decode,
+                    &id,
+                    if path == "/v1/chat/completions" { None } else { batch },
+                );
+                ports_seen.insert(if batch.is_some() {
+                    received["bootstrap_port"][0].clone()
+                } else {
+                    received["bootstrap_port"].clone()
+                });
+            }
+        }
+    }
+    assert!(ports_seen.contains(&Value::Null), "a `none` bootstrap port is sent as null: {ports_seen:?}");
+    assert!(ports_seen.iter().any(Value::is_u64), "a configured bootstrap port is sent as a number: {ports_seen:?}");
+}
+
+fn tags(logprobs: &Value) -> Vec<String> {
+    logprobs.as_array().unwrap().iter().map(|e| e[2].as_str().unwrap().to_string()).collect()
+}
+
+/// The prefill's entries for every prompt token, then the decode's.
+fn assert_merged(logprobs: &Value) {
+    let tags = tags(logprobs);
+    let (last, prefill) = tags.split_last().unwrap();
+    assert!(!prefill.is_empty());
+    for (i, t) in prefill.iter().enumerate() {
+        assert_eq!(t, &format!("p{i}"), "prefill logprobs first, in order: {tags:?}");
+    }
+    assert_eq!(last, &format!("d{}", prefill.len() - 1), "then the decode's: {tags:?}");
+}
+
+#[test]
+fn input_logprobs_of_the_prefill_come_first_in_json_and_sse() {
+    let pd = pd_stack(1, 1, json!({}));
+    let single =
+        json!({"text": "The quick brown fox jumps", "return_logprob": true, "sampling_params": {"max_new_tokens": 2}});
+    let r = send(&pd, "/generate", &single, "lp-1");
+    legs(&r);
+    assert_merged(&r.json().unwrap()["meta_info"]["input_token_logprobs"]);
+
+    let batch = json!({"text": ["first prompt here", "a second, longer prompt here", "third"], "return_logprob": true, "sampling_params": {"max_new_tokens": 2}});
+    let r = send(&pd, "/generate", &batch, "lp-2");
+    legs(&r);
+    let items = r.json().unwrap();
+    assert_eq!(items.as_array().unwrap().len(), 3);
+    let lens: Vec<usize> = items
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|it| {
+            assert_merged(&it["meta_info"]["input_token_logprobs"]);
+            tags(&it["meta_info"]["input_token_logprobs"]).len()
+        })
+        .collect();
+    assert!(lens[0] != lens[1], "each item got its own prefill logprobs: {lens:?}");
+
+    for (id, body) in [("lp-3", single.clone()), ("lp-4", batch.clone())] {
+        let mut body = body;
+        body["stream"] = json!(true);
+        let mut s = http::post_streaming(&pd.envoy.url("/generate"), &body).unwrap();
+        assert_eq!(s.status, 200, "{id}");
+        let events = s.events().unwrap();
+        let data: Vec<Value> =
+            events.iter().filter(|e| e.data != "[DONE]").map(|e| serde_json::from_str(&e.data).unwrap()).collect();
+        assert!(!data.is_empty());
+        for e in &data {
+            assert_merged(&e["meta_info"]["input_token_logprobs"]);
+        }
+        let indexes: HashSet<u64> = data.iter().map(|e| e["index"].as_u64().unwrap()).collect();
+        assert_eq!(indexes.len(), if id == "lp-4" { 3 } else { 1 });
+    }
+}
+
+#[test]
+fn shared_prefixes_keep_their_prefill_worker_while_decode_spreads() {
+    let pd = pd_stack(2, 2, json!({}));
+    let system = "You are a code reviewer. Be specific and cite line numbers. ".repeat(20);
+    let mut prefills = HashSet::new();
+    let mut decodes = HashSet::new();
+    for i in 0..16 {
+        let r = send(
+            &pd,
+            "/generate",
+            &json!({"text": format!("{system}Review change {i}."), "sampling_params": {"max_new_tokens": 1}}),
+            &format!("sp-{i}"),
+        );
+        let (p, d) = legs(&r);
+        prefills.insert(p);
+        decodes.insert(d);
+    }
+    assert_eq!(prefills.len(), 1, "{prefills:?}");
+    assert_eq!(decodes.len(), 2, "power of two spreads decode load: {decodes:?}");
+}
+
+fn assert_prefill_error(r: &Response, prefill: &str) {
+    assert_eq!(r.status, 502, "{}", r.text());
+    let v = r.json().unwrap();
+    assert_eq!(v["error"]["code"], "prefill_failed");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains(prefill), "{msg} names {prefill}");
+}
+
+#[test]
+fn a_dead_prefill_worker_gives_502_then_is_avoided() {
+    let live_boot = free_port().unwrap();
+    let live =
+        Sim::start(&["--role", "prefill", "--bootstrap-port", &live_boot.to_string(), "--time-scale", "0"]).unwrap();
+    let decode = Sim::start(&["--role", "decode", "--time-scale", "0", "--bootstrap-timeout-ms", "3000"]).unwrap();
+    let dead = format!("127.0.0.1:{}", free_port().unwrap());
+    let filter = json!({
+        "prefill": [[live.url(), live_boot], [format!("http://{dead}"), 1]],
+        "decode": [decode.url()],
+        "prefill_policy": "round_robin",
+        "cb_failure_threshold": 1,
+    });
+    let mut opts = EnvoyOptions::new(filter).unwrap();
+    opts.template = repo_root().join("envoy/envoy-pd.yaml");
+    opts.concurrency = 1;
+    let envoy = Envoy::start(&opts).unwrap();
+
+    let mut failures = 0;
+    for i in 0..8 {
+        let started = Instant::now();
+        let r = http::post_json(
+            &envoy.url("/generate"),
+            &json!({"text": format!("prompt {i}"), "sampling_params": {"max_new_tokens": 1}}),
+        )
+        .unwrap();
+        if r.status == 200 {
+            assert_eq!(r.header("x-kvmesh-prefill"), Some(live.addr().as_str()));
+        } else {
+            assert_prefill_error(&r, &dead);
+            assert!(
+                started.elapsed() < Duration::from_secs(2),
+                "the failure is reported at once, not after the decode gives up"
+            );
+            failures += 1;
+        }
+    }
+    assert_eq!(failures, 1, "after one failure the dead prefill worker is out of rotation");
+}
+
+#[test]
+fn a_failing_prefill_worker_gives_502_naming_it() {
+    let boot = free_port().unwrap();
+    let failing = Sim::start(&[
+        "--role",
+        "prefill",
+        "--bootstrap-port",
+        &boot.to_string(),
+        "--time-scale",
+        "0",
+        "--fail-rate",
+        "1",
+    ])
+    .unwrap();
+    let decode = Sim::start(&["--role", "decode", "--time-scale", "0", "--bootstrap-timeout-ms", "3000"]).unwrap();
+    let filter = json!({"prefill": [[failing.url(), boot]], "decode": [decode.url()]});
+    let mut opts = EnvoyOptions::new(filter).unwrap();
+    opts.template = repo_root().join("envoy/envoy-pd.yaml");
+    let envoy = Envoy::start(&opts).unwrap();
+    let started = Instant::now();
+    let r = http::post_json(&envoy.url("/generate"), &json!({"text": "hello", "stream": true})).unwrap();
+    assert_prefill_error(&r, &failing.addr());
+    assert!(r.json().unwrap()["error"]["message"].as_str().unwrap().contains("500"));
+    assert!(started.elapsed() < Duration::from_secs(2));
+}
+
+#[test]
+fn bad_bodies_are_refused_before_any_worker_sees_them() {
+    let pd = pd_stack(1, 1, json!({}));
+    let url = pd.envoy.url("/generate");
+    let r = http::post(&url, b"text=hello", &[]).unwrap();
+    assert_eq!(r.status, 400);
+    assert!(r.json().unwrap()["error"]["message"].as_str().unwrap().contains("not valid JSON"));
+    let r = http::post_json(&url, &json!({"text": ["a", "b", "c"], "sampling_params": [{}, {}]})).unwrap();
+    assert_eq!(r.status, 400);
+    assert!(r.json().unwrap()["error"]["message"].as_str().unwrap().contains("`sampling_params`"));
+    let r = http::post_json(&pd.envoy.url("/v1/completions"), &json!({"prompt": ["a", "b"], "rid": ["x"]})).unwrap();
+    assert_eq!(r.status, 400);
+    for sim in pd.prefill.iter().map(|(s, _)| s).chain(&pd.decode) {
+        assert_eq!(sim.stats().unwrap()["requests"], 0, "{} saw a bad request", sim.addr());
+    }
+    // And the gateway still serves.
+    legs(&http::post_json(&url, &json!({"text": "fine"})).unwrap());
+}
