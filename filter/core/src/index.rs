@@ -160,6 +160,26 @@ impl PrefixIndex {
         self.sizes.values().sum()
     }
 
+    /// Every `(worker, hashes)` the index holds, each worker's blocks oldest first, so that
+    /// inserting them in this order into an empty index reproduces the recency order.
+    pub fn export(&self) -> Vec<(WorkerId, Vec<u64>)> {
+        let mut per_worker: HashMap<WorkerId, Vec<(u32, u64)>, BuildNoHashHasher<WorkerId>> = HashMap::default();
+        for (&hash, owners) in &self.nodes {
+            for o in owners.as_slice() {
+                per_worker.entry(o.worker).or_default().push((self.age(o.tick), hash));
+            }
+        }
+        let mut out: Vec<(WorkerId, Vec<u64>)> = per_worker
+            .into_iter()
+            .map(|(w, mut blocks)| {
+                blocks.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+                (w, blocks.into_iter().map(|(_, h)| h).collect())
+            })
+            .collect();
+        out.sort_unstable_by_key(|(w, _)| *w);
+        out
+    }
+
     /// Forgets everything `worker` holds.
     pub fn remove_worker(&mut self, worker: WorkerId) {
         self.nodes.retain(|_, owners| !owners.remove(worker));
@@ -293,6 +313,22 @@ mod tests {
         idx.evict_to(2);
         assert_eq!(idx.match_prefix(&h("aaaabbbb")), vec![PrefixMatch { worker: 1, blocks: 2 }]);
         assert!(idx.match_prefix(&h("cccc")).is_empty());
+    }
+
+    #[test]
+    fn export_lists_every_block_oldest_first() {
+        let mut idx = PrefixIndex::new();
+        idx.insert(1, &h("aaaabbbb"));
+        idx.insert(2, &h("cccc"));
+        idx.insert(1, &h("dddd"));
+        let out = idx.export();
+        assert_eq!(out.len(), 2);
+        let (w, blocks) = &out[0];
+        assert_eq!(*w, 1);
+        // "bbbb" (deepest, oldest), "aaaa", then "dddd".
+        let ab = h("aaaabbbb");
+        assert_eq!(blocks, &vec![ab[1], ab[0], h("dddd")[0]]);
+        assert_eq!(out[1], (2, h("cccc")));
     }
 
     #[test]

@@ -1,0 +1,120 @@
+//! `kvmesh-cp`: the kvmesh control plane.
+//!
+//! Wires the parts: flags and config ([`args`]), the state ([`state`]), the gRPC snapshot
+//! service ([`grpc`]), the HTTP admin API ([`admin`]), health checks and load polling
+//! ([`probe`]), and the periodic eviction and delta push.
+
+mod admin;
+mod args;
+mod grpc;
+mod probe;
+mod state;
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use kvmesh_proto::v1::kvmesh_server::KvmeshServer;
+
+fn main() -> ExitCode {
+    let args = match args::Args::parse_from(std::env::args_os()) {
+        Ok(a) => a,
+        Err(e) if matches!(e.kind(), clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion) => {
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            let text = e.to_string();
+            eprintln!("kvmesh-cp: {}", text.lines().next().unwrap_or("bad arguments").trim_start_matches("error: "));
+            return ExitCode::from(2);
+        }
+    };
+    let settings = match args.load() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("kvmesh-cp: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("kvmesh-cp: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(settings)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvmesh-cp: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(settings: args::Settings) -> anyhow::Result<()> {
+    let grpc_addr = format!("{}:{}", settings.host, settings.grpc_port);
+    let http_addr = format!("{}:{}", settings.host, settings.http_port);
+    let state = state::State::new(settings);
+    state.publish();
+
+    let http =
+        tokio::net::TcpListener::bind(&http_addr).await.with_context(|| format!("cannot listen on {http_addr}"))?;
+    let grpc =
+        tokio::net::TcpListener::bind(&grpc_addr).await.with_context(|| format!("cannot listen on {grpc_addr}"))?;
+    tracing::info!(%grpc_addr, %http_addr, workers = state.workers().len(), "kvmesh-cp serving");
+
+    if let Some(port) = state.settings.prometheus_port {
+        let addr = format!("{}:{port}", state.settings.host);
+        let listener =
+            tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+        let metrics_state = state.clone();
+        tokio::spawn(async move { axum::serve(listener, admin::metrics_router(metrics_state)).await });
+    }
+    tokio::spawn(probe::health_loop(state.clone()));
+    tokio::spawn(probe::load_loop(state.clone()));
+    tokio::spawn(push_loop(state.clone()));
+    tokio::spawn(eviction_loop(state.clone()));
+
+    let service = KvmeshServer::new(grpc::Service { state: state.clone() });
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc);
+    let grpc_server =
+        tonic::transport::Server::builder().add_service(service).serve_with_incoming_shutdown(incoming, shutdown());
+    let http_server = axum::serve(http, admin::router(state)).with_graceful_shutdown(shutdown());
+    let (g, h) = tokio::join!(grpc_server, http_server);
+    g.context("gRPC server failed")?;
+    h.context("HTTP server failed")?;
+    Ok(())
+}
+
+async fn shutdown() {
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+/// Pushes a delta whenever something changed, every `push_interval_ms`.
+async fn push_loop(state: Arc<state::State>) {
+    let mut tick = tokio::time::interval(Duration::from_millis(state.settings.push_interval_ms));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        state.publish();
+    }
+}
+
+async fn eviction_loop(state: Arc<state::State>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(state.settings.eviction_interval_secs));
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        let n = state.evict();
+        if n > 0 {
+            let (blocks, _) = state.index_stats();
+            tracing::info!(evicted = n, blocks, "index evicted to max_tree_size");
+        }
+    }
+}

@@ -1,0 +1,130 @@
+//! Health checks and load polling of the workers, over a minimal HTTP/1.0 client (worker
+//! addresses are IPs on the cluster network; nothing else is needed).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::state::State;
+
+/// `GET path` on `addr`: the status and body, or why not.
+pub async fn get(addr: &str, path: &str, timeout: Duration) -> Result<(u16, String), String> {
+    let attempt = async {
+        let mut conn = tokio::net::TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+        let req = format!("GET {path} HTTP/1.0\r\nhost: {addr}\r\nuser-agent: kvmesh-cp\r\n\r\n");
+        conn.write_all(req.as_bytes()).await.map_err(|e| e.to_string())?;
+        let mut buf = Vec::new();
+        conn.read_to_end(&mut buf).await.map_err(|e| e.to_string())?;
+        let text = String::from_utf8_lossy(&buf);
+        let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+        let status = head.split(' ').nth(1).and_then(|s| s.parse().ok()).ok_or("no HTTP status")?;
+        Ok((status, body.to_string()))
+    };
+    tokio::time::timeout(timeout, attempt).await.map_err(|_| "timed out".to_string())?
+}
+
+/// Load from SGLang's `/get_load`: `{"load": N}` (older) or one object per DP rank with
+/// `num_reqs` (current).
+pub fn parse_get_load(body: &str) -> Option<u64> {
+    let v: serde_json::Value = serde_json::from_str(body).ok()?;
+    if let Some(n) = v.get("load").and_then(serde_json::Value::as_u64) {
+        return Some(n);
+    }
+    let ranks = v.as_array()?;
+    Some(ranks.iter().filter_map(|r| r.get("num_reqs").and_then(serde_json::Value::as_u64)).sum())
+}
+
+/// Load (running + queued) and cache hit rate from Prometheus text (SGLang or vLLM names).
+pub fn parse_metrics(text: &str) -> (Option<u64>, Option<f64>) {
+    let mut load = None::<f64>;
+    let mut hit = None;
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let Some((name_labels, value)) = line.rsplit_once(' ') else { continue };
+        let name = name_labels.split('{').next().unwrap_or(name_labels);
+        let Ok(v) = value.trim().parse::<f64>() else { continue };
+        match name {
+            "sglang:num_running_reqs"
+            | "sglang:num_queue_reqs"
+            | "vllm:num_requests_running"
+            | "vllm:num_requests_waiting" => {
+                *load.get_or_insert(0.0) += v;
+            }
+            "sglang:cache_hit_rate" => hit = Some(v),
+            _ => {}
+        }
+    }
+    (load.map(|l| l.round() as u64), hit)
+}
+
+/// Health checks every `health_interval_secs`.
+pub async fn health_loop(state: Arc<State>) {
+    let interval = Duration::from_secs(state.settings.health_interval_secs);
+    let timeout = Duration::from_secs(state.settings.health_timeout_secs);
+    let mut tick = tokio::time::interval(interval);
+    loop {
+        tick.tick().await;
+        let checks = state.workers().into_iter().map(|w| {
+            let state = state.clone();
+            async move {
+                let Ok(addr) = kvmesh_core::worker::socket_addr(&w.url) else { return };
+                let ok = matches!(get(&addr.to_string(), &state.settings.health_endpoint, timeout).await, Ok((200, _)));
+                state.health_result(w.id, ok);
+            }
+        });
+        futures_util::future::join_all(checks).await;
+    }
+}
+
+/// Load polling every `load_poll_interval_ms`: `/get_load`, else `/metrics`.
+pub async fn load_loop(state: Arc<State>) {
+    let mut tick = tokio::time::interval(Duration::from_millis(state.settings.load_poll_interval_ms));
+    let timeout = Duration::from_secs(2);
+    loop {
+        tick.tick().await;
+        let polls = state.workers().into_iter().filter(|w| w.healthy).map(|w| {
+            let state = state.clone();
+            async move {
+                let Ok(addr) = kvmesh_core::worker::socket_addr(&w.url) else { return };
+                let addr = addr.to_string();
+                let (mut load, mut hit) = (None, None);
+                if let Ok((200, body)) = get(&addr, "/get_load", timeout).await {
+                    load = parse_get_load(&body);
+                }
+                if let Ok((200, body)) = get(&addr, "/metrics", timeout).await {
+                    let (l, h) = parse_metrics(&body);
+                    load = load.or(l);
+                    hit = h;
+                }
+                state.load_result(w.id, load, hit);
+            }
+        });
+        futures_util::future::join_all(polls).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn get_load_both_shapes() {
+        assert_eq!(parse_get_load(r#"{"load": 7}"#), Some(7));
+        assert_eq!(
+            parse_get_load(
+                r#"[{"dp_rank":0,"num_reqs":3,"num_waiting_reqs":1,"num_tokens":9},{"dp_rank":1,"num_reqs":2}]"#
+            ),
+            Some(5)
+        );
+        assert_eq!(parse_get_load("nope"), None);
+    }
+
+    #[test]
+    fn metrics_sglang_and_vllm() {
+        let sglang = "# TYPE x gauge\nsglang:num_running_reqs{model_name=\"m\"} 3\nsglang:num_queue_reqs{model_name=\"m\"} 2\nsglang:cache_hit_rate{model_name=\"m\"} 0.5\n";
+        assert_eq!(parse_metrics(sglang), (Some(5), Some(0.5)));
+        let vllm = "vllm:num_requests_running{model_name=\"m\"} 4.0\nvllm:num_requests_waiting{model_name=\"m\"} 1.0\nvllm:kv_cache_usage_perc 0.3\n";
+        assert_eq!(parse_metrics(vllm), (Some(5), None));
+        assert_eq!(parse_metrics("other 1\n"), (None, None));
+    }
+}

@@ -1,0 +1,10 @@
+//! Compiles `kvmesh.proto` with protox (pure Rust: no protoc needed) into prost types, plus
+//! the tonic server and client when the `server` feature is on.
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    println!("cargo:rerun-if-changed=kvmesh.proto");
+    let fds = protox::compile(["kvmesh.proto"], ["."])?;
+    let tonic = std::env::var_os("CARGO_FEATURE_SERVER").is_some();
+    tonic_prost_build::configure().build_server(tonic).build_client(tonic).compile_fds(fds)?;
+    Ok(())
+}
