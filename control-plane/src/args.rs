@@ -158,9 +158,8 @@ impl Args {
         if let Some(path) = self.config.clone() {
             let text = std::fs::read_to_string(&path).map_err(|e| bad("config", format!("{}: {e}", path.display())))?;
             let normalised = normalise_keys(&text).map_err(|e| bad("config", format!("{}: {e}", path.display())))?;
-            let mut file: Args = serde_yaml::from_value(normalised).map_err(|e| {
-                bad("config", format!("{}: {}", path.display(), e.to_string().lines().next().unwrap_or("")))
-            })?;
+            let mut file: Args = serde_yaml::from_value(normalised.clone())
+                .map_err(|e| bad("config", format!("{}: {}", path.display(), explain(&normalised, &e))))?;
             merge!(
                 self,
                 file,
@@ -305,6 +304,22 @@ impl Args {
             push_interval_ms: positive("push_interval_ms", self.push_interval_ms, 10)?,
         })
     }
+}
+
+/// Names the key a YAML error is about (serde's type errors do not say).
+fn explain(doc: &serde_yaml::Value, e: &serde_yaml::Error) -> String {
+    let first = e.to_string().lines().next().unwrap_or("").to_string();
+    if let serde_yaml::Value::Mapping(map) = doc {
+        for (k, v) in map {
+            let mut one = serde_yaml::Mapping::new();
+            one.insert(k.clone(), v.clone());
+            if let Err(err) = serde_yaml::from_value::<Args>(serde_yaml::Value::Mapping(one)) {
+                let key = k.as_str().unwrap_or("?").replace('_', "-");
+                return format!("`{key}`: {}", err.to_string().lines().next().unwrap_or(""));
+            }
+        }
+    }
+    first
 }
 
 /// YAML keys may use `-` like the flags; the struct uses `_`.

@@ -40,6 +40,7 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
         Ok(r) => r,
@@ -81,7 +82,8 @@ async fn run(settings: args::Settings) -> anyhow::Result<()> {
     tokio::spawn(push_loop(state.clone()));
     tokio::spawn(eviction_loop(state.clone()));
 
-    let service = KvmeshServer::new(grpc::Service { state: state.clone() });
+    // Full reports from gateways with large indexes exceed tonic's 4 MiB default.
+    let service = KvmeshServer::new(grpc::Service { state: state.clone() }).max_decoding_message_size(256 << 20);
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc);
     let grpc_server =
         tonic::transport::Server::builder().add_service(service).serve_with_incoming_shutdown(incoming, shutdown());

@@ -332,8 +332,10 @@ impl State {
             .values()
             .map(|w| json!({"id": w.id, "url": w.url, "role": role_name(w.role), "healthy": w.healthy, "load": w.load()}))
             .collect();
+        let pending = !inner.pending_inserts.is_empty() || !inner.pending_evictions.is_empty() || inner.workers_dirty;
         json!({
             "version": inner.version,
+            "pending": pending,
             "age_ms": inner.published_at.map(|t| t.elapsed().as_millis() as u64),
             "workers": workers,
             "index_blocks": inner.index.len(),

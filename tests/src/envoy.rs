@@ -26,6 +26,8 @@ pub struct EnvoyOptions {
     pub concurrency: u32,
     /// Baseline mode: no kvmesh filter, a plain round-robin cluster over these `ip:port`s.
     pub plain_upstreams: Option<Vec<String>>,
+    /// The control plane's gRPC port; `None` runs the filter on its static workers only.
+    pub control_plane: Option<u16>,
 }
 
 impl EnvoyOptions {
@@ -39,6 +41,7 @@ impl EnvoyOptions {
             filter,
             concurrency: 2,
             plain_upstreams: None,
+            control_plane: None,
         })
     }
 }
@@ -92,8 +95,32 @@ pub fn render(opts: &EnvoyOptions) -> anyhow::Result<String> {
         for (k, v) in extra {
             base.insert(k.clone(), v.clone());
         }
+        if opts.control_plane.is_none() {
+            base.insert("control_plane_cluster".into(), "".into());
+        }
     }
     *value = serde_json::to_string_pretty(&filter)?.into();
+    if let Some(port) = opts.control_plane {
+        let clusters = at(&mut doc, &["static_resources", "clusters"])?;
+        let cp = clusters
+            .as_sequence_mut()
+            .and_then(|c| c.iter_mut().find(|c| c.get("name").and_then(Yaml::as_str) == Some("kvmesh_control_plane")))
+            .ok_or_else(|| anyhow!("no kvmesh_control_plane cluster"))?;
+        *at(
+            cp,
+            &[
+                "load_assignment",
+                "endpoints",
+                "0",
+                "lb_endpoints",
+                "0",
+                "endpoint",
+                "address",
+                "socket_address",
+                "port_value",
+            ],
+        )? = port.into();
+    }
     if let Some(upstreams) = &opts.plain_upstreams {
         make_plain(&mut doc, upstreams)?;
     }

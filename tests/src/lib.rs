@@ -33,6 +33,90 @@ pub fn wasm_path() -> PathBuf {
     bin_from_env("KVMESH_WASM", repo_root().join("target/wasm32-wasip1/release/kvmesh_filter.wasm"))
 }
 
+/// The control plane binary.
+pub fn cp_bin() -> PathBuf {
+    bin_from_env("KVMESH_CP_BIN", repo_root().join("target/release/kvmesh-cp"))
+}
+
+/// A running `kvmesh-cp` on free ports.
+pub struct ControlPlane {
+    pub grpc_port: u16,
+    pub http_port: u16,
+    args: Vec<String>,
+    proc: Proc,
+}
+
+impl ControlPlane {
+    /// Starts `kvmesh-cp` with `args` and waits until its HTTP API answers.
+    pub fn start(args: &[&str]) -> anyhow::Result<ControlPlane> {
+        let (grpc_port, http_port) = (free_port()?, free_port()?);
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        let proc = Self::launch(grpc_port, http_port, &args)?;
+        let cp = ControlPlane { grpc_port, http_port, args, proc };
+        cp.wait_ready()?;
+        Ok(cp)
+    }
+
+    fn launch(grpc_port: u16, http_port: u16, args: &[String]) -> anyhow::Result<Proc> {
+        let mut cmd = std::process::Command::new(cp_bin());
+        cmd.args(["--host", "127.0.0.1", "--grpc-port", &grpc_port.to_string(), "--http-port", &http_port.to_string()])
+            .args(args);
+        Proc::spawn("kvmesh-cp", cmd)
+    }
+
+    fn wait_ready(&self) -> anyhow::Result<()> {
+        let url = self.url("/health");
+        wait_until("kvmesh-cp to serve", std::time::Duration::from_secs(15), || {
+            http::get(&url).map(|r| r.status == 200).unwrap_or(false)
+        })
+        .map_err(|e| e.context(self.proc.log_tail()))
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.http_port)
+    }
+
+    /// `/snapshot` (version, workers, index size).
+    pub fn snapshot(&self) -> anyhow::Result<serde_json::Value> {
+        http::get(&self.url("/snapshot"))?.json()
+    }
+
+    /// The snapshot version once every change made so far has been pushed.
+    pub fn settled_version(&self) -> anyhow::Result<u64> {
+        let mut version = 0;
+        wait_until("kvmesh-cp to push its pending changes", std::time::Duration::from_secs(10), || {
+            match self.snapshot() {
+                Ok(s) if s["pending"] == false => {
+                    version = s["version"].as_u64().unwrap_or(0);
+                    true
+                }
+                _ => false,
+            }
+        })?;
+        Ok(version)
+    }
+
+    pub fn post(&self, path_and_query: &str) -> anyhow::Result<http::Response> {
+        http::post(&self.url(path_and_query), b"", &[])
+    }
+
+    /// Kills the process (the ports stay reserved for [`restart`](Self::restart)).
+    pub fn kill(&mut self) {
+        self.proc.kill();
+    }
+
+    /// Starts it again on the same ports with the same flags.
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        self.proc.kill();
+        self.proc = Self::launch(self.grpc_port, self.http_port, &self.args)?;
+        self.wait_ready()
+    }
+
+    pub fn proc(&mut self) -> &mut Proc {
+        &mut self.proc
+    }
+}
+
 /// The Envoy binary.
 pub fn envoy_bin() -> PathBuf {
     bin_from_env("ENVOY_BIN", repo_root().join(".venv/bin/envoy"))

@@ -117,9 +117,9 @@ pub fn run_tests(cmd: &mut Command, totals: &mut Totals) -> anyhow::Result<()> {
 
 /// Builds the filter `.wasm` and the simulated worker, in release mode.
 pub fn build() -> anyhow::Result<()> {
-    step("building the filter (wasm32-wasip1) and kvmesh-sim");
+    step("building the filter (wasm32-wasip1), kvmesh-cp and kvmesh-sim");
     run(cargo().args(["build", "--release", "-p", "kvmesh-filter", "--target", "wasm32-wasip1"]))?;
-    run(cargo().args(["build", "--release", "-p", "kvmesh-sim"]))
+    run(cargo().args(["build", "--release", "-p", "kvmesh-sim", "-p", "kvmesh-cp"]))
 }
 
 /// Points the test kit at the binaries just built.
@@ -127,6 +127,7 @@ pub fn stack_env(cmd: &mut Command, envoy: &Path) {
     let root = repo_root();
     cmd.env("ENVOY_BIN", envoy)
         .env("KVMESH_SIM_BIN", root.join("target/release/kvmesh-sim"))
+        .env("KVMESH_CP_BIN", root.join("target/release/kvmesh-cp"))
         .env("KVMESH_WASM", root.join("target/wasm32-wasip1/release/kvmesh_filter.wasm"));
 }
 

@@ -46,6 +46,10 @@ pub struct Config {
     pub cb_timeout_duration_secs: u64,
     /// The Envoy cluster (ORIGINAL_DST) the prefill callouts go through.
     pub upstream_cluster: String,
+    /// The Envoy cluster (HTTP/2) of `kvmesh-cp`; none means static workers only.
+    pub control_plane_cluster: Option<String>,
+    /// How often the stream owner reports to the control plane.
+    pub report_interval_ms: u64,
 }
 
 /// PD mode settings.
@@ -125,6 +129,8 @@ struct Raw {
     cb_failure_threshold: Option<u32>,
     cb_timeout_duration_secs: Option<u64>,
     upstream_cluster: Option<String>,
+    control_plane_cluster: Option<String>,
+    report_interval_ms: Option<u64>,
 }
 
 pub const DEFAULT_CACHE_THRESHOLD: f64 = 0.3;
@@ -159,6 +165,8 @@ impl Default for Config {
             cb_failure_threshold: DEFAULT_CB_FAILURE_THRESHOLD,
             cb_timeout_duration_secs: DEFAULT_CB_TIMEOUT_DURATION_SECS,
             upstream_cluster: DEFAULT_UPSTREAM_CLUSTER.to_string(),
+            control_plane_cluster: None,
+            report_interval_ms: 20,
         }
     }
 }
@@ -235,6 +243,8 @@ impl Config {
             pd: None,
             workers: WorkerTable::default(),
             upstream_cluster: raw.upstream_cluster.unwrap_or(d.upstream_cluster),
+            control_plane_cluster: raw.control_plane_cluster.filter(|c| !c.is_empty()),
+            report_interval_ms: positive("report_interval_ms", raw.report_interval_ms, d.report_interval_ms)?,
         }
         .with_workers(raw.pd_disaggregation.unwrap_or(false), raw.worker_urls, raw.prefill, raw.decode, pd_raw)
     }

@@ -122,6 +122,13 @@ impl Router {
         self.index.evict_to(self.max_blocks)
     }
 
+    /// Applies evictions decided elsewhere (the control plane's global LRU).
+    pub fn apply_evictions(&mut self, worker: WorkerId, hashes: &[u64]) {
+        for &h in hashes {
+            self.index.remove(h, worker);
+        }
+    }
+
     pub fn forget_worker(&mut self, worker: WorkerId) {
         self.index.remove_worker(worker);
     }

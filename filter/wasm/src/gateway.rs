@@ -7,10 +7,12 @@ use kvmesh_core::pd::{PdDecision, PdRouter};
 use kvmesh_core::policy::Candidate;
 use kvmesh_core::request::{self, RequestError};
 use kvmesh_core::rng::{random_u64, FastRng, Rng};
-use kvmesh_core::{Config, Decision, Endpoint, Role, Router, WorkerId, WorkerTable};
+use kvmesh_core::{Config, Decision, Endpoint, Role, Router, Worker, WorkerId, WorkerTable};
+use kvmesh_proto::v1::{self as proto, IndexInsert, InflightCount, ReportBatch};
+use kvmesh_proto::Message;
 
 use crate::health::Health;
-use crate::shared::{Inflight, InsertLog, SharedStore};
+use crate::shared::{Delta, DeltaLog, Inflight, SharedStore, SharedTable};
 
 /// What the filter does with a request.
 #[derive(Debug, PartialEq)]
@@ -84,32 +86,87 @@ enum Mode {
     Pd(PdRouter),
 }
 
+/// Most index inserts held for the next report (older ones are dropped first).
+const REPORT_QUEUE: usize = 16_384;
+
 /// One VM's routing state.
 pub struct Gateway {
+    /// The plugin configuration as given (the control plane's policy is merged over it).
+    base: serde_json::Value,
     config: Config,
     table: WorkerTable,
     mode: Mode,
     rng: FastRng,
-    log: InsertLog,
+    log: DeltaLog,
     health: Health,
     last_eviction_secs: u64,
+    /// Index inserts made on this Envoy that the control plane has not been told about.
+    unreported: Vec<(WorkerId, Vec<u64>)>,
+    /// The control-plane table version this VM applied.
+    table_version: Option<u64>,
+    policy_json: String,
+}
+
+fn build_mode(config: &Config) -> Mode {
+    match &config.pd {
+        Some(pd) => Mode::Pd(PdRouter::new(config, pd.prefill_policy, pd.decode_policy, pd.decider)),
+        None => Mode::Regular(Router::new(config)),
+    }
+}
+
+/// The worker table of a control-plane snapshot (workers whose URL is not usable are left out
+/// and logged).
+pub fn table_from(snapshot: &proto::Snapshot) -> WorkerTable {
+    let workers = snapshot
+        .workers
+        .iter()
+        .filter_map(|w| match Worker::from_url(w.id, &w.url) {
+            Ok(mut worker) => {
+                worker.role = match proto::Role::try_from(w.role) {
+                    Ok(proto::Role::Prefill) => Role::Prefill,
+                    Ok(proto::Role::Decode) => Role::Decode,
+                    _ => Role::Regular,
+                };
+                worker.bootstrap_port = w.bootstrap_port.and_then(|p| u16::try_from(p).ok());
+                worker.healthy = w.healthy;
+                worker.load = w.load;
+                Some(worker)
+            }
+            Err(e) => {
+                log::warn!("control plane worker {} skipped: {e}", w.url);
+                None
+            }
+        })
+        .collect();
+    WorkerTable { version: snapshot.version, workers }
 }
 
 impl Gateway {
     pub fn new(config: Config, store: &dyn SharedStore, seed: u64) -> Self {
-        let mode = match &config.pd {
-            Some(pd) => Mode::Pd(PdRouter::new(&config, pd.prefill_policy, pd.decode_policy, pd.decider)),
-            None => Mode::Regular(Router::new(&config)),
-        };
+        Self::with_base(config, serde_json::Value::Null, store, seed)
+    }
+
+    /// A gateway that remembers its plugin configuration `base` (JSON), so that a policy
+    /// from the control plane can be merged over it.
+    pub fn with_base(config: Config, base: serde_json::Value, store: &dyn SharedStore, seed: u64) -> Self {
         Self {
+            base,
             table: config.workers.clone(),
-            mode,
+            mode: build_mode(&config),
             rng: FastRng::seeded(seed),
-            log: InsertLog::new(store, seed as u32 ^ (seed >> 32) as u32),
+            log: DeltaLog::new(store, seed as u32 ^ (seed >> 32) as u32),
             health: Health::new(config.cb_failure_threshold, config.cb_timeout_duration_secs),
             last_eviction_secs: 0,
+            unreported: Vec::new(),
+            table_version: None,
+            policy_json: String::new(),
             config,
         }
+    }
+
+    /// This VM's id in shared data (lease owner, log writer).
+    pub fn vm_id(&self) -> u32 {
+        self.log.vm()
     }
 
     pub fn config(&self) -> &Config {
@@ -163,16 +220,39 @@ impl Gateway {
         if !uses_text {
             return;
         }
-        for insert in self.log.poll(store) {
-            if let Some(router) = self.router_of(insert.worker) {
-                router.apply_insert(insert.worker, &insert.hashes);
+        for delta in self.log.poll(store) {
+            self.apply_delta(&delta);
+            if !delta.evict && !delta.from_cp {
+                self.queue_report(delta.worker, delta.hashes);
             }
         }
     }
 
+    fn apply_delta(&mut self, delta: &Delta) {
+        if let Some(router) = self.router_of(delta.worker) {
+            if delta.evict {
+                router.apply_evictions(delta.worker, &delta.hashes);
+            } else {
+                router.apply_insert(delta.worker, &delta.hashes);
+            }
+        }
+    }
+
+    fn queue_report(&mut self, worker: WorkerId, hashes: Vec<u64>) {
+        if self.config.control_plane_cluster.is_none() {
+            return;
+        }
+        if self.unreported.len() >= REPORT_QUEUE {
+            self.unreported.drain(..REPORT_QUEUE / 2);
+        }
+        self.unreported.push((worker, hashes));
+    }
+
     fn publish(&mut self, store: &dyn SharedStore, d: &Decision) {
         if !d.inserted.is_empty() {
-            self.log.append(store, d.worker, &d.inserted);
+            let delta = Delta { worker: d.worker, evict: false, from_cp: false, hashes: d.inserted.clone() };
+            self.log.append(store, std::slice::from_ref(&delta));
+            self.queue_report(d.worker, delta.hashes);
         }
     }
 
@@ -196,6 +276,7 @@ impl Gateway {
             Ok(p) => p,
             Err(e) => return Outcome::Reply(Reply::request(&e)),
         };
+        self.sync_table(store);
         self.catch_up(store);
         let inflight = Inflight::load(store);
         let now = info.now_secs;
@@ -252,6 +333,7 @@ impl Gateway {
     /// Routes a request on another path (models, health, info) to any available worker (a
     /// decode worker in PD mode).
     pub fn route_other(&mut self, store: &dyn SharedStore, now: u64) -> Outcome {
+        self.sync_table(store);
         let role = if matches!(self.mode, Mode::Pd(_)) { Role::Decode } else { Role::Regular };
         let cands = self.candidates(&Inflight::load(store), role, now);
         let pos = match &mut self.mode {
@@ -301,6 +383,154 @@ impl Gateway {
             Mode::Regular(r) => r.index().len(),
             Mode::Pd(pd) => pd.prefill_router().index().len() + pd.decode_router().index().len(),
         }
+    }
+}
+
+/// The control-plane side: snapshots in, reports out.
+impl Gateway {
+    /// Replaces the worker table. Index entries of ids that now name another worker (or none)
+    /// are forgotten, so that no prefix is attributed to the wrong worker.
+    fn set_table(&mut self, table: WorkerTable) {
+        let stale: Vec<WorkerId> = self
+            .table
+            .workers
+            .iter()
+            .filter(|old| table.get(old.id).is_none_or(|new| new.url != old.url || new.role != old.role))
+            .map(|w| w.id)
+            .collect();
+        for id in stale {
+            match &mut self.mode {
+                Mode::Regular(r) => r.forget_worker(id),
+                Mode::Pd(pd) => {
+                    pd.prefill_router().forget_worker(id);
+                    pd.decode_router().forget_worker(id);
+                }
+            }
+        }
+        self.table_version = Some(table.version);
+        self.table = table;
+    }
+
+    /// Merges the control plane's routing settings over the plugin configuration; rebuilds
+    /// the routers when they change.
+    fn set_policy(&mut self, policy_json: &str) {
+        if policy_json.is_empty() || policy_json == self.policy_json {
+            return;
+        }
+        self.policy_json = policy_json.to_string();
+        let mut merged = match &self.base {
+            serde_json::Value::Object(m) => m.clone(),
+            _ => serde_json::Map::new(),
+        };
+        if let Ok(serde_json::Value::Object(policy)) = serde_json::from_str::<serde_json::Value>(policy_json) {
+            merged.extend(policy);
+        }
+        for key in ["worker_urls", "prefill", "decode"] {
+            merged.remove(key);
+        }
+        match Config::from_json(serde_json::Value::Object(merged).to_string().as_bytes()) {
+            Ok(mut config) => {
+                config.workers = self.table.clone();
+                let rebuild = config.policy != self.config.policy
+                    || config.pd != self.config.pd
+                    || config.cache_aware != self.config.cache_aware
+                    || config.block_size != self.config.block_size
+                    || config.max_tree_size != self.config.max_tree_size;
+                if rebuild {
+                    self.mode = build_mode(&config);
+                }
+                self.health = Health::new(config.cb_failure_threshold, config.cb_timeout_duration_secs);
+                self.config = config;
+            }
+            Err(e) => log::warn!("control plane policy ignored: {e}"),
+        }
+    }
+
+    /// A snapshot from the stream (on the VM that owns it): applied here, and shared with the
+    /// other VMs — the table through shared data, index changes through the delta log.
+    pub fn apply_snapshot(&mut self, store: &dyn SharedStore, snapshot: &proto::Snapshot) {
+        if snapshot.full || snapshot.workers_changed || !snapshot.policy_json.is_empty() {
+            let mut shared = proto::Snapshot {
+                version: snapshot.version,
+                full: true,
+                workers: snapshot.workers.clone(),
+                workers_changed: true,
+                policy_json: snapshot.policy_json.clone(),
+                ..Default::default()
+            };
+            if shared.policy_json.is_empty() {
+                shared.policy_json = self.policy_json.clone();
+            }
+            self.set_policy(&shared.policy_json);
+            self.set_table(table_from(&shared));
+            SharedTable::publish(store, snapshot.version, &shared.encode_to_vec());
+        }
+        let mut deltas: Vec<Delta> = Vec::with_capacity(snapshot.inserts.len() + snapshot.evictions.len());
+        deltas.extend(snapshot.inserts.iter().map(|i| Delta {
+            worker: i.worker,
+            evict: false,
+            from_cp: true,
+            hashes: i.hashes.clone(),
+        }));
+        deltas.extend(snapshot.evictions.iter().map(|e| Delta {
+            worker: e.worker,
+            evict: true,
+            from_cp: true,
+            hashes: e.hashes.clone(),
+        }));
+        for d in &deltas {
+            self.apply_delta(d);
+        }
+        self.log.append(store, &deltas);
+    }
+
+    /// Adopts the table the stream owner published, when it changed (every VM, on its tick
+    /// and before each request: one small shared-data read).
+    pub fn sync_table(&mut self, store: &dyn SharedStore) {
+        let Some(version) = SharedTable::version(store) else { return };
+        if self.table_version == Some(version) {
+            return;
+        }
+        let Some(snapshot) = SharedTable::value(store).and_then(|b| proto::Snapshot::decode(b.as_slice()).ok()) else {
+            return;
+        };
+        self.set_policy(&snapshot.policy_json);
+        self.set_table(table_from(&snapshot));
+        self.table_version = Some(version);
+    }
+
+    /// What the stream owner sends on its report tick: inserts made on this Envoy since the
+    /// last report, and the in-flight counts.
+    pub fn take_report(&mut self, store: &dyn SharedStore, gateway_id: &str) -> ReportBatch {
+        self.catch_up(store);
+        let inserts = std::mem::take(&mut self.unreported)
+            .into_iter()
+            .map(|(worker, hashes)| IndexInsert { worker, hashes })
+            .collect();
+        let inflight =
+            Inflight::read(store).into_iter().map(|(worker, count)| InflightCount { worker, count }).collect();
+        ReportBatch { gateway_id: gateway_id.to_string(), inserts, inflight, completions: Vec::new() }
+    }
+
+    /// Everything this VM's index holds, for a control plane that just (re)connected.
+    pub fn full_report(&mut self, gateway_id: &str) -> ReportBatch {
+        let mut inserts = Vec::new();
+        let mut export = |r: &mut Router| {
+            inserts.extend(r.index().export().into_iter().map(|(worker, hashes)| IndexInsert { worker, hashes }));
+        };
+        match &mut self.mode {
+            Mode::Regular(r) => export(r),
+            Mode::Pd(pd) => {
+                export(pd.prefill_router());
+                export(pd.decode_router());
+            }
+        }
+        self.unreported.clear();
+        ReportBatch { gateway_id: gateway_id.to_string(), inserts, ..Default::default() }
+    }
+
+    pub fn table_version(&self) -> Option<u64> {
+        self.table_version
     }
 }
 

@@ -30,6 +30,7 @@ pub struct Metrics {
     pub cache_hits: Option<u32>,
     pub decision_ns: Option<u32>,
     pub index_blocks: Option<u32>,
+    pub snapshot_version: Option<u32>,
 }
 
 impl Metrics {
@@ -41,6 +42,7 @@ impl Metrics {
             cache_hits: def(MetricType::Counter, "kvmesh_cache_hits_total"),
             decision_ns: def(MetricType::Histogram, "kvmesh_route_decision_ns"),
             index_blocks: def(MetricType::Gauge, "kvmesh_index_blocks"),
+            snapshot_version: def(MetricType::Gauge, "kvmesh_snapshot_version"),
         }
     }
 

@@ -2,8 +2,9 @@
 //! shared data behind the small [`SharedStore`] trait so the logic is testable natively.
 //!
 //! - [`Inflight`]: in-flight requests per worker, updated by compare-and-swap.
-//! - [`InsertLog`]: a ring of recent prefix-index inserts, so that a prefix routed on one
-//!   thread is known to the others before their next request.
+//! - [`DeltaLog`]: a ring of recent prefix-index changes, so that a prefix routed on one
+//!   thread (or pushed by the control plane) is known to the others before their next request.
+//! - [`Lease`]: which VM owns the control-plane streams.
 //!
 //! Values are small byte strings (the host copies a value in and out on every access).
 
@@ -109,30 +110,38 @@ fn apply_delta(value: &mut Vec<u8>, worker: WorkerId, delta: i32) {
     }
 }
 
-/// A ring of the last [`InsertLog::SLOTS`] prefix-index inserts. The writer takes a sequence
-/// number by CAS on the head, then writes its slot; readers follow the head and apply what
-/// other VMs wrote.
-pub struct InsertLog {
+/// One change to the prefix index, as passed between the VMs of one Envoy.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Delta {
+    pub worker: WorkerId,
+    pub evict: bool,
+    /// Came from the control plane (so it is not reported back to it).
+    pub from_cp: bool,
+    pub hashes: Vec<u64>,
+}
+
+/// A ring of the last [`DeltaLog::SLOTS`] batches of index changes. The writer takes a
+/// sequence number by CAS on the head, then writes its slot; readers follow the head and
+/// apply what other VMs wrote: their routing decisions, and the control plane's deltas that
+/// the stream owner received.
+pub struct DeltaLog {
     /// The last sequence number this VM has applied or skipped.
     cursor: u64,
     vm: u32,
 }
 
-/// One insert read back from the log.
-#[derive(Debug, PartialEq, Eq)]
-pub struct LoggedInsert {
-    pub worker: WorkerId,
-    pub hashes: Vec<u64>,
-}
-
-impl InsertLog {
+impl DeltaLog {
     pub const SLOTS: u64 = 256;
     const HEAD: &'static str = "kvmesh.log.head";
 
-    /// A reader/writer for VM `vm` that starts with the inserts still in the ring.
+    /// A reader/writer for VM `vm` that starts with the batches still in the ring.
     pub fn new(store: &dyn SharedStore, vm: u32) -> Self {
         let head = Self::head(store);
         Self { cursor: head.saturating_sub(Self::SLOTS), vm }
+    }
+
+    pub fn vm(&self) -> u32 {
+        self.vm
     }
 
     fn head(store: &dyn SharedStore) -> u64 {
@@ -143,8 +152,11 @@ impl InsertLog {
         format!("kvmesh.log.{}", seq % Self::SLOTS)
     }
 
-    /// Appends an insert made by this VM.
-    pub fn append(&mut self, store: &dyn SharedStore, worker: WorkerId, hashes: &[u64]) {
+    /// Appends a batch made by this VM.
+    pub fn append(&mut self, store: &dyn SharedStore, deltas: &[Delta]) {
+        if deltas.is_empty() {
+            return;
+        }
         let mut seq = 0;
         let took = update(store, Self::HEAD, |value| {
             seq = value.get(..8).and_then(|b| u64_at(b, 0)).unwrap_or(0) + 1;
@@ -154,19 +166,25 @@ impl InsertLog {
         if !took {
             return;
         }
-        let mut entry = Vec::with_capacity(16 + hashes.len() * 8);
+        let size: usize = deltas.iter().map(|d| 12 + d.hashes.len() * 8).sum();
+        let mut entry = Vec::with_capacity(12 + size);
         entry.extend_from_slice(&seq.to_le_bytes());
         entry.extend_from_slice(&self.vm.to_le_bytes());
-        entry.extend_from_slice(&worker.to_le_bytes());
-        for h in hashes {
-            entry.extend_from_slice(&h.to_le_bytes());
+        for d in deltas {
+            let flags = u32::from(d.evict) | (u32::from(d.from_cp) << 1);
+            entry.extend_from_slice(&d.worker.to_le_bytes());
+            entry.extend_from_slice(&flags.to_le_bytes());
+            entry.extend_from_slice(&(d.hashes.len() as u32).to_le_bytes());
+            for h in &d.hashes {
+                entry.extend_from_slice(&h.to_le_bytes());
+            }
         }
         // The slot belongs to this sequence number; no CAS needed.
         let _ = store.set(&Self::slot_key(seq), &entry, None);
     }
 
-    /// The inserts other VMs made since the last call, oldest first.
-    pub fn poll(&mut self, store: &dyn SharedStore) -> Vec<LoggedInsert> {
+    /// The batches other VMs wrote since the last call, oldest first.
+    pub fn poll(&mut self, store: &dyn SharedStore) -> Vec<Delta> {
         let head = Self::head(store);
         if head <= self.cursor {
             return Vec::new();
@@ -180,15 +198,71 @@ impl InsertLog {
                 break; // Taken but not written yet: read it next time.
             }
             if written == seq && u32_at(&entry, 8) != Some(self.vm) {
-                if let Some(worker) = u32_at(&entry, 12) {
-                    let hashes = entry[16..].chunks_exact(8).filter_map(|c| u64_at(c, 0)).collect();
-                    out.push(LoggedInsert { worker, hashes });
-                }
+                decode_deltas(&entry[12..], &mut out);
             }
             self.cursor = seq;
             seq += 1;
         }
         out
+    }
+}
+
+/// The control-plane stream ownership: one VM per Envoy holds a lease in shared data, renews
+/// it on every tick, and another takes over when it lapses.
+pub struct Lease;
+
+impl Lease {
+    const KEY: &'static str = "kvmesh.cp.lease";
+
+    /// Takes or renews the lease for `vm` until `now_ms + ttl_ms` when it is free, lapsed or
+    /// already `vm`'s. True when `vm` holds it afterwards.
+    pub fn hold(store: &dyn SharedStore, vm: u32, now_ms: u64, ttl_ms: u64) -> bool {
+        let (value, cas) = store.get(Self::KEY);
+        if let Some(v) = value {
+            let (owner, until) = (u32_at(&v, 0), u64_at(&v, 4).unwrap_or(0));
+            if owner != Some(vm) && until > now_ms {
+                return false;
+            }
+        }
+        let mut lease = vm.to_le_bytes().to_vec();
+        lease.extend_from_slice(&(now_ms + ttl_ms).to_le_bytes());
+        if store.set(Self::KEY, &lease, cas).is_err() {
+            return false;
+        }
+        // Two VMs may both have found the key missing: the last writer wins.
+        store.get(Self::KEY).0.and_then(|v| u32_at(&v, 0)) == Some(vm)
+    }
+}
+
+/// The worker table (and routing configuration) from the control plane, as the stream owner
+/// last received it: a version key read on every tick, the value only when it changed.
+pub struct SharedTable;
+
+impl SharedTable {
+    const VERSION: &'static str = "kvmesh.cp.version";
+    const VALUE: &'static str = "kvmesh.cp.table";
+
+    pub fn publish(store: &dyn SharedStore, version: u64, encoded: &[u8]) {
+        let _ = store.set(Self::VALUE, encoded, None);
+        let _ = store.set(Self::VERSION, &version.to_le_bytes(), None);
+    }
+
+    pub fn version(store: &dyn SharedStore) -> Option<u64> {
+        store.get(Self::VERSION).0.and_then(|v| u64_at(&v, 0))
+    }
+
+    pub fn value(store: &dyn SharedStore) -> Option<Vec<u8>> {
+        store.get(Self::VALUE).0
+    }
+}
+
+fn decode_deltas(mut bytes: &[u8], out: &mut Vec<Delta>) {
+    while let (Some(worker), Some(flags), Some(n)) = (u32_at(bytes, 0), u32_at(bytes, 4), u32_at(bytes, 8)) {
+        let end = 12 + n as usize * 8;
+        let Some(body) = bytes.get(12..end) else { return };
+        let hashes = body.chunks_exact(8).filter_map(|c| u64_at(c, 0)).collect();
+        out.push(Delta { worker, evict: flags & 1 != 0, from_cp: flags & 2 != 0, hashes });
+        bytes = &bytes[end..];
     }
 }
 
@@ -256,6 +330,17 @@ mod tests {
     }
 
     #[test]
+    fn one_vm_holds_the_lease_until_it_lapses() {
+        let store = FakeStore::default();
+        assert!(Lease::hold(&store, 1, 1000, 3000));
+        assert!(!Lease::hold(&store, 2, 2000, 3000), "held by 1 until 4000");
+        assert!(Lease::hold(&store, 1, 3000, 3000), "renewed until 6000");
+        assert!(!Lease::hold(&store, 2, 5999, 3000));
+        assert!(Lease::hold(&store, 2, 6000, 3000), "lapsed: taken over");
+        assert!(!Lease::hold(&store, 1, 6001, 3000));
+    }
+
+    #[test]
     fn a_stale_cas_is_retried() {
         let store = FakeStore::default();
         Inflight::add(&store, 1, 1);
@@ -265,46 +350,53 @@ mod tests {
         assert_eq!(Inflight::read(&store), vec![(1, 2)]);
     }
 
+    fn ins(worker: WorkerId, hashes: &[u64]) -> Delta {
+        Delta { worker, evict: false, from_cp: false, hashes: hashes.to_vec() }
+    }
+
     #[test]
-    fn inserts_reach_other_vms_only() {
+    fn deltas_reach_other_vms_only() {
         let store = FakeStore::default();
-        let mut a = InsertLog::new(&store, 1);
-        let mut b = InsertLog::new(&store, 2);
-        a.append(&store, 5, &[10, 11]);
-        b.append(&store, 6, &[12]);
-        assert_eq!(a.poll(&store), vec![LoggedInsert { worker: 6, hashes: vec![12] }]);
-        assert_eq!(b.poll(&store), vec![LoggedInsert { worker: 5, hashes: vec![10, 11] }]);
+        let mut a = DeltaLog::new(&store, 1);
+        let mut b = DeltaLog::new(&store, 2);
+        a.append(&store, &[ins(5, &[10, 11])]);
+        let evict = Delta { worker: 7, evict: true, from_cp: true, hashes: vec![13] };
+        b.append(&store, &[ins(6, &[12]), evict.clone()]);
+        assert_eq!(a.poll(&store), vec![ins(6, &[12]), evict]);
+        assert_eq!(b.poll(&store), vec![ins(5, &[10, 11])]);
         assert!(a.poll(&store).is_empty());
         // A VM started later replays what the ring still holds.
-        let mut c = InsertLog::new(&store, 3);
-        assert_eq!(c.poll(&store).len(), 2);
+        let mut c = DeltaLog::new(&store, 3);
+        assert_eq!(c.poll(&store).len(), 3);
     }
 
     #[test]
     fn a_reader_that_falls_behind_skips_overwritten_slots() {
         let store = FakeStore::default();
-        let mut a = InsertLog::new(&store, 1);
-        let mut b = InsertLog::new(&store, 2);
-        for i in 0..(InsertLog::SLOTS + 10) {
-            a.append(&store, 1, &[i]);
+        let mut a = DeltaLog::new(&store, 1);
+        let mut b = DeltaLog::new(&store, 2);
+        for i in 0..(DeltaLog::SLOTS + 10) {
+            a.append(&store, &[ins(1, &[i])]);
         }
         let got = b.poll(&store);
-        assert_eq!(got.len() as u64, InsertLog::SLOTS);
+        assert_eq!(got.len() as u64, DeltaLog::SLOTS);
         assert_eq!(got[0].hashes, vec![10]);
     }
 
     #[test]
     fn a_taken_but_unwritten_slot_is_read_later() {
         let store = FakeStore::default();
-        let mut b = InsertLog::new(&store, 2);
+        let mut b = DeltaLog::new(&store, 2);
         // Another VM took sequence 1 but has not written its slot yet.
-        store.set(InsertLog::HEAD, &1u64.to_le_bytes(), None).unwrap();
+        store.set(DeltaLog::HEAD, &1u64.to_le_bytes(), None).unwrap();
         assert!(b.poll(&store).is_empty());
         let mut entry = 1u64.to_le_bytes().to_vec();
         entry.extend_from_slice(&9u32.to_le_bytes());
-        entry.extend_from_slice(&4u32.to_le_bytes());
+        for v in [4u32, 0, 1] {
+            entry.extend_from_slice(&v.to_le_bytes());
+        }
         entry.extend_from_slice(&77u64.to_le_bytes());
         store.set("kvmesh.log.1", &entry, None).unwrap();
-        assert_eq!(b.poll(&store), vec![LoggedInsert { worker: 4, hashes: vec![77] }]);
+        assert_eq!(b.poll(&store), vec![ins(4, &[77])]);
     }
 }

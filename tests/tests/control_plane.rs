@@ -1,0 +1,252 @@
+//! The control plane end to end: real `kvmesh-cp`, real Envoys running the filter, real sims.
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use kvmesh_testkit::http::{self, Response};
+use kvmesh_testkit::{cp_bin, wait_until, ControlPlane, Envoy, EnvoyOptions, Sim};
+use serde_json::{json, Value};
+
+const FAST: &[&str] = &["--time-scale", "0"];
+
+fn sims(n: usize) -> Vec<Sim> {
+    (0..n).map(|_| Sim::start(FAST).unwrap()).collect()
+}
+
+fn worker_flags(sims: &[Sim]) -> Vec<String> {
+    let mut flags = vec!["--worker-urls".to_string()];
+    flags.extend(sims.iter().map(Sim::url));
+    flags
+}
+
+/// An Envoy whose filter has no static workers: everything comes from the control plane.
+fn gateway(cp: &ControlPlane) -> Envoy {
+    let mut opts = EnvoyOptions::new(json!({"worker_urls": []})).unwrap();
+    opts.control_plane = Some(cp.grpc_port);
+    let envoy = Envoy::start(&opts).unwrap();
+    wait_for_version(&envoy, 1);
+    envoy
+}
+
+fn version(envoy: &Envoy) -> u64 {
+    envoy.stat("wasmcustom.kvmesh_snapshot_version").unwrap().unwrap_or(0)
+}
+
+/// Waits until `envoy` has applied control-plane version `v` or later.
+fn wait_for_version(envoy: &Envoy, v: u64) {
+    wait_until(&format!("envoy to apply snapshot version {v}"), Duration::from_secs(20), || version(envoy) >= v)
+        .unwrap();
+}
+
+/// The control plane's version once all its changes so far are pushed.
+fn cp_version(cp: &ControlPlane) -> u64 {
+    cp.settled_version().unwrap()
+}
+
+fn served(r: &Response) -> String {
+    assert_eq!(r.status, 200, "{}", r.text());
+    let w = r.header("x-kvmesh-worker").unwrap().to_string();
+    assert_eq!(Some(w.as_str()), r.header("x-sim-worker"));
+    w
+}
+
+fn generate(envoy: &Envoy, text: &str) -> Response {
+    http::post_json(&envoy.url("/generate"), &json!({"text": text, "sampling_params": {"max_new_tokens": 1}})).unwrap()
+}
+
+fn quantile(sorted: &[Duration], q: f64) -> Duration {
+    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
+}
+
+#[test]
+fn a_prefix_routed_through_one_gateway_sticks_through_the_others() {
+    let workers = sims(4);
+    let flags = worker_flags(&workers);
+    let cp = ControlPlane::start(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    let (a, b, c) = (gateway(&cp), gateway(&cp), gateway(&cp));
+    let mut delays = Vec::new();
+    for i in 0..20 {
+        let prefix = format!("Conversation {i}. The user is asking about topic {i}. ").repeat(25);
+        let entries = || cp.snapshot().unwrap()["index_entries"].as_u64().unwrap();
+        let before = entries();
+        let first = served(&generate(&a, &format!("{prefix}First question?")));
+        let sent = Instant::now();
+        // The report reaches the control plane, which pushes a new version to every gateway.
+        wait_until("the control plane to merge the insert", Duration::from_secs(10), || entries() > before).unwrap();
+        let v = cp_version(&cp);
+        wait_until("gateway B to apply it", Duration::from_secs(10), || version(&b) >= v).unwrap();
+        wait_until("gateway C to apply it", Duration::from_secs(10), || version(&c) >= v).unwrap();
+        delays.push(sent.elapsed());
+        assert_eq!(served(&generate(&b, &format!("{prefix}Second question?"))), first, "gateway B, prefix {i}");
+        assert_eq!(served(&generate(&c, &format!("{prefix}Third question?"))), first, "gateway C, prefix {i}");
+    }
+    delays.sort();
+    eprintln!(
+        "propagation gateway A -> control plane -> gateways B and C over {} prefixes: p50 {:?}, p99 {:?}, max {:?}",
+        delays.len(),
+        quantile(&delays, 0.5),
+        quantile(&delays, 0.99),
+        delays.last().unwrap()
+    );
+}
+
+#[test]
+fn remove_worker_and_add_worker_change_where_traffic_goes() {
+    let workers = sims(2);
+    let flags = worker_flags(&workers);
+    let cp = ControlPlane::start(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    let envoy = gateway(&cp);
+    let gone = &workers[0];
+    let r = cp.post(&format!("/remove_worker?url={}", gone.url())).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(r.text().contains("Successfully removed worker"));
+    wait_for_version(&envoy, cp_version(&cp));
+    for i in 0..10 {
+        assert_ne!(served(&generate(&envoy, &format!("distinct prompt {i} {}", "x".repeat(100)))), gone.addr());
+    }
+    assert_eq!(gone.stats().unwrap()["requests"], 0);
+
+    let r = cp.post(&format!("/add_worker?url={}", gone.url())).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    wait_for_version(&envoy, cp_version(&cp));
+    // Its index is empty, so the next new prefixes go to it.
+    let back: HashSet<String> =
+        (0..6).map(|i| served(&generate(&envoy, &format!("fresh prompt {i} {}", "y".repeat(100))))).collect();
+    assert!(back.contains(&gone.addr()), "{back:?}");
+    let listed = http::get(&cp.url("/list_workers")).unwrap().json().unwrap();
+    assert_eq!(listed["urls"].as_array().unwrap().len(), 2);
+    assert_eq!(cp.post("/remove_worker?url=http://127.0.0.1:1").unwrap().status, 404);
+    assert_eq!(cp.post("/add_worker?url=not-a-url").unwrap().status, 400);
+}
+
+#[test]
+fn an_unhealthy_worker_leaves_the_snapshot_and_returns() {
+    let mut workers = sims(2);
+    let mut flags = worker_flags(&workers);
+    flags.extend(
+        ["--health-check-interval-secs", "1", "--health-failure-threshold", "1", "--health-success-threshold", "1"]
+            .map(String::from),
+    );
+    let cp = ControlPlane::start(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    let envoy = gateway(&cp);
+    let port = workers[0].port;
+    let addr = workers[0].addr();
+    workers[0].proc().kill();
+    let healthy = |want: bool| {
+        let list = http::get(&cp.url("/workers")).unwrap().json().unwrap();
+        list.as_array().unwrap().iter().any(|w| w["url"] == format!("http://{addr}") && w["healthy"] == want)
+    };
+    wait_until("the control plane to mark the worker unhealthy", Duration::from_secs(15), || healthy(false)).unwrap();
+    wait_for_version(&envoy, cp_version(&cp));
+    for i in 0..8 {
+        assert_ne!(served(&generate(&envoy, &format!("while down {i} {}", "z".repeat(100)))), addr);
+    }
+    workers[0] = Sim::start_on(port, FAST).unwrap();
+    wait_until("the control plane to mark the worker healthy again", Duration::from_secs(15), || healthy(true))
+        .unwrap();
+    wait_for_version(&envoy, cp_version(&cp));
+    let back: HashSet<String> =
+        (0..8).map(|i| served(&generate(&envoy, &format!("after {i} {}", "w".repeat(100))))).collect();
+    assert!(back.contains(&addr), "{back:?}");
+}
+
+#[test]
+fn routing_survives_a_control_plane_restart_and_reconverges() {
+    let workers = sims(2);
+    let flags = worker_flags(&workers);
+    let mut cp = ControlPlane::start(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    let envoy = gateway(&cp);
+    let prefix = "A system prompt the gateway has seen before the restart. ".repeat(20);
+    let home = served(&generate(&envoy, &format!("{prefix}one")));
+    wait_until("the control plane to learn the prefix", Duration::from_secs(10), || {
+        cp.snapshot().map(|s| s["index_entries"].as_u64().unwrap_or(0) > 0).unwrap_or(false)
+    })
+    .unwrap();
+
+    cp.kill();
+    // No static workers: only the last snapshot can route these.
+    for i in 0..6 {
+        let w = served(&generate(&envoy, &format!("{prefix}while the control plane is down {i}")));
+        assert_eq!(w, home, "the prefix still sticks");
+    }
+    cp.restart().unwrap();
+    // The filter reconnects and re-reports what it knows: the fresh control plane learns it.
+    wait_until("the gateway to reconnect and re-report its index", Duration::from_secs(20), || {
+        cp.snapshot()
+            .map(|s| s["index_entries"].as_u64().unwrap_or(0) > 0 && !s["gateways"].as_array().unwrap().is_empty())
+            .unwrap_or(false)
+    })
+    .unwrap();
+    wait_for_version(&envoy, cp_version(&cp).max(1));
+    assert_eq!(served(&generate(&envoy, &format!("{prefix}after the restart"))), home);
+}
+
+#[test]
+fn eviction_bounds_the_index_in_the_control_plane_and_the_filters() {
+    let workers = sims(2);
+    let mut flags = worker_flags(&workers);
+    // 4 blocks of 32 bytes per worker.
+    flags.extend(["--max-tree-size", "128", "--block-size", "32", "--eviction-interval-secs", "1"].map(String::from));
+    let cp = ControlPlane::start(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    let envoy = gateway(&cp);
+    for i in 0..20 {
+        served(&generate(&envoy, &format!("{i} {}", format!("long distinct prompt number {i} ").repeat(10))));
+    }
+    wait_until("the control plane's index to grow", Duration::from_secs(10), || {
+        cp.snapshot().map(|s| s["index_entries"].as_u64().unwrap_or(0) > 8).unwrap_or(false)
+    })
+    .unwrap();
+    wait_until("the control plane to evict down to max_tree_size", Duration::from_secs(15), || {
+        cp.snapshot().map(|s| s["index_entries"].as_u64().unwrap_or(u64::MAX) <= 8).unwrap_or(false)
+    })
+    .unwrap();
+    wait_until("the filters' copies to shrink", Duration::from_secs(15), || {
+        envoy.stat("wasmcustom.kvmesh_index_blocks").unwrap().is_some_and(|n| n <= 8)
+    })
+    .unwrap();
+    let metrics = http::get(&cp.url("/metrics")).unwrap().text();
+    assert!(metrics.contains("kvmesh_evicted_blocks"), "{metrics}");
+}
+
+#[test]
+fn bad_flags_and_config_are_one_line_errors_with_exit_code_2() {
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(cp_bin()).args(args).output().unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (code, err) = run(&["--cache-threshold", "2"]);
+    assert_eq!(code, Some(2));
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(err.contains("--cache-threshold"), "{err}");
+    let (code, err) = run(&["--policy", "fastest"]);
+    assert_eq!((code, err.contains("--policy")), (Some(2), true), "{err}");
+    let (code, err) = run(&["--no-such-flag"]);
+    assert_eq!((code, err.contains("--no-such-flag")), (Some(2), true), "{err}");
+
+    let dir = std::env::temp_dir().join(format!("kvmesh-cp-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("bad.yaml");
+    std::fs::write(&file, "worker-urls: [http://127.0.0.1:1]\nbalance-abs-threshold: lots\n").unwrap();
+    let (code, err) = run(&["--config", file.to_str().unwrap()]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("--config") && err.contains("balance-abs-threshold"), "{err}");
+    std::fs::write(&file, ": not yaml [").unwrap();
+    let (code, err) = run(&["--config", file.to_str().unwrap()]);
+    assert_eq!((code, err.trim().lines().count()), (Some(2), 1), "{err}");
+}
+
+#[test]
+fn reports_naming_unknown_workers_are_dropped_and_the_control_plane_keeps_serving() {
+    let workers = sims(1);
+    let flags = worker_flags(&workers);
+    let cp = ControlPlane::start(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    // A gateway whose static configuration disagrees: ids the control plane never issued.
+    let mut opts = EnvoyOptions::new(json!({"worker_urls": []})).unwrap();
+    opts.control_plane = Some(cp.grpc_port);
+    let envoy = Envoy::start(&opts).unwrap();
+    wait_for_version(&envoy, 1);
+    served(&generate(&envoy, &"still serving ".repeat(20)));
+    let status: Value = cp.snapshot().unwrap();
+    assert_eq!(status["workers"].as_array().unwrap().len(), 1);
+    assert_eq!(http::get(&cp.url("/health")).unwrap().status, 200);
+}
