@@ -49,10 +49,14 @@ pub struct ControlPlane {
 impl ControlPlane {
     /// Starts `kvmesh-cp` with `args` and waits until its HTTP API answers.
     pub fn start(args: &[&str]) -> anyhow::Result<ControlPlane> {
-        let (grpc_port, http_port) = (free_port()?, free_port()?);
+        Self::start_on(free_port()?, free_port()?, args)
+    }
+
+    /// Starts `kvmesh-cp` on the given ports.
+    pub fn start_on(grpc_port: u16, http_port: u16, args: &[&str]) -> anyhow::Result<ControlPlane> {
         let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
         let proc = Self::launch(grpc_port, http_port, &args)?;
-        let cp = ControlPlane { grpc_port, http_port, args, proc };
+        let mut cp = ControlPlane { grpc_port, http_port, args, proc };
         cp.wait_ready()?;
         Ok(cp)
     }
@@ -64,12 +68,17 @@ impl ControlPlane {
         Proc::spawn("kvmesh-cp", cmd)
     }
 
-    fn wait_ready(&self) -> anyhow::Result<()> {
+    fn wait_ready(&mut self) -> anyhow::Result<()> {
         let url = self.url("/health");
-        wait_until("kvmesh-cp to serve", std::time::Duration::from_secs(15), || {
-            http::get(&url).map(|r| r.status == 200).unwrap_or(false)
-        })
-        .map_err(|e| e.context(self.proc.log_tail()))
+        let mut exited = None;
+        let waited = wait_until("kvmesh-cp to serve", std::time::Duration::from_secs(15), || {
+            exited = self.proc.exited();
+            exited.is_some() || http::get(&url).map(|r| r.status == 200).unwrap_or(false)
+        });
+        if let Some(status) = exited {
+            anyhow::bail!("kvmesh-cp exited ({status}):\n{}", self.proc.log_tail());
+        }
+        waited.map_err(|e| e.context(self.proc.log_tail()))
     }
 
     pub fn url(&self, path: &str) -> String {
