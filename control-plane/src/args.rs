@@ -94,6 +94,30 @@ pub struct Args {
     /// How often index deltas are pushed to the filters, in milliseconds.
     #[arg(long)]
     pub push_interval_ms: Option<u64>,
+    /// Discover workers as Kubernetes pods (in-cluster, or KUBECONFIG).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub service_discovery: Option<bool>,
+    /// Pod labels workers carry (k=v ...).
+    #[arg(long, num_args = 1..)]
+    pub selector: Vec<String>,
+    /// PD: labels of prefill pods (k=v ...).
+    #[arg(long, num_args = 1..)]
+    pub prefill_selector: Vec<String>,
+    /// PD: labels of decode pods (k=v ...).
+    #[arg(long, num_args = 1..)]
+    pub decode_selector: Vec<String>,
+    /// Namespace to watch (all namespaces when unset).
+    #[arg(long)]
+    pub service_discovery_namespace: Option<String>,
+    /// The workers' HTTP port in the pods.
+    #[arg(long)]
+    pub service_discovery_port: Option<u16>,
+    /// Pod annotation holding a prefill pod's bootstrap port.
+    #[arg(long)]
+    pub bootstrap_port_annotation: Option<String>,
+    /// Pod label giving the PD role (prefill | decode | both), as llm-d uses.
+    #[arg(long)]
+    pub role_label: Option<String>,
 }
 
 /// The validated settings.
@@ -120,6 +144,17 @@ pub struct Settings {
     pub health_endpoint: String,
     pub load_poll_interval_ms: u64,
     pub push_interval_ms: u64,
+    pub discovery: Option<crate::discovery::DiscoveryConfig>,
+}
+
+fn selector(flag: &str, pairs: &[String]) -> Result<std::collections::BTreeMap<String, String>, BadArgs> {
+    pairs
+        .iter()
+        .map(|p| match p.split_once('=') {
+            Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+            _ => Err(bad(flag, format!("`{p}` is not a label key=value"))),
+        })
+        .collect()
 }
 
 /// A bad flag or configuration value: printed as one line, exit code 2.
@@ -200,6 +235,15 @@ impl Args {
             if self.decode.is_empty() {
                 self.decode = std::mem::take(&mut file.decode);
             }
+            for (mine, theirs) in [
+                (&mut self.selector, &mut file.selector),
+                (&mut self.prefill_selector, &mut file.prefill_selector),
+                (&mut self.decode_selector, &mut file.decode_selector),
+            ] {
+                if mine.is_empty() {
+                    *mine = std::mem::take(theirs);
+                }
+            }
         }
         self.validate()
     }
@@ -269,6 +313,23 @@ impl Args {
             kvmesh_core::ConfigError::Invalid { field, reason } => bad(field, reason),
             other => BadArgs(other.to_string()),
         })?;
+        let discovery = if self.service_discovery.unwrap_or(false) {
+            Some(crate::discovery::DiscoveryConfig {
+                namespace: self.service_discovery_namespace.clone(),
+                selector: selector("selector", &self.selector)?,
+                prefill_selector: selector("prefill_selector", &self.prefill_selector)?,
+                decode_selector: selector("decode_selector", &self.decode_selector)?,
+                port: self.service_discovery_port.unwrap_or(80),
+                bootstrap_annotation: self
+                    .bootstrap_port_annotation
+                    .clone()
+                    .unwrap_or_else(|| "sglang.ai/bootstrap-port".into()),
+                role_label: self.role_label.clone().unwrap_or_else(|| "llm-d.ai/role".into()),
+                pd,
+            })
+        } else {
+            None
+        };
         let positive = |flag: &str, v: Option<u64>, default: u64| match v {
             Some(0) => Err(bad(flag, "must be greater than 0")),
             Some(v) => Ok(v),
@@ -302,6 +363,7 @@ impl Args {
             health_endpoint: self.health_check_endpoint.unwrap_or_else(|| "/health".into()),
             load_poll_interval_ms: positive("load_poll_interval_ms", self.load_poll_interval_ms, 1000)?,
             push_interval_ms: positive("push_interval_ms", self.push_interval_ms, 10)?,
+            discovery,
         })
     }
 }

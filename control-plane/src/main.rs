@@ -6,6 +6,7 @@
 
 mod admin;
 mod args;
+mod discovery;
 mod grpc;
 mod probe;
 mod state;
@@ -80,6 +81,14 @@ async fn run(settings: args::Settings) -> anyhow::Result<()> {
     tokio::spawn(probe::health_loop(state.clone()));
     tokio::spawn(probe::load_loop(state.clone()));
     tokio::spawn(push_loop(state.clone()));
+    if let Some(cfg) = state.settings.discovery.clone() {
+        let discovery_state = state.clone();
+        tokio::spawn(async move {
+            if let Err(e) = discovery::run(discovery_state, cfg).await {
+                tracing::error!("service discovery stopped: {e:#}");
+            }
+        });
+    }
     tokio::spawn(eviction_loop(state.clone()));
 
     // Full reports from gateways with large indexes exceed tonic's 4 MiB default.

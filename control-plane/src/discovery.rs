@@ -1,0 +1,220 @@
+//! Kubernetes discovery: a kube-runtime watcher and reflector over pods, and a pure function
+//! from the pods in the store to the workers they call for, reconciled into the registry
+//! after every event. Pods that are not Ready, have no IP, are terminating, or stop matching
+//! leave the registry; only workers discovery added are ever removed by it.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+
+use futures_util::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::runtime::{reflector, watcher, WatchStreamExt};
+use kube::{Api, Client};
+use kvmesh_proto::v1::Role;
+
+use crate::state::{Source, State};
+
+/// What discovery looks for.
+#[derive(Clone, Debug, Default)]
+pub struct DiscoveryConfig {
+    pub namespace: Option<String>,
+    pub selector: BTreeMap<String, String>,
+    pub prefill_selector: BTreeMap<String, String>,
+    pub decode_selector: BTreeMap<String, String>,
+    pub port: u16,
+    pub bootstrap_annotation: String,
+    pub role_label: String,
+    pub pd: bool,
+}
+
+/// A worker a pod calls for.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Desired {
+    pub url: String,
+    pub role: Role,
+    pub bootstrap_port: Option<u16>,
+}
+
+fn matches(labels: &BTreeMap<String, String>, selector: &BTreeMap<String, String>) -> bool {
+    selector.iter().all(|(k, v)| labels.get(k) == Some(v))
+}
+
+fn ready(pod: &Pod) -> bool {
+    let conditions = pod.status.as_ref().and_then(|s| s.conditions.as_ref());
+    conditions.is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// The role of a pod, if it is a worker at all.
+fn role_of(pod_labels: &BTreeMap<String, String>, cfg: &DiscoveryConfig) -> Option<Role> {
+    if !matches(pod_labels, &cfg.selector) {
+        return None;
+    }
+    if !cfg.pd {
+        return Some(Role::Regular);
+    }
+    if !cfg.prefill_selector.is_empty() && matches(pod_labels, &cfg.prefill_selector) {
+        return Some(Role::Prefill);
+    }
+    if !cfg.decode_selector.is_empty() && matches(pod_labels, &cfg.decode_selector) {
+        return Some(Role::Decode);
+    }
+    match pod_labels.get(&cfg.role_label).map(String::as_str) {
+        Some("prefill") => Some(Role::Prefill),
+        // A pod that does both serves as a decode worker (it can prefill locally too).
+        Some("decode" | "both") => Some(Role::Decode),
+        _ => None,
+    }
+}
+
+/// The workers the pods call for.
+pub fn desired<'a>(pods: impl IntoIterator<Item = &'a Pod>, cfg: &DiscoveryConfig) -> Vec<Desired> {
+    let mut out = Vec::new();
+    for pod in pods {
+        if pod.metadata.deletion_timestamp.is_some() || !ready(pod) {
+            continue;
+        }
+        let Some(ip) = pod.status.as_ref().and_then(|s| s.pod_ip.as_deref()).filter(|ip| !ip.is_empty()) else {
+            continue;
+        };
+        let empty = BTreeMap::new();
+        let labels = pod.metadata.labels.as_ref().unwrap_or(&empty);
+        let Some(role) = role_of(labels, cfg) else { continue };
+        let bootstrap_port = (role == Role::Prefill)
+            .then(|| pod.metadata.annotations.as_ref()?.get(&cfg.bootstrap_annotation)?.parse::<u16>().ok())
+            .flatten();
+        let host = if ip.contains(':') { format!("[{ip}]") } else { ip.to_string() };
+        out.push(Desired { url: format!("http://{host}:{}", cfg.port), role, bootstrap_port });
+    }
+    out.sort_by(|a, b| a.url.cmp(&b.url));
+    out
+}
+
+/// Makes the registry's discovered workers equal to `want`.
+pub fn reconcile(state: &State, want: &[Desired]) {
+    let wanted: HashSet<&Desired> = want.iter().collect();
+    let current = state.workers();
+    for w in current.iter().filter(|w| w.source == Source::Discovery) {
+        let same = Desired { url: w.url.clone(), role: w.role, bootstrap_port: w.bootstrap_port };
+        if !wanted.contains(&same) {
+            state.remove_worker(&w.url);
+        }
+    }
+    let have: HashSet<String> = state.workers().into_iter().map(|w| w.url).collect();
+    for d in want.iter().filter(|d| !have.contains(&d.url)) {
+        if let Err(e) = state.add_worker(&d.url, d.role, d.bootstrap_port, Source::Discovery) {
+            tracing::warn!(url = %d.url, "discovered worker not added: {e}");
+        }
+    }
+}
+
+fn selector_string(selector: &BTreeMap<String, String>) -> String {
+    selector.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")
+}
+
+/// Watches pods until the process ends (the watcher retries with backoff on errors).
+pub async fn run(state: Arc<State>, cfg: DiscoveryConfig) -> anyhow::Result<()> {
+    let client = Client::try_default().await.map_err(|e| anyhow::anyhow!("cannot reach the Kubernetes API: {e}"))?;
+    let api: Api<Pod> = match &cfg.namespace {
+        Some(ns) => Api::namespaced(client, ns),
+        None => Api::all(client),
+    };
+    // The base selector narrows the watch; role selectors are applied to what it returns.
+    let mut wc = watcher::Config::default();
+    if !cfg.selector.is_empty() {
+        wc = wc.labels(&selector_string(&cfg.selector));
+    }
+    let (reader, writer) = reflector::store();
+    let events = reflector(writer, watcher(api, wc)).default_backoff();
+    tracing::info!(namespace = ?cfg.namespace, selector = %selector_string(&cfg.selector), "watching pods");
+    futures_util::pin_mut!(events);
+    while let Some(event) = events.next().await {
+        match event {
+            Ok(watcher::Event::InitApply(_) | watcher::Event::Init) => {}
+            Ok(_) => {
+                let pods = reader.state();
+                reconcile(&state, &desired(pods.iter().map(|p| p.as_ref()), &cfg));
+            }
+            Err(e) => tracing::warn!("pod watch: {e}"),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{PodCondition, PodStatus};
+    use kube::api::ObjectMeta;
+
+    fn pod(name: &str, ip: &str, ready: bool, labels: &[(&str, &str)], annotations: &[(&str, &str)]) -> Pod {
+        Pod {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                labels: Some(labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()),
+                annotations: Some(annotations.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()),
+                ..Default::default()
+            },
+            status: Some(PodStatus {
+                pod_ip: (!ip.is_empty()).then(|| ip.to_string()),
+                conditions: Some(vec![PodCondition {
+                    type_: "Ready".into(),
+                    status: if ready { "True" } else { "False" }.into(),
+                    ..Default::default()
+                }]),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn cfg(pd: bool) -> DiscoveryConfig {
+        DiscoveryConfig {
+            selector: [("app".to_string(), "sglang".to_string())].into(),
+            port: 8000,
+            bootstrap_annotation: "sglang.ai/bootstrap-port".into(),
+            role_label: "llm-d.ai/role".into(),
+            pd,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn ready_matching_pods_with_an_ip_are_workers() {
+        let pods = [
+            pod("a", "10.0.0.1", true, &[("app", "sglang")], &[]),
+            pod("b", "10.0.0.2", false, &[("app", "sglang")], &[]),
+            pod("c", "", true, &[("app", "sglang")], &[]),
+            pod("d", "10.0.0.4", true, &[("app", "other")], &[]),
+            pod("e", "fd00::5", true, &[("app", "sglang")], &[]),
+        ];
+        let want = desired(&pods, &cfg(false));
+        let urls: Vec<&str> = want.iter().map(|d| d.url.as_str()).collect();
+        assert_eq!(urls, vec!["http://10.0.0.1:8000", "http://[fd00::5]:8000"]);
+        assert!(want.iter().all(|d| d.role == Role::Regular));
+    }
+
+    #[test]
+    fn pd_roles_from_selectors_or_the_role_label() {
+        let pods = [
+            pod(
+                "p",
+                "10.0.0.1",
+                true,
+                &[("app", "sglang"), ("llm-d.ai/role", "prefill")],
+                &[("sglang.ai/bootstrap-port", "8998")],
+            ),
+            pod("d", "10.0.0.2", true, &[("app", "sglang"), ("llm-d.ai/role", "decode")], &[]),
+            pod("b", "10.0.0.3", true, &[("app", "sglang"), ("llm-d.ai/role", "both")], &[]),
+            pod("n", "10.0.0.4", true, &[("app", "sglang")], &[]),
+        ];
+        let want = desired(&pods, &cfg(true));
+        assert_eq!(want.len(), 3);
+        assert_eq!((want[0].role, want[0].bootstrap_port), (Role::Prefill, Some(8998)));
+        assert_eq!(want[1].role, Role::Decode);
+        assert_eq!(want[2].role, Role::Decode);
+        let mut c = cfg(true);
+        c.prefill_selector = [("tier".to_string(), "p".to_string())].into();
+        let pods = [pod("x", "10.0.0.9", true, &[("app", "sglang"), ("tier", "p")], &[])];
+        assert_eq!(desired(&pods, &c)[0].role, Role::Prefill);
+    }
+}
