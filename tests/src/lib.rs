@@ -7,6 +7,7 @@
 
 pub mod envoy;
 pub mod http;
+pub mod kube_fake;
 pub mod proc;
 
 use std::path::PathBuf;
@@ -43,6 +44,7 @@ pub struct ControlPlane {
     pub grpc_port: u16,
     pub http_port: u16,
     args: Vec<String>,
+    env: Vec<(String, String)>,
     proc: Proc,
 }
 
@@ -54,15 +56,27 @@ impl ControlPlane {
 
     /// Starts `kvmesh-cp` on the given ports.
     pub fn start_on(grpc_port: u16, http_port: u16, args: &[&str]) -> anyhow::Result<ControlPlane> {
+        Self::start_with_env(grpc_port, http_port, args, &[])
+    }
+
+    /// Starts `kvmesh-cp` with extra environment variables (e.g. `KUBECONFIG`).
+    pub fn start_with_env(
+        grpc_port: u16,
+        http_port: u16,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<ControlPlane> {
         let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-        let proc = Self::launch(grpc_port, http_port, &args)?;
-        let mut cp = ControlPlane { grpc_port, http_port, args, proc };
+        let env: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let proc = Self::launch(grpc_port, http_port, &args, &env)?;
+        let mut cp = ControlPlane { grpc_port, http_port, args, env, proc };
         cp.wait_ready()?;
         Ok(cp)
     }
 
-    fn launch(grpc_port: u16, http_port: u16, args: &[String]) -> anyhow::Result<Proc> {
+    fn launch(grpc_port: u16, http_port: u16, args: &[String], env: &[(String, String)]) -> anyhow::Result<Proc> {
         let mut cmd = std::process::Command::new(cp_bin());
+        cmd.envs(env.iter().map(|(k, v)| (k, v)));
         cmd.args(["--host", "127.0.0.1", "--grpc-port", &grpc_port.to_string(), "--http-port", &http_port.to_string()])
             .args(args);
         Proc::spawn("kvmesh-cp", cmd)
@@ -117,7 +131,7 @@ impl ControlPlane {
     /// Starts it again on the same ports with the same flags.
     pub fn restart(&mut self) -> anyhow::Result<()> {
         self.proc.kill();
-        self.proc = Self::launch(self.grpc_port, self.http_port, &self.args)?;
+        self.proc = Self::launch(self.grpc_port, self.http_port, &self.args, &self.env)?;
         self.wait_ready()
     }
 
@@ -133,6 +147,7 @@ pub fn envoy_bin() -> PathBuf {
 
 /// A running simulated worker.
 pub struct Sim {
+    pub host: String,
     pub port: u16,
     proc: Proc,
 }
@@ -145,10 +160,15 @@ impl Sim {
     }
 
     pub fn start_on(port: u16, args: &[&str]) -> anyhow::Result<Sim> {
+        Self::start_at("127.0.0.1", port, args)
+    }
+
+    /// Starts a sim on another loopback address (127.0.0.x), like a pod with its own IP.
+    pub fn start_at(host: &str, port: u16, args: &[&str]) -> anyhow::Result<Sim> {
         let mut cmd = std::process::Command::new(sim_bin());
-        cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()]).args(args);
-        let proc = Proc::spawn(&format!("sim-{port}"), cmd)?;
-        let sim = Sim { port, proc };
+        cmd.args(["--host", host, "--port", &port.to_string()]).args(args);
+        let proc = Proc::spawn(&format!("sim-{host}-{port}"), cmd)?;
+        let sim = Sim { host: host.to_string(), port, proc };
         let url = format!("{}/health", sim.url());
         wait_until(&format!("kvmesh-sim on port {port}"), std::time::Duration::from_secs(10), || {
             http::get(&url).map(|r| r.status == 200).unwrap_or(false)
@@ -159,12 +179,12 @@ impl Sim {
 
     /// `http://127.0.0.1:port`.
     pub fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
+        format!("http://{}:{}", self.host, self.port)
     }
 
-    /// `127.0.0.1:port`, as `x-kvmesh-worker` names it.
+    /// `host:port`, as `x-kvmesh-worker` names it.
     pub fn addr(&self) -> String {
-        format!("127.0.0.1:{}", self.port)
+        format!("{}:{}", self.host, self.port)
     }
 
     /// The simulator's own counters (`/sim/stats`).

@@ -1,0 +1,163 @@
+//! Kubernetes discovery end to end: `kvmesh-cp --service-discovery` watching an in-process
+//! API server (real list/watch protocol, real Pod objects; nothing here can install a real
+//! one), simulated workers on their own loopback addresses as pod IPs, and a real Envoy.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use kvmesh_testkit::http;
+use kvmesh_testkit::kube_fake::{pod, FakeKube};
+use kvmesh_testkit::{free_port, repo_root, wait_until, ControlPlane, Envoy, EnvoyOptions, Sim};
+use serde_json::{json, Value};
+
+fn workers(cp: &ControlPlane) -> Vec<Value> {
+    http::get(&cp.url("/workers")).unwrap().json().unwrap().as_array().cloned().unwrap_or_default()
+}
+
+fn urls(cp: &ControlPlane) -> HashSet<String> {
+    workers(cp).iter().map(|w| w["url"].as_str().unwrap().to_string()).collect()
+}
+
+fn wait_for_urls(cp: &ControlPlane, want: &[String]) {
+    let want: HashSet<String> = want.iter().cloned().collect();
+    wait_until(&format!("the control plane to list {want:?}"), Duration::from_secs(20), || urls(cp) == want)
+        .unwrap_or_else(|e| panic!("{e}; it lists {:?}", urls(cp)));
+}
+
+fn synced_gateway(cp: &ControlPlane, template: &str, filter: Value) -> Envoy {
+    let mut opts = EnvoyOptions::new(filter).unwrap();
+    opts.template = repo_root().join(template);
+    opts.control_plane = Some(cp.grpc_port);
+    let envoy = Envoy::start(&opts).unwrap();
+    sync(cp, &envoy);
+    envoy
+}
+
+/// Waits until the gateway has applied everything the control plane has pushed.
+fn sync(cp: &ControlPlane, envoy: &Envoy) {
+    let v = cp.settled_version().unwrap();
+    wait_until("the gateway to catch up", Duration::from_secs(20), || {
+        envoy.stat("wasmcustom.kvmesh_snapshot_version").ok().flatten().unwrap_or(0) >= v
+    })
+    .unwrap();
+}
+
+#[test]
+fn ready_matching_pods_become_workers_and_leave_when_deleted() {
+    let kube = FakeKube::start().unwrap();
+    let port = free_port().unwrap();
+    let ips = ["127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"];
+    let _sims: Vec<Sim> = ips.iter().map(|ip| Sim::start_at(ip, port, &["--time-scale", "0"]).unwrap()).collect();
+    let app = [("app", "sglang")];
+    kube.apply(pod("default", "w2", ips[0], true, &app, &[]));
+    kube.apply(pod("default", "w3", ips[1], true, &app, &[]));
+    kube.apply(pod("default", "w4", ips[2], false, &app, &[])); // not Ready yet
+    kube.apply(pod("default", "w5", ips[3], true, &[("app", "other")], &[])); // not selected
+    kube.apply(pod("elsewhere", "w6", "127.0.0.6", true, &app, &[])); // other namespace
+
+    let dir = std::env::temp_dir().join(format!("kvmesh-discovery-{}", std::process::id()));
+    let kubeconfig = kube.kubeconfig(&dir).unwrap();
+    let port_arg = port.to_string();
+    let args = [
+        "--service-discovery",
+        "--selector",
+        "app=sglang",
+        "--service-discovery-namespace",
+        "default",
+        "--service-discovery-port",
+        &port_arg,
+    ];
+    let cp = ControlPlane::start_with_env(
+        free_port().unwrap(),
+        free_port().unwrap(),
+        &args,
+        &[("KUBECONFIG", kubeconfig.to_str().unwrap())],
+    )
+    .unwrap();
+    let url = |ip: &str| format!("http://{ip}:{port}");
+    wait_for_urls(&cp, &[url(ips[0]), url(ips[1])]);
+
+    let envoy = synced_gateway(&cp, "envoy/envoy.yaml", json!({"worker_urls": []}));
+    let mut seen = HashSet::new();
+    for i in 0..8 {
+        let r = http::post_json(&envoy.url("/generate"), &json!({"text": format!("{i} {}", "prompt ".repeat(30))}))
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        seen.insert(r.header("x-sim-worker").unwrap().to_string());
+    }
+    let allowed: HashSet<String> = [ips[0], ips[1]].iter().map(|ip| format!("{ip}:{port}")).collect();
+    assert!(seen.is_subset(&allowed), "{seen:?}");
+
+    // Becoming Ready brings a pod in; deletion takes one out, and traffic follows.
+    kube.apply(pod("default", "w4", ips[2], true, &app, &[]));
+    wait_for_urls(&cp, &[url(ips[0]), url(ips[1]), url(ips[2])]);
+    kube.delete("default", "w2");
+    wait_for_urls(&cp, &[url(ips[1]), url(ips[2])]);
+    sync(&cp, &envoy);
+    for i in 0..8 {
+        let r =
+            http::post_json(&envoy.url("/generate"), &json!({"text": format!("after {i} {}", "prompt ".repeat(30))}))
+                .unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_ne!(
+            r.header("x-sim-worker"),
+            Some(format!("{}:{port}", ips[0]).as_str()),
+            "a deleted pod gets no traffic"
+        );
+    }
+}
+
+#[test]
+fn pd_roles_and_bootstrap_ports_come_from_labels_and_annotations() {
+    let kube = FakeKube::start().unwrap();
+    let port = free_port().unwrap();
+    let boot = free_port().unwrap();
+    let boot_arg = boot.to_string();
+    let (prefill_ip, decode_ip) = ("127.0.0.7", "127.0.0.8");
+    let _prefill =
+        Sim::start_at(prefill_ip, port, &["--role", "prefill", "--bootstrap-port", &boot_arg, "--time-scale", "0"])
+            .unwrap();
+    let _decode =
+        Sim::start_at(decode_ip, port, &["--role", "decode", "--time-scale", "0", "--bootstrap-timeout-ms", "3000"])
+            .unwrap();
+    kube.apply(pod(
+        "default",
+        "p",
+        prefill_ip,
+        true,
+        &[("app", "sglang"), ("llm-d.ai/role", "prefill")],
+        &[("sglang.ai/bootstrap-port", &boot_arg)],
+    ));
+    kube.apply(pod("default", "d", decode_ip, true, &[("app", "sglang"), ("llm-d.ai/role", "decode")], &[]));
+
+    let dir = std::env::temp_dir().join(format!("kvmesh-discovery-pd-{}", std::process::id()));
+    let kubeconfig = kube.kubeconfig(&dir).unwrap();
+    let port_arg = port.to_string();
+    let args = [
+        "--pd-disaggregation",
+        "--service-discovery",
+        "--selector",
+        "app=sglang",
+        "--service-discovery-port",
+        &port_arg,
+    ];
+    let cp = ControlPlane::start_with_env(
+        free_port().unwrap(),
+        free_port().unwrap(),
+        &args,
+        &[("KUBECONFIG", kubeconfig.to_str().unwrap())],
+    )
+    .unwrap();
+    wait_for_urls(&cp, &[format!("http://{prefill_ip}:{port}"), format!("http://{decode_ip}:{port}")]);
+    let listed = workers(&cp);
+    let prefill = listed.iter().find(|w| w["role"] == "prefill").expect("a prefill worker");
+    assert_eq!(prefill["bootstrap_port"], boot);
+    assert!(listed.iter().any(|w| w["role"] == "decode"));
+
+    // And requests are served through the discovered pair.
+    let envoy = synced_gateway(&cp, "envoy/envoy-pd.yaml", json!({"prefill": [], "decode": []}));
+    let r = http::post_json(&envoy.url("/generate"), &json!({"text": "discovered PD"})).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-kvmesh-prefill"), Some(format!("{prefill_ip}:{port}").as_str()));
+    assert_eq!(r.header("x-kvmesh-worker"), Some(format!("{decode_ip}:{port}").as_str()));
+}
