@@ -235,18 +235,52 @@ fn bad_flags_and_config_are_one_line_errors_with_exit_code_2() {
     assert_eq!((code, err.trim().lines().count()), (Some(2), 1), "{err}");
 }
 
+/// A message whose field 2 is a varint where `ReportBatch` has a list of messages: it does
+/// not decode.
+#[derive(Clone, PartialEq, prost::Message)]
+struct Garbage {
+    #[prost(uint64, tag = "2")]
+    inserts: u64,
+}
+
 #[test]
-fn reports_naming_unknown_workers_are_dropped_and_the_control_plane_keeps_serving() {
+fn malformed_and_bogus_reports_are_rejected_and_the_control_plane_keeps_serving() {
+    use kvmesh_proto::v1::kvmesh_client::KvmeshClient;
+    use kvmesh_proto::v1::{IndexInsert, ReportBatch};
+
     let workers = sims(1);
     let flags = worker_flags(&workers);
     let cp = ControlPlane::start(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
-    // A gateway whose static configuration disagrees: ids the control plane never issued.
-    let mut opts = EnvoyOptions::new(json!({"worker_urls": []})).unwrap();
-    opts.control_plane = Some(cp.grpc_port);
-    let envoy = Envoy::start(&opts).unwrap();
-    wait_for_version(&envoy, 1);
+    let endpoint = format!("http://127.0.0.1:{}", cp.grpc_port);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        // Well-formed, but naming a worker the control plane never issued.
+        let channel = tonic::transport::Endpoint::from_shared(endpoint.clone()).unwrap().connect().await.unwrap();
+        let mut client = KvmeshClient::new(channel);
+        let bogus = ReportBatch { gateway_id: "test".into(), inserts: vec![IndexInsert { worker: 999, hashes: vec![1, 2] }], ..Default::default() };
+        let ack = client.report(tokio_stream::iter(vec![bogus])).await.unwrap().into_inner();
+        assert_eq!(ack.batches, 1);
+
+        // Bytes that are not a ReportBatch at all.
+        let channel = tonic::transport::Endpoint::from_shared(endpoint.clone()).unwrap().connect().await.unwrap();
+        let mut grpc = tonic::client::Grpc::new(channel);
+        grpc.ready().await.unwrap();
+        let path = tonic::codegen::http::uri::PathAndQuery::from_static("/kvmesh.v1.Kvmesh/Report");
+        let codec = tonic_prost::ProstCodec::<Garbage, kvmesh_proto::v1::ReportAck>::default();
+        let result = grpc.client_streaming(tonic::Request::new(tokio_stream::iter(vec![Garbage { inserts: 7 }])), path, codec).await;
+        assert!(result.is_err(), "an undecodable report is refused");
+    });
+    let metrics = http::get(&cp.url("/metrics")).unwrap().text();
+    let bad: u64 = metrics
+        .lines()
+        .find(|l| l.starts_with("kvmesh_bad_reports "))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        .unwrap_or(0);
+    assert!(bad >= 2, "both rejections are counted: {metrics}");
+    assert_eq!(cp.snapshot().unwrap()["index_entries"], 0);
+    // Still serving: gateways connect and route.
+    let envoy = gateway(&cp);
     served(&generate(&envoy, &"still serving ".repeat(20)));
     let status: Value = cp.snapshot().unwrap();
     assert_eq!(status["workers"].as_array().unwrap().len(), 1);
-    assert_eq!(http::get(&cp.url("/health")).unwrap().status, 200);
 }
