@@ -257,7 +257,11 @@ fn malformed_and_bogus_reports_are_rejected_and_the_control_plane_keeps_serving(
         // Well-formed, but naming a worker the control plane never issued.
         let channel = tonic::transport::Endpoint::from_shared(endpoint.clone()).unwrap().connect().await.unwrap();
         let mut client = KvmeshClient::new(channel);
-        let bogus = ReportBatch { gateway_id: "test".into(), inserts: vec![IndexInsert { worker: 999, hashes: vec![1, 2] }], ..Default::default() };
+        let bogus = ReportBatch {
+            gateway_id: "test".into(),
+            inserts: vec![IndexInsert { worker: 999, hashes: vec![1, 2] }],
+            ..Default::default()
+        };
         let ack = client.report(tokio_stream::iter(vec![bogus])).await.unwrap().into_inner();
         assert_eq!(ack.batches, 1);
 
@@ -267,7 +271,9 @@ fn malformed_and_bogus_reports_are_rejected_and_the_control_plane_keeps_serving(
         grpc.ready().await.unwrap();
         let path = tonic::codegen::http::uri::PathAndQuery::from_static("/kvmesh.v1.Kvmesh/Report");
         let codec = tonic_prost::ProstCodec::<Garbage, kvmesh_proto::v1::ReportAck>::default();
-        let result = grpc.client_streaming(tonic::Request::new(tokio_stream::iter(vec![Garbage { inserts: 7 }])), path, codec).await;
+        let result = grpc
+            .client_streaming(tonic::Request::new(tokio_stream::iter(vec![Garbage { inserts: 7 }])), path, codec)
+            .await;
         assert!(result.is_err(), "an undecodable report is refused");
     });
     let metrics = http::get(&cp.url("/metrics")).unwrap().text();

@@ -23,10 +23,11 @@ struct Opts {
     connections: usize,
     sglang: bool,
     pd: bool,
+    cp: bool,
 }
 
 fn parse(args: &[String]) -> anyhow::Result<Opts> {
-    let mut o = Opts { seconds: 10, connections: 32, sglang: true, pd: false };
+    let mut o = Opts { seconds: 10, connections: 32, sglang: true, pd: false, cp: false };
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut num = |name: &str| -> anyhow::Result<u64> {
@@ -36,10 +37,13 @@ fn parse(args: &[String]) -> anyhow::Result<Opts> {
         match a.as_str() {
             "overhead" => {}
             "pd" => o.pd = true,
+            "cp" => o.cp = true,
             "--seconds" => o.seconds = num("--seconds")?,
             "--connections" => o.connections = num("--connections")? as usize,
             "--no-sglang" => o.sglang = false,
-            other => bail!("unknown bench option `{other}` (overhead | pd, --seconds N, --connections N, --no-sglang)"),
+            other => {
+                bail!("unknown bench option `{other}` (overhead | pd | cp, --seconds N, --connections N, --no-sglang)")
+            }
         }
     }
     Ok(o)
@@ -132,6 +136,10 @@ fn histogram(envoy: &Envoy, name: &str) -> String {
 
 pub fn run(args: &[String]) -> anyhow::Result<()> {
     let o = parse(args)?;
+    if o.cp {
+        build()?;
+        return crate::bench_cp::run();
+    }
     ensure_wasm_target()?;
     std::env::set_var("ENVOY_BIN", ensure_envoy()?);
     let python = if o.sglang { Some(ensure_sglang_router()?) } else { None };

@@ -1,6 +1,7 @@
 //! `cargo xtask up | test | bench`: the project's tasks, each installing what it needs.
 
 mod bench;
+mod bench_cp;
 mod loadgen;
 mod tools;
 mod up;
@@ -15,7 +16,7 @@ tasks:
         build, then start 4 simulated workers and Envoy with the kvmesh filter
         (gateway http://127.0.0.1:10000, admin :9901); Ctrl-C stops everything
   test  install what is missing, build, and run every test (unit, wasm32, real Envoy)
-  bench [overhead] [--seconds N] [--connections N]
+  bench [overhead | pd | cp] [--seconds N] [--connections N] [--no-sglang]
         benchmarks, side by side with their baselines (never part of the tests)
 ";
 

@@ -172,7 +172,7 @@ impl PrefixIndex {
         let mut out: Vec<(WorkerId, Vec<u64>)> = per_worker
             .into_iter()
             .map(|(w, mut blocks)| {
-                blocks.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+                blocks.sort_unstable_by_key(|b| std::cmp::Reverse(b.0));
                 (w, blocks.into_iter().map(|(_, h)| h).collect())
             })
             .collect();

@@ -1,0 +1,84 @@
+//! `cargo xtask bench cp`: the control plane's memory with 10^6 index entries, and the size
+//! of the full snapshot a gateway receives on connect.
+
+use std::time::{Duration, Instant};
+
+use kvmesh_proto::v1::kvmesh_client::KvmeshClient;
+use kvmesh_proto::v1::{IndexInsert, ReportBatch, WatchRequest};
+use kvmesh_testkit::{wait_until, ControlPlane};
+use prost::Message;
+
+use crate::tools::step;
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:")?.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// SplitMix64's finaliser.
+fn mix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+pub fn run() -> anyhow::Result<()> {
+    const ENTRIES: u64 = 1_000_000;
+    const WORKERS: u64 = 64;
+    let workers: Vec<String> =
+        (0..WORKERS).map(|i| format!("http://127.0.{}.{}:30000", 100 + i / 200, 1 + i % 200)).collect();
+    let mut args = vec!["--worker-urls".to_string()];
+    args.extend(workers);
+    // Workers are not running here: keep health checks from marking them down during the run.
+    args.extend(["--health-check-interval-secs", "3600", "--load-poll-interval-ms", "3600000"].map(String::from));
+    let mut cp = ControlPlane::start(&args.iter().map(String::as_str).collect::<Vec<_>>())?;
+    let pid = cp.proc().pid();
+    let before = rss_kib(pid);
+    step(&format!("reporting {ENTRIES} index entries over {WORKERS} workers"));
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let endpoint = format!("http://127.0.0.1:{}", cp.grpc_port);
+    let (full_bytes, full_time) = rt.block_on(async {
+        let channel = tonic::transport::Endpoint::from_shared(endpoint)?.connect().await?;
+        let mut client = KvmeshClient::new(channel).max_decoding_message_size(1 << 30);
+        // Prefixes of 50 blocks, as chained hashes would give.
+        let batches: Vec<ReportBatch> = (0..ENTRIES / 50_000)
+            .map(|b| ReportBatch {
+                gateway_id: "bench".into(),
+                inserts: (0..1000u64)
+                    .map(|p| IndexInsert {
+                        worker: ((b * 1000 + p) % WORKERS) as u32,
+                        // Uniformly spread 64-bit values, like xxh3 block hashes.
+                        hashes: (0..50).map(|i| mix((b << 40) ^ (p << 16) ^ i)).collect(),
+                    })
+                    .collect(),
+                ..Default::default()
+            })
+            .collect();
+        client.report(tokio_stream::iter(batches)).await?;
+        let started = Instant::now();
+        let mut watch = client.watch(WatchRequest { gateway_id: "bench".into() }).await?.into_inner();
+        let full = watch.message().await?.ok_or_else(|| anyhow::anyhow!("no snapshot"))?;
+        anyhow::Ok((full.encoded_len(), started.elapsed()))
+    })?;
+    wait_until("the control plane to merge the reports", Duration::from_secs(60), || {
+        cp.snapshot().map(|s| s["index_entries"].as_u64().unwrap_or(0) >= ENTRIES).unwrap_or(false)
+    })?;
+    let after = rss_kib(pid);
+    let snapshot = cp.snapshot()?;
+    println!("\n## kvmesh-cp with {ENTRIES} index entries ({WORKERS} workers)\n");
+    println!("| measure | value |");
+    println!("| --- | ---: |");
+    println!("| index entries | {} |", snapshot["index_entries"]);
+    println!("| RSS before | {:.1} MiB |", before as f64 / 1024.0);
+    println!("| RSS after | {:.1} MiB (target < 200 MiB) |", after as f64 / 1024.0);
+    println!(
+        "| full snapshot on connect | {:.1} MiB, built and received in {:?} |",
+        full_bytes as f64 / (1 << 20) as f64,
+        full_time
+    );
+    Ok(())
+}
