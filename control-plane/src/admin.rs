@@ -27,6 +27,7 @@ pub fn router(state: Arc<State>) -> Router {
         .route("/list_workers", get(list_workers))
         .route("/workers", get(workers))
         .route("/snapshot", get(snapshot))
+        .route("/match", post(match_text))
         .route("/health", get(|| async { "OK" }))
         .route("/metrics", get(metrics))
         .with_state(state)
@@ -98,6 +99,14 @@ async fn workers(Axum(state): Shared) -> Json<Value> {
         })
         .collect();
     Json(Value::Array(list))
+}
+
+/// `POST /match` with a routing text as the body: which workers hold how many of its
+/// leading blocks (a debugging view of the global index).
+async fn match_text(Axum(state): Shared, body: axum::body::Bytes) -> Json<Value> {
+    let matches: Vec<Value> =
+        state.match_text(&body).into_iter().map(|(url, blocks)| json!({"url": url, "blocks": blocks})).collect();
+    Json(Value::Array(matches))
 }
 
 async fn snapshot(Axum(state): Shared) -> Json<Value> {

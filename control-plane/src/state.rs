@@ -345,6 +345,20 @@ impl State {
         })
     }
 
+    /// Which workers hold leading blocks of `text` (the routing text), deepest first.
+    pub fn match_text(&self, text: &[u8]) -> Vec<(String, usize)> {
+        let hashes = kvmesh_core::blocks::block_hashes(text, self.settings.block_size);
+        let inner = self.lock();
+        let mut out: Vec<(String, usize)> = inner
+            .index
+            .match_prefix(&hashes)
+            .into_iter()
+            .filter_map(|m| Some((inner.workers.get(&m.worker)?.url.clone(), m.blocks)))
+            .collect();
+        out.sort_by(|a, b| b.1.cmp(&a.1));
+        out
+    }
+
     pub fn index_stats(&self) -> (usize, u64) {
         let inner = self.lock();
         (inner.index.len(), inner.index.entries())

@@ -67,12 +67,17 @@ fn a_prefix_routed_through_one_gateway_sticks_through_the_others() {
     let mut delays = Vec::new();
     for i in 0..20 {
         let prefix = format!("Conversation {i}. The user is asking about topic {i}. ").repeat(25);
-        let entries = || cp.snapshot().unwrap()["index_entries"].as_u64().unwrap();
-        let before = entries();
         let first = served(&generate(&a, &format!("{prefix}First question?")));
         let sent = Instant::now();
         // The report reaches the control plane, which pushes a new version to every gateway.
-        wait_until("the control plane to merge the insert", Duration::from_secs(10), || entries() > before).unwrap();
+        let holder = || {
+            let m = http::post(&cp.url("/match"), prefix.as_bytes(), &[]).unwrap().json().unwrap();
+            m[0]["url"].as_str().map(|u| u.trim_start_matches("http://").to_string())
+        };
+        wait_until("the control plane to merge the insert", Duration::from_secs(10), || {
+            holder().as_deref() == Some(first.as_str())
+        })
+        .unwrap();
         let v = cp_version(&cp);
         wait_until("gateway B to apply it", Duration::from_secs(10), || version(&b) >= v).unwrap();
         wait_until("gateway C to apply it", Duration::from_secs(10), || version(&c) >= v).unwrap();
