@@ -143,28 +143,9 @@ pub async fn run(state: Arc<State>, cfg: DiscoveryConfig) -> anyhow::Result<()> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::api::core::v1::{PodCondition, PodStatus};
-    use kube::api::ObjectMeta;
 
     fn pod(name: &str, ip: &str, ready: bool, labels: &[(&str, &str)], annotations: &[(&str, &str)]) -> Pod {
-        Pod {
-            metadata: ObjectMeta {
-                name: Some(name.into()),
-                labels: Some(labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()),
-                annotations: Some(annotations.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()),
-                ..Default::default()
-            },
-            status: Some(PodStatus {
-                pod_ip: (!ip.is_empty()).then(|| ip.to_string()),
-                conditions: Some(vec![PodCondition {
-                    type_: "Ready".into(),
-                    status: if ready { "True" } else { "False" }.into(),
-                    ..Default::default()
-                }]),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }
+        kvmesh_testkit::kube_fake::pod("default", name, ip, ready, labels, annotations)
     }
 
     fn cfg(pd: bool) -> DiscoveryConfig {
