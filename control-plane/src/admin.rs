@@ -93,6 +93,8 @@ async fn workers(Axum(state): Shared) -> Json<Value> {
                 "healthy": w.healthy,
                 "load": w.load(),
                 "in_flight": w.inflight_total(),
+                "requests": w.requests,
+                "errors": w.errors,
                 "index_entries": state.index_size_of(w.id),
                 "cache_hit_rate": w.cache_hit_rate,
             })
@@ -133,6 +135,15 @@ async fn metrics(Axum(state): Shared) -> impl IntoResponse {
     registry.register("sgl_router_worker_health", "Worker health (1 healthy)", healthy);
     registry.register("sgl_router_worker_load", "Worker load (running + queued requests)", load);
     registry.register("kvmesh_worker_in_flight", "In-flight requests reported by the gateways", inflight);
+    let requests = Family::<WorkerLabels, prometheus_client::metrics::counter::Counter>::default();
+    let errors = Family::<WorkerLabels, prometheus_client::metrics::counter::Counter>::default();
+    for w in state.workers() {
+        let labels = WorkerLabels { worker: w.url.clone(), role: role_name(w.role).into() };
+        requests.get_or_create(&labels).inc_by(w.requests);
+        errors.get_or_create(&labels).inc_by(w.errors);
+    }
+    registry.register("sgl_router_requests", "Requests finished, per worker, over all gateways", requests);
+    registry.register("sgl_router_request_errors", "Requests that failed (no answer or 5xx), per worker", errors);
     let (blocks, entries) = state.index_stats();
     let c = state.counters();
     let gauges: [(&str, &str, i64); 6] = [

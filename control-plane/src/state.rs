@@ -37,6 +37,11 @@ pub struct WorkerEntry {
     pub cache_hit_rate: Option<f64>,
     /// In-flight requests per gateway, as reported.
     pub inflight: HashMap<String, u32>,
+    /// Finished and failed requests, summed over gateways.
+    pub requests: u64,
+    pub errors: u64,
+    /// Each gateway's last cumulative (wrapping) counts, to add the differences.
+    last_counts: HashMap<String, (u32, u32)>,
 }
 
 impl WorkerEntry {
@@ -152,6 +157,9 @@ impl State {
             polled_load: None,
             cache_hit_rate: None,
             inflight: HashMap::new(),
+            requests: 0,
+            errors: 0,
+            last_counts: HashMap::new(),
         };
         inner.workers.insert(id, entry);
         inner.workers_dirty = true;
@@ -234,11 +242,20 @@ impl State {
             }
             let mut changed = false;
             for w in inner.workers.values_mut() {
-                let new = batch.inflight.iter().find(|c| c.worker == w.id).map_or(0, |c| c.count);
-                let old = w.inflight.insert(gateway.clone(), new).unwrap_or(0);
-                changed |= old != new && w.polled_load.is_none();
+                let Some(c) = batch.counts.iter().find(|c| c.worker == w.id) else {
+                    changed |=
+                        w.inflight.insert(gateway.clone(), 0).is_some_and(|old| old != 0) && w.polled_load.is_none();
+                    continue;
+                };
+                let old = w.inflight.insert(gateway.clone(), c.in_flight).unwrap_or(0);
+                changed |= old != c.in_flight && w.polled_load.is_none();
+                // The first report of a gateway counts from zero.
+                let (last_req, last_err) =
+                    w.last_counts.insert(gateway.clone(), (c.requests, c.errors)).unwrap_or((0, 0));
+                w.requests += u64::from(c.requests.wrapping_sub(last_req));
+                w.errors += u64::from(c.errors.wrapping_sub(last_err));
             }
-            bad += batch.inflight.iter().filter(|c| !inner.workers.contains_key(&c.worker)).count() as u64;
+            bad += batch.counts.iter().filter(|c| !inner.workers.contains_key(&c.worker)).count() as u64;
             inner.workers_dirty |= changed;
         }
         if bad > 0 {
@@ -376,7 +393,7 @@ pub fn role_name(role: Role) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvmesh_proto::v1::InflightCount;
+    use kvmesh_proto::v1::WorkerCounts;
 
     fn state(args: &[&str]) -> Arc<State> {
         let mut argv = vec!["kvmesh-cp"];
@@ -415,7 +432,7 @@ mod tests {
         s.report(ReportBatch {
             gateway_id: "a".into(),
             inserts: vec![IndexInsert { worker: 42, hashes: vec![1] }],
-            inflight: vec![InflightCount { worker: 43, count: 1 }],
+            counts: vec![WorkerCounts { worker: 43, in_flight: 1, ..Default::default() }],
             ..Default::default()
         });
         assert_eq!(s.counters().bad_reports, 2);
@@ -466,17 +483,16 @@ mod tests {
         assert!(s.remove_worker("http://127.0.0.1:1"));
         assert_eq!(s.add_worker("http://127.0.0.1:1", Role::Regular, None, Source::Api), Ok(1));
         assert!(s.add_worker("http://127.0.0.1:1", Role::Regular, None, Source::Api).is_err());
-        s.report(ReportBatch {
-            gateway_id: "a".into(),
-            inflight: vec![InflightCount { worker: 1, count: 3 }],
-            ..Default::default()
-        });
-        s.report(ReportBatch {
-            gateway_id: "b".into(),
-            inflight: vec![InflightCount { worker: 1, count: 2 }],
-            ..Default::default()
-        });
+        let counts = |in_flight, requests, errors| vec![WorkerCounts { worker: 1, in_flight, requests, errors }];
+        s.report(ReportBatch { gateway_id: "a".into(), counts: counts(3, 10, 1), ..Default::default() });
+        s.report(ReportBatch { gateway_id: "b".into(), counts: counts(2, 5, 0), ..Default::default() });
+        s.report(ReportBatch { gateway_id: "a".into(), counts: counts(3, 12, 1), ..Default::default() });
         assert_eq!(s.workers()[0].load(), 5);
+        assert_eq!((s.workers()[0].requests, s.workers()[0].errors), (17, 1));
+        // Cumulative counts wrap at 2^32.
+        s.report(ReportBatch { gateway_id: "b".into(), counts: counts(2, u32::MAX, 0), ..Default::default() });
+        s.report(ReportBatch { gateway_id: "b".into(), counts: counts(2, 1, 0), ..Default::default() });
+        assert_eq!(s.workers()[0].requests, 17 + (u32::MAX - 5) as u64 + 2);
         s.load_result(1, Some(9), None);
         assert_eq!(s.workers()[0].load(), 9);
     }

@@ -118,6 +118,14 @@ fn remove_worker_and_add_worker_change_where_traffic_goes() {
     let back: HashSet<String> =
         (0..6).map(|i| served(&generate(&envoy, &format!("fresh prompt {i} {}", "y".repeat(100))))).collect();
     assert!(back.contains(&gone.addr()), "{back:?}");
+    // Every finished request is counted once, per worker, from the gateway's reports.
+    let total = || -> u64 {
+        let list = http::get(&cp.url("/workers")).unwrap().json().unwrap();
+        list.as_array().unwrap().iter().map(|w| w["requests"].as_u64().unwrap_or(0)).sum()
+    };
+    wait_until("the control plane to count the 16 requests", Duration::from_secs(10), || total() == 16).unwrap();
+    let metrics = http::get(&cp.url("/metrics")).unwrap().text();
+    assert!(metrics.contains("sgl_router_requests_total{"), "{metrics}");
     let listed = http::get(&cp.url("/list_workers")).unwrap().json().unwrap();
     assert_eq!(listed["urls"].as_array().unwrap().len(), 2);
     assert_eq!(cp.post("/remove_worker?url=http://127.0.0.1:1").unwrap().status, 404);

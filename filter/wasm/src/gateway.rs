@@ -8,7 +8,7 @@ use kvmesh_core::policy::Candidate;
 use kvmesh_core::request::{self, RequestError};
 use kvmesh_core::rng::{random_u64, FastRng, Rng};
 use kvmesh_core::{Config, Decision, Endpoint, Role, Router, Worker, WorkerId, WorkerTable};
-use kvmesh_proto::v1::{self as proto, IndexInsert, InflightCount, ReportBatch};
+use kvmesh_proto::v1::{self as proto, IndexInsert, ReportBatch, WorkerCounts};
 use kvmesh_proto::Message;
 
 use crate::health::Health;
@@ -345,10 +345,17 @@ impl Gateway {
         self.routed(&d, false).map_or(Outcome::Reply(Reply::no_worker("worker")), Outcome::Route)
     }
 
-    /// The stream of a counted request ended (completed, failed or reset).
-    pub fn finish(&self, store: &dyn SharedStore, routed: &Routed) {
+    /// A counted request was never sent (the filter answered instead): uncount it.
+    pub fn release(&self, store: &dyn SharedStore, routed: &Routed) {
         if routed.counted {
             Inflight::add(store, routed.worker, -1);
+        }
+    }
+
+    /// The stream of a counted request ended (completed, failed or reset).
+    pub fn finish(&self, store: &dyn SharedStore, routed: &Routed, ok: bool) {
+        if routed.counted {
+            Inflight::finish(store, routed.worker, !ok);
         }
     }
 
@@ -507,9 +514,11 @@ impl Gateway {
             .into_iter()
             .map(|(worker, hashes)| IndexInsert { worker, hashes })
             .collect();
-        let inflight =
-            Inflight::read(store).into_iter().map(|(worker, count)| InflightCount { worker, count }).collect();
-        ReportBatch { gateway_id: gateway_id.to_string(), inserts, inflight, completions: Vec::new() }
+        let counts = Inflight::counts(store)
+            .into_iter()
+            .map(|c| WorkerCounts { worker: c.worker, in_flight: c.in_flight, requests: c.finished, errors: c.failed })
+            .collect();
+        ReportBatch { gateway_id: gateway_id.to_string(), inserts, counts }
     }
 
     /// Everything this VM's index holds, for a control plane that just (re)connected.
@@ -593,8 +602,8 @@ mod tests {
         assert_eq!(again.addr, first.addr);
         assert!(again.matched_bytes >= 384);
         assert_eq!(Inflight::read(&store), vec![(first.worker, 2)]);
-        g.finish(&store, &first);
-        g.finish(&store, &again);
+        g.finish(&store, &first, true);
+        g.finish(&store, &again, true);
         assert_eq!(Inflight::read(&store), vec![(first.worker, 0)]);
     }
 
@@ -783,7 +792,7 @@ mod timing {
         let t = std::time::Instant::now();
         for i in 0..40960 {
             if let Outcome::Route(r) = g.req(&store, Endpoint::Generate, &bodies[i % 4096]) {
-                g.finish(&store, &r);
+                g.finish(&store, &r, true);
             }
         }
         eprintln!("per request: {:?}", t.elapsed() / 40960);
@@ -792,8 +801,8 @@ mod timing {
         let t = std::time::Instant::now();
         for i in 0..40960 {
             if let Outcome::Pd(p) = g.req(&store, Endpoint::Generate, &bodies[i % 4096]) {
-                g.finish(&store, &p.prefill);
-                g.finish(&store, &p.decode);
+                g.finish(&store, &p.prefill, true);
+                g.finish(&store, &p.decode, true);
             }
         }
         eprintln!("PD per request: {:?}", t.elapsed() / 40960);

@@ -67,6 +67,8 @@ pub struct Http {
     replied: bool,
     /// Response headers have gone downstream.
     response_started: bool,
+    /// The upstream's answer was not a server error (`None`: no answer seen).
+    upstream_ok: Option<bool>,
 }
 
 impl Http {
@@ -81,6 +83,7 @@ impl Http {
             prefill: None,
             replied: false,
             response_started: false,
+            upstream_ok: None,
         }
     }
 
@@ -179,10 +182,17 @@ impl Http {
         Action::Continue
     }
 
-    /// Takes a request off the in-flight table.
+    /// Takes a request that was never sent off the in-flight table.
     fn release(&self, routed: &Routed) {
         if let Some(g) = self.gateway.as_ref().and_then(|g| g.try_borrow().ok()) {
-            g.finish(&EnvoyShared, routed);
+            g.release(&EnvoyShared, routed);
+        }
+    }
+
+    /// A request ended: off the in-flight table, counted as finished (and failed).
+    fn finish(&self, routed: &Routed, ok: bool) {
+        if let Some(g) = self.gateway.as_ref().and_then(|g| g.try_borrow().ok()) {
+            g.finish(&EnvoyShared, routed, ok);
         }
     }
 
@@ -210,7 +220,7 @@ impl Http {
             .unwrap_or(0);
         let routed = leg.routed.clone();
         let ok = (200..300).contains(&status);
-        self.release(&routed);
+        self.finish(&routed, ok);
         self.report(&routed, ok);
         if !ok {
             let why = if status == 0 {
@@ -374,6 +384,7 @@ impl HttpContext for Http {
             .and_then(|s| s.parse::<u16>().ok())
             .unwrap_or(0);
         self.report(&routed, status < 500);
+        self.upstream_ok = Some(status < 500);
         let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, WORKER_HEADER, Some(&routed.addr));
         if let Some(leg) = self.prefill.as_mut() {
             let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, PREFILL_HEADER, Some(&leg.routed.addr));
@@ -434,7 +445,10 @@ impl HttpContext for Http {
 
     fn on_log(&mut self) {
         if let Some(routed) = self.routed.take() {
-            self.release(&routed);
+            // A local reply after routing (a failed prefill leg) cancelled the decode leg: not
+            // the decode worker's failure. Otherwise no answer at all counts as one.
+            let ok = self.upstream_ok.unwrap_or(self.replied);
+            self.finish(&routed, ok);
         }
         // A prefill callout still out is cancelled with the stream: release it here.
         if let Some(leg) = self.prefill.take().filter(|leg| leg.pending) {

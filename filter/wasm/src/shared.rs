@@ -50,10 +50,33 @@ fn u64_at(bytes: &[u8], at: usize) -> Option<u64> {
     Some(u64::from_le_bytes(bytes.get(at..at + 8)?.try_into().ok()?))
 }
 
-/// In-flight requests per worker: one value of `(worker id u32, count u32)` pairs.
+/// Per-worker request counts of this Envoy: one value of 16-byte entries
+/// `(worker u32, in flight u32, finished u32, failed u32)`, updated by compare-and-swap.
 pub struct Inflight {
     value: Vec<u8>,
     cas: Option<u32>,
+}
+
+const ENTRY: usize = 16;
+
+/// One worker's counts (finished and failed wrap at 2^32).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counts {
+    pub worker: WorkerId,
+    pub in_flight: u32,
+    pub finished: u32,
+    pub failed: u32,
+}
+
+fn entries(value: &[u8]) -> impl Iterator<Item = Counts> + '_ {
+    value.chunks_exact(ENTRY).filter_map(|c| {
+        Some(Counts {
+            worker: u32_at(c, 0)?,
+            in_flight: u32_at(c, 4)?,
+            finished: u32_at(c, 8)?,
+            failed: u32_at(c, 12)?,
+        })
+    })
 }
 
 impl Inflight {
@@ -65,48 +88,68 @@ impl Inflight {
         Self { value: value.unwrap_or_default(), cas }
     }
 
-    /// `worker`'s count.
+    /// `worker`'s in-flight count.
     pub fn count(&self, worker: WorkerId) -> u32 {
-        self.value.chunks_exact(8).find(|c| u32_at(c, 0) == Some(worker)).and_then(|c| u32_at(c, 4)).unwrap_or(0)
+        entries(&self.value).find(|c| c.worker == worker).map_or(0, |c| c.in_flight)
     }
 
-    /// All counts as `(worker, count)` pairs.
+    /// In-flight counts as `(worker, count)` pairs.
     pub fn read(store: &dyn SharedStore) -> Vec<(WorkerId, u32)> {
-        let value = store.get(Self::KEY).0.unwrap_or_default();
-        value.chunks_exact(8).filter_map(|c| Some((u32_at(c, 0)?, u32_at(c, 4)?))).collect()
+        Self::counts(store).into_iter().map(|c| (c.worker, c.in_flight)).collect()
     }
 
-    /// Applies `deltas` to the value loaded by [`load`](Self::load), falling back to a
-    /// read-modify-write loop if another VM wrote in between.
+    /// Every worker's counts.
+    pub fn counts(store: &dyn SharedStore) -> Vec<Counts> {
+        entries(&store.get(Self::KEY).0.unwrap_or_default()).collect()
+    }
+
+    /// Applies in-flight `deltas` to the value loaded by [`load`](Self::load), falling back
+    /// to a read-modify-write loop if another VM wrote in between.
     pub fn add_loaded(mut self, store: &dyn SharedStore, deltas: &[(WorkerId, i32)]) -> bool {
         for &(worker, delta) in deltas {
-            apply_delta(&mut self.value, worker, delta);
+            apply(&mut self.value, worker, delta, None);
         }
         match store.set(Self::KEY, &self.value, self.cas) {
             Ok(()) => true,
             Err(SetError::CasMismatch) => {
-                update(store, Self::KEY, |value| deltas.iter().for_each(|&(w, d)| apply_delta(value, w, d)))
+                update(store, Self::KEY, |value| deltas.iter().for_each(|&(w, d)| apply(value, w, d, None)))
             }
             Err(SetError::Other) => false,
         }
     }
 
-    /// Adds `delta` to `worker`'s count (never below zero).
+    /// Adds `delta` to `worker`'s in-flight count (never below zero).
     pub fn add(store: &dyn SharedStore, worker: WorkerId, delta: i32) -> bool {
-        update(store, Self::KEY, |value| apply_delta(value, worker, delta))
+        update(store, Self::KEY, |value| apply(value, worker, delta, None))
+    }
+
+    /// A request to `worker` finished: one less in flight, one more finished (and failed).
+    pub fn finish(store: &dyn SharedStore, worker: WorkerId, failed: bool) -> bool {
+        update(store, Self::KEY, |value| apply(value, worker, -1, Some(failed)))
     }
 }
 
-fn apply_delta(value: &mut Vec<u8>, worker: WorkerId, delta: i32) {
-    let pos = value.chunks_exact(8).position(|c| u32_at(c, 0) == Some(worker)).map(|i| i * 8 + 4);
-    let at = pos.unwrap_or_else(|| {
-        value.extend_from_slice(&worker.to_le_bytes());
-        value.extend_from_slice(&0u32.to_le_bytes());
-        value.len() - 4
-    });
-    let count = u32_at(value, at).unwrap_or(0).saturating_add_signed(delta);
-    if let Some(slot) = value.get_mut(at..at + 4) {
-        slot.copy_from_slice(&count.to_le_bytes());
+fn apply(value: &mut Vec<u8>, worker: WorkerId, delta: i32, finished: Option<bool>) {
+    let at = match value.chunks_exact(ENTRY).position(|c| u32_at(c, 0) == Some(worker)) {
+        Some(i) => i * ENTRY,
+        None => {
+            value.extend_from_slice(&worker.to_le_bytes());
+            value.extend_from_slice(&[0; ENTRY - 4]);
+            value.len() - ENTRY
+        }
+    };
+    let mut bump = |offset: usize, f: &dyn Fn(u32) -> u32| {
+        let v = f(u32_at(value, at + offset).unwrap_or(0));
+        if let Some(slot) = value.get_mut(at + offset..at + offset + 4) {
+            slot.copy_from_slice(&v.to_le_bytes());
+        }
+    };
+    bump(4, &|n| n.saturating_add_signed(delta));
+    if let Some(failed) = finished {
+        bump(8, &|n| n.wrapping_add(1));
+        if failed {
+            bump(12, &|n| n.wrapping_add(1));
+        }
     }
 }
 
@@ -314,6 +357,16 @@ mod tests {
         assert_eq!(Inflight::read(&store), vec![(3, 1), (7, 1)]);
         assert!(Inflight::add(&store, 7, -5));
         assert_eq!(Inflight::read(&store), vec![(3, 1), (7, 0)]);
+    }
+
+    #[test]
+    fn finishing_counts_requests_and_failures() {
+        let store = FakeStore::default();
+        Inflight::add(&store, 4, 1);
+        Inflight::add(&store, 4, 1);
+        Inflight::finish(&store, 4, false);
+        Inflight::finish(&store, 4, true);
+        assert_eq!(Inflight::counts(&store), vec![Counts { worker: 4, in_flight: 0, finished: 2, failed: 1 }]);
     }
 
     #[test]
