@@ -372,7 +372,7 @@ impl State {
             .into_iter()
             .filter_map(|m| Some((inner.workers.get(&m.worker)?.url.clone(), m.blocks)))
             .collect();
-        out.sort_by(|a, b| b.1.cmp(&a.1));
+        out.sort_by_key(|m| std::cmp::Reverse(m.1));
         out
     }
 
@@ -433,7 +433,6 @@ mod tests {
             gateway_id: "a".into(),
             inserts: vec![IndexInsert { worker: 42, hashes: vec![1] }],
             counts: vec![WorkerCounts { worker: 43, in_flight: 1, ..Default::default() }],
-            ..Default::default()
         });
         assert_eq!(s.counters().bad_reports, 2);
         assert_eq!(s.index_stats(), (0, 0));
