@@ -91,6 +91,16 @@ pub use sync::table_from;
 /// Most index inserts held for the next report (older ones are dropped first).
 const REPORT_QUEUE: usize = 16_384;
 
+/// The available workers of `role` with their loads: the table's plus this Envoy's in-flight
+/// counts.
+fn candidates(table: &WorkerTable, health: &Health, inflight: &Inflight, role: Role, now: u64) -> Vec<Candidate> {
+    table
+        .healthy_with(role)
+        .filter(|w| health.available(w.id, now))
+        .map(|w| Candidate { id: w.id, load: w.load + u64::from(inflight.count(w.id)) })
+        .collect()
+}
+
 /// One VM's routing state.
 pub struct Gateway {
     /// The plugin configuration as given (the control plane's policy is merged over it).
@@ -163,16 +173,6 @@ impl Gateway {
     /// An LLM request that arrived with no body at all.
     pub fn empty_body(&self) -> Reply {
         Reply::request(&RequestError::EmptyBody)
-    }
-
-    /// The available workers of `role` with their loads: the table's plus this Envoy's
-    /// in-flight counts.
-    fn candidates(&self, inflight: &Inflight, role: Role, now: u64) -> Vec<Candidate> {
-        self.table
-            .healthy_with(role)
-            .filter(|w| self.health.available(w.id, now))
-            .map(|w| Candidate { id: w.id, load: w.load + u64::from(inflight.count(w.id)) })
-            .collect()
     }
 
     /// The router whose index holds `worker`'s prefixes.
@@ -255,16 +255,20 @@ impl Gateway {
         self.catch_up(store);
         let inflight = Inflight::load(store);
         let now = info.now_secs;
-        let regular = self.candidates(&inflight, Role::Regular, now);
-        let prefill = self.candidates(&inflight, Role::Prefill, now);
-        let decode = self.candidates(&inflight, Role::Decode, now);
+        let (table, health) = (&self.table, &self.health);
+        let cands = |role| candidates(table, health, &inflight, role, now);
         let decision = match &mut self.mode {
-            Mode::Regular(router) => router.route(&parsed.text, &regular, &mut self.rng).map(PdDecision::DecodeOnly),
-            Mode::Pd(pd) => match pd.route(&parsed.text, &prefill, &decode, &mut self.rng) {
-                Some(d) => Some(d),
-                None if decode.is_empty() => return Outcome::Reply(Reply::no_worker("decode worker")),
-                None => return Outcome::Reply(Reply::no_worker("prefill worker")),
-            },
+            Mode::Regular(router) => {
+                router.route(&parsed.text, &cands(Role::Regular), &mut self.rng).map(PdDecision::DecodeOnly)
+            }
+            Mode::Pd(pd) => {
+                let (prefill, decode) = (cands(Role::Prefill), cands(Role::Decode));
+                match pd.route(&parsed.text, &prefill, &decode, &mut self.rng) {
+                    Some(d) => Some(d),
+                    None if decode.is_empty() => return Outcome::Reply(Reply::no_worker("decode worker")),
+                    None => return Outcome::Reply(Reply::no_worker("prefill worker")),
+                }
+            }
         };
         match decision {
             None => Outcome::Reply(Reply::no_worker("worker")),
@@ -310,7 +314,7 @@ impl Gateway {
     pub fn route_other(&mut self, store: &dyn SharedStore, now: u64) -> Outcome {
         self.sync_table(store);
         let role = if matches!(self.mode, Mode::Pd(_)) { Role::Decode } else { Role::Regular };
-        let cands = self.candidates(&Inflight::load(store), role, now);
+        let cands = candidates(&self.table, &self.health, &Inflight::load(store), role, now);
         let pos = match &mut self.mode {
             Mode::Regular(r) => r.route_any(&cands, &mut self.rng),
             Mode::Pd(pd) => pd.decode_router().route_any(&cands, &mut self.rng),
