@@ -138,6 +138,9 @@ impl Gateway {
     /// Adopts the table the stream owner published, when it changed (every VM, on its tick
     /// and before each request: one small shared-data read).
     pub fn sync_table(&mut self, store: &dyn SharedStore) {
+        if self.config.control_plane_cluster.is_none() {
+            return; // Static workers only: nothing to read.
+        }
         let Some(version) = SharedTable::version(store) else { return };
         if self.table_version == Some(version) {
             return;
@@ -184,5 +187,104 @@ impl Gateway {
 
     pub fn table_version(&self) -> Option<u64> {
         self.table_version
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gateway::{Outcome, RequestInfo};
+    use crate::shared::fake::FakeStore;
+    use kvmesh_core::Endpoint;
+
+    fn gateway(store: &FakeStore, seed: u64) -> Gateway {
+        let json = r#"{"control_plane_cluster":"cp","worker_urls":["http://127.0.0.1:1"]}"#;
+        let base = serde_json::from_str(json).unwrap();
+        Gateway::with_base(Config::from_json(json.as_bytes()).unwrap(), base, store, seed)
+    }
+
+    fn worker(id: u32, port: u16) -> proto::Worker {
+        proto::Worker { id, url: format!("http://127.0.0.1:{port}"), healthy: true, ..Default::default() }
+    }
+
+    fn route(g: &mut Gateway, store: &FakeStore, text: &str) -> String {
+        let body = format!(r#"{{"text":"{text}"}}"#);
+        match g.route_request(store, Endpoint::Generate, body.as_bytes(), &RequestInfo::default()) {
+            Outcome::Route(r) => r.addr,
+            _ => panic!("not routed"),
+        }
+    }
+
+    #[test]
+    fn the_owner_shares_the_table_and_index_with_the_other_vms() {
+        let store = FakeStore::default();
+        let (mut owner, mut other) = (gateway(&store, 1), gateway(&store, 2));
+        let text = "p".repeat(300);
+        let hashes = kvmesh_core::blocks::block_hashes(text.as_bytes(), 32);
+        let full = proto::Snapshot {
+            version: 3,
+            full: true,
+            workers: vec![worker(10, 20), worker(11, 21), worker(12, 22)],
+            workers_changed: true,
+            inserts: vec![IndexInsert { worker: 11, hashes }],
+            policy_json: r#"{"cache_threshold":0.1}"#.into(),
+            ..Default::default()
+        };
+        owner.apply_snapshot(&store, &full);
+        assert_eq!(owner.table_version(), Some(3));
+        assert_eq!(owner.config().cache_aware.cache_threshold, 0.1);
+        // The other VM adopts the table and the index before its next request.
+        assert_eq!(route(&mut other, &store, &format!("{text}?")), "127.0.0.1:21");
+        assert_eq!(other.table_version(), Some(3));
+        assert_eq!(other.config().cache_aware.cache_threshold, 0.1);
+    }
+
+    #[test]
+    fn an_id_that_changes_worker_loses_its_index_entries() {
+        let store = FakeStore::default();
+        let mut g = gateway(&store, 1);
+        let snapshot = |version, workers: Vec<proto::Worker>| proto::Snapshot {
+            version,
+            full: true,
+            workers,
+            workers_changed: true,
+            ..Default::default()
+        };
+        g.apply_snapshot(&store, &snapshot(1, vec![worker(0, 30), worker(1, 31)]));
+        // Only id 0 is up when the prefix is first routed.
+        let mut down = worker(1, 31);
+        down.healthy = false;
+        g.apply_snapshot(&store, &snapshot(2, vec![worker(0, 30), down]));
+        assert_eq!(route(&mut g, &store, &"q".repeat(300)), "127.0.0.1:30");
+        assert!(g.index_len() > 0);
+        // Same id, same worker, new health: the index stays.
+        g.apply_snapshot(&store, &snapshot(3, vec![worker(0, 30), worker(1, 31)]));
+        assert!(g.index_len() > 0);
+        // Id 0 now names another worker: its blocks are forgotten.
+        g.apply_snapshot(&store, &snapshot(4, vec![worker(0, 40), worker(1, 31)]));
+        assert_eq!(g.index_len(), 0);
+    }
+
+    #[test]
+    fn reports_carry_new_inserts_once_and_the_counts() {
+        let store = FakeStore::default();
+        let mut g = gateway(&store, 1);
+        g.apply_snapshot(
+            &store,
+            &proto::Snapshot {
+                version: 1,
+                full: true,
+                workers: vec![worker(0, 30)],
+                workers_changed: true,
+                ..Default::default()
+            },
+        );
+        route(&mut g, &store, &"r".repeat(100));
+        let report = g.take_report(&store, "gw");
+        assert_eq!(report.inserts.len(), 1);
+        assert_eq!(report.counts[0].in_flight, 1);
+        assert!(g.take_report(&store, "gw").inserts.is_empty(), "reported once");
+        let full = g.full_report("gw");
+        assert_eq!(full.inserts.iter().map(|i| i.hashes.len()).sum::<usize>(), 4);
     }
 }
