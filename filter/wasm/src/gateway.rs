@@ -187,7 +187,7 @@ impl Gateway {
     }
 
     /// Applies the prefix inserts other VMs made.
-    fn catch_up(&mut self, store: &dyn SharedStore) {
+    fn catch_up(&mut self, store: &dyn SharedStore, head: u64) {
         let uses_text = match &mut self.mode {
             Mode::Regular(r) => r.uses_text(),
             Mode::Pd(pd) => pd.prefill_router().uses_text() || pd.decode_router().uses_text(),
@@ -195,7 +195,7 @@ impl Gateway {
         if !uses_text {
             return;
         }
-        for delta in self.log.poll(store) {
+        for delta in self.log.poll(store, head) {
             self.apply_delta(&delta);
             if !delta.evict && !delta.from_cp {
                 self.queue_report(delta.worker, delta.hashes);
@@ -223,12 +223,23 @@ impl Gateway {
         self.unreported.push((worker, hashes));
     }
 
-    fn publish(&mut self, store: &dyn SharedStore, d: &Decision) {
-        if !d.inserted.is_empty() {
-            let delta = Delta { worker: d.worker, evict: false, from_cp: false, hashes: d.inserted.clone() };
-            self.log.append(store, std::slice::from_ref(&delta));
-            self.queue_report(d.worker, delta.hashes);
+    /// Counts a routed request (and its other leg) in flight and shares the decisions' new
+    /// index blocks with the other VMs: one CAS for both, plus the log slot.
+    fn commit(&mut self, store: &dyn SharedStore, state: Inflight, decisions: &[&Decision]) -> bool {
+        let deltas: Vec<Delta> = decisions
+            .iter()
+            .filter(|d| !d.inserted.is_empty())
+            .map(|d| Delta { worker: d.worker, evict: false, from_cp: false, hashes: d.inserted.clone() })
+            .collect();
+        let counts: Vec<(WorkerId, i32)> = decisions.iter().map(|d| (d.worker, 1)).collect();
+        let (counted, seq) = state.commit(store, &counts, !deltas.is_empty());
+        if let Some(seq) = seq {
+            self.log.write(store, seq, &deltas);
         }
+        for d in deltas {
+            self.queue_report(d.worker, d.hashes);
+        }
+        counted
     }
 
     fn routed(&self, d: &Decision, counted: bool) -> Option<Routed> {
@@ -252,8 +263,8 @@ impl Gateway {
             Err(e) => return Outcome::Reply(Reply::request(&e)),
         };
         self.sync_table(store);
-        self.catch_up(store);
         let inflight = Inflight::load(store);
+        self.catch_up(store, inflight.head());
         let now = info.now_secs;
         let (table, health) = (&self.table, &self.health);
         let cands = |role| candidates(table, health, &inflight, role, now);
@@ -273,13 +284,10 @@ impl Gateway {
         match decision {
             None => Outcome::Reply(Reply::no_worker("worker")),
             Some(PdDecision::DecodeOnly(d)) => {
-                self.publish(store, &d);
-                let counted = inflight.add_loaded(store, &[(d.worker, 1)]);
+                let counted = self.commit(store, inflight, &[&d]);
                 self.routed(&d, counted).map_or(Outcome::Reply(Reply::no_worker("worker")), Outcome::Route)
             }
             Some(PdDecision::Split { prefill, decode }) => {
-                self.publish(store, &prefill);
-                self.publish(store, &decode);
                 let Some(p) = self.table.get(prefill.worker) else {
                     return Outcome::Reply(Reply::no_worker("prefill worker"));
                 };
@@ -294,7 +302,7 @@ impl Gateway {
                     Ok(b) => b,
                     Err(e) => return Outcome::Reply(Reply::request(&e)),
                 };
-                let counted = inflight.add_loaded(store, &[(decode.worker, 1), (prefill.worker, 1)]);
+                let counted = self.commit(store, inflight, &[&decode, &prefill]);
                 match (self.routed(&decode, counted), self.routed(&prefill, counted)) {
                     (Some(decode), Some(prefill)) => Outcome::Pd(PdRouted {
                         decode,

@@ -50,14 +50,17 @@ fn u64_at(bytes: &[u8], at: usize) -> Option<u64> {
     Some(u64::from_le_bytes(bytes.get(at..at + 8)?.try_into().ok()?))
 }
 
-/// Per-worker request counts of this Envoy: one value of 16-byte entries
-/// `(worker u32, in flight u32, finished u32, failed u32)`, updated by compare-and-swap.
+/// Per-worker request counts of this Envoy, and the head of the [`DeltaLog`], in one value:
+/// `head u64` then 16-byte entries `(worker u32, in flight u32, finished u32, failed u32)`,
+/// updated by compare-and-swap. One read per routed request serves both the loads and the
+/// log; one CAS counts the request and takes a log sequence number.
 pub struct Inflight {
     value: Vec<u8>,
     cas: Option<u32>,
 }
 
 const ENTRY: usize = 16;
+const HEAD: usize = 8;
 
 /// One worker's counts (finished and failed wrap at 2^32).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -69,7 +72,7 @@ pub struct Counts {
 }
 
 fn entries(value: &[u8]) -> impl Iterator<Item = Counts> + '_ {
-    value.chunks_exact(ENTRY).filter_map(|c| {
+    value.get(HEAD..).unwrap_or_default().chunks_exact(ENTRY).filter_map(|c| {
         Some(Counts {
             worker: u32_at(c, 0)?,
             in_flight: u32_at(c, 4)?,
@@ -79,13 +82,33 @@ fn entries(value: &[u8]) -> impl Iterator<Item = Counts> + '_ {
     })
 }
 
-impl Inflight {
-    const KEY: &'static str = "kvmesh.inflight";
+fn head_of(value: &[u8]) -> u64 {
+    u64_at(value, 0).unwrap_or(0)
+}
 
-    /// Reads the current counts (one host call), keeping the version for a later update.
+/// Takes the next log sequence number in `value`.
+fn next_seq(value: &mut Vec<u8>) -> u64 {
+    if value.len() < HEAD {
+        value.resize(HEAD, 0);
+    }
+    let seq = head_of(value) + 1;
+    value[..HEAD].copy_from_slice(&seq.to_le_bytes());
+    seq
+}
+
+impl Inflight {
+    const KEY: &'static str = "kvmesh.state";
+
+    /// Reads the current counts and log head (one host call), keeping the version for a
+    /// later update.
     pub fn load(store: &dyn SharedStore) -> Self {
         let (value, cas) = store.get(Self::KEY);
         Self { value: value.unwrap_or_default(), cas }
+    }
+
+    /// The delta log's head as read.
+    pub fn head(&self) -> u64 {
+        head_of(&self.value)
     }
 
     /// `worker`'s in-flight count.
@@ -103,18 +126,31 @@ impl Inflight {
         entries(&store.get(Self::KEY).0.unwrap_or_default()).collect()
     }
 
-    /// Applies in-flight `deltas` to the value loaded by [`load`](Self::load), falling back
-    /// to a read-modify-write loop if another VM wrote in between.
-    pub fn add_loaded(mut self, store: &dyn SharedStore, deltas: &[(WorkerId, i32)]) -> bool {
-        for &(worker, delta) in deltas {
-            apply(&mut self.value, worker, delta, None);
-        }
-        match store.set(Self::KEY, &self.value, self.cas) {
-            Ok(()) => true,
-            Err(SetError::CasMismatch) => {
-                update(store, Self::KEY, |value| deltas.iter().for_each(|&(w, d)| apply(value, w, d, None)))
+    /// Applies in-flight `deltas` to the value loaded by [`load`](Self::load) and, with
+    /// `take_seq`, takes a log sequence number, in one CAS (falling back to a read-modify-
+    /// write loop if another VM wrote in between). Returns whether the counts were written
+    /// and the sequence number taken.
+    pub fn commit(
+        mut self,
+        store: &dyn SharedStore,
+        deltas: &[(WorkerId, i32)],
+        take_seq: bool,
+    ) -> (bool, Option<u64>) {
+        let change = |value: &mut Vec<u8>| {
+            for &(worker, delta) in deltas {
+                apply(value, worker, delta, None);
             }
-            Err(SetError::Other) => false,
+            take_seq.then(|| next_seq(value))
+        };
+        let seq = change(&mut self.value);
+        match store.set(Self::KEY, &self.value, self.cas) {
+            Ok(()) => (true, seq),
+            Err(SetError::CasMismatch) => {
+                let mut seq = None;
+                let ok = update(store, Self::KEY, |value| seq = change(value));
+                (ok, seq.filter(|_| ok))
+            }
+            Err(SetError::Other) => (false, None),
         }
     }
 
@@ -127,11 +163,20 @@ impl Inflight {
     pub fn finish(store: &dyn SharedStore, worker: WorkerId, failed: bool) -> bool {
         update(store, Self::KEY, |value| apply(value, worker, -1, Some(failed)))
     }
+
+    /// Takes a log sequence number on its own.
+    fn take_seq(store: &dyn SharedStore) -> Option<u64> {
+        let mut seq = 0;
+        update(store, Self::KEY, |value| seq = next_seq(value)).then_some(seq)
+    }
 }
 
 fn apply(value: &mut Vec<u8>, worker: WorkerId, delta: i32, finished: Option<bool>) {
-    let at = match value.chunks_exact(ENTRY).position(|c| u32_at(c, 0) == Some(worker)) {
-        Some(i) => i * ENTRY,
+    if value.len() < HEAD {
+        value.resize(HEAD, 0);
+    }
+    let at = match value[HEAD..].chunks_exact(ENTRY).position(|c| u32_at(c, 0) == Some(worker)) {
+        Some(i) => HEAD + i * ENTRY,
         None => {
             value.extend_from_slice(&worker.to_le_bytes());
             value.extend_from_slice(&[0; ENTRY - 4]);
@@ -175,11 +220,10 @@ pub struct DeltaLog {
 
 impl DeltaLog {
     pub const SLOTS: u64 = 256;
-    const HEAD: &'static str = "kvmesh.log.head";
 
     /// A reader/writer for VM `vm` that starts with the batches still in the ring.
     pub fn new(store: &dyn SharedStore, vm: u32) -> Self {
-        let head = Self::head(store);
+        let head = Inflight::load(store).head();
         Self { cursor: head.saturating_sub(Self::SLOTS), vm }
     }
 
@@ -187,28 +231,22 @@ impl DeltaLog {
         self.vm
     }
 
-    fn head(store: &dyn SharedStore) -> u64 {
-        store.get(Self::HEAD).0.and_then(|v| u64_at(&v, 0)).unwrap_or(0)
-    }
-
     fn slot_key(seq: u64) -> String {
         format!("kvmesh.log.{}", seq % Self::SLOTS)
     }
 
-    /// Appends a batch made by this VM.
+    /// Appends a batch made by this VM (taking a sequence number on its own).
     pub fn append(&mut self, store: &dyn SharedStore, deltas: &[Delta]) {
         if deltas.is_empty() {
             return;
         }
-        let mut seq = 0;
-        let took = update(store, Self::HEAD, |value| {
-            seq = value.get(..8).and_then(|b| u64_at(b, 0)).unwrap_or(0) + 1;
-            value.clear();
-            value.extend_from_slice(&seq.to_le_bytes());
-        });
-        if !took {
-            return;
+        if let Some(seq) = Inflight::take_seq(store) {
+            self.write(store, seq, deltas);
         }
+    }
+
+    /// Writes the batch of sequence number `seq` (taken by [`Inflight::commit`]).
+    pub fn write(&mut self, store: &dyn SharedStore, seq: u64, deltas: &[Delta]) {
         let size: usize = deltas.iter().map(|d| 12 + d.hashes.len() * 8).sum();
         let mut entry = Vec::with_capacity(12 + size);
         entry.extend_from_slice(&seq.to_le_bytes());
@@ -226,9 +264,9 @@ impl DeltaLog {
         let _ = store.set(&Self::slot_key(seq), &entry, None);
     }
 
-    /// The batches other VMs wrote since the last call, oldest first.
-    pub fn poll(&mut self, store: &dyn SharedStore) -> Vec<Delta> {
-        let head = Self::head(store);
+    /// The batches other VMs wrote up to `head` (from [`Inflight::head`]) since the last
+    /// call, oldest first.
+    pub fn poll(&mut self, store: &dyn SharedStore, head: u64) -> Vec<Delta> {
         if head <= self.cursor {
             return Vec::new();
         }
@@ -375,10 +413,10 @@ mod tests {
         Inflight::add(&store, 1, 2);
         let snap = Inflight::load(&store);
         assert_eq!((snap.count(1), snap.count(9)), (2, 0));
-        assert!(snap.add_loaded(&store, &[(1, 1)]));
+        assert_eq!(snap.commit(&store, &[(1, 1)], false), (true, None));
         let stale = Inflight::load(&store);
         Inflight::add(&store, 1, 1); // another VM
-        assert!(stale.add_loaded(&store, &[(1, 1)]));
+        assert_eq!(stale.commit(&store, &[(1, 1)], true), (true, Some(1)), "retried after the conflict");
         assert_eq!(Inflight::read(&store), vec![(1, 5)]);
     }
 
@@ -415,12 +453,12 @@ mod tests {
         a.append(&store, &[ins(5, &[10, 11])]);
         let evict = Delta { worker: 7, evict: true, from_cp: true, hashes: vec![13] };
         b.append(&store, &[ins(6, &[12]), evict.clone()]);
-        assert_eq!(a.poll(&store), vec![ins(6, &[12]), evict]);
-        assert_eq!(b.poll(&store), vec![ins(5, &[10, 11])]);
-        assert!(a.poll(&store).is_empty());
+        assert_eq!(a.poll(&store, Inflight::load(&store).head()), vec![ins(6, &[12]), evict]);
+        assert_eq!(b.poll(&store, Inflight::load(&store).head()), vec![ins(5, &[10, 11])]);
+        assert!(a.poll(&store, Inflight::load(&store).head()).is_empty());
         // A VM started later replays what the ring still holds.
         let mut c = DeltaLog::new(&store, 3);
-        assert_eq!(c.poll(&store).len(), 3);
+        assert_eq!(c.poll(&store, Inflight::load(&store).head()).len(), 3);
     }
 
     #[test]
@@ -431,7 +469,7 @@ mod tests {
         for i in 0..(DeltaLog::SLOTS + 10) {
             a.append(&store, &[ins(1, &[i])]);
         }
-        let got = b.poll(&store);
+        let got = b.poll(&store, Inflight::load(&store).head());
         assert_eq!(got.len() as u64, DeltaLog::SLOTS);
         assert_eq!(got[0].hashes, vec![10]);
     }
@@ -441,8 +479,8 @@ mod tests {
         let store = FakeStore::default();
         let mut b = DeltaLog::new(&store, 2);
         // Another VM took sequence 1 but has not written its slot yet.
-        store.set(DeltaLog::HEAD, &1u64.to_le_bytes(), None).unwrap();
-        assert!(b.poll(&store).is_empty());
+        assert_eq!(Inflight::take_seq(&store), Some(1));
+        assert!(b.poll(&store, Inflight::load(&store).head()).is_empty());
         let mut entry = 1u64.to_le_bytes().to_vec();
         entry.extend_from_slice(&9u32.to_le_bytes());
         for v in [4u32, 0, 1] {
@@ -450,6 +488,6 @@ mod tests {
         }
         entry.extend_from_slice(&77u64.to_le_bytes());
         store.set("kvmesh.log.1", &entry, None).unwrap();
-        assert_eq!(b.poll(&store), vec![ins(4, &[77])]);
+        assert_eq!(b.poll(&store, Inflight::load(&store).head()), vec![ins(4, &[77])]);
     }
 }

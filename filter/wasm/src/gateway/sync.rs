@@ -156,7 +156,7 @@ impl Gateway {
     /// What the stream owner sends on its report tick: inserts made on this Envoy since the
     /// last report, and the in-flight counts.
     pub fn take_report(&mut self, store: &dyn SharedStore, gateway_id: &str) -> ReportBatch {
-        self.catch_up(store);
+        self.catch_up(store, Inflight::load(store).head());
         let inserts = std::mem::take(&mut self.unreported)
             .into_iter()
             .map(|(worker, hashes)| IndexInsert { worker, hashes })
