@@ -33,6 +33,17 @@ fn synced_gateway(cp: &ControlPlane, template: &str, filter: Value) -> Envoy {
     envoy
 }
 
+/// `kvmesh-cp` discovering `app=sglang` pods (workers on `port`) through `kube`, plus `extra` flags.
+fn watching(kube: &FakeKube, port: u16, extra: &[&str]) -> ControlPlane {
+    let dir = std::env::temp_dir().join(format!("kvmesh-discovery-{}-{}", std::process::id(), kube.port));
+    let kubeconfig = kube.kubeconfig(&dir).unwrap();
+    let port_arg = port.to_string();
+    let mut args = vec!["--service-discovery", "--selector", "app=sglang", "--service-discovery-port", &port_arg];
+    args.extend_from_slice(extra);
+    let env = [("KUBECONFIG", kubeconfig.to_str().unwrap())];
+    ControlPlane::start_with_env(free_port().unwrap(), free_port().unwrap(), &args, &env).unwrap()
+}
+
 /// Waits until the gateway has applied everything the control plane has pushed.
 fn sync(cp: &ControlPlane, envoy: &Envoy) {
     let v = cp.settled_version().unwrap();
@@ -55,25 +66,7 @@ fn ready_matching_pods_become_workers_and_leave_when_deleted() {
     kube.apply(pod("default", "w5", ips[3], true, &[("app", "other")], &[])); // not selected
     kube.apply(pod("elsewhere", "w6", "127.0.0.6", true, &app, &[])); // other namespace
 
-    let dir = std::env::temp_dir().join(format!("kvmesh-discovery-{}", std::process::id()));
-    let kubeconfig = kube.kubeconfig(&dir).unwrap();
-    let port_arg = port.to_string();
-    let args = [
-        "--service-discovery",
-        "--selector",
-        "app=sglang",
-        "--service-discovery-namespace",
-        "default",
-        "--service-discovery-port",
-        &port_arg,
-    ];
-    let cp = ControlPlane::start_with_env(
-        free_port().unwrap(),
-        free_port().unwrap(),
-        &args,
-        &[("KUBECONFIG", kubeconfig.to_str().unwrap())],
-    )
-    .unwrap();
+    let cp = watching(&kube, port, &["--service-discovery-namespace", "default"]);
     let url = |ip: &str| format!("http://{ip}:{port}");
     wait_for_urls(&cp, &[url(ips[0]), url(ips[1])]);
 
@@ -130,24 +123,7 @@ fn pd_roles_and_bootstrap_ports_come_from_labels_and_annotations() {
     ));
     kube.apply(pod("default", "d", decode_ip, true, &[("app", "sglang"), ("llm-d.ai/role", "decode")], &[]));
 
-    let dir = std::env::temp_dir().join(format!("kvmesh-discovery-pd-{}", std::process::id()));
-    let kubeconfig = kube.kubeconfig(&dir).unwrap();
-    let port_arg = port.to_string();
-    let args = [
-        "--pd-disaggregation",
-        "--service-discovery",
-        "--selector",
-        "app=sglang",
-        "--service-discovery-port",
-        &port_arg,
-    ];
-    let cp = ControlPlane::start_with_env(
-        free_port().unwrap(),
-        free_port().unwrap(),
-        &args,
-        &[("KUBECONFIG", kubeconfig.to_str().unwrap())],
-    )
-    .unwrap();
+    let cp = watching(&kube, port, &["--pd-disaggregation"]);
     wait_for_urls(&cp, &[format!("http://{prefill_ip}:{port}"), format!("http://{decode_ip}:{port}")]);
     let listed = workers(&cp);
     let prefill = listed.iter().find(|w| w["role"] == "prefill").expect("a prefill worker");
