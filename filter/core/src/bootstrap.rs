@@ -5,9 +5,10 @@
 //! the KV) go into the body, identical for both legs; for a batch of N each is a list of N
 //! (rooms distinct). The request id becomes `rid` when the client set none. Every other
 //! field passes through byte for byte: the fields are spliced in before the object's closing
-//! brace, unless the client sent its own `bootstrap_*` fields, which are then replaced.
+//! brace. A client may not send `bootstrap_*` fields itself: the decode worker would fetch KV
+//! from a host the client picked.
 
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 use crate::request::{Endpoint, ParsedRequest, RequestError};
 
@@ -57,20 +58,14 @@ impl Bootstrap {
         fields
     }
 
-    /// The body both legs receive.
+    /// The body both legs receive: `body` with the fields spliced in before its closing
+    /// brace, every other byte unchanged. A body carrying its own `bootstrap_*` fields is
+    /// refused (only the gateway writes them).
     pub fn inject(&self, body: &[u8], parsed: &ParsedRequest<'_>) -> Result<Vec<u8>, RequestError> {
-        let fields = self.fields(parsed);
-        if !parsed.has_bootstrap {
-            if let Some(out) = splice(body, &fields) {
-                return Ok(out);
-            }
+        if let Some(field) = parsed.client_bootstrap {
+            return Err(RequestError::Reserved(field));
         }
-        let mut map: Map<String, Value> =
-            serde_json::from_slice(body).map_err(|e| RequestError::MalformedJson(e.to_string()))?;
-        for (k, v) in fields {
-            map.insert(k.to_string(), v);
-        }
-        serde_json::to_vec(&map).map_err(|e| RequestError::MalformedJson(e.to_string()))
+        splice(body, &self.fields(parsed)).ok_or(RequestError::NotAnObject)
     }
 }
 
@@ -155,14 +150,14 @@ mod tests {
     }
 
     #[test]
-    fn client_bootstrap_fields_are_replaced_not_duplicated() {
-        let body = r#"{"text":"a","bootstrap_room":7,"bootstrap_host":"evil"}"#;
-        let parsed = parse(Endpoint::Generate, body.as_bytes()).unwrap();
-        let out = boot(Some(1), vec![99]).inject(body.as_bytes(), &parsed).unwrap();
-        let text = String::from_utf8(out).unwrap();
-        assert_eq!(text.matches("bootstrap_room").count(), 1);
-        let v: Value = serde_json::from_str(&text).unwrap();
-        assert_eq!((v["bootstrap_room"].as_u64(), v["bootstrap_host"].as_str()), (Some(99), Some("10.0.0.7")));
+    fn client_bootstrap_fields_are_refused() {
+        for field in ["bootstrap_room", "bootstrap_host", "bootstrap_port"] {
+            let body = format!(r#"{{"text":"a","{field}":7}}"#);
+            let parsed = parse(Endpoint::Generate, body.as_bytes()).unwrap();
+            let e = boot(Some(1), vec![99]).inject(body.as_bytes(), &parsed).unwrap_err();
+            assert_eq!(e, RequestError::Reserved(field));
+            assert!(e.to_string().contains(field) && e.status() == 400);
+        }
     }
 
     #[test]

@@ -9,7 +9,7 @@
 use crate::config::Config;
 use crate::policy::{Candidate, PolicyKind};
 use crate::rng::Rng;
-use crate::router::{Decision, Router};
+use crate::router::{Decision, Router, RoutingText};
 
 /// Bytes of routing text per token, for comparing text lengths with token budgets.
 pub const BYTES_PER_TOKEN: usize = 4;
@@ -52,14 +52,14 @@ impl PdRouter {
     /// Changes nothing until [`commit`](Self::commit).
     pub fn decide(
         &self,
-        text: &[u8],
+        text: RoutingText<'_>,
         prefill: &[Candidate],
         decode: &[Candidate],
         rng: &mut dyn Rng,
     ) -> Option<PdDecision> {
         let d = self.decode.decide(text, decode, rng)?;
         if let Decider::Prefix { non_cached_tokens } = self.decider {
-            let uncached = text.len().saturating_sub(d.matched_bytes).div_ceil(BYTES_PER_TOKEN);
+            let uncached = text.len.saturating_sub(d.matched_bytes).div_ceil(BYTES_PER_TOKEN);
             if uncached as u64 <= non_cached_tokens {
                 return Some(PdDecision::DecodeOnly(d));
             }
@@ -104,7 +104,7 @@ mod tests {
         d: &[Candidate],
         rng: &mut FastRng,
     ) -> Option<PdDecision> {
-        let decision = pd.decide(text, p, d, rng)?;
+        let decision = pd.decide(text.into(), p, d, rng)?;
         pd.commit(&decision);
         Some(decision)
     }
@@ -156,8 +156,8 @@ mod tests {
         let cfg = Config::default();
         let pd = PdRouter::new(&cfg, PolicyKind::CacheAware, PolicyKind::PowerOfTwo, Decider::Always);
         let mut rng = FastRng::seeded(1);
-        assert!(pd.decide(b"t", &[], &cands(0..1, 0), &mut rng).is_none());
-        assert!(pd.decide(b"t", &cands(0..1, 0), &[], &mut rng).is_none());
+        assert!(pd.decide(b"t".as_slice().into(), &[], &cands(0..1, 0), &mut rng).is_none());
+        assert!(pd.decide(b"t".as_slice().into(), &cands(0..1, 0), &[], &mut rng).is_none());
     }
 
     #[test]
@@ -171,7 +171,7 @@ mod tests {
         );
         let mut rng = FastRng::seeded(1);
         let text = "y".repeat(500);
-        let d = pd.decide(text.as_bytes(), &cands(0..2, 0), &cands(5..7, 0), &mut rng).unwrap();
+        let d = pd.decide(text.as_bytes().into(), &cands(0..2, 0), &cands(5..7, 0), &mut rng).unwrap();
         assert!(pd.prefill_router().index().is_empty() && pd.decode_router().index().is_empty());
         pd.commit(&d);
         assert!(!pd.prefill_router().index().is_empty() && !pd.decode_router().index().is_empty());

@@ -3,12 +3,26 @@
 //! The gateway parses each LLM request once to find the text the policies route on. Only the
 //! fields that matter are decoded; the rest of the body is validated as JSON but skipped.
 //! Errors name the offending field so that a client can fix its request.
+//!
+//! Memory is bounded whatever the body's shape: nothing is materialised per batch item or per
+//! list entry (lists are streamed and counted), the routing text keeps at most
+//! [`MAX_ROUTING_BYTES`] (its full length is counted), batches are capped at [`MAX_BATCH`]
+//! items, and serde_json's recursion limit refuses deep nesting.
 
 use std::borrow::Cow;
+use std::fmt;
 
+use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, SeqAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use thiserror::Error;
+
+/// The most routing text kept for hashing (its length is still counted in full): the prefix
+/// index matches at most this much of a prompt.
+pub const MAX_ROUTING_BYTES: usize = 256 * 1024;
+
+/// The most items a batch request may have.
+pub const MAX_BATCH: usize = 4096;
 
 /// The LLM endpoints the gateway routes by content.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,6 +67,10 @@ pub enum RequestError {
     BatchLength { field: String, expected: usize, got: usize },
     #[error("request body is larger than the limit of {limit} bytes")]
     TooLarge { limit: u64 },
+    #[error("field `{field}` has more than {limit} items")]
+    BatchTooLarge { field: String, limit: usize },
+    #[error("field `{0}` is set by the gateway in PD mode and must not be sent")]
+    Reserved(&'static str),
 }
 
 impl RequestError {
@@ -69,7 +87,11 @@ impl RequestError {
         match self {
             Self::TooLarge { .. } => "payload_too_large",
             Self::EmptyBody | Self::MalformedJson(_) | Self::NotAnObject => "invalid_json",
-            Self::WrongType { .. } | Self::EmptyList { .. } | Self::BatchLength { .. } => "invalid_field",
+            Self::WrongType { .. }
+            | Self::EmptyList { .. }
+            | Self::BatchLength { .. }
+            | Self::BatchTooLarge { .. }
+            | Self::Reserved(_) => "invalid_field",
             Self::Missing(_) => "missing_field",
         }
     }
@@ -79,9 +101,11 @@ impl RequestError {
 #[derive(Debug, PartialEq)]
 pub struct ParsedRequest<'a> {
     pub endpoint: Endpoint,
-    /// The bytes the policies route on: the prompt text (UTF-8), or token ids as 4 bytes each.
-    /// A batch routes by its first item.
+    /// The bytes the policies route on: the prompt text (UTF-8), or token ids as 4 bytes each;
+    /// at most [`MAX_ROUTING_BYTES`] of it. A batch routes by its first item.
     pub text: Cow<'a, [u8]>,
+    /// The routing text's full length (`text` may be a prefix of it).
+    pub text_len: usize,
     /// Whether the client asked for a server-sent-event stream.
     pub stream: bool,
     /// `Some(n)` when the request is a batch of `n` items.
@@ -90,8 +114,9 @@ pub struct ParsedRequest<'a> {
     pub return_logprob: bool,
     /// Whether the client set `rid` itself.
     pub has_rid: bool,
-    /// Whether the client sent any `bootstrap_*` field (the gateway sets them in PD mode).
-    pub has_bootstrap: bool,
+    /// The first `bootstrap_*` field the client sent, if any (the gateway sets them in PD
+    /// mode, so there the request is refused).
+    pub client_bootstrap: Option<&'static str>,
 }
 
 /// The fields of any of the three endpoints that routing looks at; all else is skipped.
@@ -119,45 +144,101 @@ struct Fields<'a> {
     bootstrap_room: Option<&'a RawValue>,
 }
 
-/// Per-item fields of SGLang's batch requests: when a batch carries one as a list, the list
-/// must have one entry per item.
-const BATCH_FIELDS: [&str; 9] = [
-    "sampling_params",
-    "rid",
-    "return_logprob",
-    "logprob_start_len",
-    "top_logprobs_num",
-    "return_text_in_logprobs",
-    "lora_path",
-    "image_data",
-    "custom_logit_processor",
-];
+/// The per-item fields of a batch body (everything else is skipped).
+#[derive(Deserialize)]
+struct BatchFields<'a> {
+    #[serde(borrow)]
+    sampling_params: Option<&'a RawValue>,
+    #[serde(borrow)]
+    rid: Option<&'a RawValue>,
+    #[serde(borrow)]
+    return_logprob: Option<&'a RawValue>,
+    #[serde(borrow)]
+    logprob_start_len: Option<&'a RawValue>,
+    #[serde(borrow)]
+    top_logprobs_num: Option<&'a RawValue>,
+    #[serde(borrow)]
+    return_text_in_logprobs: Option<&'a RawValue>,
+    #[serde(borrow)]
+    lora_path: Option<&'a RawValue>,
+    #[serde(borrow)]
+    image_data: Option<&'a RawValue>,
+    #[serde(borrow)]
+    custom_logit_processor: Option<&'a RawValue>,
+}
+
+/// Counts the entries of a JSON list without keeping them.
+struct CountItems;
+
+impl<'de> Visitor<'de> for CountItems {
+    type Value = usize;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a list")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<usize, A::Error> {
+        let mut n = 0usize;
+        while seq.next_element::<IgnoredAny>()?.is_some() {
+            n = n.saturating_add(1);
+        }
+        Ok(n)
+    }
+}
 
 /// Checks that every per-item list field of a batch of `n` has `n` entries.
 fn check_batch_fields(body: &[u8], n: usize) -> Result<(), RequestError> {
-    let all: std::collections::HashMap<&str, &RawValue> =
-        serde_json::from_slice(body).map_err(|e| RequestError::MalformedJson(e.to_string()))?;
-    for field in BATCH_FIELDS {
-        let Some(raw) = all.get(field) else { continue };
-        if raw.get().starts_with('[') {
-            let items: Vec<&RawValue> = serde_json::from_str(raw.get()).map_err(|_| wrong_type(field, "a list"))?;
-            if items.len() != n {
-                return Err(RequestError::BatchLength { field: field.to_string(), expected: n, got: items.len() });
-            }
+    let f: BatchFields<'_> = serde_json::from_slice(body).map_err(|e| RequestError::MalformedJson(e.to_string()))?;
+    let fields = [
+        ("sampling_params", f.sampling_params),
+        ("rid", f.rid),
+        ("return_logprob", f.return_logprob),
+        ("logprob_start_len", f.logprob_start_len),
+        ("top_logprobs_num", f.top_logprobs_num),
+        ("return_text_in_logprobs", f.return_text_in_logprobs),
+        ("lora_path", f.lora_path),
+        ("image_data", f.image_data),
+        ("custom_logit_processor", f.custom_logit_processor),
+    ];
+    for (field, raw) in fields {
+        let Some(raw) = raw.filter(|r| r.get().starts_with('[')) else { continue };
+        let mut de = serde_json::Deserializer::from_str(raw.get());
+        let got = de.deserialize_seq(CountItems).map_err(|_| wrong_type(field, "a list"))?;
+        if got != n {
+            return Err(RequestError::BatchLength { field: field.to_string(), expected: n, got });
         }
     }
     Ok(())
 }
 
+/// Whether any entry of a list of booleans is true (nothing kept).
+struct AnyTrue;
+
+impl<'de> Visitor<'de> for AnyTrue {
+    type Value = bool;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a list of booleans")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<bool, A::Error> {
+        let mut any = false;
+        while let Some(b) = seq.next_element::<bool>()? {
+            any |= b;
+        }
+        Ok(any)
+    }
+}
+
 /// `return_logprob`: a boolean, or (batches) a list of booleans; true if any is true.
 fn logprob_requested(raw: Option<&RawValue>) -> Result<bool, RequestError> {
+    const EXPECTED: &str = "a boolean or a list of booleans";
     let Some(raw) = present(raw) else { return Ok(false) };
     if raw.get().starts_with('[') {
-        let flags: Vec<bool> = serde_json::from_str(raw.get())
-            .map_err(|_| wrong_type("return_logprob", "a boolean or a list of booleans"))?;
-        return Ok(flags.contains(&true));
+        let mut de = serde_json::Deserializer::from_str(raw.get());
+        return de.deserialize_seq(AnyTrue).map_err(|_| wrong_type("return_logprob", EXPECTED));
     }
-    serde_json::from_str(raw.get()).map_err(|_| wrong_type("return_logprob", "a boolean or a list of booleans"))
+    serde_json::from_str(raw.get()).map_err(|_| wrong_type("return_logprob", EXPECTED))
 }
 
 /// Parses `body` for `endpoint` and extracts its routing text.
@@ -170,38 +251,83 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest<'_>, Reque
         None => false,
         Some(raw) => serde_json::from_str::<bool>(raw.get()).map_err(|_| wrong_type("stream", "a boolean"))?,
     };
-    let (text, batch) = match endpoint {
+    let routing = match endpoint {
         Endpoint::Generate => generate_text(&fields)?,
         Endpoint::Completions => match present(fields.prompt) {
             Some(raw) => prompt_text("prompt", raw)?,
             None => return Err(RequestError::Missing("`prompt`")),
         },
         Endpoint::ChatCompletions => match present(fields.messages) {
-            Some(raw) => (Cow::Owned(chat_text(raw)?), None),
+            Some(raw) => chat_text(raw)?,
             None => return Err(RequestError::Missing("`messages`")),
         },
     };
-    if let Some(n) = batch {
+    if let Some(n) = routing.batch {
         check_batch_fields(body, n)?;
     }
     Ok(ParsedRequest {
         endpoint,
-        text,
+        text: routing.text,
+        text_len: routing.len,
         stream,
-        batch,
+        batch: routing.batch,
         return_logprob: logprob_requested(fields.return_logprob)?,
         has_rid: present(fields.rid).is_some(),
-        has_bootstrap: [fields.bootstrap_host, fields.bootstrap_port, fields.bootstrap_room]
-            .iter()
-            .any(|f| f.is_some()),
+        client_bootstrap: [
+            ("bootstrap_host", fields.bootstrap_host),
+            ("bootstrap_port", fields.bootstrap_port),
+            ("bootstrap_room", fields.bootstrap_room),
+        ]
+        .into_iter()
+        .find_map(|(name, f)| f.map(|_| name)),
     })
+}
+
+/// The routing text (at most [`MAX_ROUTING_BYTES`]), its full length, and the batch size.
+struct Routing<'a> {
+    text: Cow<'a, [u8]>,
+    len: usize,
+    batch: Option<usize>,
+}
+
+impl<'a> Routing<'a> {
+    fn new(text: Cow<'a, [u8]>, batch: Option<usize>) -> Self {
+        let len = text.len();
+        let text = match text {
+            Cow::Borrowed(b) => Cow::Borrowed(b.get(..MAX_ROUTING_BYTES).unwrap_or(b)),
+            Cow::Owned(mut o) => {
+                o.truncate(MAX_ROUTING_BYTES);
+                Cow::Owned(o)
+            }
+        };
+        Self { text, len, batch }
+    }
+}
+
+/// A routing text built piece by piece: keeps the first [`MAX_ROUTING_BYTES`], counts all.
+#[derive(Default)]
+struct Text {
+    kept: Vec<u8>,
+    len: usize,
+}
+
+impl Text {
+    fn push(&mut self, bytes: &[u8]) {
+        self.len = self.len.saturating_add(bytes.len());
+        let room = MAX_ROUTING_BYTES.saturating_sub(self.kept.len());
+        self.kept.extend_from_slice(bytes.get(..room).unwrap_or(bytes));
+    }
+
+    fn into_routing<'a>(self, batch: Option<usize>) -> Routing<'a> {
+        Routing { text: Cow::Owned(self.kept), len: self.len, batch }
+    }
 }
 
 fn parse_object(body: &[u8]) -> Result<Fields<'_>, RequestError> {
     let first = body.iter().find(|b| !b.is_ascii_whitespace());
     if first != Some(&b'{') {
         // Validate first so that broken JSON is reported as such, not as "not an object".
-        return match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
+        return match serde_json::from_slice::<IgnoredAny>(body) {
             Ok(_) => Err(RequestError::NotAnObject),
             Err(e) => Err(RequestError::MalformedJson(e.to_string())),
         };
@@ -218,7 +344,21 @@ fn wrong_type(field: impl Into<String>, expected: &'static str) -> RequestError 
     RequestError::WrongType { field: field.into(), expected }
 }
 
-fn generate_text<'a>(fields: &Fields<'a>) -> Result<(Cow<'a, [u8]>, Option<usize>), RequestError> {
+/// Checks a batch's item count.
+fn batch_of(field: &str, n: usize) -> Result<Option<usize>, RequestError> {
+    match n {
+        0 => Err(RequestError::EmptyList { field: field.into() }),
+        n if n > MAX_BATCH => Err(RequestError::BatchTooLarge { field: field.into(), limit: MAX_BATCH }),
+        n => Ok(Some(n)),
+    }
+}
+
+/// What a JSON list starts with, without parsing it: its first non-blank character after `[`.
+fn first_item_char(raw: &RawValue) -> Option<char> {
+    raw.get().get(1..)?.trim_start().chars().next()
+}
+
+fn generate_text<'a>(fields: &Fields<'a>) -> Result<Routing<'a>, RequestError> {
     if let Some(raw) = present(fields.text) {
         return string_or_list("text", raw, "a string or a list of strings");
     }
@@ -230,36 +370,51 @@ fn generate_text<'a>(fields: &Fields<'a>) -> Result<(Cow<'a, [u8]>, Option<usize
 
 /// `prompt` of `/v1/completions`: a string, a list of strings, a list of token ids, or a list
 /// of lists of token ids.
-fn prompt_text<'a>(field: &str, raw: &'a RawValue) -> Result<(Cow<'a, [u8]>, Option<usize>), RequestError> {
+fn prompt_text<'a>(field: &str, raw: &'a RawValue) -> Result<Routing<'a>, RequestError> {
     const EXPECTED: &str = "a string, a list of strings, or (lists of) token ids";
     match raw.get().as_bytes().first() {
         Some(b'"') => string_or_list(field, raw, EXPECTED),
-        Some(b'[') => {
-            let items: Vec<&RawValue> = serde_json::from_str(raw.get()).map_err(|_| wrong_type(field, EXPECTED))?;
-            match items.first().and_then(|i| i.get().as_bytes().first()) {
-                Some(b'"') => string_or_list(field, raw, EXPECTED),
-                None => Err(RequestError::EmptyList { field: field.into() }),
-                _ => ids_or_batch(field, raw),
-            }
-        }
+        Some(b'[') => match first_item_char(raw) {
+            Some('"') => string_or_list(field, raw, EXPECTED),
+            Some(']') => Err(RequestError::EmptyList { field: field.into() }),
+            _ => ids_or_batch(field, raw),
+        },
         _ => Err(wrong_type(field, EXPECTED)),
     }
 }
 
+/// The first string of a list (borrowed when it has no escapes), and how many strings the list
+/// holds; the others are checked to be strings and dropped at once.
+struct FirstString;
+
+impl<'de> Visitor<'de> for FirstString {
+    type Value = (Option<Cow<'de, str>>, usize);
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a list of strings")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let first = seq.next_element::<BorrowedStr<'de>>()?.map(|s| s.0);
+        let mut n = usize::from(first.is_some());
+        while seq.next_element::<BorrowedStr<'de>>()?.is_some() {
+            n = n.saturating_add(1);
+        }
+        Ok((first, n))
+    }
+}
+
 /// A string, or a non-empty list of strings (a batch routed by its first item).
-fn string_or_list<'a>(
-    field: &str,
-    raw: &'a RawValue,
-    expected: &'static str,
-) -> Result<(Cow<'a, [u8]>, Option<usize>), RequestError> {
+fn string_or_list<'a>(field: &str, raw: &'a RawValue, expected: &'static str) -> Result<Routing<'a>, RequestError> {
     if raw.get().starts_with('[') {
-        let items: Vec<Cow<'a, str>> = serde_json::from_str(raw.get()).map_err(|_| wrong_type(field, expected))?;
-        let n = items.len();
-        let first = items.into_iter().next().ok_or_else(|| RequestError::EmptyList { field: field.into() })?;
-        return Ok((cow_bytes(first), Some(n)));
+        let mut de = serde_json::Deserializer::from_str(raw.get());
+        let (first, n) = de.deserialize_seq(FirstString).map_err(|_| wrong_type(field, expected))?;
+        let batch = batch_of(field, n)?;
+        let first = first.ok_or_else(|| RequestError::EmptyList { field: field.into() })?;
+        return Ok(Routing::new(cow_bytes(first), batch));
     }
     let text: BorrowedStr<'a> = serde_json::from_str(raw.get()).map_err(|_| wrong_type(field, expected))?;
-    Ok((cow_bytes(text.0), None))
+    Ok(Routing::new(cow_bytes(text.0), None))
 }
 
 #[derive(Deserialize)]
@@ -272,25 +427,73 @@ fn cow_bytes(s: Cow<'_, str>) -> Cow<'_, [u8]> {
     }
 }
 
-/// Token ids (a list of non-negative integers), or a batch (a non-empty list of such lists).
-fn ids_or_batch<'a>(field: &str, raw: &RawValue) -> Result<(Cow<'a, [u8]>, Option<usize>), RequestError> {
-    const EXPECTED: &str = "a list of token ids or a list of lists of token ids";
-    let nested = raw.get()[1..].trim_start().starts_with('[');
-    if nested {
-        let batch: Vec<Vec<u32>> = serde_json::from_str(raw.get()).map_err(|_| wrong_type(field, EXPECTED))?;
-        let n = batch.len();
-        let first = batch.first().ok_or_else(|| RequestError::EmptyList { field: field.into() })?;
-        return Ok((Cow::Owned(ids_bytes(first)), Some(n)));
-    }
-    let ids: Vec<u32> = serde_json::from_str(raw.get()).map_err(|_| wrong_type(field, EXPECTED))?;
-    if ids.is_empty() {
-        return Err(RequestError::EmptyList { field: field.into() });
-    }
-    Ok((Cow::Owned(ids_bytes(&ids)), None))
+/// A list of token ids, checked to be u32s; kept (as 4 little-endian bytes each, up to the
+/// routing cap) only when `keep`.
+struct Ids {
+    keep: bool,
 }
 
-fn ids_bytes(ids: &[u32]) -> Vec<u8> {
-    ids.iter().flat_map(|id| id.to_le_bytes()).collect()
+impl<'de> Visitor<'de> for Ids {
+    type Value = Text;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a list of token ids")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Text, A::Error> {
+        let mut text = Text::default();
+        while let Some(id) = seq.next_element::<u32>()? {
+            if self.keep {
+                text.push(&id.to_le_bytes());
+            }
+        }
+        Ok(text)
+    }
+}
+
+impl<'de> DeserializeSeed<'de> for Ids {
+    type Value = Text;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Text, D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+/// A list of lists of token ids: the first one's bytes and how many lists there are.
+struct IdBatch;
+
+impl<'de> Visitor<'de> for IdBatch {
+    type Value = (Option<Text>, usize);
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a list of lists of token ids")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let first = seq.next_element_seed(Ids { keep: true })?;
+        let mut n = usize::from(first.is_some());
+        while seq.next_element_seed(Ids { keep: false })?.is_some() {
+            n = n.saturating_add(1);
+        }
+        Ok((first, n))
+    }
+}
+
+/// Token ids (a list of non-negative integers), or a batch (a non-empty list of such lists).
+fn ids_or_batch<'a>(field: &str, raw: &RawValue) -> Result<Routing<'a>, RequestError> {
+    const EXPECTED: &str = "a list of token ids or a list of lists of token ids";
+    let mut de = serde_json::Deserializer::from_str(raw.get());
+    if first_item_char(raw) == Some('[') {
+        let (first, n) = de.deserialize_seq(IdBatch).map_err(|_| wrong_type(field, EXPECTED))?;
+        let batch = batch_of(field, n)?;
+        let first = first.ok_or_else(|| RequestError::EmptyList { field: field.into() })?;
+        return Ok(first.into_routing(batch));
+    }
+    let ids = de.deserialize_seq(Ids { keep: true }).map_err(|_| wrong_type(field, EXPECTED))?;
+    if ids.len == 0 {
+        return Err(RequestError::EmptyList { field: field.into() });
+    }
+    Ok(ids.into_routing(None))
 }
 
 #[derive(Deserialize)]
@@ -309,50 +512,102 @@ struct Part<'a> {
     text: Option<Cow<'a, str>>,
 }
 
-/// The chat's routing text: `role: content\n` per message, in order, with only the text parts
-/// of multi-part contents.
-fn chat_text(raw: &RawValue) -> Result<Vec<u8>, RequestError> {
-    let messages: Vec<&RawValue> =
-        serde_json::from_str(raw.get()).map_err(|_| wrong_type("messages", "a list of message objects"))?;
-    if messages.is_empty() {
-        return Err(RequestError::EmptyList { field: "messages".into() });
-    }
-    let mut out = Vec::with_capacity(raw.get().len());
-    for (i, m) in messages.iter().enumerate() {
-        let msg: Message<'_> =
-            serde_json::from_str(m.get()).map_err(|_| wrong_type(format!("messages[{i}]"), "an object"))?;
-        if let Some(role) = present(msg.role) {
-            let role: BorrowedStr<'_> =
-                serde_json::from_str(role.get()).map_err(|_| wrong_type(format!("messages[{i}].role"), "a string"))?;
-            out.extend_from_slice(role.0.as_bytes());
-        }
-        out.extend_from_slice(b": ");
-        if let Some(content) = present(msg.content) {
-            append_content(&mut out, i, content)?;
-        }
-        out.push(b'\n');
-    }
-    Ok(out)
+/// Streams the messages of a chat into its routing text, one at a time.
+struct Messages<'t> {
+    text: &'t mut Text,
 }
 
-fn append_content(out: &mut Vec<u8>, i: usize, content: &RawValue) -> Result<(), RequestError> {
-    const EXPECTED: &str = "a string or a list of content parts";
-    if content.get().starts_with('"') {
-        let s: BorrowedStr<'_> =
-            serde_json::from_str(content.get()).map_err(|_| wrong_type(format!("messages[{i}].content"), EXPECTED))?;
-        out.extend_from_slice(s.0.as_bytes());
-        return Ok(());
+/// Why a message could not be read (the field is named by position).
+enum MessageError {
+    Json,
+    Field(RequestError),
+}
+
+impl<'de> Visitor<'de> for Messages<'_> {
+    type Value = Result<usize, RequestError>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a list of message objects")
     }
-    let parts: Vec<Part<'_>> =
-        serde_json::from_str(content.get()).map_err(|_| wrong_type(format!("messages[{i}].content"), EXPECTED))?;
-    for part in parts {
-        if part.kind.as_deref().unwrap_or("text") == "text" {
-            if let Some(text) = part.text {
-                out.extend_from_slice(text.as_bytes());
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut i = 0usize;
+        while let Some(m) = seq.next_element::<&'de RawValue>()? {
+            if let Err(e) = append_message(self.text, i, m) {
+                return Ok(Err(match e {
+                    MessageError::Json => wrong_type(format!("messages[{i}]"), "an object"),
+                    MessageError::Field(e) => e,
+                }));
+            }
+            i = i.saturating_add(1);
+        }
+        Ok(Ok(i))
+    }
+}
+
+fn append_message(text: &mut Text, i: usize, m: &RawValue) -> Result<(), MessageError> {
+    let msg: Message<'_> = serde_json::from_str(m.get()).map_err(|_| MessageError::Json)?;
+    if let Some(role) = present(msg.role) {
+        let role: BorrowedStr<'_> = serde_json::from_str(role.get())
+            .map_err(|_| MessageError::Field(wrong_type(format!("messages[{i}].role"), "a string")))?;
+        text.push(role.0.as_bytes());
+    }
+    text.push(b": ");
+    if let Some(content) = present(msg.content) {
+        append_content(text, i, content).map_err(MessageError::Field)?;
+    }
+    text.push(b"\n");
+    Ok(())
+}
+
+/// The chat's routing text: `role: content\n` per message, in order, with only the text parts
+/// of multi-part contents.
+fn chat_text(raw: &RawValue) -> Result<Routing<'static>, RequestError> {
+    let mut text = Text::default();
+    let mut de = serde_json::Deserializer::from_str(raw.get());
+    let n = de
+        .deserialize_seq(Messages { text: &mut text })
+        .map_err(|_| wrong_type("messages", "a list of message objects"))??;
+    if n == 0 {
+        return Err(RequestError::EmptyList { field: "messages".into() });
+    }
+    Ok(text.into_routing(None))
+}
+
+/// Streams the parts of a multi-part content, appending the text parts.
+struct Parts<'t> {
+    text: &'t mut Text,
+}
+
+impl<'de> Visitor<'de> for Parts<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a list of content parts")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while let Some(part) = seq.next_element::<Part<'de>>()? {
+            if part.kind.as_deref().unwrap_or("text") == "text" {
+                if let Some(t) = part.text {
+                    self.text.push(t.as_bytes());
+                }
             }
         }
+        Ok(())
     }
-    Ok(())
+}
+
+fn append_content(text: &mut Text, i: usize, content: &RawValue) -> Result<(), RequestError> {
+    const EXPECTED: &str = "a string or a list of content parts";
+    let bad = || wrong_type(format!("messages[{i}].content"), EXPECTED);
+    if content.get().starts_with('"') {
+        let s: BorrowedStr<'_> = serde_json::from_str(content.get()).map_err(|_| bad())?;
+        text.push(s.0.as_bytes());
+        return Ok(());
+    }
+    let mut de = serde_json::Deserializer::from_str(content.get());
+    de.deserialize_seq(Parts { text }).map_err(|_| bad())
 }
 
 #[cfg(test)]
@@ -472,7 +727,7 @@ mod tests {
     fn batch_fields_must_match_the_batch() {
         let ok = r#"{"text":["a","b"],"sampling_params":[{},{}],"rid":["x","y"],"return_logprob":[false,true]}"#;
         let p = parse(Endpoint::Generate, ok.as_bytes()).unwrap();
-        assert!(p.return_logprob && p.has_rid && !p.has_bootstrap);
+        assert!(p.return_logprob && p.has_rid && p.client_bootstrap.is_none());
         let e = err(Endpoint::Generate, r#"{"text":["a","b","c"],"sampling_params":[{},{}]}"#);
         assert_eq!(e, RequestError::BatchLength { field: "sampling_params".into(), expected: 3, got: 2 });
         assert!(e.to_string().contains("`sampling_params`"));
@@ -484,7 +739,7 @@ mod tests {
     #[test]
     fn logprob_and_bootstrap_flags() {
         let p = parse(Endpoint::Generate, br#"{"text":"a","return_logprob":true,"bootstrap_room":5}"#).unwrap();
-        assert!(p.return_logprob && p.has_bootstrap && !p.has_rid);
+        assert!(p.return_logprob && p.client_bootstrap == Some("bootstrap_room") && !p.has_rid);
         assert!(!parse(Endpoint::Generate, br#"{"text":"a","return_logprob":false}"#).unwrap().return_logprob);
         assert!(err(Endpoint::Generate, r#"{"text":"a","return_logprob":"yes"}"#)
             .to_string()

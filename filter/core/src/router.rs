@@ -7,6 +7,26 @@ use crate::policy::{CacheAware, Candidate, PolicyKind, PowerOfTwo, Random, Round
 use crate::rng::Rng;
 use crate::worker::WorkerId;
 
+/// A request's routing text: its first bytes (what is hashed, at most
+/// [`crate::request::MAX_ROUTING_BYTES`]) and its full length (what match ratios divide by).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RoutingText<'a> {
+    pub head: &'a [u8],
+    pub len: usize,
+}
+
+impl<'a> From<&'a [u8]> for RoutingText<'a> {
+    fn from(head: &'a [u8]) -> Self {
+        Self { head, len: head.len() }
+    }
+}
+
+impl<'a> From<&'a crate::request::ParsedRequest<'a>> for RoutingText<'a> {
+    fn from(p: &'a crate::request::ParsedRequest<'a>) -> Self {
+        Self { head: &p.text, len: p.text_len.max(p.text.len()) }
+    }
+}
+
 /// What the router decided for one request. Deciding changes nothing; the router learns of
 /// the decision only when the caller [commits](Router::commit) it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -60,10 +80,10 @@ impl Router {
     }
 
     /// Chooses a candidate for a request whose routing text is `text`. Changes nothing.
-    pub fn decide(&self, text: &[u8], cands: &[Candidate], rng: &mut dyn Rng) -> Option<Decision> {
+    pub fn decide(&self, text: RoutingText<'_>, cands: &[Candidate], rng: &mut dyn Rng) -> Option<Decision> {
         if self.kind == PolicyKind::CacheAware {
-            let blocks = block_hashes(text, self.block_size);
-            let c = self.cache_aware.pick(text.len(), &blocks, self.block_size, cands, &self.index, rng)?;
+            let blocks = block_hashes(text.head, self.block_size);
+            let c = self.cache_aware.pick(text.len, &blocks, self.block_size, cands, &self.index, rng)?;
             let worker = cands.get(c.pos)?.id;
             return Some(Decision { worker, matched_bytes: c.matched_bytes, blocks });
         }
@@ -71,9 +91,9 @@ impl Router {
         if !self.track {
             return Some(Decision { worker, matched_bytes: 0, blocks: Vec::new() });
         }
-        let blocks = block_hashes(text, self.block_size);
+        let blocks = block_hashes(text.head, self.block_size);
         let held = self.index.match_prefix(&blocks).iter().find(|m| m.worker == worker).map_or(0, |m| m.blocks);
-        Some(Decision { worker, matched_bytes: covered_bytes(held, self.block_size, text.len()), blocks })
+        Some(Decision { worker, matched_bytes: covered_bytes(held, self.block_size, text.head.len()), blocks })
     }
 
     /// Records a decision that went through: the chosen worker now holds the prefix (and
@@ -151,7 +171,7 @@ mod tests {
 
     /// Decides and commits, as the filter does when nothing failed in between.
     fn route(r: &mut Router, text: &[u8], cands: &[Candidate], rng: &mut FastRng) -> Option<Decision> {
-        let d = r.decide(text, cands, rng)?;
+        let d = r.decide(text.into(), cands, rng)?;
         r.commit(&d);
         Some(d)
     }
@@ -204,16 +224,20 @@ mod tests {
         let mut r = Router::new(&Config::default());
         let mut rng = FastRng::seeded(4);
         let text = "a prompt long enough to fill several blocks of the index".repeat(4);
-        let d = r.decide(text.as_bytes(), &cands(2), &mut rng).unwrap();
+        let d = r.decide(text.as_bytes().into(), &cands(2), &mut rng).unwrap();
         assert!(!d.blocks.is_empty());
         assert!(r.index().is_empty(), "an uncommitted decision leaves no trace");
         r.commit(&d);
         assert_eq!(r.index().size_of(d.worker), d.blocks.len() as u64);
         let rr = Config::from_json(br#"{"policy":"round_robin"}"#).unwrap();
         let mut r = Router::new(&rr);
-        let first = r.decide(b"x", &cands(3), &mut rng).unwrap();
-        assert_eq!(r.decide(b"x", &cands(3), &mut rng).unwrap(), first, "round robin waits for the commit");
+        let first = r.decide(b"x".as_slice().into(), &cands(3), &mut rng).unwrap();
+        assert_eq!(
+            r.decide(b"x".as_slice().into(), &cands(3), &mut rng).unwrap(),
+            first,
+            "round robin waits for the commit"
+        );
         r.commit(&first);
-        assert_ne!(r.decide(b"x", &cands(3), &mut rng).unwrap().worker, first.worker);
+        assert_ne!(r.decide(b"x".as_slice().into(), &cands(3), &mut rng).unwrap().worker, first.worker);
     }
 }
