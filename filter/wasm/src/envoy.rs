@@ -33,7 +33,7 @@ impl EnvoyHost {
                 let kind = match m {
                     Metric::Requests | Metric::LocalReplies | Metric::CacheHits => MetricType::Counter,
                     Metric::DecisionNs => MetricType::Histogram,
-                    Metric::IndexBlocks | Metric::SnapshotVersion => MetricType::Gauge,
+                    Metric::IndexBlocks | Metric::SnapshotVersion | Metric::InFlight => MetricType::Gauge,
                 };
                 hostcalls::define_metric(kind, m.name()).ok()
             })
@@ -88,6 +88,11 @@ impl Host for EnvoyHost {
 
     fn response_body(&self, size: usize) -> Vec<u8> {
         hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size).ok().flatten().unwrap_or_default()
+    }
+
+    fn response_code_details(&self) -> Option<String> {
+        let bytes = hostcalls::get_property(vec!["response", "code_details"]).ok().flatten()?;
+        Some(String::from_utf8_lossy(&bytes).into_owned())
     }
 
     fn set_response_body(&self, size: usize, body: &[u8]) -> Result<(), HostError> {
@@ -222,6 +227,18 @@ impl RootContext for Root {
     }
 }
 
+/// Test builds only: traps the VM when the request asks for it (read before the routing
+/// headers are stripped; Envoy's header_mutation filter removes only `x-kvmesh-*` from clients,
+/// so the trigger uses its own name).
+#[cfg(feature = "test-crash")]
+fn crash_if_asked() {
+    let asked = hostcalls::get_map_value(MapType::HttpRequestHeaders, "x-test-crash-vm").ok().flatten().is_some();
+    if asked {
+        let _ = hostcalls::log(LogLevel::Warn, "test-crash: trapping this VM on request");
+        core::arch::wasm32::unreachable();
+    }
+}
+
 /// One HTTP stream.
 pub struct Http {
     host: Rc<EnvoyHost>,
@@ -236,6 +253,8 @@ impl Context for Http {
 
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> WasmAction {
+        #[cfg(feature = "test-crash")]
+        crash_if_asked();
         action(self.filter.on_request_headers(self.host.as_ref(), end_of_stream))
     }
 

@@ -5,6 +5,7 @@
 
 use kvmesh_core::bootstrap::{random_rooms, Bootstrap};
 use kvmesh_core::errors::error_json;
+use kvmesh_core::paths::{self, PathClass};
 use kvmesh_core::pd::{PdDecision, PdRouter};
 use kvmesh_core::policy::Candidate;
 use kvmesh_core::request::{self, RequestError};
@@ -88,14 +89,32 @@ pub struct Reply {
     pub body: Vec<u8>,
     /// Seconds for a `retry-after` header.
     pub retry_after: Option<u32>,
+    /// The methods an `allow` header lists (405).
+    pub allow: Option<&'static str>,
 }
 
 impl Reply {
     pub fn error(status: u16, code: &str, message: &str) -> Self {
-        Self { status, body: error_json(status, code, message), retry_after: None }
+        Self { status, body: error_json(status, code, message), retry_after: None, allow: None }
     }
 
-    fn request(e: &RequestError) -> Self {
+    /// 405 for an LLM endpoint asked with another method than POST.
+    pub fn method_not_allowed(method: &str, path: &str) -> Self {
+        let msg = format!("{method} is not allowed on {path}: use POST");
+        Self { allow: Some("POST"), ..Self::error(405, "method_not_allowed", &msg) }
+    }
+
+    /// 404 for a path the gateway does not serve (worker admin operations among them).
+    pub fn not_found(method: &str, path: &str) -> Self {
+        let msg = format!(
+            "{method} {path} is not served by the gateway (LLM endpoints: POST /generate, /v1/chat/completions, \
+             /v1/completions; read-only worker endpoints such as GET /v1/models; worker administration goes \
+             through kvmesh-cp)"
+        );
+        Self::error(404, "not_found", &msg)
+    }
+
+    pub fn request(e: &RequestError) -> Self {
         Self::error(e.status(), e.code(), &e.to_string())
     }
 
@@ -129,8 +148,32 @@ pub use sync::table_from;
 /// `max_tree_size` (the control plane's evictions do the real work).
 pub const CONTROL_PLANE_EVICTION_CAP: u64 = 2;
 
-/// Most index inserts held for the next report (older ones are dropped first).
-const REPORT_QUEUE: usize = 16_384;
+/// Most block hashes held for the next report (8 MiB; the oldest batches go first).
+pub const REPORT_QUEUE_HASHES: usize = 1 << 20;
+
+/// Index inserts made on this Envoy that the control plane has not been told about, bounded
+/// by the number of hashes they hold.
+#[derive(Default)]
+struct ReportQueue {
+    batches: std::collections::VecDeque<(WorkerId, Vec<u64>)>,
+    hashes: usize,
+}
+
+impl ReportQueue {
+    fn push(&mut self, worker: WorkerId, hashes: Vec<u64>) {
+        self.hashes = self.hashes.saturating_add(hashes.len());
+        self.batches.push_back((worker, hashes));
+        while self.hashes > REPORT_QUEUE_HASHES {
+            let Some((_, dropped)) = self.batches.pop_front() else { break };
+            self.hashes = self.hashes.saturating_sub(dropped.len());
+        }
+    }
+
+    fn take(&mut self) -> std::collections::VecDeque<(WorkerId, Vec<u64>)> {
+        self.hashes = 0;
+        std::mem::take(&mut self.batches)
+    }
+}
 
 /// The available workers of `role` with their loads: the table's plus this Envoy's in-flight
 /// counts.
@@ -154,9 +197,11 @@ pub struct Gateway {
     health: Health,
     last_eviction_secs: u64,
     /// Index inserts made on this Envoy that the control plane has not been told about.
-    unreported: Vec<(WorkerId, Vec<u64>)>,
+    unreported: ReportQueue,
     /// The control-plane table version this VM applied.
     table_version: Option<u64>,
+    /// Read-only worker paths that pass through (GET/HEAD).
+    passthrough: Vec<String>,
     policy_json: String,
 }
 
@@ -183,8 +228,9 @@ impl Gateway {
             log: DeltaLog::new(store, seed as u32 ^ (seed >> 32) as u32),
             health: Health::new(config.cb_failure_threshold, config.cb_timeout_duration_secs),
             last_eviction_secs: 0,
-            unreported: Vec::new(),
+            unreported: ReportQueue::default(),
             table_version: None,
+            passthrough: paths::DEFAULT_PASSTHROUGH.iter().map(|p| p.to_string()).collect(),
             policy_json: String::new(),
             config,
         }
@@ -201,6 +247,11 @@ impl Gateway {
 
     pub fn max_payload_size(&self) -> u64 {
         self.config.max_payload_size
+    }
+
+    /// What the gateway does with `method` on `path`.
+    pub fn classify(&self, method: &str, path: &str) -> PathClass {
+        paths::classify(method, path, &self.passthrough)
     }
 
     /// The upper bound of a request and of its prefill leg.
@@ -272,10 +323,7 @@ impl Gateway {
         if self.config.control_plane_cluster.is_none() {
             return;
         }
-        if self.unreported.len() >= REPORT_QUEUE {
-            self.unreported.drain(..REPORT_QUEUE / 2);
-        }
-        self.unreported.push((worker, hashes));
+        self.unreported.push(worker, hashes);
     }
 
     fn routed(&self, worker: WorkerId, matched_bytes: usize) -> Option<Routed> {
@@ -306,13 +354,13 @@ impl Gateway {
         let (table, health) = (&self.table, &self.health);
         let cands = |role| candidates(table, health, &inflight, role, now);
         let chosen = match &self.mode {
-            Mode::Regular(router) => match router.decide(&parsed.text, &cands(Role::Regular), &mut self.rng) {
+            Mode::Regular(router) => match router.decide((&parsed).into(), &cands(Role::Regular), &mut self.rng) {
                 Some(d) => Chosen::Regular(d),
                 None => return Outcome::Reply(Reply::no_worker("worker")),
             },
             Mode::Pd(pd) => {
                 let (prefill, decode) = (cands(Role::Prefill), cands(Role::Decode));
-                match pd.decide(&parsed.text, &prefill, &decode, &mut self.rng) {
+                match pd.decide((&parsed).into(), &prefill, &decode, &mut self.rng) {
                     Some(d) => Chosen::Pd(d),
                     None if decode.is_empty() => return Outcome::Reply(Reply::no_worker("decode worker")),
                     None => return Outcome::Reply(Reply::no_worker("prefill worker")),

@@ -30,16 +30,19 @@ pub enum Metric {
     IndexBlocks,
     /// Gauge: the last control-plane snapshot version applied.
     SnapshotVersion,
+    /// Gauge: requests in flight through this Envoy (all its VMs), updated on the tick.
+    InFlight,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 6] = [
+    pub const ALL: [Metric; 7] = [
         Metric::Requests,
         Metric::LocalReplies,
         Metric::CacheHits,
         Metric::DecisionNs,
         Metric::IndexBlocks,
         Metric::SnapshotVersion,
+        Metric::InFlight,
     ];
 
     pub fn name(self) -> &'static str {
@@ -50,6 +53,7 @@ impl Metric {
             Metric::DecisionNs => "kvmesh_route_decision_ns",
             Metric::IndexBlocks => "kvmesh_index_blocks",
             Metric::SnapshotVersion => "kvmesh_snapshot_version",
+            Metric::InFlight => "kvmesh_in_flight",
         }
     }
 }
@@ -88,6 +92,9 @@ pub trait Host: SharedStore {
     fn response_header(&self, name: &str) -> Option<String>;
     fn set_response_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError>;
     fn response_body(&self, size: usize) -> Vec<u8>;
+    /// Envoy's response code details: `via_upstream` when the worker answered, else why Envoy
+    /// answered itself (`upstream_reset_before_response_started{...}`, `overflow`, ...).
+    fn response_code_details(&self) -> Option<String>;
     fn set_response_body(&self, size: usize, body: &[u8]) -> Result<(), HostError>;
     /// Answers the client locally (Envoy resets the upstream, if any).
     fn send_reply(&self, status: u16, headers: &[(&str, &str)], body: &[u8]) -> Result<(), HostError>;

@@ -12,7 +12,7 @@ use kvmesh_proto::{Message, REPORT, SERVICE, WATCH};
 use crate::gateway::Gateway;
 use crate::host::{now_ms, Host, HostError, Metric};
 use crate::link::{Link, Step, LEASE_MS};
-use crate::shared::Lease;
+use crate::shared::{Inflight, Lease};
 
 /// The control-plane side of the plugin: where to connect, as whom, and the link's state.
 struct ControlPlane {
@@ -100,6 +100,8 @@ impl Plugin {
                 }
             }
         }
+        let in_flight: u64 = Inflight::counts(host).iter().map(|c| u64::from(c.in_flight)).sum();
+        host.record(Metric::InFlight, in_flight);
         if let Some(evicted) = gateway.tick(host, now / 1_000) {
             if evicted > 0 {
                 log::info!("evicted {evicted} index blocks, {} left", gateway.index_len());

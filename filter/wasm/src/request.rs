@@ -13,6 +13,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
 
+use kvmesh_core::paths::{valid_request_id, PathClass};
 use kvmesh_core::Endpoint;
 
 use crate::gateway::{is_routing_header, Gateway, Outcome, Plan, Reply, RequestInfo, Routed};
@@ -36,8 +37,81 @@ pub struct RequestFilter {
     pd: Option<PdLeg>,
     /// This filter answered locally.
     replied: bool,
-    /// The upstream's answer was not a server error (`None`: no answer seen).
-    upstream_ok: Option<bool>,
+    /// What the response said about the worker (`None`: no response headers seen).
+    verdict: Option<Verdict>,
+}
+
+/// What a response says about the worker that was asked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Verdict {
+    /// The worker answered (`true`: not with a server error).
+    Worker(bool),
+    /// The worker could not be reached, reset the stream or timed out.
+    WorkerFailed,
+    /// Envoy answered for reasons that are not the worker's doing (its circuit breakers, no
+    /// healthy upstream, a client that went away, the filter's own replies).
+    NotTheWorker,
+}
+
+impl Verdict {
+    fn of(status: u16, details: Option<&str>) -> Self {
+        match details {
+            Some("via_upstream") => Verdict::Worker(status < 500),
+            Some(d)
+                if d.starts_with("upstream_reset_before_response_started")
+                    || d.starts_with("upstream_response_timeout")
+                    || d.starts_with("upstream_per_try_timeout") =>
+            {
+                Verdict::WorkerFailed
+            }
+            Some(_) => Verdict::NotTheWorker,
+            // A host that cannot say: judge by the status alone.
+            None => Verdict::Worker(status < 500),
+        }
+    }
+
+    /// For passive health: `Some(ok)` when this says something about the worker.
+    fn health(self) -> Option<bool> {
+        match self {
+            Verdict::Worker(ok) => Some(ok),
+            Verdict::WorkerFailed => Some(false),
+            Verdict::NotTheWorker => None,
+        }
+    }
+}
+
+/// Whether a client request header also goes to the prefill leg: end-to-end headers do;
+/// pseudo-headers, hop-by-hop headers, routing headers, Envoy's internal `x-envoy-*` headers and
+/// the ones the callout sets itself do not.
+fn forwarded_to_prefill(name: &str) -> bool {
+    const NOT: [&str; 14] = [
+        "host",
+        "content-length",
+        "content-type",
+        "x-request-id",
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "expect",
+    ];
+    let lower = name.to_ascii_lowercase();
+    !lower.starts_with(':')
+        && !lower.starts_with("x-envoy-")
+        && !is_routing_header(&lower)
+        && !NOT.contains(&lower.as_str())
+}
+
+/// A fresh request id: 32 hex digits.
+fn new_request_id(host: &dyn Host) -> String {
+    let a = kvmesh_core::rng::random_u64().unwrap_or_else(|_| host.now_nanos());
+    let b = kvmesh_core::rng::random_u64().unwrap_or_else(|_| a.rotate_left(17) ^ 0x9e37_79b9_7f4a_7c15);
+    format!("{a:016x}{b:016x}")
 }
 
 fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
@@ -54,7 +128,7 @@ impl RequestFilter {
             routed: None,
             pd: None,
             replied: false,
-            upstream_ok: None,
+            verdict: None,
         }
     }
 
@@ -65,6 +139,9 @@ impl RequestFilter {
         let mut headers = vec![("content-type", "application/json")];
         if let Some(secs) = retry_after.as_deref() {
             headers.push(("retry-after", secs));
+        }
+        if let Some(methods) = reply.allow {
+            headers.push(("allow", methods));
         }
         if let Err(e) = host.send_reply(reply.status, &headers, &reply.body) {
             log::warn!("cannot send a local reply: {e}");
@@ -101,25 +178,16 @@ impl RequestFilter {
             let _ = host.set_request_header(name, None);
         }
         let now_secs = host.now_nanos() / 1_000_000_000;
-        let post = header(&headers, ":method") == Some("POST");
+        let method = header(&headers, ":method").unwrap_or("");
         let path = header(&headers, ":path").unwrap_or("/");
-        let Some(endpoint) = Endpoint::from_path(path).filter(|_| post) else {
-            let Some(outcome) = self.with_gateway(|g| g.route_other(host, now_secs)) else {
-                return self.not_configured(host);
-            };
-            return match outcome {
-                Err(reply) => self.reply(host, reply),
-                // Other paths are not counted: nothing to commit but the destination.
-                Ok(routed) => match host.set_request_header(DST_HEADER, Some(&routed.addr)) {
-                    Ok(()) => {
-                        self.routed = Some(routed);
-                        Action::Continue
-                    }
-                    Err(e) => {
-                        self.reply(host, Reply::error(500, "internal", &format!("cannot set the destination: {e}")))
-                    }
-                },
-            };
+        let Some(class) = self.with_gateway(|g| g.classify(method, path)) else {
+            return self.not_configured(host);
+        };
+        let endpoint = match class {
+            PathClass::Llm(endpoint) => endpoint,
+            PathClass::WrongMethod => return self.reply(host, Reply::method_not_allowed(method, path)),
+            PathClass::NotFound => return self.reply(host, Reply::not_found(method, path)),
+            PathClass::Passthrough => return self.route_other(host, now_secs),
         };
         let content_length = header(&headers, "content-length").and_then(|v| v.trim().parse().ok());
         let Some(reply) =
@@ -131,10 +199,36 @@ impl RequestFilter {
             return self.reply(host, reply);
         }
         self.path = path.to_string();
-        self.request_id = header(&headers, "x-request-id").map(String::from);
+        self.request_id = Some(match header(&headers, "x-request-id").filter(|id| valid_request_id(id)) {
+            Some(id) => id.to_string(),
+            None => {
+                // Absent, too long or not visible ASCII: both legs and the logs get ours.
+                let id = new_request_id(host);
+                let _ = host.set_request_header("x-request-id", Some(&id));
+                id
+            }
+        });
         self.endpoint = Some(endpoint);
         // The body is delivered to us only with `allow_on_headers_stop_iteration: true`.
         Action::Pause
+    }
+
+    /// A read-only path on the allowlist: to one healthy worker, uncounted.
+    fn route_other(&mut self, host: &dyn Host, now_secs: u64) -> Action {
+        let Some(outcome) = self.with_gateway(|g| g.route_other(host, now_secs)) else {
+            return self.not_configured(host);
+        };
+        match outcome {
+            Err(reply) => self.reply(host, reply),
+            // Nothing to commit but the destination.
+            Ok(routed) => match host.set_request_header(DST_HEADER, Some(&routed.addr)) {
+                Ok(()) => {
+                    self.routed = Some(routed);
+                    Action::Continue
+                }
+                Err(e) => self.reply(host, Reply::error(500, "internal", &format!("cannot set the destination: {e}"))),
+            },
+        }
     }
 
     pub fn on_request_body(&mut self, host: &dyn Host, body_size: usize, end_of_stream: bool) -> Action {
@@ -201,6 +295,7 @@ impl RequestFilter {
         let (timeout_secs, cluster) = self
             .with_gateway(|g| (g.request_timeout_secs(), g.upstream_cluster().to_string()))
             .unwrap_or((60, "kvmesh_workers".to_string()));
+        let client = host.request_headers();
         let mut headers = vec![
             (":method", "POST"),
             (":path", self.path.as_str()),
@@ -211,6 +306,8 @@ impl RequestFilter {
         if let Some(id) = self.request_id.as_deref() {
             headers.push(("x-request-id", id));
         }
+        // The client's end-to-end headers (authorization, trace context, ...) go to both legs.
+        headers.extend(client.iter().filter(|(n, _)| forwarded_to_prefill(n)).map(|(n, v)| (n.as_str(), v.as_str())));
         let callout = Callout {
             cluster: &cluster,
             headers: &headers,
@@ -229,6 +326,8 @@ impl RequestFilter {
         let Some(leg) = self.pd.as_mut().filter(|leg| leg.awaits(token)) else { return };
         let status = host.callout_status();
         let ok = status.is_some_and(|s| (200..300).contains(&s));
+        // A client error (a bad sampling parameter, say) fails the request, not the worker.
+        let worker_ok = status.is_some_and(|s| s < 500);
         let prefill = leg.prefill().clone();
         let result = if ok {
             PrefillResult::Ok { body: leg.wants_prefill_body().then(|| host.callout_body(body_size)) }
@@ -244,8 +343,8 @@ impl RequestFilter {
         let effects = leg.prefill_answered(result, |size| host.response_body(size));
         let now_secs = host.now_nanos() / 1_000_000_000;
         self.with_gateway(|g| {
-            g.finish(host, &prefill, ok);
-            g.outcome(host, &prefill, ok, now_secs);
+            g.finish(host, &prefill, worker_ok);
+            g.outcome(host, &prefill, worker_ok, now_secs);
         });
         for effect in effects {
             match effect {
@@ -272,10 +371,12 @@ impl RequestFilter {
         }
         let Some(routed) = self.routed.clone() else { return Action::Continue };
         let status = host.response_header(":status").and_then(|s| s.parse::<u16>().ok()).unwrap_or(0);
-        let ok = status < 500;
-        self.upstream_ok = Some(ok);
-        let now_secs = host.now_nanos() / 1_000_000_000;
-        self.with_gateway(|g| g.outcome(host, &routed, ok, now_secs));
+        let verdict = Verdict::of(status, host.response_code_details().as_deref());
+        self.verdict = Some(verdict);
+        if let Some(ok) = verdict.health() {
+            let now_secs = host.now_nanos() / 1_000_000_000;
+            self.with_gateway(|g| g.outcome(host, &routed, ok, now_secs));
+        }
         let _ = host.set_response_header(WORKER_HEADER, Some(&routed.addr));
         let Some(leg) = self.pd.as_mut() else { return Action::Continue };
         let _ = host.set_response_header(PREFILL_HEADER, Some(&leg.prefill().addr));
@@ -302,10 +403,19 @@ impl RequestFilter {
         let leg = self.pd.take();
         self.with_gateway(|g| {
             if let Some(routed) = routed {
-                // A local reply after routing (a failed prefill leg) cancelled the decode leg: not
-                // the decode worker's failure. Otherwise no answer at all counts as one.
-                let ok = self.upstream_ok.unwrap_or(self.replied);
-                g.finish(host, &routed, ok);
+                let verdict = match self.verdict {
+                    Some(v) => v,
+                    // A local reply after routing (a failed prefill leg) cancelled the decode
+                    // leg: not the decode worker's failure.
+                    None if self.replied => Verdict::NotTheWorker,
+                    // No response at all: Envoy says why (a client that went away is not the
+                    // worker's failure); a host that cannot say counts it as a failure.
+                    None => match host.response_code_details() {
+                        Some(details) => Verdict::of(0, Some(&details)),
+                        None => Verdict::WorkerFailed,
+                    },
+                };
+                g.finish(host, &routed, verdict.health() != Some(false));
             }
             // A prefill callout still out is cancelled with the stream: release it.
             if let Some(leg) = leg.filter(PdLeg::pending) {
@@ -437,17 +547,113 @@ mod tests {
     }
 
     #[test]
-    fn other_paths_and_methods_go_to_a_worker_uncounted() {
+    fn read_only_paths_go_to_a_worker_uncounted() {
         let host = MockHost::new();
         let gw = gateway(&host, REGULAR);
-        for (method, path) in [("GET", "/v1/models"), ("GET", "/generate")] {
+        for (method, path) in [("GET", "/v1/models"), ("HEAD", "/health"), ("GET", "/get_model_info?x=1")] {
             host.request(method, path, &[], b"");
             let mut f = RequestFilter::new(Some(Rc::clone(&gw)));
-            assert_eq!(f.on_request_headers(&host, true), Action::Continue);
+            assert_eq!(f.on_request_headers(&host, true), Action::Continue, "{method} {path}");
             assert!(host.request_header(DST_HEADER).is_some());
             f.on_log(&host);
         }
         assert!(Inflight::counts(&host).is_empty());
+    }
+
+    #[test]
+    fn other_methods_on_llm_endpoints_are_405_and_admin_paths_404() {
+        let host = MockHost::new();
+        let gw = gateway(&host, REGULAR);
+        for method in ["PUT", "GET", "DELETE"] {
+            host.request(method, "/generate", &[], b"{}");
+            let mut f = RequestFilter::new(Some(Rc::clone(&gw)));
+            assert_eq!(f.on_request_headers(&host, false), Action::Pause);
+            let r = host.reply().unwrap();
+            assert_eq!(r.status, 405, "{method}");
+            assert!(r.headers.contains(&("allow".into(), "POST".into())));
+            assert_eq!(r.json()["error"]["code"], "method_not_allowed");
+            assert!(host.request_header(DST_HEADER).is_none(), "never forwarded");
+        }
+        for path in
+            ["/flush_cache", "/update_weights_from_disk", "/init_weights_update_group", "/abort_request", "/sleep"]
+        {
+            host.request("POST", path, &[], b"{}");
+            let mut f = RequestFilter::new(Some(Rc::clone(&gw)));
+            assert_eq!(f.on_request_headers(&host, false), Action::Pause);
+            let r = host.reply().unwrap();
+            assert_eq!((r.status, r.json()["error"]["code"].as_str()), (404, Some("not_found")), "{path}");
+            assert!(host.request_header(DST_HEADER).is_none(), "{path} never reaches a worker");
+        }
+    }
+
+    #[test]
+    fn a_bad_request_id_is_replaced_for_both_legs() {
+        let host = MockHost::new();
+        let gw = gateway(&host, PD);
+        let long = "x".repeat(59_000);
+        for bad in [long.as_str(), "has space", ""] {
+            let body = r#"{"text":["a","b"]}"#;
+            host.request("POST", "/generate", &[("x-request-id", bad)], body.as_bytes());
+            let mut f = RequestFilter::new(Some(Rc::clone(&gw)));
+            f.on_request_headers(&host, false);
+            assert_eq!(f.on_request_body(&host, body.len(), true), Action::Continue);
+            let id = host.request_header("x-request-id").unwrap();
+            assert_eq!(id.len(), 32, "a generated id replaces {:?}", &bad[..bad.len().min(10)]);
+            let v: serde_json::Value = serde_json::from_slice(&callout(&host).body).unwrap();
+            assert_eq!(v["rid"], serde_json::json!([format!("{id}-0"), format!("{id}-1")]));
+            assert!(callout(&host).headers.contains(&("x-request-id".into(), id)));
+            f.on_log(&host);
+        }
+    }
+
+    #[test]
+    fn passive_health_counts_only_what_the_worker_did() {
+        // One failure opens the breaker: a worker that is never skipped was never blamed.
+        let json = r#"{"worker_urls":["http://127.0.0.1:30001","http://127.0.0.1:30002"],"cb_failure_threshold":1,"policy":"random"}"#;
+        let host = MockHost::new();
+        let gw = gateway(&host, json);
+        let blamed = |status: u16, details: Option<&str>| {
+            let (mut f, _) = send(&host, &gw, "/generate", r#"{"text":"q"}"#);
+            let worker = host.request_header(DST_HEADER).unwrap();
+            host.set_response(status, b"");
+            *host.code_details.borrow_mut() = details.map(String::from);
+            f.on_response_headers(&host);
+            f.on_log(&host);
+            // Is that worker now out of rotation?
+            let out = (0..20).all(|_| {
+                let (mut g, _) = send(&host, &gw, "/generate", r#"{"text":"r"}"#);
+                let other = host.request_header(DST_HEADER).unwrap() != worker;
+                g.on_log(&host);
+                other
+            });
+            host.advance_ms(3_600_000); // breakers close again
+            gw.borrow_mut().tick(&host, host.now_nanos() / 1_000_000_000);
+            out
+        };
+        assert!(!blamed(400, Some("via_upstream")), "a client error is not the worker's failure");
+        assert!(!blamed(503, Some("overflow")), "Envoy's own overflow is not the worker's failure");
+        assert!(!blamed(503, Some("no_healthy_upstream")));
+        assert!(blamed(500, Some("via_upstream")), "a 5xx from the worker is");
+        assert!(
+            blamed(503, Some("upstream_reset_before_response_started{connection_failure}")),
+            "so is a refused connection"
+        );
+        assert!(blamed(504, Some("upstream_response_timeout")), "and a timeout");
+    }
+
+    #[test]
+    fn a_client_that_goes_away_is_not_counted_as_a_worker_error() {
+        let host = MockHost::new();
+        let gw = gateway(&host, REGULAR);
+        let (mut f, _) = send(&host, &gw, "/generate", r#"{"text":"q"}"#);
+        *host.code_details.borrow_mut() = Some("downstream_remote_disconnect".into());
+        f.on_log(&host);
+        let (mut f, _) = send(&host, &gw, "/generate", r#"{"text":"q"}"#);
+        *host.code_details.borrow_mut() = Some("upstream_reset_before_response_started{remote_reset}".into());
+        f.on_log(&host);
+        let counts = Inflight::counts(&host);
+        assert_eq!(counts.iter().map(|c| c.finished).sum::<u32>(), 2);
+        assert_eq!(counts.iter().map(|c| c.failed).sum::<u32>(), 1, "only the reset counts");
     }
 
     #[test]
@@ -508,6 +714,67 @@ mod tests {
         assert_eq!(host.response_header(PREFILL_HEADER).as_deref(), Some("127.0.0.1:30001"));
         f.on_log(&host);
         assert_eq!(inflight(&host), 0);
+    }
+
+    #[test]
+    fn pd_the_prefill_leg_carries_the_clients_end_to_end_headers_only() {
+        let host = MockHost::new();
+        let gw = gateway(&host, PD);
+        let body = r#"{"text":"hi"}"#;
+        host.request(
+            "POST",
+            "/generate",
+            &[
+                ("authorization", "Bearer sk-1"),
+                ("traceparent", "00-abc-def-01"),
+                ("connection", "keep-alive"),
+                ("transfer-encoding", "chunked"),
+                ("x-envoy-original-dst-host", "6.6.6.6:1"),
+                ("x-kvmesh-prefill", "6.6.6.6:2"),
+                ("x-envoy-internal", "true"),
+            ],
+            body.as_bytes(),
+        );
+        let mut f = RequestFilter::new(Some(gw));
+        f.on_request_headers(&host, false);
+        assert_eq!(f.on_request_body(&host, body.len(), true), Action::Continue);
+        let headers = callout(&host).headers;
+        let has = |k: &str| headers.iter().any(|(n, _)| n == k);
+        assert!(headers.contains(&("authorization".into(), "Bearer sk-1".into())));
+        assert!(headers.contains(&("traceparent".into(), "00-abc-def-01".into())));
+        for k in ["connection", "transfer-encoding", "x-kvmesh-prefill", "x-envoy-internal"] {
+            assert!(!has(k), "{k} is not forwarded");
+        }
+        let dst: Vec<_> = headers.iter().filter(|(n, _)| n == DST_HEADER).collect();
+        assert_eq!(dst, vec![&(DST_HEADER.to_string(), "127.0.0.1:30001".to_string())], "only the gateway's choice");
+    }
+
+    #[test]
+    fn pd_a_client_error_from_the_prefill_fails_the_request_but_not_the_worker() {
+        let host = MockHost::new();
+        let gw = gateway(&host, PD);
+        let mut f = pd_send(&host, &gw, r#"{"text":"hi"}"#);
+        answer_prefill(&host, &mut f, Some(400), r#"{"error":"bad sampling params"}"#);
+        let r = host.reply().unwrap();
+        assert_eq!(r.status, 502);
+        assert!(r.json()["error"]["message"].as_str().unwrap().contains("bad sampling params"));
+        f.on_log(&host);
+        assert_eq!(Inflight::counts(&host).iter().map(|c| c.failed).sum::<u32>(), 0);
+        // cb_failure_threshold is 1 in PD: the prefill worker still gets traffic.
+        let _ = pd_send(&host, &gw, r#"{"text":"again"}"#);
+    }
+
+    #[test]
+    fn pd_client_bootstrap_fields_are_refused() {
+        let host = MockHost::new();
+        let gw = gateway(&host, PD);
+        let body = r#"{"text":"hi","bootstrap_host":"6.6.6.6","bootstrap_room":1}"#;
+        let (_, action) = send(&host, &gw, "/generate", body);
+        assert_eq!(action, Action::Pause);
+        let r = host.reply().unwrap();
+        assert_eq!(r.status, 400);
+        assert!(r.json()["error"]["message"].as_str().unwrap().contains("bootstrap_host"));
+        assert!(host.callouts.borrow().is_empty());
     }
 
     #[test]

@@ -157,10 +157,8 @@ impl Gateway {
     /// last report, and the in-flight counts.
     pub fn take_report(&mut self, store: &dyn SharedStore, gateway_id: &str) -> ReportBatch {
         self.catch_up(store, Inflight::load(store).head());
-        let inserts = std::mem::take(&mut self.unreported)
-            .into_iter()
-            .map(|(worker, hashes)| IndexInsert { worker, hashes })
-            .collect();
+        let inserts =
+            self.unreported.take().into_iter().map(|(worker, hashes)| IndexInsert { worker, hashes }).collect();
         let counts = Inflight::counts(store)
             .into_iter()
             .map(|c| WorkerCounts { worker: c.worker, in_flight: c.in_flight, requests: c.finished, errors: c.failed })
@@ -181,7 +179,7 @@ impl Gateway {
                 export(pd.decode_router());
             }
         }
-        self.unreported.clear();
+        self.unreported.take();
         ReportBatch { gateway_id: gateway_id.to_string(), inserts, ..Default::default() }
     }
 

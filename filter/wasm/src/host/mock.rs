@@ -40,6 +40,8 @@ pub struct MockHost {
     pub request_body: RefCell<Vec<u8>>,
     pub response_headers: RefCell<Vec<(String, String)>>,
     pub response_body: RefCell<Vec<u8>>,
+    /// Envoy's response code details (None: the host does not say).
+    pub code_details: RefCell<Option<String>>,
     pub replies: RefCell<Vec<SentReply>>,
     pub resumed: Cell<u32>,
     pub callouts: RefCell<Vec<SentCallout>>,
@@ -79,6 +81,7 @@ impl MockHost {
         *self.request_body.borrow_mut() = body.to_vec();
         self.response_headers.borrow_mut().clear();
         self.response_body.borrow_mut().clear();
+        *self.code_details.borrow_mut() = None;
         self.replies.borrow_mut().clear();
         self.callouts.borrow_mut().clear();
         self.resumed.set(0);
@@ -88,9 +91,17 @@ impl MockHost {
         self.request_headers.borrow().iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.clone())
     }
 
+    /// A response from the worker (`via_upstream`).
     pub fn set_response(&self, status: u16, body: &[u8]) {
         *self.response_headers.borrow_mut() = vec![(":status".into(), status.to_string())];
         *self.response_body.borrow_mut() = body.to_vec();
+        *self.code_details.borrow_mut() = Some("via_upstream".into());
+    }
+
+    /// A response Envoy made itself, with its code details.
+    pub fn set_local_response(&self, status: u16, details: &str) {
+        self.set_response(status, b"");
+        *self.code_details.borrow_mut() = Some(details.into());
     }
 
     pub fn reply(&self) -> Option<SentReply> {
@@ -174,6 +185,10 @@ impl Host for MockHost {
     fn response_body(&self, size: usize) -> Vec<u8> {
         let b = self.response_body.borrow();
         b[..size.min(b.len())].to_vec()
+    }
+
+    fn response_code_details(&self) -> Option<String> {
+        self.code_details.borrow().clone()
     }
 
     fn set_response_body(&self, size: usize, body: &[u8]) -> Result<(), HostError> {
