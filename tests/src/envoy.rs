@@ -135,7 +135,11 @@ fn make_plain(doc: &mut Yaml, upstreams: &[String]) -> anyhow::Result<()> {
         &["static_resources", "listeners", "0", "filter_chains", "0", "filters", "0", "typed_config", "http_filters"],
     )?;
     if let Some(seq) = filters.as_sequence_mut() {
-        seq.retain(|f| f.get("name").and_then(Yaml::as_str) != Some("envoy.filters.http.wasm"));
+        // Plain Envoy: no kvmesh filter and no header scrubbing in front of it.
+        seq.retain(|f| {
+            let name = f.get("name").and_then(Yaml::as_str);
+            name != Some("envoy.filters.http.wasm") && name != Some("envoy.filters.http.header_mutation")
+        });
     }
     let endpoints: Vec<serde_json::Value> = upstreams
         .iter()

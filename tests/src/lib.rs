@@ -34,6 +34,11 @@ pub fn wasm_path() -> PathBuf {
     bin_from_env("KVMESH_WASM", repo_root().join("target/wasm32-wasip1/release/kvmesh_filter.wasm"))
 }
 
+/// The test build of the `.wasm` (feature `test-crash`: a request header traps the VM).
+pub fn crash_wasm_path() -> PathBuf {
+    bin_from_env("KVMESH_CRASH_WASM", repo_root().join("target/crash/wasm32-wasip1/release/kvmesh_filter.wasm"))
+}
+
 /// The control plane binary.
 pub fn cp_bin() -> PathBuf {
     bin_from_env("KVMESH_CP_BIN", repo_root().join("target/release/kvmesh-cp"))

@@ -139,13 +139,23 @@ pub fn lint() -> anyhow::Result<()> {
     run(cargo().args(["clippy", "-p", "kvmesh-filter", "--target", "wasm32-wasip1", "--", "-D", "warnings"]))
 }
 
+/// The test build of the `.wasm` (feature `test-crash`: a request can trap the VM, so that the
+/// safety tests see Envoy reload it), in its own target directory: the shipped `.wasm` never
+/// has the feature.
+fn build_crash_wasm() -> anyhow::Result<()> {
+    step("building the test-only .wasm (feature test-crash) into target/crash");
+    let args = ["build", "--release", "-p", "kvmesh-filter", "--target", "wasm32-wasip1", "--features", "test-crash"];
+    run(cargo().args(args).args(["--target-dir", "target/crash"]))
+}
+
 /// Points the test kit at the binaries just built.
 pub fn stack_env(cmd: &mut Command, envoy: &Path) {
     let root = repo_root();
     cmd.env("ENVOY_BIN", envoy)
         .env("KVMESH_SIM_BIN", root.join("target/release/kvmesh-sim"))
         .env("KVMESH_CP_BIN", root.join("target/release/kvmesh-cp"))
-        .env("KVMESH_WASM", root.join("target/wasm32-wasip1/release/kvmesh_filter.wasm"));
+        .env("KVMESH_WASM", root.join("target/wasm32-wasip1/release/kvmesh_filter.wasm"))
+        .env("KVMESH_CRASH_WASM", root.join("target/crash/wasm32-wasip1/release/kvmesh_filter.wasm"));
 }
 
 /// `cargo xtask test`.
@@ -158,6 +168,7 @@ pub fn test(args: &[String]) -> anyhow::Result<()> {
     let envoy = ensure_envoy()?;
     lint()?;
     build()?;
+    build_crash_wasm()?;
 
     step("native tests: core, filter logic, simulator, end to end with real Envoy");
     let mut totals = Totals::default();

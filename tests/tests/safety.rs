@@ -1,0 +1,339 @@
+//! Hostile input against the real gateway: real Envoy, the real `.wasm`, real sims. Every class
+//! of bad request is followed by good requests on fresh connections (so every Envoy worker
+//! thread is exercised); at the end no VM was replaced (no trap), every good request was
+//! served, and the in-flight count is back to 0.
+
+use std::cell::Cell;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use kvmesh_testkit::http::{self, Response};
+use kvmesh_testkit::{crash_wasm_path, free_port, repo_root, wait_until, Envoy, EnvoyOptions, Sim};
+use serde_json::{json, Value};
+
+fn stack(sims: usize, filter: Value) -> (Vec<Sim>, Envoy) {
+    let sims: Vec<Sim> = (0..sims).map(|_| Sim::start(&["--time-scale", "0"]).unwrap()).collect();
+    let mut filter = filter;
+    if filter.get("pd_disaggregation").is_none() {
+        filter["worker_urls"] = json!(sims.iter().map(Sim::url).collect::<Vec<_>>());
+    }
+    let envoy = Envoy::start(&EnvoyOptions::new(filter).unwrap()).unwrap();
+    (sims, envoy)
+}
+
+/// Good requests on fresh connections: all must be served by a worker.
+fn assert_still_serving(envoy: &Envoy, class: &str, served: &mut usize) {
+    for i in 0..8 {
+        let body = json!({"text": format!("good request {i} after {class}"), "sampling_params": {"max_new_tokens": 2}});
+        let r = http::post_json(&envoy.url("/generate"), &body).unwrap();
+        assert_eq!(r.status, 200, "after {class}: {}", head(&r));
+        assert!(r.header("x-kvmesh-worker").is_some());
+        *served += 1;
+    }
+}
+
+/// At most the first 300 characters of a response body, for messages.
+fn head(r: &Response) -> String {
+    r.text().chars().take(300).collect()
+}
+
+fn assert_json_error(r: &Response, status: u16, what: &str) {
+    assert_eq!(r.status, status, "{what}: {}", head(r));
+    let v = r.json().unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert!(v["error"]["message"].is_string() && v["error"]["code"].is_string(), "{what}: {v}");
+}
+
+/// Sends raw bytes on a fresh connection; returns what came back before the gateway closed
+/// the connection or `wait` passed (the connection may be cut short on purpose).
+fn raw(envoy: &Envoy, bytes: &[u8], close_early: bool, wait: Duration) -> String {
+    let mut s = TcpStream::connect(("127.0.0.1", envoy.port)).unwrap();
+    let _ = s.write_all(bytes);
+    if close_early {
+        return String::new(); // dropped: the client goes away mid-request
+    }
+    s.set_read_timeout(Some(wait)).unwrap();
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    while let Ok(n) = s.read(&mut buf) {
+        if n == 0 {
+            break;
+        }
+        out.extend_from_slice(buf.get(..n).unwrap_or_default());
+        if out.windows(4).any(|w| w == b"\r\n\r\n") && out.len() > 64 {
+            break;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn status_of(raw_response: &str) -> Option<u16> {
+    raw_response.split_whitespace().nth(1)?.parse().ok()
+}
+
+fn peak_rss_kib(envoy: &mut Envoy) -> u64 {
+    let pid = envoy.proc().pid();
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+fn list_body(field: &str, item: &str, bytes: usize) -> Vec<u8> {
+    let mut b = format!("{{\"{field}\":[").into_bytes();
+    while b.len() < bytes {
+        b.extend_from_slice(item.as_bytes());
+        b.push(b',');
+    }
+    b.extend_from_slice(item.as_bytes());
+    b.extend_from_slice(b"]}");
+    b
+}
+
+#[test]
+fn hostile_requests_never_disable_the_gateway() {
+    let (_sims, mut envoy) = stack(2, json!({}));
+    let url = envoy.url("/generate");
+    let (hostile, refused, mut served) = (Cell::new(0usize), Cell::new(0usize), 0usize);
+    let sent = |n: usize| hostile.set(hostile.get() + n);
+    let expect = |r: anyhow::Result<Response>, status: u16, what: &str| {
+        let r = r.unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_json_error(&r, status, what);
+        sent(1);
+        refused.set(refused.get() + 1);
+    };
+
+    // Bodies shaped to exhaust memory: answered within seconds, refused or routed.
+    let shapes: Vec<(&str, Vec<u8>, u16)> = vec![
+        ("a 60 MB list of short texts", list_body("text", "\"a\"", 60 << 20), 400),
+        ("a 60 MB list of token lists", list_body("input_ids", "[1]", 60 << 20), 400),
+        ("a 200 MB list of short texts", list_body("text", "\"a\"", 200 << 20), 400),
+        (
+            "a million keys",
+            {
+                let mut b = b"{".to_vec();
+                for i in 0..1_000_000 {
+                    b.extend_from_slice(format!("\"k{i}\":0,").as_bytes());
+                }
+                b.extend_from_slice(b"\"x\":1}");
+                b
+            },
+            400,
+        ),
+        ("deep nesting", format!("{{\"text\":{}{}}}", "[".repeat(100_000), "]".repeat(100_000)).into_bytes(), 400),
+        ("a batch one item over the limit", json!({"text": vec!["a"; 4097]}).to_string().into_bytes(), 400),
+    ];
+    for (what, body, status) in &shapes {
+        let started = std::time::Instant::now();
+        expect(http::post(&url, body, &[]), *status, what);
+        eprintln!("{what}: {} bytes answered in {:?}", body.len(), started.elapsed());
+    }
+    // Deep nesting in a field the gateway skips: skipped without recursion, then either routed
+    // (the worker judges it) or refused — never a gateway failure.
+    let nested = format!("{{\"text\":\"a\",\"x\":{}{}}}", "[".repeat(100_000), "]".repeat(100_000));
+    let r = http::post(&url, nested.as_bytes(), &[]).unwrap();
+    assert!((200..500).contains(&r.status), "nested unknown field: {} {}", r.status, head(&r));
+    sent(1);
+    let rss_after_shapes = peak_rss_kib(&mut envoy);
+    assert_still_serving(&envoy, "memory-shaped bodies", &mut served);
+
+    // Routed, not refused: a huge single prompt and a long token list (the routing text is
+    // capped; the worker gets the body unchanged).
+    for body in [
+        json!({"text": "p".repeat(8 << 20), "sampling_params": {"max_new_tokens": 1}}),
+        json!({"input_ids": vec![7u32; 2_000_000], "sampling_params": {"max_new_tokens": 1}}),
+    ] {
+        let r = http::post_json(&url, &body).unwrap();
+        assert_eq!(r.status, 200, "{}", head(&r));
+        sent(1);
+    }
+
+    // Numbers, encodings and duplicate keys.
+    let bad_bodies: [&[u8]; 12] = [
+        br#"{"input_ids":[99999999999]}"#,
+        br#"{"input_ids":[-1]}"#,
+        br#"{"input_ids":[1.5]}"#,
+        br#"{"input_ids":[1e400]}"#,
+        br#"{"text":"\ud800"}"#,
+        b"{\"text\":\"\xff\xfe\"}",
+        br#"{"text":"a","text":"b"}"#,
+        br#"{"text":"a","stream":"yes"}"#,
+        br#"{"text":[]}"#,
+        br#"{"text":[1,2]}"#,
+        br#"{"input_ids":[[1],[2,"x"]]}"#,
+        br#"{"text":["a","b"],"sampling_params":[{}]}"#,
+    ];
+    for body in bad_bodies {
+        expect(http::post(&url, body, &[]), 400, &String::from_utf8_lossy(body));
+    }
+    for (path, body) in [
+        ("/v1/chat/completions", r#"{"messages":[{"role":"user","content":{"x":1}}]}"#),
+        ("/v1/chat/completions", r#"{"messages":[]}"#),
+        ("/v1/completions", r#"{"prompt":{}}"#),
+        ("/v1/completions", "[1,2,3]"),
+        ("/generate", "{"),
+        ("/generate", ""),
+    ] {
+        expect(http::post(&envoy.url(path), body.as_bytes(), &[]), 400, body);
+    }
+    assert_still_serving(&envoy, "bad numbers and encodings", &mut served);
+
+    // Headers: oversized, many, and a 59 KB request id (replaced, not copied per item).
+    let big = "h".repeat(70_000);
+    expect(http::post(&url, br#"{"text":"a"}"#, &[("x-big", &big)]), 431, "70 KB header");
+    let long_id = "i".repeat(59_000);
+    let batch = json!({"text": vec!["short"; 4000], "sampling_params": {"max_new_tokens": 1}});
+    let r = http::post(&url, batch.to_string().as_bytes(), &[("x-request-id", &long_id)]).unwrap();
+    assert_eq!(r.status, 200, "{}", head(&r));
+    sent(1);
+    assert_still_serving(&envoy, "header sizes", &mut served);
+
+    // Methods, paths and worker admin operations.
+    for method in ["PUT", "DELETE", "PATCH"] {
+        let r = ureq::request(method, &url).send_string("{\"text\":\"a\"}");
+        let r = match r {
+            Ok(r) | Err(ureq::Error::Status(_, r)) => r,
+            Err(e) => panic!("{method}: {e}"),
+        };
+        assert_eq!(r.status(), 405, "{method}");
+        assert_eq!(r.header("allow"), Some("POST"));
+        sent(1);
+        refused.set(refused.get() + 1);
+    }
+    for path in [
+        "/flush_cache",
+        "/update_weights_from_disk",
+        "/init_weights_update_group",
+        "/abort_request",
+        "/start_profile",
+        "/sleep",
+        "/generate/../flush_cache",
+    ] {
+        expect(http::post(&envoy.url(path), b"{}", &[]), 404, path);
+        expect(http::get(&envoy.url(path)), 404, path);
+    }
+    expect(http::post(&envoy.url("/a%2Fb"), b"{}", &[]), 400, "escaped slash");
+    // Normalised, then parsed and routed like /generate (never forwarded unparsed).
+    for path in ["//generate", "/%67enerate", "/./generate"] {
+        expect(http::post(&envoy.url(path), br#"{"text":5}"#, &[]), 400, path);
+    }
+    assert_eq!(http::get(&envoy.url("/v1/models")).unwrap().status, 200, "read-only paths still pass");
+    assert_still_serving(&envoy, "methods and paths", &mut served);
+
+    // Clients that reset mid-stream, trailers, and headers then silence.
+    let body = br#"{"text":"reset me","sampling_params":{"max_new_tokens":64}}"#;
+    for _ in 0..20 {
+        let head = format!("POST /generate HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n", body.len() + 100);
+        raw(&envoy, &[head.as_bytes(), body].concat(), true, Duration::ZERO);
+        let full = format!("POST /generate HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n", body.len());
+        raw(&envoy, &[full.as_bytes(), body].concat(), true, Duration::ZERO);
+        sent(2);
+    }
+    let chunked = b"POST /generate HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\ntrailer: x-t\r\n\r\n\
+                    c\r\n{\"text\":\"t\"}\r\n0\r\nx-t: 1\r\n\r\n";
+    assert_eq!(status_of(&raw(&envoy, chunked, false, Duration::from_secs(10))), Some(200), "trailers");
+    let silent = raw(&envoy, b"POST /generate HTTP/1.1\r\nhost: x\r\n", false, Duration::from_secs(15));
+    assert_eq!(status_of(&silent), Some(408), "headers then silence: {silent}");
+    assert!(silent.contains("request_header_timeout"), "{silent}");
+    sent(2);
+    assert_still_serving(&envoy, "resets, trailers and silence", &mut served);
+
+    // No VM was replaced, and nothing is left in flight.
+    assert_eq!(envoy.stat("wasm.kvmesh.vm_reload").unwrap().unwrap_or(0), 0, "a VM trapped");
+    wait_until("in-flight back to 0", Duration::from_secs(20), || {
+        envoy.stat("wasmcustom.kvmesh_in_flight").ok().flatten() == Some(0)
+    })
+    .unwrap();
+    let peak = peak_rss_kib(&mut envoy);
+    eprintln!(
+        "hostile requests: {} sent, {} answered 4xx by the gateway; VM traps: 0; good requests served \
+         after them: {served}; Envoy peak RSS {} MiB ({} MiB after the memory-shaped bodies)",
+        hostile.get(),
+        refused.get(),
+        peak / 1024,
+        rss_after_shapes / 1024
+    );
+}
+
+#[test]
+fn a_trapped_vm_is_reloaded_and_requests_are_served_again() {
+    let sims: Vec<Sim> = (0..2).map(|_| Sim::start(&["--time-scale", "0"]).unwrap()).collect();
+    let mut opts = EnvoyOptions::new(json!({"worker_urls": sims.iter().map(Sim::url).collect::<Vec<_>>()})).unwrap();
+    opts.wasm = crash_wasm_path();
+    let envoy = Envoy::start(&opts).unwrap();
+    let url = envoy.url("/generate");
+    let body = json!({"text": "hello", "sampling_params": {"max_new_tokens": 1}});
+    assert_eq!(http::post_json(&url, &body).unwrap().status, 200);
+    let crash = http::post(&url, body.to_string().as_bytes(), &[("x-test-crash-vm", "1")]).unwrap();
+    assert!(crash.status >= 500, "the trapped request fails: {}", crash.status);
+    assert!(crash.json().is_ok(), "even that failure is JSON: {}", crash.text());
+    // Envoy replaces a dead VM on a request its thread gets once the reload backoff (0.1 s)
+    // has passed; until then that thread answers a JSON 503. Fresh connections land on both
+    // threads: keep sending until 40 in a row were served (bounded), after a reload.
+    let (mut in_a_row, mut failed, mut sent) = (0, 0, 0);
+    while in_a_row < 40 {
+        assert!(sent < 2_000, "never served again: {failed} of {sent} failed");
+        let body = json!({"text": format!("after the crash {sent}"), "sampling_params": {"max_new_tokens": 1}});
+        let r = http::post_json(&url, &body).unwrap();
+        sent += 1;
+        if r.status == 200 {
+            in_a_row += 1;
+        } else {
+            assert_eq!(r.status, 503, "{}", head(&r));
+            assert!(r.json().is_ok(), "the failure is JSON: {}", head(&r));
+            failed += 1;
+            in_a_row = 0;
+        }
+    }
+    eprintln!("after the trap: {failed} of {sent} requests answered 503 before the VM was reloaded");
+    wait_until("the VM was reloaded", Duration::from_secs(20), || {
+        envoy.stat("wasm.kvmesh.vm_reload_success").ok().flatten().unwrap_or(0) >= 1
+    })
+    .unwrap();
+    assert_eq!(envoy.stat("wasm.kvmesh.vm_reload_failure").unwrap().unwrap_or(0), 0);
+}
+
+#[test]
+fn no_decode_worker_sees_a_bootstrap_field_the_gateway_did_not_write() {
+    let boot = free_port().unwrap();
+    let prefill =
+        Sim::start(&["--role", "prefill", "--bootstrap-port", &boot.to_string(), "--time-scale", "0"]).unwrap();
+    let decode = Sim::start(&["--role", "decode", "--time-scale", "0", "--bootstrap-timeout-ms", "3000"]).unwrap();
+    let filter = json!({"pd_disaggregation": true, "prefill": [[prefill.url(), boot]], "decode": [decode.url()]});
+    let mut opts = EnvoyOptions::new(filter).unwrap();
+    opts.template = repo_root().join("envoy/envoy-pd.yaml");
+    let envoy = Envoy::start(&opts).unwrap();
+    let evil = json!({"text": "smuggle", "bootstrap_host": "6.6.6.6", "bootstrap_port": 1, "bootstrap_room": 7});
+    for path in ["/generate", "//generate", "/%67enerate", "/generate?x=1"] {
+        let r = http::post_json(&envoy.url(path), &evil).unwrap();
+        assert_json_error(&r, 400, path);
+    }
+    for method in ["PUT", "PATCH"] {
+        let r = ureq::request(method, &envoy.url("/generate")).send_string(&evil.to_string());
+        let status = match r {
+            Ok(r) | Err(ureq::Error::Status(_, r)) => r.status(),
+            Err(e) => panic!("{e}"),
+        };
+        assert_eq!(status, 405);
+    }
+    for path in ["/flush_cache", "/generate_raw", "/v1/models/../../generate"] {
+        let r = http::post_json(&envoy.url(path), &evil).unwrap();
+        assert!(r.status == 404 || r.status == 400, "{path}: {}", r.status);
+    }
+    let ok = http::post_json(&envoy.url("/generate"), &json!({"text": "fine"})).unwrap();
+    assert_eq!(ok.status, 200, "{}", ok.text());
+    for sim in [&prefill, &decode] {
+        let seen = http::get(&format!("{}/sim/requests", sim.url())).unwrap().json().unwrap();
+        let bodies = seen.as_array().cloned().unwrap_or_default();
+        assert!(!bodies.is_empty(), "the good request arrived");
+        for b in bodies {
+            let text = b.to_string();
+            assert!(
+                !text.contains("6.6.6.6") && !text.contains("smuggle"),
+                "a smuggled request reached a worker: {text}"
+            );
+        }
+    }
+}
