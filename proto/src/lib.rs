@@ -1,13 +1,15 @@
 //! kvmesh's filter <-> control-plane API (`kvmesh.proto`).
 
-#![allow(clippy::all)]
-
 /// `kvmesh.v1`: generated from `kvmesh.proto`.
+#[allow(clippy::all)]
 pub mod v1 {
     include!(concat!(env!("OUT_DIR"), "/kvmesh.v1.rs"));
 }
 
+mod settings;
+
 pub use prost::Message;
+pub use settings::SettingsError;
 
 /// The gRPC service path segments, as `open_grpc_stream` needs them.
 pub const SERVICE: &str = "kvmesh.v1.Kvmesh";

@@ -204,10 +204,9 @@ impl RootContext for Root {
                 config.max_payload_size
             ),
         }
-        let base = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
         let cluster = config.control_plane_cluster.clone();
         let report_interval_ms = config.report_interval_ms;
-        let gateway = Gateway::with_base(config, base, &EnvoyShared, seed);
+        let gateway = Gateway::new(config, &EnvoyShared, seed);
         self.link = cluster.map(|cluster| Link {
             cluster,
             gateway_id: Self::gateway_id(gateway.vm_id()),
