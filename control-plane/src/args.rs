@@ -341,6 +341,12 @@ impl Args {
         // What the filters get; the core validates it exactly as the filters will.
         let mut routing = self.routing.clone();
         routing.pd_disaggregation = Some(pd);
+        if pd {
+            // `--policy` is both legs' default (as in sglang-router): said explicitly, so that it
+            // also wins over leg policies in a filter's plugin configuration.
+            routing.prefill_policy = routing.prefill_policy.or(routing.policy);
+            routing.decode_policy = routing.decode_policy.or(routing.policy);
+        }
         let checked = kvmesh_core::Config::from_settings(&routing).map_err(|e| match e {
             kvmesh_core::ConfigError::Invalid { field, reason } => self.bad(field, reason),
             other => BadArgs(other.to_string()),

@@ -66,6 +66,13 @@ fn sglang_router_flags() {
         ]
     );
     assert!(s.pd && s.routing.pd_disaggregation == Some(true));
+    assert_eq!((s.routing.prefill_policy, s.routing.decode_policy), (None, None), "the filter's defaults apply");
+    let s = parse(&["--pd-disaggregation", "--policy", "round_robin", "--decode-policy", "random"]).unwrap();
+    assert_eq!(
+        (s.routing.prefill_policy, s.routing.decode_policy),
+        (Some(PolicyKind::RoundRobin), Some(PolicyKind::Random)),
+        "--policy is the default of both legs"
+    );
 }
 
 #[test]
