@@ -1,6 +1,9 @@
 //! kvmesh's filter <-> control-plane API (`kvmesh.proto`).
 
-/// `kvmesh.v1`: generated from `kvmesh.proto`.
+// Linked into the `.wasm`: a panic there kills the VM and every request on its Envoy thread.
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing))]
+
+/// `kvmesh.v1`: generated from `kvmesh.proto` (prost's code, not ours to lint for style).
 #[allow(clippy::all)]
 pub mod v1 {
     include!(concat!(env!("OUT_DIR"), "/kvmesh.v1.rs"));

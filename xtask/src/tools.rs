@@ -157,6 +157,23 @@ pub fn build() -> anyhow::Result<()> {
     run(cargo().args(["build", "--release", "-p", "kvmesh-sim", "-p", "kvmesh-cp"]))
 }
 
+/// `cargo fmt --check` and clippy with warnings denied, natively and for the `.wasm` (whose
+/// proxy-wasm glue only exists on wasm32).
+pub fn lint() -> anyhow::Result<()> {
+    for (tool, component) in [("fmt", "rustfmt"), ("clippy", "clippy")] {
+        let present = cargo().args([tool, "--version"]).output().is_ok_and(|o| o.status.success());
+        if !present {
+            step(&format!("installing {component}"));
+            run(Command::new("rustup").args(["component", "add", component]))?;
+        }
+    }
+    step("cargo fmt --check");
+    run(cargo().args(["fmt", "--all", "--", "--check"])).context("code is not formatted: run `cargo fmt --all`")?;
+    step("cargo clippy (workspace, all targets; the filter for wasm32-wasip1), warnings denied");
+    run(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
+    run(cargo().args(["clippy", "-p", "kvmesh-filter", "--target", "wasm32-wasip1", "--", "-D", "warnings"]))
+}
+
 /// Points the test kit at the binaries just built.
 pub fn stack_env(cmd: &mut Command, envoy: &Path) {
     let root = repo_root();
@@ -175,6 +192,7 @@ pub fn test(args: &[String]) -> anyhow::Result<()> {
     ensure_node()?;
     let envoy = ensure_envoy()?;
     let sglang_router = ensure_sglang_router()?;
+    lint()?;
     build()?;
 
     step("native tests: core, filter logic, simulator, end to end with real Envoy");

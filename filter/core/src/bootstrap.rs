@@ -77,12 +77,13 @@ impl Bootstrap {
 /// Appends `fields` inside the top-level object, before its closing brace.
 fn splice(body: &[u8], fields: &[(&str, Value)]) -> Option<Vec<u8>> {
     let end = body.iter().rposition(|b| !b.is_ascii_whitespace())?;
-    if body[end] != b'}' {
+    let (head, tail) = body.split_at_checked(end)?;
+    if tail.first() != Some(&b'}') {
         return None;
     }
-    let empty = body[..end].iter().rev().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
+    let empty = head.iter().rev().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
     let mut out = Vec::with_capacity(body.len() + 160);
-    out.extend_from_slice(&body[..end]);
+    out.extend_from_slice(head);
     for (i, (k, v)) in fields.iter().enumerate() {
         if i > 0 || !empty {
             out.push(b',');
@@ -92,7 +93,7 @@ fn splice(body: &[u8], fields: &[(&str, Value)]) -> Option<Vec<u8>> {
         out.extend_from_slice(b"\":");
         out.extend_from_slice(v.to_string().as_bytes());
     }
-    out.extend_from_slice(&body[end..]);
+    out.extend_from_slice(tail);
     Some(out)
 }
 

@@ -226,7 +226,7 @@ impl PrefixIndex {
             if k < stamps.len() {
                 stamps.select_nth_unstable_by(k, |a, b| b.0.cmp(&a.0));
             }
-            for &(_, hash) in &stamps[..k] {
+            for &(_, hash) in stamps.iter().take(k) {
                 self.remove(hash, worker);
                 evicted.push((hash, worker));
             }

@@ -14,6 +14,9 @@
 //! - [`worker`]: the worker table (a snapshot of workers) the policies choose from.
 //! - [`errors`]: the OpenAI-style JSON error body the gateway answers with.
 
+// Linked into the `.wasm`: a panic there kills the VM and every request on its Envoy thread.
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing))]
+
 pub mod blocks;
 pub mod bootstrap;
 pub mod config;

@@ -14,6 +14,9 @@ pub enum MergeError {
     NotJson(String),
 }
 
+/// The most batch items whose logprobs are kept.
+pub const MAX_ITEMS: usize = 1 << 16;
+
 /// The prefill leg's input logprobs, per item.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct PrefillLogprobs(Vec<Option<Vec<Value>>>);
@@ -50,11 +53,18 @@ impl PrefillLogprobs {
         Ok(out)
     }
 
+    /// Item `index`'s logprobs. An index past [`MAX_ITEMS`] (a response claiming an absurd
+    /// batch position) is ignored rather than allocated for.
     fn set(&mut self, index: usize, lp: Option<Vec<Value>>) {
+        if index >= MAX_ITEMS {
+            return;
+        }
         if self.0.len() <= index {
             self.0.resize(index + 1, None);
         }
-        self.0[index] = lp;
+        if let Some(slot) = self.0.get_mut(index) {
+            *slot = lp;
+        }
     }
 
     pub fn get(&self, index: usize) -> Option<&[Value]> {

@@ -40,22 +40,34 @@ impl PdRouter {
     }
 
     /// Chooses the decode worker, then (unless the decider skips it) the prefill worker.
-    pub fn route(
-        &mut self,
+    /// Changes nothing until [`commit`](Self::commit).
+    pub fn decide(
+        &self,
         text: &[u8],
         prefill: &[Candidate],
         decode: &[Candidate],
         rng: &mut dyn Rng,
     ) -> Option<PdDecision> {
-        let d = self.decode.route(text, decode, rng)?;
+        let d = self.decode.decide(text, decode, rng)?;
         if let Decider::Prefix { non_cached_tokens } = self.decider {
             let uncached = text.len().saturating_sub(d.matched_bytes).div_ceil(BYTES_PER_TOKEN);
             if uncached as u64 <= non_cached_tokens {
                 return Some(PdDecision::DecodeOnly(d));
             }
         }
-        let p = self.prefill.route(text, prefill, rng)?;
+        let p = self.prefill.decide(text, prefill, rng)?;
         Some(PdDecision::Split { prefill: p, decode: d })
+    }
+
+    /// Records a decision that went through in both legs' indexes.
+    pub fn commit(&mut self, decision: &PdDecision) {
+        match decision {
+            PdDecision::Split { prefill, decode } => {
+                self.prefill.commit(prefill);
+                self.decode.commit(decode);
+            }
+            PdDecision::DecodeOnly(decode) => self.decode.commit(decode),
+        }
     }
 
     pub fn prefill_router(&mut self) -> &mut Router {
@@ -76,6 +88,18 @@ mod tests {
         ids.map(|id| Candidate { id, load }).collect()
     }
 
+    fn route(
+        pd: &mut PdRouter,
+        text: &[u8],
+        p: &[Candidate],
+        d: &[Candidate],
+        rng: &mut FastRng,
+    ) -> Option<PdDecision> {
+        let decision = pd.decide(text, p, d, rng)?;
+        pd.commit(&decision);
+        Some(decision)
+    }
+
     #[test]
     fn shared_prefixes_keep_their_prefill_worker_and_decode_spreads() {
         let cfg = crate::Config::default().router_params();
@@ -88,7 +112,7 @@ mod tests {
             let text = format!("{prefix}{i}");
             // Decode loads differ per round so that power-of-two has something to balance.
             let decode: Vec<Candidate> = (10..14).map(|id| Candidate { id, load: (id as u64 * 7 + i) % 5 }).collect();
-            match pd.route(text.as_bytes(), &cands(0..3, 0), &decode, &mut rng).unwrap() {
+            match route(&mut pd, text.as_bytes(), &cands(0..3, 0), &decode, &mut rng).unwrap() {
                 PdDecision::Split { prefill, decode } => {
                     prefills.insert(prefill.worker);
                     decodes.insert(decode.worker);
@@ -111,19 +135,36 @@ mod tests {
         );
         let mut rng = FastRng::seeded(1);
         let text = "x".repeat(1000);
-        let first = pd.route(text.as_bytes(), &cands(0..1, 0), &cands(5..6, 0), &mut rng).unwrap();
+        let first = route(&mut pd, text.as_bytes(), &cands(0..1, 0), &cands(5..6, 0), &mut rng).unwrap();
         assert!(matches!(first, PdDecision::Split { .. }), "nothing cached yet");
         let again = format!("{text}tail");
-        let second = pd.route(again.as_bytes(), &cands(0..1, 0), &cands(5..6, 0), &mut rng).unwrap();
+        let second = route(&mut pd, again.as_bytes(), &cands(0..1, 0), &cands(5..6, 0), &mut rng).unwrap();
         assert!(matches!(second, PdDecision::DecodeOnly(ref d) if d.worker == 5), "{second:?}");
     }
 
     #[test]
     fn no_candidates_means_no_decision() {
         let cfg = crate::Config::default().router_params();
-        let mut pd = PdRouter::new(cfg, PolicyKind::CacheAware, PolicyKind::PowerOfTwo, Decider::Always);
+        let pd = PdRouter::new(cfg, PolicyKind::CacheAware, PolicyKind::PowerOfTwo, Decider::Always);
         let mut rng = FastRng::seeded(1);
-        assert!(pd.route(b"t", &[], &cands(0..1, 0), &mut rng).is_none());
-        assert!(pd.route(b"t", &cands(0..1, 0), &[], &mut rng).is_none());
+        assert!(pd.decide(b"t", &[], &cands(0..1, 0), &mut rng).is_none());
+        assert!(pd.decide(b"t", &cands(0..1, 0), &[], &mut rng).is_none());
+    }
+
+    #[test]
+    fn an_uncommitted_pair_leaves_no_trace_in_either_index() {
+        let cfg = crate::Config::default().router_params();
+        let mut pd = PdRouter::new(
+            cfg,
+            PolicyKind::CacheAware,
+            PolicyKind::RoundRobin,
+            Decider::Prefix { non_cached_tokens: 8 },
+        );
+        let mut rng = FastRng::seeded(1);
+        let text = "y".repeat(500);
+        let d = pd.decide(text.as_bytes(), &cands(0..2, 0), &cands(5..7, 0), &mut rng).unwrap();
+        assert!(pd.prefill_router().index().is_empty() && pd.decode_router().index().is_empty());
+        pd.commit(&d);
+        assert!(!pd.prefill_router().index().is_empty() && !pd.decode_router().index().is_empty());
     }
 }

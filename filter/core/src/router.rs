@@ -6,21 +6,17 @@ use crate::policy::{CacheAware, CacheAwareParams, Candidate, PolicyKind, PowerOf
 use crate::rng::Rng;
 use crate::worker::WorkerId;
 
-pub use crate::policy::Reason;
-
-/// What the router decided for one request.
+/// What the router decided for one request. Deciding changes nothing; the router learns of
+/// the decision only when the caller [commits](Router::commit) it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Decision {
-    /// Position in the candidate slice.
-    pub pos: usize,
     pub worker: WorkerId,
-    /// Why (cache-aware only).
-    pub reason: Option<Reason>,
     /// Bytes of the routing text found in the chosen worker's index.
     pub matched_bytes: usize,
-    /// The blocks newly indexed for the chosen worker (empty for text-blind policies):
-    /// what other threads and gateways must apply to their copies of the index.
-    pub inserted: Vec<u64>,
+    /// The request's blocks, indexed for the chosen worker when the decision commits (empty
+    /// for text-blind policies): what other threads and gateways must apply to their copies
+    /// of the index.
+    pub blocks: Vec<u64>,
 }
 
 /// What a router needs from the configuration (see `Config::router_params`).
@@ -58,10 +54,6 @@ impl Router {
         }
     }
 
-    pub fn policy(&self) -> PolicyKind {
-        self.kind
-    }
-
     /// Keeps the prefix index (and reports matches) whatever the policy.
     pub fn track_prefixes(&mut self, on: bool) {
         self.track = on;
@@ -72,45 +64,49 @@ impl Router {
         self.track || self.kind.uses_text()
     }
 
-    /// Chooses a candidate for a request whose routing text is `text`, and records the
-    /// choice in the index when the policy is cache-aware.
-    pub fn route(&mut self, text: &[u8], cands: &[Candidate], rng: &mut dyn Rng) -> Option<Decision> {
-        let (pos, reason, matched_bytes, hashes) = match self.kind {
-            PolicyKind::CacheAware => {
-                let hashes = block_hashes(text, self.block_size);
-                let c = self.cache_aware.pick(text.len(), &hashes, self.block_size, cands, &self.index, rng)?;
-                (c.pos, Some(c.reason), c.matched_bytes, hashes)
-            }
-            kind => {
-                let pos = self.pick_blind(kind, cands, rng)?;
-                if !self.track {
-                    (pos, None, 0, Vec::new())
-                } else {
-                    let hashes = block_hashes(text, self.block_size);
-                    let id = cands[pos].id;
-                    let blocks =
-                        self.index.match_prefix(&hashes).iter().find(|m| m.worker == id).map_or(0, |m| m.blocks);
-                    (pos, None, covered_bytes(blocks, self.block_size, text.len()), hashes)
-                }
-            }
-        };
-        let worker = cands[pos].id;
-        if !hashes.is_empty() {
-            self.index.insert(worker, &hashes);
+    /// Chooses a candidate for a request whose routing text is `text`. Changes nothing.
+    pub fn decide(&self, text: &[u8], cands: &[Candidate], rng: &mut dyn Rng) -> Option<Decision> {
+        if self.kind == PolicyKind::CacheAware {
+            let blocks = block_hashes(text, self.block_size);
+            let c = self.cache_aware.pick(text.len(), &blocks, self.block_size, cands, &self.index, rng)?;
+            let worker = cands.get(c.pos)?.id;
+            return Some(Decision { worker, matched_bytes: c.matched_bytes, blocks });
         }
-        Some(Decision { pos, worker, reason, matched_bytes, inserted: hashes })
+        let worker = cands.get(self.pick_blind(cands, rng)?)?.id;
+        if !self.track {
+            return Some(Decision { worker, matched_bytes: 0, blocks: Vec::new() });
+        }
+        let blocks = block_hashes(text, self.block_size);
+        let held = self.index.match_prefix(&blocks).iter().find(|m| m.worker == worker).map_or(0, |m| m.blocks);
+        Some(Decision { worker, matched_bytes: covered_bytes(held, self.block_size, text.len()), blocks })
     }
 
-    /// Chooses a candidate for a request that carries no routing text (other paths).
+    /// Records a decision that went through: the chosen worker now holds the prefix (and
+    /// round robin moves on).
+    pub fn commit(&mut self, decision: &Decision) {
+        if self.kind == PolicyKind::RoundRobin {
+            self.round_robin.advance();
+        }
+        if !decision.blocks.is_empty() {
+            self.index.insert(decision.worker, &decision.blocks);
+        }
+    }
+
+    /// Chooses a candidate for a request that carries no routing text (other paths); round
+    /// robin moves on at once (nothing is recorded for these).
     pub fn route_any(&mut self, cands: &[Candidate], rng: &mut dyn Rng) -> Option<usize> {
         match self.kind {
-            PolicyKind::RoundRobin => self.round_robin.pick(cands),
+            PolicyKind::RoundRobin => {
+                let pos = self.round_robin.pick(cands);
+                self.round_robin.advance();
+                pos
+            }
             _ => PowerOfTwo.pick(cands, rng),
         }
     }
 
-    fn pick_blind(&mut self, kind: PolicyKind, cands: &[Candidate], rng: &mut dyn Rng) -> Option<usize> {
-        match kind {
+    fn pick_blind(&self, cands: &[Candidate], rng: &mut dyn Rng) -> Option<usize> {
+        match self.kind {
             PolicyKind::RoundRobin => self.round_robin.pick(cands),
             PolicyKind::PowerOfTwo => PowerOfTwo.pick(cands, rng),
             _ => Random.pick(cands, rng),
@@ -124,7 +120,13 @@ impl Router {
 
     /// LRU-evicts every worker's index down to `max_tree_size`.
     pub fn evict(&mut self) -> Vec<(u64, WorkerId)> {
-        self.index.evict_to(self.max_blocks)
+        self.evict_to_multiple(1)
+    }
+
+    /// LRU-evicts every worker's index down to `factor` times `max_tree_size` (a safety cap
+    /// for a filter whose evictions normally come from the control plane).
+    pub fn evict_to_multiple(&mut self, factor: u64) -> Vec<(u64, WorkerId)> {
+        self.index.evict_to(self.max_blocks.saturating_mul(factor))
     }
 
     /// Applies evictions decided elsewhere (the control plane's global LRU).
@@ -158,21 +160,28 @@ mod tests {
         (0..n).map(|id| Candidate { id, load: 0 }).collect()
     }
 
+    /// Decides and commits, as the filter does when nothing failed in between.
+    fn route(r: &mut Router, text: &[u8], cands: &[Candidate], rng: &mut FastRng) -> Option<Decision> {
+        let d = r.decide(text, cands, rng)?;
+        r.commit(&d);
+        Some(d)
+    }
+
     #[test]
     fn cache_aware_sticks_to_a_shared_prefix_and_spreads_others() {
         let mut r = Router::new(params(32, 1 << 20), PolicyKind::CacheAware);
         let mut rng = FastRng::seeded(11);
         let prefix = "You are a meticulous assistant. ".repeat(20);
-        let first = r.route(format!("{prefix}question 0").as_bytes(), &cands(4), &mut rng).unwrap();
+        let first = route(&mut r, format!("{prefix}question 0").as_bytes(), &cands(4), &mut rng).unwrap();
         for i in 1..20 {
-            let d = r.route(format!("{prefix}question {i}").as_bytes(), &cands(4), &mut rng).unwrap();
+            let d = route(&mut r, format!("{prefix}question {i}").as_bytes(), &cands(4), &mut rng).unwrap();
             assert_eq!(d.worker, first.worker);
-            assert_eq!(d.reason, Some(Reason::CacheHit));
+            assert!(d.matched_bytes >= prefix.len() - 32, "a cache hit: {}", d.matched_bytes);
         }
         let mut used = std::collections::HashSet::new();
         for i in 0..8 {
             let text = format!("{i} completely different conversation {}", "x".repeat(200));
-            used.insert(r.route(text.as_bytes(), &cands(4), &mut rng).unwrap().worker);
+            used.insert(route(&mut r, text.as_bytes(), &cands(4), &mut rng).unwrap().worker);
         }
         // Distinct prefixes go to the smallest indexes: the three workers without the prefix.
         assert_eq!(used.len(), 3);
@@ -183,10 +192,10 @@ mod tests {
     fn blind_policies_insert_nothing() {
         let mut r = Router::new(params(32, 1 << 20), PolicyKind::RoundRobin);
         let mut rng = FastRng::seeded(1);
-        let d = r.route(b"text", &cands(3), &mut rng).unwrap();
-        assert!(d.inserted.is_empty() && r.index().is_empty());
-        assert_eq!(r.route(b"text", &cands(3), &mut rng).unwrap().pos, 1);
-        assert!(r.route(b"text", &[], &mut rng).is_none());
+        let d = route(&mut r, b"text", &cands(3), &mut rng).unwrap();
+        assert!(d.blocks.is_empty() && r.index().is_empty());
+        assert_eq!(route(&mut r, b"text", &cands(3), &mut rng).unwrap().worker, 1);
+        assert!(route(&mut r, b"text", &[], &mut rng).is_none());
     }
 
     #[test]
@@ -194,9 +203,26 @@ mod tests {
         let cfg = crate::Config::from_json(br#"{"max_tree_size":64,"block_size":16}"#).unwrap();
         let mut r = Router::new(cfg.router_params(), cfg.policy);
         let mut rng = FastRng::seeded(1);
-        r.route(&[b'a'; 200], &cands(1), &mut rng);
+        route(&mut r, &[b'a'; 200], &cands(1), &mut rng);
         assert_eq!(r.index().size_of(0), 13);
         assert_eq!(r.evict().len(), 9);
         assert_eq!(r.index().size_of(0), 4);
+    }
+
+    #[test]
+    fn deciding_changes_nothing_until_committed() {
+        let mut r = Router::new(params(32, 1 << 20), PolicyKind::CacheAware);
+        let mut rng = FastRng::seeded(4);
+        let text = "a prompt long enough to fill several blocks of the index".repeat(4);
+        let d = r.decide(text.as_bytes(), &cands(2), &mut rng).unwrap();
+        assert!(!d.blocks.is_empty());
+        assert!(r.index().is_empty(), "an uncommitted decision leaves no trace");
+        r.commit(&d);
+        assert_eq!(r.index().size_of(d.worker), d.blocks.len() as u64);
+        let mut r = Router::new(params(32, 1 << 20), PolicyKind::RoundRobin);
+        let first = r.decide(b"x", &cands(3), &mut rng).unwrap();
+        assert_eq!(r.decide(b"x", &cands(3), &mut rng).unwrap(), first, "round robin waits for the commit");
+        r.commit(&first);
+        assert_ne!(r.decide(b"x", &cands(3), &mut rng).unwrap().worker, first.worker);
     }
 }

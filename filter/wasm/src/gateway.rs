@@ -1,5 +1,7 @@
-//! The filter's request logic, independent of proxy-wasm: what to do with a request given its
-//! path, its body and the shared state. `http.rs` translates host callbacks into these calls.
+//! One VM's routing state and decisions, independent of proxy-wasm: what to do with a request
+//! given its path, its body and the shared state. Deciding ([`Gateway::route_request`])
+//! changes nothing; [`Gateway::commit`] records a decision once everything that could fail in
+//! applying it (headers, body, callout) has succeeded. `request.rs` drives both.
 
 use kvmesh_core::bootstrap::{random_rooms, Bootstrap};
 use kvmesh_core::errors::error_json;
@@ -13,17 +15,15 @@ use crate::health::Health;
 use crate::shared::{Delta, DeltaLog, Inflight, SharedStore};
 
 /// What the filter does with a request.
-#[derive(Debug, PartialEq)]
+#[derive(Debug)]
 pub enum Outcome {
-    /// Send it to one worker.
-    Route(Routed),
-    /// PD: send the rewritten body to the decode worker and, at the same time, to the
-    /// prefill worker as a callout.
-    Pd(PdRouted),
+    /// Send it where the plan says, then [`Gateway::commit`] the plan.
+    Route(Plan),
     /// Answer locally with a JSON error.
     Reply(Reply),
 }
 
+/// A worker as the glue needs it: id, address, and what it was believed to hold.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Routed {
     pub worker: WorkerId,
@@ -34,13 +34,50 @@ pub struct Routed {
     pub matched_bytes: usize,
 }
 
+/// A decision not yet recorded anywhere: where to send the request and, in PD mode, what to
+/// send the prefill worker.
+#[derive(Debug)]
+pub struct Plan {
+    chosen: Chosen,
+    main: Routed,
+    pd: Option<PdPlan>,
+    /// The shared counts as read for this decision (the commit's CAS starts from them).
+    inflight: Inflight,
+}
+
+#[derive(Debug)]
+enum Chosen {
+    Regular(Decision),
+    Pd(PdDecision),
+}
+
+/// The PD part of a plan.
 #[derive(Debug, PartialEq)]
-pub struct PdRouted {
-    pub decode: Routed,
+pub struct PdPlan {
     pub prefill: Routed,
     /// The body both legs receive (bootstrap fields and `rid` injected).
     pub body: Vec<u8>,
     /// Whether the prefill's input logprobs must be merged into the decode response.
+    pub merge_logprobs: bool,
+    pub stream: bool,
+}
+
+impl Plan {
+    /// Where the request itself goes (the decode worker in PD mode).
+    pub fn addr(&self) -> &str {
+        &self.main.addr
+    }
+
+    pub fn pd(&self) -> Option<&PdPlan> {
+        self.pd.as_ref()
+    }
+}
+
+/// A committed plan: the legs, counted in flight.
+#[derive(Debug)]
+pub struct Committed {
+    pub main: Routed,
+    pub prefill: Option<Routed>,
     pub merge_logprobs: bool,
     pub stream: bool,
 }
@@ -87,6 +124,10 @@ enum Mode {
 mod sync;
 
 pub use sync::table_from;
+
+/// With a control plane, a filter's own eviction only keeps its index under this many times
+/// `max_tree_size` (the control plane's evictions do the real work).
+pub const CONTROL_PLANE_EVICTION_CAP: u64 = 2;
 
 /// Most index inserts held for the next report (older ones are dropped first).
 const REPORT_QUEUE: usize = 16_384;
@@ -156,6 +197,20 @@ impl Gateway {
         &self.config
     }
 
+    pub fn max_payload_size(&self) -> u64 {
+        self.config.max_payload_size
+    }
+
+    /// The upper bound of a request and of its prefill leg.
+    pub fn request_timeout_secs(&self) -> u64 {
+        self.config.request_timeout_secs
+    }
+
+    /// The Envoy cluster the prefill callouts go through.
+    pub fn upstream_cluster(&self) -> &str {
+        &self.config.upstream_cluster
+    }
+
     /// A request whose declared `content-length` exceeds the limit is refused before its
     /// body is read.
     pub fn check_length(&self, content_length: Option<u64>) -> Option<Reply> {
@@ -221,31 +276,13 @@ impl Gateway {
         self.unreported.push((worker, hashes));
     }
 
-    /// Counts a routed request (and its other leg) in flight and shares the decisions' new
-    /// index blocks with the other VMs: one CAS for both, plus the log slot.
-    fn commit(&mut self, store: &dyn SharedStore, state: Inflight, decisions: &[&Decision]) -> bool {
-        let deltas: Vec<Delta> = decisions
-            .iter()
-            .filter(|d| !d.inserted.is_empty())
-            .map(|d| Delta { worker: d.worker, evict: false, from_cp: false, hashes: d.inserted.clone() })
-            .collect();
-        let counts: Vec<(WorkerId, i32)> = decisions.iter().map(|d| (d.worker, 1)).collect();
-        let (counted, seq) = state.commit(store, &counts, !deltas.is_empty());
-        if let Some(seq) = seq {
-            self.log.write(store, seq, &deltas);
-        }
-        for d in deltas {
-            self.queue_report(d.worker, d.hashes);
-        }
-        counted
+    fn routed(&self, worker: WorkerId, matched_bytes: usize) -> Option<Routed> {
+        let w = self.table.get(worker)?;
+        Some(Routed { worker, addr: w.addr.clone(), counted: false, matched_bytes })
     }
 
-    fn routed(&self, d: &Decision, counted: bool) -> Option<Routed> {
-        let w = self.table.get(d.worker)?;
-        Some(Routed { worker: d.worker, addr: w.addr.clone(), counted, matched_bytes: d.matched_bytes })
-    }
-
-    /// Routes an LLM request by its body.
+    /// Decides where an LLM request goes, by its body. Changes nothing that outlives the call
+    /// (other VMs' index changes are applied first, as on every request).
     pub fn route_request(
         &mut self,
         store: &dyn SharedStore,
@@ -266,58 +303,95 @@ impl Gateway {
         let now = info.now_secs;
         let (table, health) = (&self.table, &self.health);
         let cands = |role| candidates(table, health, &inflight, role, now);
-        let decision = match &mut self.mode {
-            Mode::Regular(router) => {
-                router.route(&parsed.text, &cands(Role::Regular), &mut self.rng).map(PdDecision::DecodeOnly)
-            }
+        let chosen = match &self.mode {
+            Mode::Regular(router) => match router.decide(&parsed.text, &cands(Role::Regular), &mut self.rng) {
+                Some(d) => Chosen::Regular(d),
+                None => return Outcome::Reply(Reply::no_worker("worker")),
+            },
             Mode::Pd(pd) => {
                 let (prefill, decode) = (cands(Role::Prefill), cands(Role::Decode));
-                match pd.route(&parsed.text, &prefill, &decode, &mut self.rng) {
-                    Some(d) => Some(d),
+                match pd.decide(&parsed.text, &prefill, &decode, &mut self.rng) {
+                    Some(d) => Chosen::Pd(d),
                     None if decode.is_empty() => return Outcome::Reply(Reply::no_worker("decode worker")),
                     None => return Outcome::Reply(Reply::no_worker("prefill worker")),
                 }
             }
         };
-        match decision {
-            None => Outcome::Reply(Reply::no_worker("worker")),
-            Some(PdDecision::DecodeOnly(d)) => {
-                let counted = self.commit(store, inflight, &[&d]);
-                self.routed(&d, counted).map_or(Outcome::Reply(Reply::no_worker("worker")), Outcome::Route)
-            }
-            Some(PdDecision::Split { prefill, decode }) => {
-                let Some(p) = self.table.get(prefill.worker) else {
+        let (main, prefill) = match &chosen {
+            Chosen::Regular(d) | Chosen::Pd(PdDecision::DecodeOnly(d)) => (d, None),
+            Chosen::Pd(PdDecision::Split { prefill, decode }) => (decode, Some(prefill)),
+        };
+        let Some(main_routed) = self.routed(main.worker, main.matched_bytes) else {
+            return Outcome::Reply(Reply::no_worker("worker"));
+        };
+        let pd = match prefill {
+            None => None,
+            Some(p) => {
+                let (Some(worker), Some(routed)) = (self.table.get(p.worker), self.routed(p.worker, p.matched_bytes))
+                else {
                     return Outcome::Reply(Reply::no_worker("prefill worker"));
                 };
                 let rng = &mut self.rng;
                 let boot = Bootstrap {
-                    host: p.host.clone(),
-                    port: p.bootstrap_port,
+                    host: worker.host.clone(),
+                    port: worker.bootstrap_port,
                     rooms: random_rooms(parsed.batch.unwrap_or(1), || random_u64().unwrap_or_else(|_| rng.next_u64())),
                     request_id: info.request_id.map(String::from),
                 };
-                let new_body = match boot.inject(body, &parsed) {
+                let body = match boot.inject(body, &parsed) {
                     Ok(b) => b,
                     Err(e) => return Outcome::Reply(Reply::request(&e)),
                 };
-                let counted = self.commit(store, inflight, &[&decode, &prefill]);
-                match (self.routed(&decode, counted), self.routed(&prefill, counted)) {
-                    (Some(decode), Some(prefill)) => Outcome::Pd(PdRouted {
-                        decode,
-                        prefill,
-                        body: new_body,
-                        merge_logprobs: parsed.return_logprob && endpoint == Endpoint::Generate,
-                        stream: parsed.stream,
-                    }),
-                    _ => Outcome::Reply(Reply::no_worker("worker")),
-                }
+                Some(PdPlan {
+                    prefill: routed,
+                    body,
+                    merge_logprobs: parsed.return_logprob && endpoint == Endpoint::Generate,
+                    stream: parsed.stream,
+                })
             }
+        };
+        Outcome::Route(Plan { chosen, main: main_routed, pd, inflight })
+    }
+
+    /// Records a plan that was applied: the index learns the prefix, the legs are counted in
+    /// flight, and the new blocks go to the other VMs (one CAS for counts and log sequence,
+    /// plus the log slot) and into the next report.
+    pub fn commit(&mut self, store: &dyn SharedStore, plan: Plan) -> Committed {
+        let Plan { chosen, mut main, pd, inflight } = plan;
+        let decisions: Vec<&Decision> = match &chosen {
+            Chosen::Regular(d) | Chosen::Pd(PdDecision::DecodeOnly(d)) => vec![d],
+            Chosen::Pd(PdDecision::Split { prefill, decode }) => vec![decode, prefill],
+        };
+        let deltas: Vec<Delta> = decisions
+            .iter()
+            .filter(|d| !d.blocks.is_empty())
+            .map(|d| Delta { worker: d.worker, evict: false, from_cp: false, hashes: d.blocks.clone() })
+            .collect();
+        let counts: Vec<(WorkerId, i32)> = decisions.iter().map(|d| (d.worker, 1)).collect();
+        let (counted, seq) = inflight.commit(store, &counts, !deltas.is_empty());
+        if let Some(seq) = seq {
+            self.log.write(store, seq, &deltas);
         }
+        match (&mut self.mode, &chosen) {
+            (Mode::Regular(router), Chosen::Regular(d)) => router.commit(d),
+            (Mode::Pd(pd), Chosen::Pd(d)) => pd.commit(d),
+            // The mode cannot change between deciding and committing (same callback).
+            _ => {}
+        }
+        for d in deltas {
+            self.queue_report(d.worker, d.hashes);
+        }
+        main.counted = counted;
+        let (prefill, merge_logprobs, stream) = match pd {
+            Some(p) => (Some(Routed { counted, ..p.prefill }), p.merge_logprobs, p.stream),
+            None => (None, false, false),
+        };
+        Committed { main, prefill, merge_logprobs, stream }
     }
 
     /// Routes a request on another path (models, health, info) to any available worker (a
-    /// decode worker in PD mode).
-    pub fn route_other(&mut self, store: &dyn SharedStore, now: u64) -> Outcome {
+    /// decode worker in PD mode). Not counted, nothing to commit.
+    pub fn route_other(&mut self, store: &dyn SharedStore, now: u64) -> Result<Routed, Reply> {
         self.sync_table(store);
         let role = if matches!(self.mode, Mode::Pd(_)) { Role::Decode } else { Role::Regular };
         let cands = candidates(&self.table, &self.health, &Inflight::load(store), role, now);
@@ -325,12 +399,11 @@ impl Gateway {
             Mode::Regular(r) => r.route_any(&cands, &mut self.rng),
             Mode::Pd(pd) => pd.decode_router().route_any(&cands, &mut self.rng),
         };
-        let Some(pos) = pos else { return Outcome::Reply(Reply::no_worker("worker")) };
-        let d = Decision { pos, worker: cands[pos].id, reason: None, matched_bytes: 0, inserted: Vec::new() };
-        self.routed(&d, false).map_or(Outcome::Reply(Reply::no_worker("worker")), Outcome::Route)
+        pos.and_then(|p| cands.get(p)).and_then(|c| self.routed(c.id, 0)).ok_or_else(|| Reply::no_worker("worker"))
     }
 
-    /// A counted request was never sent (the filter answered instead): uncount it.
+    /// A counted leg that never ran to its end (a prefill callout cancelled with its stream):
+    /// off the in-flight table, not counted as finished.
     pub fn release(&self, store: &dyn SharedStore, routed: &Routed) {
         if routed.counted {
             Inflight::add(store, routed.worker, -1);
@@ -355,6 +428,10 @@ impl Gateway {
 
     /// Periodic work: breakers opened by other VMs, and LRU eviction every
     /// `eviction_interval_secs`. Returns the number of blocks evicted when that ran.
+    ///
+    /// With a control plane, evictions come from it (its global LRU, as deltas), so that every
+    /// gateway forgets the same blocks; locally the index is only capped, at
+    /// [`CONTROL_PLANE_EVICTION_CAP`] times `max_tree_size`, in case the control plane is away.
     pub fn tick(&mut self, store: &dyn SharedStore, now_secs: u64) -> Option<usize> {
         self.health.sync(store);
         if self.last_eviction_secs == 0 {
@@ -364,9 +441,12 @@ impl Gateway {
             return None;
         }
         self.last_eviction_secs = now_secs;
+        let factor = if self.config.control_plane_cluster.is_some() { CONTROL_PLANE_EVICTION_CAP } else { 1 };
         Some(match &mut self.mode {
-            Mode::Regular(r) => r.evict().len(),
-            Mode::Pd(pd) => pd.prefill_router().evict().len() + pd.decode_router().evict().len(),
+            Mode::Regular(r) => r.evict_to_multiple(factor).len(),
+            Mode::Pd(pd) => {
+                pd.prefill_router().evict_to_multiple(factor).len() + pd.decode_router().evict_to_multiple(factor).len()
+            }
         })
     }
 
@@ -389,13 +469,33 @@ mod tests {
     use super::*;
     use crate::shared::fake::FakeStore;
 
-    pub trait Req {
-        fn req(&mut self, store: &FakeStore, endpoint: Endpoint, body: &[u8]) -> Outcome;
+    fn req(g: &mut Gateway, store: &FakeStore, endpoint: Endpoint, body: &[u8]) -> Outcome {
+        g.route_request(store, endpoint, body, &RequestInfo { request_id: Some("rq-1"), now_secs: 1000 })
     }
 
-    impl Req for Gateway {
-        fn req(&mut self, store: &FakeStore, endpoint: Endpoint, body: &[u8]) -> Outcome {
-            self.route_request(store, endpoint, body, &RequestInfo { request_id: Some("rq-1"), now_secs: 1000 })
+    fn plan(o: Outcome) -> Plan {
+        match o {
+            Outcome::Route(p) => p,
+            Outcome::Reply(r) => panic!("expected a route, got {} {}", r.status, String::from_utf8_lossy(&r.body)),
+        }
+    }
+
+    /// Decides and commits, as the filter does when applying the plan worked.
+    fn route(g: &mut Gateway, store: &FakeStore, body: &[u8]) -> Committed {
+        let p = plan(req(g, store, Endpoint::Generate, body));
+        g.commit(store, p)
+    }
+
+    fn routed(g: &mut Gateway, store: &FakeStore, body: &[u8]) -> Routed {
+        let c = route(g, store, body);
+        assert!(c.prefill.is_none(), "expected one leg, got a PD split");
+        c.main
+    }
+
+    fn reply(o: Outcome) -> Reply {
+        match o {
+            Outcome::Reply(r) => r,
+            Outcome::Route(p) => panic!("expected a reply, routed to {}", p.addr()),
         }
     }
 
@@ -404,22 +504,6 @@ mod tests {
             r#"{{"worker_urls":["http://127.0.0.1:30001","http://127.0.0.1:30002","http://127.0.0.1:30003"]{extra}}}"#
         );
         Gateway::new(Config::from_json(json.as_bytes()).unwrap(), store, 42)
-    }
-
-    fn routed(o: Outcome) -> Routed {
-        match o {
-            Outcome::Route(r) => r,
-            Outcome::Reply(r) => panic!("expected a route, got {} {}", r.status, String::from_utf8_lossy(&r.body)),
-            Outcome::Pd(p) => panic!("expected a route, got a PD split {p:?}"),
-        }
-    }
-
-    fn reply(o: Outcome) -> Reply {
-        match o {
-            Outcome::Reply(r) => r,
-            Outcome::Route(r) => panic!("expected a reply, routed to {}", r.addr),
-            Outcome::Pd(p) => panic!("expected a reply, got a PD split {p:?}"),
-        }
     }
 
     fn body(text: &str) -> Vec<u8> {
@@ -431,9 +515,9 @@ mod tests {
         let store = FakeStore::default();
         let mut g = gateway(&store, "");
         let prefix = "p".repeat(400);
-        let first = routed(g.req(&store, Endpoint::Generate, &body(&format!("{prefix}a"))));
+        let first = routed(&mut g, &store, &body(&format!("{prefix}a")));
         assert!(first.counted);
-        let again = routed(g.req(&store, Endpoint::Generate, &body(&format!("{prefix}b"))));
+        let again = routed(&mut g, &store, &body(&format!("{prefix}b")));
         assert_eq!(again.addr, first.addr);
         assert!(again.matched_bytes >= 384);
         assert_eq!(Inflight::read(&store), vec![(first.worker, 2)]);
@@ -443,13 +527,29 @@ mod tests {
     }
 
     #[test]
+    fn a_plan_that_is_not_committed_leaves_no_trace() {
+        let store = FakeStore::default();
+        let mut g = gateway(&store, r#","control_plane_cluster":"cp""#);
+        let text = body(&"u".repeat(400));
+        let p = plan(req(&mut g, &store, Endpoint::Generate, &text));
+        drop(p); // e.g. the destination header could not be set: a local reply instead
+        assert_eq!(g.index_len(), 0, "no phantom index entry");
+        assert!(Inflight::read(&store).is_empty(), "nothing counted");
+        assert_eq!(Inflight::load(&store).head(), 0, "nothing in the delta log for the other VMs");
+        assert!(g.take_report(&store, "gw").inserts.is_empty(), "nothing reported");
+        let c = route(&mut g, &store, &text);
+        assert!(c.main.counted && g.index_len() > 0);
+        assert_eq!(g.take_report(&store, "gw").inserts.len(), 1);
+    }
+
+    #[test]
     fn another_vm_sees_the_prefix() {
         let store = FakeStore::default();
         let mut a = gateway(&store, "");
         let mut b = Gateway::new(a.config().clone(), &store, 7);
         let prefix = "q".repeat(400);
-        let on_a = routed(a.req(&store, Endpoint::Generate, &body(&format!("{prefix}1"))));
-        let on_b = routed(b.req(&store, Endpoint::Generate, &body(&format!("{prefix}2"))));
+        let on_a = routed(&mut a, &store, &body(&format!("{prefix}1")));
+        let on_b = routed(&mut b, &store, &body(&format!("{prefix}2")));
         assert_eq!(on_a.addr, on_b.addr);
     }
 
@@ -457,11 +557,11 @@ mod tests {
     fn bad_requests_get_json_errors_and_do_not_count() {
         let store = FakeStore::default();
         let mut g = gateway(&store, r#","max_payload_size":64"#);
-        let r = reply(g.req(&store, Endpoint::Generate, br#"{"text": 5}"#));
+        let r = reply(req(&mut g, &store, Endpoint::Generate, br#"{"text": 5}"#));
         assert_eq!(r.status, 400);
         assert!(String::from_utf8_lossy(&r.body).contains("`text`"));
-        assert_eq!(reply(g.req(&store, Endpoint::Generate, b"{")).status, 400);
-        assert_eq!(reply(g.req(&store, Endpoint::Generate, &[b' '; 100])).status, 413);
+        assert_eq!(reply(req(&mut g, &store, Endpoint::Generate, b"{")).status, 400);
+        assert_eq!(reply(req(&mut g, &store, Endpoint::Generate, &[b' '; 100])).status, 413);
         assert_eq!(g.check_length(Some(65)).map(|r| r.status), Some(413));
         assert_eq!(g.check_length(Some(64)), None);
         assert!(Inflight::read(&store).is_empty());
@@ -471,17 +571,25 @@ mod tests {
     fn no_workers_is_503_with_retry_after() {
         let store = FakeStore::default();
         let mut g = Gateway::new(Config::default(), &store, 1);
-        let r = reply(g.req(&store, Endpoint::Generate, &body("x")));
+        let r = reply(req(&mut g, &store, Endpoint::Generate, &body("x")));
         assert_eq!((r.status, r.retry_after), (503, Some(1)));
-        assert_eq!(reply(g.route_other(&store, 0)).status, 503);
+        assert_eq!(g.route_other(&store, 0).map(|r| r.addr), Err(Reply::no_worker("worker")));
     }
 
     #[test]
-    fn other_paths_go_to_some_worker_uncounted() {
+    fn other_paths_spread_over_the_workers_uncounted() {
         let store = FakeStore::default();
         let mut g = gateway(&store, "");
-        let r = routed(g.route_other(&store, 0));
-        assert!(r.addr.starts_with("127.0.0.1:3000") && !r.counted);
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..60 {
+            let r = g.route_other(&store, 0).unwrap();
+            assert!(!r.counted);
+            seen.insert(r.addr);
+        }
+        let all: std::collections::BTreeSet<String> =
+            ["127.0.0.1:30001", "127.0.0.1:30002", "127.0.0.1:30003"].iter().map(|s| s.to_string()).collect();
+        assert_eq!(seen, all);
+        assert!(Inflight::read(&store).is_empty(), "other paths are not counted");
     }
 
     #[test]
@@ -489,13 +597,13 @@ mod tests {
         let store = FakeStore::default();
         let mut g = gateway(&store, r#","balance_abs_threshold":2"#);
         let prefix = "z".repeat(400);
-        let first = routed(g.req(&store, Endpoint::Generate, &body(&format!("{prefix}0"))));
+        let first = routed(&mut g, &store, &body(&format!("{prefix}0")));
         for i in 1..3 {
-            let r = routed(g.req(&store, Endpoint::Generate, &body(&format!("{prefix}{i}"))));
+            let r = routed(&mut g, &store, &body(&format!("{prefix}{i}")));
             assert_eq!(r.worker, first.worker);
         }
         // Three in flight on one worker, none elsewhere: imbalanced past abs threshold 2.
-        let r = routed(g.req(&store, Endpoint::Generate, &body(&format!("{prefix}3"))));
+        let r = routed(&mut g, &store, &body(&format!("{prefix}3")));
         assert_ne!(r.worker, first.worker);
     }
 
@@ -503,12 +611,25 @@ mod tests {
     fn eviction_runs_on_its_interval() {
         let store = FakeStore::default();
         let mut g = gateway(&store, r#","max_tree_size":64,"block_size":16,"eviction_interval_secs":10"#);
-        routed(g.req(&store, Endpoint::Generate, &body(&"e".repeat(320))));
+        routed(&mut g, &store, &body(&"e".repeat(320)));
         assert_eq!(g.index_len(), 20);
         assert_eq!(g.tick(&store, 100), None);
         assert_eq!(g.tick(&store, 105), None);
         assert_eq!(g.tick(&store, 110), Some(16));
         assert_eq!(g.index_len(), 4);
+    }
+
+    #[test]
+    fn with_a_control_plane_local_eviction_is_only_a_cap() {
+        let store = FakeStore::default();
+        let mut g = gateway(
+            &store,
+            r#","max_tree_size":64,"block_size":16,"eviction_interval_secs":10,"control_plane_cluster":"cp""#,
+        );
+        routed(&mut g, &store, &body(&"e".repeat(320)));
+        g.tick(&store, 100);
+        assert_eq!(g.tick(&store, 110), Some(12), "down to 2 x max_tree_size, not to it");
+        assert_eq!(g.index_len(), 8);
     }
 
     fn pd_gateway(store: &FakeStore, extra: &str) -> Gateway {
@@ -519,34 +640,36 @@ mod tests {
         Gateway::new(Config::from_json(json.as_bytes()).unwrap(), store, 5)
     }
 
-    fn split(o: Outcome) -> PdRouted {
-        match o {
-            Outcome::Pd(p) => p,
-            Outcome::Route(r) => panic!("expected a PD split, routed to {}", r.addr),
-            Outcome::Reply(r) => panic!("expected a PD split, got {} {}", r.status, String::from_utf8_lossy(&r.body)),
-        }
+    /// A PD split, committed: the legs and the body both receive.
+    fn split(g: &mut Gateway, store: &FakeStore, body: &[u8]) -> (Committed, Vec<u8>) {
+        let p = plan(req(g, store, Endpoint::Generate, body));
+        let sent = p.pd().map(|pd| pd.body.clone()).expect("a PD split");
+        let c = g.commit(store, p);
+        assert!(c.prefill.is_some());
+        (c, sent)
     }
 
     #[test]
     fn pd_split_injects_bootstrap_and_counts_both_legs() {
         let store = FakeStore::default();
         let mut g = pd_gateway(&store, "");
-        let p = split(g.req(&store, Endpoint::Generate, br#"{"text":["a","b","c"],"return_logprob":true}"#));
-        assert!(p.prefill.addr.ends_with(":30001") || p.prefill.addr.ends_with(":30002"));
-        assert!(p.decode.addr.ends_with(":30003") || p.decode.addr.ends_with(":30004"));
-        assert!(p.merge_logprobs && !p.stream);
-        let v: serde_json::Value = serde_json::from_slice(&p.body).unwrap();
+        let (c, sent) = split(&mut g, &store, br#"{"text":["a","b","c"],"return_logprob":true}"#);
+        let prefill = c.prefill.unwrap();
+        assert!(prefill.addr.ends_with(":30001") || prefill.addr.ends_with(":30002"));
+        assert!(c.main.addr.ends_with(":30003") || c.main.addr.ends_with(":30004"));
+        assert!(c.merge_logprobs && !c.stream);
+        let v: serde_json::Value = serde_json::from_slice(&sent).unwrap();
         let rooms = v["bootstrap_room"].as_array().unwrap();
         assert_eq!(rooms.len(), 3);
         assert!(rooms[0] != rooms[1] && rooms[1] != rooms[2]);
         assert_eq!(v["bootstrap_host"][2], "127.0.0.1");
         let expected_port =
-            if p.prefill.addr.ends_with(":30001") { serde_json::json!(8998) } else { serde_json::Value::Null };
+            if prefill.addr.ends_with(":30001") { serde_json::json!(8998) } else { serde_json::Value::Null };
         assert_eq!(v["bootstrap_port"][0], expected_port);
         assert_eq!(v["rid"], serde_json::json!(["rq-1-0", "rq-1-1", "rq-1-2"]));
         let mut counts = Inflight::read(&store);
         counts.sort();
-        let mut expected = vec![(p.prefill.worker, 1), (p.decode.worker, 1)];
+        let mut expected = vec![(prefill.worker, 1), (c.main.worker, 1)];
         expected.sort();
         assert_eq!(counts, expected);
     }
@@ -556,11 +679,12 @@ mod tests {
         let store = FakeStore::default();
         let mut g = pd_gateway(&store, "");
         let text = format!(r#"{{"text":"{}"}}"#, "s".repeat(300));
-        let first = split(g.req(&store, Endpoint::Generate, text.as_bytes()));
-        g.outcome(&store, &first.prefill, false, 1000);
+        let (first, _) = split(&mut g, &store, text.as_bytes());
+        let failed = first.prefill.unwrap();
+        g.outcome(&store, &failed, false, 1000);
         for _ in 0..10 {
-            let next = split(g.req(&store, Endpoint::Generate, text.as_bytes()));
-            assert_ne!(next.prefill.worker, first.prefill.worker, "the failed prefill worker is out of rotation");
+            let (next, _) = split(&mut g, &store, text.as_bytes());
+            assert_ne!(next.prefill.unwrap().worker, failed.worker, "the failed prefill worker is out of rotation");
         }
     }
 
@@ -569,7 +693,7 @@ mod tests {
         let store = FakeStore::default();
         let json = r#"{"pd_disaggregation":true,"prefill":["http://127.0.0.1:1"]}"#;
         let mut g = Gateway::new(Config::from_json(json.as_bytes()).unwrap(), &store, 1);
-        let r = reply(g.req(&store, Endpoint::Generate, br#"{"text":"x"}"#));
+        let r = reply(req(&mut g, &store, Endpoint::Generate, br#"{"text":"x"}"#));
         assert_eq!(r.status, 503);
         assert!(String::from_utf8_lossy(&r.body).contains("decode worker"));
         assert!(Inflight::read(&store).is_empty());
@@ -580,7 +704,7 @@ mod tests {
         let store = FakeStore::default();
         let mut g = pd_gateway(&store, "");
         for _ in 0..10 {
-            let r = routed(g.route_other(&store, 0));
+            let r = g.route_other(&store, 0).unwrap();
             assert!(r.addr.ends_with(":30003") || r.addr.ends_with(":30004"));
         }
     }
@@ -589,10 +713,11 @@ mod tests {
     fn pd_bad_batches_are_refused_before_anything_is_counted() {
         let store = FakeStore::default();
         let mut g = pd_gateway(&store, "");
-        let r = reply(g.req(&store, Endpoint::Generate, br#"{"text":["a","b"],"sampling_params":[{}]}"#));
+        let r = reply(req(&mut g, &store, Endpoint::Generate, br#"{"text":["a","b"],"sampling_params":[{}]}"#));
         assert_eq!(r.status, 400);
         assert!(String::from_utf8_lossy(&r.body).contains("`sampling_params`"));
         assert!(Inflight::read(&store).is_empty());
+        assert_eq!(g.index_len(), 0);
     }
 
     #[test]
@@ -604,42 +729,5 @@ mod tests {
         for h in ["x-request-id", "content-type", "x-envoy-expected-rq-timeout-ms"] {
             assert!(!is_routing_header(h), "{h}");
         }
-    }
-}
-
-#[cfg(test)]
-mod timing {
-    use super::tests::Req;
-    use super::*;
-    use crate::shared::fake::FakeStore;
-
-    #[test]
-    #[ignore]
-    fn time_route_request() {
-        let store = FakeStore::default();
-        let json = r#"{"worker_urls":["http://127.0.0.1:30001","http://127.0.0.1:30002","http://127.0.0.1:30003","http://127.0.0.1:30004"]}"#;
-        let mut g = Gateway::new(Config::from_json(json.as_bytes()).unwrap(), &store, 42);
-        let bodies: Vec<Vec<u8>> = (0..4096).map(|i| {
-            let group = i % 16;
-            let system = format!("System prompt {group}: you are assistant number {group}. ").repeat(20);
-            serde_json::json!({"text": format!("{system}Question {i}: what is {i} squared?"), "sampling_params": {"max_new_tokens": 1}}).to_string().into_bytes()
-        }).collect();
-        let t = std::time::Instant::now();
-        for i in 0..40960 {
-            if let Outcome::Route(r) = g.req(&store, Endpoint::Generate, &bodies[i % 4096]) {
-                g.finish(&store, &r, true);
-            }
-        }
-        eprintln!("per request: {:?}", t.elapsed() / 40960);
-        let pd = r#"{"pd_disaggregation":true,"prefill":[["http://127.0.0.1:30001",8998],["http://127.0.0.1:30002",8999]],"decode":["http://127.0.0.1:30003","http://127.0.0.1:30004"]}"#;
-        let mut g = Gateway::new(Config::from_json(pd.as_bytes()).unwrap(), &store, 42);
-        let t = std::time::Instant::now();
-        for i in 0..40960 {
-            if let Outcome::Pd(p) = g.req(&store, Endpoint::Generate, &bodies[i % 4096]) {
-                g.finish(&store, &p.prefill, true);
-                g.finish(&store, &p.decode, true);
-            }
-        }
-        eprintln!("PD per request: {:?}", t.elapsed() / 40960);
     }
 }

@@ -66,7 +66,8 @@ fn decode(value: &[u8]) -> Vec<(WorkerId, u64)> {
     value
         .chunks_exact(12)
         .filter_map(|c| {
-            Some((u32::from_le_bytes(c[..4].try_into().ok()?), u64::from_le_bytes(c[4..].try_into().ok()?)))
+            let (worker, until) = c.split_at_checked(4)?;
+            Some((u32::from_le_bytes(worker.try_into().ok()?), u64::from_le_bytes(until.try_into().ok()?)))
         })
         .collect()
 }

@@ -1,68 +1,125 @@
-//! The host side of the glue: Envoy's shared data and metrics through
-//! `proxy_wasm::hostcalls`, every `Status` handled (the SDK's trait helpers unwrap).
+//! The seam between the filter's logic and Envoy: everything the filter asks of its host —
+//! headers, bodies, local replies, resuming, HTTP callouts, gRPC streams, shared data, time and
+//! stats — behind one trait. `envoy.rs` implements it over `proxy_wasm::hostcalls` (wasm32
+//! only); [`mock::MockHost`] implements it in memory for native tests, so the request, PD and
+//! control-plane logic runs under `cargo test`.
 
-use proxy_wasm::hostcalls;
-use proxy_wasm::types::{MetricType, Status};
+use std::time::Duration;
 
-use crate::shared::{SetError, SharedStore};
+use crate::shared::SharedStore;
 
-/// Envoy's shared data for this VM id.
-pub struct EnvoyShared;
+/// What a callback tells the host: go on, or hold the stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    Continue,
+    Pause,
+}
 
-impl SharedStore for EnvoyShared {
-    fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
-        hostcalls::get_shared_data(key).unwrap_or((None, None))
-    }
+/// The filter's stats (Envoy's `/stats`, `/stats/prometheus`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Metric {
+    /// Counter: requests routed (each PD leg counts).
+    Requests,
+    /// Counter: requests answered by the filter itself.
+    LocalReplies,
+    /// Counter: requests routed to a worker believed to hold part of the prompt.
+    CacheHits,
+    /// Histogram: nanoseconds from the whole body to a routing decision.
+    DecisionNs,
+    /// Gauge: blocks in this VM's prefix index.
+    IndexBlocks,
+    /// Gauge: the last control-plane snapshot version applied.
+    SnapshotVersion,
+}
 
-    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
-        match hostcalls::set_shared_data(key, Some(value), cas) {
-            Ok(()) => Ok(()),
-            Err(Status::CasMismatch) => Err(SetError::CasMismatch),
-            Err(_) => Err(SetError::Other),
+impl Metric {
+    pub const ALL: [Metric; 6] = [
+        Metric::Requests,
+        Metric::LocalReplies,
+        Metric::CacheHits,
+        Metric::DecisionNs,
+        Metric::IndexBlocks,
+        Metric::SnapshotVersion,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Metric::Requests => "kvmesh_requests_total",
+            Metric::LocalReplies => "kvmesh_local_replies_total",
+            Metric::CacheHits => "kvmesh_cache_hits_total",
+            Metric::DecisionNs => "kvmesh_route_decision_ns",
+            Metric::IndexBlocks => "kvmesh_index_blocks",
+            Metric::SnapshotVersion => "kvmesh_snapshot_version",
         }
     }
 }
 
-/// The filter's stats, in Envoy's `/stats` (and `/stats/prometheus`).
-pub struct Metrics {
-    pub requests: Option<u32>,
-    pub local_replies: Option<u32>,
-    pub cache_hits: Option<u32>,
-    pub decision_ns: Option<u32>,
-    pub index_blocks: Option<u32>,
-    pub snapshot_version: Option<u32>,
-}
+/// Why the host refused a call (the host's status, for logs).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostError(pub String);
 
-impl Metrics {
-    pub fn define() -> Self {
-        let def = |t, name| hostcalls::define_metric(t, name).ok();
-        Self {
-            requests: def(MetricType::Counter, "kvmesh_requests_total"),
-            local_replies: def(MetricType::Counter, "kvmesh_local_replies_total"),
-            cache_hits: def(MetricType::Counter, "kvmesh_cache_hits_total"),
-            decision_ns: def(MetricType::Histogram, "kvmesh_route_decision_ns"),
-            index_blocks: def(MetricType::Gauge, "kvmesh_index_blocks"),
-            snapshot_version: def(MetricType::Gauge, "kvmesh_snapshot_version"),
-        }
-    }
-
-    pub fn incr(id: Option<u32>) {
-        if let Some(id) = id {
-            let _ = hostcalls::increment_metric(id, 1);
-        }
-    }
-
-    pub fn record(id: Option<u32>, value: u64) {
-        if let Some(id) = id {
-            let _ = hostcalls::record_metric(id, value);
-        }
+impl std::fmt::Display for HostError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
     }
 }
 
-/// Nanoseconds since the epoch, from the host's clock (0 if unavailable).
-pub fn now_nanos() -> u64 {
-    hostcalls::get_current_time()
-        .ok()
-        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-        .map_or(0, |d| d.as_nanos() as u64)
+/// An HTTP callout.
+#[derive(Clone, Copy, Debug)]
+pub struct Callout<'a> {
+    pub cluster: &'a str,
+    pub headers: &'a [(&'a str, &'a str)],
+    pub body: &'a [u8],
+    pub timeout: Duration,
 }
+
+/// Everything the filter asks of Envoy. Calls that concern "the" request or response act on
+/// the stream whose callback is running; callout and gRPC answers are read in their callbacks.
+pub trait Host: SharedStore {
+    // The request.
+    fn request_headers(&self) -> Vec<(String, String)>;
+    fn set_request_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError>;
+    /// The first `size` bytes of the buffered request body.
+    fn request_body(&self, size: usize) -> Vec<u8>;
+    /// Replaces the first `size` bytes of the buffered request body.
+    fn set_request_body(&self, size: usize, body: &[u8]) -> Result<(), HostError>;
+
+    // The response.
+    fn response_header(&self, name: &str) -> Option<String>;
+    fn set_response_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError>;
+    fn response_body(&self, size: usize) -> Vec<u8>;
+    fn set_response_body(&self, size: usize, body: &[u8]) -> Result<(), HostError>;
+    /// Answers the client locally (Envoy resets the upstream, if any).
+    fn send_reply(&self, status: u16, headers: &[(&str, &str)], body: &[u8]) -> Result<(), HostError>;
+    /// Lets a held response go on.
+    fn resume_response(&self) -> Result<(), HostError>;
+
+    // HTTP callouts: the answer arrives in `on_http_call_response`.
+    fn dispatch(&self, callout: Callout<'_>) -> Result<u32, HostError>;
+    /// The `:status` of the callout that answered (None: no response at all).
+    fn callout_status(&self) -> Option<u16>;
+    fn callout_body(&self, size: usize) -> Vec<u8>;
+
+    // gRPC streams to the control plane.
+    fn open_grpc_stream(&self, cluster: &str, service: &str, method: &str) -> Result<u32, HostError>;
+    fn send_grpc(&self, token: u32, message: &[u8], end_of_stream: bool) -> Result<(), HostError>;
+    fn cancel_grpc(&self, token: u32);
+    /// The message that arrived on a stream (in `on_grpc_stream_message`).
+    fn grpc_message(&self, size: usize) -> Vec<u8>;
+
+    // The rest.
+    /// Nanoseconds since the epoch (0 if the host cannot say).
+    fn now_nanos(&self) -> u64;
+    /// Envoy's node id, if set.
+    fn node_id(&self) -> Option<String>;
+    fn increment(&self, metric: Metric);
+    fn record(&self, metric: Metric, value: u64);
+}
+
+/// Milliseconds since the epoch.
+pub fn now_ms(host: &dyn Host) -> u64 {
+    host.now_nanos() / 1_000_000
+}
+
+#[cfg(test)]
+pub mod mock;

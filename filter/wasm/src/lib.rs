@@ -1,26 +1,35 @@
 //! kvmesh's proxy-wasm filter.
 //!
-//! The routing logic lives in `kvmesh-core` and in [`gateway`] (host-independent, tested
-//! natively with a fake shared-data store). The proxy-wasm glue — [`root`] (configuration,
-//! tick) and [`http`] (one request) — only translates host callbacks into calls on them and
-//! is compiled for wasm32 alone. A panic would abort the VM and fail every request on its
-//! Envoy thread, so `unwrap`, `expect` and `panic!` are denied here.
+//! The logic is host-independent and tested natively against [`host::mock::MockHost`]:
+//! [`request`] (one HTTP request), [`pd_leg`] (the PD legs' state machine), [`plugin`] (the
+//! root context: configuration, tick) and [`link`] (the control-plane link's state machine),
+//! over [`gateway`] (one VM's routing state, decide-then-commit), [`shared`] (state shared by
+//! the VMs of one Envoy) and [`health`] (passive health). Everything they ask of Envoy goes
+//! through the [`host::Host`] trait; `envoy.rs`, compiled for wasm32 only, implements it over
+//! `proxy_wasm::hostcalls` and translates Envoy's callbacks into calls on that logic.
+//!
+//! A panic would abort the VM and fail every request on its Envoy thread, so `unwrap`,
+//! `expect`, `panic!` and slice indexing are denied outside tests (workspace lints), and a
+//! panic hook logs through the host before the VM dies.
 
-#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
+// Linked into the `.wasm`: a panic there kills the VM and every request on its Envoy thread.
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing))]
 
 pub mod gateway;
 pub mod health;
+pub mod host;
+pub mod link;
+pub mod pd_leg;
+pub mod plugin;
+pub mod request;
 pub mod shared;
 
 #[cfg(target_arch = "wasm32")]
-mod host;
-#[cfg(target_arch = "wasm32")]
-mod http;
-#[cfg(target_arch = "wasm32")]
-mod root;
+mod envoy;
 
 #[cfg(target_arch = "wasm32")]
 proxy_wasm::main! {{
+    envoy::install_panic_hook();
     proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
-    proxy_wasm::set_root_context(|_| -> Box<dyn proxy_wasm::traits::RootContext> { Box::new(root::Root::default()) });
+    proxy_wasm::set_root_context(|_| -> Box<dyn proxy_wasm::traits::RootContext> { Box::new(envoy::Root::default()) });
 }}

@@ -54,6 +54,7 @@ fn u64_at(bytes: &[u8], at: usize) -> Option<u64> {
 /// `head u64` then 16-byte entries `(worker u32, in flight u32, finished u32, failed u32)`,
 /// updated by compare-and-swap. One read per routed request serves both the loads and the
 /// log; one CAS counts the request and takes a log sequence number.
+#[derive(Debug)]
 pub struct Inflight {
     value: Vec<u8>,
     cas: Option<u32>,
@@ -92,7 +93,9 @@ fn next_seq(value: &mut Vec<u8>) -> u64 {
         value.resize(HEAD, 0);
     }
     let seq = head_of(value) + 1;
-    value[..HEAD].copy_from_slice(&seq.to_le_bytes());
+    if let Some(head) = value.get_mut(..HEAD) {
+        head.copy_from_slice(&seq.to_le_bytes());
+    }
     seq
 }
 
@@ -175,7 +178,8 @@ fn apply(value: &mut Vec<u8>, worker: WorkerId, delta: i32, finished: Option<boo
     if value.len() < HEAD {
         value.resize(HEAD, 0);
     }
-    let at = match value[HEAD..].chunks_exact(ENTRY).position(|c| u32_at(c, 0) == Some(worker)) {
+    let existing = value.get(HEAD..).unwrap_or_default().chunks_exact(ENTRY).position(|c| u32_at(c, 0) == Some(worker));
+    let at = match existing {
         Some(i) => HEAD + i * ENTRY,
         None => {
             value.extend_from_slice(&worker.to_le_bytes());
@@ -279,7 +283,7 @@ impl DeltaLog {
                 break; // Taken but not written yet: read it next time.
             }
             if written == seq && u32_at(&entry, 8) != Some(self.vm) {
-                decode_deltas(&entry[12..], &mut out);
+                decode_deltas(entry.get(12..).unwrap_or_default(), &mut out);
             }
             self.cursor = seq;
             seq += 1;
@@ -339,11 +343,12 @@ impl SharedTable {
 
 fn decode_deltas(mut bytes: &[u8], out: &mut Vec<Delta>) {
     while let (Some(worker), Some(flags), Some(n)) = (u32_at(bytes, 0), u32_at(bytes, 4), u32_at(bytes, 8)) {
-        let end = 12 + n as usize * 8;
-        let Some(body) = bytes.get(12..end) else { return };
+        // A length that does not fit the value ends decoding (no wrap-around on 32-bit usize).
+        let Some(end) = (n as usize).checked_mul(8).and_then(|b| b.checked_add(12)) else { return };
+        let (Some(body), Some(rest)) = (bytes.get(12..end), bytes.get(end..)) else { return };
         let hashes = body.chunks_exact(8).filter_map(|c| u64_at(c, 0)).collect();
         out.push(Delta { worker, evict: flags & 1 != 0, from_cp: flags & 2 != 0, hashes });
-        bytes = &bytes[end..];
+        bytes = rest;
     }
 }
 

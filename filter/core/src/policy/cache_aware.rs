@@ -76,20 +76,22 @@ impl CacheAware {
         let mut best_blocks = 0usize;
         let mut depth = vec![0usize; cands.len()];
         for m in index.match_prefix(hashes) {
-            if let Some(pos) = cands.iter().position(|c| c.id == m.worker) {
-                depth[pos] = m.blocks;
+            if let Some(slot) = cands.iter().position(|c| c.id == m.worker).and_then(|pos| depth.get_mut(pos)) {
+                *slot = m.blocks;
                 best_blocks = best_blocks.max(m.blocks);
             }
         }
         let matched = covered_bytes(best_blocks, block_size, text_len);
         let ratio = if text_len == 0 { 0.0 } else { matched as f64 / text_len as f64 };
         if best_blocks > 0 && ratio > self.params.cache_threshold {
-            let pos = least_loaded(cands, (0..cands.len()).filter(|&p| depth[p] == best_blocks), rng)?;
+            let deepest = depth.iter().enumerate().filter(|&(_, &d)| d == best_blocks).map(|(p, _)| p);
+            let pos = least_loaded(cands, deepest, rng)?;
             return Some(Choice { pos, reason: Reason::CacheHit, matched_bytes: matched });
         }
 
         let smallest = cands.iter().map(|c| index.size_of(c.id)).min()?;
-        let pos = least_loaded(cands, (0..cands.len()).filter(|&p| index.size_of(cands[p].id) == smallest), rng)?;
+        let emptiest = cands.iter().enumerate().filter(|(_, c)| index.size_of(c.id) == smallest).map(|(p, _)| p);
+        let pos = least_loaded(cands, emptiest, rng)?;
         Some(Choice { pos, reason: Reason::SmallestIndex, matched_bytes: 0 })
     }
 }

@@ -90,10 +90,12 @@ pub(crate) fn least_loaded(
 ) -> Option<usize> {
     let mut best: Option<usize> = None;
     let mut ties = 0usize;
+    let load = |p: usize| cands.get(p).map(|c| c.load);
     for p in positions {
-        match best {
-            Some(b) if cands[p].load > cands[b].load => {}
-            Some(b) if cands[p].load == cands[b].load => {
+        let Some(lp) = load(p) else { continue };
+        match best.and_then(load) {
+            Some(lb) if lp > lb => {}
+            Some(lb) if lp == lb => {
                 // Reservoir sampling over the tied candidates.
                 ties += 1;
                 if rng.below(ties + 1) == 0 {

@@ -18,7 +18,8 @@ impl PowerOfTwo {
                 if b >= a {
                     b += 1;
                 }
-                Some(if cands[b].load < cands[a].load { b } else { a })
+                let load = |p: usize| cands.get(p).map_or(u64::MAX, |c| c.load);
+                Some(if load(b) < load(a) { b } else { a })
             }
         }
     }

@@ -8,13 +8,14 @@ pub struct RoundRobin {
 }
 
 impl RoundRobin {
-    pub fn pick(&mut self, cands: &[Candidate]) -> Option<usize> {
-        if cands.is_empty() {
-            return None;
-        }
-        let pos = self.next % cands.len();
+    /// The candidate whose turn it is (the turn passes only on [`advance`](Self::advance)).
+    pub fn pick(&self, cands: &[Candidate]) -> Option<usize> {
+        self.next.checked_rem(cands.len())
+    }
+
+    /// The turn passes to the next candidate.
+    pub fn advance(&mut self) {
         self.next = self.next.wrapping_add(1);
-        Some(pos)
     }
 }
 
@@ -26,7 +27,13 @@ mod tests {
     fn cycles_through_candidates() {
         let cands: Vec<Candidate> = (0..3).map(|id| Candidate { id, load: 0 }).collect();
         let mut rr = RoundRobin::default();
-        let picks: Vec<usize> = (0..6).filter_map(|_| rr.pick(&cands)).collect();
+        let picks: Vec<usize> = (0..6)
+            .filter_map(|_| {
+                let p = rr.pick(&cands);
+                rr.advance();
+                p
+            })
+            .collect();
         assert_eq!(picks, vec![0, 1, 2, 0, 1, 2]);
         assert_eq!(rr.pick(&[]), None);
     }

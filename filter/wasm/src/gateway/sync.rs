@@ -213,8 +213,8 @@ mod tests {
     fn route(g: &mut Gateway, store: &FakeStore, text: &str) -> String {
         let body = format!(r#"{{"text":"{text}"}}"#);
         match g.route_request(store, Endpoint::Generate, body.as_bytes(), &RequestInfo::default()) {
-            Outcome::Route(r) => r.addr,
-            _ => panic!("not routed"),
+            Outcome::Route(plan) => g.commit(store, plan).main.addr,
+            Outcome::Reply(r) => panic!("not routed: {}", r.status),
         }
     }
 

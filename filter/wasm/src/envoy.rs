@@ -1,0 +1,257 @@
+//! The proxy-wasm glue, compiled for wasm32 only: [`EnvoyHost`] implements [`Host`] over
+//! `proxy_wasm::hostcalls` (every `Status` handled: the SDK's trait helpers unwrap, and a
+//! panic kills the VM), and the contexts translate Envoy's callbacks into calls on
+//! [`Plugin`] and [`RequestFilter`] — nothing else.
+
+use std::rc::Rc;
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action as WasmAction, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
+
+use crate::host::{Action, Callout, Host, HostError, Metric};
+use crate::plugin::Plugin;
+use crate::request::RequestFilter;
+use crate::shared::{SetError, SharedStore};
+
+fn err(status: Status) -> HostError {
+    HostError(format!("{status:?}"))
+}
+
+/// Envoy, as seen from one VM: shared data, the current stream, and the VM's stats.
+#[derive(Default)]
+pub struct EnvoyHost {
+    /// Metric ids, in [`Metric::ALL`] order (None: the host refused to define it).
+    metrics: Vec<Option<u32>>,
+}
+
+impl EnvoyHost {
+    pub fn new() -> Self {
+        let metrics = Metric::ALL
+            .iter()
+            .map(|m| {
+                let kind = match m {
+                    Metric::Requests | Metric::LocalReplies | Metric::CacheHits => MetricType::Counter,
+                    Metric::DecisionNs => MetricType::Histogram,
+                    Metric::IndexBlocks | Metric::SnapshotVersion => MetricType::Gauge,
+                };
+                hostcalls::define_metric(kind, m.name()).ok()
+            })
+            .collect();
+        Self { metrics }
+    }
+
+    fn metric_id(&self, metric: Metric) -> Option<u32> {
+        let pos = Metric::ALL.iter().position(|m| *m == metric)?;
+        self.metrics.get(pos).copied().flatten()
+    }
+}
+
+impl SharedStore for EnvoyHost {
+    fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+        hostcalls::get_shared_data(key).unwrap_or((None, None))
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
+        match hostcalls::set_shared_data(key, Some(value), cas) {
+            Ok(()) => Ok(()),
+            Err(Status::CasMismatch) => Err(SetError::CasMismatch),
+            Err(_) => Err(SetError::Other),
+        }
+    }
+}
+
+impl Host for EnvoyHost {
+    fn request_headers(&self) -> Vec<(String, String)> {
+        hostcalls::get_map(MapType::HttpRequestHeaders).unwrap_or_default()
+    }
+
+    fn set_request_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError> {
+        hostcalls::set_map_value(MapType::HttpRequestHeaders, name, value).map_err(err)
+    }
+
+    fn request_body(&self, size: usize) -> Vec<u8> {
+        hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size).ok().flatten().unwrap_or_default()
+    }
+
+    fn set_request_body(&self, size: usize, body: &[u8]) -> Result<(), HostError> {
+        hostcalls::set_buffer(BufferType::HttpRequestBody, 0, size, body).map_err(err)
+    }
+
+    fn response_header(&self, name: &str) -> Option<String> {
+        hostcalls::get_map_value(MapType::HttpResponseHeaders, name).ok().flatten()
+    }
+
+    fn set_response_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError> {
+        hostcalls::set_map_value(MapType::HttpResponseHeaders, name, value).map_err(err)
+    }
+
+    fn response_body(&self, size: usize) -> Vec<u8> {
+        hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size).ok().flatten().unwrap_or_default()
+    }
+
+    fn set_response_body(&self, size: usize, body: &[u8]) -> Result<(), HostError> {
+        hostcalls::set_buffer(BufferType::HttpResponseBody, 0, size, body).map_err(err)
+    }
+
+    fn send_reply(&self, status: u16, headers: &[(&str, &str)], body: &[u8]) -> Result<(), HostError> {
+        hostcalls::send_http_response(u32::from(status), headers.to_vec(), Some(body)).map_err(err)
+    }
+
+    fn resume_response(&self) -> Result<(), HostError> {
+        hostcalls::resume_http_response().map_err(err)
+    }
+
+    fn dispatch(&self, c: Callout<'_>) -> Result<u32, HostError> {
+        hostcalls::dispatch_http_call(c.cluster, c.headers.to_vec(), Some(c.body), vec![], c.timeout).map_err(err)
+    }
+
+    fn callout_status(&self) -> Option<u16> {
+        hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status").ok().flatten()?.parse().ok()
+    }
+
+    fn callout_body(&self, size: usize) -> Vec<u8> {
+        hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size).ok().flatten().unwrap_or_default()
+    }
+
+    fn open_grpc_stream(&self, cluster: &str, service: &str, method: &str) -> Result<u32, HostError> {
+        hostcalls::open_grpc_stream(cluster, service, method, vec![]).map_err(err)
+    }
+
+    fn send_grpc(&self, token: u32, message: &[u8], end_of_stream: bool) -> Result<(), HostError> {
+        hostcalls::send_grpc_stream_message(token, Some(message), end_of_stream).map_err(err)
+    }
+
+    fn cancel_grpc(&self, token: u32) {
+        let _ = hostcalls::cancel_grpc_stream(token);
+    }
+
+    fn grpc_message(&self, size: usize) -> Vec<u8> {
+        hostcalls::get_buffer(BufferType::GrpcReceiveBuffer, 0, size).ok().flatten().unwrap_or_default()
+    }
+
+    fn now_nanos(&self) -> u64 {
+        hostcalls::get_current_time()
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+    }
+
+    fn node_id(&self) -> Option<String> {
+        let bytes = hostcalls::get_property(vec!["node", "id"]).ok().flatten()?;
+        Some(String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    fn increment(&self, metric: Metric) {
+        if let Some(id) = self.metric_id(metric) {
+            let _ = hostcalls::increment_metric(id, 1);
+        }
+    }
+
+    fn record(&self, metric: Metric, value: u64) {
+        if let Some(id) = self.metric_id(metric) {
+            let _ = hostcalls::record_metric(id, value);
+        }
+    }
+}
+
+/// Logs a panic through the host before the VM dies (Envoy then reloads it per
+/// `failure_policy`), so that the cause is in Envoy's log and not lost.
+pub fn install_panic_hook() {
+    std::panic::set_hook(Box::new(|info| {
+        let _ = hostcalls::log(LogLevel::Critical, &format!("kvmesh filter panicked: {info}"));
+    }));
+}
+
+fn action(a: Action) -> WasmAction {
+    match a {
+        Action::Continue => WasmAction::Continue,
+        Action::Pause => WasmAction::Pause,
+    }
+}
+
+/// The root context of one VM.
+#[derive(Default)]
+pub struct Root {
+    host: Rc<EnvoyHost>,
+    plugin: Plugin,
+}
+
+impl Context for Root {
+    fn on_grpc_stream_message(&mut self, token_id: u32, message_size: usize) {
+        self.plugin.on_grpc_message(self.host.as_ref(), token_id, message_size);
+    }
+
+    fn on_grpc_stream_close(&mut self, token_id: u32, status_code: u32) {
+        self.plugin.on_grpc_close(self.host.as_ref(), token_id, status_code);
+    }
+}
+
+/// How often every VM ticks (table check, lease, reports, eviction).
+const TICK: std::time::Duration = std::time::Duration::from_millis(20);
+
+impl RootContext for Root {
+    fn on_configure(&mut self, size: usize) -> bool {
+        let bytes = match hostcalls::get_buffer(BufferType::PluginConfiguration, 0, size) {
+            Ok(b) => b.unwrap_or_default(),
+            Err(status) => {
+                log::error!("cannot read the plugin configuration: {status:?}");
+                return false;
+            }
+        };
+        self.host = Rc::new(EnvoyHost::new());
+        let seed = kvmesh_core::rng::random_u64().unwrap_or_else(|_| self.host.now_nanos());
+        if let Err(e) = self.plugin.configure(self.host.as_ref(), &bytes, seed) {
+            log::error!("{e}");
+            return false;
+        }
+        let _ = hostcalls::set_tick_period(TICK);
+        true
+    }
+
+    fn on_tick(&mut self) {
+        self.plugin.on_tick(self.host.as_ref());
+    }
+
+    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(Http { host: Rc::clone(&self.host), filter: RequestFilter::new(self.plugin.gateway()) }))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+/// One HTTP stream.
+pub struct Http {
+    host: Rc<EnvoyHost>,
+    filter: RequestFilter,
+}
+
+impl Context for Http {
+    fn on_http_call_response(&mut self, token_id: u32, _num_headers: usize, body_size: usize, _num_trailers: usize) {
+        self.filter.on_callout_response(self.host.as_ref(), token_id, body_size);
+    }
+}
+
+impl HttpContext for Http {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> WasmAction {
+        action(self.filter.on_request_headers(self.host.as_ref(), end_of_stream))
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> WasmAction {
+        action(self.filter.on_request_body(self.host.as_ref(), body_size, end_of_stream))
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> WasmAction {
+        action(self.filter.on_response_headers(self.host.as_ref()))
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> WasmAction {
+        action(self.filter.on_response_body(self.host.as_ref(), body_size, end_of_stream))
+    }
+
+    fn on_log(&mut self) {
+        self.filter.on_log(self.host.as_ref());
+    }
+}

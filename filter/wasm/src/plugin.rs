@@ -1,0 +1,352 @@
+//! The plugin (root context) logic of one VM, host-independent: the configuration, parsed and
+//! validated once; the VM's [`Gateway`]; and the tick — adopt the control plane's worker
+//! table, drive the control-plane [`Link`] (lease, streams, reports), run eviction.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+
+use kvmesh_core::Config;
+use kvmesh_proto::v1::{Snapshot, WatchRequest};
+use kvmesh_proto::{Message, REPORT, SERVICE, WATCH};
+
+use crate::gateway::Gateway;
+use crate::host::{now_ms, Host, HostError, Metric};
+use crate::link::{Link, Step, LEASE_MS};
+use crate::shared::Lease;
+
+/// The control-plane side of the plugin: where to connect, as whom, and the link's state.
+struct ControlPlane {
+    cluster: String,
+    gateway_id: String,
+    link: Link,
+}
+
+#[derive(Default)]
+pub struct Plugin {
+    gateway: Option<Rc<RefCell<Gateway>>>,
+    control_plane: Option<ControlPlane>,
+}
+
+impl Plugin {
+    /// Parses and validates the plugin configuration; `seed` seeds this VM's randomness.
+    pub fn configure(&mut self, host: &dyn Host, bytes: &[u8], seed: u64) -> Result<(), String> {
+        let config = Config::from_json(bytes).map_err(|e| format!("invalid configuration: {e}"))?;
+        match &config.pd {
+            Some(pd) => log::info!(
+                "PD mode: prefill policy {}, decode policy {}, {} static workers",
+                pd.prefill_policy,
+                pd.decode_policy,
+                config.workers.workers.len()
+            ),
+            None => log::info!(
+                "policy {} over {} static workers, max payload {} bytes",
+                config.policy,
+                config.workers.workers.len(),
+                config.max_payload_size
+            ),
+        }
+        let cluster = config.control_plane_cluster.clone();
+        let report_interval_ms = config.report_interval_ms;
+        let gateway = Gateway::new(config, host, seed);
+        self.control_plane = cluster.map(|cluster| ControlPlane {
+            cluster,
+            gateway_id: gateway_id(host, gateway.vm_id()),
+            link: Link::new(report_interval_ms),
+        });
+        self.gateway = Some(Rc::new(RefCell::new(gateway)));
+        Ok(())
+    }
+
+    /// The gateway every request context of this VM shares.
+    pub fn gateway(&self) -> Option<Rc<RefCell<Gateway>>> {
+        self.gateway.clone()
+    }
+
+    pub fn on_tick(&mut self, host: &dyn Host) {
+        let Some(gateway) = &self.gateway else { return };
+        let Ok(mut gateway) = gateway.try_borrow_mut() else { return };
+        let now = now_ms(host);
+        gateway.sync_table(host);
+        if let Some(cp) = self.control_plane.as_mut() {
+            let holds = Lease::hold(host, gateway.vm_id(), now, LEASE_MS);
+            match cp.link.tick(now, holds) {
+                Step::Nothing => {}
+                Step::Connect => match connect(host, cp, &mut gateway) {
+                    Ok((watch, report)) => cp.link.connected(watch, report, now),
+                    Err(e) => {
+                        log::warn!("cannot open the control-plane streams on cluster {}: {e}", cp.cluster);
+                        cp.link.connect_failed(now);
+                    }
+                },
+                Step::Close { watch, report } => {
+                    log::info!("control-plane stream handed over to another VM");
+                    host.cancel_grpc(watch);
+                    host.cancel_grpc(report);
+                }
+                Step::Report { report, counts_due } => {
+                    let batch = gateway.take_report(host, &cp.gateway_id);
+                    if !batch.inserts.is_empty() || counts_due {
+                        match host.send_grpc(report, &batch.encode_to_vec(), false) {
+                            Ok(()) => cp.link.reported(now),
+                            Err(e) => {
+                                log::warn!("report to the control plane failed: {e}; reconnecting");
+                                for token in cp.link.send_failed(now).into_iter().flat_map(|(w, r)| [w, r]) {
+                                    host.cancel_grpc(token);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(evicted) = gateway.tick(host, now / 1_000) {
+            if evicted > 0 {
+                log::info!("evicted {evicted} index blocks, {} left", gateway.index_len());
+            }
+            host.record(Metric::IndexBlocks, gateway.index_len() as u64);
+        }
+    }
+
+    /// A message on a control-plane stream: a snapshot, on the watch stream.
+    pub fn on_grpc_message(&mut self, host: &dyn Host, token: u32, size: usize) {
+        let (Some(cp), Some(gateway)) = (self.control_plane.as_mut(), &self.gateway) else { return };
+        if !cp.link.is_watch(token) {
+            return;
+        }
+        let bytes = host.grpc_message(size);
+        let snapshot = match Snapshot::decode(bytes.as_slice()) {
+            Ok(s) => s,
+            Err(e) => {
+                log::warn!("undecodable snapshot from the control plane: {e}");
+                return;
+            }
+        };
+        cp.link.snapshot_received();
+        let Ok(mut g) = gateway.try_borrow_mut() else { return };
+        if snapshot.full {
+            log::info!("control plane snapshot {} with {} workers", snapshot.version, snapshot.workers.len());
+        }
+        g.apply_snapshot(host, &snapshot);
+        host.record(Metric::SnapshotVersion, snapshot.version);
+        host.record(Metric::IndexBlocks, g.index_len() as u64);
+    }
+
+    /// A control-plane stream closed: both go, and the link reconnects after its backoff.
+    pub fn on_grpc_close(&mut self, host: &dyn Host, token: u32, status: u32) {
+        let Some(cp) = self.control_plane.as_mut() else { return };
+        if let Some(other) = cp.link.stream_closed(token, now_ms(host)) {
+            log::warn!("control-plane stream closed (grpc status {status}); reconnecting with backoff");
+            if let Some(other) = other {
+                host.cancel_grpc(other);
+            }
+        }
+    }
+}
+
+/// This gateway's id in the control plane's logs and metrics.
+fn gateway_id(host: &dyn Host, vm: u32) -> String {
+    match host.node_id().filter(|n| !n.is_empty()) {
+        Some(n) => format!("{n}/{vm:08x}"),
+        None => format!("envoy-{vm:08x}"),
+    }
+}
+
+/// Opens both streams; sends the watch request and a full report of this VM's index (so that
+/// a restarted control plane learns what the gateways already know). On failure, whatever
+/// was opened is cancelled.
+fn connect(host: &dyn Host, cp: &ControlPlane, gateway: &mut Gateway) -> Result<(u32, u32), HostError> {
+    let watch = host.open_grpc_stream(&cp.cluster, SERVICE, WATCH)?;
+    let request = WatchRequest { gateway_id: cp.gateway_id.clone() }.encode_to_vec();
+    if let Err(e) = host.send_grpc(watch, &request, true) {
+        host.cancel_grpc(watch);
+        return Err(e);
+    }
+    let report = match host.open_grpc_stream(&cp.cluster, SERVICE, REPORT) {
+        Ok(r) => r,
+        Err(e) => {
+            host.cancel_grpc(watch);
+            return Err(e);
+        }
+    };
+    let full = gateway.full_report(&cp.gateway_id);
+    if let Err(e) = host.send_grpc(report, &full.encode_to_vec(), false) {
+        host.cancel_grpc(watch);
+        host.cancel_grpc(report);
+        return Err(e);
+    }
+    Ok((watch, report))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::mock::MockHost;
+    use crate::request::RequestFilter;
+    use kvmesh_proto::v1::{self as proto, ReportBatch};
+
+    const CONFIG: &str = r#"{"control_plane_cluster":"kvmesh_cp","report_interval_ms":20}"#;
+
+    fn plugin(host: &MockHost, seed: u64) -> Plugin {
+        let mut p = Plugin::default();
+        p.configure(host, CONFIG.as_bytes(), seed).unwrap();
+        p
+    }
+
+    fn snapshot(version: u64, ports: &[u16]) -> Vec<u8> {
+        let workers = ports
+            .iter()
+            .enumerate()
+            .map(|(i, port)| proto::Worker {
+                id: i as u32,
+                url: format!("http://127.0.0.1:{port}"),
+                healthy: true,
+                ..Default::default()
+            })
+            .collect();
+        proto::Snapshot { version, full: true, workers, workers_changed: true, ..Default::default() }.encode_to_vec()
+    }
+
+    fn deliver(host: &MockHost, p: &mut Plugin, token: u32, message: &[u8]) {
+        *host.grpc_inbox.borrow_mut() = message.to_vec();
+        p.on_grpc_message(host, token, message.len());
+    }
+
+    fn reports(host: &MockHost, token: u32) -> Vec<ReportBatch> {
+        host.grpc_sent
+            .borrow()
+            .iter()
+            .filter(|(t, _)| *t == token)
+            .map(|(_, m)| ReportBatch::decode(m.as_slice()).unwrap())
+            .collect()
+    }
+
+    fn route(host: &MockHost, p: &Plugin, text: &str) -> Option<String> {
+        let body = format!(r#"{{"text":"{text}"}}"#);
+        host.request("POST", "/generate", &[], body.as_bytes());
+        let mut f = RequestFilter::new(p.gateway());
+        f.on_request_headers(host, false);
+        f.on_request_body(host, body.len(), true);
+        let dst = host.request_header(crate::request::DST_HEADER);
+        f.on_log(host);
+        dst
+    }
+
+    #[test]
+    fn a_bad_configuration_is_refused_with_the_field_named() {
+        let host = MockHost::new();
+        let e = Plugin::default().configure(&host, br#"{"cache_threshold":2}"#, 1).unwrap_err();
+        assert!(e.contains("`cache_threshold`"), "{e}");
+    }
+
+    #[test]
+    fn the_lease_holder_connects_routes_on_snapshots_and_reports() {
+        let host = MockHost::new();
+        let mut p = plugin(&host, 1);
+        assert_eq!(route(&host, &p, "x"), None, "no workers before the first snapshot");
+        p.on_tick(&host);
+        let opened = host.grpc_opened.borrow().clone();
+        assert_eq!(
+            opened.iter().map(|(_, m)| m.as_str()).collect::<Vec<_>>(),
+            vec!["kvmesh_cp/Watch", "kvmesh_cp/Report"]
+        );
+        let (watch, report) = (opened[0].0, opened[1].0);
+        let watch_request = proto::WatchRequest::decode(host.grpc_sent.borrow()[0].1.as_slice()).unwrap();
+        assert_eq!(watch_request.gateway_id, format!("test-node/{:08x}", p.gateway().unwrap().borrow().vm_id()));
+        assert_eq!(reports(&host, report).len(), 1, "a full report on connect");
+        deliver(&host, &mut p, watch, &snapshot(4, &[30001]));
+        assert_eq!(host.metrics.borrow()[&Metric::SnapshotVersion], vec![4]);
+        assert_eq!(route(&host, &p, &"r".repeat(100)).as_deref(), Some("127.0.0.1:30001"));
+        host.advance_ms(20);
+        p.on_tick(&host);
+        let sent = reports(&host, report);
+        assert_eq!(sent.len(), 2);
+        assert_eq!(sent[1].inserts.len(), 1, "the routed prefix is reported");
+        assert_eq!(sent[1].inserts[0].hashes.len(), 4);
+        host.advance_ms(20);
+        p.on_tick(&host);
+        assert_eq!(reports(&host, report).len(), 2, "nothing new: no report until counts are due");
+        host.advance_ms(1_000);
+        p.on_tick(&host);
+        let last = reports(&host, report).pop().unwrap();
+        assert!(last.inserts.is_empty() && last.counts.len() == 1, "counts at least once a second");
+    }
+
+    #[test]
+    fn a_closed_stream_is_reopened_after_backoff() {
+        let host = MockHost::new();
+        let mut p = plugin(&host, 1);
+        p.on_tick(&host);
+        let (watch, report) = (host.grpc_opened.borrow()[0].0, host.grpc_opened.borrow()[1].0);
+        p.on_grpc_close(&host, watch, 14);
+        assert_eq!(*host.grpc_cancelled.borrow(), vec![report]);
+        host.advance_ms(99);
+        p.on_tick(&host);
+        assert_eq!(host.grpc_opened.borrow().len(), 2, "waits for the backoff");
+        host.advance_ms(1);
+        p.on_tick(&host);
+        assert_eq!(host.grpc_opened.borrow().len(), 4, "reconnected");
+    }
+
+    #[test]
+    fn an_unreachable_control_plane_is_retried_with_backoff() {
+        let host = MockHost::new();
+        host.refuse_grpc.set(true);
+        let mut p = plugin(&host, 1);
+        // 8 s of 20 ms ticks: attempts at 0, 100, 300, 700, 1500, 3100 and 6300 ms.
+        for _ in 0..400 {
+            p.on_tick(&host);
+            host.advance_ms(20);
+        }
+        assert_eq!(host.grpc_attempts.get(), 7);
+        assert!(host.grpc_opened.borrow().is_empty());
+        host.refuse_grpc.set(false);
+        host.advance_ms(5_000);
+        p.on_tick(&host);
+        assert_eq!(host.grpc_opened.borrow().len(), 2, "connects once the control plane is back");
+    }
+
+    #[test]
+    fn one_vm_holds_the_streams_and_another_takes_over_when_it_stops_ticking() {
+        let a_host = MockHost::new();
+        let b_host = a_host.vm();
+        let mut a = plugin(&a_host, 1);
+        let mut b = plugin(&b_host, 2);
+        a.on_tick(&a_host);
+        b.on_tick(&b_host);
+        assert_eq!(a_host.grpc_opened.borrow().len(), 2);
+        assert!(b_host.grpc_opened.borrow().is_empty(), "the lease is a's");
+        // a stops ticking (stuck, or replaced); the lease lapses.
+        b_host.advance_ms(LEASE_MS);
+        b.on_tick(&b_host);
+        assert_eq!(b_host.grpc_opened.borrow().len(), 2, "b took over");
+        // a comes back: it has lost the lease and closes its streams.
+        a_host.advance_ms(LEASE_MS + 20);
+        a.on_tick(&a_host);
+        assert_eq!(a_host.grpc_cancelled.borrow().len(), 2);
+    }
+
+    #[test]
+    fn the_table_reaches_the_vm_without_the_stream() {
+        let a_host = MockHost::new();
+        let b_host = a_host.vm();
+        let mut a = plugin(&a_host, 1);
+        let mut b = plugin(&b_host, 2);
+        a.on_tick(&a_host);
+        let watch = a_host.grpc_opened.borrow()[0].0;
+        deliver(&a_host, &mut a, watch, &snapshot(1, &[30007]));
+        b.on_tick(&b_host);
+        assert_eq!(route(&b_host, &b, "y").as_deref(), Some("127.0.0.1:30007"));
+    }
+
+    #[test]
+    fn garbage_on_the_watch_stream_is_ignored() {
+        let host = MockHost::new();
+        let mut p = plugin(&host, 1);
+        p.on_tick(&host);
+        let watch = host.grpc_opened.borrow()[0].0;
+        deliver(&host, &mut p, watch, b"\xff\xff\xff not protobuf");
+        deliver(&host, &mut p, 999, &snapshot(9, &[30001]));
+        assert!(host.metrics.borrow().get(&Metric::SnapshotVersion).is_none());
+        assert_eq!(route(&host, &p, "z"), None);
+    }
+}

@@ -1,0 +1,618 @@
+//! One HTTP request through the filter, host-independent: `envoy.rs` calls these methods from
+//! Envoy's callbacks with the real host; tests call them with [`crate::host::mock::MockHost`].
+//!
+//! - request headers: drop client routing headers; LLM paths pause for the body, other paths
+//!   are routed at once.
+//! - request body: at end of stream, decide (nothing changes yet), apply the decision to the
+//!   request (destination header; in PD mode the new body and the prefill callout), and only
+//!   when all of that worked, commit it (index, in-flight counts, delta log).
+//! - prefill callout answer, response headers and body: driven through [`PdLeg`].
+//! - log (always called, also on resets): the in-flight counts go down.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::Duration;
+
+use kvmesh_core::Endpoint;
+
+use crate::gateway::{is_routing_header, Gateway, Outcome, Plan, Reply, RequestInfo, Routed};
+use crate::host::{Action, Callout, Host, Metric};
+use crate::pd_leg::{Effect, PdLeg, PrefillResult};
+
+/// The header Envoy's ORIGINAL_DST cluster (`use_http_header`) connects to.
+pub const DST_HEADER: &str = "x-envoy-original-dst-host";
+pub const WORKER_HEADER: &str = "x-kvmesh-worker";
+pub const PREFILL_HEADER: &str = "x-kvmesh-prefill";
+/// How much of a failed prefill's body goes into the error message.
+const ERROR_DETAIL_BYTES: usize = 512;
+
+pub struct RequestFilter {
+    gateway: Option<Rc<RefCell<Gateway>>>,
+    endpoint: Option<Endpoint>,
+    path: String,
+    request_id: Option<String>,
+    /// The committed main leg (the worker, or the decode worker in PD mode).
+    routed: Option<Routed>,
+    pd: Option<PdLeg>,
+    /// This filter answered locally.
+    replied: bool,
+    /// The upstream's answer was not a server error (`None`: no answer seen).
+    upstream_ok: Option<bool>,
+}
+
+fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+}
+
+impl RequestFilter {
+    pub fn new(gateway: Option<Rc<RefCell<Gateway>>>) -> Self {
+        Self {
+            gateway,
+            endpoint: None,
+            path: String::new(),
+            request_id: None,
+            routed: None,
+            pd: None,
+            replied: false,
+            upstream_ok: None,
+        }
+    }
+
+    fn reply(&mut self, host: &dyn Host, reply: Reply) -> Action {
+        host.increment(Metric::LocalReplies);
+        self.replied = true;
+        let retry_after = reply.retry_after.map(|s| s.to_string());
+        let mut headers = vec![("content-type", "application/json")];
+        if let Some(secs) = retry_after.as_deref() {
+            headers.push(("retry-after", secs));
+        }
+        if let Err(e) = host.send_reply(reply.status, &headers, &reply.body) {
+            log::warn!("cannot send a local reply: {e}");
+        }
+        Action::Pause
+    }
+
+    fn not_configured(&mut self, host: &dyn Host) -> Action {
+        self.reply(
+            host,
+            Reply {
+                retry_after: Some(1),
+                ..Reply::error(503, "not_configured", "the kvmesh filter has no configuration")
+            },
+        )
+    }
+
+    fn with_gateway<T>(&self, f: impl FnOnce(&mut Gateway) -> T) -> Option<T> {
+        let gateway = self.gateway.as_ref()?;
+        let mut g = gateway.try_borrow_mut().ok()?;
+        Some(f(&mut g))
+    }
+
+    fn count_route(host: &dyn Host, routed: &Routed) {
+        host.increment(Metric::Requests);
+        if routed.matched_bytes > 0 {
+            host.increment(Metric::CacheHits);
+        }
+    }
+
+    pub fn on_request_headers(&mut self, host: &dyn Host, end_of_stream: bool) -> Action {
+        let headers = host.request_headers();
+        for (name, _) in headers.iter().filter(|(n, _)| is_routing_header(n)) {
+            let _ = host.set_request_header(name, None);
+        }
+        let now_secs = host.now_nanos() / 1_000_000_000;
+        let post = header(&headers, ":method") == Some("POST");
+        let path = header(&headers, ":path").unwrap_or("/");
+        let Some(endpoint) = Endpoint::from_path(path).filter(|_| post) else {
+            let Some(outcome) = self.with_gateway(|g| g.route_other(host, now_secs)) else {
+                return self.not_configured(host);
+            };
+            return match outcome {
+                Err(reply) => self.reply(host, reply),
+                // Other paths are not counted: nothing to commit but the destination.
+                Ok(routed) => match host.set_request_header(DST_HEADER, Some(&routed.addr)) {
+                    Ok(()) => {
+                        self.routed = Some(routed);
+                        Action::Continue
+                    }
+                    Err(e) => {
+                        self.reply(host, Reply::error(500, "internal", &format!("cannot set the destination: {e}")))
+                    }
+                },
+            };
+        };
+        let content_length = header(&headers, "content-length").and_then(|v| v.trim().parse().ok());
+        let Some(reply) =
+            self.with_gateway(|g| g.check_length(content_length).or_else(|| end_of_stream.then(|| g.empty_body())))
+        else {
+            return self.not_configured(host);
+        };
+        if let Some(reply) = reply {
+            return self.reply(host, reply);
+        }
+        self.path = path.to_string();
+        self.request_id = header(&headers, "x-request-id").map(String::from);
+        self.endpoint = Some(endpoint);
+        // The body is delivered to us only with `allow_on_headers_stop_iteration: true`.
+        Action::Pause
+    }
+
+    pub fn on_request_body(&mut self, host: &dyn Host, body_size: usize, end_of_stream: bool) -> Action {
+        let Some(endpoint) = self.endpoint else { return Action::Continue };
+        if self.routed.is_some() || self.replied {
+            return Action::Continue;
+        }
+        let Some(too_large) = self.with_gateway(|g| (body_size as u64 > g.max_payload_size()).then(|| g.too_large()))
+        else {
+            return self.not_configured(host);
+        };
+        if let Some(reply) = too_large {
+            return self.reply(host, reply);
+        }
+        if !end_of_stream {
+            return Action::Pause; // Buffer until the whole body is here.
+        }
+        let body = host.request_body(body_size);
+        let started = host.now_nanos();
+        let info = RequestInfo { request_id: self.request_id.as_deref(), now_secs: started / 1_000_000_000 };
+        let Some(outcome) = self.with_gateway(|g| g.route_request(host, endpoint, &body, &info)) else {
+            return self.not_configured(host);
+        };
+        host.record(Metric::DecisionNs, host.now_nanos().saturating_sub(started));
+        match outcome {
+            Outcome::Reply(reply) => self.reply(host, reply),
+            Outcome::Route(plan) => self.apply(host, plan, body_size),
+        }
+    }
+
+    /// Applies a decision to the request; commits it only when everything worked.
+    fn apply(&mut self, host: &dyn Host, plan: Plan, body_size: usize) -> Action {
+        let token = match self.prepare(host, &plan, body_size) {
+            Ok(token) => token,
+            Err(reply) => return self.reply(host, reply),
+        };
+        let Some(committed) = self.with_gateway(|g| g.commit(host, plan)) else {
+            return self.not_configured(host);
+        };
+        Self::count_route(host, &committed.main);
+        if let (Some(prefill), Some(token)) = (committed.prefill, token) {
+            Self::count_route(host, &prefill);
+            self.pd = Some(PdLeg::new(prefill, token, committed.stream, committed.merge_logprobs));
+        }
+        self.routed = Some(committed.main);
+        Action::Continue
+    }
+
+    /// Everything that can fail before a decision commits: the destination header and, in
+    /// PD mode, the new body and the prefill callout (whose token is returned).
+    fn prepare(&self, host: &dyn Host, plan: &Plan, body_size: usize) -> Result<Option<u32>, Reply> {
+        let internal = |what: &str, e: crate::host::HostError| Reply::error(500, "internal", &format!("{what}: {e}"));
+        let Some(pd) = plan.pd() else {
+            host.set_request_header(DST_HEADER, Some(plan.addr()))
+                .map_err(|e| internal("cannot set the destination", e))?;
+            return Ok(None);
+        };
+        let length = pd.body.len().to_string();
+        host.set_request_body(body_size, &pd.body).map_err(|e| internal("cannot rewrite the request body", e))?;
+        host.set_request_header("content-length", Some(&length))
+            .map_err(|e| internal("cannot set content-length", e))?;
+        host.set_request_header(DST_HEADER, Some(plan.addr()))
+            .map_err(|e| internal("cannot set the destination", e))?;
+        let (timeout_secs, cluster) = self
+            .with_gateway(|g| (g.request_timeout_secs(), g.upstream_cluster().to_string()))
+            .unwrap_or((60, "kvmesh_workers".to_string()));
+        let mut headers = vec![
+            (":method", "POST"),
+            (":path", self.path.as_str()),
+            (":authority", pd.prefill.addr.as_str()),
+            (DST_HEADER, pd.prefill.addr.as_str()),
+            ("content-type", "application/json"),
+        ];
+        if let Some(id) = self.request_id.as_deref() {
+            headers.push(("x-request-id", id));
+        }
+        let callout = Callout {
+            cluster: &cluster,
+            headers: &headers,
+            body: &pd.body,
+            timeout: Duration::from_secs(timeout_secs),
+        };
+        let token = host.dispatch(callout).map_err(|e| {
+            let msg = format!("cannot dispatch the prefill leg to {}: {e}", pd.prefill.addr);
+            Reply::error(502, "prefill_failed", &msg)
+        })?;
+        Ok(Some(token))
+    }
+
+    /// The prefill callout answered (or failed).
+    pub fn on_callout_response(&mut self, host: &dyn Host, token: u32, body_size: usize) {
+        let Some(leg) = self.pd.as_mut().filter(|leg| leg.awaits(token)) else { return };
+        let status = host.callout_status();
+        let ok = status.is_some_and(|s| (200..300).contains(&s));
+        let prefill = leg.prefill().clone();
+        let result = if ok {
+            PrefillResult::Ok { body: leg.wants_prefill_body().then(|| host.callout_body(body_size)) }
+        } else {
+            let why = status
+                .map_or_else(|| "no response (connection failure or timeout)".to_string(), |s| format!("HTTP {s}"));
+            let detail = host.callout_body(body_size.min(ERROR_DETAIL_BYTES));
+            let detail = String::from_utf8_lossy(&detail);
+            PrefillResult::Failed {
+                message: format!("prefill worker {} failed: {why} {detail}", prefill.addr).trim_end().to_string(),
+            }
+        };
+        let effects = leg.prefill_answered(result, |size| host.response_body(size));
+        let now_secs = host.now_nanos() / 1_000_000_000;
+        self.with_gateway(|g| {
+            g.finish(host, &prefill, ok);
+            g.outcome(host, &prefill, ok, now_secs);
+        });
+        for effect in effects {
+            match effect {
+                Effect::Fail502(message) => {
+                    self.reply(host, Reply::error(502, "prefill_failed", &message));
+                }
+                Effect::ReplaceHeldBody { size, body } => {
+                    if let Err(e) = host.set_response_body(size, &body) {
+                        log::warn!("cannot replace the held response body: {e}");
+                    }
+                }
+                Effect::ResumeResponse => {
+                    if let Err(e) = host.resume_response() {
+                        log::warn!("cannot resume the response: {e}");
+                    }
+                }
+            }
+        }
+    }
+
+    pub fn on_response_headers(&mut self, host: &dyn Host) -> Action {
+        if self.replied {
+            return Action::Continue;
+        }
+        let Some(routed) = self.routed.clone() else { return Action::Continue };
+        let status = host.response_header(":status").and_then(|s| s.parse::<u16>().ok()).unwrap_or(0);
+        let ok = status < 500;
+        self.upstream_ok = Some(ok);
+        let now_secs = host.now_nanos() / 1_000_000_000;
+        self.with_gateway(|g| g.outcome(host, &routed, ok, now_secs));
+        let _ = host.set_response_header(WORKER_HEADER, Some(&routed.addr));
+        let Some(leg) = self.pd.as_mut() else { return Action::Continue };
+        let _ = host.set_response_header(PREFILL_HEADER, Some(&leg.prefill().addr));
+        let (action, drop_length) = leg.decode_headers(status);
+        if drop_length {
+            let _ = host.set_response_header("content-length", None);
+        }
+        action
+    }
+
+    pub fn on_response_body(&mut self, host: &dyn Host, body_size: usize, end_of_stream: bool) -> Action {
+        let Some(leg) = self.pd.as_mut() else { return Action::Continue };
+        let step = leg.decode_body(body_size, end_of_stream, || host.response_body(body_size));
+        if let Some(out) = step.replace {
+            if let Err(e) = host.set_response_body(body_size, &out) {
+                log::warn!("cannot rewrite the response body: {e}");
+            }
+        }
+        step.action
+    }
+
+    pub fn on_log(&mut self, host: &dyn Host) {
+        let routed = self.routed.take();
+        let leg = self.pd.take();
+        self.with_gateway(|g| {
+            if let Some(routed) = routed {
+                // A local reply after routing (a failed prefill leg) cancelled the decode leg: not
+                // the decode worker's failure. Otherwise no answer at all counts as one.
+                let ok = self.upstream_ok.unwrap_or(self.replied);
+                g.finish(host, &routed, ok);
+            }
+            // A prefill callout still out is cancelled with the stream: release it.
+            if let Some(leg) = leg.filter(PdLeg::pending) {
+                g.release(host, leg.prefill());
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::mock::MockHost;
+    use crate::shared::Inflight;
+    use kvmesh_core::Config;
+
+    const REGULAR: &str = r#"{"worker_urls":["http://127.0.0.1:30001","http://127.0.0.1:30002"]}"#;
+    const PD: &str = r#"{"pd_disaggregation":true,"prefill":[["http://127.0.0.1:30001",8998]],
+        "decode":["http://127.0.0.1:30003"],"cb_failure_threshold":1}"#;
+
+    fn gateway(host: &MockHost, json: &str) -> Rc<RefCell<Gateway>> {
+        Rc::new(RefCell::new(Gateway::new(Config::from_json(json.as_bytes()).unwrap(), host, 9)))
+    }
+
+    /// Runs the request side of a POST through a fresh filter.
+    fn send(host: &MockHost, gw: &Rc<RefCell<Gateway>>, path: &str, body: &str) -> (RequestFilter, Action) {
+        host.request(
+            "POST",
+            path,
+            &[("x-request-id", "rq-7"), ("content-length", &body.len().to_string())],
+            body.as_bytes(),
+        );
+        let mut f = RequestFilter::new(Some(Rc::clone(gw)));
+        assert_eq!(f.on_request_headers(host, false), Action::Pause, "LLM paths wait for the body");
+        assert_eq!(f.on_request_body(host, body.len() / 2, false), Action::Pause, "buffered until the end");
+        let action = f.on_request_body(host, body.len(), true);
+        (f, action)
+    }
+
+    fn inflight(host: &MockHost) -> u32 {
+        Inflight::counts(host).iter().map(|c| c.in_flight).sum()
+    }
+
+    #[test]
+    fn a_regular_request_is_routed_counted_and_released() {
+        let host = MockHost::new();
+        let gw = gateway(&host, REGULAR);
+        let (mut f, action) = send(&host, &gw, "/generate", r#"{"text":"hello"}"#);
+        assert_eq!(action, Action::Continue);
+        let dst = host.request_header(DST_HEADER).unwrap();
+        assert!(dst == "127.0.0.1:30001" || dst == "127.0.0.1:30002");
+        assert_eq!(inflight(&host), 1);
+        assert_eq!(host.metric_sum(Metric::Requests), 1);
+        assert_eq!(host.metric_count(Metric::DecisionNs), 1);
+        host.set_response(200, b"{}");
+        assert_eq!(f.on_response_headers(&host), Action::Continue);
+        assert_eq!(host.response_header(WORKER_HEADER).as_deref(), Some(dst.as_str()));
+        f.on_log(&host);
+        assert_eq!(inflight(&host), 0);
+        assert_eq!(Inflight::counts(&host)[0].finished, 1);
+    }
+
+    #[test]
+    fn client_routing_headers_are_dropped_and_never_pick_the_destination() {
+        let host = MockHost::new();
+        let gw = gateway(&host, REGULAR);
+        let body = r#"{"text":"x"}"#;
+        host.request(
+            "POST",
+            "/generate",
+            &[
+                (DST_HEADER, "10.9.9.9:80"),
+                ("x-kvmesh-worker", "evil"),
+                ("x-gateway-destination-endpoint", "1.1.1.1:1"),
+            ],
+            body.as_bytes(),
+        );
+        let mut f = RequestFilter::new(Some(gw));
+        assert_eq!(f.on_request_headers(&host, false), Action::Pause);
+        assert!(host.request_header("x-kvmesh-worker").is_none());
+        assert!(host.request_header("x-gateway-destination-endpoint").is_none());
+        assert!(host.request_header(DST_HEADER).is_none(), "removed before any decision");
+        f.on_request_body(&host, body.len(), true);
+        assert!(host.request_header(DST_HEADER).unwrap().starts_with("127.0.0.1:3000"));
+    }
+
+    #[test]
+    fn a_decision_that_cannot_be_applied_is_a_500_and_leaves_no_trace() {
+        let host = MockHost::new();
+        let gw = gateway(&host, REGULAR);
+        let text = format!(r#"{{"text":"{}"}}"#, "k".repeat(300));
+        host.refuse_headers.set(true);
+        let (mut f, action) = send(&host, &gw, "/generate", &text);
+        assert_eq!(action, Action::Pause);
+        assert_eq!(host.reply().unwrap().status, 500);
+        assert_eq!(inflight(&host), 0);
+        assert_eq!(gw.borrow_mut().index_len(), 0, "the prefix was not indexed");
+        f.on_log(&host);
+        assert!(Inflight::counts(&host).is_empty(), "nothing was counted, nothing finished");
+    }
+
+    #[test]
+    fn bad_bodies_and_sizes_get_json_errors() {
+        let host = MockHost::new();
+        let gw = gateway(&host, r#"{"worker_urls":["http://127.0.0.1:30001"],"max_payload_size":64}"#);
+        let (_, action) = send(&host, &gw, "/v1/chat/completions", r#"{"messages":"hi"}"#);
+        assert_eq!(action, Action::Pause);
+        let r = host.reply().unwrap();
+        assert_eq!(r.status, 400);
+        assert!(r.json()["error"]["message"].as_str().unwrap().contains("`messages`"));
+        // Declared too large: refused at the headers.
+        host.request("POST", "/generate", &[("content-length", "65")], b"");
+        let mut f = RequestFilter::new(Some(Rc::clone(&gw)));
+        assert_eq!(f.on_request_headers(&host, false), Action::Pause);
+        assert_eq!(host.reply().unwrap().status, 413);
+        // Grows too large while buffering.
+        host.request("POST", "/generate", &[], b"");
+        let mut f = RequestFilter::new(Some(Rc::clone(&gw)));
+        f.on_request_headers(&host, false);
+        assert_eq!(f.on_request_body(&host, 65, false), Action::Pause);
+        assert_eq!(host.reply().unwrap().status, 413);
+        // No body at all.
+        host.request("POST", "/generate", &[], b"");
+        let mut f = RequestFilter::new(Some(gw));
+        f.on_request_headers(&host, true);
+        assert_eq!(host.reply().unwrap().status, 400);
+        assert_eq!(host.metric_sum(Metric::LocalReplies), 4);
+        assert_eq!(inflight(&host), 0);
+    }
+
+    #[test]
+    fn other_paths_and_methods_go_to_a_worker_uncounted() {
+        let host = MockHost::new();
+        let gw = gateway(&host, REGULAR);
+        for (method, path) in [("GET", "/v1/models"), ("GET", "/generate")] {
+            host.request(method, path, &[], b"");
+            let mut f = RequestFilter::new(Some(Rc::clone(&gw)));
+            assert_eq!(f.on_request_headers(&host, true), Action::Continue);
+            assert!(host.request_header(DST_HEADER).is_some());
+            f.on_log(&host);
+        }
+        assert!(Inflight::counts(&host).is_empty());
+    }
+
+    #[test]
+    fn without_configuration_every_request_gets_a_503() {
+        let host = MockHost::new();
+        host.request("POST", "/generate", &[], b"{}");
+        let mut f = RequestFilter::new(None);
+        assert_eq!(f.on_request_headers(&host, false), Action::Pause);
+        let r = host.reply().unwrap();
+        assert_eq!(r.status, 503);
+        assert!(r.headers.contains(&("retry-after".into(), "1".into())));
+    }
+
+    // --- PD ---
+
+    fn pd_send(host: &MockHost, gw: &Rc<RefCell<Gateway>>, body: &str) -> RequestFilter {
+        let (f, action) = send(host, gw, "/generate", body);
+        assert_eq!(action, Action::Continue, "{:?}", host.reply());
+        f
+    }
+
+    fn callout(host: &MockHost) -> crate::host::mock::SentCallout {
+        host.callouts.borrow().last().cloned().expect("a prefill callout")
+    }
+
+    const PREFILL_ANSWER: &str = r#"{"text":"","meta_info":{"input_token_logprobs":[[-0.5,1,null],[-0.25,2,null]]}}"#;
+    const DECODE_ANSWER: &str = r#"{"text":"ok","meta_info":{"input_token_logprobs":[[-1.0,3,null]]}}"#;
+
+    fn answer_prefill(host: &MockHost, f: &mut RequestFilter, status: Option<u16>, body: &str) {
+        *host.callout_answer.borrow_mut() = (status, body.as_bytes().to_vec());
+        f.on_callout_response(host, callout(host).token, body.len());
+    }
+
+    fn merged_ids(body: &[u8]) -> Vec<u64> {
+        let v: serde_json::Value = serde_json::from_slice(body).unwrap();
+        v["meta_info"]["input_token_logprobs"].as_array().unwrap().iter().map(|t| t[1].as_u64().unwrap()).collect()
+    }
+
+    #[test]
+    fn pd_both_legs_get_the_same_rewritten_body_and_the_headers_name_both() {
+        let host = MockHost::new();
+        let gw = gateway(&host, PD);
+        let mut f = pd_send(&host, &gw, r#"{"text":"hi"}"#);
+        let c = callout(&host);
+        assert_eq!(c.body, *host.request_body.borrow(), "decode and prefill bodies are identical");
+        let v: serde_json::Value = serde_json::from_slice(&c.body).unwrap();
+        assert_eq!((v["bootstrap_host"].as_str(), v["bootstrap_port"].as_u64()), (Some("127.0.0.1"), Some(8998)));
+        assert_eq!(v["rid"], "rq-7");
+        assert!(c.headers.contains(&(DST_HEADER.into(), "127.0.0.1:30001".into())));
+        assert!(c.headers.contains(&("x-request-id".into(), "rq-7".into())));
+        assert_eq!(host.request_header(DST_HEADER).as_deref(), Some("127.0.0.1:30003"));
+        assert_eq!(host.request_header("content-length"), Some(c.body.len().to_string()));
+        assert_eq!(inflight(&host), 2);
+        answer_prefill(&host, &mut f, Some(200), "{}");
+        assert_eq!(inflight(&host), 1, "the prefill leg is finished when it answers");
+        host.set_response(200, b"{}");
+        assert_eq!(f.on_response_headers(&host), Action::Continue);
+        assert_eq!(host.response_header(PREFILL_HEADER).as_deref(), Some("127.0.0.1:30001"));
+        f.on_log(&host);
+        assert_eq!(inflight(&host), 0);
+    }
+
+    #[test]
+    fn pd_refused_callout_is_a_502_and_nothing_is_committed() {
+        let host = MockHost::new();
+        let gw = gateway(&host, PD);
+        host.refuse_dispatch.set(true);
+        let text = format!(r#"{{"text":"{}"}}"#, "w".repeat(200));
+        let (mut f, action) = send(&host, &gw, "/generate", &text);
+        assert_eq!(action, Action::Pause);
+        let r = host.reply().unwrap();
+        assert_eq!(r.status, 502);
+        assert!(r.json()["error"]["message"].as_str().unwrap().contains("127.0.0.1:30001"));
+        assert_eq!(inflight(&host), 0);
+        assert_eq!(gw.borrow_mut().index_len(), 0);
+        f.on_log(&host);
+        assert!(Inflight::counts(&host).is_empty());
+    }
+
+    /// The orderings of the prefill answer and the decode response, with logprob merging.
+    #[test]
+    fn pd_logprobs_merge_whatever_arrives_first() {
+        let body = r#"{"text":"hi","return_logprob":true}"#;
+        let decode = DECODE_ANSWER.as_bytes();
+        // 1. The prefill answers before the decode response starts.
+        let host = MockHost::new();
+        let gw = gateway(&host, PD);
+        let mut f = pd_send(&host, &gw, body);
+        answer_prefill(&host, &mut f, Some(200), PREFILL_ANSWER);
+        host.set_response(200, decode);
+        assert_eq!(f.on_response_headers(&host), Action::Continue);
+        assert!(host.response_header("content-length").is_none(), "the merged body has another length");
+        assert_eq!(f.on_response_body(&host, decode.len(), true), Action::Continue);
+        assert_eq!(merged_ids(&host.response_body.borrow()), vec![1, 2, 3]);
+        // 2. Decode headers first: held, resumed by the prefill answer.
+        let host = MockHost::new();
+        let gw = gateway(&host, PD);
+        let mut f = pd_send(&host, &gw, body);
+        host.set_response(200, decode);
+        assert_eq!(f.on_response_headers(&host), Action::Pause);
+        answer_prefill(&host, &mut f, Some(200), PREFILL_ANSWER);
+        assert_eq!(host.resumed.get(), 1);
+        assert_eq!(f.on_response_body(&host, decode.len(), true), Action::Continue);
+        assert_eq!(merged_ids(&host.response_body.borrow()), vec![1, 2, 3]);
+        // 3. The whole decode body first: merged in place, then resumed.
+        let host = MockHost::new();
+        let gw = gateway(&host, PD);
+        let mut f = pd_send(&host, &gw, body);
+        host.set_response(200, decode);
+        assert_eq!(f.on_response_headers(&host), Action::Pause);
+        assert_eq!(f.on_response_body(&host, decode.len(), true), Action::Pause);
+        answer_prefill(&host, &mut f, Some(200), PREFILL_ANSWER);
+        assert_eq!(host.resumed.get(), 1);
+        assert_eq!(merged_ids(&host.response_body.borrow()), vec![1, 2, 3]);
+        f.on_log(&host);
+        assert_eq!(inflight(&host), 0);
+    }
+
+    #[test]
+    fn pd_failed_prefill_before_the_response_is_a_502_naming_it() {
+        for (status, why) in [(Some(500), "HTTP 500"), (None, "no response")] {
+            let host = MockHost::new();
+            let gw = gateway(&host, PD);
+            let mut f = pd_send(&host, &gw, r#"{"text":"hi","return_logprob":true}"#);
+            host.set_response(200, DECODE_ANSWER.as_bytes());
+            assert_eq!(f.on_response_headers(&host), Action::Pause);
+            answer_prefill(&host, &mut f, status, "boom");
+            let r = host.reply().unwrap();
+            assert_eq!(r.status, 502);
+            let msg = r.json()["error"]["message"].as_str().unwrap().to_string();
+            assert!(msg.contains("127.0.0.1:30001") && msg.contains(why), "{msg}");
+            f.on_log(&host);
+            assert_eq!(inflight(&host), 0);
+            let counts = Inflight::counts(&host);
+            let decode = counts.iter().find(|c| c.worker == 1).unwrap();
+            assert_eq!(decode.failed, 0, "the cancelled decode leg is not the decode worker's failure");
+        }
+    }
+
+    #[test]
+    fn pd_failed_prefill_inside_a_stream_is_an_sse_error_event() {
+        let host = MockHost::new();
+        let gw = gateway(&host, PD);
+        let mut f = pd_send(&host, &gw, r#"{"text":"hi","stream":true}"#);
+        host.set_response(200, b"data: {\"text\":\"a\"}\n\n");
+        assert_eq!(f.on_response_headers(&host), Action::Continue);
+        assert_eq!(f.on_response_body(&host, 20, false), Action::Continue);
+        answer_prefill(&host, &mut f, Some(503), "");
+        assert!(host.reply().is_none(), "too late for a local reply");
+        *host.response_body.borrow_mut() = b"data: {\"text\":\"b\"}\n\n".to_vec();
+        f.on_response_body(&host, 20, false);
+        let out = String::from_utf8(host.response_body.borrow().clone()).unwrap();
+        assert!(out.starts_with("data: {\"error\"") && out.contains("prefill_failed"), "{out}");
+    }
+
+    #[test]
+    fn pd_a_prefill_still_out_when_the_stream_ends_is_released() {
+        let host = MockHost::new();
+        let gw = gateway(&host, PD);
+        let mut f = pd_send(&host, &gw, r#"{"text":"hi"}"#);
+        assert_eq!(inflight(&host), 2);
+        f.on_log(&host); // the client went away
+        assert_eq!(inflight(&host), 0);
+        // A late answer to the cancelled callout changes nothing.
+        answer_prefill(&host, &mut f, Some(200), "{}");
+        assert_eq!(inflight(&host), 0);
+    }
+}
