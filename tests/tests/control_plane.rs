@@ -273,6 +273,39 @@ fn bad_flags_and_config_are_one_line_errors_with_exit_code_2() {
     std::fs::write(&file, ": not yaml [").unwrap();
     let (code, err) = run(&["--config", file.to_str().unwrap()]);
     assert_eq!((code, err.trim().lines().count()), (Some(2), 1), "{err}");
+    std::fs::write(&file, "polcy: random\n").unwrap();
+    let (code, err) = run(&["--config", file.to_str().unwrap()]);
+    assert_eq!((code, err.trim().lines().count()), (Some(2), 1), "{err}");
+    assert!(err.contains("unknown key `polcy`"), "{err}");
+    // sglang-router flags kvmesh must refuse name what to use instead.
+    let (code, err) = run(&["--enable-igw"]);
+    assert_eq!((code, err.trim().lines().count()), (Some(2), 1), "{err}");
+    assert!(err.contains("--enable-igw") && err.contains("Envoy's routes"), "{err}");
+}
+
+/// A command line written for sglang-router starts kvmesh-cp; the flags that have no effect
+/// in kvmesh are named in warnings.
+#[test]
+fn sglang_router_flags_with_no_effect_start_with_a_warning_each() {
+    let workers = sims(1);
+    let mut flags = worker_flags(&workers);
+    flags.extend(
+        ["--port", "30000", "--model-path", "org/model", "--dp-aware", "--retry-max-retries", "3"].map(String::from),
+    );
+    let mut cp = ControlPlane::start(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    wait_until("kvmesh-cp to log its warnings", Duration::from_secs(10), || {
+        let log = cp.proc().log_text();
+        [
+            "--port: No effect",
+            "--model-path: No effect",
+            "--dp-aware: No effect",
+            "--retry-max-retries: Accepted, not yet enforced",
+        ]
+        .iter()
+        .all(|w| log.contains(w))
+    })
+    .unwrap_or_else(|e| panic!("{e}: {}", cp.proc().log_text()));
+    assert_eq!(cp.snapshot().unwrap()["settings"]["retry_max_retries"], 3, "carried in the settings");
 }
 
 /// A message whose field 2 is a varint where `ReportBatch` has a list of messages: it does
