@@ -1,6 +1,7 @@
 //! The HTTP admin API (sglang-router compatible where it overlaps) and `/metrics`.
 
-use std::sync::Arc;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
 
 use axum::extract::{Query, State as Axum};
 use axum::http::StatusCode;
@@ -10,6 +11,7 @@ use axum::{Json, Router};
 use kvmesh_proto::v1::Role;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
@@ -20,7 +22,7 @@ use crate::state::{role_name, Source, State};
 
 type Shared = Axum<Arc<State>>;
 
-pub fn router(state: Arc<State>) -> Router {
+pub fn router(state: Arc<State>, metrics: Arc<Metrics>) -> Router {
     Router::new()
         .route("/add_worker", post(add_worker))
         .route("/remove_worker", post(remove_worker))
@@ -29,13 +31,13 @@ pub fn router(state: Arc<State>) -> Router {
         .route("/snapshot", get(snapshot))
         .route("/match", post(match_text))
         .route("/health", get(|| async { "OK" }))
-        .route("/metrics", get(metrics))
         .with_state(state)
+        .merge(metrics_router(metrics))
 }
 
 /// Only `/metrics`, for `--prometheus-port`.
-pub fn metrics_router(state: Arc<State>) -> Router {
-    Router::new().route("/metrics", get(metrics)).with_state(state)
+pub fn metrics_router(metrics: Arc<Metrics>) -> Router {
+    Router::new().route("/metrics", get(self::metrics)).with_state(metrics)
 }
 
 #[derive(Deserialize)]
@@ -121,45 +123,145 @@ struct WorkerLabels {
     role: String,
 }
 
-async fn metrics(Axum(state): Shared) -> impl IntoResponse {
-    let mut registry = Registry::default();
-    let healthy = Family::<WorkerLabels, Gauge>::default();
-    let load = Family::<WorkerLabels, Gauge>::default();
-    let inflight = Family::<WorkerLabels, Gauge>::default();
-    for w in state.workers() {
-        let labels = WorkerLabels { worker: w.url.clone(), role: role_name(w.role).into() };
-        healthy.get_or_create(&labels).set(i64::from(w.healthy));
-        load.get_or_create(&labels).set(w.load() as i64);
-        inflight.get_or_create(&labels).set(w.inflight_total() as i64);
+/// The `/metrics` registry, built once at startup. The control plane's own counters are the
+/// state's handles; the per-worker families and the index gauges are brought up to date on
+/// each scrape (series of workers that left are removed).
+pub struct Metrics {
+    state: Arc<State>,
+    registry: Registry,
+    healthy: Family<WorkerLabels, Gauge>,
+    load: Family<WorkerLabels, Gauge>,
+    inflight: Family<WorkerLabels, Gauge>,
+    requests: Family<WorkerLabels, Counter>,
+    errors: Family<WorkerLabels, Counter>,
+    index_blocks: Gauge,
+    index_entries: Gauge,
+    /// The label sets of the workers at the last scrape.
+    known: Mutex<HashSet<WorkerLabels>>,
+}
+
+impl Metrics {
+    pub fn new(state: Arc<State>) -> Arc<Self> {
+        let mut registry = Registry::default();
+        let m = Self {
+            registry: Registry::default(),
+            healthy: Family::default(),
+            load: Family::default(),
+            inflight: Family::default(),
+            requests: Family::default(),
+            errors: Family::default(),
+            index_blocks: Gauge::default(),
+            index_entries: Gauge::default(),
+            known: Mutex::default(),
+            state,
+        };
+        registry.register("sgl_router_worker_health", "Worker health (1 healthy)", m.healthy.clone());
+        registry.register("sgl_router_worker_load", "Worker load (running + queued requests)", m.load.clone());
+        registry.register("kvmesh_worker_in_flight", "In-flight requests reported by the gateways", m.inflight.clone());
+        // Counters: the exposition adds `_total`.
+        registry.register(
+            "sgl_router_requests",
+            "Requests finished, per worker, over all gateways",
+            m.requests.clone(),
+        );
+        registry.register(
+            "sgl_router_request_errors",
+            "Requests that failed (no answer or 5xx), per worker",
+            m.errors.clone(),
+        );
+        registry.register("kvmesh_index_blocks", "Distinct blocks in the global prefix index", m.index_blocks.clone());
+        registry.register(
+            "kvmesh_index_entries",
+            "Worker-block entries in the global prefix index",
+            m.index_entries.clone(),
+        );
+        let c = &m.state.counters;
+        registry.register("kvmesh_reports", "Gateway report batches merged", c.reports.clone());
+        registry.register("kvmesh_bad_reports", "Report entries or streams rejected", c.bad_reports.clone());
+        registry.register("kvmesh_evicted_blocks", "Blocks evicted from the global index", c.evicted_blocks.clone());
+        registry.register("kvmesh_snapshot_deltas", "Snapshot deltas pushed", c.deltas.clone());
+        Arc::new(Self { registry, ..m })
     }
-    registry.register("sgl_router_worker_health", "Worker health (1 healthy)", healthy);
-    registry.register("sgl_router_worker_load", "Worker load (running + queued requests)", load);
-    registry.register("kvmesh_worker_in_flight", "In-flight requests reported by the gateways", inflight);
-    let requests = Family::<WorkerLabels, prometheus_client::metrics::counter::Counter>::default();
-    let errors = Family::<WorkerLabels, prometheus_client::metrics::counter::Counter>::default();
-    for w in state.workers() {
-        let labels = WorkerLabels { worker: w.url.clone(), role: role_name(w.role).into() };
-        requests.get_or_create(&labels).inc_by(w.requests);
-        errors.get_or_create(&labels).inc_by(w.errors);
+
+    /// Brings the per-worker series up to date and encodes the registry.
+    pub fn encode(&self) -> String {
+        let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
+        let mut now = HashSet::new();
+        for w in self.state.workers() {
+            let labels = WorkerLabels { worker: w.url.clone(), role: role_name(w.role).into() };
+            self.healthy.get_or_create(&labels).set(i64::from(w.healthy));
+            self.load.get_or_create(&labels).set(w.load() as i64);
+            self.inflight.get_or_create(&labels).set(w.inflight_total() as i64);
+            // The state's totals only grow (for one registration of a worker).
+            for (family, total) in [(&self.requests, w.requests), (&self.errors, w.errors)] {
+                let counter = family.get_or_create(&labels);
+                counter.inc_by(total.saturating_sub(counter.get()));
+            }
+            now.insert(labels);
+        }
+        for gone in known.difference(&now) {
+            self.healthy.remove(gone);
+            self.load.remove(gone);
+            self.inflight.remove(gone);
+            self.requests.remove(gone);
+            self.errors.remove(gone);
+        }
+        *known = now;
+        let (blocks, entries) = self.state.index_stats();
+        self.index_blocks.set(blocks as i64);
+        self.index_entries.set(entries as i64);
+        let mut out = String::new();
+        let _ = encode(&mut out, &self.registry);
+        out
     }
-    registry.register("sgl_router_requests", "Requests finished, per worker, over all gateways", requests);
-    registry.register("sgl_router_request_errors", "Requests that failed (no answer or 5xx), per worker", errors);
-    let (blocks, entries) = state.index_stats();
-    let c = state.counters();
-    let gauges: [(&str, &str, i64); 6] = [
-        ("kvmesh_index_blocks", "Distinct blocks in the global prefix index", blocks as i64),
-        ("kvmesh_index_entries", "Worker-block entries in the global prefix index", entries as i64),
-        ("kvmesh_reports", "Gateway report batches merged", c.reports as i64),
-        ("kvmesh_bad_reports", "Report entries or streams rejected", c.bad_reports as i64),
-        ("kvmesh_evicted_blocks", "Blocks evicted from the global index", c.evicted_blocks as i64),
-        ("kvmesh_snapshot_deltas", "Snapshot deltas pushed", c.deltas as i64),
-    ];
-    for (name, help, value) in gauges {
-        let g = Gauge::<i64>::default();
-        g.set(value);
-        registry.register(name, help, g);
+}
+
+async fn metrics(Axum(metrics): Axum<Arc<Metrics>>) -> impl IntoResponse {
+    ([("content-type", "application/openmetrics-text; version=1.0.0; charset=utf-8")], metrics.encode())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(args: &[&str]) -> Arc<State> {
+        let mut argv = vec!["kvmesh-cp"];
+        argv.extend(args);
+        State::new(crate::args::Args::parse_from(argv).map_err(|e| e.one_line()).unwrap().load().unwrap())
     }
-    let mut out = String::new();
-    let _ = encode(&mut out, &registry);
-    ([("content-type", "application/openmetrics-text; version=1.0.0; charset=utf-8")], out)
+
+    fn value(text: &str, series: &str) -> Option<f64> {
+        text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    #[test]
+    fn control_plane_totals_are_counters_in_one_registry() {
+        let s = state(&["--worker-urls", "http://127.0.0.1:1", "http://127.0.0.1:2"]);
+        let m = Metrics::new(s.clone());
+        s.report(kvmesh_proto::v1::ReportBatch { gateway_id: "a".into(), ..Default::default() });
+        s.bad_report();
+        s.publish();
+        let text = m.encode();
+        for name in ["kvmesh_reports", "kvmesh_bad_reports", "kvmesh_evicted_blocks", "kvmesh_snapshot_deltas"] {
+            assert!(text.contains(&format!("# TYPE {name} counter")), "{name}: {text}");
+        }
+        assert_eq!(value(&text, "kvmesh_reports_total"), Some(1.0));
+        assert_eq!(value(&text, "kvmesh_bad_reports_total"), Some(1.0));
+        assert_eq!(value(&text, "kvmesh_snapshot_deltas_total"), Some(1.0));
+        assert!(text.contains("# TYPE sgl_router_requests counter"));
+        // Scrapes update, never duplicate; a worker that left loses its series.
+        s.report(kvmesh_proto::v1::ReportBatch {
+            gateway_id: "a".into(),
+            counts: vec![kvmesh_proto::v1::WorkerCounts { worker: 0, requests: 5, ..Default::default() }],
+            ..Default::default()
+        });
+        let text = m.encode();
+        assert_eq!(text.matches("# TYPE kvmesh_reports counter").count(), 1);
+        assert_eq!(value(&text, "kvmesh_reports_total"), Some(2.0));
+        assert_eq!(value(&text, r#"sgl_router_requests_total{worker="http://127.0.0.1:1",role="regular"}"#), Some(5.0));
+        assert!(s.remove_worker("http://127.0.0.1:1"));
+        let text = m.encode();
+        assert!(!text.contains("127.0.0.1:1\""), "{text}");
+        assert!(text.contains(r#"sgl_router_worker_health{worker="http://127.0.0.1:2",role="regular"} 1"#), "{text}");
+    }
 }

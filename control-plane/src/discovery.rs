@@ -12,20 +12,8 @@ use kube::runtime::{reflector, watcher, WatchStreamExt};
 use kube::{Api, Client};
 use kvmesh_proto::v1::Role;
 
+pub use crate::settings::DiscoveryConfig;
 use crate::state::{Source, State};
-
-/// What discovery looks for.
-#[derive(Clone, Debug, Default)]
-pub struct DiscoveryConfig {
-    pub namespace: Option<String>,
-    pub selector: BTreeMap<String, String>,
-    pub prefill_selector: BTreeMap<String, String>,
-    pub decode_selector: BTreeMap<String, String>,
-    pub port: u16,
-    pub bootstrap_annotation: String,
-    pub role_label: String,
-    pub pd: bool,
-}
 
 /// A worker a pod calls for.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]

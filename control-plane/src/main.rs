@@ -8,7 +8,9 @@ mod admin;
 mod args;
 mod discovery;
 mod grpc;
+mod peer_flags;
 mod probe;
+mod settings;
 mod state;
 
 use std::process::ExitCode;
@@ -21,13 +23,15 @@ use kvmesh_proto::v1::kvmesh_server::KvmeshServer;
 fn main() -> ExitCode {
     let args = match args::Args::parse_from(std::env::args_os()) {
         Ok(a) => a,
-        Err(e) if matches!(e.kind(), clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion) => {
+        Err(args::ArgsError::Clap(e))
+            if e.kind() == clap::error::ErrorKind::DisplayHelp
+                || e.kind() == clap::error::ErrorKind::DisplayVersion =>
+        {
             let _ = e.print();
             return ExitCode::SUCCESS;
         }
         Err(e) => {
-            let text = e.to_string();
-            eprintln!("kvmesh-cp: {}", text.lines().next().unwrap_or("bad arguments").trim_start_matches("error: "));
+            eprintln!("kvmesh-cp: {}", e.one_line());
             return ExitCode::from(2);
         }
     };
@@ -39,7 +43,10 @@ fn main() -> ExitCode {
         }
     };
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| settings.log_level.as_str().into()),
+        )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
@@ -59,7 +66,10 @@ fn main() -> ExitCode {
     }
 }
 
-async fn run(settings: args::Settings) -> anyhow::Result<()> {
+async fn run(settings: settings::Settings) -> anyhow::Result<()> {
+    for warning in &settings.warnings {
+        tracing::warn!("{warning}");
+    }
     let grpc_addr = format!("{}:{}", settings.host, settings.grpc_port);
     let http_addr = format!("{}:{}", settings.host, settings.http_port);
     let state = state::State::new(settings);
@@ -71,14 +81,17 @@ async fn run(settings: args::Settings) -> anyhow::Result<()> {
         tokio::net::TcpListener::bind(&grpc_addr).await.with_context(|| format!("cannot listen on {grpc_addr}"))?;
     tracing::info!(%grpc_addr, %http_addr, workers = state.workers().len(), "kvmesh-cp serving");
 
+    let metrics = admin::Metrics::new(state.clone());
     if let Some(port) = state.settings.prometheus_port {
-        let addr = format!("{}:{port}", state.settings.host);
+        let addr = format!("{}:{port}", state.settings.prometheus_host);
         let listener =
             tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))?;
-        let metrics_state = state.clone();
-        tokio::spawn(async move { axum::serve(listener, admin::metrics_router(metrics_state)).await });
+        let metrics = metrics.clone();
+        tokio::spawn(async move { axum::serve(listener, admin::metrics_router(metrics)).await });
     }
-    tokio::spawn(probe::health_loop(state.clone()));
+    if state.settings.health_checks {
+        tokio::spawn(probe::health_loop(state.clone()));
+    }
     tokio::spawn(probe::load_loop(state.clone()));
     tokio::spawn(push_loop(state.clone()));
     if let Some(cfg) = state.settings.discovery.clone() {
@@ -96,7 +109,7 @@ async fn run(settings: args::Settings) -> anyhow::Result<()> {
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc);
     let grpc_server =
         tonic::transport::Server::builder().add_service(service).serve_with_incoming_shutdown(incoming, shutdown());
-    let http_server = axum::serve(http, admin::router(state)).with_graceful_shutdown(shutdown());
+    let http_server = axum::serve(http, admin::router(state, metrics)).with_graceful_shutdown(shutdown());
     let (g, h) = tokio::join!(grpc_server, http_server);
     g.context("gRPC server failed")?;
     h.context("HTTP server failed")?;

@@ -8,10 +8,11 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use kvmesh_core::index::PrefixIndex;
 use kvmesh_proto::v1::{IndexEvict, IndexInsert, ReportBatch, Role, Snapshot, Worker};
+use prometheus_client::metrics::counter::Counter;
 use serde_json::{json, Value};
 use tokio::sync::broadcast;
 
-use crate::args::Settings;
+use crate::settings::Settings;
 
 /// Where a worker came from (discovery only removes what it added).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,19 +81,23 @@ struct Inner {
     gateways: HashMap<String, Instant>,
 }
 
-/// Counters for `/metrics` and `/snapshot`.
-#[derive(Default, Debug, Clone, Copy)]
+/// Monotonic counters; the `/metrics` registry holds the same handles.
+#[derive(Default, Debug, Clone)]
 pub struct Counters {
-    pub reports: u64,
-    pub bad_reports: u64,
-    pub evicted_blocks: u64,
-    pub deltas: u64,
+    /// Gateway report batches merged.
+    pub reports: Counter,
+    /// Report entries naming unknown workers, and report streams that did not decode.
+    pub bad_reports: Counter,
+    /// Blocks evicted from the global index.
+    pub evicted_blocks: Counter,
+    /// Snapshot deltas pushed.
+    pub deltas: Counter,
 }
 
 pub struct State {
     pub settings: Settings,
     inner: Mutex<Inner>,
-    counters: Mutex<Counters>,
+    pub counters: Counters,
     deltas: broadcast::Sender<Arc<Snapshot>>,
 }
 
@@ -103,7 +108,7 @@ fn now_ms() -> u64 {
 impl State {
     pub fn new(settings: Settings) -> Arc<Self> {
         let (deltas, _) = broadcast::channel(1024);
-        let state = Arc::new(Self { settings, inner: Mutex::default(), counters: Mutex::default(), deltas });
+        let state = Arc::new(Self { settings, inner: Mutex::default(), counters: Counters::default(), deltas });
         let s = &state.settings;
         for url in &s.workers {
             let _ = state.add_worker(url, Role::Regular, None, Source::Static);
@@ -119,14 +124,6 @@ impl State {
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn count(&self, f: impl FnOnce(&mut Counters)) {
-        f(&mut self.counters.lock().unwrap_or_else(|p| p.into_inner()));
-    }
-
-    pub fn counters(&self) -> Counters {
-        *self.counters.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Adds a worker (ids are never reused, so filters' index entries stay unambiguous).
@@ -261,14 +258,12 @@ impl State {
         if bad > 0 {
             tracing::warn!(bad, "report names unknown workers; entries dropped");
         }
-        self.count(|c| {
-            c.reports += 1;
-            c.bad_reports += bad;
-        });
+        self.counters.reports.inc();
+        self.counters.bad_reports.inc_by(bad);
     }
 
     pub fn bad_report(&self) {
-        self.count(|c| c.bad_reports += 1);
+        self.counters.bad_reports.inc();
     }
 
     /// LRU-evicts every worker's index to `max_tree_size`; the evictions go out in the next
@@ -284,7 +279,7 @@ impl State {
         }
         inner.pending_evictions.extend(per_worker.into_iter().map(|(worker, hashes)| IndexEvict { worker, hashes }));
         drop(inner);
-        self.count(|c| c.evicted_blocks += n as u64);
+        self.counters.evicted_blocks.inc_by(n as u64);
         n
     }
 
@@ -308,13 +303,13 @@ impl State {
             workers_changed,
             inserts: std::mem::take(&mut inner.pending_inserts),
             evictions: std::mem::take(&mut inner.pending_evictions),
-            policy_json: String::new(),
+            settings: None,
             sent_at_ms: now_ms(),
         };
         let version = delta.version;
         drop(inner);
         let _ = self.deltas.send(Arc::new(delta));
-        self.count(|c| c.deltas += 1);
+        self.counters.deltas.inc();
         Some(version)
     }
 
@@ -328,7 +323,7 @@ impl State {
             workers_changed: true,
             inserts: inner.index.export().into_iter().map(|(worker, hashes)| IndexInsert { worker, hashes }).collect(),
             evictions: Vec::new(),
-            policy_json: self.settings.policy_json.to_string(),
+            settings: Some((&self.settings.routing).into()),
             sent_at_ms: now_ms(),
         }
     }
@@ -358,7 +353,7 @@ impl State {
             "index_blocks": inner.index.len(),
             "index_entries": inner.index.entries(),
             "gateways": inner.gateways.keys().collect::<Vec<_>>(),
-            "policy": self.settings.policy_json,
+            "settings": self.settings.routing,
         })
     }
 
@@ -398,7 +393,7 @@ mod tests {
     fn state(args: &[&str]) -> Arc<State> {
         let mut argv = vec!["kvmesh-cp"];
         argv.extend(args);
-        State::new(crate::args::Args::parse_from(argv).unwrap().load().unwrap())
+        State::new(crate::args::Args::parse_from(argv).map_err(|e| e.one_line()).unwrap().load().unwrap())
     }
 
     #[test]
@@ -434,7 +429,7 @@ mod tests {
             inserts: vec![IndexInsert { worker: 42, hashes: vec![1] }],
             counts: vec![WorkerCounts { worker: 43, in_flight: 1, ..Default::default() }],
         });
-        assert_eq!(s.counters().bad_reports, 2);
+        assert_eq!(s.counters.bad_reports.get(), 2);
         assert_eq!(s.index_stats(), (0, 0));
     }
 

@@ -9,7 +9,10 @@ pub mod v1 {
     include!(concat!(env!("OUT_DIR"), "/kvmesh.v1.rs"));
 }
 
+mod settings;
+
 pub use prost::Message;
+pub use settings::SettingsError;
 
 /// The gRPC service path segments, as `open_grpc_stream` needs them.
 pub const SERVICE: &str = "kvmesh.v1.Kvmesh";

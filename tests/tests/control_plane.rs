@@ -95,6 +95,30 @@ fn a_prefix_routed_through_one_gateway_sticks_through_the_others() {
     );
 }
 
+/// The control plane's routing settings, here from its `--config` file, reach the filter as
+/// the typed `Snapshot.settings` and win over the plugin configuration's.
+#[test]
+fn routing_settings_from_the_control_plane_config_file_win_in_the_filter() {
+    let workers = sims(3);
+    let dir = std::env::temp_dir().join(format!("kvmesh-cp-settings-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("cp.yaml");
+    let urls: Vec<String> = workers.iter().map(Sim::url).collect();
+    std::fs::write(&file, format!("worker_urls: [{}]\npolicy: round_robin\n", urls.join(", "))).unwrap();
+    let cp = ControlPlane::start(&["--config", file.to_str().unwrap()]).unwrap();
+    assert_eq!(cp.snapshot().unwrap()["settings"]["policy"], "round_robin");
+    // The plugin says cache_aware; one worker thread, so one round-robin counter.
+    let mut opts = EnvoyOptions::new(json!({"worker_urls": [], "policy": "cache_aware"})).unwrap();
+    opts.control_plane = Some(cp.grpc_port);
+    opts.concurrency = 1;
+    let envoy = Envoy::start(&opts).unwrap();
+    wait_for_version(&envoy, 1);
+    // Under cache_aware the same long prompt would stick to one worker.
+    let text = "The same long prompt, again and again. ".repeat(20);
+    let used: HashSet<String> = (0..3).map(|_| served(&generate(&envoy, &text))).collect();
+    assert_eq!(used.len(), 3, "round robin from the control plane: {used:?}");
+}
+
 #[test]
 fn remove_worker_and_add_worker_change_where_traffic_goes() {
     let workers = sims(2);
@@ -218,7 +242,10 @@ fn eviction_bounds_the_index_in_the_control_plane_and_the_filters() {
     })
     .unwrap();
     let metrics = http::get(&cp.url("/metrics")).unwrap().text();
-    assert!(metrics.contains("kvmesh_evicted_blocks"), "{metrics}");
+    assert!(metrics.contains("# TYPE kvmesh_evicted_blocks counter"), "{metrics}");
+    let evicted: u64 =
+        metrics.lines().find_map(|l| l.strip_prefix("kvmesh_evicted_blocks_total ")?.parse().ok()).unwrap_or(0);
+    assert!(evicted > 0, "{metrics}");
 }
 
 #[test]
@@ -246,6 +273,39 @@ fn bad_flags_and_config_are_one_line_errors_with_exit_code_2() {
     std::fs::write(&file, ": not yaml [").unwrap();
     let (code, err) = run(&["--config", file.to_str().unwrap()]);
     assert_eq!((code, err.trim().lines().count()), (Some(2), 1), "{err}");
+    std::fs::write(&file, "polcy: random\n").unwrap();
+    let (code, err) = run(&["--config", file.to_str().unwrap()]);
+    assert_eq!((code, err.trim().lines().count()), (Some(2), 1), "{err}");
+    assert!(err.contains("unknown key `polcy`"), "{err}");
+    // sglang-router flags kvmesh must refuse name what to use instead.
+    let (code, err) = run(&["--enable-igw"]);
+    assert_eq!((code, err.trim().lines().count()), (Some(2), 1), "{err}");
+    assert!(err.contains("--enable-igw") && err.contains("Envoy's routes"), "{err}");
+}
+
+/// A command line written for sglang-router starts kvmesh-cp; the flags that have no effect
+/// in kvmesh are named in warnings.
+#[test]
+fn sglang_router_flags_with_no_effect_start_with_a_warning_each() {
+    let workers = sims(1);
+    let mut flags = worker_flags(&workers);
+    flags.extend(
+        ["--port", "30000", "--model-path", "org/model", "--dp-aware", "--retry-max-retries", "3"].map(String::from),
+    );
+    let mut cp = ControlPlane::start(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    wait_until("kvmesh-cp to log its warnings", Duration::from_secs(10), || {
+        let log = cp.proc().log_text();
+        [
+            "--port: No effect",
+            "--model-path: No effect",
+            "--dp-aware: No effect",
+            "--retry-max-retries: Accepted, not yet enforced",
+        ]
+        .iter()
+        .all(|w| log.contains(w))
+    })
+    .unwrap_or_else(|e| panic!("{e}: {}", cp.proc().log_text()));
+    assert_eq!(cp.snapshot().unwrap()["settings"]["retry_max_retries"], 3, "carried in the settings");
 }
 
 /// A message whose field 2 is a varint where `ReportBatch` has a list of messages: it does
@@ -292,7 +352,7 @@ fn malformed_and_bogus_reports_are_rejected_and_the_control_plane_keeps_serving(
     let metrics = http::get(&cp.url("/metrics")).unwrap().text();
     let bad: u64 = metrics
         .lines()
-        .find(|l| l.starts_with("kvmesh_bad_reports "))
+        .find(|l| l.starts_with("kvmesh_bad_reports_total "))
         .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
         .unwrap_or(0);
     assert!(bad >= 2, "both rejections are counted: {metrics}");

@@ -14,9 +14,7 @@ use kvmesh_testkit::{free_port, http, wait_until, Envoy, EnvoyOptions, Proc, Sim
 use serde_json::json;
 
 use crate::loadgen::{self, Load};
-use crate::tools::{self, build, ensure_envoy, ensure_wasm_target, repo_root_path, step};
-
-const SGLANG_ROUTER: &str = "sglang-router==0.3.2";
+use crate::tools::{build, ensure_envoy, ensure_sglang_router, ensure_wasm_target, step};
 
 struct Opts {
     seconds: u64,
@@ -47,25 +45,6 @@ fn parse(args: &[String]) -> anyhow::Result<Opts> {
         }
     }
     Ok(o)
-}
-
-fn ensure_sglang_router() -> anyhow::Result<std::path::PathBuf> {
-    let python = repo_root_path().join(".venv/bin/python");
-    let ok = Command::new(&python)
-        .args(["-c", "import sglang_router"])
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
-    if !ok {
-        step(&format!("installing {SGLANG_ROUTER} into .venv (the comparison peer)"));
-        tools::run(Command::new(repo_root_path().join(".venv/bin/pip")).args([
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-            SGLANG_ROUTER,
-        ]))?;
-    }
-    Ok(python)
 }
 
 /// 16 shared system prompts of ~1 KiB, each followed by a distinct question.

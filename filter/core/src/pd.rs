@@ -6,22 +6,13 @@
 //! the decode worker alone when the part of its prompt that worker has not cached is at most
 //! `non_cached_tokens`.
 
-use crate::config::Config;
+pub use crate::config::Decider;
 use crate::policy::{Candidate, PolicyKind};
 use crate::rng::Rng;
-use crate::router::{Decision, Router, RoutingText};
+use crate::router::{Decision, Router, RouterParams, RoutingText};
 
 /// Bytes of routing text per token, for comparing text lengths with token budgets.
 pub const BYTES_PER_TOKEN: usize = 4;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Decider {
-    /// Split every request (sglang-router's behaviour).
-    Always,
-    /// Skip the prefill leg when at most this many prompt tokens are uncached on the decode
-    /// worker.
-    Prefix { non_cached_tokens: u64 },
-}
 
 /// What to do with one request.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -41,11 +32,11 @@ pub struct PdRouter {
 }
 
 impl PdRouter {
-    pub fn new(config: &Config, prefill_policy: PolicyKind, decode_policy: PolicyKind, decider: Decider) -> Self {
-        let mut decode = Router::with_policy(config, decode_policy);
+    pub fn new(params: RouterParams, prefill_policy: PolicyKind, decode_policy: PolicyKind, decider: Decider) -> Self {
+        let mut decode = Router::new(params, decode_policy);
         // The prefix decider needs to know what each decode worker has cached.
         decode.track_prefixes(matches!(decider, Decider::Prefix { .. }));
-        Self { prefill: Router::with_policy(config, prefill_policy), decode, decider }
+        Self { prefill: Router::new(params, prefill_policy), decode, decider }
     }
 
     /// Chooses the decode worker, then (unless the decider skips it) the prefill worker.
@@ -111,8 +102,8 @@ mod tests {
 
     #[test]
     fn shared_prefixes_keep_their_prefill_worker_and_decode_spreads() {
-        let cfg = Config::default();
-        let mut pd = PdRouter::new(&cfg, PolicyKind::CacheAware, PolicyKind::PowerOfTwo, Decider::Always);
+        let cfg = crate::Config::default().router_params();
+        let mut pd = PdRouter::new(cfg, PolicyKind::CacheAware, PolicyKind::PowerOfTwo, Decider::Always);
         let mut rng = FastRng::seeded(3);
         let prefix = "A long shared system prompt. ".repeat(30);
         let mut prefills = std::collections::HashSet::new();
@@ -135,9 +126,9 @@ mod tests {
 
     #[test]
     fn prefix_decider_skips_prefill_when_the_decode_worker_has_the_prompt() {
-        let cfg = Config::default();
+        let cfg = crate::Config::default().router_params();
         let mut pd = PdRouter::new(
-            &cfg,
+            cfg,
             PolicyKind::CacheAware,
             PolicyKind::RoundRobin,
             Decider::Prefix { non_cached_tokens: 8 },
@@ -153,8 +144,8 @@ mod tests {
 
     #[test]
     fn no_candidates_means_no_decision() {
-        let cfg = Config::default();
-        let pd = PdRouter::new(&cfg, PolicyKind::CacheAware, PolicyKind::PowerOfTwo, Decider::Always);
+        let cfg = crate::Config::default().router_params();
+        let pd = PdRouter::new(cfg, PolicyKind::CacheAware, PolicyKind::PowerOfTwo, Decider::Always);
         let mut rng = FastRng::seeded(1);
         assert!(pd.decide(b"t".as_slice().into(), &[], &cands(0..1, 0), &mut rng).is_none());
         assert!(pd.decide(b"t".as_slice().into(), &cands(0..1, 0), &[], &mut rng).is_none());
@@ -162,9 +153,9 @@ mod tests {
 
     #[test]
     fn an_uncommitted_pair_leaves_no_trace_in_either_index() {
-        let cfg = Config::default();
+        let cfg = crate::Config::default().router_params();
         let mut pd = PdRouter::new(
-            &cfg,
+            cfg,
             PolicyKind::CacheAware,
             PolicyKind::RoundRobin,
             Decider::Prefix { non_cached_tokens: 8 },

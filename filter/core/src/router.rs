@@ -1,9 +1,8 @@
 //! The router: one policy plus the prefix index it consults, behind one call per request.
 
 use crate::blocks::{block_hashes, covered_bytes};
-use crate::config::Config;
 use crate::index::PrefixIndex;
-use crate::policy::{CacheAware, Candidate, PolicyKind, PowerOfTwo, Random, RoundRobin};
+use crate::policy::{CacheAware, CacheAwareParams, Candidate, PolicyKind, PowerOfTwo, Random, RoundRobin};
 use crate::rng::Rng;
 use crate::worker::WorkerId;
 
@@ -40,6 +39,16 @@ pub struct Decision {
     pub blocks: Vec<u64>,
 }
 
+/// What a router needs from the configuration (see `Config::router_params`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RouterParams {
+    pub cache_aware: CacheAwareParams,
+    /// Bytes of routing text per index block.
+    pub block_size: usize,
+    /// Per-worker index budget in blocks (`max_tree_size / block_size`).
+    pub max_blocks: u64,
+}
+
 pub struct Router {
     kind: PolicyKind,
     /// Index prefixes even under a text-blind policy (the PD prefix decider needs it).
@@ -52,20 +61,16 @@ pub struct Router {
 }
 
 impl Router {
-    pub fn new(config: &Config) -> Self {
-        Self::with_policy(config, config.policy)
-    }
-
-    /// A router with `config`'s parameters and another policy (one leg of PD mode).
-    pub fn with_policy(config: &Config, kind: PolicyKind) -> Self {
+    /// A router running `kind` with `params` (PD mode has one per leg).
+    pub fn new(params: RouterParams, kind: PolicyKind) -> Self {
         Self {
             kind,
             track: false,
             round_robin: RoundRobin::default(),
-            cache_aware: CacheAware::new(config.cache_aware),
+            cache_aware: CacheAware::new(params.cache_aware),
             index: PrefixIndex::new(),
-            block_size: config.block_size,
-            max_blocks: config.max_blocks_per_worker(),
+            block_size: params.block_size,
+            max_blocks: params.max_blocks,
         }
     }
 
@@ -165,6 +170,12 @@ mod tests {
     use super::*;
     use crate::rng::FastRng;
 
+    fn params(block_size: usize, max_blocks: u64) -> RouterParams {
+        let cache_aware =
+            CacheAwareParams { cache_threshold: 0.3, balance_abs_threshold: 64, balance_rel_threshold: 1.5 };
+        RouterParams { cache_aware, block_size, max_blocks }
+    }
+
     fn cands(n: u32) -> Vec<Candidate> {
         (0..n).map(|id| Candidate { id, load: 0 }).collect()
     }
@@ -178,7 +189,7 @@ mod tests {
 
     #[test]
     fn cache_aware_sticks_to_a_shared_prefix_and_spreads_others() {
-        let mut r = Router::new(&Config::default());
+        let mut r = Router::new(params(32, 1 << 20), PolicyKind::CacheAware);
         let mut rng = FastRng::seeded(11);
         let prefix = "You are a meticulous assistant. ".repeat(20);
         let first = route(&mut r, format!("{prefix}question 0").as_bytes(), &cands(4), &mut rng).unwrap();
@@ -199,8 +210,7 @@ mod tests {
 
     #[test]
     fn blind_policies_insert_nothing() {
-        let cfg = Config::from_json(br#"{"policy":"round_robin"}"#).unwrap();
-        let mut r = Router::new(&cfg);
+        let mut r = Router::new(params(32, 1 << 20), PolicyKind::RoundRobin);
         let mut rng = FastRng::seeded(1);
         let d = route(&mut r, b"text", &cands(3), &mut rng).unwrap();
         assert!(d.blocks.is_empty() && r.index().is_empty());
@@ -210,8 +220,8 @@ mod tests {
 
     #[test]
     fn eviction_uses_max_tree_size() {
-        let cfg = Config::from_json(br#"{"max_tree_size":64,"block_size":16}"#).unwrap();
-        let mut r = Router::new(&cfg);
+        let cfg = crate::Config::from_json(br#"{"max_tree_size":64,"block_size":16}"#).unwrap();
+        let mut r = Router::new(cfg.router_params(), cfg.policy);
         let mut rng = FastRng::seeded(1);
         route(&mut r, &[b'a'; 200], &cands(1), &mut rng);
         assert_eq!(r.index().size_of(0), 13);
@@ -221,7 +231,7 @@ mod tests {
 
     #[test]
     fn deciding_changes_nothing_until_committed() {
-        let mut r = Router::new(&Config::default());
+        let mut r = Router::new(params(32, 1 << 20), PolicyKind::CacheAware);
         let mut rng = FastRng::seeded(4);
         let text = "a prompt long enough to fill several blocks of the index".repeat(4);
         let d = r.decide(text.as_bytes().into(), &cands(2), &mut rng).unwrap();
@@ -229,8 +239,7 @@ mod tests {
         assert!(r.index().is_empty(), "an uncommitted decision leaves no trace");
         r.commit(&d);
         assert_eq!(r.index().size_of(d.worker), d.blocks.len() as u64);
-        let rr = Config::from_json(br#"{"policy":"round_robin"}"#).unwrap();
-        let mut r = Router::new(&rr);
+        let mut r = Router::new(params(32, 1 << 20), PolicyKind::RoundRobin);
         let first = r.decide(b"x".as_slice().into(), &cands(3), &mut rng).unwrap();
         assert_eq!(
             r.decide(b"x".as_slice().into(), &cands(3), &mut rng).unwrap(),

@@ -10,7 +10,7 @@ use kvmesh_core::pd::{PdDecision, PdRouter};
 use kvmesh_core::policy::Candidate;
 use kvmesh_core::request::{self, RequestError};
 use kvmesh_core::rng::{random_u64, FastRng, Rng};
-use kvmesh_core::{Config, Decision, Endpoint, Role, Router, WorkerId, WorkerTable};
+use kvmesh_core::{Config, Decision, Endpoint, Role, Router, RoutingSettings, WorkerId, WorkerTable};
 
 use crate::health::Health;
 use crate::shared::{Delta, DeltaLog, Inflight, SharedStore};
@@ -187,8 +187,8 @@ fn candidates(table: &WorkerTable, health: &Health, inflight: &Inflight, role: R
 
 /// One VM's routing state.
 pub struct Gateway {
-    /// The plugin configuration as given (the control plane's policy is merged over it).
-    base: serde_json::Value,
+    /// The plugin configuration's routing settings (the control plane's are overlaid on them).
+    base: RoutingSettings,
     config: Config,
     table: WorkerTable,
     mode: Mode,
@@ -200,28 +200,24 @@ pub struct Gateway {
     unreported: ReportQueue,
     /// The control-plane table version this VM applied.
     table_version: Option<u64>,
-    /// Read-only worker paths that pass through (GET/HEAD).
-    passthrough: Vec<String>,
-    policy_json: String,
+    /// The control plane's routing settings last applied.
+    cp_settings: Option<RoutingSettings>,
 }
 
 fn build_mode(config: &Config) -> Mode {
+    let params = config.router_params();
     match &config.pd {
-        Some(pd) => Mode::Pd(PdRouter::new(config, pd.prefill_policy, pd.decode_policy, pd.decider)),
-        None => Mode::Regular(Router::new(config)),
+        Some(pd) => Mode::Pd(PdRouter::new(params, pd.prefill_policy, pd.decode_policy, pd.decider)),
+        None => Mode::Regular(Router::new(params, config.policy)),
     }
 }
 
 impl Gateway {
+    /// A gateway routing with `config`, whose routing settings stay the base the control
+    /// plane's settings are overlaid on.
     pub fn new(config: Config, store: &dyn SharedStore, seed: u64) -> Self {
-        Self::with_base(config, serde_json::Value::Null, store, seed)
-    }
-
-    /// A gateway that remembers its plugin configuration `base` (JSON), so that a policy
-    /// from the control plane can be merged over it.
-    pub fn with_base(config: Config, base: serde_json::Value, store: &dyn SharedStore, seed: u64) -> Self {
         Self {
-            base,
+            base: config.settings.clone(),
             table: config.workers.clone(),
             mode: build_mode(&config),
             rng: FastRng::seeded(seed),
@@ -230,8 +226,7 @@ impl Gateway {
             last_eviction_secs: 0,
             unreported: ReportQueue::default(),
             table_version: None,
-            passthrough: paths::DEFAULT_PASSTHROUGH.iter().map(|p| p.to_string()).collect(),
-            policy_json: String::new(),
+            cp_settings: None,
             config,
         }
     }
@@ -251,7 +246,7 @@ impl Gateway {
 
     /// What the gateway does with `method` on `path`.
     pub fn classify(&self, method: &str, path: &str) -> PathClass {
-        paths::classify(method, path, &self.passthrough)
+        paths::classify(method, path, &self.config.passthrough_paths)
     }
 
     /// The upper bound of a request and of its prefill leg.

@@ -45,10 +45,9 @@ impl Plugin {
                 config.max_payload_size
             ),
         }
-        let base = serde_json::from_slice(bytes).unwrap_or(serde_json::Value::Null);
         let cluster = config.control_plane_cluster.clone();
         let report_interval_ms = config.report_interval_ms;
-        let gateway = Gateway::with_base(config, base, host, seed);
+        let gateway = Gateway::new(config, host, seed);
         self.control_plane = cluster.map(|cluster| ControlPlane {
             cluster,
             gateway_id: gateway_id(host, gateway.vm_id()),

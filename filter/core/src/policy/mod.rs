@@ -73,7 +73,11 @@ impl FromStr for PolicyKind {
     fn from_str(s: &str) -> Result<Self, String> {
         Self::ALL.into_iter().find(|k| k.name() == s).ok_or_else(|| {
             let names: Vec<&str> = Self::ALL.iter().map(|k| k.name()).collect();
-            format!("unknown policy `{s}` (expected one of {})", names.join(", "))
+            let why = match s {
+                "manual" | "bucket" => format!("`{s}` is an sglang-router policy kvmesh does not have"),
+                _ => format!("unknown policy `{s}`"),
+            };
+            format!("{why} (expected one of {})", names.join(", "))
         })
     }
 }

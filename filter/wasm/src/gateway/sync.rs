@@ -1,7 +1,7 @@
 //! The control-plane side of a [`Gateway`]: snapshots in (worker table, routing settings,
 //! index deltas) and reports out (index inserts, per-worker counts).
 
-use kvmesh_core::{Config, Role, Worker, WorkerTable};
+use kvmesh_core::{Role, RoutingSettings, Worker, WorkerTable};
 use kvmesh_proto::v1::{self as proto, IndexInsert, ReportBatch, WorkerCounts};
 use kvmesh_proto::Message;
 
@@ -62,57 +62,56 @@ impl Gateway {
         self.table = table;
     }
 
-    /// Merges the control plane's routing settings over the plugin configuration; rebuilds
-    /// the routers when they change.
-    fn set_policy(&mut self, policy_json: &str) {
-        if policy_json.is_empty() || policy_json == self.policy_json {
+    /// Overlays the control plane's routing settings (the fields it sets win) on the plugin
+    /// configuration's; rebuilds the routers when the routing changes. Settings that do not
+    /// convert or validate are logged and the current configuration stays.
+    fn set_settings(&mut self, from_cp: Option<&proto::RoutingSettings>) {
+        let Some(message) = from_cp else { return };
+        let cp = match RoutingSettings::try_from(message.clone()) {
+            Ok(s) => s,
+            Err(e) => {
+                log::warn!("control plane settings ignored: {e}");
+                return;
+            }
+        };
+        if self.cp_settings.as_ref() == Some(&cp) {
             return;
         }
-        self.policy_json = policy_json.to_string();
-        let mut merged = match &self.base {
-            serde_json::Value::Object(m) => m.clone(),
-            _ => serde_json::Map::new(),
-        };
-        if let Ok(serde_json::Value::Object(policy)) = serde_json::from_str::<serde_json::Value>(policy_json) {
-            merged.extend(policy);
-        }
-        for key in ["worker_urls", "prefill", "decode"] {
-            merged.remove(key);
-        }
-        match Config::from_json(serde_json::Value::Object(merged).to_string().as_bytes()) {
+        let mut merged = self.base.clone();
+        merged.overlay(&cp);
+        self.cp_settings = Some(cp);
+        match self.config.with_settings(&merged) {
             Ok(mut config) => {
                 config.workers = self.table.clone();
-                let rebuild = config.policy != self.config.policy
+                if config.router_params() != self.config.router_params()
+                    || config.policy != self.config.policy
                     || config.pd != self.config.pd
-                    || config.cache_aware != self.config.cache_aware
-                    || config.block_size != self.config.block_size
-                    || config.max_tree_size != self.config.max_tree_size;
-                if rebuild {
+                {
                     self.mode = build_mode(&config);
                 }
                 self.health = Health::new(config.cb_failure_threshold, config.cb_timeout_duration_secs);
                 self.config = config;
             }
-            Err(e) => log::warn!("control plane policy ignored: {e}"),
+            Err(e) => log::warn!("control plane settings ignored: {e}"),
         }
     }
 
     /// A snapshot from the stream (on the VM that owns it): applied here, and shared with the
     /// other VMs — the table through shared data, index changes through the delta log.
     pub fn apply_snapshot(&mut self, store: &dyn SharedStore, snapshot: &proto::Snapshot) {
-        if snapshot.full || snapshot.workers_changed || !snapshot.policy_json.is_empty() {
-            let mut shared = proto::Snapshot {
+        if snapshot.full || snapshot.workers_changed || snapshot.settings.is_some() {
+            // What the other VMs adopt: the table, with the settings in force (a delta without
+            // settings keeps the last ones).
+            let settings = snapshot.settings.clone().or_else(|| self.cp_settings.as_ref().map(Into::into));
+            let shared = proto::Snapshot {
                 version: snapshot.version,
                 full: true,
                 workers: snapshot.workers.clone(),
                 workers_changed: true,
-                policy_json: snapshot.policy_json.clone(),
+                settings,
                 ..Default::default()
             };
-            if shared.policy_json.is_empty() {
-                shared.policy_json = self.policy_json.clone();
-            }
-            self.set_policy(&shared.policy_json);
+            self.set_settings(shared.settings.as_ref());
             self.set_table(table_from(&shared));
             SharedTable::publish(store, snapshot.version, &shared.encode_to_vec());
         }
@@ -148,7 +147,7 @@ impl Gateway {
         let Some(snapshot) = SharedTable::value(store).and_then(|b| proto::Snapshot::decode(b.as_slice()).ok()) else {
             return;
         };
-        self.set_policy(&snapshot.policy_json);
+        self.set_settings(snapshot.settings.as_ref());
         self.set_table(table_from(&snapshot));
         self.table_version = Some(version);
     }
@@ -196,9 +195,13 @@ mod tests {
     use kvmesh_core::Endpoint;
 
     fn gateway(store: &FakeStore, seed: u64) -> Gateway {
-        let json = r#"{"control_plane_cluster":"cp","worker_urls":["http://127.0.0.1:1"]}"#;
-        let base = serde_json::from_str(json).unwrap();
-        Gateway::with_base(Config::from_json(json.as_bytes()).unwrap(), base, store, seed)
+        let json = r#"{"control_plane_cluster":"cp","worker_urls":["http://127.0.0.1:1"],"cache_threshold":0.2,
+            "balance_abs_threshold":5}"#;
+        Gateway::new(kvmesh_core::Config::from_json(json.as_bytes()).unwrap(), store, seed)
+    }
+
+    fn cp_settings(json: &str) -> Option<proto::RoutingSettings> {
+        Some((&serde_json::from_str::<RoutingSettings>(json).unwrap()).into())
     }
 
     fn worker(id: u32, port: u16) -> proto::Worker {
@@ -225,16 +228,58 @@ mod tests {
             workers: vec![worker(10, 20), worker(11, 21), worker(12, 22)],
             workers_changed: true,
             inserts: vec![IndexInsert { worker: 11, hashes }],
-            policy_json: r#"{"cache_threshold":0.1}"#.into(),
+            settings: cp_settings(r#"{"cache_threshold":0.1}"#),
             ..Default::default()
         };
         owner.apply_snapshot(&store, &full);
         assert_eq!(owner.table_version(), Some(3));
-        assert_eq!(owner.config().cache_aware.cache_threshold, 0.1);
+        assert_eq!(owner.config().cache_aware.cache_threshold, 0.1, "the control plane's setting wins");
+        assert_eq!(owner.config().cache_aware.balance_abs_threshold, 5, "the plugin's stays where the cp sets none");
         // The other VM adopts the table and the index before its next request.
         assert_eq!(route(&mut other, &store, &format!("{text}?")), "127.0.0.1:21");
         assert_eq!(other.table_version(), Some(3));
         assert_eq!(other.config().cache_aware.cache_threshold, 0.1);
+        assert_eq!(other.config().cache_aware.balance_abs_threshold, 5);
+        // A worker-set delta without settings keeps the control plane's settings, on every VM.
+        let delta = proto::Snapshot {
+            version: 4,
+            workers: vec![worker(10, 20), worker(11, 21)],
+            workers_changed: true,
+            ..Default::default()
+        };
+        owner.apply_snapshot(&store, &delta);
+        route(&mut other, &store, "x");
+        assert_eq!(
+            (owner.config().cache_aware.cache_threshold, other.config().cache_aware.cache_threshold),
+            (0.1, 0.1)
+        );
+        assert_eq!(other.table_version(), Some(4));
+    }
+
+    #[test]
+    fn control_plane_settings_switch_the_policy_and_bad_ones_are_ignored() {
+        let store = FakeStore::default();
+        let mut g = gateway(&store, 1);
+        let full = |version, settings| proto::Snapshot {
+            version,
+            full: true,
+            workers: vec![worker(0, 30), worker(1, 31), worker(2, 32)],
+            workers_changed: true,
+            settings,
+            ..Default::default()
+        };
+        g.apply_snapshot(&store, &full(1, cp_settings(r#"{"policy":"round_robin"}"#)));
+        assert_eq!(g.config().policy, kvmesh_core::policy::PolicyKind::RoundRobin);
+        let text = "s".repeat(200);
+        let picks: Vec<String> = (0..3).map(|_| route(&mut g, &store, &text)).collect();
+        assert_eq!(picks.iter().collect::<std::collections::HashSet<_>>().len(), 3, "round robin: {picks:?}");
+        // Invalid (block_size 0) and unconvertible (an unknown policy number) settings change nothing.
+        g.apply_snapshot(&store, &full(2, cp_settings(r#"{"block_size":0}"#)));
+        let unknown = proto::RoutingSettings { policy: Some(99), ..Default::default() };
+        g.apply_snapshot(&store, &full(3, Some(unknown)));
+        assert_eq!(g.config().policy, kvmesh_core::policy::PolicyKind::RoundRobin);
+        assert_eq!(g.config().block_size, 32);
+        assert_eq!(g.table_version(), Some(3));
     }
 
     #[test]

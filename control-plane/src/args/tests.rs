@@ -1,0 +1,425 @@
+use std::path::{Path, PathBuf};
+
+use super::*;
+use kvmesh_core::policy::PolicyKind;
+
+fn parse(args: &[&str]) -> Result<Settings, String> {
+    let mut argv = vec!["kvmesh-cp"];
+    argv.extend(args);
+    Args::parse_from(argv).map_err(|e| e.one_line())?.load().map_err(|e| e.to_string())
+}
+
+fn args(args: &[&str]) -> Args {
+    let mut argv = vec!["kvmesh-cp"];
+    argv.extend(args);
+    Args::parse_from(argv).map_err(|e| e.one_line()).unwrap()
+}
+
+fn config_file(name: &str, text: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvmesh-cp-args-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn path_str(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn sglang_router_flags() {
+    let s = parse(&[
+        "--worker-urls",
+        "http://127.0.0.1:1",
+        "http://127.0.0.1:2",
+        "--policy",
+        "cache_aware",
+        "--cache-threshold",
+        "0.5",
+    ])
+    .unwrap();
+    assert_eq!(s.workers.len(), 2);
+    assert_eq!(s.routing.cache_threshold, Some(0.5));
+    assert_eq!(s.routing.pd_disaggregation, Some(false), "the mode is always shipped");
+    assert!(!s.pd);
+    let s = parse(&[
+        "--pd-disaggregation",
+        "--prefill",
+        "http://127.0.0.1:1",
+        "8998",
+        "--prefill",
+        "http://127.0.0.1:2",
+        "none",
+        "--prefill",
+        "http://127.0.0.1:4",
+        "--decode",
+        "http://127.0.0.1:3",
+    ])
+    .unwrap();
+    assert_eq!(
+        s.prefill,
+        vec![
+            ("http://127.0.0.1:1".into(), Some(8998)),
+            ("http://127.0.0.1:2".into(), None),
+            ("http://127.0.0.1:4".into(), None)
+        ]
+    );
+    assert!(s.pd && s.routing.pd_disaggregation == Some(true));
+    assert_eq!((s.routing.prefill_policy, s.routing.decode_policy), (None, None), "the filter's defaults apply");
+    let s = parse(&["--pd-disaggregation", "--policy", "round_robin", "--decode-policy", "random"]).unwrap();
+    assert_eq!(
+        (s.routing.prefill_policy, s.routing.decode_policy),
+        (Some(PolicyKind::RoundRobin), Some(PolicyKind::Random)),
+        "--policy is the default of both legs"
+    );
+}
+
+#[test]
+fn bad_values_name_the_flag() {
+    assert!(parse(&["--cache-threshold", "2"]).unwrap_err().contains("--cache-threshold"));
+    assert!(parse(&["--policy", "fastest"]).unwrap_err().contains("--policy"));
+    assert!(parse(&["--policy", "manual"]).unwrap_err().contains("sglang-router policy kvmesh does not have"));
+    assert!(parse(&["--worker-urls", "10.0.0.1:80"]).unwrap_err().contains("--worker-urls"));
+    assert!(parse(&["--prefill", "http://127.0.0.1:1", "x"]).unwrap_err().contains("--prefill"));
+    assert!(parse(&["--prefill", "http://127.0.0.1:1", "1", "2"]).unwrap_err().contains("--prefill"));
+    assert!(parse(&["--health-check-interval-secs", "0"]).unwrap_err().contains("--health-check-interval-secs"));
+    assert!(parse(&["--balance-abs-threshold", "x"]).unwrap_err().contains("--balance-abs-threshold"));
+    assert!(parse(&["--retry-jitter-factor", "3"]).unwrap_err().contains("--retry-jitter-factor"));
+    assert!(parse(&["--selector", "app", "--service-discovery"]).unwrap_err().contains("--selector"));
+}
+
+#[test]
+fn config_file_under_flags() {
+    let path = config_file("cp.yaml", "worker-urls: [http://127.0.0.1:5]\npolicy: round_robin\ncache_threshold: 0.4\n");
+    let s = parse(&["--config", path_str(&path), "--cache-threshold", "0.6"]).unwrap();
+    assert_eq!(s.workers, vec!["http://127.0.0.1:5".to_string()]);
+    assert_eq!(s.routing.policy, Some(PolicyKind::RoundRobin));
+    assert_eq!(s.routing.cache_threshold, Some(0.6), "the flag wins");
+    // Lists too: the command line's list replaces the file's.
+    let s = parse(&["--config", path_str(&path), "--worker-urls", "http://127.0.0.1:6", "http://127.0.0.1:7"]).unwrap();
+    assert_eq!(s.workers.len(), 2);
+    let path = config_file("bad1.yaml", "polcy: random\n");
+    let e = parse(&["--config", path_str(&path)]).unwrap_err();
+    assert!(e.contains("--config") && e.contains("unknown key `polcy`"), "{e}");
+    let path = config_file("bad2.yaml", "cache_threshold: 7\n");
+    let e = parse(&["--config", path_str(&path)]).unwrap_err();
+    assert!(e.contains("--config") && e.contains("--cache-threshold"), "{e}");
+    let path = config_file("bad3.yaml", "balance-abs-threshold: lots\n");
+    let e = parse(&["--config", path_str(&path)]).unwrap_err();
+    assert!(e.contains("--config") && e.contains("--balance-abs-threshold"), "{e}");
+    let path = config_file("bad4.yaml", "service-discovery: yes please\n");
+    assert!(parse(&["--config", path_str(&path)]).unwrap_err().contains("true or false"));
+    let path = config_file("bad5.yaml", "policy: [a, b]\n");
+    assert!(parse(&["--config", path_str(&path)]).unwrap_err().contains("single value"));
+    let path = config_file("bad6.yaml", ": not yaml [");
+    assert_eq!(parse(&["--config", path_str(&path)]).unwrap_err().lines().count(), 1);
+    assert!(parse(&["--config", "/nonexistent/kvmesh.yaml"]).unwrap_err().contains("--config"));
+}
+
+#[test]
+fn the_discovery_keys_take_effect_from_the_config_file() {
+    let path = config_file(
+        "discovery.yaml",
+        "service_discovery: true\nservice_discovery_namespace: llm\nservice-discovery-port: 8000\n\
+         bootstrap_port_annotation: example.com/bootstrap\nrole_label: example.com/role\n\
+         selector: [app=sglang, tier=gpu]\npd-disaggregation: true\n",
+    );
+    let s = parse(&["--config", path_str(&path)]).unwrap();
+    let d = s.discovery.expect("--service-discovery from the file");
+    assert_eq!(d.namespace.as_deref(), Some("llm"));
+    assert_eq!(d.port, 8000);
+    assert_eq!(d.bootstrap_annotation, "example.com/bootstrap");
+    assert_eq!(d.role_label, "example.com/role");
+    assert_eq!(d.selector.len(), 2);
+    assert!(d.pd);
+}
+
+/// A value each argument accepts (the first of a few that clap takes for it).
+fn sample(cmd: &Command, arg: &clap::Arg) -> String {
+    if let Some(v) = arg.get_possible_values().first() {
+        return v.get_name().to_string();
+    }
+    let long = format!("--{}", arg.get_long().unwrap());
+    ["1", "round_robin", "prefix", "0.5"]
+        .into_iter()
+        .find(|v| cmd.clone().try_get_matches_from(["kvmesh-cp", long.as_str(), v]).is_ok())
+        .unwrap_or_else(|| panic!("no sample value for {long}"))
+        .to_string()
+}
+
+fn yaml_scalar(v: &str) -> serde_yaml::Value {
+    serde_yaml::from_str(v).unwrap()
+}
+
+/// Every flag, given on the command line or as a `--config` key (alternately spelt with `_`
+/// and `-`), parses to the same arguments.
+#[test]
+fn every_flag_means_the_same_in_the_config_file() {
+    let cmd = built();
+    let mut checked = 0;
+    for (n, arg) in cmd.get_arguments().enumerate() {
+        let Some(long) = arg.get_long() else { continue };
+        if matches!(long, "config" | "help" | "version") {
+            continue;
+        }
+        let flag = format!("--{long}");
+        let key = if n % 2 == 0 { long.replace('-', "_") } else { long.to_string() };
+        let range = arg.get_num_args().unwrap_or_default();
+        let (argv, value): (Vec<String>, serde_yaml::Value) = if range.max_values() == 0 {
+            (vec![flag], serde_yaml::Value::Bool(true))
+        } else if long == "prefill" {
+            let a = ["http://127.0.0.1:1", "8998"];
+            let b = ["http://127.0.0.1:2"];
+            let argv = [&["--prefill"][..], &a, &["--prefill"], &b].concat();
+            let yaml = serde_yaml::from_str("[[http://127.0.0.1:1, 8998], [http://127.0.0.1:2]]").unwrap();
+            (argv.into_iter().map(String::from).collect(), yaml)
+        } else {
+            let v = sample(&cmd, arg);
+            if range.max_values() > 1 {
+                let yaml = serde_yaml::Value::Sequence(vec![yaml_scalar(&v), yaml_scalar(&v)]);
+                (vec![flag, v.clone(), v], yaml)
+            } else if matches!(arg.get_action(), ArgAction::Append) {
+                let yaml = serde_yaml::Value::Sequence(vec![yaml_scalar(&v), yaml_scalar(&v)]);
+                (vec![flag.clone(), v.clone(), flag, v], yaml)
+            } else {
+                (vec![flag, v.clone()], yaml_scalar(&v))
+            }
+        };
+        let by_flag = args(&argv.iter().map(String::as_str).collect::<Vec<_>>());
+        let mut doc = serde_yaml::Mapping::new();
+        doc.insert(key.clone().into(), value);
+        let path = config_file(&format!("flag-{long}.yaml"), &serde_yaml::to_string(&doc).unwrap());
+        let mut by_file = args(&["--config", path_str(&path)]);
+        assert_eq!(by_file.from_file, vec![arg.get_id().to_string()], "{key}");
+        by_file.config = None;
+        by_file.from_file.clear();
+        by_file.given.retain(|id| id != "config");
+        assert_eq!(by_file, by_flag, "`{key}` in the file means what {argv:?} means");
+        let mut set = by_flag.clone();
+        set.given.clear();
+        assert_ne!(set, Args::default(), "{argv:?} sets something");
+        checked += 1;
+    }
+    assert!(checked > 100, "{checked} flags");
+}
+
+#[test]
+fn every_routing_setting_is_a_flag_under_its_own_name() {
+    let cmd = built();
+    for field in RoutingSettings::FIELDS {
+        let long = field.replace('_', "-");
+        assert!(cmd.get_arguments().any(|a| a.get_long() == Some(long.as_str())), "--{long}");
+    }
+}
+
+#[test]
+fn no_effect_flags_warn_and_refused_flags_name_the_equivalent() {
+    let s = parse(&["--port", "30000", "--model-path", "m", "--retry-max-retries", "3", "--dp-aware"]).unwrap();
+    assert_eq!(s.warnings.len(), 4, "{:?}", s.warnings);
+    assert!(s.warnings.iter().any(|w| w.starts_with("--port: No effect in kvmesh: clients reach the gateway")));
+    assert!(s.warnings.iter().any(|w| w.starts_with("--retry-max-retries: Accepted, not yet enforced")));
+    assert_eq!(s.routing.retry_max_retries, Some(3), "carried to the filters all the same");
+    assert!(parse(&["--cache-threshold", "0.5"]).unwrap().warnings.is_empty());
+    let e = parse(&["--enable-igw"]).unwrap_err();
+    assert!(e.starts_with("--enable-igw: multi-model"), "{e}");
+    assert!(parse(&["--jwt-issuer", "https://idp"]).unwrap_err().contains("--control-plane-api-keys"));
+    assert!(parse(&["--backend", "openai"]).unwrap_err().starts_with("--backend: `openai` is refused"));
+    assert!(parse(&["--backend", "sglang"]).is_ok());
+}
+
+#[test]
+fn implemented_sglang_flags_take_effect() {
+    let s = parse(&[
+        "--host",
+        "0.0.0.0",
+        "--prometheus-port",
+        "29000",
+        "--prometheus-host",
+        "127.0.0.2",
+        "--disable-health-check",
+        "--log-level",
+        "debug",
+        "--max-concurrent-requests",
+        "-1",
+    ])
+    .unwrap();
+    assert_eq!((s.host.as_str(), s.prometheus_host.as_str(), s.prometheus_port), ("0.0.0.0", "127.0.0.2", Some(29000)));
+    assert!(!s.health_checks);
+    assert_eq!(s.log_level, "debug");
+    assert_eq!(s.routing.max_concurrent_requests, Some(-1));
+    let s = parse(&[]).unwrap();
+    assert_eq!((s.prometheus_host.as_str(), s.health_checks, s.log_level.as_str()), ("127.0.0.1", true, "info"));
+}
+
+/// `--flag ARITY [CHOICES]` lines from `launch_router --help`.
+fn peer_flags(help: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for line in help.lines() {
+        let Some(rest) = line.strip_prefix("  ").map(|l| l.strip_prefix("-h, ").unwrap_or(l)) else { continue };
+        let Some(rest) = rest.strip_prefix("--") else { continue };
+        let name_len = rest.find(|c: char| !(c.is_ascii_alphanumeric() || c == '-')).unwrap_or(rest.len());
+        let (name, rest) = rest.split_at(name_len);
+        if name == "help" || name.is_empty() {
+            continue;
+        }
+        let spec = if rest.is_empty() || rest.starts_with("  ") {
+            ""
+        } else {
+            let spec = &rest[1..];
+            spec.find("  ").map_or(spec, |i| &spec[..i])
+        };
+        let (arity, choices) = if spec.is_empty() {
+            ("0", String::new())
+        } else if spec.starts_with('[') {
+            ("*", String::new())
+        } else if spec.contains('[') {
+            ("+", String::new())
+        } else if spec.starts_with('{') {
+            // Sorted: some of the peer's choice lists come from Python sets.
+            let mut choices: Vec<&str> = spec.trim_matches(|c| c == '{' || c == '}').split(',').collect();
+            choices.sort_unstable();
+            ("1", choices.join(","))
+        } else {
+            ("1", String::new())
+        };
+        let line = [format!("--{name}"), arity.to_string(), choices];
+        out.push(line.iter().filter(|s| !s.is_empty()).cloned().collect::<Vec<_>>().join(" "));
+    }
+    out
+}
+
+fn fixture() -> Vec<String> {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/sglang_router_0.3.2_flags.txt");
+    let text = std::fs::read_to_string(path).unwrap();
+    text.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()).map(String::from).collect()
+}
+
+/// Every flag of sglang-router 0.3.2 parses, with the peer's arity; against the live peer
+/// when `SGLANG_ROUTER_PYTHON` names a python with `sglang-router` installed.
+#[test]
+fn every_sglang_router_flag_parses() {
+    let flags = fixture();
+    assert_eq!(flags.len(), 98);
+    let cmd = built();
+    for line in &flags {
+        let mut parts = line.split(' ');
+        let (flag, arity, choices) = (parts.next().unwrap(), parts.next().unwrap(), parts.next());
+        let arg = cmd
+            .get_arguments()
+            .find(|a| a.get_long() == flag.strip_prefix("--"))
+            .unwrap_or_else(|| panic!("{flag} is not a kvmesh-cp flag"));
+        let with = |values: &[&str]| {
+            let mut argv = vec!["kvmesh-cp", flag];
+            argv.extend(values);
+            cmd.clone().try_get_matches_from(argv)
+        };
+        let v = match choices {
+            // Every choice parses, but sglang-router's policies kvmesh does not have.
+            Some(c) => {
+                let (ok, refused): (Vec<&str>, Vec<&str>) = c.split(',').partition(|v| with(&[v]).is_ok());
+                for v in refused {
+                    let e = with(&[v]).unwrap_err().to_string();
+                    assert!(e.contains("sglang-router policy kvmesh does not have"), "{flag} {v}: {e}");
+                }
+                ok.first().unwrap_or_else(|| panic!("{flag}: no choice parses")).to_string()
+            }
+            None if arity == "0" => String::new(),
+            None => sample(&cmd, arg),
+        };
+        match arity {
+            "0" => {
+                assert!(with(&[]).is_ok(), "{flag}");
+                assert!(with(&["x"]).is_err(), "{flag} takes no value");
+            }
+            "1" => {
+                assert!(with(&[&v]).is_ok(), "{flag} {v}");
+                assert!(with(&[]).is_err(), "{flag} needs a value");
+            }
+            "*" => assert!(with(&[]).is_ok() && with(&[&v, &v]).is_ok(), "{flag}"),
+            "+" => assert!(with(&[]).is_err() && with(&[&v, &v]).is_ok(), "{flag}"),
+            other => panic!("arity {other}"),
+        }
+    }
+    if let Some(python) = std::env::var_os("SGLANG_ROUTER_PYTHON") {
+        let out = std::process::Command::new(&python)
+            .args(["-m", "sglang_router.launch_router", "--help"])
+            .env("COLUMNS", "80")
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {python:?}: {e}"));
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(peer_flags(&String::from_utf8_lossy(&out.stdout)), flags, "the fixture is the live peer's --help");
+    }
+}
+
+#[test]
+fn the_saved_help_gives_the_fixture() {
+    // The parser used against the live peer, on the help text the fixture was made from.
+    let help = "  -h, --help            show this help message and exit\n  --host HOST           Host\n  --worker-urls [WORKER_URLS ...]\n                        List\n  --policy {random,manual}\n  --dp-aware            Enable\n  --prefill PREFILL [PREFILL ...]\n";
+    assert_eq!(
+        peer_flags(help),
+        ["--host 1", "--worker-urls *", "--policy 1 manual,random", "--dp-aware 0", "--prefill +"]
+    );
+}
+
+/// A command line written for sglang-router runs kvmesh-cp unchanged.
+#[test]
+fn a_copied_sglang_router_command_line_loads() {
+    let s = parse(&[
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "30000",
+        "--pd-disaggregation",
+        "--prefill",
+        "http://127.0.0.1:8000",
+        "9000",
+        "--prefill",
+        "http://127.0.0.1:8001",
+        "--decode",
+        "http://127.0.0.1:8002",
+        "--prefill-policy",
+        "cache_aware",
+        "--decode-policy",
+        "power_of_two",
+        "--worker-startup-timeout-secs",
+        "600",
+        "--request-id-headers",
+        "--cors-allowed-origins",
+        "http://localhost:3000",
+        "--log-level",
+        "info",
+    ])
+    .unwrap();
+    assert!(s.pd);
+    assert_eq!(s.prefill.len(), 2);
+}
+
+/// docs/configuration.md lists every flag with the status its help text gives.
+#[test]
+fn every_flag_is_documented_with_its_status() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/configuration.md");
+    let docs = std::fs::read_to_string(path).unwrap();
+    let cmd = built();
+    for arg in cmd.get_arguments() {
+        let Some(long) = arg.get_long() else { continue };
+        if matches!(long, "help" | "version") {
+            continue;
+        }
+        let row = docs
+            .lines()
+            .find(|l| l.starts_with(&format!("| `--{long}`")))
+            .unwrap_or_else(|| panic!("--{long} has no row in docs/configuration.md"));
+        let help = arg.get_help().map(|h| h.to_string()).unwrap_or_default();
+        let status = if help.starts_with(NO_EFFECT) {
+            "accepted, no effect"
+        } else if help.starts_with(NOT_YET) {
+            "accepted, not yet enforced"
+        } else if help.starts_with(REFUSED) {
+            "refused"
+        } else {
+            "implemented"
+        };
+        assert!(row.contains(status), "--{long}: the docs row should say `{status}`: {row}");
+    }
+}

@@ -1,0 +1,225 @@
+//! The routing settings: every knob that shapes a routing decision, declared once.
+//!
+//! [`RoutingSettings`] is plain data, every field optional (unset means "the default, or what
+//! the layer below says"). It is
+//!
+//! - the `kvmesh-cp` command line: the control plane flattens it into its flags (`--policy`,
+//!   `--cache-threshold`, ...; with the `cli` feature, which derives `clap::Args`), so the
+//!   same flags also make its `--config` YAML keys;
+//! - the routing part of the filter's plugin JSON (snake_case keys, unknown keys refused);
+//! - the `RoutingSettings` protobuf message the control plane ships in snapshots
+//!   (`kvmesh-proto` converts both ways).
+//!
+//! Validation into a [`crate::Config`] happens in one place, [`crate::Config::from_settings`].
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::policy::PolicyKind;
+
+/// The PD decider's names (`--pd-decider`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PdDecider {
+    /// Split every request (sglang-router's behaviour).
+    Always,
+    /// Run a request on the decode worker alone when at most `non_cached_tokens` of its
+    /// prompt are not cached there (llm-d's decider).
+    Prefix,
+}
+
+impl PdDecider {
+    pub const ALL: [PdDecider; 2] = [Self::Always, Self::Prefix];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Always => "always",
+            Self::Prefix => "prefix",
+        }
+    }
+}
+
+impl fmt::Display for PdDecider {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for PdDecider {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL.into_iter().find(|d| d.name() == s).ok_or_else(|| format!("unknown decider `{s}` (always, prefix)"))
+    }
+}
+
+/// Serde through the names, with the same messages as the flags.
+macro_rules! serde_by_name {
+    ($ty:ty, $what:literal) => {
+        impl Serialize for $ty {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.serialize_str(self.name())
+            }
+        }
+
+        impl<'de> Deserialize<'de> for $ty {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                struct Name;
+                impl serde::de::Visitor<'_> for Name {
+                    type Value = $ty;
+                    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                        f.write_str($what)
+                    }
+                    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<$ty, E> {
+                        v.parse().map_err(E::custom)
+                    }
+                }
+                d.deserialize_str(Name)
+            }
+        }
+    };
+}
+
+serde_by_name!(PolicyKind, "a policy name");
+serde_by_name!(PdDecider, "a decider name (always, prefix)");
+
+/// Declares [`RoutingSettings`] from one list of fields: the struct (serde, and clap with the
+/// `cli` feature), its field names and the overlay, so that none of them can miss a field.
+macro_rules! routing_settings {
+    ($($(#[$attr:meta])* $field:ident: $ty:ty,)*) => {
+        /// Every routing setting, each optional. See the module documentation.
+        #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+        #[cfg_attr(feature = "cli", derive(clap::Args))]
+        #[cfg_attr(feature = "cli", command(next_help_heading = "Routing (shipped to every filter)"))]
+        #[serde(deny_unknown_fields, rename_all = "snake_case")]
+        pub struct RoutingSettings {
+            $(
+                $(#[$attr])*
+                #[cfg_attr(feature = "cli", arg(long))]
+                #[serde(default, skip_serializing_if = "Option::is_none")]
+                pub $field: Option<$ty>,
+            )*
+        }
+
+        impl RoutingSettings {
+            /// The field names: the plugin JSON keys; with `_` as `-`, the flags.
+            pub const FIELDS: &'static [&'static str] = &[$(stringify!($field)),*];
+
+            /// Sets every field that `over` sets (the control plane's settings over the plugin's).
+            pub fn overlay(&mut self, over: &Self) {
+                $( if over.$field.is_some() { self.$field.clone_from(&over.$field); } )*
+            }
+        }
+    };
+}
+
+routing_settings! {
+    /// Routing policy: random, round_robin, power_of_two, cache_aware (prefix_hash and
+    /// marginal_utility are named but not available yet). In PD mode, the policy of each leg
+    /// whose own flag is unset. Default cache_aware.
+    policy: PolicyKind,
+    /// PD mode: the prefill leg's policy (default: --policy, else cache_aware).
+    prefill_policy: PolicyKind,
+    /// PD mode: the decode leg's policy (default: --policy, else power_of_two).
+    decode_policy: PolicyKind,
+    /// Cache-aware: the prefix-match ratio above which the longest match wins (0..1). Default 0.3.
+    cache_threshold: f64,
+    /// Cache-aware: imbalanced when max_load - min_load exceeds this (and the relative
+    /// threshold is met). Default 64.
+    balance_abs_threshold: u64,
+    /// Cache-aware: imbalanced when max_load > min_load * this (and the absolute threshold is
+    /// met); at least 1. Default 1.5.
+    balance_rel_threshold: f64,
+    /// Seconds between LRU evictions of the prefix index. Default 120.
+    eviction_interval_secs: u64,
+    /// Per-worker prefix-index budget, in bytes of routing text. Default 67108864 (2^26).
+    max_tree_size: u64,
+    /// Bytes of routing text per prefix-index block (kvmesh). Default 32.
+    block_size: u64,
+    /// Largest request body accepted, in bytes (413 above). Default 268435456 (256 MiB).
+    max_payload_size: u64,
+    /// Upper bound of a request and of the prefill leg, in seconds. Default 1800.
+    request_timeout_secs: u64,
+    /// Prefill/decode disaggregation (implied by --prefill or --decode).
+    #[cfg_attr(feature = "cli", arg(num_args = 0, default_missing_value = "true"))]
+    pd_disaggregation: bool,
+    /// PD decider: always (split every request) or prefix (decode alone when little is
+    /// uncached) (kvmesh). Default always.
+    pd_decider: PdDecider,
+    /// PD `prefix` decider: most uncached prompt tokens run on the decode worker alone
+    /// (kvmesh). Default 128.
+    non_cached_tokens: u64,
+    /// Passive health: consecutive failures that open a worker's circuit breaker. Default 10.
+    cb_failure_threshold: u32,
+    /// Passive health: seconds an open circuit breaker keeps the worker out. Default 60.
+    cb_timeout_duration_secs: u64,
+    /// Accepted, not yet enforced: successes in half-open state before closing the circuit.
+    cb_success_threshold: u32,
+    /// Accepted, not yet enforced: sliding window for counting failures, in seconds.
+    cb_window_duration_secs: u64,
+    /// Accepted, not yet enforced: disable the circuit breakers.
+    #[cfg_attr(feature = "cli", arg(num_args = 0, default_missing_value = "true"))]
+    disable_circuit_breaker: bool,
+    /// Accepted, not yet enforced: retries of a failed request.
+    retry_max_retries: u32,
+    /// Accepted, not yet enforced: first retry backoff, in milliseconds.
+    retry_initial_backoff_ms: u64,
+    /// Accepted, not yet enforced: largest retry backoff, in milliseconds.
+    retry_max_backoff_ms: u64,
+    /// Accepted, not yet enforced: retry backoff multiplier.
+    retry_backoff_multiplier: f64,
+    /// Accepted, not yet enforced: retry backoff jitter (0..1).
+    retry_jitter_factor: f64,
+    /// Accepted, not yet enforced: disable retries.
+    #[cfg_attr(feature = "cli", arg(num_args = 0, default_missing_value = "true"))]
+    disable_retries: bool,
+    /// Accepted, not yet enforced: most concurrent requests (-1: no limit).
+    #[cfg_attr(feature = "cli", arg(allow_negative_numbers = true))]
+    max_concurrent_requests: i64,
+    /// Accepted, not yet enforced: requests queued past the concurrency limit.
+    queue_size: u64,
+    /// Accepted, not yet enforced: longest wait in the queue, in seconds.
+    queue_timeout_secs: u64,
+    /// Accepted, not yet enforced: token-bucket refill rate, in requests per second.
+    #[cfg_attr(feature = "cli", arg(allow_negative_numbers = true))]
+    rate_limit_tokens_per_second: i64,
+    /// Read-only worker paths the gateway passes through (GET/HEAD) to one healthy worker;
+    /// `/x/*` matches below `/x/`. Anything else but the LLM endpoints is a 404 from the
+    /// gateway (kvmesh). Default /health /health_generate /liveness /readiness
+    /// /get_model_info /get_server_info /v1/models /v1/models/*.
+    #[cfg_attr(feature = "cli", arg(num_args = 0..))]
+    passthrough_paths: Vec<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overlay_takes_every_field_the_top_layer_sets() {
+        let mut base: RoutingSettings =
+            serde_json::from_str(r#"{"policy":"round_robin","cache_threshold":0.2,"block_size":16}"#).unwrap();
+        let over: RoutingSettings =
+            serde_json::from_str(r#"{"cache_threshold":0.7,"pd_decider":"prefix","disable_retries":false}"#).unwrap();
+        base.overlay(&over);
+        assert_eq!(base.policy, Some(PolicyKind::RoundRobin), "kept");
+        assert_eq!(base.cache_threshold, Some(0.7), "overridden");
+        assert_eq!(base.pd_decider, Some(PdDecider::Prefix), "added");
+        assert_eq!(base.disable_retries, Some(false), "an explicit false is a setting too");
+        assert_eq!(base.block_size, Some(16));
+    }
+
+    #[test]
+    fn serde_names_are_the_field_names_and_unknown_keys_are_refused() {
+        let s = RoutingSettings { policy: Some(PolicyKind::CacheAware), queue_size: Some(3), ..Default::default() };
+        assert_eq!(serde_json::to_string(&s).unwrap(), r#"{"policy":"cache_aware","queue_size":3}"#);
+        assert!(serde_json::from_str::<RoutingSettings>(r#"{"polcy":"random"}"#)
+            .unwrap_err()
+            .to_string()
+            .contains("polcy"));
+        let e = serde_json::from_str::<RoutingSettings>(r#"{"policy":"fastest"}"#).unwrap_err().to_string();
+        assert!(e.contains("unknown policy `fastest`"), "{e}");
+        assert_eq!(RoutingSettings::FIELDS.len(), 30);
+        assert!(RoutingSettings::FIELDS.contains(&"rate_limit_tokens_per_second"));
+    }
+}
