@@ -190,26 +190,51 @@ fn hostile_requests_never_disable_the_gateway() {
     sent(1);
     assert_still_serving(&envoy, "header sizes", &mut served);
 
-    // Methods, paths and worker admin operations.
-    for method in ["PUT", "DELETE", "PATCH"] {
-        let r = ureq::request(method, &url).send_string("{\"text\":\"a\"}");
-        let r = match r {
-            Ok(r) | Err(ureq::Error::Status(_, r)) => r,
-            Err(e) => panic!("{method}: {e}"),
-        };
-        assert_eq!(r.status(), 405, "{method}");
-        assert_eq!(r.header("allow"), Some("POST"));
+    // Every truncation and every single-byte corruption of a valid body: a JSON 400, or
+    // routed when the result is still a valid request — never a gateway failure.
+    let valid = br#"{"text":"hello","sampling_params":{"max_new_tokens":1},"stream":false}"#;
+    for cut in 0..valid.len() {
+        let body = valid.get(..cut).unwrap_or_default();
+        expect(http::post(&url, body, &[]), 400, &format!("truncated at {cut}"));
+    }
+    for at in 0..valid.len() {
+        let mut body = valid.to_vec();
+        if let Some(b) = body.get_mut(at) {
+            *b = 0xff;
+        }
+        let r = http::post(&url, &body, &[]).unwrap();
+        assert!(r.status == 400 || r.status == 200, "corrupted at {at}: {} {}", r.status, head(&r));
         sent(1);
-        refused.set(refused.get() + 1);
+    }
+    assert_still_serving(&envoy, "truncated and corrupted bodies", &mut served);
+
+    // Methods, paths and worker admin operations.
+    for path in ["/generate", "/v1/chat/completions", "/v1/completions"] {
+        for method in ["PUT", "DELETE", "PATCH", "GET"] {
+            let r = ureq::request(method, &envoy.url(path)).send_string("{\"text\":\"a\"}");
+            let r = match r {
+                Ok(r) | Err(ureq::Error::Status(_, r)) => r,
+                Err(e) => panic!("{method}: {e}"),
+            };
+            assert_eq!(r.status(), 405, "{method} {path}");
+            assert_eq!(r.header("allow"), Some("POST"));
+            sent(1);
+            refused.set(refused.get() + 1);
+        }
     }
     for path in [
         "/flush_cache",
         "/update_weights_from_disk",
+        "/update_weights_from_tensor",
         "/init_weights_update_group",
         "/abort_request",
         "/start_profile",
+        "/stop_profile",
         "/sleep",
+        "/wake_up",
+        "/configure_logging",
         "/generate/../flush_cache",
+        "/v1/models/../flush_cache",
     ] {
         expect(http::post(&envoy.url(path), b"{}", &[]), 404, path);
         expect(http::get(&envoy.url(path)), 404, path);
@@ -269,7 +294,7 @@ fn a_trapped_vm_is_reloaded_and_requests_are_served_again() {
     let crash = http::post(&url, body.to_string().as_bytes(), &[("x-test-crash-vm", "1")]).unwrap();
     assert!(crash.status >= 500, "the trapped request fails: {}", crash.status);
     assert!(crash.json().is_ok(), "even that failure is JSON: {}", crash.text());
-    // Envoy replaces a dead VM on a request its thread gets once the reload backoff (0.1 s)
+    // Envoy replaces a dead VM on a request its thread gets once the reload backoff (10 ms)
     // has passed; until then that thread answers a JSON 503. Fresh connections land on both
     // threads: keep sending until 40 in a row were served (bounded), after a reload.
     let (mut in_a_row, mut failed, mut sent) = (0, 0, 0);

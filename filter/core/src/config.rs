@@ -351,6 +351,7 @@ impl Config {
             cache_aware: self.cache_aware,
             block_size: self.block_size,
             max_blocks: self.max_blocks_per_worker(),
+            max_entries: crate::router::MAX_INDEX_ENTRIES,
         }
     }
 }

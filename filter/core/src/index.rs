@@ -234,6 +234,31 @@ impl PrefixIndex {
         evicted
     }
 
+    /// Evicts the least recently used entries of all workers together until at most
+    /// `max_entries` `(worker, block)` entries are left: the hard bound on the index's memory,
+    /// whatever the traffic between two periodic evictions. Returns the evicted pairs.
+    pub fn evict_total_to(&mut self, max_entries: u64) -> Vec<(u64, WorkerId)> {
+        let excess = self.entries().saturating_sub(max_entries);
+        if excess == 0 {
+            return Vec::new();
+        }
+        let mut stamps: Vec<(u32, u64, WorkerId)> = self
+            .nodes
+            .iter()
+            .flat_map(|(&h, owners)| owners.as_slice().iter().map(move |o| (o.tick, h, o.worker)))
+            .map(|(tick, h, w)| (self.age(tick), h, w))
+            .collect();
+        let k = usize::try_from(excess).unwrap_or(usize::MAX).min(stamps.len());
+        if k < stamps.len() {
+            stamps.select_nth_unstable_by(k, |a, b| b.0.cmp(&a.0));
+        }
+        let evicted: Vec<(u64, WorkerId)> = stamps.iter().take(k).map(|&(_, h, w)| (h, w)).collect();
+        for &(hash, worker) in &evicted {
+            self.remove(hash, worker);
+        }
+        evicted
+    }
+
     /// How many ticks ago `tick` was stamped (the clock wraps; ages stay right while fewer
     /// than 2^32 blocks are inserted between two evictions).
     fn age(&self, tick: u32) -> u32 {
@@ -243,6 +268,21 @@ impl PrefixIndex {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_total_bound_evicts_the_oldest_entries_of_any_worker() {
+        let mut idx = super::PrefixIndex::new();
+        idx.insert(1, &[10, 11, 12]);
+        idx.insert(2, &[20, 21]);
+        idx.insert(1, &[10]); // fresh again
+        assert!(idx.evict_total_to(10).is_empty());
+        let mut gone = idx.evict_total_to(3);
+        gone.sort_unstable();
+        // Oldest: worker 1's deeper blocks 12 and 11 (stamped first, deepest oldest).
+        assert_eq!(gone, vec![(11, 1), (12, 1)]);
+        assert_eq!(idx.entries(), 3);
+        assert_eq!(idx.size_of(1), 1);
+    }
+
     use super::*;
     use crate::blocks::block_hashes;
 

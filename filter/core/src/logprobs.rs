@@ -12,7 +12,13 @@ use thiserror::Error;
 pub enum MergeError {
     #[error("response is not JSON: {0}")]
     NotJson(String),
+    #[error("response of {0} bytes is larger than the {MAX_MERGE_BYTES} bytes logprobs are merged into")]
+    TooLarge(usize),
 }
+
+/// The largest response (prefill answer, decode JSON body, one SSE event) that logprobs are
+/// merged in or out of; a larger one passes through unmerged.
+pub const MAX_MERGE_BYTES: usize = 16 << 20;
 
 /// The most batch items whose logprobs are kept.
 pub const MAX_ITEMS: usize = 1 << 16;
@@ -33,6 +39,9 @@ impl PrefillLogprobs {
     /// From the prefill response: a JSON object, a JSON list (batch) or an SSE stream (the
     /// last event of each item that carries them).
     pub fn from_response(body: &[u8]) -> Result<Self, MergeError> {
+        if body.len() > MAX_MERGE_BYTES {
+            return Err(MergeError::TooLarge(body.len()));
+        }
         let mut out = PrefillLogprobs::default();
         let first = body.iter().find(|b| !b.is_ascii_whitespace());
         if matches!(first, Some(b'{' | b'[')) {
@@ -86,6 +95,9 @@ impl PrefillLogprobs {
 
     /// Merges into a complete JSON response (object or batch list).
     pub fn merge_json(&self, decode: &[u8]) -> Result<Vec<u8>, MergeError> {
+        if decode.len() > MAX_MERGE_BYTES {
+            return Err(MergeError::TooLarge(decode.len()));
+        }
         let mut v: Value = serde_json::from_slice(decode).map_err(|e| MergeError::NotJson(e.to_string()))?;
         match &mut v {
             Value::Array(items) => {
@@ -107,29 +119,65 @@ fn sse_data(body: &[u8]) -> impl Iterator<Item = &str> {
 }
 
 /// Rewrites an SSE stream chunk by chunk, merging into each event that carries logprobs.
-/// Partial events are held back until their end arrives.
+/// Partial events are held back until their end arrives — up to [`MAX_MERGE_BYTES`]: an event
+/// that grows past it ends merging (an SSE error event says so) and the rest of the stream
+/// passes through unchanged. Each byte is scanned for event ends once.
 pub struct SseMerger {
     prefill: PrefillLogprobs,
     pending: Vec<u8>,
+    /// How much of `pending` is known to hold no event end.
+    scanned: usize,
+    /// Merging stopped (an event too large): pass everything through.
+    passthrough: bool,
 }
 
 impl SseMerger {
     pub fn new(prefill: PrefillLogprobs) -> Self {
-        Self { prefill, pending: Vec::new() }
+        Self { prefill, pending: Vec::new(), scanned: 0, passthrough: false }
     }
 
     /// The rewritten bytes for the complete events now available.
     pub fn push(&mut self, chunk: &[u8]) -> Vec<u8> {
+        if self.passthrough {
+            return chunk.to_vec();
+        }
         self.pending.extend_from_slice(chunk);
-        let Some(end) = last_event_end(&self.pending) else { return Vec::new() };
+        // An event end may straddle the previous chunk: look back 3 bytes.
+        let from = self.scanned.saturating_sub(3);
+        let Some(end) = last_event_end(self.pending.get(from..).unwrap_or_default()).map(|e| e + from) else {
+            self.scanned = self.pending.len();
+            if self.pending.len() > MAX_MERGE_BYTES {
+                return self.give_up();
+            }
+            return Vec::new();
+        };
         let complete: Vec<u8> = self.pending.drain(..end).collect();
-        self.rewrite(&complete)
+        self.scanned = 0;
+        let out = self.rewrite(&complete);
+        if self.pending.len() > MAX_MERGE_BYTES {
+            return [out, self.give_up()].concat();
+        }
+        out
     }
 
     /// Whatever is left at the end of the stream.
     pub fn finish(&mut self) -> Vec<u8> {
         let rest = std::mem::take(&mut self.pending);
+        if self.passthrough {
+            return rest;
+        }
         self.rewrite(&rest)
+    }
+
+    /// An event too large to merge into: say so, then pass it and the rest through.
+    fn give_up(&mut self) -> Vec<u8> {
+        self.passthrough = true;
+        let message = format!("input logprobs not merged: an event exceeds {MAX_MERGE_BYTES} bytes");
+        let mut out = b"data: ".to_vec();
+        out.extend_from_slice(&crate::errors::error_json(502, "logprob_merge_refused", &message));
+        out.extend_from_slice(b"\n\n");
+        out.append(&mut self.pending);
+        out
     }
 
     fn rewrite(&self, events: &[u8]) -> Vec<u8> {
@@ -228,5 +276,42 @@ mod tests {
         assert_eq!(first["meta_info"]["input_token_logprobs"], lp(&[1, 2, 3]));
         assert_eq!(events[1], e2.trim_end(), "events without logprobs pass through unchanged");
         assert_eq!(events[2], "data: [DONE]");
+    }
+
+    #[test]
+    fn a_stream_without_event_ends_is_scanned_once_and_bounded() {
+        let mut m = SseMerger::new(PrefillLogprobs::default());
+        let chunk = vec![b'x'; 1 << 20];
+        let mut out = Vec::new();
+        for _ in 0..16 {
+            out.extend(m.push(&chunk));
+            assert!(m.pending.len() <= MAX_MERGE_BYTES && m.scanned == m.pending.len());
+        }
+        assert!(out.is_empty(), "nothing complete yet");
+        out.extend(m.push(b"x"));
+        let text = String::from_utf8_lossy(&out);
+        assert!(text.starts_with("data: {\"error\"") && text.contains("logprob_merge_refused"));
+        assert_eq!(out.len(), text.find("\n\n").unwrap() + 2 + (16 << 20) + 1, "everything held comes out");
+        assert!(m.pending.is_empty());
+        assert_eq!(m.push(b"data: {}\n\n"), b"data: {}\n\n", "then it passes through");
+        assert!(m.finish().is_empty());
+    }
+
+    #[test]
+    fn an_event_end_split_across_chunks_is_found() {
+        let prefill = json!({"meta_info": {"input_token_logprobs": lp(&[1])}});
+        let mut m = SseMerger::new(PrefillLogprobs::from_response(prefill.to_string().as_bytes()).unwrap());
+        let event = format!("data: {}", json!({"meta_info": {"input_token_logprobs": lp(&[2])}}));
+        assert!(m.push(event.as_bytes()).is_empty());
+        assert!(m.push(b"\r\n\r").is_empty());
+        let out = String::from_utf8(m.push(b"\n")).unwrap();
+        assert!(out.contains("[-0.1,1,null],[-0.2,2,null]"), "{out}");
+    }
+
+    #[test]
+    fn oversized_responses_are_not_merged() {
+        let big = vec![b' '; MAX_MERGE_BYTES + 1];
+        assert_eq!(PrefillLogprobs::from_response(&big), Err(MergeError::TooLarge(big.len())));
+        assert_eq!(PrefillLogprobs::default().merge_json(&big), Err(MergeError::TooLarge(big.len())));
     }
 }

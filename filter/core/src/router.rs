@@ -6,6 +6,10 @@ use crate::policy::{CacheAware, CacheAwareParams, Candidate, PolicyKind, PowerOf
 use crate::rng::Rng;
 use crate::worker::WorkerId;
 
+/// The most `(worker, block)` entries one router's index holds, whatever arrives between two
+/// periodic evictions (about 40 MiB): past it, by one eighth, the least recently used go.
+pub const MAX_INDEX_ENTRIES: u64 = 1 << 20;
+
 /// A request's routing text: its first bytes (what is hashed, at most
 /// [`crate::request::MAX_ROUTING_BYTES`]) and its full length (what match ratios divide by).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,6 +51,8 @@ pub struct RouterParams {
     pub block_size: usize,
     /// Per-worker index budget in blocks (`max_tree_size / block_size`).
     pub max_blocks: u64,
+    /// The hard bound on the index's `(worker, block)` entries ([`MAX_INDEX_ENTRIES`]).
+    pub max_entries: u64,
 }
 
 pub struct Router {
@@ -58,6 +64,7 @@ pub struct Router {
     index: PrefixIndex,
     block_size: usize,
     max_blocks: u64,
+    max_entries: u64,
 }
 
 impl Router {
@@ -71,6 +78,7 @@ impl Router {
             index: PrefixIndex::new(),
             block_size: params.block_size,
             max_blocks: params.max_blocks,
+            max_entries: params.max_entries,
         }
     }
 
@@ -109,6 +117,15 @@ impl Router {
         }
         if !decision.blocks.is_empty() {
             self.index.insert(decision.worker, &decision.blocks);
+            self.bound();
+        }
+    }
+
+    /// Keeps the index under [`MAX_INDEX_ENTRIES`] (evicting with slack, so that the cost is
+    /// amortised over many inserts).
+    fn bound(&mut self) {
+        if self.index.entries() > self.max_entries.saturating_add(self.max_entries / 8) {
+            self.index.evict_total_to(self.max_entries);
         }
     }
 
@@ -136,6 +153,7 @@ impl Router {
     /// Applies an insert decided elsewhere (another thread or gateway).
     pub fn apply_insert(&mut self, worker: WorkerId, hashes: &[u64]) {
         self.index.insert(worker, hashes);
+        self.bound();
     }
 
     /// LRU-evicts every worker's index down to `max_tree_size`.
@@ -173,7 +191,7 @@ mod tests {
     fn params(block_size: usize, max_blocks: u64) -> RouterParams {
         let cache_aware =
             CacheAwareParams { cache_threshold: 0.3, balance_abs_threshold: 64, balance_rel_threshold: 1.5 };
-        RouterParams { cache_aware, block_size, max_blocks }
+        RouterParams { cache_aware, block_size, max_blocks, max_entries: MAX_INDEX_ENTRIES }
     }
 
     fn cands(n: u32) -> Vec<Candidate> {
@@ -248,5 +266,21 @@ mod tests {
         );
         r.commit(&first);
         assert_ne!(r.decide(b"x".as_slice().into(), &cands(3), &mut rng).unwrap().worker, first.worker);
+    }
+
+    #[test]
+    fn the_index_stays_under_its_hard_bound_whatever_arrives() {
+        let mut p = params(4, 1 << 30);
+        p.max_entries = 1_000;
+        let mut r = Router::new(p, PolicyKind::CacheAware);
+        let mut rng = FastRng::seeded(2);
+        for i in 0..500 {
+            // Unique prompts of 20 blocks each: 10 000 entries offered.
+            let text = format!("{i:08}-unique-prompt-of-80-bytes-{}", "z".repeat(44));
+            route(&mut r, text.as_bytes(), &cands(2), &mut rng);
+            assert!(r.index().entries() <= 1_125, "{} entries after {i}", r.index().entries());
+        }
+        r.apply_insert(0, &(0..5_000).collect::<Vec<u64>>());
+        assert!(r.index().entries() <= 1_125);
     }
 }
