@@ -28,6 +28,9 @@ pub struct EnvoyOptions {
     pub plain_upstreams: Option<Vec<String>>,
     /// The control plane's gRPC port; `None` runs the filter on its static workers only.
     pub control_plane: Option<u16>,
+    /// Remove these HTTP filters from the shipped configuration, nothing else (e.g. the
+    /// kvmesh filter, to see what a filter that fails open would leave).
+    pub remove_http_filters: Vec<String>,
 }
 
 impl EnvoyOptions {
@@ -42,6 +45,7 @@ impl EnvoyOptions {
             concurrency: 2,
             plain_upstreams: None,
             control_plane: None,
+            remove_http_filters: Vec::new(),
         })
     }
 }
@@ -123,6 +127,27 @@ pub fn render(opts: &EnvoyOptions) -> anyhow::Result<String> {
     }
     if let Some(upstreams) = &opts.plain_upstreams {
         make_plain(&mut doc, upstreams)?;
+    }
+    if !opts.remove_http_filters.is_empty() {
+        let filters = at(
+            &mut doc,
+            &[
+                "static_resources",
+                "listeners",
+                "0",
+                "filter_chains",
+                "0",
+                "filters",
+                "0",
+                "typed_config",
+                "http_filters",
+            ],
+        )?;
+        if let Some(seq) = filters.as_sequence_mut() {
+            seq.retain(|f| {
+                !f.get("name").and_then(Yaml::as_str).is_some_and(|n| opts.remove_http_filters.iter().any(|r| r == n))
+            });
+        }
     }
     Ok(serde_yaml::to_string(&doc)?)
 }

@@ -362,3 +362,32 @@ fn no_decode_worker_sees_a_bootstrap_field_the_gateway_did_not_write() {
         }
     }
 }
+
+#[test]
+fn without_the_wasm_filter_a_client_still_cannot_pick_the_destination() {
+    let sim = Sim::start(&["--time-scale", "0"]).unwrap();
+    let start = |remove: &[&str]| {
+        let mut opts = EnvoyOptions::new(json!({"worker_urls": [sim.url()]})).unwrap();
+        opts.remove_http_filters = remove.iter().map(|s| s.to_string()).collect();
+        Envoy::start(&opts).unwrap()
+    };
+    let steer = |envoy: &Envoy| {
+        let body = br#"{"text":"steered","sampling_params":{"max_new_tokens":1}}"#;
+        let addr = sim.addr();
+        let headers = [("x-envoy-original-dst-host", addr.as_str())];
+        http::post(&envoy.url("/generate"), body, &headers).unwrap()
+    };
+    // As shipped, minus the kvmesh filter (what a filter failing open would leave): Envoy's
+    // own header_mutation filter still removes the client's routing header, so the
+    // ORIGINAL_DST cluster has no destination and nothing reaches the worker.
+    let fail_open = start(&["envoy.filters.http.wasm"]);
+    let r = steer(&fail_open);
+    assert!(r.status >= 500, "the client's header was honoured: {}", r.status);
+    assert!(r.json().is_ok(), "still a JSON error: {}", r.text());
+    // Control: without the scrubbing filter too, the same request does reach the worker —
+    // so the assertion above is what the header_mutation filter buys.
+    let neither = start(&["envoy.filters.http.wasm", "envoy.filters.http.header_mutation"]);
+    assert_eq!(steer(&neither).status, 200);
+    let seen = http::get(&format!("{}/sim/requests", sim.url())).unwrap().json().unwrap();
+    assert_eq!(seen.as_array().map(Vec::len), Some(1), "only the control request arrived: {seen}");
+}
