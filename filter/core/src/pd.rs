@@ -8,8 +8,8 @@
 
 use crate::config::Config;
 use crate::policy::{Candidate, PolicyKind};
-use crate::rng::Rng;
 use crate::router::{Decision, Router};
+use rand::RngCore;
 
 /// Bytes of routing text per token, for comparing text lengths with token budgets.
 pub const BYTES_PER_TOKEN: usize = 4;
@@ -54,7 +54,7 @@ impl PdRouter {
         text: &[u8],
         prefill: &[Candidate],
         decode: &[Candidate],
-        rng: &mut dyn Rng,
+        rng: &mut dyn RngCore,
     ) -> Option<PdDecision> {
         let d = self.decode.route(text, decode, rng)?;
         if let Decider::Prefix { non_cached_tokens } = self.decider {
@@ -79,7 +79,7 @@ impl PdRouter {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rng::FastRng;
+    use crate::rng::seeded;
 
     fn cands(ids: std::ops::Range<u32>, load: u64) -> Vec<Candidate> {
         ids.map(|id| Candidate { id, load }).collect()
@@ -89,7 +89,7 @@ mod tests {
     fn shared_prefixes_keep_their_prefill_worker_and_decode_spreads() {
         let cfg = Config::default();
         let mut pd = PdRouter::new(&cfg, PolicyKind::CacheAware, PolicyKind::PowerOfTwo, Decider::Always);
-        let mut rng = FastRng::seeded(3);
+        let mut rng = seeded(3);
         let prefix = "A long shared system prompt. ".repeat(30);
         let mut prefills = std::collections::HashSet::new();
         let mut decodes = std::collections::HashSet::new();
@@ -118,7 +118,7 @@ mod tests {
             PolicyKind::RoundRobin,
             Decider::Prefix { non_cached_tokens: 8 },
         );
-        let mut rng = FastRng::seeded(1);
+        let mut rng = seeded(1);
         let text = "x".repeat(1000);
         let first = pd.route(text.as_bytes(), &cands(0..1, 0), &cands(5..6, 0), &mut rng).unwrap();
         assert!(matches!(first, PdDecision::Split { .. }), "nothing cached yet");
@@ -131,7 +131,7 @@ mod tests {
     fn no_candidates_means_no_decision() {
         let cfg = Config::default();
         let mut pd = PdRouter::new(&cfg, PolicyKind::CacheAware, PolicyKind::PowerOfTwo, Decider::Always);
-        let mut rng = FastRng::seeded(1);
+        let mut rng = seeded(1);
         assert!(pd.route(b"t", &[], &cands(0..1, 0), &mut rng).is_none());
         assert!(pd.route(b"t", &cands(0..1, 0), &[], &mut rng).is_none());
     }

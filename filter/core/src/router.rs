@@ -4,8 +4,8 @@ use crate::blocks::{block_hashes, covered_bytes};
 use crate::config::Config;
 use crate::index::PrefixIndex;
 use crate::policy::{CacheAware, Candidate, PolicyKind, PowerOfTwo, Random, RoundRobin};
-use crate::rng::Rng;
 use crate::worker::WorkerId;
+use rand::RngCore;
 
 pub use crate::policy::Reason;
 
@@ -69,7 +69,7 @@ impl Router {
 
     /// Chooses a candidate for a request whose routing text is `text`, and records the
     /// choice in the index when the policy is cache-aware.
-    pub fn route(&mut self, text: &[u8], cands: &[Candidate], rng: &mut dyn Rng) -> Option<Decision> {
+    pub fn route(&mut self, text: &[u8], cands: &[Candidate], rng: &mut dyn RngCore) -> Option<Decision> {
         let (pos, reason, matched_bytes, hashes) = match self.kind {
             PolicyKind::CacheAware => {
                 let hashes = block_hashes(text, self.block_size);
@@ -97,14 +97,14 @@ impl Router {
     }
 
     /// Chooses a candidate for a request that carries no routing text (other paths).
-    pub fn route_any(&mut self, cands: &[Candidate], rng: &mut dyn Rng) -> Option<usize> {
+    pub fn route_any(&mut self, cands: &[Candidate], rng: &mut dyn RngCore) -> Option<usize> {
         match self.kind {
             PolicyKind::RoundRobin => self.round_robin.pick(cands),
             _ => PowerOfTwo.pick(cands, rng),
         }
     }
 
-    fn pick_blind(&mut self, kind: PolicyKind, cands: &[Candidate], rng: &mut dyn Rng) -> Option<usize> {
+    fn pick_blind(&mut self, kind: PolicyKind, cands: &[Candidate], rng: &mut dyn RngCore) -> Option<usize> {
         match kind {
             PolicyKind::RoundRobin => self.round_robin.pick(cands),
             PolicyKind::PowerOfTwo => PowerOfTwo.pick(cands, rng),
@@ -141,7 +141,7 @@ impl Router {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rng::FastRng;
+    use crate::rng::seeded;
 
     fn cands(n: u32) -> Vec<Candidate> {
         (0..n).map(|id| Candidate { id, load: 0 }).collect()
@@ -150,7 +150,7 @@ mod tests {
     #[test]
     fn cache_aware_sticks_to_a_shared_prefix_and_spreads_others() {
         let mut r = Router::new(&Config::default());
-        let mut rng = FastRng::seeded(11);
+        let mut rng = seeded(11);
         let prefix = "You are a meticulous assistant. ".repeat(20);
         let first = r.route(format!("{prefix}question 0").as_bytes(), &cands(4), &mut rng).unwrap();
         for i in 1..20 {
@@ -172,7 +172,7 @@ mod tests {
     fn blind_policies_insert_nothing() {
         let cfg = Config::from_json(br#"{"policy":"round_robin"}"#).unwrap();
         let mut r = Router::new(&cfg);
-        let mut rng = FastRng::seeded(1);
+        let mut rng = seeded(1);
         let d = r.route(b"text", &cands(3), &mut rng).unwrap();
         assert!(d.inserted.is_empty() && r.index().is_empty());
         assert_eq!(r.route(b"text", &cands(3), &mut rng).unwrap().pos, 1);
@@ -183,7 +183,7 @@ mod tests {
     fn eviction_uses_max_tree_size() {
         let cfg = Config::from_json(br#"{"max_tree_size":64,"block_size":16}"#).unwrap();
         let mut r = Router::new(&cfg);
-        let mut rng = FastRng::seeded(1);
+        let mut rng = seeded(1);
         r.route(&[b'a'; 200], &cands(1), &mut rng);
         assert_eq!(r.index().size_of(0), 13);
         assert_eq!(r.evict().len(), 9);
