@@ -63,17 +63,48 @@ fn shared_prefixes_stick_and_distinct_prefixes_spread() {
 
 #[test]
 fn chat_messages_route_by_their_shared_system_prompt() {
-    let (_sims, envoy) = stack(3, FAST, json!({}));
-    let system = "You translate English to French, formally and precisely. ".repeat(30);
-    let mut seen = HashSet::new();
-    for q in ["Hello", "Good night", "Where is the station?", "Thank you"] {
-        let body =
-            json!({"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}]});
+    let (sims, envoy) = stack(3, FAST, json!({}));
+    let hits = || envoy.stat("wasmcustom.kvmesh_cache_hits_total").unwrap().unwrap_or(0);
+    let cached = |addr: &str| {
+        let sim = sims.iter().find(|s| s.addr() == addr).unwrap();
+        sim.stats().unwrap()["cached_tokens"].as_u64().unwrap()
+    };
+    // One chat: (worker, whether the gateway counted a cache hit, tokens the worker found in
+    // its KV cache). The worker renders the chat on its own, not with the gateway's parser,
+    // so the two views agree only if the gateway read the messages right.
+    let chat = |system: &str, question: &str| {
+        let before: Vec<u64> = sims.iter().map(|s| cached(&s.addr())).collect();
+        let hits_before = hits();
+        let body = json!({"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]});
         let r = http::post_json(&envoy.url("/v1/chat/completions"), &body).unwrap();
         assert_eq!(r.json().unwrap()["object"], "chat.completion");
-        seen.insert(served_by(&r));
+        let worker = served_by(&r);
+        let pos = sims.iter().position(|s| s.addr() == worker).unwrap();
+        (worker.clone(), hits() > hits_before, cached(&worker) - before[pos])
+    };
+
+    let system = "You translate English to French, formally and precisely. ".repeat(30);
+    let system_tokens = system.len() as u64 / 4;
+    let mut seen = HashSet::new();
+    for (i, q) in ["Hello", "Good night", "Where is the station?", "Thank you"].into_iter().enumerate() {
+        let (worker, hit, cached) = chat(&system, q);
+        seen.insert(worker);
+        if i == 0 {
+            assert_eq!((hit, cached), (false, 0), "a new conversation");
+        } else {
+            assert!(hit, "the gateway found the system prompt");
+            assert!(cached >= system_tokens - 16, "so did the worker: {cached} of {system_tokens} tokens");
+        }
     }
     assert_eq!(seen.len(), 1, "{seen:?}");
+    let home = seen.into_iter().next().unwrap();
+
+    // Other system prompts: no cache hit on either side, and another worker.
+    for topic in ["chemistry", "gardening"] {
+        let (worker, hit, cached) = chat(&format!("You answer questions about {topic}. ").repeat(10), "Why?");
+        assert_eq!((hit, cached), (false, 0), "{topic}");
+        assert_ne!(worker, home, "{topic}");
+    }
 }
 
 #[test]
