@@ -14,13 +14,12 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::future::join_all;
 use futures_util::Stream;
-use kvmesh_core::Endpoint;
 use serde_json::{json, Value};
 
 use crate::bootstrap::{self, RoomKv};
 use crate::cli::Role;
 use crate::engine::Engine;
-use crate::prompt::{Job, Prompt};
+use crate::prompt::{Endpoint, Job, Prompt};
 
 type Shared = State<Arc<Engine>>;
 

@@ -1,9 +1,9 @@
 //! The simulated prefix KV cache: pages of [`PAGE_TOKENS`] tokens keyed by chained hashes,
 //! LRU beyond the capacity. A request's cached tokens are its leading pages found here.
 
-use kvmesh_core::blocks::block_hashes;
 use lru::LruCache;
 use std::num::NonZeroUsize;
+use xxhash_rust::xxh3::Xxh3;
 
 /// Tokens per cache page.
 pub const PAGE_TOKENS: u64 = 16;
@@ -23,7 +23,7 @@ impl KvCache {
     /// Looks up the prompt (its bytes; a token is [`BYTES_PER_TOKEN`] bytes), stores all of
     /// it, and returns how many of its `prompt_tokens` were already cached.
     pub fn lookup_and_store(&mut self, prompt: &[u8], prompt_tokens: u64) -> u64 {
-        let hashes = block_hashes(prompt, (PAGE_TOKENS * BYTES_PER_TOKEN) as usize);
+        let hashes = page_keys(prompt);
         let hit_pages = hashes.iter().take_while(|h| self.pages.contains(*h)).count() as u64;
         for h in hashes {
             self.pages.put(h, ());
@@ -38,6 +38,20 @@ impl KvCache {
     pub fn capacity_tokens(&self) -> u64 {
         self.pages.cap().get() as u64 * PAGE_TOKENS
     }
+}
+
+/// One key per page of `prompt` (the last one may be partial): the hash of the whole prompt
+/// up to the end of that page, so a page is found only after the same prefix. The
+/// simulator's own scheme, independent of the gateway's block hashes.
+fn page_keys(prompt: &[u8]) -> Vec<u64> {
+    let mut hasher = Xxh3::new();
+    prompt
+        .chunks((PAGE_TOKENS * BYTES_PER_TOKEN) as usize)
+        .map(|page| {
+            hasher.update(page);
+            hasher.digest()
+        })
+        .collect()
 }
 
 /// Simulated token count of a prompt of `len` bytes.
@@ -56,6 +70,17 @@ mod tests {
         assert_eq!(c.lookup_and_store(a.as_bytes(), tokens_of(a.len())), 0);
         let b = format!("{a}and more");
         assert_eq!(c.lookup_and_store(b.as_bytes(), tokens_of(b.len())), 160);
+    }
+
+    #[test]
+    fn a_page_hits_only_after_the_same_prefix() {
+        let mut c = KvCache::new(1024);
+        let page = "p".repeat(64);
+        let a = format!("{}{page}", "a".repeat(64));
+        let b = format!("{}{page}", "b".repeat(64));
+        assert_eq!(c.lookup_and_store(a.as_bytes(), 32), 0);
+        assert_eq!(c.lookup_and_store(b.as_bytes(), 32), 0, "same second page, other first page");
+        assert_eq!(c.lookup_and_store(a.as_bytes(), 32), 32);
     }
 
     #[test]

@@ -9,6 +9,7 @@ pub mod envoy;
 pub mod http;
 pub mod kube_fake;
 pub mod proc;
+pub mod prom;
 
 use std::path::PathBuf;
 

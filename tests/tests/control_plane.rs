@@ -4,7 +4,7 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use kvmesh_testkit::http::{self, Response};
-use kvmesh_testkit::{cp_bin, wait_until, ControlPlane, Envoy, EnvoyOptions, Sim};
+use kvmesh_testkit::{cp_bin, prom, wait_until, ControlPlane, Envoy, EnvoyOptions, Sim};
 use serde_json::{json, Value};
 
 const FAST: &[&str] = &["--time-scale", "0"];
@@ -218,34 +218,77 @@ fn routing_survives_a_control_plane_restart_and_reconverges() {
     assert_eq!(served(&generate(&envoy, &format!("{prefix}after the restart"))), home);
 }
 
+/// With a control plane, a filter does not evict on its own (short of a safety cap at twice
+/// `max_tree_size`): its index shrinks only by the evictions the control plane pushes.
 #[test]
 fn eviction_bounds_the_index_in_the_control_plane_and_the_filters() {
-    let workers = sims(2);
+    const BLOCK: usize = 32;
+    // Blocks per worker: --max-tree-size 320 at 32-byte blocks. One worker, so that the
+    // filter's index gauge (all workers' blocks) is that worker's.
+    const MAX: u64 = 10;
+    let workers = sims(1);
     let mut flags = worker_flags(&workers);
-    // 4 blocks of 32 bytes per worker.
-    flags.extend(["--max-tree-size", "128", "--block-size", "32", "--eviction-interval-secs", "1"].map(String::from));
+    flags.extend(["--max-tree-size", "320", "--block-size", "32", "--eviction-interval-secs", "2"].map(String::from));
     let cp = ControlPlane::start(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
     let envoy = gateway(&cp);
-    for i in 0..20 {
-        served(&generate(&envoy, &format!("{i} {}", format!("long distinct prompt number {i} ").repeat(10))));
+    let filter_blocks = || envoy.stat("wasmcustom.kvmesh_index_blocks").unwrap().unwrap_or(0);
+    let evicted = || {
+        let metrics = http::get(&cp.url("/metrics")).unwrap().text();
+        assert!(metrics.contains("# TYPE kvmesh_evicted_blocks counter"), "{metrics}");
+        prom::value(&metrics, "kvmesh_evicted_blocks_total")
+            .unwrap_or_else(|| panic!("no kvmesh_evicted_blocks_total: {metrics}"))
+    };
+
+    // Fresh prompts of 8 whole blocks each. The first round indexes 16 blocks (over MAX,
+    // under the filter's cap of 2 x MAX); should the control plane evict before the filter's
+    // peak is seen, a later round adds 8 to the MAX it kept.
+    let hits = || envoy.stat("wasmcustom.kvmesh_cache_hits_total").unwrap().unwrap_or(0);
+    let mut prompts = Vec::new();
+    let mut peak = None;
+    for round in 0..4 {
+        let before = evicted();
+        for i in 0..if round == 0 { 2 } else { 1 } {
+            let head = format!("round {round} prompt {i}: ");
+            prompts.push(format!("{head}{}", "x".repeat(8 * BLOCK - head.len())));
+            served(&generate(&envoy, prompts.last().unwrap()));
+        }
+        wait_until("the filter to index the round, or the control plane to evict", Duration::from_secs(15), || {
+            let n = filter_blocks();
+            if n > MAX {
+                peak = Some(n);
+            }
+            n > MAX || evicted() > before
+        })
+        .unwrap();
+        if peak.is_some() {
+            break;
+        }
     }
-    wait_until("the control plane's index to grow", Duration::from_secs(10), || {
-        cp.snapshot().map(|s| s["index_entries"].as_u64().unwrap_or(0) > 8).unwrap_or(false)
-    })
-    .unwrap();
+    let peak = peak.expect("the filter's index grew past max_tree_size before the control plane evicted it");
+    assert!(peak <= 2 * MAX, "the filter holds at most its safety cap: {peak}");
+    // The newest prompt is a cache hit (and stays the most recently used).
+    let before = hits();
+    served(&generate(&envoy, prompts.last().unwrap()));
+    assert_eq!(hits(), before + 1, "a prompt the filter holds is a cache hit");
+
     wait_until("the control plane to evict down to max_tree_size", Duration::from_secs(15), || {
-        cp.snapshot().map(|s| s["index_entries"].as_u64().unwrap_or(u64::MAX) <= 8).unwrap_or(false)
+        cp.snapshot().map(|s| s["index_entries"].as_u64().unwrap_or(u64::MAX) <= MAX).unwrap_or(false)
     })
     .unwrap();
-    wait_until("the filters' copies to shrink", Duration::from_secs(15), || {
-        envoy.stat("wasmcustom.kvmesh_index_blocks").unwrap().is_some_and(|n| n <= 8)
+    wait_for_version(&envoy, cp_version(&cp));
+    // Each VM writes the gauge with its own index size, so a VM that routed nothing can show a
+    // small value too; the routing check below is what shows the evictions were applied.
+    wait_until("the control plane's evictions to shrink the filter's index", Duration::from_secs(15), || {
+        filter_blocks() <= MAX
     })
-    .unwrap();
-    let metrics = http::get(&cp.url("/metrics")).unwrap().text();
-    assert!(metrics.contains("# TYPE kvmesh_evicted_blocks counter"), "{metrics}");
-    let evicted: u64 =
-        metrics.lines().find_map(|l| l.strip_prefix("kvmesh_evicted_blocks_total ")?.parse().ok()).unwrap_or(0);
-    assert!(evicted > 0, "{metrics}");
+    .unwrap_or_else(|e| panic!("{e}: the filter still holds {} blocks", filter_blocks()));
+    let n = evicted();
+    assert!(n >= (peak - MAX) as f64, "the control plane counted its evictions: {n} (the filter's peak was {peak})");
+    // Routing agrees: the least recently used blocks, the oldest prompt's deeper ones, are
+    // gone from the filter, so that prompt (at most 2 of its 8 blocks left) is no cache hit.
+    let before = hits();
+    served(&generate(&envoy, &prompts[0]));
+    assert_eq!(hits(), before, "the oldest prompt was evicted from the filter's index");
 }
 
 #[test]

@@ -4,7 +4,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use kvmesh_testkit::http::{self, Response};
-use kvmesh_testkit::{envoy, Envoy, EnvoyOptions, Sim};
+use kvmesh_testkit::{envoy, prom, wait_until, Envoy, EnvoyOptions, Sim};
 use serde_json::{json, Value};
 
 /// `n` workers and an Envoy routing over them with `filter` settings.
@@ -63,17 +63,48 @@ fn shared_prefixes_stick_and_distinct_prefixes_spread() {
 
 #[test]
 fn chat_messages_route_by_their_shared_system_prompt() {
-    let (_sims, envoy) = stack(3, FAST, json!({}));
-    let system = "You translate English to French, formally and precisely. ".repeat(30);
-    let mut seen = HashSet::new();
-    for q in ["Hello", "Good night", "Where is the station?", "Thank you"] {
-        let body =
-            json!({"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}]});
+    let (sims, envoy) = stack(3, FAST, json!({}));
+    let hits = || envoy.stat("wasmcustom.kvmesh_cache_hits_total").unwrap().unwrap_or(0);
+    let cached = |addr: &str| {
+        let sim = sims.iter().find(|s| s.addr() == addr).unwrap();
+        sim.stats().unwrap()["cached_tokens"].as_u64().unwrap()
+    };
+    // One chat: (worker, whether the gateway counted a cache hit, tokens the worker found in
+    // its KV cache). The worker renders the chat on its own, not with the gateway's parser,
+    // so the two views agree only if the gateway read the messages right.
+    let chat = |system: &str, question: &str| {
+        let before: Vec<u64> = sims.iter().map(|s| cached(&s.addr())).collect();
+        let hits_before = hits();
+        let body = json!({"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]});
         let r = http::post_json(&envoy.url("/v1/chat/completions"), &body).unwrap();
         assert_eq!(r.json().unwrap()["object"], "chat.completion");
-        seen.insert(served_by(&r));
+        let worker = served_by(&r);
+        let pos = sims.iter().position(|s| s.addr() == worker).unwrap();
+        (worker.clone(), hits() > hits_before, cached(&worker) - before[pos])
+    };
+
+    let system = "You translate English to French, formally and precisely. ".repeat(30);
+    let system_tokens = system.len() as u64 / 4;
+    let mut seen = HashSet::new();
+    for (i, q) in ["Hello", "Good night", "Where is the station?", "Thank you"].into_iter().enumerate() {
+        let (worker, hit, cached) = chat(&system, q);
+        seen.insert(worker);
+        if i == 0 {
+            assert_eq!((hit, cached), (false, 0), "a new conversation");
+        } else {
+            assert!(hit, "the gateway found the system prompt");
+            assert!(cached >= system_tokens - 16, "so did the worker: {cached} of {system_tokens} tokens");
+        }
     }
     assert_eq!(seen.len(), 1, "{seen:?}");
+    let home = seen.into_iter().next().unwrap();
+
+    // Other system prompts: no cache hit on either side, and another worker.
+    for topic in ["chemistry", "gardening"] {
+        let (worker, hit, cached) = chat(&format!("You answer questions about {topic}. ").repeat(10), "Why?");
+        assert_eq!((hit, cached), (false, 0), "{topic}");
+        assert_ne!(worker, home, "{topic}");
+    }
 }
 
 #[test]
@@ -285,15 +316,25 @@ fn the_shipped_envoy_config_validates_and_enables_body_access() {
 
 #[test]
 fn filter_stats_are_exported() {
+    const N: u64 = 4;
     let (_sims, envoy) = stack(2, FAST, json!({}));
     let text = "Tell me about Envoy filters. ".repeat(20);
-    for _ in 0..3 {
+    for _ in 0..N {
         served_by(&http::post_json(&envoy.url("/generate"), &json!({"text": text})).unwrap());
     }
-    assert_eq!(envoy.stat("wasmcustom.kvmesh_requests_total").unwrap(), Some(3));
-    assert_eq!(envoy.stat("wasmcustom.kvmesh_cache_hits_total").unwrap(), Some(2));
-    let prom = http::get(&envoy.admin_url("/stats/prometheus")).unwrap().text();
-    assert!(prom.contains("kvmesh_route_decision_ns"), "decision-time histogram exported");
+    // Every routed request counts; every repeat of the prefix is a cache hit.
+    assert_eq!(envoy.stat("wasmcustom.kvmesh_requests_total").unwrap(), Some(N));
+    assert_eq!(envoy.stat("wasmcustom.kvmesh_cache_hits_total").unwrap(), Some(N - 1));
+    // One decision-time sample per request (Envoy publishes histograms on its stats flush,
+    // every 5 s by default).
+    let prom = || http::get(&envoy.admin_url("/stats/prometheus")).unwrap().text();
+    let samples = || prom::value(&prom(), "kvmesh_route_decision_ns_count");
+    wait_until("the decision histogram to hold one sample per request", Duration::from_secs(20), || {
+        samples() == Some(N as f64)
+    })
+    .unwrap_or_else(|e| panic!("{e}: {:?}\n{}", samples(), prom()));
+    let total_ns = prom::value(&prom(), "kvmesh_route_decision_ns_sum").unwrap();
+    assert!(total_ns > 0.0, "decision times recorded: {total_ns}");
 }
 
 #[test]

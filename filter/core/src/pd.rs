@@ -8,8 +8,8 @@
 
 pub use crate::config::Decider;
 use crate::policy::{Candidate, PolicyKind};
-use crate::rng::Rng;
 use crate::router::{Decision, Router, RouterParams, RoutingText};
+use rand::RngCore;
 
 /// Bytes of routing text per token, for comparing text lengths with token budgets.
 pub const BYTES_PER_TOKEN: usize = 4;
@@ -46,7 +46,7 @@ impl PdRouter {
         text: RoutingText<'_>,
         prefill: &[Candidate],
         decode: &[Candidate],
-        rng: &mut dyn Rng,
+        rng: &mut dyn RngCore,
     ) -> Option<PdDecision> {
         let d = self.decode.decide(text, decode, rng)?;
         if let Decider::Prefix { non_cached_tokens } = self.decider {
@@ -82,7 +82,7 @@ impl PdRouter {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rng::FastRng;
+    use crate::rng::{seeded, FastRng};
 
     fn cands(ids: std::ops::Range<u32>, load: u64) -> Vec<Candidate> {
         ids.map(|id| Candidate { id, load }).collect()
@@ -104,7 +104,7 @@ mod tests {
     fn shared_prefixes_keep_their_prefill_worker_and_decode_spreads() {
         let cfg = crate::Config::default().router_params();
         let mut pd = PdRouter::new(cfg, PolicyKind::CacheAware, PolicyKind::PowerOfTwo, Decider::Always);
-        let mut rng = FastRng::seeded(3);
+        let mut rng = seeded(3);
         let prefix = "A long shared system prompt. ".repeat(30);
         let mut prefills = std::collections::HashSet::new();
         let mut decodes = std::collections::HashSet::new();
@@ -133,7 +133,7 @@ mod tests {
             PolicyKind::RoundRobin,
             Decider::Prefix { non_cached_tokens: 8 },
         );
-        let mut rng = FastRng::seeded(1);
+        let mut rng = seeded(1);
         let text = "x".repeat(1000);
         let first = route(&mut pd, text.as_bytes(), &cands(0..1, 0), &cands(5..6, 0), &mut rng).unwrap();
         assert!(matches!(first, PdDecision::Split { .. }), "nothing cached yet");
@@ -146,7 +146,7 @@ mod tests {
     fn no_candidates_means_no_decision() {
         let cfg = crate::Config::default().router_params();
         let pd = PdRouter::new(cfg, PolicyKind::CacheAware, PolicyKind::PowerOfTwo, Decider::Always);
-        let mut rng = FastRng::seeded(1);
+        let mut rng = seeded(1);
         assert!(pd.decide(b"t".as_slice().into(), &[], &cands(0..1, 0), &mut rng).is_none());
         assert!(pd.decide(b"t".as_slice().into(), &cands(0..1, 0), &[], &mut rng).is_none());
     }
@@ -160,7 +160,7 @@ mod tests {
             PolicyKind::RoundRobin,
             Decider::Prefix { non_cached_tokens: 8 },
         );
-        let mut rng = FastRng::seeded(1);
+        let mut rng = seeded(1);
         let text = "y".repeat(500);
         let d = pd.decide(text.as_bytes().into(), &cands(0..2, 0), &cands(5..7, 0), &mut rng).unwrap();
         assert!(pd.prefill_router().index().is_empty() && pd.decode_router().index().is_empty());

@@ -1,50 +1,25 @@
 //! Randomness for the policies, passed in so that tests are reproducible.
 //!
-//! Policies take `&mut dyn Rng`. [`FastRng`] is a SplitMix64 generator seeded from the
-//! platform (`getrandom`, which is WASI `random_get` under wasm32-wasip1): cheap enough for
-//! the request path, and each VM seeds its own.
+//! Policies take `&mut dyn RngCore` and draw with [`rand::Rng`]'s methods (`random_range`),
+//! which rand implements for unsized generators too. Each VM keeps a [`FastRng`] — rand's
+//! `SmallRng`, a xoshiro generator: fast and not cryptographic, which is all load balancing
+//! needs — seeded once from the platform (`getrandom`, which is WASI `random_get` under
+//! wasm32-wasip1). Tests seed it with a constant.
 
-/// A source of random numbers.
-pub trait Rng {
-    fn next_u64(&mut self) -> u64;
+use rand::SeedableRng;
+pub use rand::{Rng, RngCore};
 
-    /// A uniform integer in `0..n` (`n` > 0).
-    fn below(&mut self, n: usize) -> usize {
-        // Multiply-shift: unbiased enough for load balancing, no division.
-        ((u128::from(self.next_u64()) * n as u128) >> 64) as usize
-    }
-}
+/// The generator a VM keeps for its policies.
+pub type FastRng = rand::rngs::SmallRng;
 
-/// SplitMix64.
-#[derive(Clone, Debug)]
-pub struct FastRng(u64);
-
-impl FastRng {
-    pub fn seeded(seed: u64) -> Self {
-        Self(seed)
-    }
-
-    /// Seeded from the platform's entropy source.
-    pub fn from_entropy() -> Result<Self, getrandom::Error> {
-        Ok(Self(random_u64()?))
-    }
-}
-
-impl Rng for FastRng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
+/// A generator with a fixed seed (tests; a VM seeded from [`random_u64`]).
+pub fn seeded(seed: u64) -> FastRng {
+    FastRng::seed_from_u64(seed)
 }
 
 /// A u64 from the platform's entropy source.
 pub fn random_u64() -> Result<u64, getrandom::Error> {
-    let mut buf = [0u8; 8];
-    getrandom::fill(&mut buf)?;
-    Ok(u64::from_le_bytes(buf))
+    getrandom::u64()
 }
 
 #[cfg(test)]
@@ -52,13 +27,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn below_stays_in_range_and_covers_it() {
-        let mut rng = FastRng::seeded(7);
+    fn random_range_through_a_trait_object_stays_in_range_and_covers_it() {
+        let mut rng = seeded(7);
+        let dyn_rng: &mut dyn RngCore = &mut rng;
         let mut seen = [0u32; 5];
         for _ in 0..1000 {
-            seen[rng.below(5)] += 1;
+            seen[dyn_rng.random_range(0..5usize)] += 1;
         }
-        assert!(seen.iter().all(|&c| c > 120), "{seen:?}");
+        assert!(seen.iter().all(|&c| c > 150), "{seen:?}");
+    }
+
+    #[test]
+    fn the_same_seed_gives_the_same_sequence_and_another_seed_another() {
+        let draw = |seed| {
+            let mut rng = seeded(seed);
+            (0..4).map(|_| rng.next_u64()).collect::<Vec<_>>()
+        };
+        assert_eq!(draw(1), draw(1));
+        assert_ne!(draw(1), draw(2));
     }
 
     #[test]
@@ -66,5 +52,7 @@ mod tests {
         let a = random_u64().unwrap();
         let b = random_u64().unwrap();
         assert_ne!(a, b);
+        let (mut x, mut y) = (seeded(random_u64().unwrap()), seeded(random_u64().unwrap()));
+        assert_ne!(x.next_u64(), y.next_u64());
     }
 }

@@ -3,8 +3,8 @@
 use crate::blocks::{block_hashes, covered_bytes};
 use crate::index::PrefixIndex;
 use crate::policy::{CacheAware, CacheAwareParams, Candidate, PolicyKind, PowerOfTwo, Random, RoundRobin};
-use crate::rng::Rng;
 use crate::worker::WorkerId;
+use rand::RngCore;
 
 /// The most `(worker, block)` entries one router's index holds, whatever arrives between two
 /// periodic evictions (about 40 MiB): past it, by one eighth, the least recently used go.
@@ -93,7 +93,7 @@ impl Router {
     }
 
     /// Chooses a candidate for a request whose routing text is `text`. Changes nothing.
-    pub fn decide(&self, text: RoutingText<'_>, cands: &[Candidate], rng: &mut dyn Rng) -> Option<Decision> {
+    pub fn decide(&self, text: RoutingText<'_>, cands: &[Candidate], rng: &mut dyn RngCore) -> Option<Decision> {
         if self.kind == PolicyKind::CacheAware {
             let blocks = block_hashes(text.head, self.block_size);
             let c = self.cache_aware.pick(text.len, &blocks, self.block_size, cands, &self.index, rng)?;
@@ -131,7 +131,7 @@ impl Router {
 
     /// Chooses a candidate for a request that carries no routing text (other paths); round
     /// robin moves on at once (nothing is recorded for these).
-    pub fn route_any(&mut self, cands: &[Candidate], rng: &mut dyn Rng) -> Option<usize> {
+    pub fn route_any(&mut self, cands: &[Candidate], rng: &mut dyn RngCore) -> Option<usize> {
         match self.kind {
             PolicyKind::RoundRobin => {
                 let pos = self.round_robin.pick(cands);
@@ -142,7 +142,7 @@ impl Router {
         }
     }
 
-    fn pick_blind(&self, cands: &[Candidate], rng: &mut dyn Rng) -> Option<usize> {
+    fn pick_blind(&self, cands: &[Candidate], rng: &mut dyn RngCore) -> Option<usize> {
         match self.kind {
             PolicyKind::RoundRobin => self.round_robin.pick(cands),
             PolicyKind::PowerOfTwo => PowerOfTwo.pick(cands, rng),
@@ -186,7 +186,7 @@ impl Router {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rng::FastRng;
+    use crate::rng::{seeded, FastRng};
 
     fn params(block_size: usize, max_blocks: u64) -> RouterParams {
         let cache_aware =
@@ -208,7 +208,7 @@ mod tests {
     #[test]
     fn cache_aware_sticks_to_a_shared_prefix_and_spreads_others() {
         let mut r = Router::new(params(32, 1 << 20), PolicyKind::CacheAware);
-        let mut rng = FastRng::seeded(11);
+        let mut rng = seeded(11);
         let prefix = "You are a meticulous assistant. ".repeat(20);
         let first = route(&mut r, format!("{prefix}question 0").as_bytes(), &cands(4), &mut rng).unwrap();
         for i in 1..20 {
@@ -229,7 +229,7 @@ mod tests {
     #[test]
     fn blind_policies_insert_nothing() {
         let mut r = Router::new(params(32, 1 << 20), PolicyKind::RoundRobin);
-        let mut rng = FastRng::seeded(1);
+        let mut rng = seeded(1);
         let d = route(&mut r, b"text", &cands(3), &mut rng).unwrap();
         assert!(d.blocks.is_empty() && r.index().is_empty());
         assert_eq!(route(&mut r, b"text", &cands(3), &mut rng).unwrap().worker, 1);
@@ -240,7 +240,7 @@ mod tests {
     fn eviction_uses_max_tree_size() {
         let cfg = crate::Config::from_json(br#"{"max_tree_size":64,"block_size":16}"#).unwrap();
         let mut r = Router::new(cfg.router_params(), cfg.policy);
-        let mut rng = FastRng::seeded(1);
+        let mut rng = seeded(1);
         route(&mut r, &[b'a'; 200], &cands(1), &mut rng);
         assert_eq!(r.index().size_of(0), 13);
         assert_eq!(r.evict().len(), 9);
@@ -250,7 +250,7 @@ mod tests {
     #[test]
     fn deciding_changes_nothing_until_committed() {
         let mut r = Router::new(params(32, 1 << 20), PolicyKind::CacheAware);
-        let mut rng = FastRng::seeded(4);
+        let mut rng = seeded(4);
         let text = "a prompt long enough to fill several blocks of the index".repeat(4);
         let d = r.decide(text.as_bytes().into(), &cands(2), &mut rng).unwrap();
         assert!(!d.blocks.is_empty());
@@ -273,7 +273,7 @@ mod tests {
         let mut p = params(4, 1 << 30);
         p.max_entries = 1_000;
         let mut r = Router::new(p, PolicyKind::CacheAware);
-        let mut rng = FastRng::seeded(2);
+        let mut rng = seeded(2);
         for i in 0..500 {
             // Unique prompts of 20 blocks each: 10 000 entries offered.
             let text = format!("{i:08}-unique-prompt-of-80-bytes-{}", "z".repeat(44));

@@ -9,7 +9,7 @@ use kvmesh_core::paths::{self, PathClass};
 use kvmesh_core::pd::{PdDecision, PdRouter};
 use kvmesh_core::policy::Candidate;
 use kvmesh_core::request::{self, RequestError};
-use kvmesh_core::rng::{random_u64, FastRng, Rng};
+use kvmesh_core::rng::{random_u64, seeded, FastRng, RngCore};
 use kvmesh_core::{Config, Decision, Endpoint, Role, Router, RoutingSettings, WorkerId, WorkerTable};
 
 use crate::health::Health;
@@ -220,7 +220,7 @@ impl Gateway {
             base: config.settings.clone(),
             table: config.workers.clone(),
             mode: build_mode(&config),
-            rng: FastRng::seeded(seed),
+            rng: seeded(seed),
             log: DeltaLog::new(store, seed as u32 ^ (seed >> 32) as u32),
             health: Health::new(config.cb_failure_threshold, config.cb_timeout_duration_secs),
             last_eviction_secs: 0,

@@ -355,7 +355,7 @@ fn decode_deltas(mut bytes: &[u8], out: &mut Vec<Delta>) {
 #[cfg(test)]
 pub mod fake {
     //! An in-memory [`SharedStore`] with Envoy's CAS semantics.
-    use std::cell::RefCell;
+    use std::cell::{Cell, RefCell};
     use std::collections::HashMap;
 
     use super::{SetError, SharedStore};
@@ -381,6 +381,48 @@ pub mod fake {
             }
             *entry = (value.to_vec(), entry.1 + 1);
             Ok(())
+        }
+    }
+
+    /// What another VM does to the store.
+    type Race<'a> = Box<dyn FnOnce(&FakeStore) + 'a>;
+
+    /// A [`FakeStore`] that another VM writes to once, between our read and our first
+    /// write, so that write meets a real CAS conflict. Counts writes and conflicts.
+    pub struct Racing<'a> {
+        inner: &'a FakeStore,
+        race: RefCell<Option<Race<'a>>>,
+        sets: Cell<u32>,
+        conflicts: Cell<u32>,
+    }
+
+    impl<'a> Racing<'a> {
+        pub fn new(inner: &'a FakeStore, race: impl FnOnce(&FakeStore) + 'a) -> Self {
+            Self { inner, race: RefCell::new(Some(Box::new(race))), sets: Cell::new(0), conflicts: Cell::new(0) }
+        }
+
+        /// `(writes attempted, writes refused for a stale version)`.
+        pub fn writes(&self) -> (u32, u32) {
+            (self.sets.get(), self.conflicts.get())
+        }
+    }
+
+    impl SharedStore for Racing<'_> {
+        fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+            self.inner.get(key)
+        }
+
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
+            let race = self.race.borrow_mut().take();
+            if let Some(race) = race {
+                race(self.inner);
+            }
+            self.sets.set(self.sets.get() + 1);
+            let result = self.inner.set(key, value, cas);
+            if result == Err(SetError::CasMismatch) {
+                self.conflicts.set(self.conflicts.get() + 1);
+            }
+            result
         }
     }
 }
@@ -438,12 +480,29 @@ mod tests {
 
     #[test]
     fn a_stale_cas_is_retried() {
+        use super::fake::Racing;
         let store = FakeStore::default();
-        Inflight::add(&store, 1, 1);
-        let (_, stale) = store.get(Inflight::KEY);
-        Inflight::add(&store, 1, 1);
-        assert_eq!(store.set(Inflight::KEY, b"", stale), Err(SetError::CasMismatch));
-        assert_eq!(Inflight::read(&store), vec![(1, 2)]);
+        assert!(Inflight::add(&store, 1, 1));
+
+        // `update`: another VM counts a request between our read and our write.
+        let racing = Racing::new(&store, |other| assert!(Inflight::add(other, 1, 1)));
+        assert!(Inflight::add(&racing, 1, 1));
+        assert_eq!(racing.writes(), (2, 1), "the stale write was refused, then retried once");
+        assert_eq!(Inflight::read(&store), vec![(1, 3)], "neither VM's count was lost");
+
+        // `commit`: the value loaded for routing is stale by the time the request is counted.
+        let racing = Racing::new(&store, |other| assert!(Inflight::finish(other, 1, false)));
+        let loaded = Inflight::load(&racing);
+        assert_eq!(loaded.commit(&racing, &[(1, 1), (2, 1)], true), (true, Some(1)));
+        assert_eq!(racing.writes(), (2, 1), "the stale commit was refused, then redone on fresh data");
+        assert_eq!(
+            Inflight::counts(&store),
+            vec![
+                Counts { worker: 1, in_flight: 3, finished: 1, failed: 0 },
+                Counts { worker: 2, in_flight: 1, finished: 0, failed: 0 },
+            ]
+        );
+        assert_eq!(Inflight::load(&store).head(), 1, "one sequence number taken, once");
     }
 
     fn ins(worker: WorkerId, hashes: &[u64]) -> Delta {

@@ -12,7 +12,7 @@
 use super::{least_loaded, Candidate};
 use crate::blocks::covered_bytes;
 use crate::index::PrefixIndex;
-use crate::rng::Rng;
+use rand::RngCore;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CacheAwareParams {
@@ -62,7 +62,7 @@ impl CacheAware {
         block_size: usize,
         cands: &[Candidate],
         index: &PrefixIndex,
-        rng: &mut dyn Rng,
+        rng: &mut dyn RngCore,
     ) -> Option<Choice> {
         if cands.is_empty() {
             return None;
@@ -100,7 +100,7 @@ impl CacheAware {
 mod tests {
     use super::*;
     use crate::blocks::block_hashes;
-    use crate::rng::FastRng;
+    use crate::rng::{seeded, FastRng};
 
     const BS: usize = 4;
 
@@ -131,7 +131,7 @@ mod tests {
         let p = policy();
         let mut idx = PrefixIndex::new();
         idx.insert(11, &block_hashes(b"system prompt: you are helpful", BS));
-        let mut rng = FastRng::seeded(1);
+        let mut rng = seeded(1);
         let c = pick(&p, "system prompt: you are helpful. Q1", &cands(&[0, 3, 0]), &idx, &mut rng);
         assert_eq!((c.pos, c.reason), (1, Reason::CacheHit));
         assert_eq!(c.matched_bytes, 28);
@@ -143,7 +143,7 @@ mod tests {
         let mut idx = PrefixIndex::new();
         idx.insert(10, &block_hashes(b"abcdefgh-worker-ten-has-a-lot", BS));
         idx.insert(11, &block_hashes(b"abcd", BS));
-        let mut rng = FastRng::seeded(1);
+        let mut rng = seeded(1);
         // "abcd" matches worker 11 for 4 of 30 bytes: below the threshold.
         let c = pick(&p, "abcd-something-else-entirely!!", &cands(&[0, 0, 1]), &idx, &mut rng);
         assert_eq!((c.pos, c.reason), (2, Reason::SmallestIndex));
@@ -155,7 +155,7 @@ mod tests {
         let mut idx = PrefixIndex::new();
         let text = "shared prefix that is long enough";
         idx.insert(10, &block_hashes(text.as_bytes(), BS));
-        let mut rng = FastRng::seeded(1);
+        let mut rng = seeded(1);
         let c = pick(&p, text, &cands(&[9, 2, 3]), &idx, &mut rng);
         assert_eq!((c.pos, c.reason), (1, Reason::Imbalanced));
         let c = pick(&p, text, &cands(&[4, 2, 3]), &idx, &mut rng);
@@ -166,7 +166,7 @@ mod tests {
     fn ties_are_not_always_the_same_worker() {
         let p = policy();
         let idx = PrefixIndex::new();
-        let mut rng = FastRng::seeded(2);
+        let mut rng = seeded(2);
         let cs = cands(&[0, 0, 0, 0]);
         let mut seen = [false; 4];
         for _ in 0..64 {
@@ -181,7 +181,7 @@ mod tests {
         let mut idx = PrefixIndex::new();
         let text = "prefix held by a worker that is gone now";
         idx.insert(99, &block_hashes(text.as_bytes(), BS));
-        let mut rng = FastRng::seeded(1);
+        let mut rng = seeded(1);
         let c = pick(&p, text, &cands(&[0, 0]), &idx, &mut rng);
         assert_eq!(c.reason, Reason::SmallestIndex);
     }

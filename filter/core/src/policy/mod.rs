@@ -14,7 +14,8 @@ pub use power_of_two::PowerOfTwo;
 pub use random::Random;
 pub use round_robin::RoundRobin;
 
-use crate::rng::Rng;
+use rand::{Rng, RngCore};
+
 use crate::worker::WorkerId;
 
 /// A worker a policy may pick, with its load: the control plane's load table plus this
@@ -86,35 +87,35 @@ impl FromStr for PolicyKind {
 pub(crate) fn least_loaded(
     cands: &[Candidate],
     positions: impl IntoIterator<Item = usize>,
-    rng: &mut dyn Rng,
+    rng: &mut dyn RngCore,
 ) -> Option<usize> {
-    let mut best: Option<usize> = None;
+    // (position, its load) of the best so far.
+    let mut best: Option<(usize, u64)> = None;
     let mut ties = 0usize;
-    let load = |p: usize| cands.get(p).map(|c| c.load);
     for p in positions {
-        let Some(lp) = load(p) else { continue };
-        match best.and_then(load) {
-            Some(lb) if lp > lb => {}
-            Some(lb) if lp == lb => {
+        let Some(load) = cands.get(p).map(|c| c.load) else { continue };
+        match best {
+            Some((_, b)) if load > b => {}
+            Some((_, b)) if load == b => {
                 // Reservoir sampling over the tied candidates.
                 ties += 1;
-                if rng.below(ties + 1) == 0 {
-                    best = Some(p);
+                if rng.random_range(0..=ties) == 0 {
+                    best = Some((p, load));
                 }
             }
             _ => {
-                best = Some(p);
+                best = Some((p, load));
                 ties = 0;
             }
         }
     }
-    best
+    best.map(|(p, _)| p)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rng::FastRng;
+    use crate::rng::seeded;
 
     #[test]
     fn names_round_trip_and_unknown_is_explained() {
@@ -133,7 +134,7 @@ mod tests {
             Candidate { id: 2, load: 1 },
             Candidate { id: 3, load: 2 },
         ];
-        let mut rng = FastRng::seeded(1);
+        let mut rng = seeded(1);
         let mut hits = [0; 4];
         for _ in 0..400 {
             hits[least_loaded(&cands, 0..4, &mut rng).unwrap()] += 1;

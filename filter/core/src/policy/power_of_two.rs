@@ -1,20 +1,20 @@
 //! `power_of_two`: two distinct random healthy workers; the less loaded one wins.
 
 use super::Candidate;
-use crate::rng::Rng;
+use rand::{Rng, RngCore};
 
 #[derive(Debug, Default)]
 pub struct PowerOfTwo;
 
 impl PowerOfTwo {
-    pub fn pick(&self, cands: &[Candidate], rng: &mut dyn Rng) -> Option<usize> {
+    pub fn pick(&self, cands: &[Candidate], rng: &mut dyn RngCore) -> Option<usize> {
         match cands.len() {
             0 => None,
             1 => Some(0),
             n => {
-                let a = rng.below(n);
+                let a = rng.random_range(0..n);
                 // A second, distinct draw: skip over `a`.
-                let mut b = rng.below(n - 1);
+                let mut b = rng.random_range(0..n - 1);
                 if b >= a {
                     b += 1;
                 }
@@ -28,12 +28,12 @@ impl PowerOfTwo {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rng::FastRng;
+    use crate::rng::seeded;
 
     #[test]
     fn the_most_loaded_worker_never_wins() {
         let cands = [Candidate { id: 0, load: 9 }, Candidate { id: 1, load: 1 }, Candidate { id: 2, load: 2 }];
-        let mut rng = FastRng::seeded(5);
+        let mut rng = seeded(5);
         let mut hits = [0; 3];
         for _ in 0..300 {
             hits[PowerOfTwo.pick(&cands, &mut rng).unwrap()] += 1;
@@ -45,7 +45,7 @@ mod tests {
     #[test]
     fn two_workers_always_compared() {
         let cands = [Candidate { id: 0, load: 4 }, Candidate { id: 1, load: 0 }];
-        let mut rng = FastRng::seeded(9);
+        let mut rng = seeded(9);
         assert!((0..50).all(|_| PowerOfTwo.pick(&cands, &mut rng) == Some(1)));
         assert_eq!(PowerOfTwo.pick(&cands[..1], &mut rng), Some(0));
         assert_eq!(PowerOfTwo.pick(&[], &mut rng), None);

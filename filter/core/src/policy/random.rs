@@ -1,26 +1,26 @@
 //! `random`: a uniformly random healthy worker.
 
 use super::Candidate;
-use crate::rng::Rng;
+use rand::{Rng, RngCore};
 
 #[derive(Debug, Default)]
 pub struct Random;
 
 impl Random {
-    pub fn pick(&self, cands: &[Candidate], rng: &mut dyn Rng) -> Option<usize> {
-        (!cands.is_empty()).then(|| rng.below(cands.len()))
+    pub fn pick(&self, cands: &[Candidate], rng: &mut dyn RngCore) -> Option<usize> {
+        (!cands.is_empty()).then(|| rng.random_range(0..cands.len()))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rng::FastRng;
+    use crate::rng::seeded;
 
     #[test]
     fn spreads_over_all_candidates() {
         let cands: Vec<Candidate> = (0..4).map(|id| Candidate { id, load: 0 }).collect();
-        let mut rng = FastRng::seeded(3);
+        let mut rng = seeded(3);
         let mut hits = [0; 4];
         for _ in 0..400 {
             hits[Random.pick(&cands, &mut rng).unwrap()] += 1;
