@@ -105,6 +105,11 @@ impl Plugin {
             if evicted > 0 {
                 log::info!("evicted {evicted} index blocks, {} left", gateway.index_len());
             }
+        }
+        // One gauge for the whole Envoy: with a control plane, the stream owner's index (it
+        // applies every snapshot at once) is the one to show; idle VMs catch up lazily.
+        let owner = self.control_plane.as_ref().is_none_or(|cp| cp.link.is_connected());
+        if owner {
             host.record(Metric::IndexBlocks, gateway.index_len() as u64);
         }
     }
@@ -317,6 +322,10 @@ mod tests {
         b.on_tick(&b_host);
         assert_eq!(a_host.grpc_opened.borrow().len(), 2);
         assert!(b_host.grpc_opened.borrow().is_empty(), "the lease is a's");
+        a.on_tick(&a_host);
+        b.on_tick(&b_host);
+        assert!(a_host.metric_count(Metric::IndexBlocks) > 0, "the owner shows its index size");
+        assert_eq!(b_host.metric_count(Metric::IndexBlocks), 0, "an idle VM's stale size is never shown");
         // a stops ticking (stuck, or replaced); the lease lapses.
         b_host.advance_ms(LEASE_MS);
         b.on_tick(&b_host);
