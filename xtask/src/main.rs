@@ -3,6 +3,7 @@
 mod bench;
 mod bench_cp;
 mod loadgen;
+mod supervise;
 mod tools;
 mod up;
 

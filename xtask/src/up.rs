@@ -4,12 +4,13 @@
 use std::net::TcpListener;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use kvmesh_testkit::{repo_root, wait_until, ControlPlane, Envoy, EnvoyOptions, Sim};
 use serde_json::json;
 
+use crate::supervise::Supervised;
 use crate::tools::{build, ensure_envoy, ensure_wasm_target, step};
 
 const GATEWAY_PORT: u16 = 10000;
@@ -62,8 +63,16 @@ fn claim(ports: &[u16]) -> anyhow::Result<()> {
     }
 }
 
+/// A simulated worker, and how to start it again.
+fn supervised_sim(port: u16, args: &[&str]) -> anyhow::Result<Supervised<Sim>> {
+    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    let start = move || Sim::start_on(port, &args.iter().map(String::as_str).collect::<Vec<_>>());
+    let sim = start.clone()()?;
+    Ok(Supervised::new(format!("worker http://127.0.0.1:{port}"), sim, Sim::proc, start))
+}
+
 /// Starts simulated workers and returns the kvmesh-cp flags naming them.
-fn start_sims(pd: bool, sims: &mut Vec<Sim>) -> anyhow::Result<Vec<String>> {
+fn start_sims(pd: bool, sims: &mut Vec<Supervised<Sim>>) -> anyhow::Result<Vec<String>> {
     let mut flags = Vec::new();
     if pd {
         step("starting 2 simulated prefill workers (30001, 30002; bootstrap 8998, 8999) and 2 decode workers (30003, 30004)");
@@ -71,12 +80,15 @@ fn start_sims(pd: bool, sims: &mut Vec<Sim>) -> anyhow::Result<Vec<String>> {
         for (port, boot) in [(30001u16, 8998u16), (30002, 8999)] {
             claim(&[port, boot])?;
             let boot_arg = boot.to_string();
-            sims.push(Sim::start_on(port, &["--role", "prefill", "--bootstrap-port", &boot_arg, "--time-scale", "1"])?);
+            sims.push(supervised_sim(
+                port,
+                &["--role", "prefill", "--bootstrap-port", &boot_arg, "--time-scale", "1"],
+            )?);
             flags.extend(["--prefill".into(), format!("http://127.0.0.1:{port}"), boot_arg]);
         }
         for port in [30003u16, 30004] {
             claim(&[port])?;
-            sims.push(Sim::start_on(port, &["--role", "decode", "--time-scale", "1"])?);
+            sims.push(supervised_sim(port, &["--role", "decode", "--time-scale", "1"])?);
             flags.extend(["--decode".into(), format!("http://127.0.0.1:{port}")]);
         }
     } else {
@@ -84,7 +96,7 @@ fn start_sims(pd: bool, sims: &mut Vec<Sim>) -> anyhow::Result<Vec<String>> {
         flags.push("--worker-urls".to_string());
         for port in FIRST_SIM_PORT..FIRST_SIM_PORT + 4 {
             claim(&[port])?;
-            sims.push(Sim::start_on(port, &["--time-scale", "1"])?);
+            sims.push(supervised_sim(port, &["--time-scale", "1"])?);
             flags.push(format!("http://127.0.0.1:{port}"));
         }
     }
@@ -107,8 +119,13 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     }
     claim(&[CP_GRPC_PORT, CP_HTTP_PORT])?;
     step(&format!("starting kvmesh-cp (gRPC :{CP_GRPC_PORT}, HTTP :{CP_HTTP_PORT}) {}", cp_args.join(" ")));
-    let mut cp =
-        ControlPlane::start_on(CP_GRPC_PORT, CP_HTTP_PORT, &cp_args.iter().map(String::as_str).collect::<Vec<_>>())?;
+    let start_cp = {
+        let cp_args = cp_args.clone();
+        move || {
+            ControlPlane::start_on(CP_GRPC_PORT, CP_HTTP_PORT, &cp_args.iter().map(String::as_str).collect::<Vec<_>>())
+        }
+    };
+    let mut cp = Supervised::new("kvmesh-cp", start_cp.clone()()?, ControlPlane::proc, start_cp);
 
     let template = if opts.pd { "envoy/envoy-pd.yaml" } else { "envoy/envoy.yaml" };
     // Workers come from the control plane: no static ones that could disagree with it.
@@ -127,41 +144,38 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         wait_until("Envoy to receive the control plane's snapshot", Duration::from_secs(20), || {
             envoy.stat("wasmcustom.kvmesh_snapshot_version").ok().flatten().unwrap_or(0) >= 1
         })?;
-        gateways.push(envoy);
+        gateways.push(Supervised::new(format!("Envoy :{port}"), envoy, Envoy::proc, move || Envoy::start(&o)));
     }
 
     println!("\nkvmesh is up.");
-    for g in &gateways {
+    for g in gateways.iter().filter_map(|g| g.item.as_ref()) {
         println!("  gateway        {}    admin {}", g.url(""), g.admin_url(""));
     }
-    println!("  control plane  {}  (/workers, /snapshot, /metrics, POST /add_worker?url=…)", cp.url(""));
-    for w in cp.snapshot()?["workers"].as_array().cloned().unwrap_or_default() {
+    let cp_now = cp.item.as_ref().context("kvmesh-cp is not running")?;
+    println!("  control plane  {}  (/workers, /snapshot, /metrics, POST /add_worker?url=…)", cp_now.url(""));
+    for w in cp_now.snapshot()?["workers"].as_array().cloned().unwrap_or_default() {
         println!("  worker         {} ({})", w["url"].as_str().unwrap_or("?"), w["role"].as_str().unwrap_or("?"));
     }
-    let url = gateways[0].url("");
+    let url = format!("http://127.0.0.1:{GATEWAY_PORT}");
     println!("\nTry:\n  curl -s {url}/v1/chat/completions -H 'content-type: application/json' \\");
     println!(
         "    -d '{{\"model\": \"kvmesh-sim\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}' -i"
     );
     println!("  curl -sN {url}/generate -d '{{\"text\": \"Once upon a time\", \"stream\": true}}'");
-    println!("\nCtrl-C stops everything.");
+    println!("\nA worker, kvmesh-cp or Envoy that exits is restarted, as a Deployment would; Ctrl-C stops everything.");
 
     let stop = Arc::new(AtomicBool::new(false));
     let flag = stop.clone();
     ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst)).context("cannot install the Ctrl-C handler")?;
     while !stop.load(Ordering::SeqCst) {
-        for sim in &mut sims {
-            if let Some(status) = sim.proc().exited() {
-                bail!("worker {} exited ({status}); stopping\n{}", sim.url(), sim.proc().log_tail());
-            }
-        }
-        if let Some(status) = cp.proc().exited() {
-            bail!("kvmesh-cp exited ({status}); stopping\n{}", cp.proc().log_tail());
-        }
-        for g in &mut gateways {
-            if let Some(status) = g.proc().exited() {
-                bail!("Envoy exited ({status}); stopping\n{}", g.proc().log_tail());
-            }
+        let now = Instant::now();
+        let events = sims
+            .iter_mut()
+            .filter_map(|s| s.check(now))
+            .chain(cp.check(now))
+            .chain(gateways.iter_mut().filter_map(|g| g.check(now)));
+        for event in events.collect::<Vec<_>>() {
+            eprintln!("xtask up: {event}");
         }
         std::thread::sleep(Duration::from_millis(200));
     }
