@@ -391,3 +391,34 @@ fn without_the_wasm_filter_a_client_still_cannot_pick_the_destination() {
     let seen = http::get(&format!("{}/sim/requests", sim.url())).unwrap().json().unwrap();
     assert_eq!(seen.as_array().map(Vec::len), Some(1), "only the control request arrived: {seen}");
 }
+
+#[test]
+fn the_requests_of_a_trapped_vm_do_not_stay_in_flight() {
+    // One worker thread, so the slow request and the trap share a VM.
+    let sim = Sim::start(&["--time-scale", "1", "--decode-ms-per-token", "20"]).unwrap();
+    let mut opts = EnvoyOptions::new(json!({"worker_urls": [sim.url()]})).unwrap();
+    opts.wasm = crash_wasm_path();
+    opts.concurrency = 1;
+    let envoy = Envoy::start(&opts).unwrap();
+    let url = envoy.url("/generate");
+    let slow = {
+        let url = url.clone();
+        std::thread::spawn(move || {
+            let body = json!({"text": "a long one", "sampling_params": {"max_new_tokens": 1000}});
+            http::post_json(&url, &body).map(|r| r.status)
+        })
+    };
+    let in_flight = || envoy.stat("wasmcustom.kvmesh_in_flight").ok().flatten();
+    wait_until("the slow request in flight", Duration::from_secs(10), || in_flight() == Some(1)).unwrap();
+    let crash = http::post(&url, br#"{"text":"x"}"#, &[("x-test-crash-vm", "1")]).unwrap();
+    assert!(crash.status >= 500);
+    // The dead VM's streams never reach on_log; the VMs that live on take its count back once
+    // its heartbeat is stale (10 s).
+    wait_until("the reloaded VM serves", Duration::from_secs(10), || {
+        http::post_json(&url, &json!({"text": "ping", "sampling_params": {"max_new_tokens": 1}}))
+            .is_ok_and(|r| r.status == 200)
+    })
+    .unwrap();
+    wait_until("in flight back to 0", Duration::from_secs(25), || in_flight() == Some(0)).unwrap();
+    let _ = slow.join();
+}

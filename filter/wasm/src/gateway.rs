@@ -13,7 +13,7 @@ use kvmesh_core::rng::{random_u64, seeded, FastRng, RngCore};
 use kvmesh_core::{Config, Decision, Endpoint, Role, Router, RoutingSettings, WorkerId, WorkerTable};
 
 use crate::health::Health;
-use crate::shared::{Delta, DeltaLog, Inflight, SharedStore};
+use crate::shared::{Delta, DeltaLog, Inflight, SharedStore, VmLedger};
 
 /// What the filter does with a request.
 #[derive(Debug)]
@@ -202,6 +202,11 @@ pub struct Gateway {
     table_version: Option<u64>,
     /// The control plane's routing settings last applied.
     cp_settings: Option<RoutingSettings>,
+    /// What this VM has in flight, per worker (published by [`Gateway::heartbeat`]).
+    mine: std::collections::BTreeMap<WorkerId, u32>,
+    /// `mine` changed since it was last published.
+    mine_changed: bool,
+    last_heartbeat_ms: u64,
 }
 
 fn build_mode(config: &Config) -> Mode {
@@ -227,6 +232,9 @@ impl Gateway {
             unreported: ReportQueue::default(),
             table_version: None,
             cp_settings: None,
+            mine: std::collections::BTreeMap::new(),
+            mine_changed: false,
+            last_heartbeat_ms: 0,
             config,
         }
     }
@@ -426,6 +434,12 @@ impl Gateway {
         for d in deltas {
             self.queue_report(d.worker, d.hashes);
         }
+        if counted {
+            for d in &decisions {
+                *self.mine.entry(d.worker).or_default() += 1;
+            }
+            self.mine_changed = true;
+        }
         main.counted = counted;
         let (prefill, merge_logprobs, stream) = match pd {
             Some(p) => (Some(Routed { counted, ..p.prefill }), p.merge_logprobs, p.stream),
@@ -449,16 +463,46 @@ impl Gateway {
 
     /// A counted leg that never ran to its end (a prefill callout cancelled with its stream):
     /// off the in-flight table, not counted as finished.
-    pub fn release(&self, store: &dyn SharedStore, routed: &Routed) {
+    pub fn release(&mut self, store: &dyn SharedStore, routed: &Routed) {
         if routed.counted {
             Inflight::add(store, routed.worker, -1);
+            self.forget_one(routed.worker);
         }
     }
 
     /// The stream of a counted request ended (completed, failed or reset).
-    pub fn finish(&self, store: &dyn SharedStore, routed: &Routed, ok: bool) {
+    pub fn finish(&mut self, store: &dyn SharedStore, routed: &Routed, ok: bool) {
         if routed.counted {
             Inflight::finish(store, routed.worker, !ok);
+            self.forget_one(routed.worker);
+        }
+    }
+
+    fn forget_one(&mut self, worker: WorkerId) {
+        if let Some(n) = self.mine.get_mut(&worker) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.mine.remove(&worker);
+            }
+            self.mine_changed = true;
+        }
+    }
+
+    /// On the tick: publishes what this VM has in flight (when it changed, and at least once a
+    /// second as a heartbeat), and takes back the counts of VMs that died (see [`VmLedger`]).
+    pub fn heartbeat(&mut self, store: &dyn SharedStore, now_ms: u64) {
+        let due = now_ms.saturating_sub(self.last_heartbeat_ms) >= 1_000;
+        if self.mine_changed || due {
+            let counts: Vec<(WorkerId, u32)> = self.mine.iter().map(|(&w, &n)| (w, n)).collect();
+            VmLedger::publish(store, self.vm_id(), now_ms, &counts);
+            self.mine_changed = false;
+        }
+        if due {
+            self.last_heartbeat_ms = now_ms;
+            for (worker, n) in VmLedger::reap(store, self.vm_id(), now_ms) {
+                log::warn!("a VM that died had {n} requests in flight to worker {worker}: taken back");
+                Inflight::add(store, worker, -i32::try_from(n).unwrap_or(i32::MAX));
+            }
         }
     }
 
@@ -585,6 +629,33 @@ mod tests {
         let c = route(&mut g, &store, &text);
         assert!(c.main.counted && g.index_len() > 0);
         assert_eq!(g.take_report(&store, "gw").inserts.len(), 1);
+    }
+
+    #[test]
+    fn the_requests_of_a_vm_that_died_do_not_stay_in_flight() {
+        let store = FakeStore::default();
+        let mut a = gateway(&store, "");
+        let mut b = Gateway::new(a.config().clone(), &store, 7);
+        let mut on_b = Vec::new();
+        for i in 0..3 {
+            routed(&mut a, &store, &body(&format!("on a {i}")));
+            on_b.push(routed(&mut b, &store, &body(&format!("on b {i}"))));
+        }
+        a.heartbeat(&store, 1_000);
+        b.heartbeat(&store, 1_000);
+        let total = |s: &FakeStore| Inflight::counts(s).iter().map(|c| c.in_flight).sum::<u32>();
+        assert_eq!(total(&store), 6);
+        drop(a); // trapped: its streams never reach on_log
+        for t in (2_000..=10_000).step_by(1_000) {
+            b.heartbeat(&store, t);
+            assert_eq!(total(&store), 6, "not before the heartbeat is stale ({t} ms)");
+        }
+        b.heartbeat(&store, 12_000);
+        assert_eq!(total(&store), 3, "a's three are taken back, b's stay");
+        for r in &on_b {
+            b.finish(&store, r, true);
+        }
+        assert_eq!(total(&store), 0);
     }
 
     #[test]

@@ -99,6 +99,7 @@ impl Plugin {
                 }
             }
         }
+        gateway.heartbeat(host, now);
         let in_flight: u64 = Inflight::counts(host).iter().map(|c| u64::from(c.in_flight)).sum();
         host.record(Metric::InFlight, in_flight);
         if let Some(evicted) = gateway.tick(host, now / 1_000) {

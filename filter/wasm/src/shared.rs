@@ -292,6 +292,77 @@ impl DeltaLog {
     }
 }
 
+/// What each VM has in flight, published with a heartbeat, so that the counts of a VM that
+/// died (a trap, out of memory: Envoy replaces it, and its streams' `on_log` never runs) can be
+/// taken back out of [`Inflight`] by the VMs that live on.
+///
+/// - `kvmesh.vms`: the registered VM ids (4 bytes each), changed by compare-and-swap;
+/// - `kvmesh.vm.<id>`: that VM's heartbeat (ms) and `(worker, in flight)` pairs.
+///
+/// A VM silent for longer than [`VmLedger::STALE_MS`] is taken off the registry by CAS — so
+/// exactly one survivor does it — and that survivor subtracts the dead VM's last published
+/// counts. The error is bounded by what changed in its last heartbeat interval.
+pub struct VmLedger;
+
+impl VmLedger {
+    const REGISTRY: &'static str = "kvmesh.vms";
+    /// Far above any single callback (a 256 MiB body is parsed in about 3 s).
+    pub const STALE_MS: u64 = 10_000;
+
+    fn key(vm: u32) -> String {
+        format!("kvmesh.vm.{vm:08x}")
+    }
+
+    fn registered(store: &dyn SharedStore) -> Vec<u32> {
+        let value = store.get(Self::REGISTRY).0.unwrap_or_default();
+        value.chunks_exact(4).filter_map(|c| u32_at(c, 0)).collect()
+    }
+
+    /// Publishes `vm`'s in-flight counts with a heartbeat at `now_ms`, registering it if it
+    /// is not (yet, or any more).
+    pub fn publish(store: &dyn SharedStore, vm: u32, now_ms: u64, counts: &[(WorkerId, u32)]) {
+        if !Self::registered(store).contains(&vm) {
+            update(store, Self::REGISTRY, |value| {
+                let ids: Vec<u32> = value.chunks_exact(4).filter_map(|c| u32_at(c, 0)).collect();
+                if !ids.contains(&vm) {
+                    value.extend_from_slice(&vm.to_le_bytes());
+                }
+            });
+        }
+        let mut value = now_ms.to_le_bytes().to_vec();
+        for &(worker, n) in counts {
+            value.extend_from_slice(&worker.to_le_bytes());
+            value.extend_from_slice(&n.to_le_bytes());
+        }
+        let _ = store.set(&Self::key(vm), &value, None);
+    }
+
+    /// Takes every VM silent since `now_ms - STALE_MS` (other than `me`) off the registry;
+    /// returns the in-flight counts of those this call took off (to be subtracted).
+    pub fn reap(store: &dyn SharedStore, me: u32, now_ms: u64) -> Vec<(WorkerId, u32)> {
+        let mut out = Vec::new();
+        for vm in Self::registered(store).into_iter().filter(|&vm| vm != me) {
+            let value = store.get(&Self::key(vm)).0.unwrap_or_default();
+            let heartbeat = u64_at(&value, 0).unwrap_or(0);
+            if now_ms.saturating_sub(heartbeat) <= Self::STALE_MS {
+                continue;
+            }
+            // Off the registry by CAS: whoever succeeds owns the subtraction.
+            let (reg, cas) = store.get(Self::REGISTRY);
+            let reg = reg.unwrap_or_default();
+            let kept: Vec<u8> =
+                reg.chunks_exact(4).filter(|c| u32_at(c, 0) != Some(vm)).flat_map(|c| c.to_vec()).collect();
+            if kept.len() == reg.len() || store.set(Self::REGISTRY, &kept, cas).is_err() {
+                continue; // another VM took it off first (or it raced): not ours to subtract
+            }
+            let entries = value.get(8..).unwrap_or_default();
+            out.extend(entries.chunks_exact(8).filter_map(|c| Some((u32_at(c, 0)?, u32_at(c, 4)?))));
+            let _ = store.set(&Self::key(vm), &[], None);
+        }
+        out
+    }
+}
+
 /// The control-plane stream ownership: one VM per Envoy holds a lease in shared data, renews
 /// it on every tick, and another takes over when it lapses.
 pub struct Lease;
@@ -465,6 +536,28 @@ mod tests {
         Inflight::add(&store, 1, 1); // another VM
         assert_eq!(stale.commit(&store, &[(1, 1)], true), (true, Some(1)), "retried after the conflict");
         assert_eq!(Inflight::read(&store), vec![(1, 5)]);
+    }
+
+    #[test]
+    fn a_dead_vms_counts_are_taken_back_once() {
+        let store = FakeStore::default();
+        VmLedger::publish(&store, 1, 1_000, &[(7, 3), (8, 1)]);
+        VmLedger::publish(&store, 2, 1_000, &[]);
+        VmLedger::publish(&store, 3, 1_000, &[]);
+        // VM 1 dies; 2 and 3 keep publishing.
+        for t in [5_000, 9_000, 11_500] {
+            VmLedger::publish(&store, 2, t, &[]);
+            VmLedger::publish(&store, 3, t, &[]);
+        }
+        assert!(VmLedger::reap(&store, 2, 9_000).is_empty(), "not stale yet");
+        let mut taken = VmLedger::reap(&store, 2, 11_500);
+        taken.sort();
+        assert_eq!(taken, vec![(7, 3), (8, 1)]);
+        assert!(VmLedger::reap(&store, 3, 11_600).is_empty(), "taken back once only");
+        assert_eq!(VmLedger::registered(&store), vec![2, 3]);
+        // A VM that was merely slow registers again on its next publish.
+        VmLedger::publish(&store, 1, 12_000, &[(7, 1)]);
+        assert_eq!(VmLedger::registered(&store), vec![2, 3, 1]);
     }
 
     #[test]
