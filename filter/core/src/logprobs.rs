@@ -188,7 +188,7 @@ impl SseMerger {
                 out.push_str(line);
                 continue;
             };
-            let eol = &line[line.trim_end_matches(['\r', '\n']).len()..];
+            let eol = line.get(line.trim_end_matches(['\r', '\n']).len()..).unwrap_or_default();
             match serde_json::from_str::<Value>(data.trim()) {
                 Ok(mut item) => {
                     let index = item_index(&item, 0);

@@ -64,7 +64,7 @@ pub fn url_host(url: &str) -> &str {
     let rest = url.split_once("://").map_or(url, |(_, r)| r);
     let authority = rest.split('/').next().unwrap_or(rest);
     if authority.starts_with('[') {
-        return authority.split_once(']').map_or(authority, |(h, _)| &authority[..h.len() + 1]);
+        return authority.split_once(']').map_or(authority, |(h, _)| authority.get(..h.len() + 1).unwrap_or(authority));
     }
     authority.split(':').next().unwrap_or(authority)
 }
