@@ -36,6 +36,7 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/v1/models", get(models))
         .route("/get_model_info", get(model_info))
         .route("/get_server_info", get(server_info))
+        .route("/flush_cache", post(flush_cache))
         .route("/sim/stats", get(stats))
         .route("/sim/requests", get(recent))
         .layer(DefaultBodyLimit::disable())
@@ -409,6 +410,12 @@ async fn server_info(State(e): Shared) -> Json<Value> {
 }
 
 /// The simulator's own view, for tests and benchmarks.
+/// SGLang's cache flush: empties the prefix KV cache.
+async fn flush_cache(State(e): Shared) -> &'static str {
+    e.flush_cache();
+    "Cache flushed.\n"
+}
+
 async fn stats(State(e): Shared) -> Json<Value> {
     let c = &e.counters;
     Json(json!({

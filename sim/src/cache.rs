@@ -31,6 +31,11 @@ impl KvCache {
         (hit_pages * PAGE_TOKENS).min(prompt_tokens)
     }
 
+    /// Empties the cache (SGLang's `POST /flush_cache`).
+    pub fn clear(&mut self) {
+        self.pages.clear();
+    }
+
     pub fn used_tokens(&self) -> u64 {
         self.pages.len() as u64 * PAGE_TOKENS
     }

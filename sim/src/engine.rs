@@ -148,6 +148,13 @@ impl Engine {
         self.cache.lock().map(|c| (c.used_tokens(), c.capacity_tokens())).unwrap_or((0, 1))
     }
 
+    /// Empties the prefix KV cache.
+    pub fn flush_cache(&self) {
+        if let Ok(mut cache) = self.cache.lock() {
+            cache.clear();
+        }
+    }
+
     /// Cached prompt tokens over prompt tokens, since start.
     pub fn hit_rate(&self) -> f64 {
         let prompt = self.counters.prompt_tokens.load(Relaxed);
