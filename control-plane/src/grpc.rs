@@ -10,7 +10,27 @@ use kvmesh_proto::v1::{ReportAck, ReportBatch, Snapshot, WatchRequest};
 use tokio::sync::broadcast::error::RecvError;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::state::State;
+use crate::state::{GatewayError, State};
+
+fn refused(e: GatewayError) -> Status {
+    match e {
+        GatewayError::BadId(_) => Status::invalid_argument(e.to_string()),
+        GatewayError::TooMany => Status::resource_exhausted(e.to_string()),
+    }
+}
+
+/// Ends a gateway's `Report` stream in the state however the handler ends (finished, failed,
+/// or dropped because the client went away).
+struct Reporting {
+    state: Arc<State>,
+    gateway: String,
+}
+
+impl Drop for Reporting {
+    fn drop(&mut self) {
+        self.state.report_stream_closed(&self.gateway);
+    }
+}
 
 pub struct Service {
     pub state: Arc<State>,
@@ -25,10 +45,13 @@ impl Kvmesh for Service {
     async fn watch(&self, request: Request<WatchRequest>) -> Result<Response<Snapshots>, Status> {
         let gateway = request.into_inner().gateway_id;
         let state = self.state.clone();
+        if let Err(e) = state.gateway_connected(&gateway) {
+            state.bad_report();
+            return Err(refused(e));
+        }
         // Subscribe before taking the full snapshot so that no delta falls in between.
         let mut deltas = state.subscribe();
         let full = state.full_snapshot();
-        state.gateway_connected(&gateway);
         tracing::info!(%gateway, version = full.version, blocks = full.inserts.iter().map(|i| i.hashes.len()).sum::<usize>(), "gateway watching");
         let stream = async_stream::stream! {
             let mut seen = full.version;
@@ -56,9 +79,28 @@ impl Kvmesh for Service {
     async fn report(&self, request: Request<Streaming<ReportBatch>>) -> Result<Response<ReportAck>, Status> {
         let mut stream = request.into_inner();
         let mut batches = 0;
+        // One stream is one gateway: the id of its first batch, tracked until it ends.
+        let mut reporting: Option<Reporting> = None;
         loop {
             match stream.message().await {
                 Ok(Some(batch)) => {
+                    match reporting.as_ref().map(|r| r.gateway == batch.gateway_id) {
+                        Some(true) => {}
+                        Some(false) => {
+                            self.state.bad_report();
+                            tracing::warn!("report stream changed its gateway_id; closed");
+                            return Err(Status::invalid_argument("a report stream carries one gateway_id"));
+                        }
+                        None => {
+                            if let Err(e) = self.state.report_stream_opened(&batch.gateway_id) {
+                                self.state.bad_report();
+                                tracing::warn!("report stream refused: {e}");
+                                return Err(refused(e));
+                            }
+                            reporting =
+                                Some(Reporting { state: self.state.clone(), gateway: batch.gateway_id.clone() });
+                        }
+                    }
                     self.state.report(batch);
                     batches += 1;
                 }

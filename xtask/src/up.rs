@@ -122,7 +122,8 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         o.template = repo_root().join(template);
         o.listener_port = port;
         o.admin_port = admin;
-        o.control_plane = Some(CP_GRPC_PORT);
+        // The filter presents the control plane's generated token.
+        o.use_control_plane(&cp);
         let envoy = Envoy::start(&o)?;
         wait_until("Envoy to receive the control plane's snapshot", Duration::from_secs(20), || {
             envoy.stat("wasmcustom.kvmesh_snapshot_version").ok().flatten().unwrap_or(0) >= 1
@@ -135,6 +136,9 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         println!("  gateway        {}    admin {}", g.url(""), g.admin_url(""));
     }
     println!("  control plane  {}  (/workers, /snapshot, /metrics, POST /add_worker?url=…)", cp.url(""));
+    if let Some(key) = &cp.api_key {
+        println!("  admin API key  {key}   (gRPC streams: a generated token, already in every filter's configuration)");
+    }
     for w in cp.snapshot()?["workers"].as_array().cloned().unwrap_or_default() {
         println!("  worker         {} ({})", w["url"].as_str().unwrap_or("?"), w["role"].as_str().unwrap_or("?"));
     }
@@ -144,6 +148,14 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         "    -d '{{\"model\": \"kvmesh-sim\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}' -i"
     );
     println!("  curl -sN {url}/generate -d '{{\"text\": \"Once upon a time\", \"stream\": true}}'");
+    if let Some(key) = &cp.api_key {
+        println!("\nThe admin API takes the key (reads are open):");
+        println!(
+            "  curl -s -X POST -H 'authorization: Bearer {key}' '{}'",
+            cp.url("/remove_worker?url=http://127.0.0.1:30004")
+        );
+        println!("  curl -s {}", cp.url("/workers"));
+    }
     println!("\nCtrl-C stops everything.");
 
     let stop = Arc::new(AtomicBool::new(false));

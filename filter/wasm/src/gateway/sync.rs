@@ -165,11 +165,29 @@ impl Gateway {
         ReportBatch { gateway_id: gateway_id.to_string(), inserts, counts }
     }
 
-    /// Everything this VM's index holds, for a control plane that just (re)connected.
-    pub fn full_report(&mut self, gateway_id: &str) -> ReportBatch {
-        let mut inserts = Vec::new();
+    /// Everything this VM's index holds, for a control plane that just (re)connected: report
+    /// batches of at most `max_hashes` hashes each (at least one batch, possibly empty).
+    pub fn full_report(&mut self, gateway_id: &str, max_hashes: usize) -> Vec<ReportBatch> {
+        let max_hashes = max_hashes.max(1);
+        let batch = || ReportBatch { gateway_id: gateway_id.to_string(), ..Default::default() };
+        let mut out: Vec<ReportBatch> = Vec::new();
+        let mut room = 0usize;
         let mut export = |r: &mut Router| {
-            inserts.extend(r.index().export().into_iter().map(|(worker, hashes)| IndexInsert { worker, hashes }));
+            for (worker, hashes) in r.index().export() {
+                let mut rest = hashes.as_slice();
+                while !rest.is_empty() {
+                    if room == 0 {
+                        out.push(batch());
+                        room = max_hashes;
+                    }
+                    let Some((now, later)) = rest.split_at_checked(room.min(rest.len())) else { break };
+                    if let Some(last) = out.last_mut() {
+                        last.inserts.push(IndexInsert { worker, hashes: now.to_vec() });
+                    }
+                    room -= now.len();
+                    rest = later;
+                }
+            }
         };
         match &mut self.mode {
             Mode::Regular(r) => export(r),
@@ -179,7 +197,10 @@ impl Gateway {
             }
         }
         self.unreported.take();
-        ReportBatch { gateway_id: gateway_id.to_string(), inserts, ..Default::default() }
+        if out.is_empty() {
+            out.push(batch());
+        }
+        out
     }
 
     pub fn table_version(&self) -> Option<u64> {
@@ -327,7 +348,15 @@ mod tests {
         assert_eq!(report.inserts.len(), 1);
         assert_eq!(report.counts[0].in_flight, 1);
         assert!(g.take_report(&store, "gw").inserts.is_empty(), "reported once");
-        let full = g.full_report("gw");
-        assert_eq!(full.inserts.iter().map(|i| i.hashes.len()).sum::<usize>(), 4);
+        let full = g.full_report("gw", 1 << 16);
+        assert_eq!(full.len(), 1);
+        assert_eq!(full[0].inserts.iter().map(|i| i.hashes.len()).sum::<usize>(), 4);
+        // In chunks of at most 3 hashes: every hash once, no chunk over the bound.
+        route(&mut g, &store, &"s".repeat(100));
+        let chunks = g.full_report("gw", 3);
+        let sizes: Vec<usize> = chunks.iter().map(|b| b.inserts.iter().map(|i| i.hashes.len()).sum()).collect();
+        assert_eq!(sizes.iter().sum::<usize>(), 8, "{sizes:?}");
+        assert!(sizes.iter().all(|&n| (1..=3).contains(&n)), "{sizes:?}");
+        assert!(chunks.iter().all(|b| b.gateway_id == "gw" && b.counts.is_empty()));
     }
 }
