@@ -23,6 +23,9 @@ struct ControlPlane {
     gateway_id: String,
     /// Randomness for making that id, should this VM be the first to need it.
     id_seed: u64,
+    /// Connected, but the first snapshot of this connection has not been applied: nothing is
+    /// reported until it is, so that the index goes out under the new table's ids.
+    awaiting_table: bool,
     link: Link,
 }
 
@@ -63,6 +66,7 @@ impl Plugin {
             token,
             gateway_id: String::new(),
             id_seed: seed.rotate_left(17) ^ 0x9e37_79b9_7f4a_7c15,
+            awaiting_table: false,
             link: Link::new(report_interval_ms),
         });
         self.gateway = Some(Rc::new(RefCell::new(gateway)));
@@ -83,8 +87,11 @@ impl Plugin {
             let holds = Lease::hold(host, gateway.vm_id(), now, LEASE_MS);
             match cp.link.tick(now, holds) {
                 Step::Nothing => {}
-                Step::Connect => match connect(host, cp, &mut gateway) {
-                    Ok((watch, report)) => cp.link.connected(watch, report, now),
+                Step::Connect => match connect(host, cp) {
+                    Ok((watch, report)) => {
+                        cp.link.connected(watch, report, now);
+                        cp.awaiting_table = true;
+                    }
                     Err(e) => {
                         log::warn!("cannot open the control-plane streams on cluster {}: {e}", cp.cluster);
                         cp.link.connect_failed(now);
@@ -95,6 +102,7 @@ impl Plugin {
                     host.cancel_grpc(watch);
                     host.cancel_grpc(report);
                 }
+                Step::Report { .. } if cp.awaiting_table => {}
                 Step::Report { report, counts_due } => {
                     let batch = gateway.take_report(host, &cp.gateway_id);
                     if !batch.inserts.is_empty() || counts_due {
@@ -148,6 +156,22 @@ impl Plugin {
         g.apply_snapshot(host, &snapshot);
         host.record(Metric::SnapshotVersion, snapshot.version);
         host.record(Metric::IndexBlocks, g.index_len() as u64);
+        // The first snapshot of a connection is full and its table now applied (ids that name
+        // another worker forgotten): the index goes out under the ids the control plane uses.
+        if cp.awaiting_table && snapshot.full {
+            cp.awaiting_table = false;
+            let Some((_, report)) = cp.link.streams() else { return };
+            for chunk in g.full_report(&cp.gateway_id, MAX_HASHES_PER_REPORT) {
+                if let Err(e) = host.send_grpc(report, &chunk.encode_to_vec(), false) {
+                    log::warn!("full report to the control plane failed: {e}; reconnecting");
+                    for token in cp.link.send_failed(now_ms(host)).into_iter().flat_map(|(w, r)| [w, r]) {
+                        host.cancel_grpc(token);
+                    }
+                    return;
+                }
+            }
+            cp.link.reported(now_ms(host));
+        }
     }
 
     /// A control-plane stream closed: both go, and the link reconnects after its backoff.
@@ -186,10 +210,11 @@ pub fn gateway_id(host: &dyn Host, seed: u64) -> String {
     host.get(GATEWAY_ID_KEY).0.and_then(|v| String::from_utf8(v).ok()).filter(|id| !id.is_empty()).unwrap_or(id)
 }
 
-/// Opens both streams (with the token as `authorization` metadata); sends the watch request
-/// and a full report of this VM's index in chunks (so that a restarted control plane learns
-/// what the gateways already know). On failure, whatever was opened is cancelled.
-fn connect(host: &dyn Host, cp: &mut ControlPlane, gateway: &mut Gateway) -> Result<(u32, u32), HostError> {
+/// Opens both streams (with the token as `authorization` metadata) and sends the watch
+/// request. The full report of this VM's index (so that a restarted control plane learns what
+/// the gateways already know) follows the first snapshot. On failure, whatever was opened is
+/// cancelled.
+fn connect(host: &dyn Host, cp: &mut ControlPlane) -> Result<(u32, u32), HostError> {
     cp.gateway_id = gateway_id(host, cp.id_seed);
     let authorization = cp.token.as_ref().map(|t| format!("Bearer {t}"));
     let metadata: Vec<(&str, &[u8])> =
@@ -207,13 +232,6 @@ fn connect(host: &dyn Host, cp: &mut ControlPlane, gateway: &mut Gateway) -> Res
             return Err(e);
         }
     };
-    for chunk in gateway.full_report(&cp.gateway_id, MAX_HASHES_PER_REPORT) {
-        if let Err(e) = host.send_grpc(report, &chunk.encode_to_vec(), false) {
-            host.cancel_grpc(watch);
-            host.cancel_grpc(report);
-            return Err(e);
-        }
-    }
     Ok((watch, report))
 }
 
@@ -292,8 +310,9 @@ mod tests {
         let (watch, report) = (opened[0].0, opened[1].0);
         let watch_request = proto::WatchRequest::decode(host.grpc_sent.borrow()[0].1.as_slice()).unwrap();
         assert!(watch_request.gateway_id.starts_with("test-node/"), "{}", watch_request.gateway_id);
-        assert_eq!(reports(&host, report).len(), 1, "a full report on connect");
+        assert!(reports(&host, report).is_empty(), "nothing reported before the table arrives");
         deliver(&host, &mut p, watch, &snapshot(4, &[30001]));
+        assert_eq!(reports(&host, report).len(), 1, "the full report follows the first snapshot");
         assert_eq!(host.metrics.borrow()[&Metric::SnapshotVersion], vec![4]);
         assert_eq!(route(&host, &p, &"r".repeat(100)).as_deref(), Some("127.0.0.1:30001"));
         host.advance_ms(20);
@@ -410,8 +429,8 @@ mod tests {
         // a stops ticking; b takes the lease and reconnects.
         b_host.advance_ms(LEASE_MS + 1_000);
         b.on_tick(&b_host);
-        let b_report = b_host.grpc_opened.borrow()[1].0;
-        b.on_tick(&b_host);
+        let (b_watch, b_report) = (b_host.grpc_opened.borrow()[0].0, b_host.grpc_opened.borrow()[1].0);
+        deliver(&b_host, &mut b, b_watch, &snapshot(1, &[30001]));
         for i in 0..2 {
             assert!(route(&b_host, &b, &format!("more {i}")).is_some());
         }
@@ -425,6 +444,37 @@ mod tests {
         let in_flight = |r: &ReportBatch| r.counts.iter().map(|c| c.in_flight).sum::<u32>();
         assert_eq!((requests(&from_a), in_flight(&from_a)), (3, 0));
         assert_eq!((requests(&from_b), in_flight(&from_b)), (5, 0), "cumulative over the Envoy, not per VM");
+    }
+
+    /// After a control-plane restart the ids may name other workers: the filter re-reports its
+    /// index only once the new table is applied, so no prefix is credited to the wrong worker.
+    #[test]
+    fn a_reconnecting_filter_reports_its_index_under_the_new_tables_ids() {
+        let host = MockHost::new();
+        let mut p = plugin(&host, 1);
+        p.on_tick(&host);
+        let watch = host.grpc_opened.borrow()[0].0;
+        deliver(&host, &mut p, watch, &snapshot(1, &[30001]));
+        let text = "a prompt long enough for blocks ".repeat(4);
+        assert_eq!(route(&host, &p, &text).as_deref(), Some("127.0.0.1:30001"));
+        // The control plane restarts: the streams close and the filter reconnects.
+        p.on_grpc_close(&host, watch, 14);
+        host.advance_ms(100);
+        p.on_tick(&host);
+        let (watch, report) = (host.grpc_opened.borrow()[2].0, host.grpc_opened.borrow()[3].0);
+        for _ in 0..5 {
+            host.advance_ms(1_000);
+            p.on_tick(&host);
+        }
+        assert!(reports(&host, report).is_empty(), "no report before the new table");
+        // The restarted control plane gives id 0 to another worker (and 30001 id 1).
+        deliver(&host, &mut p, watch, &snapshot(1, &[30009, 30001]));
+        let full = reports(&host, report);
+        assert_eq!(full.len(), 1);
+        assert!(full[0].inserts.iter().all(|i| i.worker != 0), "nothing under id 0, now 30009: {:?}", full[0].inserts);
+        host.advance_ms(1_000);
+        p.on_tick(&host);
+        assert_eq!(reports(&host, report).len(), 2, "reports resume after the full report");
     }
 
     #[test]
