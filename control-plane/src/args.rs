@@ -139,6 +139,10 @@ pub struct Args {
     /// (cloud metadata) and multicast ones, which are always refused.
     #[arg(long, num_args = 1.., help_heading = "Workers: health, load, discovery")]
     pub worker_cidrs: Vec<String>,
+    /// JSON file keeping the workers added through the API and every worker's id across
+    /// restarts (written on each change) (kvmesh). Default: none, API workers are forgotten.
+    #[arg(long, help_heading = "Workers: health, load, discovery")]
+    pub state_file: Option<PathBuf>,
     /// Largest gRPC message kvmesh-cp decodes, in bytes (kvmesh). Default 16777216 (16 MiB).
     #[arg(long, help_heading = "Limits")]
     pub max_message_bytes: Option<usize>,
@@ -541,6 +545,7 @@ impl Args {
             max_index_entries: positive("max_index_entries", self.max_index_entries, defaults.max_index_entries)?,
         };
         Ok(Settings {
+            state_file: self.state_file.clone(),
             auth,
             worker_policy,
             limits,

@@ -83,7 +83,7 @@ async fn run(settings: settings::Settings) -> anyhow::Result<()> {
     }
     let grpc_addr = format!("{}:{}", settings.host, settings.grpc_port);
     let http_addr = format!("{}:{}", settings.host, settings.http_port);
-    let state = state::State::new(settings);
+    let state = state::State::open(settings).map_err(anyhow::Error::msg)?;
     state.publish();
 
     let http =

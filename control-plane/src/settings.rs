@@ -45,6 +45,8 @@ pub struct Settings {
     pub worker_policy: WorkerPolicy,
     /// Bounds on what the gateways can make kvmesh-cp hold.
     pub limits: Limits,
+    /// Where API-added workers and every worker's id are kept across restarts.
+    pub state_file: Option<std::path::PathBuf>,
 }
 
 /// Authentication of the gRPC streams and of the admin API.

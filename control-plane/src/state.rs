@@ -70,10 +70,32 @@ impl WorkerEntry {
     }
 }
 
+/// What `--state-file` keeps across restarts: the workers added through the API, and every
+/// worker's id by URL, so that static, API and discovered workers keep their ids (filters'
+/// index entries stay right) and ids are never reused.
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+pub struct Persisted {
+    pub next_id: u32,
+    pub ids: BTreeMap<String, u32>,
+    pub api_workers: Vec<PersistedWorker>,
+}
+
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct PersistedWorker {
+    pub url: String,
+    pub role: String,
+    pub bootstrap_port: Option<u16>,
+}
+
+/// Most ids of workers not registered now that the state file remembers.
+const MAX_REMEMBERED: usize = 4096;
+
 #[derive(Default)]
 struct Inner {
     workers: BTreeMap<u32, WorkerEntry>,
     ids: HashMap<String, u32>,
+    /// Ids from the state file for URLs not registered (yet) since the start.
+    remembered: HashMap<String, u32>,
     next_id: u32,
     index: PrefixIndex,
     version: u64,
@@ -158,9 +180,30 @@ fn now_ms() -> u64 {
 }
 
 impl State {
+    /// The state without a state file (tests).
+    #[cfg(test)]
     pub fn new(settings: Settings) -> Arc<Self> {
+        Self::build(settings, Persisted::default())
+    }
+
+    /// The state, with what `--state-file` kept (a missing file is a first start).
+    pub fn open(settings: Settings) -> Result<Arc<Self>, String> {
+        let persisted = match &settings.state_file {
+            Some(path) => match std::fs::read_to_string(path) {
+                Ok(text) => serde_json::from_str(&text).map_err(|e| format!("--state-file {}: {e}", path.display()))?,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Persisted::default(),
+                Err(e) => return Err(format!("--state-file {}: {e}", path.display())),
+            },
+            None => Persisted::default(),
+        };
+        Ok(Self::build(settings, persisted))
+    }
+
+    fn build(settings: Settings, persisted: Persisted) -> Arc<Self> {
         let (deltas, _) = broadcast::channel(1024);
-        let state = Arc::new(Self { settings, inner: Mutex::default(), counters: Counters::default(), deltas });
+        let inner =
+            Inner { next_id: persisted.next_id, remembered: persisted.ids.into_iter().collect(), ..Default::default() };
+        let state = Arc::new(Self { settings, inner: Mutex::new(inner), counters: Counters::default(), deltas });
         let s = &state.settings;
         for url in &s.workers {
             let _ = state.add_worker(url, Role::Regular, None, Source::Static);
@@ -171,7 +214,51 @@ impl State {
         for url in &s.decode {
             let _ = state.add_worker(url, Role::Decode, None, Source::Static);
         }
+        for w in persisted.api_workers {
+            let role = match w.role.as_str() {
+                "prefill" => Role::Prefill,
+                "decode" => Role::Decode,
+                _ => Role::Regular,
+            };
+            if let Err(e) = state.add_worker(&w.url, role, w.bootstrap_port, Source::Api) {
+                tracing::warn!(url = %w.url, "worker from the state file not restored: {e}");
+            }
+        }
+        state.persist();
         state
+    }
+
+    /// Writes `--state-file` (a new file renamed over the old one).
+    fn persist(&self) {
+        let Some(path) = &self.settings.state_file else { return };
+        let persisted = {
+            let inner = self.lock();
+            let mut ids: BTreeMap<String, u32> =
+                inner.remembered.iter().take(MAX_REMEMBERED).map(|(u, &id)| (u.clone(), id)).collect();
+            ids.extend(inner.workers.values().map(|w| (w.url.clone(), w.id)));
+            Persisted {
+                next_id: inner.next_id,
+                ids,
+                api_workers: inner
+                    .workers
+                    .values()
+                    .filter(|w| w.source == Source::Api)
+                    .map(|w| PersistedWorker {
+                        url: w.url.clone(),
+                        role: role_name(w.role).into(),
+                        bootstrap_port: w.bootstrap_port,
+                    })
+                    .collect(),
+            }
+        };
+        let tmp = path.with_extension("tmp");
+        let written = serde_json::to_vec_pretty(&persisted)
+            .map_err(|e| e.to_string())
+            .and_then(|bytes| std::fs::write(&tmp, bytes).map_err(|e| e.to_string()))
+            .and_then(|()| std::fs::rename(&tmp, path).map_err(|e| e.to_string()));
+        if let Err(e) = written {
+            tracing::error!(path = %path.display(), "cannot write the state file: {e}");
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -191,8 +278,12 @@ impl State {
         if let Some(&id) = inner.ids.get(url) {
             return Err(format!("worker {url} is already registered (id {id})"));
         }
-        let id = inner.next_id;
-        inner.next_id += 1;
+        // The id this URL had before a restart, if the state file says and it is free.
+        let id = match inner.remembered.remove(url) {
+            Some(id) if !inner.workers.contains_key(&id) => id,
+            _ => inner.next_id,
+        };
+        inner.next_id = inner.next_id.max(id.saturating_add(1));
         inner.ids.insert(url.to_string(), id);
         // A worker someone named at runtime gets traffic only once it answered a health check.
         let awaiting_probe = source == Source::Api && self.settings.health_checks;
@@ -215,7 +306,9 @@ impl State {
         };
         inner.workers.insert(id, entry);
         inner.workers_dirty = true;
+        drop(inner);
         tracing::info!(url, ?role, id, ?source, "worker added");
+        self.persist();
         Ok(id)
     }
 
@@ -225,7 +318,9 @@ impl State {
         inner.workers.remove(&id);
         inner.index.remove_worker(id);
         inner.workers_dirty = true;
+        drop(inner);
         tracing::info!(url, id, "worker removed");
+        self.persist();
         true
     }
 
@@ -795,6 +890,48 @@ mod tests {
         }
         assert_eq!(s.report_stream_opened("one-too-many"), Err(GatewayError::TooMany));
         assert!(s.report_stream_opened("gw-7").is_ok(), "known ids still work");
+    }
+
+    #[test]
+    fn the_state_file_keeps_api_workers_and_every_id_across_a_restart() {
+        let dir = std::env::temp_dir().join(format!("kvmesh-cp-state-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("state.json");
+        let _ = std::fs::remove_file(&file);
+        let flags = |extra: &[&str]| {
+            let mut f = vec!["--state-file", file.to_str().unwrap(), "--worker-urls", "http://127.0.0.1:1"];
+            f.extend(extra);
+            f.into_iter().map(String::from).collect::<Vec<_>>()
+        };
+        let start = |extra: &[&str]| {
+            let argv: Vec<String> = std::iter::once("kvmesh-cp".to_string()).chain(flags(extra)).collect();
+            State::open(crate::args::Args::parse_from(argv).unwrap().load().unwrap()).unwrap()
+        };
+        let s = start(&[]);
+        assert_eq!(s.add_worker("http://127.0.0.1:2", Role::Regular, None, Source::Api), Ok(1));
+        assert_eq!(s.add_worker("http://127.0.0.1:3", Role::Regular, None, Source::Discovery), Ok(2));
+        assert_eq!(s.add_worker("http://127.0.0.1:4", Role::Regular, None, Source::Api), Ok(3));
+        assert!(s.remove_worker("http://127.0.0.1:4"));
+        drop(s);
+        // Restarted, with one more static worker: everyone keeps their id, the discovered
+        // worker gets its id back when it is discovered again, new ids are never old ones.
+        let s = start(&["http://127.0.0.1:5"]);
+        let ids: Vec<(String, u32, bool)> = s.workers().iter().map(|w| (w.url.clone(), w.id, w.healthy)).collect();
+        assert_eq!(
+            ids,
+            [
+                ("http://127.0.0.1:1".to_string(), 0, true),
+                ("http://127.0.0.1:2".to_string(), 1, false),
+                ("http://127.0.0.1:5".to_string(), 4, true)
+            ],
+            "the API worker is back, unhealthy until probed"
+        );
+        assert_eq!(s.add_worker("http://127.0.0.1:3", Role::Regular, None, Source::Discovery), Ok(2));
+        assert_eq!(s.add_worker("http://127.0.0.1:4", Role::Regular, None, Source::Api), Ok(5));
+        std::fs::write(&file, "not json").unwrap();
+        let argv: Vec<String> = std::iter::once("kvmesh-cp".to_string()).chain(flags(&[])).collect();
+        let e = State::open(crate::args::Args::parse_from(argv).unwrap().load().unwrap()).err().unwrap();
+        assert!(e.starts_with("--state-file"), "{e}");
     }
 
     #[test]

@@ -648,3 +648,65 @@ fn oversize_and_flood_reports_are_refused_or_throttled_and_rss_stays_flat() {
     let envoy = gateway(&cp);
     served(&generate(&envoy, &"after the flood ".repeat(20)));
 }
+
+/// `--state-file`: a restarted control plane has the workers added through the API again,
+/// under the same ids, and a prefix routed before the restart goes to the same worker after.
+#[test]
+fn a_restarted_control_plane_keeps_api_workers_and_their_ids_and_prefixes_stay_put() {
+    let workers = sims(2);
+    let dir = std::env::temp_dir().join(format!("kvmesh-cp-state-e2e-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("state.json");
+    let _ = std::fs::remove_file(&file);
+    let first = workers[0].url();
+    let flags = ["--worker-urls", &first, "--state-file", file.to_str().unwrap(), "--health-check-interval-secs", "1"];
+    let mut cp = ControlPlane::start(&flags).unwrap();
+    let envoy = gateway(&cp);
+    // The static worker indexes something first, so that a fresh prefix prefers the added one.
+    assert_eq!(served(&generate(&envoy, &"warm-up ".repeat(20))), workers[0].addr());
+    let r = cp.post(&format!("/add_worker?url={}", workers[1].url())).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let listed = |cp: &ControlPlane| -> Vec<(String, u64, bool)> {
+        let list = http::get(&cp.url("/workers")).unwrap().json().unwrap();
+        let mut out: Vec<(String, u64, bool)> = list
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| (w["url"].as_str().unwrap().to_string(), w["id"].as_u64().unwrap(), w["healthy"] == true))
+            .collect();
+        out.sort();
+        out
+    };
+    wait_until("the added worker to be probed healthy", Duration::from_secs(10), || {
+        listed(&cp).iter().all(|w| w.2) && listed(&cp).len() == 2
+    })
+    .unwrap();
+    wait_for_version(&envoy, cp_version(&cp));
+    let before = listed(&cp);
+    let prefix = "A conversation the added worker holds in its cache. ".repeat(20);
+    let home = served(&generate(&envoy, &format!("{prefix}before")));
+    assert_eq!(home, workers[1].addr(), "a fresh prefix goes to the worker with the smallest index");
+    let holder = |cp: &ControlPlane| {
+        let m = http::post(&cp.url("/match"), prefix.as_bytes(), &[]).unwrap().json().unwrap();
+        m[0]["url"].as_str().map(String::from)
+    };
+    wait_until("the control plane to learn the prefix", Duration::from_secs(10), || {
+        holder(&cp) == Some(workers[1].url())
+    })
+    .unwrap();
+
+    cp.restart().unwrap();
+    wait_until("the restarted control plane to list the same workers, ids and health", Duration::from_secs(20), || {
+        listed(&cp) == before
+    })
+    .unwrap_or_else(|e| panic!("{e}: {:?} (before: {before:?})", listed(&cp)));
+    // The filter re-reports its index once it applied the new table: under the same ids.
+    wait_until("the gateway to re-report the prefix", Duration::from_secs(20), || {
+        holder(&cp) == Some(workers[1].url())
+    })
+    .unwrap();
+    wait_for_version(&envoy, cp_version(&cp));
+    assert_eq!(served(&generate(&envoy, &format!("{prefix}after the restart"))), home);
+    let state: Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    assert_eq!(state["api_workers"][0]["url"], workers[1].url(), "{state}");
+}
