@@ -119,6 +119,9 @@ impl Plugin {
                 }
             }
         }
+        if let Some(cp) = &self.control_plane {
+            gateway.set_reporting(cp.link.is_connected());
+        }
         let in_flight: u64 = Inflight::counts(host).iter().map(|c| u64::from(c.in_flight)).sum();
         host.record(Metric::InFlight, in_flight);
         if let Some(evicted) = gateway.tick(host, now / 1_000) {
@@ -377,6 +380,20 @@ mod tests {
         a.on_tick(&a_host);
         b.on_tick(&b_host);
         assert!(a_host.metric_count(Metric::IndexBlocks) > 0, "the owner shows its index size");
+        // Only the owner queues inserts for reports: b's queue would never be sent.
+        let a_watch = a_host.grpc_opened.borrow()[0].0;
+        deliver(&a_host, &mut a, a_watch, &snapshot(1, &[30001]));
+        b.on_tick(&b_host);
+        for i in 0..5 {
+            assert!(route(&b_host, &b, &format!("routed on b {i} {}", "x".repeat(64))).is_some());
+        }
+        assert_eq!(b.gateway().unwrap().borrow().unreported_hashes(), 0, "a standby VM queues nothing");
+        a_host.advance_ms(20);
+        b_host.advance_ms(20);
+        a.on_tick(&a_host);
+        let a_report = a_host.grpc_opened.borrow()[1].0;
+        let reported: usize = reports(&a_host, a_report).iter().flat_map(|r| &r.inserts).map(|i| i.hashes.len()).sum();
+        assert!(reported >= 15, "the owner reports b's inserts from the delta log: {reported}");
         assert_eq!(b_host.metric_count(Metric::IndexBlocks), 0, "an idle VM's stale size is never shown");
         // a stops ticking (stuck, or replaced); the lease lapses.
         b_host.advance_ms(LEASE_MS);

@@ -218,7 +218,9 @@ mod tests {
     fn gateway(store: &FakeStore, seed: u64) -> Gateway {
         let json = r#"{"control_plane_cluster":"cp","worker_urls":["http://127.0.0.1:1"],"cache_threshold":0.2,
             "balance_abs_threshold":5}"#;
-        Gateway::new(kvmesh_core::Config::from_json(json.as_bytes()).unwrap(), store, seed)
+        let mut g = Gateway::new(kvmesh_core::Config::from_json(json.as_bytes()).unwrap(), store, seed);
+        g.set_reporting(true);
+        g
     }
 
     fn cp_settings(json: &str) -> Option<proto::RoutingSettings> {
