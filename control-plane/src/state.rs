@@ -483,7 +483,11 @@ impl State {
                 let mut added = Vec::new();
                 inner.index.insert_reporting(insert.worker, hashes, |h| added.push(h));
                 if !added.is_empty() {
-                    inner.pending_inserts.push(IndexInsert { worker: insert.worker, hashes: added });
+                    inner.pending_inserts.push(IndexInsert {
+                        worker: insert.worker,
+                        hashes: added,
+                        origin: gateway.clone(),
+                    });
                 }
             }
             if let Some(g) = inner.gateways.get_mut(&gateway) {
@@ -594,7 +598,12 @@ impl State {
             full: true,
             workers: inner.workers.values().map(WorkerEntry::proto).collect(),
             workers_changed: true,
-            inserts: inner.index.export().into_iter().map(|(worker, hashes)| IndexInsert { worker, hashes }).collect(),
+            inserts: inner
+                .index
+                .export()
+                .into_iter()
+                .map(|(worker, hashes)| IndexInsert { worker, hashes, ..Default::default() })
+                .collect(),
             evictions: Vec::new(),
             settings: Some((&self.settings.routing).into()),
             sent_at_ms: now_ms(),
@@ -690,17 +699,19 @@ mod tests {
         assert!(rx.try_recv().unwrap().workers_changed);
         s.report(ReportBatch {
             gateway_id: "a".into(),
-            inserts: vec![IndexInsert { worker: 0, hashes: vec![1, 2] }],
+            inserts: vec![IndexInsert { worker: 0, hashes: vec![1, 2], ..Default::default() }],
             ..Default::default()
         });
         s.report(ReportBatch {
             gateway_id: "b".into(),
-            inserts: vec![IndexInsert { worker: 0, hashes: vec![1, 2, 3] }],
+            inserts: vec![IndexInsert { worker: 0, hashes: vec![1, 2, 3], ..Default::default() }],
             ..Default::default()
         });
         assert_eq!(s.publish(), Some(2));
         let d = rx.try_recv().unwrap();
         assert_eq!(d.inserts.iter().map(|i| i.hashes.len()).sum::<usize>(), 3, "{d:?}");
+        let origins: Vec<&str> = d.inserts.iter().map(|i| i.origin.as_str()).collect();
+        assert_eq!(origins, ["a", "b"], "each insert names the gateway that reported it");
         assert!(!d.workers_changed);
         assert_eq!(s.publish(), None, "nothing new");
         let full = s.full_snapshot();
@@ -712,7 +723,7 @@ mod tests {
         let s = state(&["--worker-urls", "http://127.0.0.1:1"]);
         s.report(ReportBatch {
             gateway_id: "a".into(),
-            inserts: vec![IndexInsert { worker: 42, hashes: vec![1] }],
+            inserts: vec![IndexInsert { worker: 42, hashes: vec![1], ..Default::default() }],
             counts: vec![WorkerCounts { worker: 43, in_flight: 1, ..Default::default() }],
         });
         assert_eq!(s.counters.bad_reports.get(), 2);
@@ -747,7 +758,7 @@ mod tests {
         let mut rx = s.subscribe();
         s.report(ReportBatch {
             gateway_id: "a".into(),
-            inserts: vec![IndexInsert { worker: 0, hashes: (0..10).collect() }],
+            inserts: vec![IndexInsert { worker: 0, hashes: (0..10).collect(), ..Default::default() }],
             ..Default::default()
         });
         assert_eq!(s.evict(), 6);
@@ -806,7 +817,7 @@ mod tests {
         s.report_stream_opened("gw").unwrap();
         let batch = |from: u64, n: u64| ReportBatch {
             gateway_id: "gw".into(),
-            inserts: vec![IndexInsert { worker: 0, hashes: (from..from + n).collect() }],
+            inserts: vec![IndexInsert { worker: 0, hashes: (from..from + n).collect(), ..Default::default() }],
             ..Default::default()
         };
         // Per message: 100 of 150.
@@ -831,6 +842,7 @@ mod tests {
                 inserts: vec![IndexInsert {
                     worker: (round % 2) as u32,
                     hashes: (round * 10..round * 10 + 10).collect(),
+                    ..Default::default()
                 }],
                 ..Default::default()
             });

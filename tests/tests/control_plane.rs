@@ -393,7 +393,7 @@ fn malformed_and_bogus_reports_are_rejected_and_the_control_plane_keeps_serving(
         let mut client = KvmeshClient::new(channel);
         let bogus = ReportBatch {
             gateway_id: "test".into(),
-            inserts: vec![IndexInsert { worker: 999, hashes: vec![1, 2] }],
+            inserts: vec![IndexInsert { worker: 999, hashes: vec![1, 2], ..Default::default() }],
             ..Default::default()
         };
         let ack = client.report(authed(&cp, tokio_stream::iter(vec![bogus]))).await.unwrap().into_inner();
@@ -599,7 +599,7 @@ fn oversize_and_flood_reports_are_refused_or_throttled_and_rss_stays_flat() {
             .collect();
         ReportBatch {
             gateway_id: gateway.into(),
-            inserts: vec![IndexInsert { worker: 0, hashes }],
+            inserts: vec![IndexInsert { worker: 0, hashes, ..Default::default() }],
             ..Default::default()
         }
     };

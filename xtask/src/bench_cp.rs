@@ -60,6 +60,7 @@ pub fn run() -> anyhow::Result<()> {
                         worker: ((b * 1000 + p) % WORKERS) as u32,
                         // Uniformly spread 64-bit values, like xxh3 block hashes.
                         hashes: (0..50).map(|i| mix((b << 40) ^ (p << 16) ^ i)).collect(),
+                        ..Default::default()
                     })
                     .collect(),
                 ..Default::default()

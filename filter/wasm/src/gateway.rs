@@ -202,6 +202,8 @@ pub struct Gateway {
     unreported: ReportQueue,
     /// This VM holds the control-plane streams (the plugin says so on every tick).
     reporting: bool,
+    /// This Envoy's gateway id: inserts a delta says it reported itself are not applied again.
+    own_id: Option<String>,
     /// The control-plane table version this VM applied.
     table_version: Option<u64>,
     /// The control plane's routing settings last applied.
@@ -230,6 +232,7 @@ impl Gateway {
             last_eviction_secs: 0,
             unreported: ReportQueue::default(),
             reporting: false,
+            own_id: None,
             table_version: None,
             cp_settings: None,
             config,
@@ -333,6 +336,11 @@ impl Gateway {
             self.unreported.take();
         }
         self.reporting = on;
+    }
+
+    /// The gateway id this Envoy reports under (see [`Self::apply_snapshot`]).
+    pub fn set_own_id(&mut self, id: &str) {
+        self.own_id = Some(id.to_string());
     }
 
     /// Hashes queued for the next report.

@@ -89,6 +89,7 @@ impl Plugin {
                 Step::Nothing => {}
                 Step::Connect => match connect(host, cp) {
                     Ok((watch, report)) => {
+                        gateway.set_own_id(&cp.gateway_id);
                         cp.link.connected(watch, report, now);
                         cp.awaiting_table = true;
                     }

@@ -116,7 +116,9 @@ impl Gateway {
             SharedTable::publish(store, snapshot.version, &shared.encode_to_vec());
         }
         let mut deltas: Vec<Delta> = Vec::with_capacity(snapshot.inserts.len() + snapshot.evictions.len());
-        deltas.extend(snapshot.inserts.iter().map(|i| Delta {
+        // This Envoy's own inserts, echoed back by the control plane, are in its index already.
+        let own = |i: &&IndexInsert| !i.origin.is_empty() && self.own_id.as_deref() == Some(i.origin.as_str());
+        deltas.extend(snapshot.inserts.iter().filter(|i| !own(i)).map(|i| Delta {
             worker: i.worker,
             evict: false,
             from_cp: true,
@@ -156,8 +158,12 @@ impl Gateway {
     /// last report, and the in-flight counts.
     pub fn take_report(&mut self, store: &dyn SharedStore, gateway_id: &str) -> ReportBatch {
         self.catch_up(store, Inflight::load(store).head());
-        let inserts =
-            self.unreported.take().into_iter().map(|(worker, hashes)| IndexInsert { worker, hashes }).collect();
+        let inserts = self
+            .unreported
+            .take()
+            .into_iter()
+            .map(|(worker, hashes)| IndexInsert { worker, hashes, ..Default::default() })
+            .collect();
         let counts = Inflight::counts(store)
             .into_iter()
             .map(|c| WorkerCounts { worker: c.worker, in_flight: c.in_flight, requests: c.finished, errors: c.failed })
@@ -182,7 +188,7 @@ impl Gateway {
                     }
                     let Some((now, later)) = rest.split_at_checked(room.min(rest.len())) else { break };
                     if let Some(last) = out.last_mut() {
-                        last.inserts.push(IndexInsert { worker, hashes: now.to_vec() });
+                        last.inserts.push(IndexInsert { worker, hashes: now.to_vec(), ..Default::default() });
                     }
                     room -= now.len();
                     rest = later;
@@ -250,7 +256,7 @@ mod tests {
             full: true,
             workers: vec![worker(10, 20), worker(11, 21), worker(12, 22)],
             workers_changed: true,
-            inserts: vec![IndexInsert { worker: 11, hashes }],
+            inserts: vec![IndexInsert { worker: 11, hashes, ..Default::default() }],
             settings: cp_settings(r#"{"cache_threshold":0.1}"#),
             ..Default::default()
         };
@@ -329,6 +335,33 @@ mod tests {
         // Id 0 now names another worker: its blocks are forgotten.
         g.apply_snapshot(&store, &snapshot(4, vec![worker(0, 40), worker(1, 31)]));
         assert_eq!(g.index_len(), 0);
+    }
+
+    #[test]
+    fn a_delta_does_not_echo_this_envoys_own_inserts() {
+        let store = FakeStore::default();
+        let (mut owner, mut other) = (gateway(&store, 1), gateway(&store, 2));
+        owner.set_own_id("envoy/a");
+        let full = proto::Snapshot {
+            version: 1,
+            full: true,
+            workers: vec![worker(0, 20), worker(1, 21)],
+            workers_changed: true,
+            ..Default::default()
+        };
+        owner.apply_snapshot(&store, &full);
+        let insert = |origin: &str, hashes: Vec<u64>| IndexInsert { worker: 1, hashes, origin: origin.into() };
+        let delta = proto::Snapshot {
+            version: 2,
+            inserts: vec![insert("envoy/a", vec![1, 2, 3]), insert("envoy/b", vec![4]), insert("", vec![5])],
+            ..Default::default()
+        };
+        let before = owner.index_len();
+        owner.apply_snapshot(&store, &delta);
+        assert_eq!(owner.index_len(), before + 2, "only the other gateway's and the control plane's blocks");
+        // The other VMs get the same through the delta log.
+        route(&mut other, &store, "x");
+        assert_eq!(other.index_len(), 1 + 2, "its own block, and the two from the delta");
     }
 
     #[test]
