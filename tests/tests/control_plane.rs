@@ -571,13 +571,13 @@ fn a_worker_added_through_the_api_gets_no_traffic_until_its_health_check_passes(
 #[test]
 fn oversize_and_flood_reports_are_refused_or_throttled_and_rss_stays_flat() {
     use kvmesh_proto::v1::{IndexInsert, ReportBatch};
-    const MAX_ENTRIES: u64 = 50_000;
+    const MAX_ENTRIES: u64 = 100_000;
     let workers = sims(2);
     let mut flags = worker_flags(&workers);
     flags.extend(
         [
             "--max-index-entries",
-            "50000",
+            "100000",
             "--max-inserts-per-sec",
             "100000",
             "--max-message-bytes",
@@ -644,9 +644,14 @@ fn oversize_and_flood_reports_are_refused_or_throttled_and_rss_stays_flat() {
     assert!(dropped >= 12.0 * 200_000.0, "the rate limit dropped hashes: {dropped}");
     assert!(evicted >= 1_000_000.0, "the bound evicted on insert: {evicted}");
     assert!(end <= start + 64 * 1024, "RSS stays flat: {start} KiB -> {end} KiB");
-    // Still serving.
+    // Still serving; a gateway that connects now gets the index, over 65536 hashes, in several
+    // messages, and applies them all.
     let envoy = gateway(&cp);
     served(&generate(&envoy, &"after the flood ".repeat(20)));
+    wait_until("the gateway to apply every part of the full snapshot", Duration::from_secs(20), || {
+        envoy.stat("wasmcustom.kvmesh_index_blocks").unwrap().unwrap_or(0) >= entries
+    })
+    .unwrap_or_else(|e| panic!("{e}: {:?} of {entries}", envoy.stat("wasmcustom.kvmesh_index_blocks")));
 }
 
 /// `--state-file`: a restarted control plane has the workers added through the API again,
