@@ -37,6 +37,10 @@ pub struct Args {
     /// HTTP port: the admin API (/add_worker, /workers, ...) and /metrics (kvmesh). Default 18001.
     #[arg(long)]
     pub http_port: Option<u16>,
+    /// Address of the admin API (and /metrics) listener, e.g. loopback while the gRPC port is
+    /// on the cluster network (kvmesh). Default: --host.
+    #[arg(long)]
+    pub http_host: Option<String>,
     /// Serve /metrics alone on this port too. Default: only on --http-port.
     #[arg(long)]
     pub prometheus_port: Option<u16>,
@@ -338,7 +342,7 @@ impl Args {
 
     /// The authentication settings; refuses a non-loopback `host` without them unless
     /// `--allow-insecure`.
-    fn auth(&self, host: &str, warnings: &mut Vec<String>) -> Result<AuthSettings, BadArgs> {
+    fn auth(&self, host: &str, http_host: &str, warnings: &mut Vec<String>) -> Result<AuthSettings, BadArgs> {
         let grpc_token = match &self.grpc_token_file {
             Some(path) => {
                 let text = std::fs::read_to_string(path)
@@ -377,30 +381,40 @@ impl Args {
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let loopback =
-            host.eq_ignore_ascii_case("localhost") || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
-        let open: Vec<&str> = [
-            grpc_token.is_none().then_some("the gRPC streams (--grpc-token-file or KVMESH_CP_TOKEN)"),
-            api_keys.is_empty().then_some("the admin API (--control-plane-api-keys or KVMESH_CP_API_KEYS)"),
+        let loopback = |h: &str| {
+            h.eq_ignore_ascii_case("localhost") || h.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
+        };
+        let http_flag = if self.http_host.is_some() { "http_host" } else { "host" };
+        // What would be open off loopback: (flag, address, what).
+        let open: Vec<(&str, &str, &str)> = [
+            (grpc_token.is_none() && !loopback(host)).then_some((
+                "host",
+                host,
+                "the gRPC streams (--grpc-token-file or KVMESH_CP_TOKEN)",
+            )),
+            (api_keys.is_empty() && !loopback(http_host)).then_some((
+                http_flag,
+                http_host,
+                "the admin API (--control-plane-api-keys or KVMESH_CP_API_KEYS)",
+            )),
         ]
         .into_iter()
         .flatten()
         .collect();
-        if !loopback && !open.is_empty() {
+        if let Some(&(flag, address, _)) = open.first() {
+            let what = open.iter().map(|o| o.2).collect::<Vec<_>>().join(" and ");
             if !self.allow_insecure {
                 return Err(self.bad(
-                    "host",
+                    flag,
                     format!(
-                        "{host} is not a loopback address and {} would be open to anyone who reaches it: \
-                         give a token and API keys, or --allow-insecure",
-                        open.join(" and ")
+                        "{address} is not a loopback address and {what} would be open to anyone who reaches \
+                         it: give a token and API keys, or --allow-insecure"
                     ),
                 ));
             }
             warnings.push(format!(
-                "INSECURE (--allow-insecure): listening on {host} with {} unauthenticated; anyone who \
-                 reaches kvmesh-cp can read the topology and change where every tenant's prompts go",
-                open.join(" and ")
+                "INSECURE (--allow-insecure): listening on {address} with {what} unauthenticated; anyone \
+                 who reaches kvmesh-cp can read the topology and change where every tenant's prompts go"
             ));
         }
         if self.protect_read_endpoints && api_keys.is_empty() {
@@ -410,7 +424,7 @@ impl Args {
             grpc_token,
             api_keys,
             protect_reads: self.protect_read_endpoints,
-            insecure: !loopback && !open.is_empty(),
+            insecure: !open.is_empty(),
         })
     }
 
@@ -506,7 +520,8 @@ impl Args {
             positive(flag, v.map(u64::from), u64::from(default)).map(|n| u32::try_from(n).unwrap_or(u32::MAX))
         };
         let host = self.host.clone().unwrap_or_else(|| "127.0.0.1".into());
-        let auth = self.auth(&host, &mut warnings)?;
+        let http_host = self.http_host.clone().unwrap_or_else(|| host.clone());
+        let auth = self.auth(&host, &http_host, &mut warnings)?;
         let worker_policy = WorkerPolicy {
             cidrs: self
                 .worker_cidrs
@@ -550,6 +565,7 @@ impl Args {
             worker_policy,
             limits,
             prometheus_host: self.prometheus_host.clone().unwrap_or_else(|| host.clone()),
+            http_host,
             host,
             grpc_port: self.grpc_port.unwrap_or(18000),
             http_port: self.http_port.unwrap_or(18001),

@@ -75,14 +75,15 @@ async fn run(settings: settings::Settings) -> anyhow::Result<()> {
     if settings.auth.insecure {
         eprintln!(
             "\n********************************************************************************\n\
-             kvmesh-cp: INSECURE: --allow-insecure on {}: unauthenticated clients can change\n\
-             where every prompt goes. Give --grpc-token-file and --control-plane-api-keys.\n\
+             kvmesh-cp: INSECURE: --allow-insecure (gRPC on {}, admin API on {}):\n\
+             unauthenticated clients can change where every prompt goes.\n\
+             Give --grpc-token-file and --control-plane-api-keys.\n\
              ********************************************************************************\n",
-            settings.host
+            settings.host, settings.http_host
         );
     }
     let grpc_addr = format!("{}:{}", settings.host, settings.grpc_port);
-    let http_addr = format!("{}:{}", settings.host, settings.http_port);
+    let http_addr = format!("{}:{}", settings.http_host, settings.http_port);
     let state = state::State::open(settings).map_err(anyhow::Error::msg)?;
     state.publish();
 

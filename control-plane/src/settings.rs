@@ -11,6 +11,8 @@ pub struct Settings {
     pub host: String,
     pub grpc_port: u16,
     pub http_port: u16,
+    /// The admin API's address (`--http-host`, else `--host`).
+    pub http_host: String,
     /// `/metrics` alone on this port, when set.
     pub prometheus_port: Option<u16>,
     /// The address of that listener (`--prometheus-host`, else `--host`).

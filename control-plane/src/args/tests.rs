@@ -272,6 +272,13 @@ fn a_non_loopback_host_needs_a_token_and_api_keys_or_allow_insecure() {
     let s = parse(&["--host", "0.0.0.0", "--allow-insecure"]).unwrap();
     assert!(s.auth.insecure);
     assert!(s.warnings.iter().any(|w| w.starts_with("INSECURE")), "{:?}", s.warnings);
+    // The admin API on loopback needs no keys while the gRPC port is exposed with a token; the
+    // other way round, the admin API needs keys.
+    let s = parse(&["--host", "0.0.0.0", "--grpc-token-file", token, "--http-host", "127.0.0.1"]).unwrap();
+    assert_eq!((s.http_host.as_str(), s.auth.insecure), ("127.0.0.1", false));
+    let e = parse(&["--http-host", "0.0.0.0"]).unwrap_err();
+    assert!(e.starts_with("--http-host: 0.0.0.0 is not a loopback address") && e.contains("the admin API"), "{e}");
+    assert!(!e.contains("gRPC"), "{e}");
     // Loopback needs nothing.
     for host in ["127.0.0.1", "localhost", "::1", "127.0.0.2"] {
         let s = parse(&["--host", host]).unwrap();
