@@ -18,26 +18,38 @@ use prometheus_client::registry::Registry;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use crate::auth;
 use crate::state::{role_name, Source, State};
+use axum::middleware::from_fn_with_state;
 
 type Shared = Axum<Arc<State>>;
 
+/// The admin API: endpoints that change workers need an admin API key (when keys are
+/// configured), read-only ones any key under `--protect-read-endpoints`; `/health` is open.
 pub fn router(state: Arc<State>, metrics: Arc<Metrics>) -> Router {
-    Router::new()
+    let admin = Router::new()
         .route("/add_worker", post(add_worker))
         .route("/remove_worker", post(remove_worker))
+        .route_layer(from_fn_with_state(state.clone(), auth::admin));
+    let read = Router::new()
         .route("/list_workers", get(list_workers))
         .route("/workers", get(workers))
         .route("/snapshot", get(snapshot))
         .route("/match", post(match_text))
+        .route_layer(from_fn_with_state(state.clone(), auth::read));
+    admin
+        .merge(read)
         .route("/health", get(|| async { "OK" }))
-        .with_state(state)
-        .merge(metrics_router(metrics))
+        .with_state(state.clone())
+        .merge(metrics_router(metrics, state))
 }
 
-/// Only `/metrics`, for `--prometheus-port`.
-pub fn metrics_router(metrics: Arc<Metrics>) -> Router {
-    Router::new().route("/metrics", get(self::metrics)).with_state(metrics)
+/// Only `/metrics` (read-only), for `--prometheus-port` too.
+pub fn metrics_router(metrics: Arc<Metrics>, state: Arc<State>) -> Router {
+    Router::new()
+        .route("/metrics", get(self::metrics))
+        .with_state(metrics)
+        .route_layer(from_fn_with_state(state, auth::read))
 }
 
 #[derive(Deserialize)]
@@ -64,7 +76,13 @@ async fn add_worker(Axum(state): Shared, Query(q): Query<WorkerQuery>) -> (Statu
         },
     };
     match state.add_worker(&url, role, port, Source::Api) {
-        Ok(_) => (StatusCode::OK, format!("Successfully added worker: {url}")),
+        Ok(id) => {
+            // Unhealthy until probed: probe it now rather than at the next interval.
+            if state.settings.health_checks {
+                tokio::spawn(crate::probe::check_one(state.clone(), id));
+            }
+            (StatusCode::OK, format!("Successfully added worker: {url} (routed once its health check passes)"))
+        }
         Err(e) => (StatusCode::BAD_REQUEST, format!("Failed to add worker {url}: {e}")),
     }
 }
@@ -180,6 +198,16 @@ impl Metrics {
         registry.register("kvmesh_bad_reports", "Report entries or streams rejected", c.bad_reports.clone());
         registry.register("kvmesh_evicted_blocks", "Blocks evicted from the global index", c.evicted_blocks.clone());
         registry.register("kvmesh_snapshot_deltas", "Snapshot deltas pushed", c.deltas.clone());
+        registry.register(
+            "kvmesh_auth_failures",
+            "gRPC streams and admin requests refused for a missing or wrong credential",
+            c.auth_failures.clone(),
+        );
+        registry.register(
+            "kvmesh_dropped_inserts",
+            "Reported index hashes dropped by the per-report and per-gateway rate limits",
+            c.dropped_inserts.clone(),
+        );
         Arc::new(Self { registry, ..m })
     }
 

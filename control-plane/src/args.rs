@@ -15,7 +15,8 @@ use clap::{ArgAction, ArgMatches, Command, CommandFactory, FromArgMatches, Parse
 use kvmesh_core::RoutingSettings;
 
 use crate::peer_flags::{PeerFlags, NOT_YET, NO_EFFECT, REFUSED};
-use crate::settings::{DiscoveryConfig, Settings};
+use crate::settings::{ApiKey, AuthSettings, DiscoveryConfig, Limits, Settings, WorkerPolicy};
+use crate::urls::Cidr;
 
 /// kvmesh control plane: one place to configure kvmesh (sglang-router's flags); streams
 /// workers, load, the routing settings and the shared prefix index to every Envoy running
@@ -36,6 +37,10 @@ pub struct Args {
     /// HTTP port: the admin API (/add_worker, /workers, ...) and /metrics (kvmesh). Default 18001.
     #[arg(long)]
     pub http_port: Option<u16>,
+    /// Address of the admin API (and /metrics) listener, e.g. loopback while the gRPC port is
+    /// on the cluster network (kvmesh). Default: --host.
+    #[arg(long)]
+    pub http_host: Option<String>,
     /// Serve /metrics alone on this port too. Default: only on --http-port.
     #[arg(long)]
     pub prometheus_port: Option<u16>,
@@ -114,9 +119,50 @@ pub struct Args {
     /// Accepted, not yet enforced: the API key kvmesh-cp sends to the workers.
     #[arg(long, help_heading = "Logging and authentication")]
     pub api_key: Option<String>,
-    /// Accepted, not yet enforced: keys (id:name:role:key) that authenticate the admin API.
+    /// Admin API keys: `id:name:role:key` (as SMG) or a bare key; clients send
+    /// `Authorization: Bearer KEY`. Role `admin` (and a bare key) may add and remove workers,
+    /// other roles may only read. Default: KVMESH_CP_API_KEYS (space or comma separated); none
+    /// leaves the admin API open (refused off loopback, see --allow-insecure).
     #[arg(long, num_args = 0.., help_heading = "Logging and authentication")]
     pub control_plane_api_keys: Vec<String>,
+    /// File holding the bearer token the filters must present on the gRPC streams (their
+    /// `control_plane_token`) (kvmesh). Default: KVMESH_CP_TOKEN; none leaves the streams open
+    /// (refused off loopback, see --allow-insecure).
+    #[arg(long, help_heading = "Logging and authentication")]
+    pub grpc_token_file: Option<PathBuf>,
+    /// Read-only admin endpoints (/list_workers, /workers, /snapshot, /match, /metrics) need an
+    /// API key too; /health stays open (kvmesh). Default: open.
+    #[arg(long, help_heading = "Logging and authentication")]
+    pub protect_read_endpoints: bool,
+    /// Listen on a non-loopback --host without a gRPC token and API keys: anyone who reaches
+    /// kvmesh-cp can then change where prompts go. Logged as a warning at startup (kvmesh).
+    #[arg(long, help_heading = "Logging and authentication")]
+    pub allow_insecure: bool,
+    /// Networks workers must be in (CIDR ...; e.g. 10.0.0.0/8), whatever their source: flags,
+    /// /add_worker or discovery (kvmesh). Default: any address but unspecified, link-local
+    /// (cloud metadata) and multicast ones, which are always refused.
+    #[arg(long, num_args = 1.., help_heading = "Workers: health, load, discovery")]
+    pub worker_cidrs: Vec<String>,
+    /// JSON file keeping the workers added through the API and every worker's id across
+    /// restarts (written on each change) (kvmesh). Default: none, API workers are forgotten.
+    #[arg(long, help_heading = "Workers: health, load, discovery")]
+    pub state_file: Option<PathBuf>,
+    /// Largest gRPC message kvmesh-cp decodes, in bytes (kvmesh). Default 16777216 (16 MiB).
+    #[arg(long, help_heading = "Limits")]
+    pub max_message_bytes: Option<usize>,
+    /// Most index hashes merged from one report message; the rest are dropped and counted
+    /// (kvmesh). Default 1048576.
+    #[arg(long, help_heading = "Limits")]
+    pub max_inserts_per_report: Option<usize>,
+    /// Index hashes per second one gateway may report (bursts of four seconds' worth); the
+    /// rest are dropped and counted (kvmesh). Default 1048576.
+    #[arg(long, help_heading = "Limits")]
+    pub max_inserts_per_sec: Option<u64>,
+    /// Most (worker, block) entries in the global prefix index: past it (and 1/8 slack) the
+    /// least recently used are evicted at once, not only every --eviction-interval-secs
+    /// (kvmesh). Default 2097152.
+    #[arg(long, help_heading = "Limits")]
+    pub max_index_entries: Option<u64>,
     #[command(flatten)]
     pub peer: PeerFlags,
     /// Ids of the arguments given (on the command line or in the file).
@@ -294,6 +340,94 @@ impl Args {
         }
     }
 
+    /// The authentication settings; refuses a non-loopback `host` without them unless
+    /// `--allow-insecure`.
+    fn auth(&self, host: &str, http_host: &str, warnings: &mut Vec<String>) -> Result<AuthSettings, BadArgs> {
+        let grpc_token = match &self.grpc_token_file {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| self.bad("grpc_token_file", format!("{}: {e}", path.display())))?;
+                Some(checked_secret(text.trim()).map_err(|e| self.bad("grpc_token_file", e))?)
+            }
+            None => match std::env::var("KVMESH_CP_TOKEN") {
+                Ok(t) if !t.trim().is_empty() => {
+                    Some(checked_secret(t.trim()).map_err(|e| BadArgs(format!("KVMESH_CP_TOKEN: {e}")))?)
+                }
+                _ => None,
+            },
+        };
+        let (entries, from_env): (Vec<String>, bool) = if self.control_plane_api_keys.is_empty() {
+            let env = std::env::var("KVMESH_CP_API_KEYS").unwrap_or_default();
+            (
+                env.split(|c: char| c == ',' || c.is_whitespace())
+                    .filter(|k| !k.is_empty())
+                    .map(String::from)
+                    .collect(),
+                true,
+            )
+        } else {
+            (self.control_plane_api_keys.clone(), false)
+        };
+        let api_keys = entries
+            .iter()
+            .enumerate()
+            .map(|(n, e)| {
+                api_key(n, e).map_err(|why| {
+                    if from_env {
+                        BadArgs(format!("KVMESH_CP_API_KEYS: {why}"))
+                    } else {
+                        self.bad("control_plane_api_keys", why)
+                    }
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let loopback = |h: &str| {
+            h.eq_ignore_ascii_case("localhost") || h.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
+        };
+        let http_flag = if self.http_host.is_some() { "http_host" } else { "host" };
+        // What would be open off loopback: (flag, address, what).
+        let open: Vec<(&str, &str, &str)> = [
+            (grpc_token.is_none() && !loopback(host)).then_some((
+                "host",
+                host,
+                "the gRPC streams (--grpc-token-file or KVMESH_CP_TOKEN)",
+            )),
+            (api_keys.is_empty() && !loopback(http_host)).then_some((
+                http_flag,
+                http_host,
+                "the admin API (--control-plane-api-keys or KVMESH_CP_API_KEYS)",
+            )),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        if let Some(&(flag, address, _)) = open.first() {
+            let what = open.iter().map(|o| o.2).collect::<Vec<_>>().join(" and ");
+            if !self.allow_insecure {
+                return Err(self.bad(
+                    flag,
+                    format!(
+                        "{address} is not a loopback address and {what} would be open to anyone who reaches \
+                         it: give a token and API keys, or --allow-insecure"
+                    ),
+                ));
+            }
+            warnings.push(format!(
+                "INSECURE (--allow-insecure): listening on {address} with {what} unauthenticated; anyone \
+                 who reaches kvmesh-cp can read the topology and change where every tenant's prompts go"
+            ));
+        }
+        if self.protect_read_endpoints && api_keys.is_empty() {
+            return Err(self.bad("protect_read_endpoints", "needs --control-plane-api-keys"));
+        }
+        Ok(AuthSettings {
+            grpc_token,
+            api_keys,
+            protect_reads: self.protect_read_endpoints,
+            insecure: !open.is_empty(),
+        })
+    }
+
     /// Validates everything into [`Settings`].
     pub fn load(self) -> Result<Settings, BadArgs> {
         let cmd = Self::command();
@@ -386,8 +520,52 @@ impl Args {
             positive(flag, v.map(u64::from), u64::from(default)).map(|n| u32::try_from(n).unwrap_or(u32::MAX))
         };
         let host = self.host.clone().unwrap_or_else(|| "127.0.0.1".into());
+        let http_host = self.http_host.clone().unwrap_or_else(|| host.clone());
+        let auth = self.auth(&host, &http_host, &mut warnings)?;
+        let worker_policy = WorkerPolicy {
+            cidrs: self
+                .worker_cidrs
+                .iter()
+                .map(|c| Cidr::parse(c).map_err(|e| self.bad("worker_cidrs", e)))
+                .collect::<Result<_, _>>()?,
+        };
+        for (flag, urls) in [
+            ("worker_urls", &self.worker_urls),
+            ("decode", &self.decode),
+            ("prefill", &prefill.iter().map(|(u, _)| u.clone()).collect()),
+        ] {
+            for url in urls {
+                crate::urls::check(url, &worker_policy).map_err(|e| self.bad(flag, e))?;
+            }
+        }
+        let defaults = Limits::default();
+        let limits = Limits {
+            max_message_bytes: usize::try_from(positive(
+                "max_message_bytes",
+                self.max_message_bytes.map(|n| n as u64),
+                defaults.max_message_bytes as u64,
+            )?)
+            .unwrap_or(usize::MAX),
+            max_inserts_per_report: usize::try_from(positive(
+                "max_inserts_per_report",
+                self.max_inserts_per_report.map(|n| n as u64),
+                defaults.max_inserts_per_report as u64,
+            )?)
+            .unwrap_or(usize::MAX),
+            max_inserts_per_sec: positive(
+                "max_inserts_per_sec",
+                self.max_inserts_per_sec,
+                defaults.max_inserts_per_sec,
+            )?,
+            max_index_entries: positive("max_index_entries", self.max_index_entries, defaults.max_index_entries)?,
+        };
         Ok(Settings {
+            state_file: self.state_file.clone(),
+            auth,
+            worker_policy,
+            limits,
             prometheus_host: self.prometheus_host.clone().unwrap_or_else(|| host.clone()),
+            http_host,
             host,
             grpc_port: self.grpc_port.unwrap_or(18000),
             http_port: self.http_port.unwrap_or(18001),
@@ -413,6 +591,29 @@ impl Args {
             decode: self.decode,
         })
     }
+}
+
+/// A token or key as it goes into an `authorization` header: visible ASCII, no spaces.
+fn checked_secret(text: &str) -> Result<String, String> {
+    if text.is_empty() {
+        return Err("empty".into());
+    }
+    if text.len() > 4096 || !text.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err("must be at most 4096 visible ASCII characters, without spaces".into());
+    }
+    Ok(text.to_string())
+}
+
+/// One API key entry: `id:name:role:key` or a bare key (an admin key).
+fn api_key(n: usize, entry: &str) -> Result<ApiKey, String> {
+    let parts: Vec<&str> = entry.splitn(4, ':').collect();
+    let (id, admin, key) = match parts.as_slice() {
+        [key] => (format!("key{n}"), true, *key),
+        [id, _name, role, key] => (id.to_string(), role.eq_ignore_ascii_case("admin"), *key),
+        _ => return Err(format!("`{}` is not id:name:role:key or a bare key", entry.split(':').next().unwrap_or(""))),
+    };
+    let key = checked_secret(key).map_err(|e| format!("the key of entry {} is {e}", n + 1))?;
+    Ok(ApiKey { id, admin, key })
 }
 
 #[cfg(test)]

@@ -10,7 +10,68 @@ use kvmesh_proto::v1::{ReportAck, ReportBatch, Snapshot, WatchRequest};
 use tokio::sync::broadcast::error::RecvError;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::state::State;
+use crate::state::{GatewayError, State};
+
+/// Most index hashes per snapshot message (512 KiB): a full snapshot goes out as a full
+/// message with the workers, the settings and the first hashes, then deltas of the same
+/// version carrying the rest.
+pub const FULL_CHUNK_HASHES: usize = 1 << 16;
+
+/// `full` as messages of at most `max_hashes` hashes each (the first is the full one).
+pub fn split_full(mut full: Snapshot, max_hashes: usize) -> Vec<Snapshot> {
+    let max_hashes = max_hashes.max(1);
+    let inserts = std::mem::take(&mut full.inserts);
+    let rest = || Snapshot { version: full.version, sent_at_ms: full.sent_at_ms, ..Default::default() };
+    let mut parts = Vec::new();
+    let mut current = Vec::new();
+    let mut room = max_hashes;
+    for insert in inserts {
+        let mut hashes = insert.hashes.as_slice();
+        while !hashes.is_empty() {
+            let (now, later) = hashes.split_at(room.min(hashes.len()));
+            current.push(kvmesh_proto::v1::IndexInsert {
+                worker: insert.worker,
+                hashes: now.to_vec(),
+                ..Default::default()
+            });
+            room -= now.len();
+            hashes = later;
+            if room == 0 {
+                parts.push(std::mem::take(&mut current));
+                room = max_hashes;
+            }
+        }
+    }
+    if !current.is_empty() || parts.is_empty() {
+        parts.push(current);
+    }
+    let mut out: Vec<Snapshot> = parts.into_iter().map(|inserts| Snapshot { inserts, ..rest() }).collect();
+    if let Some(first) = out.first_mut() {
+        let inserts = std::mem::take(&mut first.inserts);
+        *first = Snapshot { inserts, ..full };
+    }
+    out
+}
+
+fn refused(e: GatewayError) -> Status {
+    match e {
+        GatewayError::BadId(_) => Status::invalid_argument(e.to_string()),
+        GatewayError::TooMany => Status::resource_exhausted(e.to_string()),
+    }
+}
+
+/// Ends a gateway's `Report` stream in the state however the handler ends (finished, failed,
+/// or dropped because the client went away).
+struct Reporting {
+    state: Arc<State>,
+    gateway: String,
+}
+
+impl Drop for Reporting {
+    fn drop(&mut self) {
+        self.state.report_stream_closed(&self.gateway);
+    }
+}
 
 pub struct Service {
     pub state: Arc<State>,
@@ -25,14 +86,19 @@ impl Kvmesh for Service {
     async fn watch(&self, request: Request<WatchRequest>) -> Result<Response<Snapshots>, Status> {
         let gateway = request.into_inner().gateway_id;
         let state = self.state.clone();
+        if let Err(e) = state.gateway_connected(&gateway) {
+            state.bad_report();
+            return Err(refused(e));
+        }
         // Subscribe before taking the full snapshot so that no delta falls in between.
         let mut deltas = state.subscribe();
         let full = state.full_snapshot();
-        state.gateway_connected(&gateway);
         tracing::info!(%gateway, version = full.version, blocks = full.inserts.iter().map(|i| i.hashes.len()).sum::<usize>(), "gateway watching");
         let stream = async_stream::stream! {
             let mut seen = full.version;
-            yield Ok(full);
+            for part in split_full(full, FULL_CHUNK_HASHES) {
+                yield Ok(part);
+            }
             loop {
                 match deltas.recv().await {
                     Ok(delta) if delta.version > seen => {
@@ -44,7 +110,9 @@ impl Kvmesh for Service {
                         tracing::warn!(%gateway, missed, "gateway fell behind; sending a full snapshot");
                         let full = state.full_snapshot();
                         seen = full.version;
-                        yield Ok(full);
+                        for part in split_full(full, FULL_CHUNK_HASHES) {
+                            yield Ok(part);
+                        }
                     }
                     Err(RecvError::Closed) => break,
                 }
@@ -56,9 +124,28 @@ impl Kvmesh for Service {
     async fn report(&self, request: Request<Streaming<ReportBatch>>) -> Result<Response<ReportAck>, Status> {
         let mut stream = request.into_inner();
         let mut batches = 0;
+        // One stream is one gateway: the id of its first batch, tracked until it ends.
+        let mut reporting: Option<Reporting> = None;
         loop {
             match stream.message().await {
                 Ok(Some(batch)) => {
+                    match reporting.as_ref().map(|r| r.gateway == batch.gateway_id) {
+                        Some(true) => {}
+                        Some(false) => {
+                            self.state.bad_report();
+                            tracing::warn!("report stream changed its gateway_id; closed");
+                            return Err(Status::invalid_argument("a report stream carries one gateway_id"));
+                        }
+                        None => {
+                            if let Err(e) = self.state.report_stream_opened(&batch.gateway_id) {
+                                self.state.bad_report();
+                                tracing::warn!("report stream refused: {e}");
+                                return Err(refused(e));
+                            }
+                            reporting =
+                                Some(Reporting { state: self.state.clone(), gateway: batch.gateway_id.clone() });
+                        }
+                    }
                     self.state.report(batch);
                     batches += 1;
                 }
@@ -72,5 +159,39 @@ impl Kvmesh for Service {
             }
         }
         Ok(Response::new(ReportAck { batches }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvmesh_proto::v1::{IndexInsert, Worker};
+
+    #[test]
+    fn a_full_snapshot_goes_out_in_bounded_messages() {
+        let full = Snapshot {
+            version: 7,
+            full: true,
+            workers: vec![Worker { id: 0, ..Default::default() }],
+            workers_changed: true,
+            inserts: vec![
+                IndexInsert { worker: 0, hashes: (0..5).collect(), ..Default::default() },
+                IndexInsert { worker: 1, hashes: (5..8).collect(), ..Default::default() },
+            ],
+            ..Default::default()
+        };
+        let parts = split_full(full.clone(), 3);
+        let sizes: Vec<usize> = parts.iter().map(|p| p.inserts.iter().map(|i| i.hashes.len()).sum()).collect();
+        assert_eq!(sizes, [3, 3, 2]);
+        assert!(parts[0].full && parts[0].workers_changed && parts[0].workers.len() == 1);
+        assert!(parts[1..].iter().all(|p| !p.full && !p.workers_changed && p.workers.is_empty() && p.version == 7));
+        let mut all: Vec<(u32, u64)> =
+            parts.iter().flat_map(|p| &p.inserts).flat_map(|i| i.hashes.iter().map(move |&h| (i.worker, h))).collect();
+        all.sort();
+        assert_eq!(all, (0..5).map(|h| (0, h)).chain((5..8).map(|h| (1, h))).collect::<Vec<_>>());
+        // Small ones stay one message; an empty index is one full message.
+        assert_eq!(split_full(full.clone(), 100), vec![full]);
+        let empty = Snapshot { version: 1, full: true, ..Default::default() };
+        assert_eq!(split_full(empty.clone(), 3), vec![empty]);
     }
 }

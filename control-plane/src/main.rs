@@ -6,12 +6,14 @@
 
 mod admin;
 mod args;
+mod auth;
 mod discovery;
 mod grpc;
 mod peer_flags;
 mod probe;
 mod settings;
 mod state;
+mod urls;
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -70,9 +72,19 @@ async fn run(settings: settings::Settings) -> anyhow::Result<()> {
     for warning in &settings.warnings {
         tracing::warn!("{warning}");
     }
+    if settings.auth.insecure {
+        eprintln!(
+            "\n********************************************************************************\n\
+             kvmesh-cp: INSECURE: --allow-insecure (gRPC on {}, admin API on {}):\n\
+             unauthenticated clients can change where every prompt goes.\n\
+             Give --grpc-token-file and --control-plane-api-keys.\n\
+             ********************************************************************************\n",
+            settings.host, settings.http_host
+        );
+    }
     let grpc_addr = format!("{}:{}", settings.host, settings.grpc_port);
-    let http_addr = format!("{}:{}", settings.host, settings.http_port);
-    let state = state::State::new(settings);
+    let http_addr = format!("{}:{}", settings.http_host, settings.http_port);
+    let state = state::State::open(settings).map_err(anyhow::Error::msg)?;
     state.publish();
 
     let http =
@@ -87,7 +99,8 @@ async fn run(settings: settings::Settings) -> anyhow::Result<()> {
         let listener =
             tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))?;
         let metrics = metrics.clone();
-        tokio::spawn(async move { axum::serve(listener, admin::metrics_router(metrics)).await });
+        let state = state.clone();
+        tokio::spawn(async move { axum::serve(listener, admin::metrics_router(metrics, state)).await });
     }
     if state.settings.health_checks {
         tokio::spawn(probe::health_loop(state.clone()));
@@ -104,8 +117,12 @@ async fn run(settings: settings::Settings) -> anyhow::Result<()> {
     }
     tokio::spawn(eviction_loop(state.clone()));
 
-    // Full reports from gateways with large indexes exceed tonic's 4 MiB default.
-    let service = KvmeshServer::new(grpc::Service { state: state.clone() }).max_decoding_message_size(256 << 20);
+    // Filters send their full index in chunks well under this limit.
+    let service = tonic::service::interceptor::InterceptedService::new(
+        KvmeshServer::new(grpc::Service { state: state.clone() })
+            .max_decoding_message_size(state.settings.limits.max_message_bytes),
+        auth::GrpcAuth { state: state.clone() },
+    );
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc);
     let grpc_server =
         tonic::transport::Server::builder().add_service(service).serve_with_incoming_shutdown(incoming, shutdown());
@@ -124,8 +141,13 @@ async fn shutdown() {
 async fn push_loop(state: Arc<state::State>) {
     let mut tick = tokio::time::interval(Duration::from_millis(state.settings.push_interval_ms));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_prune = tokio::time::Instant::now();
     loop {
         tick.tick().await;
+        if last_prune.elapsed() >= Duration::from_secs(1) {
+            last_prune = tokio::time::Instant::now();
+            state.prune_gateways(std::time::Instant::now());
+        }
         state.publish();
     }
 }

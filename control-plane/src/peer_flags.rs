@@ -168,8 +168,7 @@ pub struct PeerFlags {
     #[arg(long, action = ArgAction::SetTrue)]
     pub control_plane_audit_enabled: bool,
     /// Refused in kvmesh: no JWT authentication of the admin API; use --control-plane-api-keys
-    /// (not yet enforced) and keep --host on a private address, or front the API with Envoy's
-    /// jwt_authn filter.
+    /// and keep --host on a private address, or front the API with Envoy's jwt_authn filter.
     #[arg(long)]
     pub jwt_issuer: Option<String>,
     /// Refused in kvmesh: no JWT authentication (see --jwt-issuer).

@@ -57,6 +57,16 @@ pub fn parse_metrics(text: &str) -> (Option<u64>, Option<f64>) {
     (load.map(|l| l.round() as u64), hit)
 }
 
+/// One health check of worker `id` now (a worker added through the API is unhealthy until
+/// one passes).
+pub async fn check_one(state: Arc<State>, id: u32) {
+    let Some(w) = state.workers().into_iter().find(|w| w.id == id) else { return };
+    let Ok(addr) = kvmesh_core::worker::socket_addr(&w.url) else { return };
+    let timeout = Duration::from_secs(state.settings.health_timeout_secs);
+    let ok = matches!(get(&addr.to_string(), &state.settings.health_endpoint, timeout).await, Ok((200, _)));
+    state.health_result(id, ok);
+}
+
 /// Health checks every `health_interval_secs`.
 pub async fn health_loop(state: Arc<State>) {
     let interval = Duration::from_secs(state.settings.health_interval_secs);

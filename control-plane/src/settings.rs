@@ -11,6 +11,8 @@ pub struct Settings {
     pub host: String,
     pub grpc_port: u16,
     pub http_port: u16,
+    /// The admin API's address (`--http-host`, else `--host`).
+    pub http_host: String,
     /// `/metrics` alone on this port, when set.
     pub prometheus_port: Option<u16>,
     /// The address of that listener (`--prometheus-host`, else `--host`).
@@ -39,6 +41,69 @@ pub struct Settings {
     pub log_level: String,
     /// What to warn about at startup: flags given that have no effect (yet).
     pub warnings: Vec<String>,
+    /// Who may talk to kvmesh-cp.
+    pub auth: AuthSettings,
+    /// Which worker addresses are accepted.
+    pub worker_policy: WorkerPolicy,
+    /// Bounds on what the gateways can make kvmesh-cp hold.
+    pub limits: Limits,
+    /// Where API-added workers and every worker's id are kept across restarts.
+    pub state_file: Option<std::path::PathBuf>,
+}
+
+/// Authentication of the gRPC streams and of the admin API.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct AuthSettings {
+    /// The bearer token the filters present on `Watch`/`Report` (none: the streams are open).
+    pub grpc_token: Option<String>,
+    /// Admin API keys (none: the admin API is open).
+    pub api_keys: Vec<ApiKey>,
+    /// Read-only endpoints (`/health` excepted) need a key too.
+    pub protect_reads: bool,
+    /// Listening on a non-loopback address without authentication was asked for explicitly.
+    pub insecure: bool,
+}
+
+/// One `--control-plane-api-keys` entry: `id:name:role:key` (as SMG) or a bare key (admin).
+#[derive(Clone, PartialEq)]
+pub struct ApiKey {
+    pub id: String,
+    /// `admin` may change workers; any other role may only read.
+    pub admin: bool,
+    pub key: String,
+}
+
+impl std::fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ApiKey").field("id", &self.id).field("admin", &self.admin).finish_non_exhaustive()
+    }
+}
+
+pub use crate::urls::WorkerPolicy;
+
+/// Bounds on reports and on the global index.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Limits {
+    /// Largest gRPC message kvmesh-cp decodes, in bytes.
+    pub max_message_bytes: usize,
+    /// Most index hashes merged from one report batch (the rest are dropped and counted).
+    pub max_inserts_per_report: usize,
+    /// Index hashes per second one gateway may report (a token bucket holding four seconds'
+    /// worth, so a full report on connect fits).
+    pub max_inserts_per_sec: u64,
+    /// The global index holds at most this many (worker, block) entries.
+    pub max_index_entries: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_message_bytes: 16 << 20,
+            max_inserts_per_report: 1 << 20,
+            max_inserts_per_sec: 1 << 20,
+            max_index_entries: 1 << 21,
+        }
+    }
 }
 
 /// What Kubernetes discovery looks for.

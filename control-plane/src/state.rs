@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kvmesh_core::index::PrefixIndex;
 use kvmesh_proto::v1::{IndexEvict, IndexInsert, ReportBatch, Role, Snapshot, Worker};
@@ -30,6 +30,9 @@ pub struct WorkerEntry {
     pub bootstrap_port: Option<u16>,
     pub source: Source,
     pub healthy: bool,
+    /// Added through the API and not yet probed: unhealthy (no traffic) until its first
+    /// health check passes.
+    awaiting_probe: bool,
     fails: u32,
     oks: u32,
     /// Load the worker reports (`/get_load` or `/metrics`).
@@ -67,10 +70,32 @@ impl WorkerEntry {
     }
 }
 
+/// What `--state-file` keeps across restarts: the workers added through the API, and every
+/// worker's id by URL, so that static, API and discovered workers keep their ids (filters'
+/// index entries stay right) and ids are never reused.
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+pub struct Persisted {
+    pub next_id: u32,
+    pub ids: BTreeMap<String, u32>,
+    pub api_workers: Vec<PersistedWorker>,
+}
+
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct PersistedWorker {
+    pub url: String,
+    pub role: String,
+    pub bootstrap_port: Option<u16>,
+}
+
+/// Most ids of workers not registered now that the state file remembers.
+const MAX_REMEMBERED: usize = 4096;
+
 #[derive(Default)]
 struct Inner {
     workers: BTreeMap<u32, WorkerEntry>,
     ids: HashMap<String, u32>,
+    /// Ids from the state file for URLs not registered (yet) since the start.
+    remembered: HashMap<String, u32>,
     next_id: u32,
     index: PrefixIndex,
     version: u64,
@@ -78,7 +103,52 @@ struct Inner {
     pending_inserts: Vec<IndexInsert>,
     pending_evictions: Vec<IndexEvict>,
     workers_dirty: bool,
-    gateways: HashMap<String, Instant>,
+    gateways: HashMap<String, Gateway>,
+}
+
+/// What kvmesh-cp keeps about one gateway (one Envoy).
+#[derive(Debug)]
+struct Gateway {
+    seen: Instant,
+    /// Open `Report` streams under this id (two while the stream moves between VMs).
+    reporting: u32,
+    /// The insert budget: a token bucket of hashes.
+    budget: f64,
+    budget_at: Instant,
+}
+
+/// Most gateway ids kvmesh-cp keeps at once; past it, new ids are refused.
+pub const MAX_GATEWAYS: usize = 1024;
+/// Longest gateway id, in bytes.
+pub const MAX_GATEWAY_ID: usize = 128;
+/// A reporting gateway silent this long no longer counts in flight.
+pub const INFLIGHT_TTL: Duration = Duration::from_secs(30);
+/// A gateway gone this long is forgotten (with the cumulative counts it reported: should it
+/// come back after that, its counts are taken anew).
+pub const GATEWAY_TTL: Duration = Duration::from_secs(3600);
+
+/// Why a gateway is refused.
+#[derive(Debug, PartialEq, Eq)]
+pub enum GatewayError {
+    BadId(String),
+    TooMany,
+}
+
+impl std::fmt::Display for GatewayError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::BadId(why) => write!(f, "bad gateway_id: {why}"),
+            Self::TooMany => write!(f, "kvmesh-cp already tracks {MAX_GATEWAYS} gateways"),
+        }
+    }
+}
+
+/// A gateway id is 1 to [`MAX_GATEWAY_ID`] visible ASCII characters.
+pub fn check_gateway_id(id: &str) -> Result<(), GatewayError> {
+    if id.is_empty() || id.len() > MAX_GATEWAY_ID || !id.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(GatewayError::BadId(format!("must be 1 to {MAX_GATEWAY_ID} visible ASCII characters")));
+    }
+    Ok(())
 }
 
 /// Monotonic counters; the `/metrics` registry holds the same handles.
@@ -92,6 +162,10 @@ pub struct Counters {
     pub evicted_blocks: Counter,
     /// Snapshot deltas pushed.
     pub deltas: Counter,
+    /// gRPC streams and admin requests refused for a missing or wrong credential.
+    pub auth_failures: Counter,
+    /// Reported index hashes dropped by the limits (per report, per second per gateway).
+    pub dropped_inserts: Counter,
 }
 
 pub struct State {
@@ -106,9 +180,30 @@ fn now_ms() -> u64 {
 }
 
 impl State {
+    /// The state without a state file (tests).
+    #[cfg(test)]
     pub fn new(settings: Settings) -> Arc<Self> {
+        Self::build(settings, Persisted::default())
+    }
+
+    /// The state, with what `--state-file` kept (a missing file is a first start).
+    pub fn open(settings: Settings) -> Result<Arc<Self>, String> {
+        let persisted = match &settings.state_file {
+            Some(path) => match std::fs::read_to_string(path) {
+                Ok(text) => serde_json::from_str(&text).map_err(|e| format!("--state-file {}: {e}", path.display()))?,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Persisted::default(),
+                Err(e) => return Err(format!("--state-file {}: {e}", path.display())),
+            },
+            None => Persisted::default(),
+        };
+        Ok(Self::build(settings, persisted))
+    }
+
+    fn build(settings: Settings, persisted: Persisted) -> Arc<Self> {
         let (deltas, _) = broadcast::channel(1024);
-        let state = Arc::new(Self { settings, inner: Mutex::default(), counters: Counters::default(), deltas });
+        let inner =
+            Inner { next_id: persisted.next_id, remembered: persisted.ids.into_iter().collect(), ..Default::default() };
+        let state = Arc::new(Self { settings, inner: Mutex::new(inner), counters: Counters::default(), deltas });
         let s = &state.settings;
         for url in &s.workers {
             let _ = state.add_worker(url, Role::Regular, None, Source::Static);
@@ -119,7 +214,51 @@ impl State {
         for url in &s.decode {
             let _ = state.add_worker(url, Role::Decode, None, Source::Static);
         }
+        for w in persisted.api_workers {
+            let role = match w.role.as_str() {
+                "prefill" => Role::Prefill,
+                "decode" => Role::Decode,
+                _ => Role::Regular,
+            };
+            if let Err(e) = state.add_worker(&w.url, role, w.bootstrap_port, Source::Api) {
+                tracing::warn!(url = %w.url, "worker from the state file not restored: {e}");
+            }
+        }
+        state.persist();
         state
+    }
+
+    /// Writes `--state-file` (a new file renamed over the old one).
+    fn persist(&self) {
+        let Some(path) = &self.settings.state_file else { return };
+        let persisted = {
+            let inner = self.lock();
+            let mut ids: BTreeMap<String, u32> =
+                inner.remembered.iter().take(MAX_REMEMBERED).map(|(u, &id)| (u.clone(), id)).collect();
+            ids.extend(inner.workers.values().map(|w| (w.url.clone(), w.id)));
+            Persisted {
+                next_id: inner.next_id,
+                ids,
+                api_workers: inner
+                    .workers
+                    .values()
+                    .filter(|w| w.source == Source::Api)
+                    .map(|w| PersistedWorker {
+                        url: w.url.clone(),
+                        role: role_name(w.role).into(),
+                        bootstrap_port: w.bootstrap_port,
+                    })
+                    .collect(),
+            }
+        };
+        let tmp = path.with_extension("tmp");
+        let written = serde_json::to_vec_pretty(&persisted)
+            .map_err(|e| e.to_string())
+            .and_then(|bytes| std::fs::write(&tmp, bytes).map_err(|e| e.to_string()))
+            .and_then(|()| std::fs::rename(&tmp, path).map_err(|e| e.to_string()));
+        if let Err(e) = written {
+            tracing::error!(path = %path.display(), "cannot write the state file: {e}");
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -134,21 +273,28 @@ impl State {
         bootstrap_port: Option<u16>,
         source: Source,
     ) -> Result<u32, String> {
-        kvmesh_core::worker::socket_addr(url).map_err(|e| e.to_string())?;
+        crate::urls::check(url, &self.settings.worker_policy)?;
         let mut inner = self.lock();
         if let Some(&id) = inner.ids.get(url) {
             return Err(format!("worker {url} is already registered (id {id})"));
         }
-        let id = inner.next_id;
-        inner.next_id += 1;
+        // The id this URL had before a restart, if the state file says and it is free.
+        let id = match inner.remembered.remove(url) {
+            Some(id) if !inner.workers.contains_key(&id) => id,
+            _ => inner.next_id,
+        };
+        inner.next_id = inner.next_id.max(id.saturating_add(1));
         inner.ids.insert(url.to_string(), id);
+        // A worker someone named at runtime gets traffic only once it answered a health check.
+        let awaiting_probe = source == Source::Api && self.settings.health_checks;
         let entry = WorkerEntry {
             id,
             url: url.to_string(),
             role,
             bootstrap_port,
             source,
-            healthy: true,
+            healthy: !awaiting_probe,
+            awaiting_probe,
             fails: 0,
             oks: 0,
             polled_load: None,
@@ -160,7 +306,9 @@ impl State {
         };
         inner.workers.insert(id, entry);
         inner.workers_dirty = true;
+        drop(inner);
         tracing::info!(url, ?role, id, ?source, "worker added");
+        self.persist();
         Ok(id)
     }
 
@@ -170,7 +318,9 @@ impl State {
         inner.workers.remove(&id);
         inner.index.remove_worker(id);
         inner.workers_dirty = true;
+        drop(inner);
         tracing::info!(url, id, "worker removed");
+        self.persist();
         true
     }
 
@@ -191,9 +341,10 @@ impl State {
         if ok {
             w.fails = 0;
             w.oks += 1;
-            if !w.healthy && w.oks >= ok_at {
+            if !w.healthy && (w.oks >= ok_at || w.awaiting_probe) {
                 w.healthy = true;
             }
+            w.awaiting_probe = false;
         } else {
             w.oks = 0;
             w.fails += 1;
@@ -219,38 +370,159 @@ impl State {
         }
     }
 
-    /// Merges one gateway report. Entries naming unknown workers are dropped and counted.
+    /// A `Report` stream of `gateway` opened: it is tracked (up to [`MAX_GATEWAYS`]) until the
+    /// last of its streams closes.
+    pub fn report_stream_opened(&self, gateway: &str) -> Result<(), GatewayError> {
+        check_gateway_id(gateway)?;
+        let mut inner = self.lock();
+        let now = Instant::now();
+        let burst = self.burst();
+        if !inner.gateways.contains_key(gateway) && inner.gateways.len() >= MAX_GATEWAYS {
+            return Err(GatewayError::TooMany);
+        }
+        let g = inner.gateways.entry(gateway.to_string()).or_insert(Gateway {
+            seen: now,
+            reporting: 0,
+            budget: burst,
+            budget_at: now,
+        });
+        g.reporting += 1;
+        g.seen = now;
+        Ok(())
+    }
+
+    /// A `Report` stream of `gateway` ended. When it was the last one, the gateway's in-flight
+    /// counts are dropped (its requests no longer count as load); its cumulative counts are
+    /// kept, so that the same gateway reporting again is not counted twice.
+    pub fn report_stream_closed(&self, gateway: &str) {
+        let mut inner = self.lock();
+        let Some(g) = inner.gateways.get_mut(gateway) else { return };
+        g.reporting = g.reporting.saturating_sub(1);
+        g.seen = Instant::now();
+        if g.reporting == 0 {
+            Self::drop_inflight(&mut inner, gateway);
+        }
+    }
+
+    fn drop_inflight(inner: &mut Inner, gateway: &str) {
+        let mut changed = false;
+        for w in inner.workers.values_mut() {
+            if w.inflight.remove(gateway).is_some_and(|n| n != 0) && w.polled_load.is_none() {
+                changed = true;
+            }
+        }
+        inner.workers_dirty |= changed;
+    }
+
+    /// Forgets the in-flight counts of gateways silent for [`INFLIGHT_TTL`] and gateways gone
+    /// for [`GATEWAY_TTL`]. Returns how many gateways are left.
+    pub fn prune_gateways(&self, now: Instant) -> usize {
+        let mut inner = self.lock();
+        let silent: Vec<String> = inner
+            .gateways
+            .iter()
+            .filter(|(_, g)| now.saturating_duration_since(g.seen) >= INFLIGHT_TTL)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in &silent {
+            Self::drop_inflight(&mut inner, id);
+        }
+        let gone: Vec<String> = inner
+            .gateways
+            .iter()
+            .filter(|(_, g)| g.reporting == 0 && now.saturating_duration_since(g.seen) >= GATEWAY_TTL)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in &gone {
+            inner.gateways.remove(id);
+            for w in inner.workers.values_mut() {
+                w.last_counts.remove(id);
+            }
+        }
+        inner.gateways.len()
+    }
+
+    /// Hashes a gateway may report at once (four seconds' worth).
+    fn burst(&self) -> f64 {
+        self.settings.limits.max_inserts_per_sec as f64 * 4.0
+    }
+
+    /// Merges one gateway report. Entries naming unknown workers are dropped and counted;
+    /// so are hashes past the per-report limit and the gateway's rate. The global index stays
+    /// within `max_index_entries` (evicting the least recently used at once past 1/8 slack).
     pub fn report(&self, batch: ReportBatch) {
         let mut bad = 0u64;
+        let mut dropped = 0u64;
+        let mut evicted = 0usize;
         {
             let mut inner = self.lock();
             let gateway = if batch.gateway_id.is_empty() { "unknown".to_string() } else { batch.gateway_id };
-            inner.gateways.insert(gateway.clone(), Instant::now());
+            let now = Instant::now();
+            let (rate, burst) = (self.settings.limits.max_inserts_per_sec as f64, self.burst());
+            let mut allowed = match inner.gateways.get_mut(&gateway) {
+                Some(g) => {
+                    g.seen = now;
+                    g.budget = (g.budget + now.saturating_duration_since(g.budget_at).as_secs_f64() * rate).min(burst);
+                    g.budget_at = now;
+                    (g.budget as usize).min(self.settings.limits.max_inserts_per_report)
+                }
+                // Reports outside a tracked stream (tests): the per-report limit only.
+                None => self.settings.limits.max_inserts_per_report,
+            };
+            let mut taken = 0usize;
             for insert in batch.inserts {
                 if !inner.workers.contains_key(&insert.worker) {
                     bad += 1;
                     continue;
                 }
+                let n = insert.hashes.len().min(allowed);
+                dropped += (insert.hashes.len() - n) as u64;
+                allowed -= n;
+                taken += n;
+                let Some(hashes) = insert.hashes.get(..n) else { continue };
                 let mut added = Vec::new();
-                inner.index.insert_reporting(insert.worker, &insert.hashes, |h| added.push(h));
+                inner.index.insert_reporting(insert.worker, hashes, |h| added.push(h));
                 if !added.is_empty() {
-                    inner.pending_inserts.push(IndexInsert { worker: insert.worker, hashes: added });
+                    inner.pending_inserts.push(IndexInsert {
+                        worker: insert.worker,
+                        hashes: added,
+                        origin: gateway.clone(),
+                    });
                 }
             }
+            if let Some(g) = inner.gateways.get_mut(&gateway) {
+                g.budget = (g.budget - taken as f64).max(0.0);
+            }
+            let max = self.settings.limits.max_index_entries;
+            if inner.index.entries() > max.saturating_add(max / 8) {
+                let out = inner.index.evict_total_to(max);
+                evicted = out.len();
+                let mut per_worker: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
+                for (hash, worker) in out {
+                    per_worker.entry(worker).or_default().push(hash);
+                }
+                inner
+                    .pending_evictions
+                    .extend(per_worker.into_iter().map(|(worker, hashes)| IndexEvict { worker, hashes }));
+            }
+            // A batch without counts (a chunk of the full report on connect) leaves them be.
             let mut changed = false;
-            for w in inner.workers.values_mut() {
-                let Some(c) = batch.counts.iter().find(|c| c.worker == w.id) else {
-                    changed |=
-                        w.inflight.insert(gateway.clone(), 0).is_some_and(|old| old != 0) && w.polled_load.is_none();
-                    continue;
-                };
-                let old = w.inflight.insert(gateway.clone(), c.in_flight).unwrap_or(0);
-                changed |= old != c.in_flight && w.polled_load.is_none();
-                // The first report of a gateway counts from zero.
-                let (last_req, last_err) =
-                    w.last_counts.insert(gateway.clone(), (c.requests, c.errors)).unwrap_or((0, 0));
-                w.requests += u64::from(c.requests.wrapping_sub(last_req));
-                w.errors += u64::from(c.errors.wrapping_sub(last_err));
+            if !batch.counts.is_empty() {
+                for w in inner.workers.values_mut() {
+                    let Some(c) = batch.counts.iter().find(|c| c.worker == w.id) else {
+                        changed |= w.inflight.insert(gateway.clone(), 0).is_some_and(|old| old != 0)
+                            && w.polled_load.is_none();
+                        continue;
+                    };
+                    let old = w.inflight.insert(gateway.clone(), c.in_flight).unwrap_or(0);
+                    changed |= old != c.in_flight && w.polled_load.is_none();
+                    // The first report of a gateway counts from zero; the same gateway (one id
+                    // per Envoy, whichever VM holds its stream) is counted by differences.
+                    let (last_req, last_err) =
+                        w.last_counts.insert(gateway.clone(), (c.requests, c.errors)).unwrap_or((0, 0));
+                    w.requests += u64::from(c.requests.wrapping_sub(last_req));
+                    w.errors += u64::from(c.errors.wrapping_sub(last_err));
+                }
             }
             bad += batch.counts.iter().filter(|c| !inner.workers.contains_key(&c.worker)).count() as u64;
             inner.workers_dirty |= changed;
@@ -258,8 +530,13 @@ impl State {
         if bad > 0 {
             tracing::warn!(bad, "report names unknown workers; entries dropped");
         }
+        if dropped > 0 {
+            tracing::debug!(dropped, "report over its limits; hashes dropped");
+        }
         self.counters.reports.inc();
         self.counters.bad_reports.inc_by(bad);
+        self.counters.dropped_inserts.inc_by(dropped);
+        self.counters.evicted_blocks.inc_by(evicted as u64);
     }
 
     pub fn bad_report(&self) {
@@ -321,7 +598,12 @@ impl State {
             full: true,
             workers: inner.workers.values().map(WorkerEntry::proto).collect(),
             workers_changed: true,
-            inserts: inner.index.export().into_iter().map(|(worker, hashes)| IndexInsert { worker, hashes }).collect(),
+            inserts: inner
+                .index
+                .export()
+                .into_iter()
+                .map(|(worker, hashes)| IndexInsert { worker, hashes, ..Default::default() })
+                .collect(),
             evictions: Vec::new(),
             settings: Some((&self.settings.routing).into()),
             sent_at_ms: now_ms(),
@@ -332,8 +614,21 @@ impl State {
         self.deltas.subscribe()
     }
 
-    pub fn gateway_connected(&self, id: &str) {
-        self.lock().gateways.insert(id.to_string(), Instant::now());
+    /// A gateway opened `Watch` (it is listed in `/snapshot`, not tracked past its TTL).
+    pub fn gateway_connected(&self, id: &str) -> Result<(), GatewayError> {
+        check_gateway_id(id)?;
+        let mut inner = self.lock();
+        if !inner.gateways.contains_key(id) && inner.gateways.len() >= MAX_GATEWAYS {
+            return Err(GatewayError::TooMany);
+        }
+        let now = Instant::now();
+        let burst = self.burst();
+        inner
+            .gateways
+            .entry(id.to_string())
+            .or_insert(Gateway { seen: now, reporting: 0, budget: burst, budget_at: now })
+            .seen = now;
+        Ok(())
     }
 
     /// `/snapshot`: a debugging view.
@@ -404,17 +699,19 @@ mod tests {
         assert!(rx.try_recv().unwrap().workers_changed);
         s.report(ReportBatch {
             gateway_id: "a".into(),
-            inserts: vec![IndexInsert { worker: 0, hashes: vec![1, 2] }],
+            inserts: vec![IndexInsert { worker: 0, hashes: vec![1, 2], ..Default::default() }],
             ..Default::default()
         });
         s.report(ReportBatch {
             gateway_id: "b".into(),
-            inserts: vec![IndexInsert { worker: 0, hashes: vec![1, 2, 3] }],
+            inserts: vec![IndexInsert { worker: 0, hashes: vec![1, 2, 3], ..Default::default() }],
             ..Default::default()
         });
         assert_eq!(s.publish(), Some(2));
         let d = rx.try_recv().unwrap();
         assert_eq!(d.inserts.iter().map(|i| i.hashes.len()).sum::<usize>(), 3, "{d:?}");
+        let origins: Vec<&str> = d.inserts.iter().map(|i| i.origin.as_str()).collect();
+        assert_eq!(origins, ["a", "b"], "each insert names the gateway that reported it");
         assert!(!d.workers_changed);
         assert_eq!(s.publish(), None, "nothing new");
         let full = s.full_snapshot();
@@ -426,7 +723,7 @@ mod tests {
         let s = state(&["--worker-urls", "http://127.0.0.1:1"]);
         s.report(ReportBatch {
             gateway_id: "a".into(),
-            inserts: vec![IndexInsert { worker: 42, hashes: vec![1] }],
+            inserts: vec![IndexInsert { worker: 42, hashes: vec![1], ..Default::default() }],
             counts: vec![WorkerCounts { worker: 43, in_flight: 1, ..Default::default() }],
         });
         assert_eq!(s.counters.bad_reports.get(), 2);
@@ -461,7 +758,7 @@ mod tests {
         let mut rx = s.subscribe();
         s.report(ReportBatch {
             gateway_id: "a".into(),
-            inserts: vec![IndexInsert { worker: 0, hashes: (0..10).collect() }],
+            inserts: vec![IndexInsert { worker: 0, hashes: (0..10).collect(), ..Default::default() }],
             ..Default::default()
         });
         assert_eq!(s.evict(), 6);
@@ -469,6 +766,184 @@ mod tests {
         let d = rx.try_recv().unwrap();
         assert_eq!(d.evictions[0].hashes.len(), 6);
         assert_eq!(s.index_stats().0, 4);
+    }
+
+    #[test]
+    fn an_api_worker_is_unhealthy_until_its_first_health_check_passes() {
+        let s = state(&["--worker-urls", "http://127.0.0.1:1", "--health-success-threshold", "3"]);
+        let id = s.add_worker("http://127.0.0.1:2", Role::Regular, None, Source::Api).unwrap();
+        let health = |s: &State| s.workers().iter().find(|w| w.id == id).unwrap().healthy;
+        assert!(!health(&s), "no traffic before it is probed");
+        assert!(s.workers()[0].healthy, "static workers start healthy");
+        s.health_result(id, false);
+        assert!(!health(&s));
+        s.health_result(id, true);
+        assert!(health(&s), "the first passed check is enough, whatever the success threshold");
+        // Without health checks nothing would ever probe it: it starts healthy.
+        let s = state(&["--disable-health-check"]);
+        s.add_worker("http://127.0.0.1:2", Role::Regular, None, Source::Api).unwrap();
+        assert!(s.workers()[0].healthy);
+    }
+
+    #[test]
+    fn the_url_policy_applies_to_every_source() {
+        let s = state(&["--worker-cidrs", "127.0.0.0/8"]);
+        for source in [Source::Api, Source::Discovery, Source::Static] {
+            assert!(s
+                .add_worker("http://169.254.169.254:80", Role::Regular, None, source)
+                .unwrap_err()
+                .contains("link-local"));
+            assert!(s.add_worker("http://0.0.0.0:9901", Role::Regular, None, source).is_err());
+            assert!(s.add_worker("http://[::]:9901", Role::Regular, None, source).is_err());
+            assert!(s
+                .add_worker("http://10.0.0.1:80", Role::Regular, None, source)
+                .unwrap_err()
+                .contains("--worker-cidrs"));
+        }
+        assert!(s.add_worker("http://127.0.0.5:80", Role::Regular, None, Source::Api).is_ok());
+        assert_eq!(s.workers().len(), 1);
+    }
+
+    #[test]
+    fn reports_are_limited_per_message_and_per_gateway_rate_and_drops_are_counted() {
+        let s = state(&[
+            "--worker-urls",
+            "http://127.0.0.1:1",
+            "--max-inserts-per-report",
+            "100",
+            "--max-inserts-per-sec",
+            "50",
+        ]);
+        s.report_stream_opened("gw").unwrap();
+        let batch = |from: u64, n: u64| ReportBatch {
+            gateway_id: "gw".into(),
+            inserts: vec![IndexInsert { worker: 0, hashes: (from..from + n).collect(), ..Default::default() }],
+            ..Default::default()
+        };
+        // Per message: 100 of 150.
+        s.report(batch(0, 150));
+        assert_eq!((s.index_stats().1, s.counters.dropped_inserts.get()), (100, 50));
+        // The bucket held 4 s x 50 = 200: 100 are left, then it is empty.
+        s.report(batch(1000, 100));
+        s.report(batch(2000, 100));
+        let (_, entries) = s.index_stats();
+        assert!((200..=205).contains(&entries), "{entries}");
+        assert!(s.counters.dropped_inserts.get() >= 145);
+    }
+
+    #[test]
+    fn the_global_index_is_bounded_on_insert_and_the_evictions_are_published() {
+        let s = state(&["--worker-urls", "http://127.0.0.1:1", "http://127.0.0.1:2", "--max-index-entries", "80"]);
+        s.publish();
+        let mut rx = s.subscribe();
+        for round in 0..20u64 {
+            s.report(ReportBatch {
+                gateway_id: "gw".into(),
+                inserts: vec![IndexInsert {
+                    worker: (round % 2) as u32,
+                    hashes: (round * 10..round * 10 + 10).collect(),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            });
+            assert!(s.index_stats().1 <= 90, "within the bound and its 1/8 slack: {:?}", s.index_stats());
+        }
+        assert!(s.counters.evicted_blocks.get() >= 110);
+        s.publish();
+        let d = rx.try_recv().unwrap();
+        assert!(d.evictions.iter().map(|e| e.hashes.len()).sum::<usize>() >= 110, "the filters forget them too");
+        // The newest survive: the last round is still there.
+        assert!(s.index_size_of(1) > 0);
+    }
+
+    #[test]
+    fn a_gateways_inflight_goes_when_its_last_stream_ends_and_counts_are_not_doubled() {
+        let s = state(&["--worker-urls", "http://127.0.0.1:1"]);
+        let counts = |in_flight, requests| ReportBatch {
+            gateway_id: "envoy/1".into(),
+            counts: vec![WorkerCounts { worker: 0, in_flight, requests, errors: 0 }],
+            ..Default::default()
+        };
+        // VM a holds the stream.
+        s.report_stream_opened("envoy/1").unwrap();
+        s.report(counts(4, 10));
+        assert_eq!((s.workers()[0].load(), s.workers()[0].requests), (4, 10));
+        // The lease moves: VM b opens its stream (same Envoy, same id) before a's ends.
+        s.report_stream_opened("envoy/1").unwrap();
+        s.report(counts(2, 12));
+        s.report_stream_closed("envoy/1");
+        assert_eq!((s.workers()[0].load(), s.workers()[0].requests), (2, 12), "b's counts stay; nothing doubled");
+        // A full-report chunk carries no counts and changes none.
+        s.report(ReportBatch { gateway_id: "envoy/1".into(), ..Default::default() });
+        assert_eq!(s.workers()[0].load(), 2);
+        s.report_stream_closed("envoy/1");
+        assert_eq!(s.workers()[0].load(), 0, "no stream left: its in-flight is gone");
+        // It comes back (a control-plane hiccup): cumulative counts continue, never re-added.
+        s.report_stream_opened("envoy/1").unwrap();
+        s.report(counts(0, 15));
+        assert_eq!(s.workers()[0].requests, 15);
+        // A gateway silent past the TTL loses its in-flight even with a stream open.
+        s.report(counts(3, 15));
+        s.prune_gateways(Instant::now() + INFLIGHT_TTL);
+        assert_eq!(s.workers()[0].load(), 0);
+        // Gone past the gateway TTL: forgotten.
+        s.report_stream_closed("envoy/1");
+        assert_eq!(s.prune_gateways(Instant::now() + GATEWAY_TTL), 0);
+    }
+
+    #[test]
+    fn gateway_ids_are_bounded() {
+        let s = state(&[]);
+        assert!(matches!(s.report_stream_opened(&"x".repeat(MAX_GATEWAY_ID + 1)), Err(GatewayError::BadId(_))));
+        assert!(matches!(s.report_stream_opened(""), Err(GatewayError::BadId(_))));
+        assert!(matches!(s.gateway_connected("a b"), Err(GatewayError::BadId(_))));
+        for i in 0..MAX_GATEWAYS {
+            s.gateway_connected(&format!("gw-{i}")).unwrap();
+        }
+        assert_eq!(s.report_stream_opened("one-too-many"), Err(GatewayError::TooMany));
+        assert!(s.report_stream_opened("gw-7").is_ok(), "known ids still work");
+    }
+
+    #[test]
+    fn the_state_file_keeps_api_workers_and_every_id_across_a_restart() {
+        let dir = std::env::temp_dir().join(format!("kvmesh-cp-state-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("state.json");
+        let _ = std::fs::remove_file(&file);
+        let flags = |extra: &[&str]| {
+            let mut f = vec!["--state-file", file.to_str().unwrap(), "--worker-urls", "http://127.0.0.1:1"];
+            f.extend(extra);
+            f.into_iter().map(String::from).collect::<Vec<_>>()
+        };
+        let start = |extra: &[&str]| {
+            let argv: Vec<String> = std::iter::once("kvmesh-cp".to_string()).chain(flags(extra)).collect();
+            State::open(crate::args::Args::parse_from(argv).unwrap().load().unwrap()).unwrap()
+        };
+        let s = start(&[]);
+        assert_eq!(s.add_worker("http://127.0.0.1:2", Role::Regular, None, Source::Api), Ok(1));
+        assert_eq!(s.add_worker("http://127.0.0.1:3", Role::Regular, None, Source::Discovery), Ok(2));
+        assert_eq!(s.add_worker("http://127.0.0.1:4", Role::Regular, None, Source::Api), Ok(3));
+        assert!(s.remove_worker("http://127.0.0.1:4"));
+        drop(s);
+        // Restarted, with one more static worker: everyone keeps their id, the discovered
+        // worker gets its id back when it is discovered again, new ids are never old ones.
+        let s = start(&["http://127.0.0.1:5"]);
+        let ids: Vec<(String, u32, bool)> = s.workers().iter().map(|w| (w.url.clone(), w.id, w.healthy)).collect();
+        assert_eq!(
+            ids,
+            [
+                ("http://127.0.0.1:1".to_string(), 0, true),
+                ("http://127.0.0.1:2".to_string(), 1, false),
+                ("http://127.0.0.1:5".to_string(), 4, true)
+            ],
+            "the API worker is back, unhealthy until probed"
+        );
+        assert_eq!(s.add_worker("http://127.0.0.1:3", Role::Regular, None, Source::Discovery), Ok(2));
+        assert_eq!(s.add_worker("http://127.0.0.1:4", Role::Regular, None, Source::Api), Ok(5));
+        std::fs::write(&file, "not json").unwrap();
+        let argv: Vec<String> = std::iter::once("kvmesh-cp".to_string()).chain(flags(&[])).collect();
+        let e = State::open(crate::args::Args::parse_from(argv).unwrap().load().unwrap()).err().unwrap();
+        assert!(e.starts_with("--state-file"), "{e}");
     }
 
     #[test]

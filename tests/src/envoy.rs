@@ -28,6 +28,8 @@ pub struct EnvoyOptions {
     pub plain_upstreams: Option<Vec<String>>,
     /// The control plane's gRPC port; `None` runs the filter on its static workers only.
     pub control_plane: Option<u16>,
+    /// The token the filter presents to the control plane (`control_plane_token`).
+    pub control_plane_token: Option<String>,
     /// Remove these HTTP filters from the shipped configuration, nothing else (e.g. the
     /// kvmesh filter, to see what a filter that fails open would leave).
     pub remove_http_filters: Vec<String>,
@@ -45,8 +47,15 @@ impl EnvoyOptions {
             concurrency: 2,
             plain_upstreams: None,
             control_plane: None,
+            control_plane_token: None,
             remove_http_filters: Vec::new(),
         })
+    }
+
+    /// Connects the filter to `cp`: its gRPC port and its token.
+    pub fn use_control_plane(&mut self, cp: &crate::ControlPlane) {
+        self.control_plane = Some(cp.grpc_port);
+        self.control_plane_token = cp.token.clone();
     }
 }
 
@@ -101,6 +110,9 @@ pub fn render(opts: &EnvoyOptions) -> anyhow::Result<String> {
         }
         if opts.control_plane.is_none() {
             base.insert("control_plane_cluster".into(), "".into());
+        }
+        if let Some(token) = &opts.control_plane_token {
+            base.insert("control_plane_token".into(), token.clone().into());
         }
     }
     *value = serde_json::to_string_pretty(&filter)?.into();

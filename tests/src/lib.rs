@@ -45,10 +45,30 @@ pub fn cp_bin() -> PathBuf {
     bin_from_env("KVMESH_CP_BIN", repo_root().join("target/release/kvmesh-cp"))
 }
 
-/// A running `kvmesh-cp` on free ports.
+/// A secret of 32 hex digits (for tests and the local stack; not a cryptographic generator's,
+/// but unpredictable enough to stand for one).
+pub fn random_secret() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let part = |salt: u64| {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(salt);
+        h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos());
+        h.write_u32(std::process::id());
+        h.finish()
+    };
+    format!("{:016x}{:016x}", part(1), part(2))
+}
+
+/// A running `kvmesh-cp` on free ports. Unless its flags name their own, it runs with a
+/// generated gRPC token (`--grpc-token-file`) and admin API key, which [`ControlPlane::post`]
+/// and Envoys configured with [`EnvoyOptions::use_control_plane`] present.
 pub struct ControlPlane {
     pub grpc_port: u16,
     pub http_port: u16,
+    /// The bearer token the filters present (None: the flags gave none and none was made).
+    pub token: Option<String>,
+    /// An admin API key.
+    pub api_key: Option<String>,
     args: Vec<String>,
     env: Vec<(String, String)>,
     proc: Proc,
@@ -72,12 +92,42 @@ impl ControlPlane {
         args: &[&str],
         env: &[(&str, &str)],
     ) -> anyhow::Result<ControlPlane> {
-        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        let mut args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
         let env: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let value_after =
+            |args: &[String], flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
+        let given_token = value_after(&args, "--grpc-token-file");
+        let given_keys = value_after(&args, "--control-plane-api-keys");
+        let token = match given_token {
+            Some(path) => Some(std::fs::read_to_string(path)?.trim().to_string()),
+            None => {
+                let token = random_secret();
+                let dir = std::env::temp_dir().join("kvmesh-tokens");
+                std::fs::create_dir_all(&dir)?;
+                let path = dir.join(format!("cp-{}-{grpc_port}.token", std::process::id()));
+                std::fs::write(&path, &token)?;
+                args.extend(["--grpc-token-file".to_string(), path.display().to_string()]);
+                Some(token)
+            }
+        };
+        let api_key = match given_keys {
+            Some(entry) => Some(entry.rsplit(':').next().unwrap_or(&entry).to_string()),
+            None => {
+                let key = random_secret();
+                args.extend(["--control-plane-api-keys".to_string(), format!("admin:kvmesh:admin:{key}")]);
+                Some(key)
+            }
+        };
         let proc = Self::launch(grpc_port, http_port, &args, &env)?;
-        let mut cp = ControlPlane { grpc_port, http_port, args, env, proc };
+        let mut cp = ControlPlane { grpc_port, http_port, token, api_key, args, env, proc };
         cp.wait_ready()?;
         Ok(cp)
+    }
+
+    /// The flags it runs with, including the generated token file and API key: starting
+    /// another one with them keeps the credentials the filters already hold.
+    pub fn args(&self) -> &[String] {
+        &self.args
     }
 
     fn launch(grpc_port: u16, http_port: u16, args: &[String], env: &[(String, String)]) -> anyhow::Result<Proc> {
@@ -125,8 +175,17 @@ impl ControlPlane {
         Ok(version)
     }
 
+    /// POSTs with the admin API key.
     pub fn post(&self, path_and_query: &str) -> anyhow::Result<http::Response> {
-        http::post(&self.url(path_and_query), b"", &[])
+        let auth = self.api_key.as_ref().map(|k| format!("Bearer {k}"));
+        let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("authorization", a.as_str())).collect();
+        http::post(&self.url(path_and_query), b"", &headers)
+    }
+
+    /// The process's resident memory (VmRSS), in KiB.
+    pub fn rss_kib(&self) -> Option<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.proc.pid())).ok()?;
+        status.lines().find_map(|l| l.strip_prefix("VmRSS:")?.trim().strip_suffix("kB")?.trim().parse().ok())
     }
 
     /// Kills the process (the ports stay reserved for [`restart`](Self::restart)).

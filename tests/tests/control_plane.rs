@@ -22,7 +22,7 @@ fn worker_flags(sims: &[Sim]) -> Vec<String> {
 /// An Envoy whose filter has no static workers: everything comes from the control plane.
 fn gateway(cp: &ControlPlane) -> Envoy {
     let mut opts = EnvoyOptions::new(json!({"worker_urls": []})).unwrap();
-    opts.control_plane = Some(cp.grpc_port);
+    opts.use_control_plane(cp);
     let envoy = Envoy::start(&opts).unwrap();
     wait_for_version(&envoy, 1);
     envoy
@@ -109,7 +109,7 @@ fn routing_settings_from_the_control_plane_config_file_win_in_the_filter() {
     assert_eq!(cp.snapshot().unwrap()["settings"]["policy"], "round_robin");
     // The plugin says cache_aware; one worker thread, so one round-robin counter.
     let mut opts = EnvoyOptions::new(json!({"worker_urls": [], "policy": "cache_aware"})).unwrap();
-    opts.control_plane = Some(cp.grpc_port);
+    opts.use_control_plane(&cp);
     opts.concurrency = 1;
     let envoy = Envoy::start(&opts).unwrap();
     wait_for_version(&envoy, 1);
@@ -137,6 +137,12 @@ fn remove_worker_and_add_worker_change_where_traffic_goes() {
 
     let r = cp.post(&format!("/add_worker?url={}", gone.url())).unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
+    // A worker added through the API is routed once its first health check passed.
+    wait_until("the added worker to pass its first health check", Duration::from_secs(10), || {
+        let list = http::get(&cp.url("/workers")).unwrap().json().unwrap();
+        list.as_array().unwrap().iter().any(|w| w["url"] == gone.url() && w["healthy"] == true)
+    })
+    .unwrap();
     wait_for_version(&envoy, cp_version(&cp));
     // Its index is empty, so the next new prefixes go to it.
     let back: HashSet<String> =
@@ -305,6 +311,10 @@ fn bad_flags_and_config_are_one_line_errors_with_exit_code_2() {
     assert_eq!((code, err.contains("--policy")), (Some(2), true), "{err}");
     let (code, err) = run(&["--no-such-flag"]);
     assert_eq!((code, err.contains("--no-such-flag")), (Some(2), true), "{err}");
+    // Off loopback without a token and API keys: refused before listening.
+    let (code, err) = run(&["--host", "0.0.0.0"]);
+    assert_eq!((code, err.trim().lines().count()), (Some(2), 1), "{err}");
+    assert!(err.contains("not a loopback address") && err.contains("--allow-insecure"), "{err}");
 
     let dir = std::env::temp_dir().join(format!("kvmesh-cp-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -351,6 +361,14 @@ fn sglang_router_flags_with_no_effect_start_with_a_warning_each() {
     assert_eq!(cp.snapshot().unwrap()["settings"]["retry_max_retries"], 3, "carried in the settings");
 }
 
+/// `message` with the control plane's bearer token in its metadata.
+fn authed<T>(cp: &ControlPlane, message: T) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    let value = format!("Bearer {}", cp.token.as_deref().unwrap());
+    request.metadata_mut().insert("authorization", value.parse().unwrap());
+    request
+}
+
 /// A message whose field 2 is a varint where `ReportBatch` has a list of messages: it does
 /// not decode.
 #[derive(Clone, PartialEq, prost::Message)]
@@ -375,10 +393,10 @@ fn malformed_and_bogus_reports_are_rejected_and_the_control_plane_keeps_serving(
         let mut client = KvmeshClient::new(channel);
         let bogus = ReportBatch {
             gateway_id: "test".into(),
-            inserts: vec![IndexInsert { worker: 999, hashes: vec![1, 2] }],
+            inserts: vec![IndexInsert { worker: 999, hashes: vec![1, 2], ..Default::default() }],
             ..Default::default()
         };
-        let ack = client.report(tokio_stream::iter(vec![bogus])).await.unwrap().into_inner();
+        let ack = client.report(authed(&cp, tokio_stream::iter(vec![bogus]))).await.unwrap().into_inner();
         assert_eq!(ack.batches, 1);
 
         // Bytes that are not a ReportBatch at all.
@@ -387,9 +405,8 @@ fn malformed_and_bogus_reports_are_rejected_and_the_control_plane_keeps_serving(
         grpc.ready().await.unwrap();
         let path = tonic::codegen::http::uri::PathAndQuery::from_static("/kvmesh.v1.Kvmesh/Report");
         let codec = tonic_prost::ProstCodec::<Garbage, kvmesh_proto::v1::ReportAck>::default();
-        let result = grpc
-            .client_streaming(tonic::Request::new(tokio_stream::iter(vec![Garbage { inserts: 7 }])), path, codec)
-            .await;
+        let result =
+            grpc.client_streaming(authed(&cp, tokio_stream::iter(vec![Garbage { inserts: 7 }])), path, codec).await;
         assert!(result.is_err(), "an undecodable report is refused");
     });
     let metrics = http::get(&cp.url("/metrics")).unwrap().text();
@@ -405,4 +422,296 @@ fn malformed_and_bogus_reports_are_rejected_and_the_control_plane_keeps_serving(
     served(&generate(&envoy, &"still serving ".repeat(20)));
     let status: Value = cp.snapshot().unwrap();
     assert_eq!(status["workers"].as_array().unwrap().len(), 1);
+}
+
+/// Adds `authorization: Bearer <token>` to every call, when given a token.
+#[derive(Clone)]
+struct Bearer(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
+
+impl tonic::service::Interceptor for Bearer {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(a) = &self.0 {
+            req.metadata_mut().insert("authorization", a.clone());
+        }
+        Ok(req)
+    }
+}
+
+type Client = kvmesh_proto::v1::kvmesh_client::KvmeshClient<
+    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, Bearer>,
+>;
+
+/// A gRPC client of `cp` presenting `token` (call inside a runtime).
+fn grpc_client(cp: &ControlPlane, token: Option<&str>) -> Client {
+    let endpoint = format!("http://127.0.0.1:{}", cp.grpc_port);
+    let channel = tonic::transport::Endpoint::from_shared(endpoint).unwrap().connect_lazy();
+    let bearer = Bearer(token.map(|t| format!("Bearer {t}").parse().unwrap()));
+    kvmesh_proto::v1::kvmesh_client::KvmeshClient::with_interceptor(channel, bearer)
+}
+
+fn counter(cp: &ControlPlane, name: &str) -> f64 {
+    prom::value(&http::get(&cp.url("/metrics")).unwrap().text(), name).unwrap_or(0.0)
+}
+
+#[test]
+fn unauthenticated_streams_and_admin_calls_are_refused_and_authenticated_ones_work() {
+    use kvmesh_proto::v1::{ReportBatch, WatchRequest};
+    let workers = sims(2);
+    let flags = worker_flags(&workers);
+    let cp = ControlPlane::start(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    let token = cp.token.clone().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        for presented in [None, Some("wrong-token"), Some(&token[1..])] {
+            let mut client = grpc_client(&cp, presented);
+            let watch = client.watch(WatchRequest { gateway_id: "intruder".into() }).await;
+            assert_eq!(watch.err().map(|s| s.code()), Some(tonic::Code::Unauthenticated), "{presented:?}");
+            let report = ReportBatch { gateway_id: "intruder".into(), ..Default::default() };
+            let r = client.report(tokio_stream::iter(vec![report])).await;
+            assert_eq!(r.err().map(|s| s.code()), Some(tonic::Code::Unauthenticated), "{presented:?}");
+        }
+        let mut client = grpc_client(&cp, Some(&token));
+        let mut watch = client.watch(WatchRequest { gateway_id: "friend".into() }).await.unwrap().into_inner();
+        let full = watch.message().await.unwrap().unwrap();
+        assert_eq!(full.workers.len(), 2, "the token opens the topology");
+        let report = ReportBatch { gateway_id: "friend".into(), ..Default::default() };
+        assert_eq!(client.report(tokio_stream::iter(vec![report])).await.unwrap().into_inner().batches, 1);
+    });
+    assert!(counter(&cp, "kvmesh_auth_failures_total") >= 6.0);
+
+    // The admin API: changes need the key; reads are open.
+    let add = cp.url(&format!("/add_worker?url=http://127.0.0.1:{}", kvmesh_testkit::free_port().unwrap()));
+    for headers in [vec![], vec![("authorization", "Bearer not-the-key")], vec![("authorization", "Basic a2V5")]] {
+        let r = http::post(&add, b"", &headers).unwrap();
+        assert_eq!(r.status, 401, "{headers:?}: {}", r.text());
+        assert_eq!(r.header("www-authenticate"), Some("Bearer"));
+    }
+    let r = http::post(&cp.url(&format!("/remove_worker?url={}", workers[0].url())), b"", &[]).unwrap();
+    assert_eq!(r.status, 401);
+    assert_eq!(http::get(&cp.url("/list_workers")).unwrap().json().unwrap()["urls"].as_array().unwrap().len(), 2);
+    for path in ["/workers", "/snapshot", "/metrics", "/health"] {
+        assert_eq!(http::get(&cp.url(path)).unwrap().status, 200, "{path} is open");
+    }
+    let r = cp.post(&format!("/remove_worker?url={}", workers[0].url())).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+
+    // A filter with the wrong token gets nothing; with the right one it routes.
+    let before = counter(&cp, "kvmesh_auth_failures_total");
+    let mut opts = EnvoyOptions::new(json!({"worker_urls": []})).unwrap();
+    opts.use_control_plane(&cp);
+    opts.control_plane_token = Some("not-the-token".into());
+    let outsider = Envoy::start(&opts).unwrap();
+    wait_until("kvmesh-cp to refuse the filter's streams", Duration::from_secs(20), || {
+        counter(&cp, "kvmesh_auth_failures_total") >= before + 2.0
+    })
+    .unwrap();
+    assert_eq!(version(&outsider), 0, "no snapshot without the token");
+    assert_eq!(generate(&outsider, "hello").status, 503, "no workers without the control plane");
+    let envoy = gateway(&cp);
+    assert_eq!(served(&generate(&envoy, &"authenticated ".repeat(20))), workers[1].addr());
+}
+
+#[test]
+fn read_endpoints_can_be_protected_too() {
+    let cp = ControlPlane::start(&["--protect-read-endpoints"]).unwrap();
+    for path in ["/workers", "/list_workers", "/snapshot", "/metrics"] {
+        assert_eq!(http::get(&cp.url(path)).unwrap().status, 401, "{path}");
+    }
+    assert_eq!(http::post(&cp.url("/match"), b"text", &[]).unwrap().status, 401);
+    assert_eq!(http::get(&cp.url("/health")).unwrap().status, 200, "/health stays open");
+    let auth = format!("Bearer {}", cp.api_key.as_deref().unwrap());
+    let r = http::post(&cp.url("/match"), b"text", &[("authorization", &auth)]).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+}
+
+#[test]
+fn a_worker_added_through_the_api_gets_no_traffic_until_its_health_check_passes() {
+    let workers = sims(1);
+    let mut flags = worker_flags(&workers);
+    flags.extend(["--health-check-interval-secs", "1", "--health-success-threshold", "3"].map(String::from));
+    let cp = ControlPlane::start(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    let envoy = gateway(&cp);
+    // Addresses that are no worker are refused, whoever asks.
+    for url in [
+        "http://169.254.169.254:80",
+        "http://0.0.0.0:9901",
+        "http://[::]:9901",
+        "http://[fe80::1]:80",
+        "https://127.0.0.1:443",
+        "file:///etc/passwd",
+    ] {
+        let r = cp.post(&format!("/add_worker?url={url}")).unwrap();
+        assert_eq!(r.status, 400, "{url}: {}", r.text());
+    }
+    // Nothing listens on the new worker's port yet.
+    let port = kvmesh_testkit::free_port().unwrap();
+    let url = format!("http://127.0.0.1:{port}");
+    let r = cp.post(&format!("/add_worker?url={url}")).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let health = || -> Option<bool> {
+        let list = http::get(&cp.url("/workers")).unwrap().json().unwrap();
+        list.as_array().unwrap().iter().find(|w| w["url"] == url.as_str()).and_then(|w| w["healthy"].as_bool())
+    };
+    assert_eq!(health(), Some(false), "unhealthy until probed");
+    wait_for_version(&envoy, cp_version(&cp));
+    // Fresh prompts would go to the worker with the smallest index, the new one, if it were
+    // routable: every one lands on the old worker.
+    for i in 0..10 {
+        assert_eq!(served(&generate(&envoy, &format!("before the probe {i} {}", "b".repeat(100)))), workers[0].addr());
+    }
+    let _late = Sim::start_on(port, FAST).unwrap();
+    wait_until("the new worker to pass its first health check", Duration::from_secs(15), || health() == Some(true))
+        .unwrap();
+    wait_for_version(&envoy, cp_version(&cp));
+    let used: HashSet<String> =
+        (0..8).map(|i| served(&generate(&envoy, &format!("after the probe {i} {}", "a".repeat(100))))).collect();
+    assert!(used.contains(&format!("127.0.0.1:{port}")), "{used:?}");
+}
+
+#[test]
+fn oversize_and_flood_reports_are_refused_or_throttled_and_rss_stays_flat() {
+    use kvmesh_proto::v1::{IndexInsert, ReportBatch};
+    const MAX_ENTRIES: u64 = 100_000;
+    let workers = sims(2);
+    let mut flags = worker_flags(&workers);
+    flags.extend(
+        [
+            "--max-index-entries",
+            "100000",
+            "--max-inserts-per-sec",
+            "100000",
+            "--max-message-bytes",
+            "1048576",
+            "--eviction-interval-secs",
+            "3600",
+        ]
+        .map(String::from),
+    );
+    let cp = ControlPlane::start(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    let token = cp.token.clone().unwrap();
+    let mut seed = 0x1234_5678_9abc_def0u64;
+    let mut batch = |gateway: &str, n: usize| {
+        let hashes = (0..n)
+            .map(|_| {
+                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                seed ^ (seed >> 29)
+            })
+            .collect();
+        ReportBatch {
+            gateway_id: gateway.into(),
+            inserts: vec![IndexInsert { worker: 0, hashes, ..Default::default() }],
+            ..Default::default()
+        }
+    };
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let mut client = rt.block_on(async { grpc_client(&cp, Some(&token)) });
+    // Oversize: 200,000 hashes (1.6 MB) in one message; a 10 kB gateway id.
+    let big = batch("big", 200_000);
+    let r = rt.block_on(client.report(tokio_stream::iter(vec![big])));
+    assert!(
+        matches!(r.as_ref().err().map(|s| s.code()), Some(tonic::Code::OutOfRange | tonic::Code::ResourceExhausted)),
+        "{r:?}"
+    );
+    let r = rt.block_on(client.report(tokio_stream::iter(vec![batch(&"g".repeat(10_000), 1)])));
+    assert_eq!(r.err().map(|s| s.code()), Some(tonic::Code::InvalidArgument));
+    assert_eq!(cp.snapshot().unwrap()["index_entries"], 0);
+
+    // Flood: gateways each sending 8 x 100,000 hashes (800 kB messages, under the limit).
+    let mut flood = |gateways: std::ops::Range<u32>| {
+        for g in gateways {
+            let batches: Vec<ReportBatch> = (0..8).map(|_| batch(&format!("flood-{g}"), 100_000)).collect();
+            let ack = rt.block_on(client.report(tokio_stream::iter(batches))).unwrap().into_inner();
+            assert_eq!(ack.batches, 8);
+        }
+    };
+    flood(0..2);
+    let start = cp.rss_kib().unwrap();
+    flood(2..12);
+    let end = cp.rss_kib().unwrap();
+    let snapshot = cp.snapshot().unwrap();
+    let entries = snapshot["index_entries"].as_u64().unwrap();
+    let dropped = counter(&cp, "kvmesh_dropped_inserts_total");
+    let evicted = counter(&cp, "kvmesh_evicted_blocks_total");
+    eprintln!(
+        "kvmesh-cp RSS under a report flood of 9.6M hashes from 12 gateways: start {} MiB, end {} MiB; \
+         index entries {entries}, dropped {dropped}, evicted {evicted}",
+        start / 1024,
+        end / 1024
+    );
+    assert!(entries <= MAX_ENTRIES + MAX_ENTRIES / 8, "the index stays bounded: {entries}");
+    // Each gateway's bucket holds 400,000 hashes (and refills 100,000 a second): about half of
+    // its 800,000 are dropped.
+    assert!(dropped >= 12.0 * 200_000.0, "the rate limit dropped hashes: {dropped}");
+    assert!(evicted >= 1_000_000.0, "the bound evicted on insert: {evicted}");
+    assert!(end <= start + 64 * 1024, "RSS stays flat: {start} KiB -> {end} KiB");
+    // Still serving; a gateway that connects now gets the index, over 65536 hashes, in several
+    // messages, and applies them all.
+    let envoy = gateway(&cp);
+    served(&generate(&envoy, &"after the flood ".repeat(20)));
+    wait_until("the gateway to apply every part of the full snapshot", Duration::from_secs(20), || {
+        envoy.stat("wasmcustom.kvmesh_index_blocks").unwrap().unwrap_or(0) >= entries
+    })
+    .unwrap_or_else(|e| panic!("{e}: {:?} of {entries}", envoy.stat("wasmcustom.kvmesh_index_blocks")));
+}
+
+/// `--state-file`: a restarted control plane has the workers added through the API again,
+/// under the same ids, and a prefix routed before the restart goes to the same worker after.
+#[test]
+fn a_restarted_control_plane_keeps_api_workers_and_their_ids_and_prefixes_stay_put() {
+    let workers = sims(2);
+    let dir = std::env::temp_dir().join(format!("kvmesh-cp-state-e2e-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("state.json");
+    let _ = std::fs::remove_file(&file);
+    let first = workers[0].url();
+    let flags = ["--worker-urls", &first, "--state-file", file.to_str().unwrap(), "--health-check-interval-secs", "1"];
+    let mut cp = ControlPlane::start(&flags).unwrap();
+    let envoy = gateway(&cp);
+    // The static worker indexes something first, so that a fresh prefix prefers the added one.
+    assert_eq!(served(&generate(&envoy, &"warm-up ".repeat(20))), workers[0].addr());
+    let r = cp.post(&format!("/add_worker?url={}", workers[1].url())).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let listed = |cp: &ControlPlane| -> Vec<(String, u64, bool)> {
+        let list = http::get(&cp.url("/workers")).unwrap().json().unwrap();
+        let mut out: Vec<(String, u64, bool)> = list
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| (w["url"].as_str().unwrap().to_string(), w["id"].as_u64().unwrap(), w["healthy"] == true))
+            .collect();
+        out.sort();
+        out
+    };
+    wait_until("the added worker to be probed healthy", Duration::from_secs(10), || {
+        listed(&cp).iter().all(|w| w.2) && listed(&cp).len() == 2
+    })
+    .unwrap();
+    wait_for_version(&envoy, cp_version(&cp));
+    let before = listed(&cp);
+    let prefix = "A conversation the added worker holds in its cache. ".repeat(20);
+    let home = served(&generate(&envoy, &format!("{prefix}before")));
+    assert_eq!(home, workers[1].addr(), "a fresh prefix goes to the worker with the smallest index");
+    let holder = |cp: &ControlPlane| {
+        let m = http::post(&cp.url("/match"), prefix.as_bytes(), &[]).unwrap().json().unwrap();
+        m[0]["url"].as_str().map(String::from)
+    };
+    wait_until("the control plane to learn the prefix", Duration::from_secs(10), || {
+        holder(&cp) == Some(workers[1].url())
+    })
+    .unwrap();
+
+    cp.restart().unwrap();
+    wait_until("the restarted control plane to list the same workers, ids and health", Duration::from_secs(20), || {
+        listed(&cp) == before
+    })
+    .unwrap_or_else(|e| panic!("{e}: {:?} (before: {before:?})", listed(&cp)));
+    // The filter re-reports its index once it applied the new table: under the same ids.
+    wait_until("the gateway to re-report the prefix", Duration::from_secs(20), || {
+        holder(&cp) == Some(workers[1].url())
+    })
+    .unwrap();
+    wait_for_version(&envoy, cp_version(&cp));
+    assert_eq!(served(&generate(&envoy, &format!("{prefix}after the restart"))), home);
+    let state: Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    assert_eq!(state["api_workers"][0]["url"], workers[1].url(), "{state}");
 }

@@ -27,7 +27,7 @@ fn wait_for_urls(cp: &ControlPlane, want: &[String]) {
 fn synced_gateway(cp: &ControlPlane, template: &str, filter: Value) -> Envoy {
     let mut opts = EnvoyOptions::new(filter).unwrap();
     opts.template = repo_root().join(template);
-    opts.control_plane = Some(cp.grpc_port);
+    opts.use_control_plane(cp);
     let envoy = Envoy::start(&opts).unwrap();
     sync(cp, &envoy);
     envoy

@@ -41,9 +41,16 @@ pub fn run() -> anyhow::Result<()> {
     step(&format!("reporting {ENTRIES} index entries over {WORKERS} workers"));
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let endpoint = format!("http://127.0.0.1:{}", cp.grpc_port);
+    let token = cp.token.clone();
     let (full_bytes, full_time) = rt.block_on(async {
         let channel = tonic::transport::Endpoint::from_shared(endpoint)?.connect().await?;
-        let mut client = KvmeshClient::new(channel).max_decoding_message_size(1 << 30);
+        let authorization: tonic::metadata::MetadataValue<_> =
+            format!("Bearer {}", token.as_deref().unwrap_or_default()).parse()?;
+        let mut client = KvmeshClient::with_interceptor(channel, move |mut req: tonic::Request<()>| {
+            req.metadata_mut().insert("authorization", authorization.clone());
+            Ok(req)
+        })
+        .max_decoding_message_size(1 << 30);
         // Prefixes of 50 blocks, as chained hashes would give.
         let batches: Vec<ReportBatch> = (0..ENTRIES / 50_000)
             .map(|b| ReportBatch {
@@ -53,6 +60,7 @@ pub fn run() -> anyhow::Result<()> {
                         worker: ((b * 1000 + p) % WORKERS) as u32,
                         // Uniformly spread 64-bit values, like xxh3 block hashes.
                         hashes: (0..50).map(|i| mix((b << 40) ^ (p << 16) ^ i)).collect(),
+                        ..Default::default()
                     })
                     .collect(),
                 ..Default::default()

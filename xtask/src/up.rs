@@ -119,13 +119,14 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     }
     claim(&[CP_GRPC_PORT, CP_HTTP_PORT])?;
     step(&format!("starting kvmesh-cp (gRPC :{CP_GRPC_PORT}, HTTP :{CP_HTTP_PORT}) {}", cp_args.join(" ")));
-    let start_cp = {
-        let cp_args = cp_args.clone();
-        move || {
-            ControlPlane::start_on(CP_GRPC_PORT, CP_HTTP_PORT, &cp_args.iter().map(String::as_str).collect::<Vec<_>>())
-        }
+    let first =
+        ControlPlane::start_on(CP_GRPC_PORT, CP_HTTP_PORT, &cp_args.iter().map(String::as_str).collect::<Vec<_>>())?;
+    // A restart keeps the generated token and API key (the filters hold the token).
+    let restart_cp = {
+        let args = first.args().to_vec();
+        move || ControlPlane::start_on(CP_GRPC_PORT, CP_HTTP_PORT, &args.iter().map(String::as_str).collect::<Vec<_>>())
     };
-    let mut cp = Supervised::new("kvmesh-cp", start_cp.clone()()?, ControlPlane::proc, start_cp);
+    let mut cp = Supervised::new("kvmesh-cp", first, ControlPlane::proc, restart_cp);
 
     let template = if opts.pd { "envoy/envoy-pd.yaml" } else { "envoy/envoy.yaml" };
     // Workers come from the control plane: no static ones that could disagree with it.
@@ -139,7 +140,8 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         o.template = repo_root().join(template);
         o.listener_port = port;
         o.admin_port = admin;
-        o.control_plane = Some(CP_GRPC_PORT);
+        // The filter presents the control plane's generated token.
+        o.use_control_plane(cp.item.as_ref().context("kvmesh-cp is not running")?);
         let envoy = Envoy::start(&o)?;
         wait_until("Envoy to receive the control plane's snapshot", Duration::from_secs(20), || {
             envoy.stat("wasmcustom.kvmesh_snapshot_version").ok().flatten().unwrap_or(0) >= 1
@@ -153,6 +155,9 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     }
     let cp_now = cp.item.as_ref().context("kvmesh-cp is not running")?;
     println!("  control plane  {}  (/workers, /snapshot, /metrics, POST /add_worker?url=…)", cp_now.url(""));
+    if let Some(key) = &cp_now.api_key {
+        println!("  admin API key  {key}   (gRPC streams: a generated token, already in every filter's configuration)");
+    }
     for w in cp_now.snapshot()?["workers"].as_array().cloned().unwrap_or_default() {
         println!("  worker         {} ({})", w["url"].as_str().unwrap_or("?"), w["role"].as_str().unwrap_or("?"));
     }
@@ -162,6 +167,14 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         "    -d '{{\"model\": \"kvmesh-sim\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}' -i"
     );
     println!("  curl -sN {url}/generate -d '{{\"text\": \"Once upon a time\", \"stream\": true}}'");
+    if let Some(key) = &cp_now.api_key {
+        println!("\nThe admin API takes the key (reads are open):");
+        println!(
+            "  curl -s -X POST -H 'authorization: Bearer {key}' '{}'",
+            cp_now.url("/remove_worker?url=http://127.0.0.1:30004")
+        );
+        println!("  curl -s {}", cp_now.url("/workers"));
+    }
     println!("\nA worker, kvmesh-cp or Envoy that exits is restarted, as a Deployment would; Ctrl-C stops everything.");
 
     let stop = Arc::new(AtomicBool::new(false));

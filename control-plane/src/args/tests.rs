@@ -233,6 +233,7 @@ fn implemented_sglang_flags_take_effect() {
     let s = parse(&[
         "--host",
         "0.0.0.0",
+        "--allow-insecure",
         "--prometheus-port",
         "29000",
         "--prometheus-host",
@@ -250,6 +251,96 @@ fn implemented_sglang_flags_take_effect() {
     assert_eq!(s.routing.max_concurrent_requests, Some(-1));
     let s = parse(&[]).unwrap();
     assert_eq!((s.prometheus_host.as_str(), s.health_checks, s.log_level.as_str()), ("127.0.0.1", true, "info"));
+}
+
+#[test]
+fn a_non_loopback_host_needs_a_token_and_api_keys_or_allow_insecure() {
+    let token = config_file("grpc.token", "  s3cret-token\n");
+    let token = path_str(&token);
+    let e = parse(&["--host", "0.0.0.0"]).unwrap_err();
+    assert!(e.starts_with("--host: 0.0.0.0 is not a loopback address"), "{e}");
+    assert!(
+        e.contains("--grpc-token-file") && e.contains("--control-plane-api-keys") && e.contains("--allow-insecure")
+    );
+    let e = parse(&["--host", "10.0.0.3", "--grpc-token-file", token]).unwrap_err();
+    assert!(e.contains("the admin API") && !e.contains("the gRPC streams"), "{e}");
+    let e = parse(&["--host", "10.0.0.3", "--control-plane-api-keys", "k"]).unwrap_err();
+    assert!(e.contains("the gRPC streams") && !e.contains("the admin API"), "{e}");
+    let s = parse(&["--host", "10.0.0.3", "--grpc-token-file", token, "--control-plane-api-keys", "k"]).unwrap();
+    assert_eq!(s.auth.grpc_token.as_deref(), Some("s3cret-token"), "trimmed");
+    assert!(!s.auth.insecure && s.warnings.is_empty(), "{:?}", s.warnings);
+    let s = parse(&["--host", "0.0.0.0", "--allow-insecure"]).unwrap();
+    assert!(s.auth.insecure);
+    assert!(s.warnings.iter().any(|w| w.starts_with("INSECURE")), "{:?}", s.warnings);
+    // The admin API on loopback needs no keys while the gRPC port is exposed with a token; the
+    // other way round, the admin API needs keys.
+    let s = parse(&["--host", "0.0.0.0", "--grpc-token-file", token, "--http-host", "127.0.0.1"]).unwrap();
+    assert_eq!((s.http_host.as_str(), s.auth.insecure), ("127.0.0.1", false));
+    let e = parse(&["--http-host", "0.0.0.0"]).unwrap_err();
+    assert!(e.starts_with("--http-host: 0.0.0.0 is not a loopback address") && e.contains("the admin API"), "{e}");
+    assert!(!e.contains("gRPC"), "{e}");
+    // Loopback needs nothing.
+    for host in ["127.0.0.1", "localhost", "::1", "127.0.0.2"] {
+        let s = parse(&["--host", host]).unwrap();
+        assert!(s.auth.grpc_token.is_none() && s.auth.api_keys.is_empty() && !s.auth.insecure, "{host}");
+    }
+}
+
+#[test]
+fn api_keys_and_tokens_parse_without_echoing_secrets() {
+    let s =
+        parse(&["--control-plane-api-keys", "k1:ops:admin:key-one", "k2:dashboard:user:key:two", "bare-key"]).unwrap();
+    let keys: Vec<(&str, bool, &str)> =
+        s.auth.api_keys.iter().map(|k| (k.id.as_str(), k.admin, k.key.as_str())).collect();
+    assert_eq!(keys, [("k1", true, "key-one"), ("k2", false, "key:two"), ("key2", true, "bare-key")]);
+    assert!(!format!("{:?}", s.auth).contains("key-one"), "Debug leaves keys out");
+    let e = parse(&["--control-plane-api-keys", "a:b:secret"]).unwrap_err();
+    assert!(e.contains("--control-plane-api-keys") && !e.contains("secret"), "{e}");
+    assert!(parse(&["--control-plane-api-keys", "k1:ops:admin:"]).unwrap_err().contains("empty"));
+    let e = parse(&["--grpc-token-file", "/nonexistent/token"]).unwrap_err();
+    assert!(e.starts_with("--grpc-token-file: /nonexistent/token"), "{e}");
+    let spaced = config_file("spaced.token", "two words\n");
+    assert!(parse(&["--grpc-token-file", path_str(&spaced)]).unwrap_err().contains("visible ASCII"));
+    let empty = config_file("empty.token", "\n");
+    assert!(parse(&["--grpc-token-file", path_str(&empty)]).unwrap_err().contains("empty"));
+    assert!(parse(&["--protect-read-endpoints"]).unwrap_err().contains("needs --control-plane-api-keys"));
+    let s = parse(&["--protect-read-endpoints", "--control-plane-api-keys", "k"]).unwrap();
+    assert!(s.auth.protect_reads);
+}
+
+#[test]
+fn worker_urls_follow_the_policy_and_limits_parse() {
+    let e = parse(&["--worker-urls", "http://169.254.169.254:80"]).unwrap_err();
+    assert!(e.starts_with("--worker-urls:") && e.contains("link-local"), "{e}");
+    assert!(parse(&["--decode", "http://0.0.0.0:80"]).unwrap_err().starts_with("--decode:"));
+    assert!(parse(&["--prefill", "http://[fe80::1]:80", "8998"]).unwrap_err().starts_with("--prefill:"));
+    let e = parse(&["--worker-cidrs", "10.0.0.0/8", "--worker-urls", "http://127.0.0.1:1"]).unwrap_err();
+    assert!(e.contains("outside --worker-cidrs"), "{e}");
+    let s = parse(&["--worker-cidrs", "10.0.0.0/8", "--worker-urls", "http://10.1.2.3:1"]).unwrap();
+    assert_eq!(s.worker_policy.cidrs.len(), 1);
+    assert!(parse(&["--worker-cidrs", "10.0.0.0/40"]).unwrap_err().starts_with("--worker-cidrs:"));
+    let s = parse(&[
+        "--max-message-bytes",
+        "1000",
+        "--max-inserts-per-report",
+        "10",
+        "--max-inserts-per-sec",
+        "20",
+        "--max-index-entries",
+        "30",
+    ])
+    .unwrap();
+    assert_eq!(
+        s.limits,
+        crate::settings::Limits {
+            max_message_bytes: 1000,
+            max_inserts_per_report: 10,
+            max_inserts_per_sec: 20,
+            max_index_entries: 30
+        }
+    );
+    assert_eq!(parse(&[]).unwrap().limits, crate::settings::Limits::default());
+    assert!(parse(&["--max-index-entries", "0"]).unwrap_err().starts_with("--max-index-entries"));
 }
 
 /// `--flag ARITY [CHOICES]` lines from `launch_router --help`.
@@ -368,6 +459,10 @@ fn a_copied_sglang_router_command_line_loads() {
     let s = parse(&[
         "--host",
         "0.0.0.0",
+        "--control-plane-api-keys",
+        "k1:ops:admin:an-admin-key",
+        "--grpc-token-file",
+        path_str(&config_file("copied.token", "a-token\n")),
         "--port",
         "30000",
         "--pd-disaggregation",

@@ -72,6 +72,9 @@ pub struct Config {
     pub control_plane_cluster: Option<String>,
     /// How often the stream owner reports to the control plane.
     pub report_interval_ms: u64,
+    /// The bearer token presented to the control plane on both streams (its
+    /// `--grpc-token-file`); none sends no credential.
+    pub control_plane_token: Option<String>,
     /// Read-only worker paths that pass through (see [`crate::paths`]).
     pub passthrough_paths: Vec<String>,
 }
@@ -132,10 +135,18 @@ struct FilterKeys {
     upstream_cluster: Option<String>,
     control_plane_cluster: Option<String>,
     report_interval_ms: Option<u64>,
+    control_plane_token: Option<String>,
 }
 
-const FILTER_KEYS: [&str; 6] =
-    ["worker_urls", "prefill", "decode", "upstream_cluster", "control_plane_cluster", "report_interval_ms"];
+const FILTER_KEYS: [&str; 7] = [
+    "worker_urls",
+    "prefill",
+    "decode",
+    "upstream_cluster",
+    "control_plane_cluster",
+    "report_interval_ms",
+    "control_plane_token",
+];
 
 /// Deserialises `map` as `T`; when that fails, names the first key that fails on its own.
 fn typed<T: for<'de> Deserialize<'de>>(map: Map<String, Value>) -> Result<T, ConfigError> {
@@ -186,6 +197,7 @@ impl Default for Config {
             upstream_cluster: DEFAULT_UPSTREAM_CLUSTER.to_string(),
             control_plane_cluster: None,
             report_interval_ms: DEFAULT_REPORT_INTERVAL_MS,
+            control_plane_token: None,
             passthrough_paths: crate::paths::DEFAULT_PASSTHROUGH.iter().map(|p| p.to_string()).collect(),
         }
     }
@@ -299,6 +311,7 @@ impl Config {
             upstream_cluster: self.upstream_cluster.clone(),
             control_plane_cluster: self.control_plane_cluster.clone(),
             report_interval_ms: self.report_interval_ms,
+            control_plane_token: self.control_plane_token.clone(),
             ..Self::from_settings(s)?
         })
     }
@@ -325,6 +338,15 @@ impl Config {
         }
         config.control_plane_cluster = keys.control_plane_cluster.filter(|c| !c.is_empty());
         config.report_interval_ms = positive("report_interval_ms", keys.report_interval_ms, config.report_interval_ms)?;
+        config.control_plane_token = match keys.control_plane_token.filter(|t| !t.is_empty()) {
+            Some(t) if t.len() > 4096 || !t.bytes().all(|b| b.is_ascii_graphic()) => {
+                return Err(invalid(
+                    "control_plane_token",
+                    "must be at most 4096 visible ASCII characters, without spaces",
+                ))
+            }
+            t => t,
+        };
         config.workers = if config.pd.is_none() {
             if !keys.prefill.is_empty() || !keys.decode.is_empty() {
                 return Err(invalid("prefill", "prefill and decode workers need \"pd_disaggregation\": true"));
@@ -419,6 +441,8 @@ mod tests {
         assert!(err(r#"{"policy":5}"#).contains("configuration `policy`: invalid type"));
         assert!(err(r#"{"report_interval_ms":"soon"}"#).contains("`report_interval_ms`"));
         assert!(err(r#"{"retry_jitter_factor":2}"#).contains("`retry_jitter_factor`"));
+        assert!(err(r#"{"control_plane_token":"two words"}"#).contains("`control_plane_token`"));
+        assert!(err(r#"{"control_plane_token":7}"#).contains("`control_plane_token`"));
         assert!(err("[1]").contains("JSON object"));
         assert!(err("{").contains("not valid JSON"));
     }
@@ -436,7 +460,7 @@ mod tests {
     fn other_settings_keep_the_filter_only_parts() {
         let c = Config::from_json(
             br#"{"policy":"round_robin","control_plane_cluster":"cp","report_interval_ms":7,
-                "worker_urls":["http://127.0.0.1:1"]}"#,
+                "worker_urls":["http://127.0.0.1:1"],"control_plane_token":"s3cr3t"}"#,
         )
         .unwrap();
         let mut s = c.settings.clone();
@@ -444,6 +468,7 @@ mod tests {
         let d = c.with_settings(&s).unwrap();
         assert_eq!((d.policy, d.cache_aware.cache_threshold), (PolicyKind::RoundRobin, 0.9));
         assert_eq!((d.control_plane_cluster.as_deref(), d.report_interval_ms), (Some("cp"), 7));
+        assert_eq!(d.control_plane_token.as_deref(), Some("s3cr3t"));
         assert_eq!(d.workers, c.workers);
         assert_eq!(d.settings, s);
         assert!(c.with_settings(&RoutingSettings { block_size: Some(0), ..Default::default() }).is_err());

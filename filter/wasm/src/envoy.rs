@@ -119,8 +119,14 @@ impl Host for EnvoyHost {
         hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size).ok().flatten().unwrap_or_default()
     }
 
-    fn open_grpc_stream(&self, cluster: &str, service: &str, method: &str) -> Result<u32, HostError> {
-        hostcalls::open_grpc_stream(cluster, service, method, vec![]).map_err(err)
+    fn open_grpc_stream(
+        &self,
+        cluster: &str,
+        service: &str,
+        method: &str,
+        metadata: &[(&str, &[u8])],
+    ) -> Result<u32, HostError> {
+        hostcalls::open_grpc_stream(cluster, service, method, metadata.to_vec()).map_err(err)
     }
 
     fn send_grpc(&self, token: u32, message: &[u8], end_of_stream: bool) -> Result<(), HostError> {

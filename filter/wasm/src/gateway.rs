@@ -196,8 +196,14 @@ pub struct Gateway {
     log: DeltaLog,
     health: Health,
     last_eviction_secs: u64,
-    /// Index inserts made on this Envoy that the control plane has not been told about.
+    /// Index inserts made on this Envoy that the control plane has not been told about: kept
+    /// only by the VM that holds the control-plane streams (another VM's queue would never be
+    /// sent; when a VM takes the streams over, its full report covers what it indexed).
     unreported: ReportQueue,
+    /// This VM holds the control-plane streams (the plugin says so on every tick).
+    reporting: bool,
+    /// This Envoy's gateway id: inserts a delta says it reported itself are not applied again.
+    own_id: Option<String>,
     /// The control-plane table version this VM applied.
     table_version: Option<u64>,
     /// The control plane's routing settings last applied.
@@ -230,6 +236,8 @@ impl Gateway {
             health: Health::new(config.cb_failure_threshold, config.cb_timeout_duration_secs),
             last_eviction_secs: 0,
             unreported: ReportQueue::default(),
+            reporting: false,
+            own_id: None,
             table_version: None,
             cp_settings: None,
             mine: std::collections::BTreeMap::new(),
@@ -323,10 +331,30 @@ impl Gateway {
     }
 
     fn queue_report(&mut self, worker: WorkerId, hashes: Vec<u64>) {
-        if self.config.control_plane_cluster.is_none() {
+        if self.config.control_plane_cluster.is_none() || !self.reporting {
             return;
         }
         self.unreported.push(worker, hashes);
+    }
+
+    /// Whether this VM holds the control-plane streams: only then are inserts queued for
+    /// reports (a VM that stops holding them drops its queue).
+    pub fn set_reporting(&mut self, on: bool) {
+        if !on && self.reporting {
+            self.unreported.take();
+        }
+        self.reporting = on;
+    }
+
+    /// The gateway id this Envoy reports under (see [`Self::apply_snapshot`]).
+    pub fn set_own_id(&mut self, id: &str) {
+        self.own_id = Some(id.to_string());
+    }
+
+    /// Hashes queued for the next report.
+    #[cfg(test)]
+    pub fn unreported_hashes(&self) -> usize {
+        self.unreported.hashes
     }
 
     fn routed(&self, worker: WorkerId, matched_bytes: usize) -> Option<Routed> {
@@ -592,7 +620,9 @@ mod tests {
         let json = format!(
             r#"{{"worker_urls":["http://127.0.0.1:30001","http://127.0.0.1:30002","http://127.0.0.1:30003"]{extra}}}"#
         );
-        Gateway::new(Config::from_json(json.as_bytes()).unwrap(), store, 42)
+        let mut g = Gateway::new(Config::from_json(json.as_bytes()).unwrap(), store, 42);
+        g.set_reporting(true);
+        g
     }
 
     fn body(text: &str) -> Vec<u8> {

@@ -108,7 +108,14 @@ pub trait Host: SharedStore {
     fn callout_body(&self, size: usize) -> Vec<u8>;
 
     // gRPC streams to the control plane.
-    fn open_grpc_stream(&self, cluster: &str, service: &str, method: &str) -> Result<u32, HostError>;
+    /// Opens a gRPC stream with `metadata` as its initial metadata (e.g. `authorization`).
+    fn open_grpc_stream(
+        &self,
+        cluster: &str,
+        service: &str,
+        method: &str,
+        metadata: &[(&str, &[u8])],
+    ) -> Result<u32, HostError>;
     fn send_grpc(&self, token: u32, message: &[u8], end_of_stream: bool) -> Result<(), HostError>;
     fn cancel_grpc(&self, token: u32);
     /// The message that arrived on a stream (in `on_grpc_stream_message`).

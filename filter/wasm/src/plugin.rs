@@ -17,9 +17,21 @@ use crate::shared::{Inflight, Lease};
 /// The control-plane side of the plugin: where to connect, as whom, and the link's state.
 struct ControlPlane {
     cluster: String,
+    /// The bearer token sent as initial metadata on both streams.
+    token: Option<String>,
+    /// This Envoy's id (shared by its VMs), read or made on connect.
     gateway_id: String,
+    /// Randomness for making that id, should this VM be the first to need it.
+    id_seed: u64,
+    /// Connected, but the first snapshot of this connection has not been applied: nothing is
+    /// reported until it is, so that the index goes out under the new table's ids.
+    awaiting_table: bool,
     link: Link,
 }
+
+/// Most index hashes per report message (512 KiB of hashes; the control plane decodes at
+/// most 16 MiB per message by default).
+pub const MAX_HASHES_PER_REPORT: usize = 1 << 16;
 
 #[derive(Default)]
 pub struct Plugin {
@@ -46,11 +58,15 @@ impl Plugin {
             ),
         }
         let cluster = config.control_plane_cluster.clone();
+        let token = config.control_plane_token.clone();
         let report_interval_ms = config.report_interval_ms;
         let gateway = Gateway::new(config, host, seed);
         self.control_plane = cluster.map(|cluster| ControlPlane {
             cluster,
-            gateway_id: gateway_id(host, gateway.vm_id()),
+            token,
+            gateway_id: String::new(),
+            id_seed: seed.rotate_left(17) ^ 0x9e37_79b9_7f4a_7c15,
+            awaiting_table: false,
             link: Link::new(report_interval_ms),
         });
         self.gateway = Some(Rc::new(RefCell::new(gateway)));
@@ -71,8 +87,12 @@ impl Plugin {
             let holds = Lease::hold(host, gateway.vm_id(), now, LEASE_MS);
             match cp.link.tick(now, holds) {
                 Step::Nothing => {}
-                Step::Connect => match connect(host, cp, &mut gateway) {
-                    Ok((watch, report)) => cp.link.connected(watch, report, now),
+                Step::Connect => match connect(host, cp) {
+                    Ok((watch, report)) => {
+                        gateway.set_own_id(&cp.gateway_id);
+                        cp.link.connected(watch, report, now);
+                        cp.awaiting_table = true;
+                    }
                     Err(e) => {
                         log::warn!("cannot open the control-plane streams on cluster {}: {e}", cp.cluster);
                         cp.link.connect_failed(now);
@@ -83,6 +103,7 @@ impl Plugin {
                     host.cancel_grpc(watch);
                     host.cancel_grpc(report);
                 }
+                Step::Report { .. } if cp.awaiting_table => {}
                 Step::Report { report, counts_due } => {
                     let batch = gateway.take_report(host, &cp.gateway_id);
                     if !batch.inserts.is_empty() || counts_due {
@@ -100,6 +121,9 @@ impl Plugin {
             }
         }
         gateway.heartbeat(host, now);
+        if let Some(cp) = &self.control_plane {
+            gateway.set_reporting(cp.link.is_connected());
+        }
         let in_flight: u64 = Inflight::counts(host).iter().map(|c| u64::from(c.in_flight)).sum();
         host.record(Metric::InFlight, in_flight);
         if let Some(evicted) = gateway.tick(host, now / 1_000) {
@@ -137,6 +161,22 @@ impl Plugin {
         g.apply_snapshot(host, &snapshot);
         host.record(Metric::SnapshotVersion, snapshot.version);
         host.record(Metric::IndexBlocks, g.index_len() as u64);
+        // The first snapshot of a connection is full and its table now applied (ids that name
+        // another worker forgotten): the index goes out under the ids the control plane uses.
+        if cp.awaiting_table && snapshot.full {
+            cp.awaiting_table = false;
+            let Some((_, report)) = cp.link.streams() else { return };
+            for chunk in g.full_report(&cp.gateway_id, MAX_HASHES_PER_REPORT) {
+                if let Err(e) = host.send_grpc(report, &chunk.encode_to_vec(), false) {
+                    log::warn!("full report to the control plane failed: {e}; reconnecting");
+                    for token in cp.link.send_failed(now_ms(host)).into_iter().flat_map(|(w, r)| [w, r]) {
+                        host.cancel_grpc(token);
+                    }
+                    return;
+                }
+            }
+            cp.link.reported(now_ms(host));
+        }
     }
 
     /// A control-plane stream closed: both go, and the link reconnects after its backoff.
@@ -151,37 +191,52 @@ impl Plugin {
     }
 }
 
-/// This gateway's id in the control plane's logs and metrics.
-fn gateway_id(host: &dyn Host, vm: u32) -> String {
-    match host.node_id().filter(|n| !n.is_empty()) {
-        Some(n) => format!("{n}/{vm:08x}"),
-        None => format!("envoy-{vm:08x}"),
+/// Where the Envoy's id lives in shared data.
+const GATEWAY_ID_KEY: &str = "kvmesh.gateway.id";
+
+/// This Envoy's id in the control plane: one per Envoy, whichever of its VMs holds the
+/// streams, so that the cumulative counts it reports are never counted twice when the stream
+/// moves. The first VM that needs it makes it (the node id, if set, and 64 random bits) and
+/// stores it in shared data; the others read it.
+pub fn gateway_id(host: &dyn Host, seed: u64) -> String {
+    if let Some(id) = host.get(GATEWAY_ID_KEY).0.and_then(|v| String::from_utf8(v).ok()).filter(|id| !id.is_empty()) {
+        return id;
     }
+    let mut node: String = host.node_id().unwrap_or_default().chars().filter(char::is_ascii_graphic).take(64).collect();
+    if node.is_empty() {
+        node = "envoy".into();
+    }
+    let id = format!("{node}/{seed:016x}");
+    // Only a missing key is written (a VM that lost a race reads the winner's id back).
+    let (existing, cas) = host.get(GATEWAY_ID_KEY);
+    if existing.is_none() {
+        let _ = host.set(GATEWAY_ID_KEY, id.as_bytes(), cas);
+    }
+    host.get(GATEWAY_ID_KEY).0.and_then(|v| String::from_utf8(v).ok()).filter(|id| !id.is_empty()).unwrap_or(id)
 }
 
-/// Opens both streams; sends the watch request and a full report of this VM's index (so that
-/// a restarted control plane learns what the gateways already know). On failure, whatever
-/// was opened is cancelled.
-fn connect(host: &dyn Host, cp: &ControlPlane, gateway: &mut Gateway) -> Result<(u32, u32), HostError> {
-    let watch = host.open_grpc_stream(&cp.cluster, SERVICE, WATCH)?;
+/// Opens both streams (with the token as `authorization` metadata) and sends the watch
+/// request. The full report of this VM's index (so that a restarted control plane learns what
+/// the gateways already know) follows the first snapshot. On failure, whatever was opened is
+/// cancelled.
+fn connect(host: &dyn Host, cp: &mut ControlPlane) -> Result<(u32, u32), HostError> {
+    cp.gateway_id = gateway_id(host, cp.id_seed);
+    let authorization = cp.token.as_ref().map(|t| format!("Bearer {t}"));
+    let metadata: Vec<(&str, &[u8])> =
+        authorization.as_ref().map(|a| ("authorization", a.as_bytes())).into_iter().collect();
+    let watch = host.open_grpc_stream(&cp.cluster, SERVICE, WATCH, &metadata)?;
     let request = WatchRequest { gateway_id: cp.gateway_id.clone() }.encode_to_vec();
     if let Err(e) = host.send_grpc(watch, &request, true) {
         host.cancel_grpc(watch);
         return Err(e);
     }
-    let report = match host.open_grpc_stream(&cp.cluster, SERVICE, REPORT) {
+    let report = match host.open_grpc_stream(&cp.cluster, SERVICE, REPORT, &metadata) {
         Ok(r) => r,
         Err(e) => {
             host.cancel_grpc(watch);
             return Err(e);
         }
     };
-    let full = gateway.full_report(&cp.gateway_id);
-    if let Err(e) = host.send_grpc(report, &full.encode_to_vec(), false) {
-        host.cancel_grpc(watch);
-        host.cancel_grpc(report);
-        return Err(e);
-    }
     Ok((watch, report))
 }
 
@@ -259,9 +314,10 @@ mod tests {
         );
         let (watch, report) = (opened[0].0, opened[1].0);
         let watch_request = proto::WatchRequest::decode(host.grpc_sent.borrow()[0].1.as_slice()).unwrap();
-        assert_eq!(watch_request.gateway_id, format!("test-node/{:08x}", p.gateway().unwrap().borrow().vm_id()));
-        assert_eq!(reports(&host, report).len(), 1, "a full report on connect");
+        assert!(watch_request.gateway_id.starts_with("test-node/"), "{}", watch_request.gateway_id);
+        assert!(reports(&host, report).is_empty(), "nothing reported before the table arrives");
         deliver(&host, &mut p, watch, &snapshot(4, &[30001]));
+        assert_eq!(reports(&host, report).len(), 1, "the full report follows the first snapshot");
         assert_eq!(host.metrics.borrow()[&Metric::SnapshotVersion], vec![4]);
         assert_eq!(route(&host, &p, &"r".repeat(100)).as_deref(), Some("127.0.0.1:30001"));
         host.advance_ms(20);
@@ -326,6 +382,20 @@ mod tests {
         a.on_tick(&a_host);
         b.on_tick(&b_host);
         assert!(a_host.metric_count(Metric::IndexBlocks) > 0, "the owner shows its index size");
+        // Only the owner queues inserts for reports: b's queue would never be sent.
+        let a_watch = a_host.grpc_opened.borrow()[0].0;
+        deliver(&a_host, &mut a, a_watch, &snapshot(1, &[30001]));
+        b.on_tick(&b_host);
+        for i in 0..5 {
+            assert!(route(&b_host, &b, &format!("routed on b {i} {}", "x".repeat(64))).is_some());
+        }
+        assert_eq!(b.gateway().unwrap().borrow().unreported_hashes(), 0, "a standby VM queues nothing");
+        a_host.advance_ms(20);
+        b_host.advance_ms(20);
+        a.on_tick(&a_host);
+        let a_report = a_host.grpc_opened.borrow()[1].0;
+        let reported: usize = reports(&a_host, a_report).iter().flat_map(|r| &r.inserts).map(|i| i.hashes.len()).sum();
+        assert!(reported >= 15, "the owner reports b's inserts from the delta log: {reported}");
         assert_eq!(b_host.metric_count(Metric::IndexBlocks), 0, "an idle VM's stale size is never shown");
         // a stops ticking (stuck, or replaced); the lease lapses.
         b_host.advance_ms(LEASE_MS);
@@ -335,6 +405,95 @@ mod tests {
         a_host.advance_ms(LEASE_MS + 20);
         a.on_tick(&a_host);
         assert_eq!(a_host.grpc_cancelled.borrow().len(), 2);
+    }
+
+    #[test]
+    fn the_token_goes_out_as_authorization_metadata_on_both_streams() {
+        let host = MockHost::new();
+        let mut p = Plugin::default();
+        let config = r#"{"control_plane_cluster":"kvmesh_cp","control_plane_token":"tok-123"}"#;
+        p.configure(&host, config.as_bytes(), 1).unwrap();
+        p.on_tick(&host);
+        let metadata = host.grpc_metadata.borrow().clone();
+        assert_eq!(metadata.len(), 2, "watch and report");
+        for (_, m) in &metadata {
+            assert_eq!(m, &vec![("authorization".to_string(), b"Bearer tok-123".to_vec())]);
+        }
+        // Without a token, no credential is sent.
+        let host = MockHost::new();
+        let mut p = plugin(&host, 1);
+        p.on_tick(&host);
+        assert!(host.grpc_metadata.borrow().iter().all(|(_, m)| m.is_empty()));
+    }
+
+    /// The counts of an Envoy are cumulative in shared data; whichever VM holds the stream
+    /// reports them under the one id of the Envoy, so the control plane (which adds the
+    /// differences per id) counts each request once when the lease moves.
+    #[test]
+    fn one_id_per_envoy_across_a_lease_move_so_counts_are_never_doubled() {
+        let a_host = MockHost::new();
+        let b_host = a_host.vm();
+        let mut a = plugin(&a_host, 1);
+        let mut b = plugin(&b_host, 2);
+        a.on_tick(&a_host);
+        b.on_tick(&b_host);
+        let (a_watch, a_report) = (a_host.grpc_opened.borrow()[0].0, a_host.grpc_opened.borrow()[1].0);
+        deliver(&a_host, &mut a, a_watch, &snapshot(1, &[30001]));
+        for i in 0..3 {
+            assert!(route(&a_host, &a, &format!("request {i}")).is_some());
+        }
+        a_host.advance_ms(1_000);
+        a.on_tick(&a_host);
+        let from_a = reports(&a_host, a_report).pop().unwrap();
+        // a stops ticking; b takes the lease and reconnects.
+        b_host.advance_ms(LEASE_MS + 1_000);
+        b.on_tick(&b_host);
+        let (b_watch, b_report) = (b_host.grpc_opened.borrow()[0].0, b_host.grpc_opened.borrow()[1].0);
+        deliver(&b_host, &mut b, b_watch, &snapshot(1, &[30001]));
+        for i in 0..2 {
+            assert!(route(&b_host, &b, &format!("more {i}")).is_some());
+        }
+        b_host.advance_ms(1_000);
+        b.on_tick(&b_host);
+        let from_b = reports(&b_host, b_report).pop().unwrap();
+        let watch_id = |host: &MockHost| proto::WatchRequest::decode(host.grpc_sent.borrow()[0].1.as_slice()).unwrap();
+        assert_eq!(watch_id(&a_host).gateway_id, watch_id(&b_host).gateway_id, "one id per Envoy");
+        assert_eq!(from_a.gateway_id, from_b.gateway_id);
+        let requests = |r: &ReportBatch| r.counts.iter().map(|c| c.requests).sum::<u32>();
+        let in_flight = |r: &ReportBatch| r.counts.iter().map(|c| c.in_flight).sum::<u32>();
+        assert_eq!((requests(&from_a), in_flight(&from_a)), (3, 0));
+        assert_eq!((requests(&from_b), in_flight(&from_b)), (5, 0), "cumulative over the Envoy, not per VM");
+    }
+
+    /// After a control-plane restart the ids may name other workers: the filter re-reports its
+    /// index only once the new table is applied, so no prefix is credited to the wrong worker.
+    #[test]
+    fn a_reconnecting_filter_reports_its_index_under_the_new_tables_ids() {
+        let host = MockHost::new();
+        let mut p = plugin(&host, 1);
+        p.on_tick(&host);
+        let watch = host.grpc_opened.borrow()[0].0;
+        deliver(&host, &mut p, watch, &snapshot(1, &[30001]));
+        let text = "a prompt long enough for blocks ".repeat(4);
+        assert_eq!(route(&host, &p, &text).as_deref(), Some("127.0.0.1:30001"));
+        // The control plane restarts: the streams close and the filter reconnects.
+        p.on_grpc_close(&host, watch, 14);
+        host.advance_ms(100);
+        p.on_tick(&host);
+        let (watch, report) = (host.grpc_opened.borrow()[2].0, host.grpc_opened.borrow()[3].0);
+        for _ in 0..5 {
+            host.advance_ms(1_000);
+            p.on_tick(&host);
+        }
+        assert!(reports(&host, report).is_empty(), "no report before the new table");
+        // The restarted control plane gives id 0 to another worker (and 30001 id 1).
+        deliver(&host, &mut p, watch, &snapshot(1, &[30009, 30001]));
+        let full = reports(&host, report);
+        assert_eq!(full.len(), 1);
+        assert!(full[0].inserts.iter().all(|i| i.worker != 0), "nothing under id 0, now 30009: {:?}", full[0].inserts);
+        host.advance_ms(1_000);
+        p.on_tick(&host);
+        assert_eq!(reports(&host, report).len(), 2, "reports resume after the full report");
     }
 
     #[test]

@@ -116,7 +116,9 @@ impl Gateway {
             SharedTable::publish(store, snapshot.version, &shared.encode_to_vec());
         }
         let mut deltas: Vec<Delta> = Vec::with_capacity(snapshot.inserts.len() + snapshot.evictions.len());
-        deltas.extend(snapshot.inserts.iter().map(|i| Delta {
+        // This Envoy's own inserts, echoed back by the control plane, are in its index already.
+        let own = |i: &&IndexInsert| !i.origin.is_empty() && self.own_id.as_deref() == Some(i.origin.as_str());
+        deltas.extend(snapshot.inserts.iter().filter(|i| !own(i)).map(|i| Delta {
             worker: i.worker,
             evict: false,
             from_cp: true,
@@ -156,8 +158,12 @@ impl Gateway {
     /// last report, and the in-flight counts.
     pub fn take_report(&mut self, store: &dyn SharedStore, gateway_id: &str) -> ReportBatch {
         self.catch_up(store, Inflight::load(store).head());
-        let inserts =
-            self.unreported.take().into_iter().map(|(worker, hashes)| IndexInsert { worker, hashes }).collect();
+        let inserts = self
+            .unreported
+            .take()
+            .into_iter()
+            .map(|(worker, hashes)| IndexInsert { worker, hashes, ..Default::default() })
+            .collect();
         let counts = Inflight::counts(store)
             .into_iter()
             .map(|c| WorkerCounts { worker: c.worker, in_flight: c.in_flight, requests: c.finished, errors: c.failed })
@@ -165,11 +171,29 @@ impl Gateway {
         ReportBatch { gateway_id: gateway_id.to_string(), inserts, counts }
     }
 
-    /// Everything this VM's index holds, for a control plane that just (re)connected.
-    pub fn full_report(&mut self, gateway_id: &str) -> ReportBatch {
-        let mut inserts = Vec::new();
+    /// Everything this VM's index holds, for a control plane that just (re)connected: report
+    /// batches of at most `max_hashes` hashes each (at least one batch, possibly empty).
+    pub fn full_report(&mut self, gateway_id: &str, max_hashes: usize) -> Vec<ReportBatch> {
+        let max_hashes = max_hashes.max(1);
+        let batch = || ReportBatch { gateway_id: gateway_id.to_string(), ..Default::default() };
+        let mut out: Vec<ReportBatch> = Vec::new();
+        let mut room = 0usize;
         let mut export = |r: &mut Router| {
-            inserts.extend(r.index().export().into_iter().map(|(worker, hashes)| IndexInsert { worker, hashes }));
+            for (worker, hashes) in r.index().export() {
+                let mut rest = hashes.as_slice();
+                while !rest.is_empty() {
+                    if room == 0 {
+                        out.push(batch());
+                        room = max_hashes;
+                    }
+                    let Some((now, later)) = rest.split_at_checked(room.min(rest.len())) else { break };
+                    if let Some(last) = out.last_mut() {
+                        last.inserts.push(IndexInsert { worker, hashes: now.to_vec(), ..Default::default() });
+                    }
+                    room -= now.len();
+                    rest = later;
+                }
+            }
         };
         match &mut self.mode {
             Mode::Regular(r) => export(r),
@@ -179,7 +203,10 @@ impl Gateway {
             }
         }
         self.unreported.take();
-        ReportBatch { gateway_id: gateway_id.to_string(), inserts, ..Default::default() }
+        if out.is_empty() {
+            out.push(batch());
+        }
+        out
     }
 
     pub fn table_version(&self) -> Option<u64> {
@@ -197,7 +224,9 @@ mod tests {
     fn gateway(store: &FakeStore, seed: u64) -> Gateway {
         let json = r#"{"control_plane_cluster":"cp","worker_urls":["http://127.0.0.1:1"],"cache_threshold":0.2,
             "balance_abs_threshold":5}"#;
-        Gateway::new(kvmesh_core::Config::from_json(json.as_bytes()).unwrap(), store, seed)
+        let mut g = Gateway::new(kvmesh_core::Config::from_json(json.as_bytes()).unwrap(), store, seed);
+        g.set_reporting(true);
+        g
     }
 
     fn cp_settings(json: &str) -> Option<proto::RoutingSettings> {
@@ -227,7 +256,7 @@ mod tests {
             full: true,
             workers: vec![worker(10, 20), worker(11, 21), worker(12, 22)],
             workers_changed: true,
-            inserts: vec![IndexInsert { worker: 11, hashes }],
+            inserts: vec![IndexInsert { worker: 11, hashes, ..Default::default() }],
             settings: cp_settings(r#"{"cache_threshold":0.1}"#),
             ..Default::default()
         };
@@ -309,6 +338,33 @@ mod tests {
     }
 
     #[test]
+    fn a_delta_does_not_echo_this_envoys_own_inserts() {
+        let store = FakeStore::default();
+        let (mut owner, mut other) = (gateway(&store, 1), gateway(&store, 2));
+        owner.set_own_id("envoy/a");
+        let full = proto::Snapshot {
+            version: 1,
+            full: true,
+            workers: vec![worker(0, 20), worker(1, 21)],
+            workers_changed: true,
+            ..Default::default()
+        };
+        owner.apply_snapshot(&store, &full);
+        let insert = |origin: &str, hashes: Vec<u64>| IndexInsert { worker: 1, hashes, origin: origin.into() };
+        let delta = proto::Snapshot {
+            version: 2,
+            inserts: vec![insert("envoy/a", vec![1, 2, 3]), insert("envoy/b", vec![4]), insert("", vec![5])],
+            ..Default::default()
+        };
+        let before = owner.index_len();
+        owner.apply_snapshot(&store, &delta);
+        assert_eq!(owner.index_len(), before + 2, "only the other gateway's and the control plane's blocks");
+        // The other VMs get the same through the delta log.
+        route(&mut other, &store, "x");
+        assert_eq!(other.index_len(), 1 + 2, "its own block, and the two from the delta");
+    }
+
+    #[test]
     fn reports_carry_new_inserts_once_and_the_counts() {
         let store = FakeStore::default();
         let mut g = gateway(&store, 1);
@@ -327,7 +383,15 @@ mod tests {
         assert_eq!(report.inserts.len(), 1);
         assert_eq!(report.counts[0].in_flight, 1);
         assert!(g.take_report(&store, "gw").inserts.is_empty(), "reported once");
-        let full = g.full_report("gw");
-        assert_eq!(full.inserts.iter().map(|i| i.hashes.len()).sum::<usize>(), 4);
+        let full = g.full_report("gw", 1 << 16);
+        assert_eq!(full.len(), 1);
+        assert_eq!(full[0].inserts.iter().map(|i| i.hashes.len()).sum::<usize>(), 4);
+        // In chunks of at most 3 hashes: every hash once, no chunk over the bound.
+        route(&mut g, &store, &"s".repeat(100));
+        let chunks = g.full_report("gw", 3);
+        let sizes: Vec<usize> = chunks.iter().map(|b| b.inserts.iter().map(|i| i.hashes.len()).sum()).collect();
+        assert_eq!(sizes.iter().sum::<usize>(), 8, "{sizes:?}");
+        assert!(sizes.iter().all(|&n| (1..=3).contains(&n)), "{sizes:?}");
+        assert!(chunks.iter().all(|b| b.gateway_id == "gw" && b.counts.is_empty()));
     }
 }

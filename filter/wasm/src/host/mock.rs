@@ -33,6 +33,9 @@ impl SentReply {
     }
 }
 
+/// A gRPC stream's initial metadata.
+pub type Metadata = Vec<(String, Vec<u8>)>;
+
 #[derive(Default)]
 pub struct MockHost {
     pub store: Rc<FakeStore>,
@@ -52,6 +55,8 @@ pub struct MockHost {
     /// Refuse request header writes (to test failures after a decision).
     pub refuse_headers: Cell<bool>,
     pub grpc_opened: RefCell<Vec<(u32, String)>>,
+    /// The initial metadata of each stream opened, by token.
+    pub grpc_metadata: RefCell<Vec<(u32, Metadata)>>,
     pub grpc_sent: RefCell<Vec<(u32, Vec<u8>)>>,
     pub grpc_cancelled: RefCell<Vec<u32>>,
     pub grpc_inbox: RefCell<Vec<u8>>,
@@ -233,13 +238,22 @@ impl Host for MockHost {
         a.1[..size.min(a.1.len())].to_vec()
     }
 
-    fn open_grpc_stream(&self, cluster: &str, _service: &str, method: &str) -> Result<u32, HostError> {
+    fn open_grpc_stream(
+        &self,
+        cluster: &str,
+        _service: &str,
+        method: &str,
+        metadata: &[(&str, &[u8])],
+    ) -> Result<u32, HostError> {
         self.grpc_attempts.set(self.grpc_attempts.get() + 1);
         if self.refuse_grpc.get() {
             return Err(HostError("ParseFailure".into()));
         }
         let token = self.token();
         self.grpc_opened.borrow_mut().push((token, format!("{cluster}/{method}")));
+        self.grpc_metadata
+            .borrow_mut()
+            .push((token, metadata.iter().map(|(k, v)| (k.to_string(), v.to_vec())).collect()));
         Ok(token)
     }
 
