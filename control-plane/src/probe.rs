@@ -8,14 +8,25 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::state::State;
 
+/// The most of a worker's answer kvmesh-cp reads (a health, load or metrics page; a hostile or
+/// broken worker cannot make it hold more).
+pub const MAX_RESPONSE_BYTES: u64 = 4 << 20;
+
 /// `GET path` on `addr`: the status and body, or why not.
 pub async fn get(addr: &str, path: &str, timeout: Duration) -> Result<(u16, String), String> {
+    request("GET", addr, path, timeout).await
+}
+
+/// `method path` (no body) on `addr`: the status and at most [`MAX_RESPONSE_BYTES`] of the
+/// answer, or why not.
+pub async fn request(method: &str, addr: &str, path: &str, timeout: Duration) -> Result<(u16, String), String> {
     let attempt = async {
         let mut conn = tokio::net::TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
-        let req = format!("GET {path} HTTP/1.0\r\nhost: {addr}\r\nuser-agent: kvmesh-cp\r\n\r\n");
+        let req =
+            format!("{method} {path} HTTP/1.0\r\nhost: {addr}\r\nuser-agent: kvmesh-cp\r\ncontent-length: 0\r\n\r\n");
         conn.write_all(req.as_bytes()).await.map_err(|e| e.to_string())?;
         let mut buf = Vec::new();
-        conn.read_to_end(&mut buf).await.map_err(|e| e.to_string())?;
+        (&mut conn).take(MAX_RESPONSE_BYTES).read_to_end(&mut buf).await.map_err(|e| e.to_string())?;
         let text = String::from_utf8_lossy(&buf);
         let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
         let status = head.split(' ').nth(1).and_then(|s| s.parse().ok()).ok_or("no HTTP status")?;

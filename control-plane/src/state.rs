@@ -547,8 +547,18 @@ impl State {
     /// delta.
     pub fn evict(&self) -> usize {
         let max_blocks = (self.settings.max_tree_size / self.settings.block_size as u64).max(1);
+        self.evict_with(|index| index.evict_to(max_blocks))
+    }
+
+    /// Forgets the whole global index (the workers' caches were flushed); the evictions go
+    /// out in the next delta, so every filter forgets it too.
+    pub fn forget_index(&self) -> usize {
+        self.evict_with(|index| index.evict_total_to(0))
+    }
+
+    fn evict_with(&self, evict: impl FnOnce(&mut PrefixIndex) -> Vec<(u64, u32)>) -> usize {
         let mut inner = self.lock();
-        let evicted = inner.index.evict_to(max_blocks);
+        let evicted = evict(&mut inner.index);
         let n = evicted.len();
         let mut per_worker: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
         for (hash, worker) in evicted {
@@ -766,6 +776,27 @@ mod tests {
         let d = rx.try_recv().unwrap();
         assert_eq!(d.evictions[0].hashes.len(), 6);
         assert_eq!(s.index_stats().0, 4);
+    }
+
+    #[test]
+    fn forgetting_the_index_evicts_everything_and_tells_the_filters() {
+        let s = state(&["--worker-urls", "http://127.0.0.1:1", "http://127.0.0.1:2"]);
+        s.publish();
+        let mut rx = s.subscribe();
+        for worker in [0, 1] {
+            s.report(ReportBatch {
+                gateway_id: "a".into(),
+                inserts: vec![IndexInsert { worker, hashes: (0..5).collect(), ..Default::default() }],
+                ..Default::default()
+            });
+        }
+        s.publish();
+        let _ = rx.try_recv();
+        assert_eq!(s.forget_index(), 10);
+        assert_eq!(s.index_stats(), (0, 0));
+        s.publish();
+        let d = rx.try_recv().unwrap();
+        assert_eq!(d.evictions.iter().map(|e| e.hashes.len()).sum::<usize>(), 10);
     }
 
     #[test]

@@ -715,3 +715,44 @@ fn a_restarted_control_plane_keeps_api_workers_and_their_ids_and_prefixes_stay_p
     let state: Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
     assert_eq!(state["api_workers"][0]["url"], workers[1].url(), "{state}");
 }
+
+#[test]
+fn flush_cache_fans_out_to_every_worker_and_empties_every_index() {
+    let workers = sims(2);
+    let flags = worker_flags(&workers);
+    let cp = ControlPlane::start(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    let envoy = gateway(&cp);
+    let prefix = "A long system prompt that every request shares. ".repeat(20);
+    served(&generate(&envoy, &format!("{prefix}one")));
+    let again = served(&generate(&envoy, &format!("{prefix}two")));
+    let cached_tokens = |addr: &str| -> u64 {
+        let load = http::get(&format!("http://{addr}/get_load")).unwrap().json().unwrap();
+        load[0]["num_tokens"].as_u64().unwrap_or(0)
+    };
+    assert!(cached_tokens(&again) > 0, "the worker holds the prefix");
+    wait_until("the control plane to index the prefix", Duration::from_secs(10), || {
+        cp.snapshot().is_ok_and(|s| s["index_entries"].as_u64().unwrap_or(0) > 0)
+    })
+    .unwrap();
+
+    // Not without an admin key: worker administration is the control plane's, and guarded.
+    let anonymous = http::post(&cp.url("/flush_cache"), b"", &[]).unwrap();
+    assert_eq!(anonymous.status, 401, "{}", anonymous.text());
+    assert!(cached_tokens(&again) > 0);
+
+    let r = cp.post("/flush_cache").unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let body = r.json().unwrap();
+    assert_eq!(body["workers"].as_array().map(Vec::len), Some(2), "{body}");
+    assert!(body["workers"].as_array().unwrap().iter().all(|w| w["ok"] == true), "{body}");
+    for w in &workers {
+        assert_eq!(cached_tokens(&w.addr()), 0, "{} was flushed", w.addr());
+    }
+    assert_eq!(cp.snapshot().unwrap()["index_entries"], 0, "the global index forgot too");
+    // And the filter: the next request with the prefix is no cache hit in the gateway's eyes.
+    wait_for_version(&envoy, cp_version(&cp));
+    let hits = || envoy.stat("wasmcustom.kvmesh_cache_hits_total").unwrap().unwrap_or(0);
+    let before = hits();
+    served(&generate(&envoy, &format!("{prefix}three")));
+    assert_eq!(hits(), before, "the filter's index forgot the flushed prefix");
+}
