@@ -149,3 +149,40 @@ mod tests {
         assert_eq!(parse_metrics("other 1\n"), (None, None));
     }
 }
+
+#[cfg(test)]
+mod bounded {
+    use super::*;
+
+    /// A "worker" that answers with a status line and then bytes without end.
+    async fn endless_worker() -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            let (mut conn, _) = listener.accept().await.unwrap();
+            let mut head = [0u8; 1024];
+            let _ = conn.read(&mut head).await;
+            let _ = conn.write_all(b"HTTP/1.0 200 OK\r\n\r\n").await;
+            let chunk = vec![b'x'; 64 * 1024];
+            // Until kvmesh-cp stops reading (at most 64 MiB, to bound the test itself).
+            for _ in 0..1024 {
+                if conn.write_all(&chunk).await.is_err() {
+                    break;
+                }
+            }
+        });
+        addr
+    }
+
+    #[test]
+    fn an_endless_worker_answer_is_read_only_up_to_the_bound() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let addr = endless_worker().await;
+            let (status, body) = get(&addr, "/metrics", Duration::from_secs(20)).await.unwrap();
+            assert_eq!(status, 200);
+            assert!(body.len() as u64 <= MAX_RESPONSE_BYTES, "{} bytes kept", body.len());
+            assert!(body.len() as u64 > MAX_RESPONSE_BYTES / 2, "the bound, not an early stop");
+        });
+    }
+}
