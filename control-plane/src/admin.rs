@@ -275,12 +275,7 @@ async fn metrics(Axum(metrics): Axum<Arc<Metrics>>) -> impl IntoResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn state(args: &[&str]) -> Arc<State> {
-        let mut argv = vec!["kvmesh-cp"];
-        argv.extend(args);
-        State::new(crate::args::Args::parse_from(argv).map_err(|e| e.one_line()).unwrap().load().unwrap())
-    }
+    use crate::state::tests::state;
 
     fn value(text: &str, series: &str) -> Option<f64> {
         text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())

@@ -691,11 +691,12 @@ pub fn role_name(role: Role) -> &'static str {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use kvmesh_proto::v1::WorkerCounts;
 
-    fn state(args: &[&str]) -> Arc<State> {
+    /// A state from kvmesh-cp's command line (shared with the admin API's tests).
+    pub(crate) fn state(args: &[&str]) -> Arc<State> {
         let mut argv = vec!["kvmesh-cp"];
         argv.extend(args);
         State::new(crate::args::Args::parse_from(argv).map_err(|e| e.one_line()).unwrap().load().unwrap())

@@ -520,6 +520,9 @@ impl Gateway {
     /// second as a heartbeat), and takes back the counts of VMs that died (see [`VmLedger`]).
     pub fn heartbeat(&mut self, store: &dyn SharedStore, now_ms: u64) {
         let due = now_ms.saturating_sub(self.last_heartbeat_ms) >= 1_000;
+        if due {
+            VmLedger::register(store, self.vm_id());
+        }
         if self.mine_changed || due {
             let counts: Vec<(WorkerId, u32)> = self.mine.iter().map(|(&w, &n)| (w, n)).collect();
             VmLedger::publish(store, self.vm_id(), now_ms, &counts);

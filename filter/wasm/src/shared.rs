@@ -318,9 +318,9 @@ impl VmLedger {
         value.chunks_exact(4).filter_map(|c| u32_at(c, 0)).collect()
     }
 
-    /// Publishes `vm`'s in-flight counts with a heartbeat at `now_ms`, registering it if it
-    /// is not (yet, or any more).
-    pub fn publish(store: &dyn SharedStore, vm: u32, now_ms: u64, counts: &[(WorkerId, u32)]) {
+    /// Registers `vm` if it is not (yet, or any more: a VM that was merely slow comes back).
+    /// Checked once a second, not on every publish.
+    pub fn register(store: &dyn SharedStore, vm: u32) {
         if !Self::registered(store).contains(&vm) {
             update(store, Self::REGISTRY, |value| {
                 let ids: Vec<u32> = value.chunks_exact(4).filter_map(|c| u32_at(c, 0)).collect();
@@ -329,6 +329,10 @@ impl VmLedger {
                 }
             });
         }
+    }
+
+    /// Publishes `vm`'s in-flight counts with a heartbeat at `now_ms` (one write).
+    pub fn publish(store: &dyn SharedStore, vm: u32, now_ms: u64, counts: &[(WorkerId, u32)]) {
         let mut value = now_ms.to_le_bytes().to_vec();
         for &(worker, n) in counts {
             value.extend_from_slice(&worker.to_le_bytes());
@@ -541,6 +545,9 @@ mod tests {
     #[test]
     fn a_dead_vms_counts_are_taken_back_once() {
         let store = FakeStore::default();
+        for vm in [1, 2, 3] {
+            VmLedger::register(&store, vm);
+        }
         VmLedger::publish(&store, 1, 1_000, &[(7, 3), (8, 1)]);
         VmLedger::publish(&store, 2, 1_000, &[]);
         VmLedger::publish(&store, 3, 1_000, &[]);
@@ -555,7 +562,8 @@ mod tests {
         assert_eq!(taken, vec![(7, 3), (8, 1)]);
         assert!(VmLedger::reap(&store, 3, 11_600).is_empty(), "taken back once only");
         assert_eq!(VmLedger::registered(&store), vec![2, 3]);
-        // A VM that was merely slow registers again on its next publish.
+        // A VM that was merely slow registers again on its next heartbeat.
+        VmLedger::register(&store, 1);
         VmLedger::publish(&store, 1, 12_000, &[(7, 1)]);
         assert_eq!(VmLedger::registered(&store), vec![2, 3, 1]);
     }
