@@ -1,13 +1,14 @@
 //! `kvmesh-cp`: the kvmesh control plane.
 //!
 //! Wires the parts: flags and config ([`args`]), the state ([`state`]), the gRPC snapshot
-//! service ([`grpc`]), the HTTP admin API ([`admin`]), health checks and load polling
+//! service ([`grpc`]), Envoy's endpoint discovery for the workers' cluster ([`eds`]), the HTTP admin API ([`admin`]), health checks and load polling
 //! ([`probe`]), and the periodic eviction and delta push.
 
 mod admin;
 mod args;
 mod auth;
 mod discovery;
+mod eds;
 mod grpc;
 mod peer_flags;
 mod probe;
@@ -20,6 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use kvmesh_proto::eds::endpoint_discovery_service_server::EndpointDiscoveryServiceServer;
 use kvmesh_proto::v1::kvmesh_server::KvmeshServer;
 
 fn main() -> ExitCode {
@@ -123,9 +125,16 @@ async fn run(settings: settings::Settings) -> anyhow::Result<()> {
             .max_decoding_message_size(state.settings.limits.max_message_bytes),
         auth::GrpcAuth { state: state.clone() },
     );
+    // Envoy's EDS client for the workers' cluster, behind the same token.
+    let eds = tonic::service::interceptor::InterceptedService::new(
+        EndpointDiscoveryServiceServer::new(eds::Service { state: state.clone() }),
+        auth::GrpcAuth { state: state.clone() },
+    );
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc);
-    let grpc_server =
-        tonic::transport::Server::builder().add_service(service).serve_with_incoming_shutdown(incoming, shutdown());
+    let grpc_server = tonic::transport::Server::builder()
+        .add_service(service)
+        .add_service(eds)
+        .serve_with_incoming_shutdown(incoming, shutdown());
     let http_server = axum::serve(http, admin::router(state, metrics)).with_graceful_shutdown(shutdown());
     let (g, h) = tokio::join!(grpc_server, http_server);
     g.context("gRPC server failed")?;

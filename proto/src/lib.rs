@@ -9,6 +9,16 @@ pub mod v1 {
     include!(concat!(env!("OUT_DIR"), "/kvmesh.v1.rs"));
 }
 
+/// `envoy.service.endpoint.v3`: the subset of Envoy's EDS API that kvmesh-cp serves
+/// (`envoy_eds.proto`).
+#[allow(clippy::all)]
+pub mod eds {
+    include!(concat!(env!("OUT_DIR"), "/envoy.service.endpoint.v3.rs"));
+}
+
+/// The resource type of EDS responses.
+pub const CLUSTER_LOAD_ASSIGNMENT: &str = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
+
 mod settings;
 
 pub use prost::Message;

@@ -1,0 +1,197 @@
+//! Envoy's endpoint discovery service (EDS, state-of-the-world over gRPC): the cluster the
+//! filter routes into gets exactly the workers of the control plane's table, with their
+//! health, so that Envoy's `override_host` load balancer can reach every worker a filter
+//! names, and its retries can move a request to the next one (see docs/ARCHITECTURE.md,
+//! "Failover").
+//!
+//! Every cluster name Envoy asks for gets every worker (all roles: in PD mode the decode leg
+//! and the prefill callout share one cluster; the filter's header names the worker). Workers
+//! whose URL host is not an IP address are left out (an EDS endpoint is an address), with a
+//! warning. A worker the control plane finds unhealthy is sent as UNHEALTHY, which
+//! `override_host` does not pick.
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use futures_util::{Stream, StreamExt};
+use kvmesh_proto::eds::endpoint_discovery_service_server::EndpointDiscoveryService;
+use kvmesh_proto::eds::{
+    Address, Any, ClusterLoadAssignment, DiscoveryRequest, DiscoveryResponse, Endpoint, HealthStatus, LbEndpoint,
+    LocalityLbEndpoints, SocketAddress,
+};
+use kvmesh_proto::{Message, CLUSTER_LOAD_ASSIGNMENT};
+use tokio::sync::broadcast::error::RecvError;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::state::{State, WorkerEntry};
+
+/// Most cluster names one stream may ask for.
+const MAX_RESOURCE_NAMES: usize = 64;
+
+/// A worker as an EDS endpoint: `(ip, port, healthy)`; `None` when its URL has no IP address.
+fn endpoint_of(w: &WorkerEntry) -> Option<(String, u32, bool)> {
+    let rest = w.url.strip_prefix("http://")?;
+    let authority = rest.split('/').next()?;
+    let (host, port) = authority.rsplit_once(':')?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let ip: IpAddr = host.parse().ok()?;
+    let port: u32 = port.parse().ok().filter(|p| (1..=65535).contains(p))?;
+    Some((ip.to_string(), port, w.healthy))
+}
+
+/// The endpoints of every worker, sorted (so that an unchanged table compares equal).
+pub fn endpoints(workers: &[WorkerEntry]) -> Vec<(String, u32, bool)> {
+    let mut out: Vec<_> = workers
+        .iter()
+        .filter_map(|w| {
+            let e = endpoint_of(w);
+            if e.is_none() {
+                tracing::warn!(url = %w.url, "worker left out of EDS: its URL host is not an IP address");
+            }
+            e
+        })
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
+fn assignment(cluster: &str, endpoints: &[(String, u32, bool)]) -> Any {
+    let lb_endpoints = endpoints
+        .iter()
+        .map(|(ip, port, healthy)| LbEndpoint {
+            endpoint: Some(Endpoint {
+                address: Some(Address {
+                    socket_address: Some(SocketAddress { address: ip.clone(), port_value: *port }),
+                }),
+                hostname: String::new(),
+            }),
+            health_status: if *healthy { HealthStatus::Healthy } else { HealthStatus::Unhealthy } as i32,
+        })
+        .collect();
+    let cla = ClusterLoadAssignment {
+        cluster_name: cluster.to_string(),
+        endpoints: vec![LocalityLbEndpoints { lb_endpoints }],
+    };
+    Any { type_url: CLUSTER_LOAD_ASSIGNMENT.to_string(), value: cla.encode_to_vec() }
+}
+
+/// A request kvmesh-cp can answer.
+fn check(req: &DiscoveryRequest) -> Result<(), Status> {
+    if req.type_url != CLUSTER_LOAD_ASSIGNMENT {
+        return Err(Status::invalid_argument(format!("kvmesh-cp serves only {CLUSTER_LOAD_ASSIGNMENT}")));
+    }
+    if req.resource_names.len() > MAX_RESOURCE_NAMES {
+        return Err(Status::invalid_argument(format!("at most {MAX_RESOURCE_NAMES} clusters per stream")));
+    }
+    Ok(())
+}
+
+pub struct Service {
+    pub state: Arc<State>,
+}
+
+type Responses = Pin<Box<dyn Stream<Item = Result<DiscoveryResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl EndpointDiscoveryService for Service {
+    type StreamEndpointsStream = Responses;
+
+    async fn stream_endpoints(
+        &self,
+        request: Request<Streaming<DiscoveryRequest>>,
+    ) -> Result<Response<Self::StreamEndpointsStream>, Status> {
+        let peer = request.remote_addr();
+        let mut requests = request.into_inner();
+        let state = self.state.clone();
+        let mut changes = state.subscribe();
+        let stream = async_stream::try_stream! {
+            let mut names: BTreeSet<String> = BTreeSet::new();
+            let mut sent: Option<(BTreeSet<String>, Vec<(String, u32, bool)>)> = None;
+            let mut version = 0u64;
+            loop {
+                // Wait for a request or a change of the worker table.
+                let event = tokio::select! {
+                    req = requests.next() => match req {
+                        None => break,
+                        Some(Err(e)) => { tracing::debug!(?peer, "EDS stream ended: {e}"); break }
+                        Some(Ok(req)) => Some(req),
+                    },
+                    change = changes.recv() => match change {
+                        Ok(s) if s.full || s.workers_changed => None,
+                        Ok(_) => continue,
+                        Err(RecvError::Lagged(_)) => None,
+                        Err(RecvError::Closed) => break,
+                    },
+                };
+                if let Some(req) = event {
+                    check(&req)?;
+                    if let Some(e) = &req.error_detail {
+                        tracing::warn!(?peer, version = %req.version_info, "Envoy refused endpoints: {}", e.message);
+                    }
+                    names = req.resource_names.into_iter().collect();
+                }
+                if names.is_empty() {
+                    continue;
+                }
+                let now = endpoints(&state.workers());
+                if sent.as_ref().is_some_and(|(n, e)| *n == names && *e == now) {
+                    continue;
+                }
+                version += 1;
+                let resources = names.iter().map(|name| assignment(name, &now)).collect();
+                yield DiscoveryResponse {
+                    version_info: version.to_string(),
+                    resources,
+                    type_url: CLUSTER_LOAD_ASSIGNMENT.to_string(),
+                    nonce: version.to_string(),
+                };
+                sent = Some((names.clone(), now));
+            }
+        };
+        Ok(Response::new(Box::pin(stream)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn worker(url: &str, healthy: bool) -> WorkerEntry {
+        WorkerEntry::for_test(url, healthy)
+    }
+
+    #[test]
+    fn workers_become_sorted_endpoints_and_hostnames_are_left_out() {
+        let ws = [
+            worker("http://127.0.0.2:30002", false),
+            worker("http://127.0.0.1:30001/", true),
+            worker("http://sglang.default.svc:30000", true),
+            worker("http://[::1]:30003", true),
+        ];
+        assert_eq!(
+            endpoints(&ws),
+            vec![
+                ("127.0.0.1".to_string(), 30001, true),
+                ("127.0.0.2".to_string(), 30002, false),
+                ("::1".to_string(), 30003, true)
+            ]
+        );
+    }
+
+    #[test]
+    fn an_assignment_decodes_as_envoy_would_read_it() {
+        let any =
+            assignment("kvmesh_workers", &[("127.0.0.1".into(), 30001, true), ("127.0.0.2".into(), 30002, false)]);
+        assert_eq!(any.type_url, CLUSTER_LOAD_ASSIGNMENT);
+        let cla = ClusterLoadAssignment::decode(any.value.as_slice()).unwrap();
+        assert_eq!(cla.cluster_name, "kvmesh_workers");
+        let eps = &cla.endpoints[0].lb_endpoints;
+        assert_eq!(eps.len(), 2);
+        assert_eq!(eps[1].health_status, HealthStatus::Unhealthy as i32);
+        let addr = eps[0].endpoint.as_ref().unwrap().address.as_ref().unwrap().socket_address.as_ref().unwrap();
+        assert_eq!((addr.address.as_str(), addr.port_value), ("127.0.0.1", 30001));
+    }
+}
