@@ -141,6 +141,8 @@ async fn workers(Axum(state): Shared) -> Json<Value> {
                 "errors": w.errors,
                 "index_entries": state.index_size_of(w.id),
                 "cache_hit_rate": w.cache_hit_rate,
+                "waiting": w.pressure.waiting,
+                "kv_usage": w.pressure.kv_usage,
             })
         })
         .collect();

@@ -46,6 +46,45 @@ pub fn parse_get_load(body: &str) -> Option<u64> {
     Some(ranks.iter().filter_map(|r| r.get("num_reqs").and_then(serde_json::Value::as_u64)).sum())
 }
 
+/// How full a worker is: requests waiting in its queue, fraction of its KV cache in use.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Pressure {
+    pub waiting: Option<u64>,
+    pub kv_usage: Option<f64>,
+}
+
+/// Waiting requests from SGLang's `/get_load` (one object per DP rank: `num_waiting_reqs`).
+pub fn waiting_from_get_load(body: &str) -> Option<u64> {
+    let v: serde_json::Value = serde_json::from_str(body).ok()?;
+    let ranks = v.as_array()?;
+    let counts: Vec<u64> =
+        ranks.iter().filter_map(|r| r.get("num_waiting_reqs").and_then(serde_json::Value::as_u64)).collect();
+    (!counts.is_empty()).then(|| counts.iter().sum())
+}
+
+/// Waiting requests and KV cache usage from Prometheus text (SGLang or vLLM names).
+pub fn parse_pressure(text: &str) -> Pressure {
+    let mut p = Pressure::default();
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let Some((name_labels, value)) = line.rsplit_once(' ') else { continue };
+        let name = name_labels.split('{').next().unwrap_or(name_labels);
+        let Ok(v) = value.trim().parse::<f64>() else { continue };
+        if !v.is_finite() || v < 0.0 {
+            continue;
+        }
+        match name {
+            "sglang:num_queue_reqs" | "vllm:num_requests_waiting" => {
+                p.waiting = Some(p.waiting.unwrap_or(0).saturating_add(v.round() as u64));
+            }
+            "sglang:token_usage" | "vllm:kv_cache_usage_perc" => {
+                p.kv_usage = Some(p.kv_usage.unwrap_or(0.0).max(v.min(1.0)));
+            }
+            _ => {}
+        }
+    }
+    p
+}
+
 /// Load (running + queued) and cache hit rate from Prometheus text (SGLang or vLLM names).
 pub fn parse_metrics(text: &str) -> (Option<u64>, Option<f64>) {
     let mut load = None::<f64>;
@@ -108,15 +147,19 @@ pub async fn load_loop(state: Arc<State>) {
             async move {
                 let Ok(addr) = kvmesh_core::worker::socket_addr(&w.url) else { return };
                 let addr = addr.to_string();
-                let (mut load, mut hit) = (None, None);
+                let (mut load, mut hit, mut pressure) = (None, None, Pressure::default());
                 if let Ok((200, body)) = get(&addr, "/get_load", timeout).await {
                     load = parse_get_load(&body);
+                    pressure.waiting = waiting_from_get_load(&body);
                 }
                 if let Ok((200, body)) = get(&addr, "/metrics", timeout).await {
                     let (l, h) = parse_metrics(&body);
                     load = load.or(l);
                     hit = h;
+                    let p = parse_pressure(&body);
+                    pressure = Pressure { waiting: pressure.waiting.or(p.waiting), kv_usage: p.kv_usage };
                 }
+                state.pressure_result(w.id, pressure);
                 state.load_result(w.id, load, hit);
             }
         });
@@ -138,6 +181,24 @@ mod tests {
             Some(5)
         );
         assert_eq!(parse_get_load("nope"), None);
+    }
+
+    #[test]
+    fn pressure_from_get_load_and_metrics() {
+        let ranks =
+            r#"[{"dp_rank":0,"num_reqs":3,"num_waiting_reqs":1},{"dp_rank":1,"num_reqs":2,"num_waiting_reqs":4}]"#;
+        assert_eq!(waiting_from_get_load(ranks), Some(5));
+        assert_eq!(waiting_from_get_load(r#"{"load":3}"#), None, "the old shape does not say");
+        let sglang = "sglang:num_queue_reqs{model_name=\"m\"} 2\nsglang:token_usage{model_name=\"m\"} 0.25\n";
+        assert_eq!(parse_pressure(sglang), Pressure { waiting: Some(2), kv_usage: Some(0.25) });
+        let vllm = "vllm:num_requests_waiting 7.0\nvllm:kv_cache_usage_perc 0.9\n";
+        assert_eq!(parse_pressure(vllm), Pressure { waiting: Some(7), kv_usage: Some(0.9) });
+        let hostile = "sglang:num_queue_reqs -5\nsglang:token_usage NaN\nsglang:token_usage 1e9\n";
+        assert_eq!(
+            parse_pressure(hostile),
+            Pressure { waiting: None, kv_usage: Some(1.0) },
+            "clamped, garbage skipped"
+        );
     }
 
     #[test]

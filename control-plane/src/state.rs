@@ -39,6 +39,8 @@ pub struct WorkerEntry {
     pub polled_load: Option<u64>,
     /// The worker's own cache hit rate, when its `/metrics` says.
     pub cache_hit_rate: Option<f64>,
+    /// Its queue and KV cache, when it says (`/get_load`, `/metrics`).
+    pub pressure: crate::probe::Pressure,
     /// In-flight requests per gateway, as reported.
     pub inflight: HashMap<String, u32>,
     /// Finished and failed requests, summed over gateways.
@@ -58,6 +60,29 @@ impl WorkerEntry {
         self.polled_load.unwrap_or_else(|| self.inflight_total())
     }
 
+    /// A bare entry (tests of modules that read the table).
+    #[cfg(test)]
+    pub fn for_test(url: &str, healthy: bool) -> Self {
+        Self {
+            id: 0,
+            url: url.to_string(),
+            role: Role::Regular,
+            bootstrap_port: None,
+            source: Source::Static,
+            healthy,
+            awaiting_probe: false,
+            fails: 0,
+            oks: 0,
+            polled_load: None,
+            cache_hit_rate: None,
+            pressure: Default::default(),
+            inflight: HashMap::new(),
+            requests: 0,
+            errors: 0,
+            last_counts: HashMap::new(),
+        }
+    }
+
     fn proto(&self) -> Worker {
         Worker {
             id: self.id,
@@ -66,6 +91,8 @@ impl WorkerEntry {
             healthy: self.healthy,
             load: self.load(),
             bootstrap_port: self.bootstrap_port.map(u32::from),
+            waiting: self.pressure.waiting,
+            kv_usage: self.pressure.kv_usage,
         }
     }
 }
@@ -299,6 +326,7 @@ impl State {
             oks: 0,
             polled_load: None,
             cache_hit_rate: None,
+            pressure: Default::default(),
             inflight: HashMap::new(),
             requests: 0,
             errors: 0,
@@ -366,6 +394,16 @@ impl State {
         }
         if w.polled_load != load {
             w.polled_load = load;
+            inner.workers_dirty = true;
+        }
+    }
+
+    /// How full worker `id` is, as just polled.
+    pub fn pressure_result(&self, id: u32, pressure: crate::probe::Pressure) {
+        let mut inner = self.lock();
+        let Some(w) = inner.workers.get_mut(&id) else { return };
+        if w.pressure != pressure {
+            w.pressure = pressure;
             inner.workers_dirty = true;
         }
     }

@@ -30,8 +30,8 @@ pub struct EnvoyOptions {
     pub control_plane: Option<u16>,
     /// The token the filter presents to the control plane (`control_plane_token`).
     pub control_plane_token: Option<String>,
-    /// Remove these HTTP filters from the shipped configuration, nothing else (e.g. the
-    /// kvmesh filter, to see what a filter that fails open would leave).
+    /// Remove these HTTP filters (or early header mutations) from the shipped configuration,
+    /// nothing else (e.g. the kvmesh filter, to see what a filter that fails open would leave).
     pub remove_http_filters: Vec<String>,
 }
 
@@ -116,6 +116,9 @@ pub fn render(opts: &EnvoyOptions) -> anyhow::Result<String> {
         }
     }
     *value = serde_json::to_string_pretty(&filter)?.into();
+    if opts.plain_upstreams.is_none() {
+        workers_cluster(&mut doc, opts, &filter)?;
+    }
     if let Some(port) = opts.control_plane {
         let clusters = at(&mut doc, &["static_resources", "clusters"])?;
         let cp = clusters
@@ -141,27 +144,75 @@ pub fn render(opts: &EnvoyOptions) -> anyhow::Result<String> {
         make_plain(&mut doc, upstreams)?;
     }
     if !opts.remove_http_filters.is_empty() {
-        let filters = at(
+        let hcm = at(
             &mut doc,
-            &[
-                "static_resources",
-                "listeners",
-                "0",
-                "filter_chains",
-                "0",
-                "filters",
-                "0",
-                "typed_config",
-                "http_filters",
-            ],
+            &["static_resources", "listeners", "0", "filter_chains", "0", "filters", "0", "typed_config"],
         )?;
-        if let Some(seq) = filters.as_sequence_mut() {
-            seq.retain(|f| {
-                !f.get("name").and_then(Yaml::as_str).is_some_and(|n| opts.remove_http_filters.iter().any(|r| r == n))
-            });
+        for list in ["http_filters", "early_header_mutation_extensions"] {
+            if let Some(seq) = hcm.get_mut(list).and_then(Yaml::as_sequence_mut) {
+                seq.retain(|f| {
+                    !f.get("name")
+                        .and_then(Yaml::as_str)
+                        .is_some_and(|n| opts.remove_http_filters.iter().any(|r| r == n))
+                });
+            }
         }
     }
     Ok(serde_yaml::to_string(&doc)?)
+}
+
+/// The workers' cluster: with a control plane, its EDS stream presents the filter's token;
+/// without one, static endpoints: the filter's own workers (as a user without kvmesh-cp
+/// writes them).
+fn workers_cluster(doc: &mut Yaml, opts: &EnvoyOptions, filter: &Json) -> anyhow::Result<()> {
+    let clusters = at(doc, &["static_resources", "clusters"])?;
+    let cluster = clusters
+        .as_sequence_mut()
+        .and_then(|c| c.iter_mut().find(|c| c.get("name").and_then(Yaml::as_str) == Some("kvmesh_workers")))
+        .ok_or_else(|| anyhow!("no kvmesh_workers cluster"))?;
+    if opts.control_plane.is_some() {
+        if let Some(token) = &opts.control_plane_token {
+            let grpc = at(cluster, &["eds_cluster_config", "eds_config", "api_config_source", "grpc_services", "0"])?;
+            let metadata = serde_json::json!([{"key": "authorization", "value": format!("Bearer {token}")}]);
+            grpc.as_mapping_mut()
+                .ok_or_else(|| anyhow!("grpc_services[0] is not a mapping"))?
+                .insert("initial_metadata".into(), serde_yaml::to_value(metadata)?);
+        }
+        return Ok(());
+    }
+    let mut urls: Vec<String> = Vec::new();
+    let strings = |v: Option<&Json>| -> Vec<String> {
+        v.and_then(Json::as_array)
+            .map(|a| {
+                a.iter()
+                    .filter_map(|e| match e {
+                        Json::String(u) => Some(u.clone()),
+                        Json::Array(pair) => pair.first().and_then(Json::as_str).map(String::from),
+                        Json::Object(o) => o.get("url").and_then(Json::as_str).map(String::from),
+                        _ => None,
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    for key in ["worker_urls", "prefill", "decode"] {
+        urls.extend(strings(filter.get(key)));
+    }
+    let endpoints: Vec<Json> = urls
+        .iter()
+        .filter_map(|u| {
+            let authority = u.strip_prefix("http://")?.split('/').next()?;
+            let (ip, port) = authority.rsplit_once(':')?;
+            let ip = ip.trim_start_matches('[').trim_end_matches(']');
+            Some(serde_json::json!({"endpoint": {"address": {"socket_address": {"address": ip, "port_value": port.parse::<u16>().ok()?}}}}))
+        })
+        .collect();
+    let map = cluster.as_mapping_mut().ok_or_else(|| anyhow!("cluster is not a mapping"))?;
+    map.remove("eds_cluster_config");
+    map.insert("type".into(), "STATIC".into());
+    let assignment = serde_json::json!({"cluster_name": "kvmesh_workers", "endpoints": [{"lb_endpoints": endpoints}]});
+    map.insert("load_assignment".into(), serde_yaml::to_value(assignment)?);
+    Ok(())
 }
 
 /// Turns the configuration into the plain-Envoy baseline: the same listener and routes, no
@@ -173,10 +224,35 @@ fn make_plain(doc: &mut Yaml, upstreams: &[String]) -> anyhow::Result<()> {
     )?;
     if let Some(seq) = filters.as_sequence_mut() {
         // Plain Envoy: no kvmesh filter and no header scrubbing in front of it.
-        seq.retain(|f| {
-            let name = f.get("name").and_then(Yaml::as_str);
-            name != Some("envoy.filters.http.wasm") && name != Some("envoy.filters.http.header_mutation")
-        });
+        seq.retain(|f| f.get("name").and_then(Yaml::as_str) != Some("envoy.filters.http.wasm"));
+    }
+    let hcm = at(doc, &["static_resources", "listeners", "0", "filter_chains", "0", "filters", "0", "typed_config"])?;
+    if let Some(m) = hcm.as_mapping_mut() {
+        m.remove("early_header_mutation_extensions");
+    }
+    // Every request goes to the cluster (no filter sets the header the first route wants).
+    let routes = at(
+        doc,
+        &[
+            "static_resources",
+            "listeners",
+            "0",
+            "filter_chains",
+            "0",
+            "filters",
+            "0",
+            "typed_config",
+            "route_config",
+            "virtual_hosts",
+            "0",
+            "routes",
+        ],
+    )?;
+    if let Some(seq) = routes.as_sequence_mut() {
+        seq.truncate(1);
+        if let Some(m) = seq.first_mut().and_then(|r| r.get_mut("match")).and_then(Yaml::as_mapping_mut) {
+            m.remove("headers");
+        }
     }
     let endpoints: Vec<serde_json::Value> = upstreams
         .iter()
@@ -185,8 +261,9 @@ fn make_plain(doc: &mut Yaml, upstreams: &[String]) -> anyhow::Result<()> {
         .collect();
     let cluster = at(doc, &["static_resources", "clusters", "0"])?;
     let map = cluster.as_mapping_mut().ok_or_else(|| anyhow!("cluster is not a mapping"))?;
-    map.remove("original_dst_lb_config");
-    map.remove("cleanup_interval");
+    map.remove("eds_cluster_config");
+    map.remove("load_balancing_policy");
+    map.remove("outlier_detection");
     map.insert("type".into(), "STATIC".into());
     map.insert("lb_policy".into(), "ROUND_ROBIN".into());
     let name = map.get("name").cloned().unwrap_or_else(|| "kvmesh_workers".into());

@@ -343,7 +343,8 @@ fn sglang_router_flags_with_no_effect_start_with_a_warning_each() {
     let workers = sims(1);
     let mut flags = worker_flags(&workers);
     flags.extend(
-        ["--port", "30000", "--model-path", "org/model", "--dp-aware", "--retry-max-retries", "3"].map(String::from),
+        ["--port", "30000", "--model-path", "org/model", "--dp-aware", "--retry-jitter-factor", "0.3"]
+            .map(String::from),
     );
     let mut cp = ControlPlane::start(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
     wait_until("kvmesh-cp to log its warnings", Duration::from_secs(10), || {
@@ -352,13 +353,13 @@ fn sglang_router_flags_with_no_effect_start_with_a_warning_each() {
             "--port: No effect",
             "--model-path: No effect",
             "--dp-aware: No effect",
-            "--retry-max-retries: Accepted, not yet enforced",
+            "--retry-jitter-factor: No effect in kvmesh: Envoy's",
         ]
         .iter()
         .all(|w| log.contains(w))
     })
     .unwrap_or_else(|e| panic!("{e}: {}", cp.proc().log_text()));
-    assert_eq!(cp.snapshot().unwrap()["settings"]["retry_max_retries"], 3, "carried in the settings");
+    assert_eq!(cp.snapshot().unwrap()["settings"]["retry_jitter_factor"], 0.3, "carried in the settings");
 }
 
 /// `message` with the control plane's bearer token in its metadata.

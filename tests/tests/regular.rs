@@ -338,14 +338,27 @@ fn filter_stats_are_exported() {
 }
 
 #[test]
-fn a_dead_worker_gives_a_json_502_naming_it() {
+fn a_dead_worker_is_failed_over_or_gives_a_json_502_naming_it() {
     let live = Sim::start(FAST).unwrap();
     let dead = format!("127.0.0.1:{}", kvmesh_testkit::free_port().unwrap());
-    let filter = json!({"policy": "round_robin", "worker_urls": [live.url(), format!("http://{dead}")]});
-    // One Envoy thread: round robin counts per thread.
-    let mut opts = EnvoyOptions::new(filter).unwrap();
-    opts.concurrency = 1;
-    let envoy = Envoy::start(&opts).unwrap();
+    let start = |extra: Value| {
+        let mut filter = json!({"policy": "round_robin", "worker_urls": [live.url(), format!("http://{dead}")]});
+        filter.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        // One Envoy thread: round robin counts per thread.
+        let mut opts = EnvoyOptions::new(filter).unwrap();
+        opts.concurrency = 1;
+        Envoy::start(&opts).unwrap()
+    };
+    // Round robin sends every other request to the dead worker; Envoy fails them over.
+    let envoy = start(json!({}));
+    for _ in 0..4 {
+        let r = http::post_json(&envoy.url("/generate"), &json!({"text": "hello"})).unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(served_by(&r), live.addr());
+    }
+    assert_eq!(envoy.stat("wasmcustom.kvmesh_failovers_total").unwrap(), Some(2));
+    // Without retries, those requests fail: a JSON 502 naming the worker.
+    let envoy = start(json!({"disable_retries": true}));
     let mut failed = 0;
     for _ in 0..4 {
         let r = http::post_json(&envoy.url("/generate"), &json!({"text": "hello"})).unwrap();

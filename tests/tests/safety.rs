@@ -374,19 +374,19 @@ fn without_the_wasm_filter_a_client_still_cannot_pick_the_destination() {
     let steer = |envoy: &Envoy| {
         let body = br#"{"text":"steered","sampling_params":{"max_new_tokens":1}}"#;
         let addr = sim.addr();
-        let headers = [("x-envoy-original-dst-host", addr.as_str())];
+        let headers = [("x-envoy-original-dst-host", addr.as_str()), ("x-gateway-destination-endpoint", addr.as_str())];
         http::post(&envoy.url("/generate"), body, &headers).unwrap()
     };
     // As shipped, minus the kvmesh filter (what a filter failing open would leave): Envoy's
-    // own header_mutation filter still removes the client's routing header, so the
-    // ORIGINAL_DST cluster has no destination and nothing reaches the worker.
+    // own early header mutation still removes the client's routing headers, so the request
+    // matches no route to the workers and nothing reaches one.
     let fail_open = start(&["envoy.filters.http.wasm"]);
     let r = steer(&fail_open);
-    assert!(r.status >= 500, "the client's header was honoured: {}", r.status);
-    assert!(r.json().is_ok(), "still a JSON error: {}", r.text());
+    assert_eq!(r.status, 503, "the request reached a worker: {}", r.text());
+    assert_eq!(r.json().unwrap()["error"]["code"], "not_routed", "{}", r.text());
     // Control: without the scrubbing filter too, the same request does reach the worker —
-    // so the assertion above is what the header_mutation filter buys.
-    let neither = start(&["envoy.filters.http.wasm", "envoy.filters.http.header_mutation"]);
+    // so the assertion above is what the early header mutation buys.
+    let neither = start(&["envoy.filters.http.wasm", "envoy.http.early_header_mutation.header_mutation"]);
     assert_eq!(steer(&neither).status, 200);
     let seen = http::get(&format!("{}/sim/requests", sim.url())).unwrap().json().unwrap();
     assert_eq!(seen.as_array().map(Vec::len), Some(1), "only the control request arrived: {seen}");

@@ -62,10 +62,19 @@ pub struct Config {
     pub pd: Option<PdConfig>,
     /// Upper bound of a request (and of the prefill leg), like sglang-router's flag.
     pub request_timeout_secs: u64,
+    /// The stall window in milliseconds (0: off); see `worker_stall_secs`.
+    pub worker_stall_ms: u64,
+    /// Overload thresholds (0: off); see `overload_waiting_requests`, `overload_kv_usage`.
+    pub overload_waiting: u64,
+    pub overload_kv_usage: f64,
     /// Passive health: this many consecutive failures take a worker out of rotation for
     /// `cb_timeout_duration_secs` (sglang-router's circuit-breaker flags).
     pub cb_failure_threshold: u32,
     pub cb_timeout_duration_secs: u64,
+    /// Attempts per request, the first included (sglang-router's `--retry-max-retries`, which
+    /// counts the same way: `--disable-retries` is 1), at most [`MAX_ATTEMPTS`]: the worker the
+    /// policy chose, then the next ones Envoy fails over to.
+    pub max_attempts: u32,
     /// The Envoy cluster (ORIGINAL_DST) the prefill callouts go through.
     pub upstream_cluster: String,
     /// The Envoy cluster (HTTP/2) of `kvmesh-cp`; none means static workers only.
@@ -171,6 +180,15 @@ pub const DEFAULT_MAX_PAYLOAD_SIZE: u64 = 256 * 1024 * 1024;
 pub const DEFAULT_REQUEST_TIMEOUT_SECS: u64 = 1800;
 pub const DEFAULT_CB_FAILURE_THRESHOLD: u32 = 10;
 pub const DEFAULT_CB_TIMEOUT_DURATION_SECS: u64 = 60;
+/// SMG's overload thresholds: waiting requests, KV cache usage.
+pub const DEFAULT_OVERLOAD_WAITING: u64 = 8;
+pub const DEFAULT_OVERLOAD_KV_USAGE: f64 = 0.8;
+/// The stall window's default, in seconds.
+pub const DEFAULT_WORKER_STALL_SECS: u64 = 15;
+/// sglang-router's `--retry-max-retries` default (attempts, the first included).
+pub const DEFAULT_RETRY_MAX_RETRIES: u32 = 5;
+/// Most attempts per request, whatever `retry_max_retries` says.
+pub const MAX_ATTEMPTS: u32 = 16;
 pub const DEFAULT_NON_CACHED_TOKENS: u64 = 128;
 pub const DEFAULT_UPSTREAM_CLUSTER: &str = "kvmesh_workers";
 pub const DEFAULT_REPORT_INTERVAL_MS: u64 = 20;
@@ -192,8 +210,12 @@ impl Default for Config {
             workers: WorkerTable::default(),
             pd: None,
             request_timeout_secs: DEFAULT_REQUEST_TIMEOUT_SECS,
+            worker_stall_ms: DEFAULT_WORKER_STALL_SECS * 1000,
+            overload_waiting: DEFAULT_OVERLOAD_WAITING,
+            overload_kv_usage: DEFAULT_OVERLOAD_KV_USAGE,
             cb_failure_threshold: DEFAULT_CB_FAILURE_THRESHOLD,
             cb_timeout_duration_secs: DEFAULT_CB_TIMEOUT_DURATION_SECS,
+            max_attempts: DEFAULT_RETRY_MAX_RETRIES,
             upstream_cluster: DEFAULT_UPSTREAM_CLUSTER.to_string(),
             control_plane_cluster: None,
             report_interval_ms: DEFAULT_REPORT_INTERVAL_MS,
@@ -291,12 +313,32 @@ impl Config {
             block_size: usize::try_from(block_size).unwrap_or(DEFAULT_BLOCK_SIZE),
             max_payload_size: positive("max_payload_size", s.max_payload_size, d.max_payload_size)?,
             request_timeout_secs: positive("request_timeout_secs", s.request_timeout_secs, d.request_timeout_secs)?,
+            worker_stall_ms: match s.worker_stall_secs {
+                Some(secs) if secs > 86_400 => {
+                    return Err(invalid("worker_stall_secs", format!("{secs} is over a day")))
+                }
+                Some(secs) => secs * 1000,
+                None => d.worker_stall_ms,
+            },
+            overload_waiting: s.overload_waiting_requests.unwrap_or(d.overload_waiting),
+            overload_kv_usage: match s.overload_kv_usage {
+                Some(u) if !(0.0..=1.0).contains(&u) => {
+                    return Err(invalid("overload_kv_usage", format!("{u} is not between 0 and 1")))
+                }
+                Some(u) => u,
+                None => d.overload_kv_usage,
+            },
             cb_failure_threshold: u32::try_from(cb_failure_threshold).unwrap_or(u32::MAX),
             cb_timeout_duration_secs: positive(
                 "cb_timeout_duration_secs",
                 s.cb_timeout_duration_secs,
                 d.cb_timeout_duration_secs,
             )?,
+            max_attempts: if s.disable_retries == Some(true) {
+                1
+            } else {
+                s.retry_max_retries.unwrap_or(d.max_attempts).clamp(1, MAX_ATTEMPTS)
+            },
             pd,
             passthrough_paths,
             ..d

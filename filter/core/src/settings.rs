@@ -138,7 +138,8 @@ routing_settings! {
     block_size: u64,
     /// Largest request body accepted, in bytes (413 above). Default 268435456 (256 MiB).
     max_payload_size: u64,
-    /// Upper bound of a request and of the prefill leg, in seconds. Default 1800.
+    /// Upper bound of a request and of the prefill leg, in seconds: past it the client gets a
+    /// JSON 504. Default 1800.
     request_timeout_secs: u64,
     /// Prefill/decode disaggregation (implied by --prefill or --decode).
     #[cfg_attr(feature = "cli", arg(num_args = 0, default_missing_value = "true"))]
@@ -160,17 +161,21 @@ routing_settings! {
     /// Accepted, not yet enforced: disable the circuit breakers.
     #[cfg_attr(feature = "cli", arg(num_args = 0, default_missing_value = "true"))]
     disable_circuit_breaker: bool,
-    /// Accepted, not yet enforced: retries of a failed request.
+    /// Attempts per request, the first included (as sglang-router counts): a request whose
+    /// worker refuses the connection, resets or answers 5xx before the response starts is
+    /// sent by Envoy to the next worker the filter listed. Default 5, at most 16.
     retry_max_retries: u32,
-    /// Accepted, not yet enforced: first retry backoff, in milliseconds.
+    /// No effect in kvmesh: Envoy's route `retry_policy.retry_back_off.base_interval` spaces
+    /// the attempts (envoy/envoy.yaml: 50 ms, sglang-router's default).
     retry_initial_backoff_ms: u64,
-    /// Accepted, not yet enforced: largest retry backoff, in milliseconds.
+    /// No effect in kvmesh: Envoy's route `retry_policy.retry_back_off.max_interval`
+    /// (envoy/envoy.yaml: 30 s, sglang-router's default).
     retry_max_backoff_ms: u64,
-    /// Accepted, not yet enforced: retry backoff multiplier.
+    /// No effect in kvmesh: Envoy's retry backoff doubles (with full jitter) between attempts.
     retry_backoff_multiplier: f64,
-    /// Accepted, not yet enforced: retry backoff jitter (0..1).
+    /// No effect in kvmesh: Envoy's retry backoff is fully jittered (0..1).
     retry_jitter_factor: f64,
-    /// Accepted, not yet enforced: disable retries.
+    /// One attempt per request: no failover to another worker.
     #[cfg_attr(feature = "cli", arg(num_args = 0, default_missing_value = "true"))]
     disable_retries: bool,
     /// Accepted, not yet enforced: most concurrent requests (-1: no limit).
@@ -189,6 +194,17 @@ routing_settings! {
     /// /get_model_info /get_server_info /v1/models /v1/models/*.
     #[cfg_attr(feature = "cli", arg(num_args = 0..))]
     passthrough_paths: Vec<String>,
+    /// Seconds a worker may hold requests without answering any before new requests pass it
+    /// over while other workers can take them (kvmesh; a frozen worker leaves rotation within
+    /// seconds). 0 turns it off. Default 15.
+    worker_stall_secs: u64,
+    /// A worker with more requests waiting in its queue is passed over while others have room;
+    /// when all are past a threshold the gateway answers 503 with retry-after (kvmesh, as SMG).
+    /// 0 turns it off. Default 8.
+    overload_waiting_requests: u64,
+    /// A worker with more of its KV cache in use (0..1) is passed over while others have room
+    /// (kvmesh, as SMG). 0 turns it off. Default 0.8.
+    overload_kv_usage: f64,
 }
 
 #[cfg(test)]
@@ -219,7 +235,7 @@ mod tests {
             .contains("polcy"));
         let e = serde_json::from_str::<RoutingSettings>(r#"{"policy":"fastest"}"#).unwrap_err().to_string();
         assert!(e.contains("unknown policy `fastest`"), "{e}");
-        assert_eq!(RoutingSettings::FIELDS.len(), 30);
+        assert_eq!(RoutingSettings::FIELDS.len(), 33);
         assert!(RoutingSettings::FIELDS.contains(&"rate_limit_tokens_per_second"));
     }
 }

@@ -42,6 +42,10 @@ pub struct Worker {
     pub healthy: bool,
     /// Load reported from outside this gateway (the control plane's load table).
     pub load: u64,
+    /// Requests waiting in the worker's queue and the fraction of its KV cache in use, as the
+    /// control plane polled them (None: unknown).
+    pub waiting: Option<u64>,
+    pub kv_usage: Option<f64>,
 }
 
 impl Worker {
@@ -55,7 +59,16 @@ impl Worker {
             bootstrap_port: None,
             healthy: true,
             load: 0,
+            waiting: None,
+            kv_usage: None,
         })
+    }
+
+    /// Whether the worker is past an overload threshold: more than `max_waiting` requests in
+    /// its queue, or more than `max_kv_usage` of its KV cache in use (0 turns either off).
+    pub fn overloaded(&self, max_waiting: u64, max_kv_usage: f64) -> bool {
+        (max_waiting > 0 && self.waiting.is_some_and(|n| n > max_waiting))
+            || (max_kv_usage > 0.0 && self.kv_usage.is_some_and(|u| u > max_kv_usage))
     }
 }
 
@@ -127,6 +140,10 @@ impl WorkerTable {
     /// Healthy workers with `role`.
     pub fn healthy_with(&self, role: Role) -> impl Iterator<Item = &Worker> {
         self.healthy().filter(move |w| w.role == role)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Worker> {
+        self.workers.iter()
     }
 
     pub fn get(&self, id: WorkerId) -> Option<&Worker> {

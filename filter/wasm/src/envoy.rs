@@ -31,7 +31,9 @@ impl EnvoyHost {
             .iter()
             .map(|m| {
                 let kind = match m {
-                    Metric::Requests | Metric::LocalReplies | Metric::CacheHits => MetricType::Counter,
+                    Metric::Requests | Metric::LocalReplies | Metric::CacheHits | Metric::Failovers => {
+                        MetricType::Counter
+                    }
                     Metric::DecisionNs => MetricType::Histogram,
                     Metric::IndexBlocks | Metric::SnapshotVersion | Metric::InFlight => MetricType::Gauge,
                 };
@@ -92,6 +94,11 @@ impl Host for EnvoyHost {
 
     fn response_code_details(&self) -> Option<String> {
         let bytes = hostcalls::get_property(vec!["response", "code_details"]).ok().flatten()?;
+        Some(String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    fn upstream_address(&self) -> Option<String> {
+        let bytes = hostcalls::get_property(vec!["upstream", "address"]).ok().flatten()?;
         Some(String::from_utf8_lossy(&bytes).into_owned())
     }
 

@@ -14,6 +14,7 @@ use kvmesh_core::{Config, Decision, Endpoint, Role, Router, RoutingSettings, Wor
 
 use crate::health::Health;
 use crate::shared::{Delta, DeltaLog, Inflight, SharedStore, VmLedger};
+use crate::stall::Stalls;
 
 /// What the filter does with a request.
 #[derive(Debug)]
@@ -41,6 +42,9 @@ pub struct Routed {
 pub struct Plan {
     chosen: Chosen,
     main: Routed,
+    /// Where Envoy fails the main leg over to, in order (other available workers of its
+    /// role, least loaded first; at most `max_attempts - 1`).
+    fallbacks: Vec<String>,
     pd: Option<PdPlan>,
     /// The shared counts as read for this decision (the commit's CAS starts from them).
     inflight: Inflight,
@@ -72,6 +76,22 @@ impl Plan {
     pub fn pd(&self) -> Option<&PdPlan> {
         self.pd.as_ref()
     }
+
+    /// Where Envoy fails the main leg over to, in order.
+    pub fn fallbacks(&self) -> &[String] {
+        &self.fallbacks
+    }
+}
+
+/// `first,then,...`: the value `override_host` reads, in the order it tries them.
+pub fn endpoint_list(first: &str, then: &[String]) -> String {
+    let mut out = String::with_capacity(first.len() + then.iter().map(|a| a.len() + 1).sum::<usize>());
+    out.push_str(first);
+    for addr in then {
+        out.push(',');
+        out.push_str(addr);
+    }
+    out
 }
 
 /// A committed plan: the legs, counted in flight.
@@ -118,6 +138,21 @@ impl Reply {
         Self::error(e.status(), e.code(), &e.to_string())
     }
 
+    /// 503 with retry-after: none available, or (`full`) all of them overloaded.
+    fn no_worker_or_full(what: &str, full: bool) -> Self {
+        if !full {
+            return Self::no_worker(what);
+        }
+        Self {
+            retry_after: Some(1),
+            ..Self::error(
+                503,
+                "overloaded",
+                &format!("every {what} is overloaded (queue or KV cache full); retry later"),
+            )
+        }
+    }
+
     fn no_worker(what: &str) -> Self {
         Self {
             retry_after: Some(1),
@@ -133,6 +168,8 @@ pub struct RequestInfo<'a> {
     pub request_id: Option<&'a str>,
     /// Seconds since the epoch.
     pub now_secs: u64,
+    /// Milliseconds since the epoch.
+    pub now_ms: u64,
 }
 
 enum Mode {
@@ -176,13 +213,22 @@ impl ReportQueue {
 }
 
 /// The available workers of `role` with their loads: the table's plus this Envoy's in-flight
-/// counts.
-fn candidates(table: &WorkerTable, health: &Health, inflight: &Inflight, role: Role, now: u64) -> Vec<Candidate> {
-    table
-        .healthy_with(role)
-        .filter(|w| health.available(w.id, now))
+/// counts. Stalled workers are left out while others are available, then overloaded ones;
+/// `.1` says that some were available but every one of them was overloaded.
+fn candidates(g: &Gateway, inflight: &Inflight, role: Role, now_ms: u64) -> (Vec<Candidate>, bool) {
+    let now = now_ms / 1000;
+    let available: Vec<&kvmesh_core::Worker> =
+        g.table.healthy_with(role).filter(|w| g.health.available(w.id, now)).collect();
+    let moving: Vec<&kvmesh_core::Worker> =
+        available.iter().copied().filter(|w| !g.stalls.stalled(w.id, now_ms)).collect();
+    let pool = if moving.is_empty() { available } else { moving };
+    let (max_waiting, max_kv) = (g.config.overload_waiting, g.config.overload_kv_usage);
+    let room: Vec<Candidate> = pool
+        .iter()
+        .filter(|w| !w.overloaded(max_waiting, max_kv))
         .map(|w| Candidate { id: w.id, load: w.load + u64::from(inflight.count(w.id)) })
-        .collect()
+        .collect();
+    (room.clone(), room.is_empty() && !pool.is_empty())
 }
 
 /// One VM's routing state.
@@ -195,6 +241,8 @@ pub struct Gateway {
     rng: FastRng,
     log: DeltaLog,
     health: Health,
+    /// Workers holding this VM's requests without answering (see [`Stalls`]).
+    stalls: Stalls,
     last_eviction_secs: u64,
     /// Index inserts made on this Envoy that the control plane has not been told about: kept
     /// only by the VM that holds the control-plane streams (another VM's queue would never be
@@ -234,6 +282,7 @@ impl Gateway {
             rng: seeded(seed),
             log: DeltaLog::new(store, seed as u32 ^ (seed >> 32) as u32),
             health: Health::new(config.cb_failure_threshold, config.cb_timeout_duration_secs),
+            stalls: Stalls::new(config.worker_stall_ms),
             last_eviction_secs: 0,
             unreported: ReportQueue::default(),
             reporting: false,
@@ -381,20 +430,21 @@ impl Gateway {
         self.sync_table(store);
         let inflight = Inflight::load(store);
         self.catch_up(store, inflight.head());
-        let now = info.now_secs;
-        let (table, health) = (&self.table, &self.health);
-        let cands = |role| candidates(table, health, &inflight, role, now);
+        let main_role = if matches!(self.mode, Mode::Pd(_)) { Role::Decode } else { Role::Regular };
+        let (main_cands, main_full) = candidates(self, &inflight, main_role, info.now_ms);
         let chosen = match &self.mode {
-            Mode::Regular(router) => match router.decide((&parsed).into(), &cands(Role::Regular), &mut self.rng) {
+            Mode::Regular(router) => match router.decide((&parsed).into(), &main_cands, &mut self.rng) {
                 Some(d) => Chosen::Regular(d),
-                None => return Outcome::Reply(Reply::no_worker("worker")),
+                None => return Outcome::Reply(Reply::no_worker_or_full("worker", main_full)),
             },
             Mode::Pd(pd) => {
-                let (prefill, decode) = (cands(Role::Prefill), cands(Role::Decode));
-                match pd.decide((&parsed).into(), &prefill, &decode, &mut self.rng) {
+                let (prefill, prefill_full) = candidates(self, &inflight, Role::Prefill, info.now_ms);
+                match pd.decide((&parsed).into(), &prefill, &main_cands, &mut self.rng) {
                     Some(d) => Chosen::Pd(d),
-                    None if decode.is_empty() => return Outcome::Reply(Reply::no_worker("decode worker")),
-                    None => return Outcome::Reply(Reply::no_worker("prefill worker")),
+                    None if main_cands.is_empty() => {
+                        return Outcome::Reply(Reply::no_worker_or_full("decode worker", main_full))
+                    }
+                    None => return Outcome::Reply(Reply::no_worker_or_full("prefill worker", prefill_full)),
                 }
             }
         };
@@ -405,6 +455,7 @@ impl Gateway {
         let Some(main_routed) = self.routed(main.worker, main.matched_bytes) else {
             return Outcome::Reply(Reply::no_worker("worker"));
         };
+        let fallbacks = self.fallbacks(main_cands, main.worker);
         let pd = match prefill {
             None => None,
             Some(p) => {
@@ -431,14 +482,14 @@ impl Gateway {
                 })
             }
         };
-        Outcome::Route(Plan { chosen, main: main_routed, pd, inflight })
+        Outcome::Route(Plan { chosen, main: main_routed, fallbacks, pd, inflight })
     }
 
     /// Records a plan that was applied: the index learns the prefix, the legs are counted in
     /// flight, and the new blocks go to the other VMs (one CAS for counts and log sequence,
     /// plus the log slot) and into the next report.
     pub fn commit(&mut self, store: &dyn SharedStore, plan: Plan) -> Committed {
-        let Plan { chosen, mut main, pd, inflight } = plan;
+        let Plan { chosen, mut main, pd, inflight, fallbacks: _ } = plan;
         let decisions: Vec<&Decision> = match &chosen {
             Chosen::Regular(d) | Chosen::Pd(PdDecision::DecodeOnly(d)) => vec![d],
             Chosen::Pd(PdDecision::Split { prefill, decode }) => vec![decode, prefill],
@@ -476,17 +527,41 @@ impl Gateway {
         Committed { main, prefill, merge_logprobs, stream }
     }
 
+    /// Where Envoy fails over to when `chosen` fails: the other candidates, least loaded
+    /// first (ties in random order), at most `max_attempts - 1` of them.
+    fn fallbacks(&mut self, mut cands: Vec<Candidate>, chosen: WorkerId) -> Vec<String> {
+        let room = (self.config.max_attempts as usize).saturating_sub(1);
+        cands.retain(|c| c.id != chosen);
+        if room == 0 || cands.is_empty() {
+            return Vec::new();
+        }
+        let start = (self.rng.next_u32() as usize) % cands.len();
+        cands.rotate_left(start);
+        cands.sort_by_key(|c| c.load);
+        cands.iter().take(room).filter_map(|c| self.table.get(c.id)).map(|w| w.addr.clone()).collect()
+    }
+
+    /// The worker at `addr` (`ip:port`, as Envoy reports the upstream it used).
+    pub fn worker_at(&self, addr: &str) -> Option<WorkerId> {
+        self.table.iter().find(|w| w.addr == addr).map(|w| w.id)
+    }
+
     /// Routes a request on another path (models, health, info) to any available worker (a
     /// decode worker in PD mode). Not counted, nothing to commit.
-    pub fn route_other(&mut self, store: &dyn SharedStore, now: u64) -> Result<Routed, Reply> {
+    pub fn route_other(&mut self, store: &dyn SharedStore, now_ms: u64) -> Result<(Routed, Vec<String>), Reply> {
         self.sync_table(store);
         let role = if matches!(self.mode, Mode::Pd(_)) { Role::Decode } else { Role::Regular };
-        let cands = candidates(&self.table, &self.health, &Inflight::load(store), role, now);
+        let (cands, _) = candidates(self, &Inflight::load(store), role, now_ms);
         let pos = match &mut self.mode {
             Mode::Regular(r) => r.route_any(&cands, &mut self.rng),
             Mode::Pd(pd) => pd.decode_router().route_any(&cands, &mut self.rng),
         };
-        pos.and_then(|p| cands.get(p)).and_then(|c| self.routed(c.id, 0)).ok_or_else(|| Reply::no_worker("worker"))
+        let routed = pos
+            .and_then(|p| cands.get(p))
+            .and_then(|c| self.routed(c.id, 0))
+            .ok_or_else(|| Reply::no_worker("worker"))?;
+        let fallbacks = self.fallbacks(cands, routed.worker);
+        Ok((routed, fallbacks))
     }
 
     /// A counted leg that never ran to its end (a prefill callout cancelled with its stream):
@@ -535,6 +610,16 @@ impl Gateway {
                 Inflight::add(store, worker, -i32::try_from(n).unwrap_or(i32::MAX));
             }
         }
+    }
+
+    /// A request went to `worker` (the stall window starts if it held none).
+    pub fn sent(&mut self, worker: WorkerId, now_ms: u64) {
+        self.stalls.sent(worker, now_ms);
+    }
+
+    /// A request to `worker` ended; `answered`: the worker itself answered.
+    pub fn ended(&mut self, worker: WorkerId, answered: bool, now_ms: u64) {
+        self.stalls.ended(worker, answered, now_ms);
     }
 
     /// A request to `routed`'s worker succeeded or failed: passive health.
@@ -590,7 +675,12 @@ mod tests {
     use crate::shared::fake::FakeStore;
 
     fn req(g: &mut Gateway, store: &FakeStore, endpoint: Endpoint, body: &[u8]) -> Outcome {
-        g.route_request(store, endpoint, body, &RequestInfo { request_id: Some("rq-1"), now_secs: 1000 })
+        g.route_request(
+            store,
+            endpoint,
+            body,
+            &RequestInfo { request_id: Some("rq-1"), now_secs: 1000, now_ms: 1_000_000 },
+        )
     }
 
     fn plan(o: Outcome) -> Plan {
@@ -722,7 +812,7 @@ mod tests {
         let mut g = Gateway::new(Config::default(), &store, 1);
         let r = reply(req(&mut g, &store, Endpoint::Generate, &body("x")));
         assert_eq!((r.status, r.retry_after), (503, Some(1)));
-        assert_eq!(g.route_other(&store, 0).map(|r| r.addr), Err(Reply::no_worker("worker")));
+        assert_eq!(g.route_other(&store, 0).map(|r| r.0.addr), Err(Reply::no_worker("worker")));
     }
 
     #[test]
@@ -731,14 +821,37 @@ mod tests {
         let mut g = gateway(&store, "");
         let mut seen = std::collections::BTreeSet::new();
         for _ in 0..60 {
-            let r = g.route_other(&store, 0).unwrap();
+            let (r, fallbacks) = g.route_other(&store, 0).unwrap();
             assert!(!r.counted);
+            assert_eq!(fallbacks.len(), 2, "the two other workers to fail over to");
+            assert!(!fallbacks.contains(&r.addr));
             seen.insert(r.addr);
         }
         let all: std::collections::BTreeSet<String> =
             ["127.0.0.1:30001", "127.0.0.1:30002", "127.0.0.1:30003"].iter().map(|s| s.to_string()).collect();
         assert_eq!(seen, all);
         assert!(Inflight::read(&store).is_empty(), "other paths are not counted");
+    }
+
+    #[test]
+    fn overloaded_workers_are_passed_over_and_all_overloaded_is_a_503() {
+        let store = FakeStore::default();
+        let mut g = gateway(&store, r#","overload_waiting_requests":8,"overload_kv_usage":0.8"#);
+        g.table.workers[0].waiting = Some(9);
+        g.table.workers[1].kv_usage = Some(0.95);
+        g.table.workers[2].waiting = Some(8); // at the threshold, not past it
+        for i in 0..20 {
+            let r = routed(&mut g, &store, &body(&format!("text {i}")));
+            assert_eq!(r.worker, 2, "the only worker with room");
+        }
+        g.table.workers[2].kv_usage = Some(0.81);
+        let r = reply(req(&mut g, &store, Endpoint::Generate, &body("one more")));
+        assert_eq!((r.status, r.retry_after), (503, Some(1)));
+        assert!(String::from_utf8_lossy(&r.body).contains("overloaded"));
+        // Thresholds at 0 are off.
+        let mut g = gateway(&store, r#","overload_waiting_requests":0,"overload_kv_usage":0"#);
+        g.table.workers.iter_mut().for_each(|w| (w.waiting, w.kv_usage) = (Some(1000), Some(1.0)));
+        routed(&mut g, &store, &body("fine"));
     }
 
     #[test]
@@ -853,8 +966,10 @@ mod tests {
         let store = FakeStore::default();
         let mut g = pd_gateway(&store, "");
         for _ in 0..10 {
-            let r = g.route_other(&store, 0).unwrap();
+            let (r, fallbacks) = g.route_other(&store, 0).unwrap();
             assert!(r.addr.ends_with(":30003") || r.addr.ends_with(":30004"));
+            assert_eq!(fallbacks.len(), 1, "the other decode worker, never a prefill worker");
+            assert!(fallbacks.iter().all(|a| (a.ends_with(":30003") || a.ends_with(":30004")) && *a != r.addr));
         }
     }
 

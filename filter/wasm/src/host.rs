@@ -32,10 +32,12 @@ pub enum Metric {
     SnapshotVersion,
     /// Gauge: requests in flight through this Envoy (all its VMs), updated on the tick.
     InFlight,
+    /// Counter: requests that Envoy failed over to another worker than the one chosen.
+    Failovers,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 7] = [
+    pub const ALL: [Metric; 8] = [
         Metric::Requests,
         Metric::LocalReplies,
         Metric::CacheHits,
@@ -43,6 +45,7 @@ impl Metric {
         Metric::IndexBlocks,
         Metric::SnapshotVersion,
         Metric::InFlight,
+        Metric::Failovers,
     ];
 
     pub fn name(self) -> &'static str {
@@ -54,6 +57,7 @@ impl Metric {
             Metric::IndexBlocks => "kvmesh_index_blocks",
             Metric::SnapshotVersion => "kvmesh_snapshot_version",
             Metric::InFlight => "kvmesh_in_flight",
+            Metric::Failovers => "kvmesh_failovers_total",
         }
     }
 }
@@ -96,6 +100,9 @@ pub trait Host: SharedStore {
     /// answered itself (`upstream_reset_before_response_started{...}`, `overflow`, ...).
     fn response_code_details(&self) -> Option<String>;
     fn set_response_body(&self, size: usize, body: &[u8]) -> Result<(), HostError>;
+    /// The `ip:port` of the worker that answered (Envoy's `upstream.address`: after a
+    /// failover, the last one tried).
+    fn upstream_address(&self) -> Option<String>;
     /// Answers the client locally (Envoy resets the upstream, if any).
     fn send_reply(&self, status: u16, headers: &[(&str, &str)], body: &[u8]) -> Result<(), HostError>;
     /// Lets a held response go on.

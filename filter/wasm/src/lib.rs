@@ -4,7 +4,7 @@
 //! [`request`] (one HTTP request), [`pd_leg`] (the PD legs' state machine), [`plugin`] (the
 //! root context: configuration, tick) and [`link`] (the control-plane link's state machine),
 //! over [`gateway`] (one VM's routing state, decide-then-commit), [`shared`] (state shared by
-//! the VMs of one Envoy) and [`health`] (passive health). Everything they ask of Envoy goes
+//! the VMs of one Envoy), [`health`] (passive health) and [`stall`] (the stall window). Everything they ask of Envoy goes
 //! through the [`host::Host`] trait; `envoy.rs`, compiled for wasm32 only, implements it over
 //! `proxy_wasm::hostcalls` and translates Envoy's callbacks into calls on that logic.
 //!
@@ -23,6 +23,7 @@ pub mod pd_leg;
 pub mod plugin;
 pub mod request;
 pub mod shared;
+pub mod stall;
 
 #[cfg(target_arch = "wasm32")]
 mod envoy;

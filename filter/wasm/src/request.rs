@@ -16,12 +16,20 @@ use std::time::Duration;
 use kvmesh_core::paths::{valid_request_id, PathClass};
 use kvmesh_core::Endpoint;
 
-use crate::gateway::{is_routing_header, Gateway, Outcome, Plan, Reply, RequestInfo, Routed};
+use crate::gateway::{endpoint_list, is_routing_header, Gateway, Outcome, Plan, Reply, RequestInfo, Routed};
 use crate::host::{Action, Callout, Host, Metric};
 use crate::pd_leg::{Effect, PdLeg, PrefillResult};
 
-/// The header Envoy's ORIGINAL_DST cluster (`use_http_header`) connects to.
+/// The header Envoy's ORIGINAL_DST cluster (`use_http_header`) connects to: the chosen
+/// worker (for clusters that pin one host; no failover there).
 pub const DST_HEADER: &str = "x-envoy-original-dst-host";
+/// The header the workers' cluster's `override_host` load balancer reads: the chosen worker,
+/// then the ones Envoy fails over to, in order (as the Gateway API Inference Extension uses it).
+pub const ENDPOINTS_HEADER: &str = "x-gateway-destination-endpoint";
+/// How many times Envoy's router may retry (fail over): one less than the workers listed.
+pub const RETRIES_HEADER: &str = "x-envoy-max-retries";
+/// The request's whole time budget (all attempts), from `request_timeout_secs`.
+pub const TIMEOUT_HEADER: &str = "x-envoy-upstream-rq-timeout-ms";
 pub const WORKER_HEADER: &str = "x-kvmesh-worker";
 pub const PREFILL_HEADER: &str = "x-kvmesh-prefill";
 /// How much of a failed prefill's body goes into the error message.
@@ -39,6 +47,10 @@ pub struct RequestFilter {
     replied: bool,
     /// What the response said about the worker (`None`: no response headers seen).
     verdict: Option<Verdict>,
+    /// The chosen worker failed and another one answered.
+    failed_over: bool,
+    /// The main leg was sent and nothing came back yet (for the stall window).
+    awaiting: bool,
 }
 
 /// What a response says about the worker that was asked.
@@ -114,6 +126,20 @@ fn new_request_id(host: &dyn Host) -> String {
     format!("{a:016x}{b:016x}")
 }
 
+/// Points the request at `addr`, with `fallbacks` for Envoy to fail over to, and bounds it by
+/// the request timeout (Envoy answers a JSON 504 past it).
+fn set_destination(
+    host: &dyn Host,
+    addr: &str,
+    fallbacks: &[String],
+    timeout_secs: u64,
+) -> Result<(), crate::host::HostError> {
+    host.set_request_header(DST_HEADER, Some(addr))?;
+    host.set_request_header(ENDPOINTS_HEADER, Some(&endpoint_list(addr, fallbacks)))?;
+    host.set_request_header(RETRIES_HEADER, Some(&fallbacks.len().to_string()))?;
+    host.set_request_header(TIMEOUT_HEADER, Some(&timeout_secs.saturating_mul(1000).to_string()))
+}
+
 fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
     headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
 }
@@ -129,6 +155,8 @@ impl RequestFilter {
             pd: None,
             replied: false,
             verdict: None,
+            failed_over: false,
+            awaiting: false,
         }
     }
 
@@ -177,7 +205,7 @@ impl RequestFilter {
         for (name, _) in headers.iter().filter(|(n, _)| is_routing_header(n)) {
             let _ = host.set_request_header(name, None);
         }
-        let now_secs = host.now_nanos() / 1_000_000_000;
+        let now_ms = host.now_nanos() / 1_000_000;
         let method = header(&headers, ":method").unwrap_or("");
         let path = header(&headers, ":path").unwrap_or("/");
         let Some(class) = self.with_gateway(|g| g.classify(method, path)) else {
@@ -187,7 +215,7 @@ impl RequestFilter {
             PathClass::Llm(endpoint) => endpoint,
             PathClass::WrongMethod => return self.reply(host, Reply::method_not_allowed(method, path)),
             PathClass::NotFound => return self.reply(host, Reply::not_found(method, path)),
-            PathClass::Passthrough => return self.route_other(host, now_secs),
+            PathClass::Passthrough => return self.route_other(host, now_ms),
         };
         let content_length = header(&headers, "content-length").and_then(|v| v.trim().parse().ok());
         let Some(reply) =
@@ -214,14 +242,14 @@ impl RequestFilter {
     }
 
     /// A read-only path on the allowlist: to one healthy worker, uncounted.
-    fn route_other(&mut self, host: &dyn Host, now_secs: u64) -> Action {
-        let Some(outcome) = self.with_gateway(|g| g.route_other(host, now_secs)) else {
+    fn route_other(&mut self, host: &dyn Host, now_ms: u64) -> Action {
+        let Some(outcome) = self.with_gateway(|g| (g.route_other(host, now_ms), g.request_timeout_secs())) else {
             return self.not_configured(host);
         };
         match outcome {
-            Err(reply) => self.reply(host, reply),
+            (Err(reply), _) => self.reply(host, reply),
             // Nothing to commit but the destination.
-            Ok(routed) => match host.set_request_header(DST_HEADER, Some(&routed.addr)) {
+            (Ok((routed, fallbacks)), timeout) => match set_destination(host, &routed.addr, &fallbacks, timeout) {
                 Ok(()) => {
                     self.routed = Some(routed);
                     Action::Continue
@@ -248,7 +276,11 @@ impl RequestFilter {
         }
         let body = host.request_body(body_size);
         let started = host.now_nanos();
-        let info = RequestInfo { request_id: self.request_id.as_deref(), now_secs: started / 1_000_000_000 };
+        let info = RequestInfo {
+            request_id: self.request_id.as_deref(),
+            now_secs: started / 1_000_000_000,
+            now_ms: started / 1_000_000,
+        };
         let Some(outcome) = self.with_gateway(|g| g.route_request(host, endpoint, &body, &info)) else {
             return self.not_configured(host);
         };
@@ -269,6 +301,14 @@ impl RequestFilter {
             return self.not_configured(host);
         };
         Self::count_route(host, &committed.main);
+        let now_ms = host.now_nanos() / 1_000_000;
+        self.with_gateway(|g| {
+            g.sent(committed.main.worker, now_ms);
+            if let Some(p) = &committed.prefill {
+                g.sent(p.worker, now_ms);
+            }
+        });
+        self.awaiting = true;
         if let (Some(prefill), Some(token)) = (committed.prefill, token) {
             Self::count_route(host, &prefill);
             self.pd = Some(PdLeg::new(prefill, token, committed.stream, committed.merge_logprobs));
@@ -281,8 +321,11 @@ impl RequestFilter {
     /// PD mode, the new body and the prefill callout (whose token is returned).
     fn prepare(&self, host: &dyn Host, plan: &Plan, body_size: usize) -> Result<Option<u32>, Reply> {
         let internal = |what: &str, e: crate::host::HostError| Reply::error(500, "internal", &format!("{what}: {e}"));
+        let (timeout_secs, cluster) = self
+            .with_gateway(|g| (g.request_timeout_secs(), g.upstream_cluster().to_string()))
+            .unwrap_or((60, "kvmesh_workers".to_string()));
         let Some(pd) = plan.pd() else {
-            host.set_request_header(DST_HEADER, Some(plan.addr()))
+            set_destination(host, plan.addr(), plan.fallbacks(), timeout_secs)
                 .map_err(|e| internal("cannot set the destination", e))?;
             return Ok(None);
         };
@@ -290,17 +333,15 @@ impl RequestFilter {
         host.set_request_body(body_size, &pd.body).map_err(|e| internal("cannot rewrite the request body", e))?;
         host.set_request_header("content-length", Some(&length))
             .map_err(|e| internal("cannot set content-length", e))?;
-        host.set_request_header(DST_HEADER, Some(plan.addr()))
+        set_destination(host, plan.addr(), plan.fallbacks(), timeout_secs)
             .map_err(|e| internal("cannot set the destination", e))?;
-        let (timeout_secs, cluster) = self
-            .with_gateway(|g| (g.request_timeout_secs(), g.upstream_cluster().to_string()))
-            .unwrap_or((60, "kvmesh_workers".to_string()));
         let client = host.request_headers();
         let mut headers = vec![
             (":method", "POST"),
             (":path", self.path.as_str()),
             (":authority", pd.prefill.addr.as_str()),
             (DST_HEADER, pd.prefill.addr.as_str()),
+            (ENDPOINTS_HEADER, pd.prefill.addr.as_str()),
             ("content-type", "application/json"),
         ];
         if let Some(id) = self.request_id.as_deref() {
@@ -345,6 +386,7 @@ impl RequestFilter {
         self.with_gateway(|g| {
             g.finish(host, &prefill, worker_ok);
             g.outcome(host, &prefill, worker_ok, now_secs);
+            g.ended(prefill.worker, status.is_some(), host.now_nanos() / 1_000_000);
         });
         for effect in effects {
             match effect {
@@ -373,11 +415,31 @@ impl RequestFilter {
         let status = host.response_header(":status").and_then(|s| s.parse::<u16>().ok()).unwrap_or(0);
         let verdict = Verdict::of(status, host.response_code_details().as_deref());
         self.verdict = Some(verdict);
-        if let Some(ok) = verdict.health() {
-            let now_secs = host.now_nanos() / 1_000_000_000;
+        let now_secs = host.now_nanos() / 1_000_000_000;
+        if std::mem::take(&mut self.awaiting) {
+            // The worker asked first answered itself, or did not (a timeout, a reset, a failover).
+            let answered = matches!(verdict, Verdict::Worker(_))
+                && host.upstream_address().is_none_or(|a| a.is_empty() || a == routed.addr);
+            self.with_gateway(|g| g.ended(routed.worker, answered, host.now_nanos() / 1_000_000));
+        }
+        // Envoy says which worker answered: another than the chosen one means the chosen one
+        // failed and Envoy failed over (the ones in between failed too, unseen).
+        let served = host.upstream_address().filter(|a| !a.is_empty()).unwrap_or_else(|| routed.addr.clone());
+        if served != routed.addr {
+            self.failed_over = true;
+            host.increment(Metric::Failovers);
+            log::info!("worker {} failed; Envoy failed over to {served}", routed.addr);
+            self.with_gateway(|g| {
+                g.outcome(host, &routed, false, now_secs);
+                if let (Some(ok), Some(worker)) = (verdict.health(), g.worker_at(&served)) {
+                    let other = Routed { worker, addr: served.clone(), counted: false, matched_bytes: 0 };
+                    g.outcome(host, &other, ok, now_secs);
+                }
+            });
+        } else if let Some(ok) = verdict.health() {
             self.with_gateway(|g| g.outcome(host, &routed, ok, now_secs));
         }
-        let _ = host.set_response_header(WORKER_HEADER, Some(&routed.addr));
+        let _ = host.set_response_header(WORKER_HEADER, Some(&served));
         let Some(leg) = self.pd.as_mut() else { return Action::Continue };
         let _ = host.set_response_header(PREFILL_HEADER, Some(&leg.prefill().addr));
         let (action, drop_length) = leg.decode_headers(status);
@@ -401,7 +463,15 @@ impl RequestFilter {
     pub fn on_log(&mut self, host: &dyn Host) {
         let routed = self.routed.take();
         let leg = self.pd.take();
+        let awaiting = std::mem::take(&mut self.awaiting);
+        let now_ms = host.now_nanos() / 1_000_000;
         self.with_gateway(|g| {
+            if let (true, Some(routed)) = (awaiting, &routed) {
+                g.ended(routed.worker, false, now_ms);
+            }
+            if let Some(leg) = leg.as_ref().filter(|l| l.pending()) {
+                g.ended(leg.prefill().worker, false, now_ms);
+            }
             if let Some(routed) = routed {
                 let verdict = match self.verdict {
                     Some(v) => v,
@@ -415,7 +485,7 @@ impl RequestFilter {
                         None => Verdict::WorkerFailed,
                     },
                 };
-                g.finish(host, &routed, verdict.health() != Some(false));
+                g.finish(host, &routed, verdict.health() != Some(false) && !self.failed_over);
             }
             // A prefill callout still out is cancelled with the stream: release it.
             if let Some(leg) = leg.filter(PdLeg::pending) {
@@ -431,6 +501,7 @@ mod tests {
     use crate::host::mock::MockHost;
     use crate::shared::Inflight;
     use kvmesh_core::Config;
+    use std::collections::HashSet;
 
     const REGULAR: &str = r#"{"worker_urls":["http://127.0.0.1:30001","http://127.0.0.1:30002"]}"#;
     const PD: &str = r#"{"pd_disaggregation":true,"prefill":[["http://127.0.0.1:30001",8998]],
@@ -476,6 +547,62 @@ mod tests {
         f.on_log(&host);
         assert_eq!(inflight(&host), 0);
         assert_eq!(Inflight::counts(&host)[0].finished, 1);
+    }
+
+    #[test]
+    fn envoy_gets_the_workers_to_fail_over_to_and_the_time_budget() {
+        let host = MockHost::new();
+        let three = r#"{"worker_urls":["http://127.0.0.1:30001","http://127.0.0.1:30002","http://127.0.0.1:30003"],
+            "request_timeout_secs":7}"#;
+        let gw = gateway(&host, three);
+        let (mut f, _) = send(&host, &gw, "/generate", r#"{"text":"hello"}"#);
+        let dst = host.request_header(DST_HEADER).unwrap();
+        let list = host.request_header(ENDPOINTS_HEADER).unwrap();
+        let listed: Vec<&str> = list.split(',').collect();
+        assert_eq!(listed.len(), 3, "the chosen worker, then the two others: {list}");
+        assert_eq!(listed[0], dst);
+        assert_eq!(listed.iter().collect::<HashSet<_>>().len(), 3, "no worker twice");
+        assert_eq!(host.request_header(RETRIES_HEADER).as_deref(), Some("2"));
+        assert_eq!(host.request_header(TIMEOUT_HEADER).as_deref(), Some("7000"));
+        // Envoy failed over: another worker answered. The chosen one is blamed, the answer's
+        // worker is named, and the failover is counted.
+        host.set_response(200, b"{}");
+        *host.upstream.borrow_mut() = Some(listed[1].to_string());
+        f.on_response_headers(&host);
+        assert_eq!(host.response_header(WORKER_HEADER).as_deref(), Some(listed[1]));
+        assert_eq!(host.metric_sum(Metric::Failovers), 1);
+        f.on_log(&host);
+        let counts = Inflight::counts(&host);
+        assert_eq!(counts.iter().map(|c| c.failed).sum::<u32>(), 1, "the chosen worker's attempt failed");
+        assert_eq!(inflight(&host), 0);
+        // Without retries: one worker, no failover.
+        let host = MockHost::new();
+        let gw = gateway(
+            &host,
+            r#"{"worker_urls":["http://127.0.0.1:30001","http://127.0.0.1:30002"],"disable_retries":true}"#,
+        );
+        send(&host, &gw, "/generate", r#"{"text":"hello"}"#);
+        assert_eq!(host.request_header(ENDPOINTS_HEADER), host.request_header(DST_HEADER));
+        assert_eq!(host.request_header(RETRIES_HEADER).as_deref(), Some("0"));
+    }
+
+    #[test]
+    fn a_worker_that_holds_requests_without_answering_is_passed_over() {
+        let host = MockHost::new();
+        let json = r#"{"worker_urls":["http://127.0.0.1:30001","http://127.0.0.1:30002"],"policy":"round_robin",
+            "worker_stall_secs":2}"#;
+        let gw = gateway(&host, json);
+        let (_held, _) = send(&host, &gw, "/generate", r#"{"text":"a"}"#);
+        let frozen = host.request_header(DST_HEADER).unwrap();
+        host.advance_ms(2_500);
+        // The frozen worker holds one request for 2.5 s: round robin skips it from now on.
+        for _ in 0..4 {
+            let (mut f, _) = send(&host, &gw, "/generate", r#"{"text":"b"}"#);
+            assert_ne!(host.request_header(DST_HEADER).unwrap(), frozen);
+            host.set_response(200, b"{}");
+            f.on_response_headers(&host);
+            f.on_log(&host);
+        }
     }
 
     #[test]

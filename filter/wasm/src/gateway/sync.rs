@@ -26,6 +26,8 @@ pub fn table_from(snapshot: &proto::Snapshot) -> WorkerTable {
                 worker.bootstrap_port = w.bootstrap_port.and_then(|p| u16::try_from(p).ok());
                 worker.healthy = w.healthy;
                 worker.load = w.load;
+                worker.waiting = w.waiting;
+                worker.kv_usage = w.kv_usage.filter(|u| u.is_finite());
                 Some(worker)
             }
             Err(e) => {
@@ -90,6 +92,7 @@ impl Gateway {
                     self.mode = build_mode(&config);
                 }
                 self.health = Health::new(config.cb_failure_threshold, config.cb_timeout_duration_secs);
+                self.stalls.set_window(config.worker_stall_ms);
                 self.config = config;
             }
             Err(e) => log::warn!("control plane settings ignored: {e}"),

@@ -45,6 +45,8 @@ pub struct MockHost {
     pub response_body: RefCell<Vec<u8>>,
     /// Envoy's response code details (None: the host does not say).
     pub code_details: RefCell<Option<String>>,
+    /// The worker Envoy says answered (None: the host does not say).
+    pub upstream: RefCell<Option<String>>,
     pub replies: RefCell<Vec<SentReply>>,
     pub resumed: Cell<u32>,
     pub callouts: RefCell<Vec<SentCallout>>,
@@ -194,6 +196,10 @@ impl Host for MockHost {
 
     fn response_code_details(&self) -> Option<String> {
         self.code_details.borrow().clone()
+    }
+
+    fn upstream_address(&self) -> Option<String> {
+        self.upstream.borrow().clone()
     }
 
     fn set_response_body(&self, size: usize, body: &[u8]) -> Result<(), HostError> {
