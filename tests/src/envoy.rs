@@ -30,6 +30,8 @@ pub struct EnvoyOptions {
     pub control_plane: Option<u16>,
     /// The token the filter presents to the control plane (`control_plane_token`).
     pub control_plane_token: Option<String>,
+    /// The workers' cluster's `circuit_breakers.max_requests` (the concurrency limit).
+    pub max_requests: Option<u32>,
     /// Remove these HTTP filters (or early header mutations) from the shipped configuration,
     /// nothing else (e.g. the kvmesh filter, to see what a filter that fails open would leave).
     pub remove_http_filters: Vec<String>,
@@ -48,6 +50,7 @@ impl EnvoyOptions {
             plain_upstreams: None,
             control_plane: None,
             control_plane_token: None,
+            max_requests: None,
             remove_http_filters: Vec::new(),
         })
     }
@@ -171,6 +174,9 @@ fn workers_cluster(doc: &mut Yaml, opts: &EnvoyOptions, filter: &Json) -> anyhow
         .and_then(|c| c.iter_mut().find(|c| c.get("name").and_then(Yaml::as_str) == Some("kvmesh_workers")))
         .ok_or_else(|| anyhow!("no kvmesh_workers cluster"))?;
     if opts.control_plane.is_some() {
+        if let Some(n) = opts.max_requests {
+            *at(cluster, &["circuit_breakers", "thresholds", "0", "max_requests"])? = n.into();
+        }
         if let Some(token) = &opts.control_plane_token {
             let grpc = at(cluster, &["eds_cluster_config", "eds_config", "api_config_source", "grpc_services", "0"])?;
             let metadata = serde_json::json!([{"key": "authorization", "value": format!("Bearer {token}")}]);
@@ -207,6 +213,9 @@ fn workers_cluster(doc: &mut Yaml, opts: &EnvoyOptions, filter: &Json) -> anyhow
             Some(serde_json::json!({"endpoint": {"address": {"socket_address": {"address": ip, "port_value": port.parse::<u16>().ok()?}}}}))
         })
         .collect();
+    if let Some(n) = opts.max_requests {
+        *at(cluster, &["circuit_breakers", "thresholds", "0", "max_requests"])? = n.into();
+    }
     let map = cluster.as_mapping_mut().ok_or_else(|| anyhow!("cluster is not a mapping"))?;
     map.remove("eds_cluster_config");
     map.insert("type".into(), "STATIC".into());

@@ -361,3 +361,33 @@ fn the_control_plane_killed_and_restarted_under_load_loses_no_request() {
     assert!(failed.is_empty(), "{} failed, e.g. {}", failed.len(), failed[0]);
     assert_eq!(usable_endpoints(&envoy).len(), 4, "Envoy kept (and got back) the workers");
 }
+
+/// The workers' cluster's `max_requests` caps what one Envoy sends at once
+/// (sglang-router's `--max-concurrent-requests`): past it, a JSON 429 with retry-after at once.
+#[test]
+fn past_the_concurrency_limit_requests_get_a_json_429() {
+    let sim = Sim::start(&["--time-scale", "1", "--decode-ms-per-token", "20"]).unwrap();
+    let mut opts = EnvoyOptions::new(json!({"worker_urls": [sim.url()]})).unwrap();
+    opts.max_requests = Some(1);
+    let envoy = Envoy::start(&opts).unwrap();
+    let url = envoy.url("/generate");
+    let long = {
+        let url = url.clone();
+        std::thread::spawn(move || {
+            http::post_json(&url, &json!({"text": "long", "sampling_params": {"max_new_tokens": 200}})).unwrap().status
+        })
+    };
+    wait_until("the long request in flight", Duration::from_secs(10), || {
+        envoy.stat("wasmcustom.kvmesh_in_flight").ok().flatten() == Some(1)
+    })
+    .unwrap();
+    let started = Instant::now();
+    let r = http::post_json(&url, &json!({"text": "one too many", "sampling_params": {"max_new_tokens": 1}})).unwrap();
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(r.header("retry-after"), Some("1"));
+    assert_eq!(r.json().unwrap()["error"]["code"], "too_many_requests");
+    assert!(started.elapsed() < Duration::from_secs(1), "answered at once");
+    assert_eq!(long.join().unwrap(), 200, "the request within the limit is served");
+    let r = http::post_json(&url, &json!({"text": "room again", "sampling_params": {"max_new_tokens": 1}})).unwrap();
+    assert_eq!(r.status, 200);
+}

@@ -331,3 +331,68 @@ fn bad_bodies_are_refused_before_any_worker_sees_them() {
     // And the gateway still serves.
     legs(&http::post_json(&url, &json!({"text": "fine"})).unwrap());
 }
+
+/// PD mode with static workers: one live prefill worker, and decode workers at `decodes`
+/// (URLs; dead ones are free ports nobody listens on). One Envoy thread.
+fn pd_with(prefill: &Sim, boot: u16, decodes: &[String], extra: Value) -> Envoy {
+    let mut filter = json!({
+        "prefill": [[prefill.url(), boot]],
+        "decode": decodes,
+        "decode_policy": "round_robin",
+    });
+    filter.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    let mut opts = EnvoyOptions::new(filter).unwrap();
+    opts.template = repo_root().join("envoy/envoy-pd.yaml");
+    opts.concurrency = 1;
+    Envoy::start(&opts).unwrap()
+}
+
+#[test]
+fn a_dead_decode_worker_is_failed_over_to_another_with_the_same_prefill() {
+    let boot = free_port().unwrap();
+    let prefill =
+        Sim::start(&["--role", "prefill", "--bootstrap-port", &boot.to_string(), "--time-scale", "0"]).unwrap();
+    let decode = Sim::start(&["--role", "decode", "--time-scale", "0", "--bootstrap-timeout-ms", "3000"]).unwrap();
+    let dead = format!("127.0.0.1:{}", free_port().unwrap());
+    let envoy = pd_with(&prefill, boot, &[decode.url(), format!("http://{dead}")], json!({}));
+    for i in 0..6 {
+        let body = json!({"text": format!("pd prompt {i}"), "sampling_params": {"max_new_tokens": 2}});
+        let r = http::post_json(&envoy.url("/generate"), &body).unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.header("x-kvmesh-worker"), Some(decode.addr().as_str()), "the live decode worker answered");
+        assert_eq!(r.header("x-kvmesh-prefill"), Some(prefill.addr().as_str()));
+    }
+    let failovers = envoy.stat("wasmcustom.kvmesh_failovers_total").unwrap().unwrap_or(0);
+    assert!(failovers >= 1, "round robin sent some decode legs to the dead worker first");
+}
+
+#[test]
+fn a_failed_decode_leg_ends_the_request_without_waiting_for_the_prefill() {
+    let boot = free_port().unwrap();
+    // A prefill that takes seconds: 200 ms per uncached token.
+    let prefill = Sim::start(&[
+        "--role",
+        "prefill",
+        "--bootstrap-port",
+        &boot.to_string(),
+        "--time-scale",
+        "1",
+        "--prefill-us-per-token",
+        "200000",
+    ])
+    .unwrap();
+    let dead = format!("127.0.0.1:{}", free_port().unwrap());
+    let envoy = pd_with(&prefill, boot, &[format!("http://{dead}")], json!({}));
+    let started = Instant::now();
+    let body =
+        json!({"text": "a prompt of some twenty tokens or so, long enough to keep the prefill busy for seconds"});
+    let r = http::post_json(&envoy.url("/generate"), &body).unwrap();
+    assert_eq!(r.status, 502, "{}", r.text());
+    assert!(r.text().contains(&dead), "names the decode worker: {}", r.text());
+    assert!(started.elapsed() < Duration::from_secs(2), "waited {:?} for the prefill", started.elapsed());
+    let in_flight = envoy.stat("wasmcustom.kvmesh_in_flight").unwrap();
+    kvmesh_testkit::wait_until("both legs off the in-flight table", Duration::from_secs(5), || {
+        envoy.stat("wasmcustom.kvmesh_in_flight").ok().flatten() == Some(0)
+    })
+    .unwrap_or_else(|e| panic!("{e}: {in_flight:?}"));
+}

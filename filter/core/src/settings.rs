@@ -178,14 +178,15 @@ routing_settings! {
     /// One attempt per request: no failover to another worker.
     #[cfg_attr(feature = "cli", arg(num_args = 0, default_missing_value = "true"))]
     disable_retries: bool,
-    /// Accepted, not yet enforced: most concurrent requests (-1: no limit).
+    /// No effect in kvmesh: Envoy limits concurrency per Envoy with the workers' cluster
+    /// `circuit_breakers.max_requests`; past it, a JSON 429 at once (docs/operations.md).
     #[cfg_attr(feature = "cli", arg(allow_negative_numbers = true))]
     max_concurrent_requests: i64,
-    /// Accepted, not yet enforced: requests queued past the concurrency limit.
+    /// No effect in kvmesh: there is no queue; past the concurrency limit, a JSON 429 at once.
     queue_size: u64,
-    /// Accepted, not yet enforced: longest wait in the queue, in seconds.
+    /// No effect in kvmesh: there is no queue to wait in.
     queue_timeout_secs: u64,
-    /// Accepted, not yet enforced: token-bucket refill rate, in requests per second.
+    /// No effect in kvmesh: Envoy's `local_ratelimit` filter is the token bucket (429).
     #[cfg_attr(feature = "cli", arg(allow_negative_numbers = true))]
     rate_limit_tokens_per_second: i64,
     /// Read-only worker paths the gateway passes through (GET/HEAD) to one healthy worker;
