@@ -893,7 +893,7 @@ pub(crate) mod tests {
         let s = state(&["--worker-urls", "http://127.0.0.1:1"]);
         let counts = |in_flight, requests| ReportBatch {
             gateway_id: "envoy/1".into(),
-            counts: vec![WorkerCounts { worker: 0, in_flight, requests, errors: 0 }],
+            counts: vec![WorkerCounts { worker: 0, in_flight, requests, ..Default::default() }],
             ..Default::default()
         };
         // VM a holds the stream.
@@ -984,7 +984,9 @@ pub(crate) mod tests {
         assert!(s.remove_worker("http://127.0.0.1:1"));
         assert_eq!(s.add_worker("http://127.0.0.1:1", Role::Regular, None, Source::Api), Ok(1));
         assert!(s.add_worker("http://127.0.0.1:1", Role::Regular, None, Source::Api).is_err());
-        let counts = |in_flight, requests, errors| vec![WorkerCounts { worker: 1, in_flight, requests, errors }];
+        let counts = |in_flight, requests, errors| {
+            vec![WorkerCounts { worker: 1, in_flight, requests, errors, ..Default::default() }]
+        };
         s.report(ReportBatch { gateway_id: "a".into(), counts: counts(3, 10, 1), ..Default::default() });
         s.report(ReportBatch { gateway_id: "b".into(), counts: counts(2, 5, 0), ..Default::default() });
         s.report(ReportBatch { gateway_id: "a".into(), counts: counts(3, 12, 1), ..Default::default() });

@@ -4,6 +4,7 @@
 //! applying it (headers, body, callout) has succeeded. `request.rs` drives both.
 
 use kvmesh_core::bootstrap::{random_rooms, Bootstrap};
+use kvmesh_core::breaker::BreakerState;
 use kvmesh_core::errors::error_json;
 use kvmesh_core::paths::{self, PathClass};
 use kvmesh_core::pd::{PdDecision, PdRouter};
@@ -44,6 +45,8 @@ pub struct Plan {
     pd: Option<PdPlan>,
     /// The shared counts as read for this decision (the commit's CAS starts from them).
     inflight: Inflight,
+    /// When the decision was made (ms): a half-open worker's probe slot is taken at that time.
+    now_ms: u64,
 }
 
 #[derive(Debug)]
@@ -175,12 +178,30 @@ impl ReportQueue {
     }
 }
 
+/// Whether a worker whose breaker is half-open may be chosen (its probe slot free): yes for
+/// requests that are committed (the commit takes the slot), no for the uncounted other paths.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Probes {
+    Allowed,
+    Refused,
+}
+
 /// The available workers of `role` with their loads: the table's plus this Envoy's in-flight
-/// counts.
-fn candidates(table: &WorkerTable, health: &Health, inflight: &Inflight, role: Role, now: u64) -> Vec<Candidate> {
+/// counts. A worker is available when healthy and its circuit breaker admits a request.
+fn candidates(
+    table: &WorkerTable,
+    health: &Health,
+    inflight: &Inflight,
+    role: Role,
+    now_ms: u64,
+    probes: Probes,
+) -> Vec<Candidate> {
     table
         .healthy_with(role)
-        .filter(|w| health.available(w.id, now))
+        .filter(|w| match probes {
+            Probes::Allowed => health.available(w.id, now_ms),
+            Probes::Refused => health.state(w.id, now_ms) == BreakerState::Closed,
+        })
         .map(|w| Candidate { id: w.id, load: w.load + u64::from(inflight.count(w.id)) })
         .collect()
 }
@@ -233,7 +254,7 @@ impl Gateway {
             mode: build_mode(&config),
             rng: seeded(seed),
             log: DeltaLog::new(store, seed as u32 ^ (seed >> 32) as u32),
-            health: Health::new(config.cb_failure_threshold, config.cb_timeout_duration_secs),
+            health: Health::new(config.breaker),
             last_eviction_secs: 0,
             unreported: ReportQueue::default(),
             reporting: false,
@@ -381,9 +402,10 @@ impl Gateway {
         self.sync_table(store);
         let inflight = Inflight::load(store);
         self.catch_up(store, inflight.head());
-        let now = info.now_secs;
+        let now_ms = info.now_secs.saturating_mul(1000);
+        self.health.sync_if_probing(store, now_ms);
         let (table, health) = (&self.table, &self.health);
-        let cands = |role| candidates(table, health, &inflight, role, now);
+        let cands = |role| candidates(table, health, &inflight, role, now_ms, Probes::Allowed);
         let chosen = match &self.mode {
             Mode::Regular(router) => match router.decide((&parsed).into(), &cands(Role::Regular), &mut self.rng) {
                 Some(d) => Chosen::Regular(d),
@@ -431,14 +453,14 @@ impl Gateway {
                 })
             }
         };
-        Outcome::Route(Plan { chosen, main: main_routed, pd, inflight })
+        Outcome::Route(Plan { chosen, main: main_routed, pd, inflight, now_ms })
     }
 
     /// Records a plan that was applied: the index learns the prefix, the legs are counted in
     /// flight, and the new blocks go to the other VMs (one CAS for counts and log sequence,
     /// plus the log slot) and into the next report.
     pub fn commit(&mut self, store: &dyn SharedStore, plan: Plan) -> Committed {
-        let Plan { chosen, mut main, pd, inflight } = plan;
+        let Plan { chosen, mut main, pd, inflight, now_ms } = plan;
         let decisions: Vec<&Decision> = match &chosen {
             Chosen::Regular(d) | Chosen::Pd(PdDecision::DecodeOnly(d)) => vec![d],
             Chosen::Pd(PdDecision::Split { prefill, decode }) => vec![decode, prefill],
@@ -449,6 +471,11 @@ impl Gateway {
             .map(|d| Delta { worker: d.worker, evict: false, from_cp: false, hashes: d.blocks.clone() })
             .collect();
         let counts: Vec<(WorkerId, i32)> = decisions.iter().map(|d| (d.worker, 1)).collect();
+        for d in &decisions {
+            if self.health.take_probe(store, d.worker, now_ms) {
+                log::info!("worker {}: half-open, probing it with one request", d.worker);
+            }
+        }
         let (counted, seq) = inflight.commit(store, &counts, !deltas.is_empty());
         if let Some(seq) = seq {
             self.log.write(store, seq, &deltas);
@@ -478,10 +505,12 @@ impl Gateway {
 
     /// Routes a request on another path (models, health, info) to any available worker (a
     /// decode worker in PD mode). Not counted, nothing to commit.
+    /// Workers whose breaker is not closed are left out (their probes are routed requests).
     pub fn route_other(&mut self, store: &dyn SharedStore, now: u64) -> Result<Routed, Reply> {
         self.sync_table(store);
         let role = if matches!(self.mode, Mode::Pd(_)) { Role::Decode } else { Role::Regular };
-        let cands = candidates(&self.table, &self.health, &Inflight::load(store), role, now);
+        let now_ms = now.saturating_mul(1000);
+        let cands = candidates(&self.table, &self.health, &Inflight::load(store), role, now_ms, Probes::Refused);
         let pos = match &mut self.mode {
             Mode::Regular(r) => r.route_any(&cands, &mut self.rng),
             Mode::Pd(pd) => pd.decode_router().route_any(&cands, &mut self.rng),
@@ -537,16 +566,45 @@ impl Gateway {
         }
     }
 
-    /// A request to `routed`'s worker succeeded or failed: passive health.
+    /// A request to `routed`'s worker succeeded or failed (at `now`, in seconds): its circuit
+    /// breaker learns it. Only what the worker did counts (see `request.rs`'s `Verdict`): a
+    /// 4xx is a success, Envoy's own refusals and clients that went away are not reported.
     pub fn outcome(&mut self, store: &dyn SharedStore, routed: &Routed, ok: bool, now: u64) {
-        if ok {
-            self.health.success(routed.worker);
-        } else if self.health.failure(store, routed.worker, now) {
-            log::warn!("worker {} taken out of rotation after failures", routed.addr);
+        self.record_outcome(store, routed.worker, ok, now);
+    }
+
+    /// A failure of `worker` learned without a [`Routed`] (an attempt Envoy retried on
+    /// another worker, say), at `now` in seconds: counts against its circuit breaker.
+    pub fn worker_failed(&mut self, store: &dyn SharedStore, worker: WorkerId, now: u64) {
+        self.record_outcome(store, worker, false, now);
+    }
+
+    fn record_outcome(&mut self, store: &dyn SharedStore, worker: WorkerId, ok: bool, now: u64) {
+        let Some((from, to)) = self.health.record(store, worker, ok, now.saturating_mul(1000)) else { return };
+        let addr = self.table.get(worker).map_or("?", |w| w.addr.as_str());
+        match to {
+            BreakerState::Open => log::warn!(
+                "worker {addr}: circuit breaker open ({} from {}); out of rotation for {} s",
+                if from == BreakerState::HalfOpen { "its probe failed" } else { "failures" },
+                from.name(),
+                self.health.params().timeout_ms / 1000
+            ),
+            _ => log::info!("worker {addr}: circuit breaker {} (was {})", to.name(), from.name()),
         }
     }
 
-    /// Periodic work: breakers opened by other VMs, and LRU eviction every
+    /// A request that `from` failed was sent again to another worker: counted per worker
+    /// (cumulative, reported to the control plane as `WorkerCounts.failovers`).
+    pub fn failover(&mut self, store: &dyn SharedStore, from: WorkerId) {
+        self.health.count_failover(store, from);
+    }
+
+    /// `worker`'s circuit breaker at `now` (seconds), as this VM sees it.
+    pub fn breaker_state(&self, worker: WorkerId, now: u64) -> BreakerState {
+        self.health.state(worker, now.saturating_mul(1000))
+    }
+
+    /// Periodic work: the circuit breakers as the other VMs left them, and LRU eviction every
     /// `eviction_interval_secs`. Returns the number of blocks evicted when that ran.
     ///
     /// With a control plane, evictions come from it (its global LRU, as deltas), so that every
@@ -658,10 +716,10 @@ mod tests {
         assert_eq!(g.index_len(), 0, "no phantom index entry");
         assert!(Inflight::read(&store).is_empty(), "nothing counted");
         assert_eq!(Inflight::load(&store).head(), 0, "nothing in the delta log for the other VMs");
-        assert!(g.take_report(&store, "gw").inserts.is_empty(), "nothing reported");
+        assert!(g.take_report(&store, "gw", 0).inserts.is_empty(), "nothing reported");
         let c = route(&mut g, &store, &text);
         assert!(c.main.counted && g.index_len() > 0);
-        assert_eq!(g.take_report(&store, "gw").inserts.len(), 1);
+        assert_eq!(g.take_report(&store, "gw", 0).inserts.len(), 1);
     }
 
     #[test]
@@ -821,6 +879,122 @@ mod tests {
         let mut expected = vec![(prefill.worker, 1), (c.main.worker, 1)];
         expected.sort();
         assert_eq!(counts, expected);
+    }
+
+    /// Decides at `now` (seconds) and commits: the worker, or the status of the local reply.
+    fn route_at(g: &mut Gateway, store: &FakeStore, text: &str, now: u64) -> Result<Routed, u16> {
+        let info = RequestInfo { request_id: None, now_secs: now };
+        match g.route_request(store, Endpoint::Generate, &body(text), &info) {
+            Outcome::Route(p) => Ok(g.commit(store, p).main),
+            Outcome::Reply(r) => Err(r.status),
+        }
+    }
+
+    #[test]
+    fn a_failing_worker_is_opened_probed_and_closed_on_every_vm() {
+        let store = FakeStore::default();
+        let cb =
+            r#","policy":"round_robin","cb_failure_threshold":3,"cb_success_threshold":2,"cb_timeout_duration_secs":5"#;
+        let mut a = gateway(&store, cb);
+        let mut b = Gateway::new(a.config().clone(), &store, 7);
+        let bad = routed(&mut a, &store, &body("x"));
+        // Three failures, seen on two VMs, open it for both.
+        a.outcome(&store, &bad, false, 100);
+        b.outcome(&store, &bad, false, 100);
+        assert_eq!(a.breaker_state(bad.worker, 100), BreakerState::Closed);
+        b.worker_failed(&store, bad.worker, 101);
+        assert_eq!(b.breaker_state(bad.worker, 101), BreakerState::Open);
+        a.tick(&store, 101);
+        for g in [&mut a, &mut b] {
+            for i in 0..12 {
+                assert_ne!(route_at(g, &store, &format!("q{i}"), 105).unwrap().worker, bad.worker, "open until 106");
+            }
+        }
+        // Half-open: exactly one request, on one VM, probes it.
+        let mut probes = Vec::new();
+        for i in 0..12 {
+            for g in [&mut a, &mut b] {
+                let r = route_at(g, &store, &format!("p{i}"), 106).unwrap();
+                if r.worker == bad.worker {
+                    probes.push(r);
+                }
+            }
+        }
+        assert_eq!(probes.len(), 1, "one probe at a time across the VMs");
+        assert_eq!(a.route_other(&store, 106).map(|r| r.worker == bad.worker), Ok(false), "other paths never probe");
+        // It answers: the slot is free again; a second success closes it.
+        a.outcome(&store, &probes[0], true, 107);
+        b.tick(&store, 107);
+        let second = (0..6)
+            .find_map(|i| route_at(&mut b, &store, &format!("s{i}"), 107).ok().filter(|r| r.worker == bad.worker));
+        let second = second.expect("a second probe");
+        b.outcome(&store, &second, true, 108);
+        assert_eq!(b.breaker_state(bad.worker, 108), BreakerState::Closed);
+        a.tick(&store, 108);
+        let back =
+            (0..9).filter(|i| route_at(&mut a, &store, &format!("c{i}"), 108).unwrap().worker == bad.worker).count();
+        assert_eq!(back, 3, "round robin over all three again");
+    }
+
+    #[test]
+    fn a_failed_probe_opens_it_again() {
+        let store = FakeStore::default();
+        let mut g = gateway(&store, r#","cb_failure_threshold":1,"cb_timeout_duration_secs":5"#);
+        let bad = routed(&mut g, &store, &body("x"));
+        g.outcome(&store, &bad, false, 100);
+        let probe = (0..30)
+            .find_map(|i| route_at(&mut g, &store, &format!("p{i}"), 105).ok().filter(|r| r.worker == bad.worker));
+        g.outcome(&store, &probe.expect("a probe"), false, 106);
+        assert_eq!(g.breaker_state(bad.worker, 110), BreakerState::Open, "for another 5 s from 106");
+        assert_eq!(g.breaker_state(bad.worker, 111), BreakerState::HalfOpen);
+    }
+
+    #[test]
+    fn client_errors_and_disabled_breakers_never_take_a_worker_out() {
+        let store = FakeStore::default();
+        let mut g = gateway(&store, r#","cb_failure_threshold":1"#);
+        let w = routed(&mut g, &store, &body("x"));
+        // The filter reports a 4xx as a success (the worker answered).
+        for t in 0..100 {
+            g.outcome(&store, &w, true, t);
+        }
+        assert_eq!(g.breaker_state(w.worker, 100), BreakerState::Closed);
+        let mut off = gateway(&store, r#","cb_failure_threshold":1,"disable_circuit_breaker":true"#);
+        for t in 0..100 {
+            off.outcome(&store, &w, false, t);
+        }
+        assert!((0..30).any(|i| route_at(&mut off, &store, &format!("d{i}"), 100).unwrap().worker == w.worker));
+    }
+
+    #[test]
+    fn when_every_worker_is_open_the_answer_is_503() {
+        let store = FakeStore::default();
+        let mut g = gateway(&store, r#","cb_failure_threshold":1"#);
+        for port in 1..=3 {
+            let w = g.table.workers.iter().find(|w| w.addr.ends_with(&format!(":3000{port}"))).unwrap().id;
+            g.worker_failed(&store, w, 100);
+        }
+        assert_eq!(route_at(&mut g, &store, "x", 101).unwrap_err(), 503);
+        assert_eq!(g.route_other(&store, 101).unwrap_err().status, 503);
+    }
+
+    #[test]
+    fn reports_carry_breaker_states_and_failovers() {
+        let store = FakeStore::default();
+        let mut g = gateway(&store, r#","cb_failure_threshold":1,"control_plane_cluster":"cp""#);
+        let w = routed(&mut g, &store, &body("x"));
+        g.failover(&store, w.worker);
+        g.failover(&store, w.worker);
+        g.worker_failed(&store, w.worker, 100);
+        g.failover(&store, 99); // a worker with no request counts yet
+        let report = g.take_report(&store, "gw", 100_500);
+        let c = report.counts.iter().find(|c| c.worker == w.worker).unwrap();
+        assert_eq!((c.breaker(), c.failovers, c.in_flight), (kvmesh_proto::v1::BreakerState::Open, 2, 1));
+        let other = report.counts.iter().find(|c| c.worker == 99).unwrap();
+        assert_eq!((other.breaker(), other.failovers, other.requests), (kvmesh_proto::v1::BreakerState::Closed, 1, 0));
+        let later = g.take_report(&store, "gw", 200_000);
+        let c = later.counts.iter().find(|c| c.worker == w.worker).unwrap();
+        assert_eq!(c.breaker(), kvmesh_proto::v1::BreakerState::HalfOpen);
     }
 
     #[test]

@@ -105,7 +105,7 @@ impl Plugin {
                 }
                 Step::Report { .. } if cp.awaiting_table => {}
                 Step::Report { report, counts_due } => {
-                    let batch = gateway.take_report(host, &cp.gateway_id);
+                    let batch = gateway.take_report(host, &cp.gateway_id, now);
                     if !batch.inserts.is_empty() || counts_due {
                         match host.send_grpc(report, &batch.encode_to_vec(), false) {
                             Ok(()) => cp.link.reported(now),
