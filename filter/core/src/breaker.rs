@@ -225,8 +225,6 @@ impl Breaker {
             _ if p.disabled => false,
             BreakerState::Closed => {
                 let before = *self;
-                // The previous opening (if any) is over: it stays in the past.
-                self.opened_ms = None;
                 self.window.advance(p.bucket_ms(), now_ms);
                 let (failures, _) = self.window.totals();
                 if ok && failures == 0 {

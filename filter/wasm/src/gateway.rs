@@ -986,12 +986,15 @@ mod tests {
         g.failover(&store, w.worker);
         g.failover(&store, w.worker);
         g.worker_failed(&store, w.worker, 100);
-        g.failover(&store, 99); // a worker with no request counts yet
+        let other = g.table.workers.iter().map(|w| w.id).find(|&id| id != w.worker).unwrap();
+        g.failover(&store, other); // a worker with no request counts yet
+        g.failover(&store, 99); // not in the table: not reported
         let report = g.take_report(&store, "gw", 100_500);
         let c = report.counts.iter().find(|c| c.worker == w.worker).unwrap();
         assert_eq!((c.breaker(), c.failovers, c.in_flight), (kvmesh_proto::v1::BreakerState::Open, 2, 1));
-        let other = report.counts.iter().find(|c| c.worker == 99).unwrap();
-        assert_eq!((other.breaker(), other.failovers, other.requests), (kvmesh_proto::v1::BreakerState::Closed, 1, 0));
+        let o = report.counts.iter().find(|c| c.worker == other).unwrap();
+        assert_eq!((o.breaker(), o.failovers, o.requests), (kvmesh_proto::v1::BreakerState::Closed, 1, 0));
+        assert!(report.counts.iter().all(|c| c.worker != 99));
         let later = g.take_report(&store, "gw", 200_000);
         let c = later.counts.iter().find(|c| c.worker == w.worker).unwrap();
         assert_eq!(c.breaker(), kvmesh_proto::v1::BreakerState::HalfOpen);

@@ -178,7 +178,8 @@ impl Gateway {
                 (c.worker, counts)
             })
             .collect();
-        for b in self.health.report(store, now_ms) {
+        // Breakers of workers no longer in the table (kept until idle) are not reported.
+        for b in self.health.report(store, now_ms).into_iter().filter(|b| self.table.get(b.worker).is_some()) {
             let entry =
                 counts.entry(b.worker).or_insert_with(|| WorkerCounts { worker: b.worker, ..Default::default() });
             entry.set_breaker(match b.state {
