@@ -129,13 +129,37 @@ impl Reply {
     }
 }
 
+/// A time from the host's clock, in milliseconds since the epoch: a type of its own, so that
+/// the circuit breakers (which time out to the millisecond) cannot be handed seconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Now(u64);
+
+impl Now {
+    /// From the host's clock (`Host::now_nanos`).
+    pub fn from_nanos(nanos: u64) -> Self {
+        Self(nanos / 1_000_000)
+    }
+
+    pub fn from_ms(ms: u64) -> Self {
+        Self(ms)
+    }
+
+    pub fn from_secs(secs: u64) -> Self {
+        Self(secs.saturating_mul(1000))
+    }
+
+    pub fn ms(self) -> u64 {
+        self.0
+    }
+}
+
 /// Per-request facts from the host.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct RequestInfo<'a> {
     /// The request id (`x-request-id`), used as `rid` in PD bodies when the client set none.
     pub request_id: Option<&'a str>,
-    /// Seconds since the epoch.
-    pub now_secs: u64,
+    /// When the request body was complete.
+    pub now: Now,
 }
 
 enum Mode {
@@ -402,7 +426,7 @@ impl Gateway {
         self.sync_table(store);
         let inflight = Inflight::load(store);
         self.catch_up(store, inflight.head());
-        let now_ms = info.now_secs.saturating_mul(1000);
+        let now_ms = info.now.ms();
         self.health.sync_if_probing(store, now_ms);
         let (table, health) = (&self.table, &self.health);
         let cands = |role| candidates(table, health, &inflight, role, now_ms, Probes::Allowed);
@@ -506,10 +530,10 @@ impl Gateway {
     /// Routes a request on another path (models, health, info) to any available worker (a
     /// decode worker in PD mode). Not counted, nothing to commit.
     /// Workers whose breaker is not closed are left out (their probes are routed requests).
-    pub fn route_other(&mut self, store: &dyn SharedStore, now: u64) -> Result<Routed, Reply> {
+    pub fn route_other(&mut self, store: &dyn SharedStore, now: Now) -> Result<Routed, Reply> {
         self.sync_table(store);
         let role = if matches!(self.mode, Mode::Pd(_)) { Role::Decode } else { Role::Regular };
-        let now_ms = now.saturating_mul(1000);
+        let now_ms = now.ms();
         let cands = candidates(&self.table, &self.health, &Inflight::load(store), role, now_ms, Probes::Refused);
         let pos = match &mut self.mode {
             Mode::Regular(r) => r.route_any(&cands, &mut self.rng),
@@ -566,21 +590,21 @@ impl Gateway {
         }
     }
 
-    /// A request to `routed`'s worker succeeded or failed (at `now`, in seconds): its circuit
-    /// breaker learns it. Only what the worker did counts (see `request.rs`'s `Verdict`): a
+    /// A request to `routed`'s worker succeeded or failed (at `now`): its circuit breaker
+    /// learns it. Only what the worker did counts (see `request.rs`'s `Verdict`): a
     /// 4xx is a success, Envoy's own refusals and clients that went away are not reported.
-    pub fn outcome(&mut self, store: &dyn SharedStore, routed: &Routed, ok: bool, now: u64) {
+    pub fn outcome(&mut self, store: &dyn SharedStore, routed: &Routed, ok: bool, now: Now) {
         self.record_outcome(store, routed.worker, ok, now);
     }
 
     /// A failure of `worker` learned without a [`Routed`] (an attempt Envoy retried on
-    /// another worker, say), at `now` in seconds: counts against its circuit breaker.
-    pub fn worker_failed(&mut self, store: &dyn SharedStore, worker: WorkerId, now: u64) {
+    /// another worker, say), at `now`: counts against its circuit breaker.
+    pub fn worker_failed(&mut self, store: &dyn SharedStore, worker: WorkerId, now: Now) {
         self.record_outcome(store, worker, false, now);
     }
 
-    fn record_outcome(&mut self, store: &dyn SharedStore, worker: WorkerId, ok: bool, now: u64) {
-        let Some((from, to)) = self.health.record(store, worker, ok, now.saturating_mul(1000)) else { return };
+    fn record_outcome(&mut self, store: &dyn SharedStore, worker: WorkerId, ok: bool, now: Now) {
+        let Some((from, to)) = self.health.record(store, worker, ok, now.ms()) else { return };
         let addr = self.table.get(worker).map_or("?", |w| w.addr.as_str());
         match to {
             BreakerState::Open => log::warn!(
@@ -599,9 +623,9 @@ impl Gateway {
         self.health.count_failover(store, from);
     }
 
-    /// `worker`'s circuit breaker at `now` (seconds), as this VM sees it.
-    pub fn breaker_state(&self, worker: WorkerId, now: u64) -> BreakerState {
-        self.health.state(worker, now.saturating_mul(1000))
+    /// `worker`'s circuit breaker at `now`, as this VM sees it.
+    pub fn breaker_state(&self, worker: WorkerId, now: Now) -> BreakerState {
+        self.health.state(worker, now.ms())
     }
 
     /// Periodic work: the circuit breakers as the other VMs left them, and LRU eviction every
@@ -648,7 +672,7 @@ mod tests {
     use crate::shared::fake::FakeStore;
 
     fn req(g: &mut Gateway, store: &FakeStore, endpoint: Endpoint, body: &[u8]) -> Outcome {
-        g.route_request(store, endpoint, body, &RequestInfo { request_id: Some("rq-1"), now_secs: 1000 })
+        g.route_request(store, endpoint, body, &RequestInfo { request_id: Some("rq-1"), now: Now::from_secs(1000) })
     }
 
     fn plan(o: Outcome) -> Plan {
@@ -780,7 +804,7 @@ mod tests {
         let mut g = Gateway::new(Config::default(), &store, 1);
         let r = reply(req(&mut g, &store, Endpoint::Generate, &body("x")));
         assert_eq!((r.status, r.retry_after), (503, Some(1)));
-        assert_eq!(g.route_other(&store, 0).map(|r| r.addr), Err(Reply::no_worker("worker")));
+        assert_eq!(g.route_other(&store, Now::from_secs(0)).map(|r| r.addr), Err(Reply::no_worker("worker")));
     }
 
     #[test]
@@ -789,7 +813,7 @@ mod tests {
         let mut g = gateway(&store, "");
         let mut seen = std::collections::BTreeSet::new();
         for _ in 0..60 {
-            let r = g.route_other(&store, 0).unwrap();
+            let r = g.route_other(&store, Now::from_secs(0)).unwrap();
             assert!(!r.counted);
             seen.insert(r.addr);
         }
@@ -883,7 +907,7 @@ mod tests {
 
     /// Decides at `now` (seconds) and commits: the worker, or the status of the local reply.
     fn route_at(g: &mut Gateway, store: &FakeStore, text: &str, now: u64) -> Result<Routed, u16> {
-        let info = RequestInfo { request_id: None, now_secs: now };
+        let info = RequestInfo { request_id: None, now: Now::from_secs(now) };
         match g.route_request(store, Endpoint::Generate, &body(text), &info) {
             Outcome::Route(p) => Ok(g.commit(store, p).main),
             Outcome::Reply(r) => Err(r.status),
@@ -899,11 +923,11 @@ mod tests {
         let mut b = Gateway::new(a.config().clone(), &store, 7);
         let bad = routed(&mut a, &store, &body("x"));
         // Three failures, seen on two VMs, open it for both.
-        a.outcome(&store, &bad, false, 100);
-        b.outcome(&store, &bad, false, 100);
-        assert_eq!(a.breaker_state(bad.worker, 100), BreakerState::Closed);
-        b.worker_failed(&store, bad.worker, 101);
-        assert_eq!(b.breaker_state(bad.worker, 101), BreakerState::Open);
+        a.outcome(&store, &bad, false, Now::from_secs(100));
+        b.outcome(&store, &bad, false, Now::from_secs(100));
+        assert_eq!(a.breaker_state(bad.worker, Now::from_secs(100)), BreakerState::Closed);
+        b.worker_failed(&store, bad.worker, Now::from_secs(101));
+        assert_eq!(b.breaker_state(bad.worker, Now::from_secs(101)), BreakerState::Open);
         a.tick(&store, 101);
         for g in [&mut a, &mut b] {
             for i in 0..12 {
@@ -921,15 +945,19 @@ mod tests {
             }
         }
         assert_eq!(probes.len(), 1, "one probe at a time across the VMs");
-        assert_eq!(a.route_other(&store, 106).map(|r| r.worker == bad.worker), Ok(false), "other paths never probe");
+        assert_eq!(
+            a.route_other(&store, Now::from_secs(106)).map(|r| r.worker == bad.worker),
+            Ok(false),
+            "other paths never probe"
+        );
         // It answers: the slot is free again; a second success closes it.
-        a.outcome(&store, &probes[0], true, 107);
+        a.outcome(&store, &probes[0], true, Now::from_secs(107));
         b.tick(&store, 107);
         let second = (0..6)
             .find_map(|i| route_at(&mut b, &store, &format!("s{i}"), 107).ok().filter(|r| r.worker == bad.worker));
         let second = second.expect("a second probe");
-        b.outcome(&store, &second, true, 108);
-        assert_eq!(b.breaker_state(bad.worker, 108), BreakerState::Closed);
+        b.outcome(&store, &second, true, Now::from_secs(108));
+        assert_eq!(b.breaker_state(bad.worker, Now::from_secs(108)), BreakerState::Closed);
         a.tick(&store, 108);
         let back =
             (0..9).filter(|i| route_at(&mut a, &store, &format!("c{i}"), 108).unwrap().worker == bad.worker).count();
@@ -941,12 +969,23 @@ mod tests {
         let store = FakeStore::default();
         let mut g = gateway(&store, r#","cb_failure_threshold":1,"cb_timeout_duration_secs":5"#);
         let bad = routed(&mut g, &store, &body("x"));
-        g.outcome(&store, &bad, false, 100);
+        g.outcome(&store, &bad, false, Now::from_secs(100));
         let probe = (0..30)
             .find_map(|i| route_at(&mut g, &store, &format!("p{i}"), 105).ok().filter(|r| r.worker == bad.worker));
-        g.outcome(&store, &probe.expect("a probe"), false, 106);
-        assert_eq!(g.breaker_state(bad.worker, 110), BreakerState::Open, "for another 5 s from 106");
-        assert_eq!(g.breaker_state(bad.worker, 111), BreakerState::HalfOpen);
+        g.outcome(&store, &probe.expect("a probe"), false, Now::from_secs(106));
+        assert_eq!(g.breaker_state(bad.worker, Now::from_secs(110)), BreakerState::Open, "for another 5 s from 106");
+        assert_eq!(g.breaker_state(bad.worker, Now::from_secs(111)), BreakerState::HalfOpen);
+    }
+
+    #[test]
+    fn breakers_keep_time_to_the_millisecond() {
+        let store = FakeStore::default();
+        let mut g = gateway(&store, r#","cb_failure_threshold":1,"cb_timeout_duration_secs":5"#);
+        let w = routed(&mut g, &store, &body("x"));
+        g.outcome(&store, &w, false, Now::from_ms(100_900));
+        assert_eq!(g.breaker_state(w.worker, Now::from_ms(105_899)), BreakerState::Open);
+        assert_eq!(g.breaker_state(w.worker, Now::from_ms(105_900)), BreakerState::HalfOpen);
+        assert_eq!(Now::from_nanos(1_234_567_890).ms(), 1_234);
     }
 
     #[test]
@@ -956,12 +995,12 @@ mod tests {
         let w = routed(&mut g, &store, &body("x"));
         // The filter reports a 4xx as a success (the worker answered).
         for t in 0..100 {
-            g.outcome(&store, &w, true, t);
+            g.outcome(&store, &w, true, Now::from_secs(t));
         }
-        assert_eq!(g.breaker_state(w.worker, 100), BreakerState::Closed);
+        assert_eq!(g.breaker_state(w.worker, Now::from_secs(100)), BreakerState::Closed);
         let mut off = gateway(&store, r#","cb_failure_threshold":1,"disable_circuit_breaker":true"#);
         for t in 0..100 {
-            off.outcome(&store, &w, false, t);
+            off.outcome(&store, &w, false, Now::from_secs(t));
         }
         assert!((0..30).any(|i| route_at(&mut off, &store, &format!("d{i}"), 100).unwrap().worker == w.worker));
     }
@@ -972,10 +1011,10 @@ mod tests {
         let mut g = gateway(&store, r#","cb_failure_threshold":1"#);
         for port in 1..=3 {
             let w = g.table.workers.iter().find(|w| w.addr.ends_with(&format!(":3000{port}"))).unwrap().id;
-            g.worker_failed(&store, w, 100);
+            g.worker_failed(&store, w, Now::from_secs(100));
         }
         assert_eq!(route_at(&mut g, &store, "x", 101).unwrap_err(), 503);
-        assert_eq!(g.route_other(&store, 101).unwrap_err().status, 503);
+        assert_eq!(g.route_other(&store, Now::from_secs(101)).unwrap_err().status, 503);
     }
 
     #[test]
@@ -985,7 +1024,7 @@ mod tests {
         let w = routed(&mut g, &store, &body("x"));
         g.failover(&store, w.worker);
         g.failover(&store, w.worker);
-        g.worker_failed(&store, w.worker, 100);
+        g.worker_failed(&store, w.worker, Now::from_secs(100));
         let other = g.table.workers.iter().map(|w| w.id).find(|&id| id != w.worker).unwrap();
         g.failover(&store, other); // a worker with no request counts yet
         g.failover(&store, 99); // not in the table: not reported
@@ -1007,7 +1046,7 @@ mod tests {
         let text = format!(r#"{{"text":"{}"}}"#, "s".repeat(300));
         let (first, _) = split(&mut g, &store, text.as_bytes());
         let failed = first.prefill.unwrap();
-        g.outcome(&store, &failed, false, 1000);
+        g.outcome(&store, &failed, false, Now::from_secs(1000));
         for _ in 0..10 {
             let (next, _) = split(&mut g, &store, text.as_bytes());
             assert_ne!(next.prefill.unwrap().worker, failed.worker, "the failed prefill worker is out of rotation");
@@ -1030,7 +1069,7 @@ mod tests {
         let store = FakeStore::default();
         let mut g = pd_gateway(&store, "");
         for _ in 0..10 {
-            let r = g.route_other(&store, 0).unwrap();
+            let r = g.route_other(&store, Now::from_secs(0)).unwrap();
             assert!(r.addr.ends_with(":30003") || r.addr.ends_with(":30004"));
         }
     }

@@ -16,7 +16,7 @@ use std::time::Duration;
 use kvmesh_core::paths::{valid_request_id, PathClass};
 use kvmesh_core::Endpoint;
 
-use crate::gateway::{is_routing_header, Gateway, Outcome, Plan, Reply, RequestInfo, Routed};
+use crate::gateway::{is_routing_header, Gateway, Now, Outcome, Plan, Reply, RequestInfo, Routed};
 use crate::host::{Action, Callout, Host, Metric};
 use crate::pd_leg::{Effect, PdLeg, PrefillResult};
 
@@ -177,7 +177,7 @@ impl RequestFilter {
         for (name, _) in headers.iter().filter(|(n, _)| is_routing_header(n)) {
             let _ = host.set_request_header(name, None);
         }
-        let now_secs = host.now_nanos() / 1_000_000_000;
+        let now = Now::from_nanos(host.now_nanos());
         let method = header(&headers, ":method").unwrap_or("");
         let path = header(&headers, ":path").unwrap_or("/");
         let Some(class) = self.with_gateway(|g| g.classify(method, path)) else {
@@ -187,7 +187,7 @@ impl RequestFilter {
             PathClass::Llm(endpoint) => endpoint,
             PathClass::WrongMethod => return self.reply(host, Reply::method_not_allowed(method, path)),
             PathClass::NotFound => return self.reply(host, Reply::not_found(method, path)),
-            PathClass::Passthrough => return self.route_other(host, now_secs),
+            PathClass::Passthrough => return self.route_other(host, now),
         };
         let content_length = header(&headers, "content-length").and_then(|v| v.trim().parse().ok());
         let Some(reply) =
@@ -214,8 +214,8 @@ impl RequestFilter {
     }
 
     /// A read-only path on the allowlist: to one healthy worker, uncounted.
-    fn route_other(&mut self, host: &dyn Host, now_secs: u64) -> Action {
-        let Some(outcome) = self.with_gateway(|g| g.route_other(host, now_secs)) else {
+    fn route_other(&mut self, host: &dyn Host, now: Now) -> Action {
+        let Some(outcome) = self.with_gateway(|g| g.route_other(host, now)) else {
             return self.not_configured(host);
         };
         match outcome {
@@ -248,7 +248,7 @@ impl RequestFilter {
         }
         let body = host.request_body(body_size);
         let started = host.now_nanos();
-        let info = RequestInfo { request_id: self.request_id.as_deref(), now_secs: started / 1_000_000_000 };
+        let info = RequestInfo { request_id: self.request_id.as_deref(), now: Now::from_nanos(started) };
         let Some(outcome) = self.with_gateway(|g| g.route_request(host, endpoint, &body, &info)) else {
             return self.not_configured(host);
         };
@@ -341,10 +341,10 @@ impl RequestFilter {
             }
         };
         let effects = leg.prefill_answered(result, |size| host.response_body(size));
-        let now_secs = host.now_nanos() / 1_000_000_000;
+        let now = Now::from_nanos(host.now_nanos());
         self.with_gateway(|g| {
             g.finish(host, &prefill, worker_ok);
-            g.outcome(host, &prefill, worker_ok, now_secs);
+            g.outcome(host, &prefill, worker_ok, now);
         });
         for effect in effects {
             match effect {
@@ -374,8 +374,8 @@ impl RequestFilter {
         let verdict = Verdict::of(status, host.response_code_details().as_deref());
         self.verdict = Some(verdict);
         if let Some(ok) = verdict.health() {
-            let now_secs = host.now_nanos() / 1_000_000_000;
-            self.with_gateway(|g| g.outcome(host, &routed, ok, now_secs));
+            let now = Now::from_nanos(host.now_nanos());
+            self.with_gateway(|g| g.outcome(host, &routed, ok, now));
         }
         let _ = host.set_response_header(WORKER_HEADER, Some(&routed.addr));
         let Some(leg) = self.pd.as_mut() else { return Action::Continue };
