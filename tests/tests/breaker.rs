@@ -114,11 +114,13 @@ fn a_failing_worker_is_taken_out_then_probed_back_in() {
     // Traffic leaves it: 30 requests in a row avoid it (the other thread adopts the breaker
     // on its next 20 ms tick; a request it routed before that may still reach the worker).
     let mut streak = 0;
+    let mut strays = 0;
     wait_until("30 requests in a row to avoid the failing worker", Duration::from_secs(2), || {
         let r = generate(&s.envoy, &good(sent));
         sent += 1;
         if worker(&r) == bad.addr() {
             streak = 0;
+            strays += 1;
         } else {
             assert_eq!(r.status, 200, "{}", r.text());
             streak += 1;
@@ -126,7 +128,8 @@ fn a_failing_worker_is_taken_out_then_probed_back_in() {
         streak >= 30
     })
     .unwrap();
-    assert!(opened.elapsed() < Duration::from_secs(TIMEOUT_SECS), "still within the open period");
+    let left = opened.elapsed();
+    assert!(left < Duration::from_secs(TIMEOUT_SECS), "still within the open period");
 
     // The control plane shows it: /workers and /metrics, from the gateway's report.
     let mut seen = Value::Null;
@@ -136,6 +139,7 @@ fn a_failing_worker_is_taken_out_then_probed_back_in() {
             && worker_metric(&s.cp, "kvmesh_worker_circuit_breaker_open", &bad.url()) == Some(1.0)
     })
     .unwrap_or_else(|e| panic!("{e}: last /workers entry {seen}"));
+    let shown = opened.elapsed();
     let healthy = &s.sims[1];
     assert_eq!(workers_entry(&s.cp, &healthy.url())["circuit_breaker"], "closed");
     assert_eq!(worker_metric(&s.cp, "kvmesh_worker_circuit_breaker_open", &healthy.url()), Some(0.0));
@@ -145,6 +149,8 @@ fn a_failing_worker_is_taken_out_then_probed_back_in() {
     // It recovers. After the timeout one request at a time probes it; two successes close the
     // breaker and it gets its share again.
     set_fail_rate(bad, 0.0);
+    let recovered = Instant::now();
+    let mut first_back = None;
     let mut back = 0;
     let mut failed = Vec::new();
     wait_until("traffic to return to the recovered worker", Duration::from_secs(TIMEOUT_SECS + 10), || {
@@ -154,6 +160,7 @@ fn a_failing_worker_is_taken_out_then_probed_back_in() {
             failed.push(r.status);
         }
         if worker(&r) == bad.addr() {
+            first_back.get_or_insert_with(|| opened.elapsed());
             back += 1;
         }
         back >= 5
@@ -172,7 +179,13 @@ fn a_failing_worker_is_taken_out_then_probed_back_in() {
         worker(&r) == bad.addr()
     });
     assert!(share.count() >= 5, "round robin over three workers gives it about a third again");
-    eprintln!("breaker: opened after 3 failures, traffic left within {:?}; {sent} requests in all", opened.elapsed());
+    eprintln!(
+        "breaker (timeout {TIMEOUT_SECS} s): after the 3rd failure {strays} request(s) still reached the worker; \
+         30 in a row avoided it {left:?} after; kvmesh-cp showed it open {shown:?} after; recovered at \
+         {:?}, first request served there again {:?} after the opening; {sent} requests in all",
+        recovered.duration_since(opened),
+        first_back.unwrap_or_default()
+    );
 }
 
 #[test]
