@@ -45,8 +45,8 @@ pub struct Plan {
     pd: Option<PdPlan>,
     /// The shared counts as read for this decision (the commit's CAS starts from them).
     inflight: Inflight,
-    /// When the decision was made (ms): a half-open worker's probe slot is taken at that time.
-    now_ms: u64,
+    /// When the decision was made: a half-open worker's probe slot is taken at that time.
+    now: Now,
 }
 
 #[derive(Debug)]
@@ -217,14 +217,14 @@ fn candidates(
     health: &Health,
     inflight: &Inflight,
     role: Role,
-    now_ms: u64,
+    now: Now,
     probes: Probes,
 ) -> Vec<Candidate> {
     table
         .healthy_with(role)
         .filter(|w| match probes {
-            Probes::Allowed => health.available(w.id, now_ms),
-            Probes::Refused => health.state(w.id, now_ms) == BreakerState::Closed,
+            Probes::Allowed => health.available(w.id, now),
+            Probes::Refused => health.state(w.id, now) == BreakerState::Closed,
         })
         .map(|w| Candidate { id: w.id, load: w.load + u64::from(inflight.count(w.id)) })
         .collect()
@@ -426,10 +426,10 @@ impl Gateway {
         self.sync_table(store);
         let inflight = Inflight::load(store);
         self.catch_up(store, inflight.head());
-        let now_ms = info.now.ms();
-        self.health.sync_if_probing(store, now_ms);
+        let now = info.now;
+        self.health.sync_if_probing(store, now);
         let (table, health) = (&self.table, &self.health);
-        let cands = |role| candidates(table, health, &inflight, role, now_ms, Probes::Allowed);
+        let cands = |role| candidates(table, health, &inflight, role, now, Probes::Allowed);
         let chosen = match &self.mode {
             Mode::Regular(router) => match router.decide((&parsed).into(), &cands(Role::Regular), &mut self.rng) {
                 Some(d) => Chosen::Regular(d),
@@ -477,14 +477,14 @@ impl Gateway {
                 })
             }
         };
-        Outcome::Route(Plan { chosen, main: main_routed, pd, inflight, now_ms })
+        Outcome::Route(Plan { chosen, main: main_routed, pd, inflight, now })
     }
 
     /// Records a plan that was applied: the index learns the prefix, the legs are counted in
     /// flight, and the new blocks go to the other VMs (one CAS for counts and log sequence,
     /// plus the log slot) and into the next report.
     pub fn commit(&mut self, store: &dyn SharedStore, plan: Plan) -> Committed {
-        let Plan { chosen, mut main, pd, inflight, now_ms } = plan;
+        let Plan { chosen, mut main, pd, inflight, now } = plan;
         let decisions: Vec<&Decision> = match &chosen {
             Chosen::Regular(d) | Chosen::Pd(PdDecision::DecodeOnly(d)) => vec![d],
             Chosen::Pd(PdDecision::Split { prefill, decode }) => vec![decode, prefill],
@@ -496,7 +496,7 @@ impl Gateway {
             .collect();
         let counts: Vec<(WorkerId, i32)> = decisions.iter().map(|d| (d.worker, 1)).collect();
         for d in &decisions {
-            if self.health.take_probe(store, d.worker, now_ms) {
+            if self.health.take_probe(store, d.worker, now) {
                 log::info!("worker {}: half-open, probing it with one request", d.worker);
             }
         }
@@ -533,8 +533,7 @@ impl Gateway {
     pub fn route_other(&mut self, store: &dyn SharedStore, now: Now) -> Result<Routed, Reply> {
         self.sync_table(store);
         let role = if matches!(self.mode, Mode::Pd(_)) { Role::Decode } else { Role::Regular };
-        let now_ms = now.ms();
-        let cands = candidates(&self.table, &self.health, &Inflight::load(store), role, now_ms, Probes::Refused);
+        let cands = candidates(&self.table, &self.health, &Inflight::load(store), role, now, Probes::Refused);
         let pos = match &mut self.mode {
             Mode::Regular(r) => r.route_any(&cands, &mut self.rng),
             Mode::Pd(pd) => pd.decode_router().route_any(&cands, &mut self.rng),
@@ -604,7 +603,7 @@ impl Gateway {
     }
 
     fn record_outcome(&mut self, store: &dyn SharedStore, worker: WorkerId, ok: bool, now: Now) {
-        let Some((from, to)) = self.health.record(store, worker, ok, now.ms()) else { return };
+        let Some((from, to)) = self.health.record(store, worker, ok, now) else { return };
         let addr = self.table.get(worker).map_or("?", |w| w.addr.as_str());
         match to {
             BreakerState::Open => log::warn!(
@@ -625,7 +624,7 @@ impl Gateway {
 
     /// `worker`'s circuit breaker at `now`, as this VM sees it.
     pub fn breaker_state(&self, worker: WorkerId, now: Now) -> BreakerState {
-        self.health.state(worker, now.ms())
+        self.health.state(worker, now)
     }
 
     /// Periodic work: the circuit breakers as the other VMs left them, and LRU eviction every
@@ -740,10 +739,10 @@ mod tests {
         assert_eq!(g.index_len(), 0, "no phantom index entry");
         assert!(Inflight::read(&store).is_empty(), "nothing counted");
         assert_eq!(Inflight::load(&store).head(), 0, "nothing in the delta log for the other VMs");
-        assert!(g.take_report(&store, "gw", 0).inserts.is_empty(), "nothing reported");
+        assert!(g.take_report(&store, "gw", Now::default()).inserts.is_empty(), "nothing reported");
         let c = route(&mut g, &store, &text);
         assert!(c.main.counted && g.index_len() > 0);
-        assert_eq!(g.take_report(&store, "gw", 0).inserts.len(), 1);
+        assert_eq!(g.take_report(&store, "gw", Now::default()).inserts.len(), 1);
     }
 
     #[test]
@@ -1028,13 +1027,13 @@ mod tests {
         let other = g.table.workers.iter().map(|w| w.id).find(|&id| id != w.worker).unwrap();
         g.failover(&store, other); // a worker with no request counts yet
         g.failover(&store, 99); // not in the table: not reported
-        let report = g.take_report(&store, "gw", 100_500);
+        let report = g.take_report(&store, "gw", Now::from_ms(100_500));
         let c = report.counts.iter().find(|c| c.worker == w.worker).unwrap();
         assert_eq!((c.breaker(), c.failovers, c.in_flight), (kvmesh_proto::v1::BreakerState::Open, 2, 1));
         let o = report.counts.iter().find(|c| c.worker == other).unwrap();
         assert_eq!((o.breaker(), o.failovers, o.requests), (kvmesh_proto::v1::BreakerState::Closed, 1, 0));
         assert!(report.counts.iter().all(|c| c.worker != 99));
-        let later = g.take_report(&store, "gw", 200_000);
+        let later = g.take_report(&store, "gw", Now::from_ms(200_000));
         let c = later.counts.iter().find(|c| c.worker == w.worker).unwrap();
         assert_eq!(c.breaker(), kvmesh_proto::v1::BreakerState::HalfOpen);
     }

@@ -14,6 +14,7 @@
 use kvmesh_core::breaker::{BreakerParams, BreakerState, BreakerTable};
 use kvmesh_core::WorkerId;
 
+use crate::gateway::Now;
 use crate::shared::{update, SharedStore};
 
 const KEY: &str = "kvmesh.breakers";
@@ -49,14 +50,14 @@ impl Health {
         &self.params
     }
 
-    /// Whether `worker` may receive a request at `now_ms`: its breaker is closed, or half-open
+    /// Whether `worker` may receive a request at `now`: its breaker is closed, or half-open
     /// with the probe slot free (as this VM last saw the shared value).
-    pub fn available(&self, worker: WorkerId, now_ms: u64) -> bool {
-        self.view.get(worker).is_none_or(|b| b.admits(&self.params, now_ms))
+    pub fn available(&self, worker: WorkerId, now: Now) -> bool {
+        self.view.get(worker).is_none_or(|b| b.admits(&self.params, now.ms()))
     }
 
-    pub fn state(&self, worker: WorkerId, now_ms: u64) -> BreakerState {
-        self.view.get(worker).map_or(BreakerState::Closed, |b| b.state(&self.params, now_ms))
+    pub fn state(&self, worker: WorkerId, now: Now) -> BreakerState {
+        self.view.get(worker).map_or(BreakerState::Closed, |b| b.state(&self.params, now.ms()))
     }
 
     /// Adopts the shared value (on the tick).
@@ -66,7 +67,8 @@ impl Health {
 
     /// Before a decision: re-reads the shared value when a breaker is half-open in this VM's
     /// view (so that a probe slot another VM took is seen); no read otherwise.
-    pub fn sync_if_probing(&mut self, store: &dyn SharedStore, now_ms: u64) {
+    pub fn sync_if_probing(&mut self, store: &dyn SharedStore, now: Now) {
+        let now_ms = now.ms();
         if self.params.disabled {
             return;
         }
@@ -79,17 +81,19 @@ impl Health {
     /// committed). True when this call took it; false when the worker is not half-open or
     /// another VM took the slot first (the request goes anyway: it was decided on a view a
     /// few microseconds old).
-    pub fn take_probe(&mut self, store: &dyn SharedStore, worker: WorkerId, now_ms: u64) -> bool {
-        if self.state(worker, now_ms) != BreakerState::HalfOpen {
+    pub fn take_probe(&mut self, store: &dyn SharedStore, worker: WorkerId, now: Now) -> bool {
+        let now_ms = now.ms();
+        if self.state(worker, now) != BreakerState::HalfOpen {
             return false;
         }
         let params = self.params;
         self.modify(store, Some(now_ms), |t| t.entry(worker).take_probe(&params, now_ms)).unwrap_or(false)
     }
 
-    /// Records the outcome of a request to `worker` at `now_ms`; returns the breaker's
+    /// Records the outcome of a request to `worker` at `now`; returns the breaker's
     /// transition when it changed state.
-    pub fn record(&mut self, store: &dyn SharedStore, worker: WorkerId, ok: bool, now_ms: u64) -> Option<Transition> {
+    pub fn record(&mut self, store: &dyn SharedStore, worker: WorkerId, ok: bool, now: Now) -> Option<Transition> {
+        let now_ms = now.ms();
         if self.params.disabled {
             return None;
         }
@@ -116,8 +120,9 @@ impl Health {
         self.modify(store, None, |t| t.entry(worker).count_failover());
     }
 
-    /// Every worker's breaker state at `now_ms` and its failover count, from the shared value.
-    pub fn report(&self, store: &dyn SharedStore, now_ms: u64) -> Vec<BreakerReport> {
+    /// Every worker's breaker state at `now` and its failover count, from the shared value.
+    pub fn report(&self, store: &dyn SharedStore, now: Now) -> Vec<BreakerReport> {
+        let now_ms = now.ms();
         read(store)
             .iter()
             .map(|(worker, b)| BreakerReport { worker, state: b.state(&self.params, now_ms), failovers: b.failovers() })
@@ -158,6 +163,10 @@ mod tests {
     use crate::shared::fake::{FakeStore, Racing};
     use BreakerState::{Closed, HalfOpen, Open};
 
+    fn ms(t: u64) -> Now {
+        Now::from_ms(t)
+    }
+
     fn params() -> BreakerParams {
         BreakerParams {
             failure_threshold: 3,
@@ -172,14 +181,14 @@ mod tests {
     fn a_failure_on_one_vm_counts_for_all() {
         let store = FakeStore::default();
         let (mut a, mut b) = (Health::new(params()), Health::new(params()));
-        a.record(&store, 7, false, 0);
+        a.record(&store, 7, false, ms(0));
         b.sync(&store);
-        b.record(&store, 7, false, 10);
-        assert_eq!(a.record(&store, 7, false, 20), Some((Closed, Open)), "the third failure, on any VM, opens it");
-        assert!(!a.available(7, 20));
-        assert!(b.available(7, 20), "b has not looked yet");
+        b.record(&store, 7, false, ms(10));
+        assert_eq!(a.record(&store, 7, false, ms(20)), Some((Closed, Open)), "the third failure, on any VM, opens it");
+        assert!(!a.available(7, ms(20)));
+        assert!(b.available(7, ms(20)), "b has not looked yet");
         b.sync(&store);
-        assert!(!b.available(7, 20) && b.available(8, 20));
+        assert!(!b.available(7, ms(20)) && b.available(8, ms(20)));
     }
 
     #[test]
@@ -187,25 +196,25 @@ mod tests {
         let store = FakeStore::default();
         let (mut a, mut b) = (Health::new(params()), Health::new(params()));
         for t in 0..3 {
-            a.record(&store, 1, false, t);
+            a.record(&store, 1, false, ms(t));
         }
         b.sync(&store);
-        assert!(a.available(1, 1_500) && b.available(1, 1_500), "half-open: both may decide to probe");
-        assert!(a.take_probe(&store, 1, 1_500));
-        assert!(!b.take_probe(&store, 1, 1_501), "the slot is a's");
-        assert!(!a.available(1, 1_501) && !b.available(1, 1_501));
+        assert!(a.available(1, ms(1_500)) && b.available(1, ms(1_500)), "half-open: both may decide to probe");
+        assert!(a.take_probe(&store, 1, ms(1_500)));
+        assert!(!b.take_probe(&store, 1, ms(1_501)), "the slot is a's");
+        assert!(!a.available(1, ms(1_501)) && !b.available(1, ms(1_501)));
         // A VM that has not ticked since sees the slot taken before its next decision.
         let mut c = Health::new(params());
         c.sync(&store);
         let mut d = Health::new(params());
         for t in 0..3 {
-            d.record(&store, 2, false, t);
+            d.record(&store, 2, false, ms(t));
         }
         c.sync(&store);
-        assert!(d.take_probe(&store, 2, 1_500));
-        assert!(c.available(2, 1_500), "stale view");
-        c.sync_if_probing(&store, 1_500);
-        assert!(!c.available(2, 1_500));
+        assert!(d.take_probe(&store, 2, ms(1_500)));
+        assert!(c.available(2, ms(1_500)), "stale view");
+        c.sync_if_probing(&store, ms(1_500));
+        assert!(!c.available(2, ms(1_500)));
     }
 
     #[test]
@@ -213,16 +222,16 @@ mod tests {
         let store = FakeStore::default();
         let (mut a, mut b) = (Health::new(params()), Health::new(params()));
         for t in 0..3 {
-            a.record(&store, 1, false, t);
+            a.record(&store, 1, false, ms(t));
         }
-        assert!(a.take_probe(&store, 1, 1_100));
-        assert_eq!(a.record(&store, 1, true, 1_200), None, "one success of two");
+        assert!(a.take_probe(&store, 1, ms(1_100)));
+        assert_eq!(a.record(&store, 1, true, ms(1_200)), None, "one success of two");
         b.sync(&store);
-        assert_eq!(b.state(1, 1_200), HalfOpen);
-        assert!(b.take_probe(&store, 1, 1_300));
-        assert_eq!(b.record(&store, 1, true, 1_400), Some((HalfOpen, Closed)));
+        assert_eq!(b.state(1, ms(1_200)), HalfOpen);
+        assert!(b.take_probe(&store, 1, ms(1_300)));
+        assert_eq!(b.record(&store, 1, true, ms(1_400)), Some((HalfOpen, Closed)));
         a.sync(&store);
-        assert_eq!(a.state(1, 1_400), Closed);
+        assert_eq!(a.state(1, ms(1_400)), Closed);
         assert!(store.get(KEY).0.unwrap().is_empty(), "a closed, idle breaker is dropped from the value");
     }
 
@@ -232,11 +241,11 @@ mod tests {
         let mut h = Health::new(params());
         let racing = Racing::new(&store, |_| {});
         for t in 0..100 {
-            assert_eq!(h.record(&racing, 3, true, t), None);
+            assert_eq!(h.record(&racing, 3, true, ms(t)), None);
         }
         assert_eq!(racing.writes(), (0, 0));
-        h.record(&racing, 3, false, 100);
-        h.record(&racing, 3, true, 101);
+        h.record(&racing, 3, false, ms(100));
+        h.record(&racing, 3, true, ms(101));
         assert_eq!(racing.writes().0, 2, "with a failure in the window, successes count");
     }
 
@@ -244,12 +253,12 @@ mod tests {
     fn a_conflicting_write_is_retried_and_nothing_is_lost() {
         let store = FakeStore::default();
         let mut a = Health::new(params());
-        a.record(&store, 5, false, 0);
+        a.record(&store, 5, false, ms(0));
         // Another VM records a failure between a's read and its write.
         let racing = Racing::new(&store, |other| {
-            Health::new(params()).record(other, 5, false, 1);
+            Health::new(params()).record(other, 5, false, ms(1));
         });
-        assert_eq!(a.record(&racing, 5, false, 2), Some((Closed, Open)));
+        assert_eq!(a.record(&racing, 5, false, ms(2)), Some((Closed, Open)));
         assert_eq!(racing.writes(), (2, 1));
     }
 
@@ -258,9 +267,9 @@ mod tests {
         let store = FakeStore::default();
         let mut h = Health::new(BreakerParams { disabled: true, ..params() });
         for t in 0..10 {
-            assert_eq!(h.record(&store, 1, false, t), None);
+            assert_eq!(h.record(&store, 1, false, ms(t)), None);
         }
-        assert!(h.available(1, 10));
+        assert!(h.available(1, ms(10)));
         assert_eq!(store.get(KEY).0, None);
     }
 
@@ -271,9 +280,9 @@ mod tests {
         h.count_failover(&store, 4);
         h.count_failover(&store, 4);
         for t in 0..3 {
-            h.record(&store, 6, false, t);
+            h.record(&store, 6, false, ms(t));
         }
-        let report = h.report(&store, 10);
+        let report = h.report(&store, ms(10));
         assert_eq!(
             report,
             vec![
@@ -281,7 +290,7 @@ mod tests {
                 BreakerReport { worker: 6, state: Open, failovers: 0 },
             ]
         );
-        assert_eq!(h.report(&store, 2_000)[1].state, HalfOpen);
+        assert_eq!(h.report(&store, ms(2_000))[1].state, HalfOpen);
     }
 
     #[test]
@@ -290,11 +299,11 @@ mod tests {
         store.set(KEY, &[0xa5; 1000], None).unwrap();
         let mut h = Health::new(params());
         h.sync(&store);
-        h.sync_if_probing(&store, 5);
-        let _ = h.available(0xa5a5_a5a5, 5);
-        h.record(&store, 1, false, 5);
+        h.sync_if_probing(&store, ms(5));
+        let _ = h.available(0xa5a5_a5a5, ms(5));
+        h.record(&store, 1, false, ms(5));
         h.count_failover(&store, 1);
-        let _ = h.report(&store, 5);
+        let _ = h.report(&store, ms(5));
         assert_eq!(BreakerTable::decode(&store.get(KEY).0.unwrap()).get(1).map(|b| b.failovers()), Some(1));
     }
 }

@@ -6,7 +6,7 @@ use kvmesh_core::{Role, RoutingSettings, Worker, WorkerTable};
 use kvmesh_proto::v1::{self as proto, IndexInsert, ReportBatch, WorkerCounts};
 use kvmesh_proto::Message;
 
-use super::{build_mode, Gateway, Mode};
+use super::{build_mode, Gateway, Mode, Now};
 use crate::shared::{Delta, Inflight, SharedStore, SharedTable};
 use kvmesh_core::{Router, WorkerId};
 
@@ -154,10 +154,10 @@ impl Gateway {
         self.table_version = Some(version);
     }
 
-    /// What the stream owner sends on its report tick (at `now_ms`): inserts made on this
+    /// What the stream owner sends on its report tick (at `now`): inserts made on this
     /// Envoy since the last report, and per worker the counts (in flight, finished, failed,
     /// failovers) and the circuit breaker's state.
-    pub fn take_report(&mut self, store: &dyn SharedStore, gateway_id: &str, now_ms: u64) -> ReportBatch {
+    pub fn take_report(&mut self, store: &dyn SharedStore, gateway_id: &str, now: Now) -> ReportBatch {
         self.catch_up(store, Inflight::load(store).head());
         let inserts = self
             .unreported
@@ -179,7 +179,7 @@ impl Gateway {
             })
             .collect();
         // Breakers of workers no longer in the table (kept until idle) are not reported.
-        for b in self.health.report(store, now_ms).into_iter().filter(|b| self.table.get(b.worker).is_some()) {
+        for b in self.health.report(store, now).into_iter().filter(|b| self.table.get(b.worker).is_some()) {
             let entry =
                 counts.entry(b.worker).or_insert_with(|| WorkerCounts { worker: b.worker, ..Default::default() });
             entry.set_breaker(match b.state {
@@ -400,10 +400,10 @@ mod tests {
             },
         );
         route(&mut g, &store, &"r".repeat(100));
-        let report = g.take_report(&store, "gw", 0);
+        let report = g.take_report(&store, "gw", Now::default());
         assert_eq!(report.inserts.len(), 1);
         assert_eq!(report.counts[0].in_flight, 1);
-        assert!(g.take_report(&store, "gw", 0).inserts.is_empty(), "reported once");
+        assert!(g.take_report(&store, "gw", Now::default()).inserts.is_empty(), "reported once");
         let full = g.full_report("gw", 1 << 16);
         assert_eq!(full.len(), 1);
         assert_eq!(full[0].inserts.iter().map(|i| i.hashes.len()).sum::<usize>(), 4);
