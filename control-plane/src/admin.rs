@@ -139,6 +139,8 @@ async fn workers(Axum(state): Shared) -> Json<Value> {
                 "in_flight": w.inflight_total(),
                 "requests": w.requests,
                 "errors": w.errors,
+                "failovers": w.failovers,
+                "circuit_breaker": w.circuit_breaker(),
                 "index_entries": state.index_size_of(w.id),
                 "cache_hit_rate": w.cache_hit_rate,
                 "waiting": w.pressure.waiting,
@@ -178,6 +180,8 @@ pub struct Metrics {
     inflight: Family<WorkerLabels, Gauge>,
     requests: Family<WorkerLabels, Counter>,
     errors: Family<WorkerLabels, Counter>,
+    failovers: Family<WorkerLabels, Counter>,
+    breakers_open: Family<WorkerLabels, Gauge>,
     index_blocks: Gauge,
     index_entries: Gauge,
     /// The label sets of the workers at the last scrape.
@@ -194,6 +198,8 @@ impl Metrics {
             inflight: Family::default(),
             requests: Family::default(),
             errors: Family::default(),
+            failovers: Family::default(),
+            breakers_open: Family::default(),
             index_blocks: Gauge::default(),
             index_entries: Gauge::default(),
             known: Mutex::default(),
@@ -212,6 +218,16 @@ impl Metrics {
             "sgl_router_request_errors",
             "Requests that failed (no answer or 5xx), per worker",
             m.errors.clone(),
+        );
+        registry.register(
+            "kvmesh_worker_failovers",
+            "Requests a worker failed that a gateway sent again to another worker",
+            m.failovers.clone(),
+        );
+        registry.register(
+            "kvmesh_worker_circuit_breaker_open",
+            "Gateways (with a live report stream) whose circuit breaker for the worker is open",
+            m.breakers_open.clone(),
         );
         registry.register("kvmesh_index_blocks", "Distinct blocks in the global prefix index", m.index_blocks.clone());
         registry.register(
@@ -246,8 +262,11 @@ impl Metrics {
             self.healthy.get_or_create(&labels).set(i64::from(w.healthy));
             self.load.get_or_create(&labels).set(w.load() as i64);
             self.inflight.get_or_create(&labels).set(w.inflight_total() as i64);
+            self.breakers_open.get_or_create(&labels).set(w.breakers_open() as i64);
             // The state's totals only grow (for one registration of a worker).
-            for (family, total) in [(&self.requests, w.requests), (&self.errors, w.errors)] {
+            for (family, total) in
+                [(&self.requests, w.requests), (&self.errors, w.errors), (&self.failovers, w.failovers)]
+            {
                 let counter = family.get_or_create(&labels);
                 counter.inc_by(total.saturating_sub(counter.get()));
             }
@@ -259,6 +278,8 @@ impl Metrics {
             self.inflight.remove(gone);
             self.requests.remove(gone);
             self.errors.remove(gone);
+            self.failovers.remove(gone);
+            self.breakers_open.remove(gone);
         }
         *known = now;
         let (blocks, entries) = self.state.index_stats();
@@ -308,6 +329,15 @@ mod tests {
         assert_eq!(text.matches("# TYPE kvmesh_reports counter").count(), 1);
         assert_eq!(value(&text, "kvmesh_reports_total"), Some(2.0));
         assert_eq!(value(&text, r#"sgl_router_requests_total{worker="http://127.0.0.1:1",role="regular"}"#), Some(5.0));
+        let mut open = kvmesh_proto::v1::WorkerCounts { worker: 0, requests: 5, failovers: 3, ..Default::default() };
+        open.set_breaker(kvmesh_proto::v1::BreakerState::Open);
+        s.report(kvmesh_proto::v1::ReportBatch { gateway_id: "a".into(), counts: vec![open], ..Default::default() });
+        let text = m.encode();
+        let series = |name: &str, port: u16| format!(r#"{name}{{worker="http://127.0.0.1:{port}",role="regular"}}"#);
+        assert_eq!(value(&text, &series("kvmesh_worker_circuit_breaker_open", 1)), Some(1.0), "{text}");
+        assert_eq!(value(&text, &series("kvmesh_worker_circuit_breaker_open", 2)), Some(0.0));
+        assert_eq!(value(&text, &series("kvmesh_worker_failovers_total", 1)), Some(3.0));
+        assert!(text.contains("# TYPE kvmesh_worker_failovers counter"));
         assert!(s.remove_worker("http://127.0.0.1:1"));
         let text = m.encode();
         assert!(!text.contains("127.0.0.1:1\""), "{text}");

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kvmesh_core::index::PrefixIndex;
-use kvmesh_proto::v1::{IndexEvict, IndexInsert, ReportBatch, Role, Snapshot, Worker};
+use kvmesh_proto::v1::{BreakerState, IndexEvict, IndexInsert, ReportBatch, Role, Snapshot, Worker};
 use prometheus_client::metrics::counter::Counter;
 use serde_json::{json, Value};
 use tokio::sync::broadcast;
@@ -46,13 +46,43 @@ pub struct WorkerEntry {
     /// Finished and failed requests, summed over gateways.
     pub requests: u64,
     pub errors: u64,
+    /// Requests the gateways moved from this worker to another, summed over gateways.
+    pub failovers: u64,
     /// Each gateway's last cumulative (wrapping) counts, to add the differences.
-    last_counts: HashMap<String, (u32, u32)>,
+    last_counts: HashMap<String, LastCounts>,
+    /// The circuit breaker of each gateway with a live report stream, where it is not closed.
+    pub breakers: HashMap<String, BreakerState>,
+}
+
+/// One gateway's last cumulative counts for one worker.
+#[derive(Clone, Copy, Debug, Default)]
+struct LastCounts {
+    requests: u32,
+    errors: u32,
+    failovers: u32,
 }
 
 impl WorkerEntry {
     pub fn inflight_total(&self) -> u64 {
         self.inflight.values().map(|&n| u64::from(n)).sum()
+    }
+
+    /// The worker's circuit breaker over the gateways: `open` when any gateway has it open,
+    /// else `half_open` when any is probing it, else `closed`.
+    pub fn circuit_breaker(&self) -> &'static str {
+        let any = |state| self.breakers.values().any(|&b| b == state);
+        if any(BreakerState::Open) {
+            "open"
+        } else if any(BreakerState::HalfOpen) {
+            "half_open"
+        } else {
+            "closed"
+        }
+    }
+
+    /// How many gateways have the worker's circuit breaker open.
+    pub fn breakers_open(&self) -> usize {
+        self.breakers.values().filter(|&&b| b == BreakerState::Open).count()
     }
 
     /// The load filters see: the worker's own report, else the gateways' in-flight sum.
@@ -79,6 +109,8 @@ impl WorkerEntry {
             inflight: HashMap::new(),
             requests: 0,
             errors: 0,
+            failovers: 0,
+            breakers: HashMap::new(),
             last_counts: HashMap::new(),
         }
     }
@@ -330,7 +362,9 @@ impl State {
             inflight: HashMap::new(),
             requests: 0,
             errors: 0,
+            failovers: 0,
             last_counts: HashMap::new(),
+            breakers: HashMap::new(),
         };
         inner.workers.insert(id, entry);
         inner.workers_dirty = true;
@@ -430,8 +464,9 @@ impl State {
     }
 
     /// A `Report` stream of `gateway` ended. When it was the last one, the gateway's in-flight
-    /// counts are dropped (its requests no longer count as load); its cumulative counts are
-    /// kept, so that the same gateway reporting again is not counted twice.
+    /// counts are dropped (its requests no longer count as load), and so are its circuit
+    /// breakers; its cumulative counts are kept, so that the same gateway reporting again is
+    /// not counted twice.
     pub fn report_stream_closed(&self, gateway: &str) {
         let mut inner = self.lock();
         let Some(g) = inner.gateways.get_mut(gateway) else { return };
@@ -442,9 +477,11 @@ impl State {
         }
     }
 
+    /// Forgets what `gateway` said about now: its in-flight counts and breaker states.
     fn drop_inflight(inner: &mut Inner, gateway: &str) {
         let mut changed = false;
         for w in inner.workers.values_mut() {
+            w.breakers.remove(gateway);
             if w.inflight.remove(gateway).is_some_and(|n| n != 0) && w.polled_load.is_none() {
                 changed = true;
             }
@@ -550,16 +587,23 @@ impl State {
                     let Some(c) = batch.counts.iter().find(|c| c.worker == w.id) else {
                         changed |= w.inflight.insert(gateway.clone(), 0).is_some_and(|old| old != 0)
                             && w.polled_load.is_none();
+                        w.breakers.remove(&gateway);
                         continue;
+                    };
+                    // An unknown state number (a newer gateway) reads as closed.
+                    match c.breaker() {
+                        BreakerState::Closed => w.breakers.remove(&gateway),
+                        state => w.breakers.insert(gateway.clone(), state),
                     };
                     let old = w.inflight.insert(gateway.clone(), c.in_flight).unwrap_or(0);
                     changed |= old != c.in_flight && w.polled_load.is_none();
                     // The first report of a gateway counts from zero; the same gateway (one id
                     // per Envoy, whichever VM holds its stream) is counted by differences.
-                    let (last_req, last_err) =
-                        w.last_counts.insert(gateway.clone(), (c.requests, c.errors)).unwrap_or((0, 0));
-                    w.requests += u64::from(c.requests.wrapping_sub(last_req));
-                    w.errors += u64::from(c.errors.wrapping_sub(last_err));
+                    let now = LastCounts { requests: c.requests, errors: c.errors, failovers: c.failovers };
+                    let last = w.last_counts.insert(gateway.clone(), now).unwrap_or_default();
+                    w.requests += u64::from(c.requests.wrapping_sub(last.requests));
+                    w.errors += u64::from(c.errors.wrapping_sub(last.errors));
+                    w.failovers += u64::from(c.failovers.wrapping_sub(last.failovers));
                 }
             }
             bad += batch.counts.iter().filter(|c| !inner.workers.contains_key(&c.worker)).count() as u64;
@@ -931,7 +975,7 @@ pub(crate) mod tests {
         let s = state(&["--worker-urls", "http://127.0.0.1:1"]);
         let counts = |in_flight, requests| ReportBatch {
             gateway_id: "envoy/1".into(),
-            counts: vec![WorkerCounts { worker: 0, in_flight, requests, errors: 0 }],
+            counts: vec![WorkerCounts { worker: 0, in_flight, requests, ..Default::default() }],
             ..Default::default()
         };
         // VM a holds the stream.
@@ -959,6 +1003,42 @@ pub(crate) mod tests {
         // Gone past the gateway TTL: forgotten.
         s.report_stream_closed("envoy/1");
         assert_eq!(s.prune_gateways(Instant::now() + GATEWAY_TTL), 0);
+    }
+
+    #[test]
+    fn breakers_are_merged_over_the_live_gateways_and_failovers_summed() {
+        let s = state(&["--worker-urls", "http://127.0.0.1:1", "http://127.0.0.1:2"]);
+        let report = |gateway: &str, breaker: BreakerState, failovers: u32| {
+            let mut c = WorkerCounts { worker: 0, failovers, ..Default::default() };
+            c.set_breaker(breaker);
+            s.report(ReportBatch { gateway_id: gateway.into(), counts: vec![c], ..Default::default() });
+        };
+        let w = |s: &State| s.workers().into_iter().next().unwrap();
+        for g in ["a", "b"] {
+            s.report_stream_opened(g).unwrap();
+        }
+        report("a", BreakerState::Closed, 0);
+        assert_eq!((w(&s).circuit_breaker(), w(&s).breakers_open()), ("closed", 0));
+        report("a", BreakerState::HalfOpen, 1);
+        assert_eq!(w(&s).circuit_breaker(), "half_open");
+        report("b", BreakerState::Open, 2);
+        assert_eq!((w(&s).circuit_breaker(), w(&s).breakers_open(), w(&s).failovers), ("open", 1, 3));
+        report("a", BreakerState::Open, 4);
+        assert_eq!((w(&s).breakers_open(), w(&s).failovers), (2, 6), "cumulative: a's 1 then 4");
+        assert_eq!(s.workers()[1].circuit_breaker(), "closed", "another worker");
+        // A report without this worker: closed there. A gateway whose stream ended: forgotten.
+        s.report(ReportBatch {
+            gateway_id: "a".into(),
+            counts: vec![WorkerCounts { worker: 1, ..Default::default() }],
+            ..Default::default()
+        });
+        assert_eq!(w(&s).breakers_open(), 1);
+        s.report_stream_closed("b");
+        assert_eq!((w(&s).circuit_breaker(), w(&s).failovers), ("closed", 6));
+        // A state number from a newer gateway reads as closed.
+        let c = WorkerCounts { worker: 0, breaker: 77, ..Default::default() };
+        s.report(ReportBatch { gateway_id: "a".into(), counts: vec![c], ..Default::default() });
+        assert_eq!(w(&s).circuit_breaker(), "closed");
     }
 
     #[test]
@@ -1022,7 +1102,9 @@ pub(crate) mod tests {
         assert!(s.remove_worker("http://127.0.0.1:1"));
         assert_eq!(s.add_worker("http://127.0.0.1:1", Role::Regular, None, Source::Api), Ok(1));
         assert!(s.add_worker("http://127.0.0.1:1", Role::Regular, None, Source::Api).is_err());
-        let counts = |in_flight, requests, errors| vec![WorkerCounts { worker: 1, in_flight, requests, errors }];
+        let counts = |in_flight, requests, errors| {
+            vec![WorkerCounts { worker: 1, in_flight, requests, errors, ..Default::default() }]
+        };
         s.report(ReportBatch { gateway_id: "a".into(), counts: counts(3, 10, 1), ..Default::default() });
         s.report(ReportBatch { gateway_id: "b".into(), counts: counts(2, 5, 0), ..Default::default() });
         s.report(ReportBatch { gateway_id: "a".into(), counts: counts(3, 12, 1), ..Default::default() });

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{DefaultBodyLimit, RawQuery, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
@@ -39,6 +39,7 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/flush_cache", post(flush_cache))
         .route("/sim/stats", get(stats))
         .route("/sim/requests", get(recent))
+        .route("/sim/fault", post(fault))
         .layer(DefaultBodyLimit::disable())
         .layer(axum::middleware::map_response(move |mut r: Response| {
             let addr = addr.clone();
@@ -416,12 +417,25 @@ async fn flush_cache(State(e): Shared) -> &'static str {
     "Cache flushed.\n"
 }
 
+/// `POST /sim/fault?fail_rate=P`: fault injection changed at run time (tests turn a worker's
+/// failures on and off). Answers the rate in force.
+async fn fault(State(e): Shared, RawQuery(query): RawQuery) -> Response {
+    let wanted = query.as_deref().unwrap_or("").split('&').find_map(|kv| kv.strip_prefix("fail_rate="));
+    let Some(p) = wanted else { return error(StatusCode::BAD_REQUEST, "missing `fail_rate` query parameter") };
+    let set = p.parse::<f64>().map_err(|_| format!("fail_rate `{p}` is not a number")).and_then(|p| e.set_fail_rate(p));
+    match set {
+        Ok(()) => Json(json!({"fail_rate": e.fail_rate()})).into_response(),
+        Err(msg) => error(StatusCode::BAD_REQUEST, &msg),
+    }
+}
+
 async fn stats(State(e): Shared) -> Json<Value> {
     let c = &e.counters;
     Json(json!({
         "addr": e.addr,
         "requests": c.requests.load(Relaxed),
         "failures": c.failures.load(Relaxed),
+        "fail_rate": e.fail_rate(),
         "prompt_tokens": c.prompt_tokens.load(Relaxed),
         "cached_tokens": c.cached_tokens.load(Relaxed),
         "completion_tokens": c.completion_tokens.load(Relaxed),

@@ -38,6 +38,9 @@ pub struct Engine {
     cache: Mutex<KvCache>,
     slots: Semaphore,
     pub counters: Counters,
+    /// The probability of an injected failure (`--fail-rate`, changed by `POST /sim/fault`),
+    /// as f64 bits.
+    fail_rate: AtomicU64,
 }
 
 /// An admitted request: holds a running slot until dropped.
@@ -67,6 +70,7 @@ impl Engine {
             recent: Mutex::new(VecDeque::new()),
             slots: Semaphore::new(args.max_running),
             counters: Counters::default(),
+            fail_rate: AtomicU64::new(args.fail_rate.to_bits()),
             args,
         }
     }
@@ -127,10 +131,24 @@ impl Engine {
         Ok(run)
     }
 
+    pub fn fail_rate(&self) -> f64 {
+        f64::from_bits(self.fail_rate.load(Relaxed))
+    }
+
+    /// Changes the failure probability at run time (0..1, else refused).
+    pub fn set_fail_rate(&self, p: f64) -> Result<(), String> {
+        if !(0.0..=1.0).contains(&p) {
+            return Err(format!("fail_rate {p} is not between 0 and 1"));
+        }
+        self.fail_rate.store(p.to_bits(), Relaxed);
+        Ok(())
+    }
+
     /// Counts a request and decides whether `--fail-rate` fails it.
     pub fn accept(&self) -> Result<(), InjectedFailure> {
         self.counters.requests.fetch_add(1, Relaxed);
-        if self.args.fail_rate > 0.0 && fastrand::f64() < self.args.fail_rate {
+        let fail_rate = self.fail_rate();
+        if fail_rate > 0.0 && fastrand::f64() < fail_rate {
             self.counters.failures.fetch_add(1, Relaxed);
             return Err(InjectedFailure);
         }
@@ -163,5 +181,21 @@ impl Engine {
         } else {
             self.counters.cached_tokens.load(Relaxed) as f64 / prompt as f64
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[test]
+    fn the_fail_rate_changes_at_run_time_within_its_range() {
+        let e = Engine::new(Args::parse_from(["kvmesh-sim", "--fail-rate", "1"]));
+        assert!(e.accept().is_err());
+        e.set_fail_rate(0.0).unwrap();
+        assert!(e.accept().is_ok());
+        assert!(e.set_fail_rate(1.5).is_err() && e.set_fail_rate(f64::NAN).is_err());
+        assert_eq!(e.fail_rate(), 0.0);
     }
 }

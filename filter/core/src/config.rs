@@ -9,6 +9,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 use thiserror::Error;
 
+use crate::breaker::BreakerParams;
 use crate::policy::{CacheAwareParams, PolicyKind};
 use crate::router::RouterParams;
 use crate::settings::{PdDecider, RoutingSettings};
@@ -67,14 +68,13 @@ pub struct Config {
     /// Overload thresholds (0: off); see `overload_waiting_requests`, `overload_kv_usage`.
     pub overload_waiting: u64,
     pub overload_kv_usage: f64,
-    /// Passive health: this many consecutive failures take a worker out of rotation for
-    /// `cb_timeout_duration_secs` (sglang-router's circuit-breaker flags).
-    pub cb_failure_threshold: u32,
-    pub cb_timeout_duration_secs: u64,
     /// Attempts per request, the first included (sglang-router's `--retry-max-retries`, which
     /// counts the same way: `--disable-retries` is 1), at most [`MAX_ATTEMPTS`]: the worker the
     /// policy chose, then the next ones Envoy fails over to.
     pub max_attempts: u32,
+    /// Passive health: the per-worker circuit breakers (sglang-router's `--cb-*` flags and
+    /// `--disable-circuit-breaker`).
+    pub breaker: BreakerParams,
     /// The Envoy cluster (ORIGINAL_DST) the prefill callouts go through.
     pub upstream_cluster: String,
     /// The Envoy cluster (HTTP/2) of `kvmesh-cp`; none means static workers only.
@@ -178,8 +178,6 @@ pub const DEFAULT_MAX_TREE_SIZE: u64 = 1 << 26;
 pub const DEFAULT_BLOCK_SIZE: usize = 32;
 pub const DEFAULT_MAX_PAYLOAD_SIZE: u64 = 256 * 1024 * 1024;
 pub const DEFAULT_REQUEST_TIMEOUT_SECS: u64 = 1800;
-pub const DEFAULT_CB_FAILURE_THRESHOLD: u32 = 10;
-pub const DEFAULT_CB_TIMEOUT_DURATION_SECS: u64 = 60;
 /// SMG's overload thresholds: waiting requests, KV cache usage.
 pub const DEFAULT_OVERLOAD_WAITING: u64 = 8;
 pub const DEFAULT_OVERLOAD_KV_USAGE: f64 = 0.8;
@@ -213,9 +211,8 @@ impl Default for Config {
             worker_stall_ms: DEFAULT_WORKER_STALL_SECS * 1000,
             overload_waiting: DEFAULT_OVERLOAD_WAITING,
             overload_kv_usage: DEFAULT_OVERLOAD_KV_USAGE,
-            cb_failure_threshold: DEFAULT_CB_FAILURE_THRESHOLD,
-            cb_timeout_duration_secs: DEFAULT_CB_TIMEOUT_DURATION_SECS,
             max_attempts: DEFAULT_RETRY_MAX_RETRIES,
+            breaker: BreakerParams::default(),
             upstream_cluster: DEFAULT_UPSTREAM_CLUSTER.to_string(),
             control_plane_cluster: None,
             report_interval_ms: DEFAULT_REPORT_INTERVAL_MS,
@@ -239,6 +236,24 @@ fn positive(field: &'static str, v: Option<u64>, default: u64) -> Result<u64, Co
         Some(v) => Ok(v),
         None => Ok(default),
     }
+}
+
+/// The circuit-breaker settings: counts and durations at least 1 (seconds become
+/// milliseconds, saturating).
+fn breaker_params(s: &RoutingSettings, d: &BreakerParams) -> Result<BreakerParams, ConfigError> {
+    let count = |field, v: Option<u32>, default: u32| {
+        positive(field, v.map(u64::from), u64::from(default)).map(|n| u32::try_from(n).unwrap_or(u32::MAX))
+    };
+    let ms = |field, v: Option<u64>, default_ms: u64| {
+        positive(field, v, default_ms.div_ceil(1000)).map(|secs| secs.saturating_mul(1000))
+    };
+    Ok(BreakerParams {
+        failure_threshold: count("cb_failure_threshold", s.cb_failure_threshold, d.failure_threshold)?,
+        success_threshold: count("cb_success_threshold", s.cb_success_threshold, d.success_threshold)?,
+        timeout_ms: ms("cb_timeout_duration_secs", s.cb_timeout_duration_secs, d.timeout_ms)?,
+        window_ms: ms("cb_window_duration_secs", s.cb_window_duration_secs, d.window_ms)?,
+        disabled: s.disable_circuit_breaker.unwrap_or(d.disabled),
+    })
 }
 
 impl Config {
@@ -281,8 +296,7 @@ impl Config {
         } else {
             None
         };
-        let cb_failure_threshold =
-            positive("cb_failure_threshold", s.cb_failure_threshold.map(u64::from), u64::from(d.cb_failure_threshold))?;
+        let breaker = breaker_params(s, &d.breaker)?;
         let passthrough_paths = match &s.passthrough_paths {
             None => d.passthrough_paths.clone(),
             Some(paths) => {
@@ -328,17 +342,12 @@ impl Config {
                 Some(u) => u,
                 None => d.overload_kv_usage,
             },
-            cb_failure_threshold: u32::try_from(cb_failure_threshold).unwrap_or(u32::MAX),
-            cb_timeout_duration_secs: positive(
-                "cb_timeout_duration_secs",
-                s.cb_timeout_duration_secs,
-                d.cb_timeout_duration_secs,
-            )?,
             max_attempts: if s.disable_retries == Some(true) {
                 1
             } else {
                 s.retry_max_retries.unwrap_or(d.max_attempts).clamp(1, MAX_ATTEMPTS)
             },
+            breaker,
             pd,
             passthrough_paths,
             ..d
@@ -433,7 +442,33 @@ mod tests {
         assert_eq!(c.cache_aware.balance_rel_threshold, 1.5);
         assert_eq!(c.eviction_interval_secs, 120);
         assert_eq!(c.max_tree_size, 1 << 26);
+        assert_eq!(c.breaker, BreakerParams::default());
         assert_eq!(Config::from_json(b"").unwrap(), c);
+    }
+
+    #[test]
+    fn circuit_breaker_settings() {
+        let c = Config::from_json(
+            br#"{"cb_failure_threshold":3,"cb_success_threshold":1,"cb_timeout_duration_secs":2,
+                "cb_window_duration_secs":30,"disable_circuit_breaker":true}"#,
+        )
+        .unwrap();
+        let want = BreakerParams {
+            failure_threshold: 3,
+            success_threshold: 1,
+            timeout_ms: 2_000,
+            window_ms: 30_000,
+            disabled: true,
+        };
+        assert_eq!(c.breaker, want);
+        let huge = Config::from_json(br#"{"cb_timeout_duration_secs":18446744073709551615}"#).unwrap();
+        assert_eq!(huge.breaker.timeout_ms, u64::MAX, "saturates");
+        let err = |json: &str| Config::from_json(json.as_bytes()).unwrap_err().to_string();
+        for field in
+            ["cb_failure_threshold", "cb_success_threshold", "cb_timeout_duration_secs", "cb_window_duration_secs"]
+        {
+            assert!(err(&format!(r#"{{"{field}":0}}"#)).contains(&format!("`{field}`")), "{field}");
+        }
     }
 
     #[test]

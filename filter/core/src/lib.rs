@@ -12,6 +12,7 @@
 //! - [`settings`]: the routing settings, declared once (flags, plugin JSON, protobuf).
 //! - [`config`]: the configuration, validated once from the settings.
 //! - [`worker`]: the worker table (a snapshot of workers) the policies choose from.
+//! - [`breaker`]: per-worker circuit breakers (a state machine, and its shared-data encoding).
 //! - [`errors`]: the OpenAI-style JSON error body the gateway answers with.
 
 // Linked into the `.wasm`: a panic there kills the VM and every request on its Envoy thread.
@@ -19,6 +20,7 @@
 
 pub mod blocks;
 pub mod bootstrap;
+pub mod breaker;
 pub mod config;
 pub mod errors;
 pub mod index;

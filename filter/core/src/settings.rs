@@ -150,15 +150,19 @@ routing_settings! {
     /// PD `prefix` decider: most uncached prompt tokens run on the decode worker alone
     /// (kvmesh). Default 128.
     non_cached_tokens: u64,
-    /// Passive health: consecutive failures that open a worker's circuit breaker. Default 10.
+    /// Circuit breaker: failures within the window that open a worker's breaker (counted
+    /// only while they are at least as many as the successes since the first of them).
+    /// Default 10.
     cb_failure_threshold: u32,
-    /// Passive health: seconds an open circuit breaker keeps the worker out. Default 60.
+    /// Circuit breaker: seconds an open breaker keeps the worker out before one probe
+    /// request is let through (half-open). Default 60.
     cb_timeout_duration_secs: u64,
-    /// Accepted, not yet enforced: successes in half-open state before closing the circuit.
+    /// Circuit breaker: successful half-open probes that close the breaker again (a failed
+    /// one opens it for another timeout). Default 3.
     cb_success_threshold: u32,
-    /// Accepted, not yet enforced: sliding window for counting failures, in seconds.
+    /// Circuit breaker: the sliding window failures are counted in, in seconds. Default 120.
     cb_window_duration_secs: u64,
-    /// Accepted, not yet enforced: disable the circuit breakers.
+    /// Circuit breaker: off; every worker stays available whatever its failures.
     #[cfg_attr(feature = "cli", arg(num_args = 0, default_missing_value = "true"))]
     disable_circuit_breaker: bool,
     /// Attempts per request, the first included (as sglang-router counts): a request whose

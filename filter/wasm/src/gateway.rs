@@ -4,6 +4,7 @@
 //! applying it (headers, body, callout) has succeeded. `request.rs` drives both.
 
 use kvmesh_core::bootstrap::{random_rooms, Bootstrap};
+use kvmesh_core::breaker::BreakerState;
 use kvmesh_core::errors::error_json;
 use kvmesh_core::paths::{self, PathClass};
 use kvmesh_core::pd::{PdDecision, PdRouter};
@@ -48,6 +49,8 @@ pub struct Plan {
     pd: Option<PdPlan>,
     /// The shared counts as read for this decision (the commit's CAS starts from them).
     inflight: Inflight,
+    /// When the decision was made: a half-open worker's probe slot is taken at that time.
+    now: Now,
 }
 
 #[derive(Debug)]
@@ -161,15 +164,37 @@ impl Reply {
     }
 }
 
+/// A time from the host's clock, in milliseconds since the epoch: a type of its own, so that
+/// the circuit breakers (which time out to the millisecond) cannot be handed seconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Now(u64);
+
+impl Now {
+    /// From the host's clock (`Host::now_nanos`).
+    pub fn from_nanos(nanos: u64) -> Self {
+        Self(nanos / 1_000_000)
+    }
+
+    pub fn from_ms(ms: u64) -> Self {
+        Self(ms)
+    }
+
+    pub fn from_secs(secs: u64) -> Self {
+        Self(secs.saturating_mul(1000))
+    }
+
+    pub fn ms(self) -> u64 {
+        self.0
+    }
+}
+
 /// Per-request facts from the host.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct RequestInfo<'a> {
     /// The request id (`x-request-id`), used as `rid` in PD bodies when the client set none.
     pub request_id: Option<&'a str>,
-    /// Seconds since the epoch.
-    pub now_secs: u64,
-    /// Milliseconds since the epoch.
-    pub now_ms: u64,
+    /// When the request body was complete.
+    pub now: Now,
 }
 
 enum Mode {
@@ -212,15 +237,30 @@ impl ReportQueue {
     }
 }
 
+/// Whether a worker whose breaker is half-open may be chosen (its probe slot free): yes for
+/// requests that are committed (the commit takes the slot), no for the uncounted other paths.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Probes {
+    Allowed,
+    Refused,
+}
+
 /// The available workers of `role` with their loads: the table's plus this Envoy's in-flight
-/// counts. Stalled workers are left out while others are available, then overloaded ones;
-/// `.1` says that some were available but every one of them was overloaded.
-fn candidates(g: &Gateway, inflight: &Inflight, role: Role, now_ms: u64) -> (Vec<Candidate>, bool) {
-    let now = now_ms / 1000;
-    let available: Vec<&kvmesh_core::Worker> =
-        g.table.healthy_with(role).filter(|w| g.health.available(w.id, now)).collect();
+/// counts. A worker is available when healthy and its circuit breaker admits a request (with
+/// `Probes::Refused`, only a closed breaker does). Stalled workers are left out while others
+/// are available, then overloaded ones; `.1` says that some were available but every one of
+/// them was overloaded.
+fn candidates(g: &Gateway, inflight: &Inflight, role: Role, now: Now, probes: Probes) -> (Vec<Candidate>, bool) {
+    let available: Vec<&kvmesh_core::Worker> = g
+        .table
+        .healthy_with(role)
+        .filter(|w| match probes {
+            Probes::Allowed => g.health.available(w.id, now),
+            Probes::Refused => g.health.state(w.id, now) == BreakerState::Closed,
+        })
+        .collect();
     let moving: Vec<&kvmesh_core::Worker> =
-        available.iter().copied().filter(|w| !g.stalls.stalled(w.id, now_ms)).collect();
+        available.iter().copied().filter(|w| !g.stalls.stalled(w.id, now.ms())).collect();
     let pool = if moving.is_empty() { available } else { moving };
     let (max_waiting, max_kv) = (g.config.overload_waiting, g.config.overload_kv_usage);
     let room: Vec<Candidate> = pool
@@ -281,7 +321,7 @@ impl Gateway {
             mode: build_mode(&config),
             rng: seeded(seed),
             log: DeltaLog::new(store, seed as u32 ^ (seed >> 32) as u32),
-            health: Health::new(config.cb_failure_threshold, config.cb_timeout_duration_secs),
+            health: Health::new(config.breaker),
             stalls: Stalls::new(config.worker_stall_ms),
             last_eviction_secs: 0,
             unreported: ReportQueue::default(),
@@ -430,15 +470,17 @@ impl Gateway {
         self.sync_table(store);
         let inflight = Inflight::load(store);
         self.catch_up(store, inflight.head());
+        let now = info.now;
+        self.health.sync_if_probing(store, now);
         let main_role = if matches!(self.mode, Mode::Pd(_)) { Role::Decode } else { Role::Regular };
-        let (main_cands, main_full) = candidates(self, &inflight, main_role, info.now_ms);
+        let (main_cands, main_full) = candidates(self, &inflight, main_role, now, Probes::Allowed);
         let chosen = match &self.mode {
             Mode::Regular(router) => match router.decide((&parsed).into(), &main_cands, &mut self.rng) {
                 Some(d) => Chosen::Regular(d),
                 None => return Outcome::Reply(Reply::no_worker_or_full("worker", main_full)),
             },
             Mode::Pd(pd) => {
-                let (prefill, prefill_full) = candidates(self, &inflight, Role::Prefill, info.now_ms);
+                let (prefill, prefill_full) = candidates(self, &inflight, Role::Prefill, now, Probes::Allowed);
                 match pd.decide((&parsed).into(), &prefill, &main_cands, &mut self.rng) {
                     Some(d) => Chosen::Pd(d),
                     None if main_cands.is_empty() => {
@@ -455,7 +497,7 @@ impl Gateway {
         let Some(main_routed) = self.routed(main.worker, main.matched_bytes) else {
             return Outcome::Reply(Reply::no_worker("worker"));
         };
-        let fallbacks = self.fallbacks(main_cands, main.worker);
+        let fallbacks = self.fallbacks(main_cands, main.worker, now);
         let pd = match prefill {
             None => None,
             Some(p) => {
@@ -482,14 +524,14 @@ impl Gateway {
                 })
             }
         };
-        Outcome::Route(Plan { chosen, main: main_routed, fallbacks, pd, inflight })
+        Outcome::Route(Plan { chosen, main: main_routed, fallbacks, pd, inflight, now })
     }
 
     /// Records a plan that was applied: the index learns the prefix, the legs are counted in
     /// flight, and the new blocks go to the other VMs (one CAS for counts and log sequence,
     /// plus the log slot) and into the next report.
     pub fn commit(&mut self, store: &dyn SharedStore, plan: Plan) -> Committed {
-        let Plan { chosen, mut main, pd, inflight, fallbacks: _ } = plan;
+        let Plan { chosen, mut main, pd, inflight, now, fallbacks: _ } = plan;
         let decisions: Vec<&Decision> = match &chosen {
             Chosen::Regular(d) | Chosen::Pd(PdDecision::DecodeOnly(d)) => vec![d],
             Chosen::Pd(PdDecision::Split { prefill, decode }) => vec![decode, prefill],
@@ -500,6 +542,11 @@ impl Gateway {
             .map(|d| Delta { worker: d.worker, evict: false, from_cp: false, hashes: d.blocks.clone() })
             .collect();
         let counts: Vec<(WorkerId, i32)> = decisions.iter().map(|d| (d.worker, 1)).collect();
+        for d in &decisions {
+            if self.health.take_probe(store, d.worker, now) {
+                log::info!("worker {}: half-open, probing it with one request", d.worker);
+            }
+        }
         let (counted, seq) = inflight.commit(store, &counts, !deltas.is_empty());
         if let Some(seq) = seq {
             self.log.write(store, seq, &deltas);
@@ -529,9 +576,11 @@ impl Gateway {
 
     /// Where Envoy fails over to when `chosen` fails: the other candidates, least loaded
     /// first (ties in random order), at most `max_attempts - 1` of them.
-    fn fallbacks(&mut self, mut cands: Vec<Candidate>, chosen: WorkerId) -> Vec<String> {
+    fn fallbacks(&mut self, mut cands: Vec<Candidate>, chosen: WorkerId, now: Now) -> Vec<String> {
         let room = (self.config.max_attempts as usize).saturating_sub(1);
-        cands.retain(|c| c.id != chosen);
+        // Only workers whose breaker is closed: Envoy's attempts are not probes the breaker
+        // could account for.
+        cands.retain(|c| c.id != chosen && self.health.state(c.id, now) == BreakerState::Closed);
         if room == 0 || cands.is_empty() {
             return Vec::new();
         }
@@ -548,10 +597,10 @@ impl Gateway {
 
     /// Routes a request on another path (models, health, info) to any available worker (a
     /// decode worker in PD mode). Not counted, nothing to commit.
-    pub fn route_other(&mut self, store: &dyn SharedStore, now_ms: u64) -> Result<(Routed, Vec<String>), Reply> {
+    pub fn route_other(&mut self, store: &dyn SharedStore, now: Now) -> Result<(Routed, Vec<String>), Reply> {
         self.sync_table(store);
         let role = if matches!(self.mode, Mode::Pd(_)) { Role::Decode } else { Role::Regular };
-        let (cands, _) = candidates(self, &Inflight::load(store), role, now_ms);
+        let (cands, _) = candidates(self, &Inflight::load(store), role, now, Probes::Refused);
         let pos = match &mut self.mode {
             Mode::Regular(r) => r.route_any(&cands, &mut self.rng),
             Mode::Pd(pd) => pd.decode_router().route_any(&cands, &mut self.rng),
@@ -560,7 +609,7 @@ impl Gateway {
             .and_then(|p| cands.get(p))
             .and_then(|c| self.routed(c.id, 0))
             .ok_or_else(|| Reply::no_worker("worker"))?;
-        let fallbacks = self.fallbacks(cands, routed.worker);
+        let fallbacks = self.fallbacks(cands, routed.worker, now);
         Ok((routed, fallbacks))
     }
 
@@ -622,16 +671,45 @@ impl Gateway {
         self.stalls.ended(worker, answered, now_ms);
     }
 
-    /// A request to `routed`'s worker succeeded or failed: passive health.
-    pub fn outcome(&mut self, store: &dyn SharedStore, routed: &Routed, ok: bool, now: u64) {
-        if ok {
-            self.health.success(routed.worker);
-        } else if self.health.failure(store, routed.worker, now) {
-            log::warn!("worker {} taken out of rotation after failures", routed.addr);
+    /// A request to `routed`'s worker succeeded or failed (at `now`): its circuit breaker
+    /// learns it. Only what the worker did counts (see `request.rs`'s `Verdict`): a
+    /// 4xx is a success, Envoy's own refusals and clients that went away are not reported.
+    pub fn outcome(&mut self, store: &dyn SharedStore, routed: &Routed, ok: bool, now: Now) {
+        self.record_outcome(store, routed.worker, ok, now);
+    }
+
+    /// A failure of `worker` learned without a [`Routed`] (an attempt Envoy retried on
+    /// another worker, say), at `now`: counts against its circuit breaker.
+    pub fn worker_failed(&mut self, store: &dyn SharedStore, worker: WorkerId, now: Now) {
+        self.record_outcome(store, worker, false, now);
+    }
+
+    fn record_outcome(&mut self, store: &dyn SharedStore, worker: WorkerId, ok: bool, now: Now) {
+        let Some((from, to)) = self.health.record(store, worker, ok, now) else { return };
+        let addr = self.table.get(worker).map_or("?", |w| w.addr.as_str());
+        match to {
+            BreakerState::Open => log::warn!(
+                "worker {addr}: circuit breaker open ({} from {}); out of rotation for {} s",
+                if from == BreakerState::HalfOpen { "its probe failed" } else { "failures" },
+                from.name(),
+                self.health.params().timeout_ms / 1000
+            ),
+            _ => log::info!("worker {addr}: circuit breaker {} (was {})", to.name(), from.name()),
         }
     }
 
-    /// Periodic work: breakers opened by other VMs, and LRU eviction every
+    /// A request that `from` failed was sent again to another worker: counted per worker
+    /// (cumulative, reported to the control plane as `WorkerCounts.failovers`).
+    pub fn failover(&mut self, store: &dyn SharedStore, from: WorkerId) {
+        self.health.count_failover(store, from);
+    }
+
+    /// `worker`'s circuit breaker at `now`, as this VM sees it.
+    pub fn breaker_state(&self, worker: WorkerId, now: Now) -> BreakerState {
+        self.health.state(worker, now)
+    }
+
+    /// Periodic work: the circuit breakers as the other VMs left them, and LRU eviction every
     /// `eviction_interval_secs`. Returns the number of blocks evicted when that ran.
     ///
     /// With a control plane, evictions come from it (its global LRU, as deltas), so that every
@@ -675,12 +753,7 @@ mod tests {
     use crate::shared::fake::FakeStore;
 
     fn req(g: &mut Gateway, store: &FakeStore, endpoint: Endpoint, body: &[u8]) -> Outcome {
-        g.route_request(
-            store,
-            endpoint,
-            body,
-            &RequestInfo { request_id: Some("rq-1"), now_secs: 1000, now_ms: 1_000_000 },
-        )
+        g.route_request(store, endpoint, body, &RequestInfo { request_id: Some("rq-1"), now: Now::from_secs(1000) })
     }
 
     fn plan(o: Outcome) -> Plan {
@@ -748,10 +821,10 @@ mod tests {
         assert_eq!(g.index_len(), 0, "no phantom index entry");
         assert!(Inflight::read(&store).is_empty(), "nothing counted");
         assert_eq!(Inflight::load(&store).head(), 0, "nothing in the delta log for the other VMs");
-        assert!(g.take_report(&store, "gw").inserts.is_empty(), "nothing reported");
+        assert!(g.take_report(&store, "gw", Now::default()).inserts.is_empty(), "nothing reported");
         let c = route(&mut g, &store, &text);
         assert!(c.main.counted && g.index_len() > 0);
-        assert_eq!(g.take_report(&store, "gw").inserts.len(), 1);
+        assert_eq!(g.take_report(&store, "gw", Now::default()).inserts.len(), 1);
     }
 
     #[test]
@@ -812,7 +885,7 @@ mod tests {
         let mut g = Gateway::new(Config::default(), &store, 1);
         let r = reply(req(&mut g, &store, Endpoint::Generate, &body("x")));
         assert_eq!((r.status, r.retry_after), (503, Some(1)));
-        assert_eq!(g.route_other(&store, 0).map(|r| r.0.addr), Err(Reply::no_worker("worker")));
+        assert_eq!(g.route_other(&store, Now::from_secs(0)).map(|r| r.0.addr), Err(Reply::no_worker("worker")));
     }
 
     #[test]
@@ -821,7 +894,7 @@ mod tests {
         let mut g = gateway(&store, "");
         let mut seen = std::collections::BTreeSet::new();
         for _ in 0..60 {
-            let (r, fallbacks) = g.route_other(&store, 0).unwrap();
+            let (r, fallbacks) = g.route_other(&store, Now::from_secs(0)).unwrap();
             assert!(!r.counted);
             assert_eq!(fallbacks.len(), 2, "the two other workers to fail over to");
             assert!(!fallbacks.contains(&r.addr));
@@ -936,6 +1009,140 @@ mod tests {
         assert_eq!(counts, expected);
     }
 
+    /// Decides at `now` (seconds) and commits: the worker, or the status of the local reply.
+    fn route_at(g: &mut Gateway, store: &FakeStore, text: &str, now: u64) -> Result<Routed, u16> {
+        let info = RequestInfo { request_id: None, now: Now::from_secs(now) };
+        match g.route_request(store, Endpoint::Generate, &body(text), &info) {
+            Outcome::Route(p) => Ok(g.commit(store, p).main),
+            Outcome::Reply(r) => Err(r.status),
+        }
+    }
+
+    #[test]
+    fn a_failing_worker_is_opened_probed_and_closed_on_every_vm() {
+        let store = FakeStore::default();
+        let cb =
+            r#","policy":"round_robin","cb_failure_threshold":3,"cb_success_threshold":2,"cb_timeout_duration_secs":5"#;
+        let mut a = gateway(&store, cb);
+        let mut b = Gateway::new(a.config().clone(), &store, 7);
+        let bad = routed(&mut a, &store, &body("x"));
+        // Three failures, seen on two VMs, open it for both.
+        a.outcome(&store, &bad, false, Now::from_secs(100));
+        b.outcome(&store, &bad, false, Now::from_secs(100));
+        assert_eq!(a.breaker_state(bad.worker, Now::from_secs(100)), BreakerState::Closed);
+        b.worker_failed(&store, bad.worker, Now::from_secs(101));
+        assert_eq!(b.breaker_state(bad.worker, Now::from_secs(101)), BreakerState::Open);
+        a.tick(&store, 101);
+        for g in [&mut a, &mut b] {
+            for i in 0..12 {
+                assert_ne!(route_at(g, &store, &format!("q{i}"), 105).unwrap().worker, bad.worker, "open until 106");
+            }
+        }
+        // Half-open: exactly one request, on one VM, probes it.
+        let mut probes = Vec::new();
+        for i in 0..12 {
+            for g in [&mut a, &mut b] {
+                let r = route_at(g, &store, &format!("p{i}"), 106).unwrap();
+                if r.worker == bad.worker {
+                    probes.push(r);
+                }
+            }
+        }
+        assert_eq!(probes.len(), 1, "one probe at a time across the VMs");
+        assert_eq!(
+            a.route_other(&store, Now::from_secs(106)).map(|r| r.0.worker == bad.worker),
+            Ok(false),
+            "other paths never probe"
+        );
+        // It answers: the slot is free again; a second success closes it.
+        a.outcome(&store, &probes[0], true, Now::from_secs(107));
+        b.tick(&store, 107);
+        let second = (0..6)
+            .find_map(|i| route_at(&mut b, &store, &format!("s{i}"), 107).ok().filter(|r| r.worker == bad.worker));
+        let second = second.expect("a second probe");
+        b.outcome(&store, &second, true, Now::from_secs(108));
+        assert_eq!(b.breaker_state(bad.worker, Now::from_secs(108)), BreakerState::Closed);
+        a.tick(&store, 108);
+        let back =
+            (0..9).filter(|i| route_at(&mut a, &store, &format!("c{i}"), 108).unwrap().worker == bad.worker).count();
+        assert_eq!(back, 3, "round robin over all three again");
+    }
+
+    #[test]
+    fn a_failed_probe_opens_it_again() {
+        let store = FakeStore::default();
+        let mut g = gateway(&store, r#","cb_failure_threshold":1,"cb_timeout_duration_secs":5"#);
+        let bad = routed(&mut g, &store, &body("x"));
+        g.outcome(&store, &bad, false, Now::from_secs(100));
+        let probe = (0..30)
+            .find_map(|i| route_at(&mut g, &store, &format!("p{i}"), 105).ok().filter(|r| r.worker == bad.worker));
+        g.outcome(&store, &probe.expect("a probe"), false, Now::from_secs(106));
+        assert_eq!(g.breaker_state(bad.worker, Now::from_secs(110)), BreakerState::Open, "for another 5 s from 106");
+        assert_eq!(g.breaker_state(bad.worker, Now::from_secs(111)), BreakerState::HalfOpen);
+    }
+
+    #[test]
+    fn breakers_keep_time_to_the_millisecond() {
+        let store = FakeStore::default();
+        let mut g = gateway(&store, r#","cb_failure_threshold":1,"cb_timeout_duration_secs":5"#);
+        let w = routed(&mut g, &store, &body("x"));
+        g.outcome(&store, &w, false, Now::from_ms(100_900));
+        assert_eq!(g.breaker_state(w.worker, Now::from_ms(105_899)), BreakerState::Open);
+        assert_eq!(g.breaker_state(w.worker, Now::from_ms(105_900)), BreakerState::HalfOpen);
+        assert_eq!(Now::from_nanos(1_234_567_890).ms(), 1_234);
+    }
+
+    #[test]
+    fn client_errors_and_disabled_breakers_never_take_a_worker_out() {
+        let store = FakeStore::default();
+        let mut g = gateway(&store, r#","cb_failure_threshold":1"#);
+        let w = routed(&mut g, &store, &body("x"));
+        // The filter reports a 4xx as a success (the worker answered).
+        for t in 0..100 {
+            g.outcome(&store, &w, true, Now::from_secs(t));
+        }
+        assert_eq!(g.breaker_state(w.worker, Now::from_secs(100)), BreakerState::Closed);
+        let mut off = gateway(&store, r#","cb_failure_threshold":1,"disable_circuit_breaker":true"#);
+        for t in 0..100 {
+            off.outcome(&store, &w, false, Now::from_secs(t));
+        }
+        assert!((0..30).any(|i| route_at(&mut off, &store, &format!("d{i}"), 100).unwrap().worker == w.worker));
+    }
+
+    #[test]
+    fn when_every_worker_is_open_the_answer_is_503() {
+        let store = FakeStore::default();
+        let mut g = gateway(&store, r#","cb_failure_threshold":1"#);
+        for port in 1..=3 {
+            let w = g.table.workers.iter().find(|w| w.addr.ends_with(&format!(":3000{port}"))).unwrap().id;
+            g.worker_failed(&store, w, Now::from_secs(100));
+        }
+        assert_eq!(route_at(&mut g, &store, "x", 101).unwrap_err(), 503);
+        assert_eq!(g.route_other(&store, Now::from_secs(101)).unwrap_err().status, 503);
+    }
+
+    #[test]
+    fn reports_carry_breaker_states_and_failovers() {
+        let store = FakeStore::default();
+        let mut g = gateway(&store, r#","cb_failure_threshold":1,"control_plane_cluster":"cp""#);
+        let w = routed(&mut g, &store, &body("x"));
+        g.failover(&store, w.worker);
+        g.failover(&store, w.worker);
+        g.worker_failed(&store, w.worker, Now::from_secs(100));
+        let other = g.table.workers.iter().map(|w| w.id).find(|&id| id != w.worker).unwrap();
+        g.failover(&store, other); // a worker with no request counts yet
+        g.failover(&store, 99); // not in the table: not reported
+        let report = g.take_report(&store, "gw", Now::from_ms(100_500));
+        let c = report.counts.iter().find(|c| c.worker == w.worker).unwrap();
+        assert_eq!((c.breaker(), c.failovers, c.in_flight), (kvmesh_proto::v1::BreakerState::Open, 2, 1));
+        let o = report.counts.iter().find(|c| c.worker == other).unwrap();
+        assert_eq!((o.breaker(), o.failovers, o.requests), (kvmesh_proto::v1::BreakerState::Closed, 1, 0));
+        assert!(report.counts.iter().all(|c| c.worker != 99));
+        let later = g.take_report(&store, "gw", Now::from_ms(200_000));
+        let c = later.counts.iter().find(|c| c.worker == w.worker).unwrap();
+        assert_eq!(c.breaker(), kvmesh_proto::v1::BreakerState::HalfOpen);
+    }
+
     #[test]
     fn pd_failed_prefill_is_avoided_next_time() {
         let store = FakeStore::default();
@@ -943,7 +1150,7 @@ mod tests {
         let text = format!(r#"{{"text":"{}"}}"#, "s".repeat(300));
         let (first, _) = split(&mut g, &store, text.as_bytes());
         let failed = first.prefill.unwrap();
-        g.outcome(&store, &failed, false, 1000);
+        g.outcome(&store, &failed, false, Now::from_secs(1000));
         for _ in 0..10 {
             let (next, _) = split(&mut g, &store, text.as_bytes());
             assert_ne!(next.prefill.unwrap().worker, failed.worker, "the failed prefill worker is out of rotation");
@@ -966,7 +1173,7 @@ mod tests {
         let store = FakeStore::default();
         let mut g = pd_gateway(&store, "");
         for _ in 0..10 {
-            let (r, fallbacks) = g.route_other(&store, 0).unwrap();
+            let (r, fallbacks) = g.route_other(&store, Now::from_secs(0)).unwrap();
             assert!(r.addr.ends_with(":30003") || r.addr.ends_with(":30004"));
             assert_eq!(fallbacks.len(), 1, "the other decode worker, never a prefill worker");
             assert!(fallbacks.iter().all(|a| (a.ends_with(":30003") || a.ends_with(":30004")) && *a != r.addr));

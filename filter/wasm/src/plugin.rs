@@ -9,7 +9,7 @@ use kvmesh_core::Config;
 use kvmesh_proto::v1::{Snapshot, WatchRequest};
 use kvmesh_proto::{Message, REPORT, SERVICE, WATCH};
 
-use crate::gateway::Gateway;
+use crate::gateway::{Gateway, Now};
 use crate::host::{now_ms, Host, HostError, Metric};
 use crate::link::{Link, Step, LEASE_MS};
 use crate::shared::{Inflight, Lease};
@@ -105,7 +105,7 @@ impl Plugin {
                 }
                 Step::Report { .. } if cp.awaiting_table => {}
                 Step::Report { report, counts_due } => {
-                    let batch = gateway.take_report(host, &cp.gateway_id);
+                    let batch = gateway.take_report(host, &cp.gateway_id, Now::from_ms(now));
                     if !batch.inserts.is_empty() || counts_due {
                         match host.send_grpc(report, &batch.encode_to_vec(), false) {
                             Ok(()) => cp.link.reported(now),

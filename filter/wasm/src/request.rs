@@ -16,7 +16,7 @@ use std::time::Duration;
 use kvmesh_core::paths::{valid_request_id, PathClass};
 use kvmesh_core::Endpoint;
 
-use crate::gateway::{endpoint_list, is_routing_header, Gateway, Outcome, Plan, Reply, RequestInfo, Routed};
+use crate::gateway::{endpoint_list, is_routing_header, Gateway, Now, Outcome, Plan, Reply, RequestInfo, Routed};
 use crate::host::{Action, Callout, Host, Metric};
 use crate::pd_leg::{Effect, PdLeg, PrefillResult};
 
@@ -205,7 +205,7 @@ impl RequestFilter {
         for (name, _) in headers.iter().filter(|(n, _)| is_routing_header(n)) {
             let _ = host.set_request_header(name, None);
         }
-        let now_ms = host.now_nanos() / 1_000_000;
+        let now = Now::from_nanos(host.now_nanos());
         let method = header(&headers, ":method").unwrap_or("");
         let path = header(&headers, ":path").unwrap_or("/");
         let Some(class) = self.with_gateway(|g| g.classify(method, path)) else {
@@ -215,7 +215,7 @@ impl RequestFilter {
             PathClass::Llm(endpoint) => endpoint,
             PathClass::WrongMethod => return self.reply(host, Reply::method_not_allowed(method, path)),
             PathClass::NotFound => return self.reply(host, Reply::not_found(method, path)),
-            PathClass::Passthrough => return self.route_other(host, now_ms),
+            PathClass::Passthrough => return self.route_other(host, now),
         };
         let content_length = header(&headers, "content-length").and_then(|v| v.trim().parse().ok());
         let Some(reply) =
@@ -242,8 +242,8 @@ impl RequestFilter {
     }
 
     /// A read-only path on the allowlist: to one healthy worker, uncounted.
-    fn route_other(&mut self, host: &dyn Host, now_ms: u64) -> Action {
-        let Some(outcome) = self.with_gateway(|g| (g.route_other(host, now_ms), g.request_timeout_secs())) else {
+    fn route_other(&mut self, host: &dyn Host, now: Now) -> Action {
+        let Some(outcome) = self.with_gateway(|g| (g.route_other(host, now), g.request_timeout_secs())) else {
             return self.not_configured(host);
         };
         match outcome {
@@ -276,11 +276,7 @@ impl RequestFilter {
         }
         let body = host.request_body(body_size);
         let started = host.now_nanos();
-        let info = RequestInfo {
-            request_id: self.request_id.as_deref(),
-            now_secs: started / 1_000_000_000,
-            now_ms: started / 1_000_000,
-        };
+        let info = RequestInfo { request_id: self.request_id.as_deref(), now: Now::from_nanos(started) };
         let Some(outcome) = self.with_gateway(|g| g.route_request(host, endpoint, &body, &info)) else {
             return self.not_configured(host);
         };
@@ -382,11 +378,11 @@ impl RequestFilter {
             }
         };
         let effects = leg.prefill_answered(result, |size| host.response_body(size));
-        let now_secs = host.now_nanos() / 1_000_000_000;
+        let now = Now::from_nanos(host.now_nanos());
         self.with_gateway(|g| {
             g.finish(host, &prefill, worker_ok);
-            g.outcome(host, &prefill, worker_ok, now_secs);
-            g.ended(prefill.worker, status.is_some(), host.now_nanos() / 1_000_000);
+            g.outcome(host, &prefill, worker_ok, now);
+            g.ended(prefill.worker, status.is_some(), now.ms());
         });
         for effect in effects {
             match effect {
@@ -415,12 +411,12 @@ impl RequestFilter {
         let status = host.response_header(":status").and_then(|s| s.parse::<u16>().ok()).unwrap_or(0);
         let verdict = Verdict::of(status, host.response_code_details().as_deref());
         self.verdict = Some(verdict);
-        let now_secs = host.now_nanos() / 1_000_000_000;
+        let now = Now::from_nanos(host.now_nanos());
         if std::mem::take(&mut self.awaiting) {
             // The worker asked first answered itself, or did not (a timeout, a reset, a failover).
             let answered = matches!(verdict, Verdict::Worker(_))
                 && host.upstream_address().is_none_or(|a| a.is_empty() || a == routed.addr);
-            self.with_gateway(|g| g.ended(routed.worker, answered, host.now_nanos() / 1_000_000));
+            self.with_gateway(|g| g.ended(routed.worker, answered, now.ms()));
         }
         // Envoy says which worker answered: another than the chosen one means the chosen one
         // failed and Envoy failed over (the ones in between failed too, unseen).
@@ -430,14 +426,15 @@ impl RequestFilter {
             host.increment(Metric::Failovers);
             log::info!("worker {} failed; Envoy failed over to {served}", routed.addr);
             self.with_gateway(|g| {
-                g.outcome(host, &routed, false, now_secs);
+                g.worker_failed(host, routed.worker, now);
+                g.failover(host, routed.worker);
                 if let (Some(ok), Some(worker)) = (verdict.health(), g.worker_at(&served)) {
                     let other = Routed { worker, addr: served.clone(), counted: false, matched_bytes: 0 };
-                    g.outcome(host, &other, ok, now_secs);
+                    g.outcome(host, &other, ok, now);
                 }
             });
         } else if let Some(ok) = verdict.health() {
-            self.with_gateway(|g| g.outcome(host, &routed, ok, now_secs));
+            self.with_gateway(|g| g.outcome(host, &routed, ok, now));
         }
         let _ = host.set_response_header(WORKER_HEADER, Some(&served));
         let Some(leg) = self.pd.as_mut() else { return Action::Continue };
@@ -737,9 +734,10 @@ mod tests {
     fn passive_health_counts_only_what_the_worker_did() {
         // One failure opens the breaker: a worker that is never skipped was never blamed.
         let json = r#"{"worker_urls":["http://127.0.0.1:30001","http://127.0.0.1:30002"],"cb_failure_threshold":1,"policy":"random"}"#;
-        let host = MockHost::new();
-        let gw = gateway(&host, json);
         let blamed = |status: u16, details: Option<&str>| {
+            // A fresh Envoy each time (the breakers live in its shared data).
+            let host = MockHost::new();
+            let gw = gateway(&host, json);
             let (mut f, _) = send(&host, &gw, "/generate", r#"{"text":"q"}"#);
             let worker = host.request_header(DST_HEADER).unwrap();
             host.set_response(status, b"");
@@ -747,15 +745,12 @@ mod tests {
             f.on_response_headers(&host);
             f.on_log(&host);
             // Is that worker now out of rotation?
-            let out = (0..20).all(|_| {
+            (0..20).all(|_| {
                 let (mut g, _) = send(&host, &gw, "/generate", r#"{"text":"r"}"#);
                 let other = host.request_header(DST_HEADER).unwrap() != worker;
                 g.on_log(&host);
                 other
-            });
-            host.advance_ms(3_600_000); // breakers close again
-            gw.borrow_mut().tick(&host, host.now_nanos() / 1_000_000_000);
-            out
+            })
         };
         assert!(!blamed(400, Some("via_upstream")), "a client error is not the worker's failure");
         assert!(!blamed(503, Some("overflow")), "Envoy's own overflow is not the worker's failure");

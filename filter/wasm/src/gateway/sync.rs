@@ -1,12 +1,12 @@
 //! The control-plane side of a [`Gateway`]: snapshots in (worker table, routing settings,
 //! index deltas) and reports out (index inserts, per-worker counts).
 
+use kvmesh_core::breaker::BreakerState;
 use kvmesh_core::{Role, RoutingSettings, Worker, WorkerTable};
 use kvmesh_proto::v1::{self as proto, IndexInsert, ReportBatch, WorkerCounts};
 use kvmesh_proto::Message;
 
-use super::{build_mode, Gateway, Mode};
-use crate::health::Health;
+use super::{build_mode, Gateway, Mode, Now};
 use crate::shared::{Delta, Inflight, SharedStore, SharedTable};
 use kvmesh_core::{Router, WorkerId};
 
@@ -91,7 +91,7 @@ impl Gateway {
                 {
                     self.mode = build_mode(&config);
                 }
-                self.health = Health::new(config.cb_failure_threshold, config.cb_timeout_duration_secs);
+                self.health.set_params(config.breaker);
                 self.stalls.set_window(config.worker_stall_ms);
                 self.config = config;
             }
@@ -157,9 +157,10 @@ impl Gateway {
         self.table_version = Some(version);
     }
 
-    /// What the stream owner sends on its report tick: inserts made on this Envoy since the
-    /// last report, and the in-flight counts.
-    pub fn take_report(&mut self, store: &dyn SharedStore, gateway_id: &str) -> ReportBatch {
+    /// What the stream owner sends on its report tick (at `now`): inserts made on this
+    /// Envoy since the last report, and per worker the counts (in flight, finished, failed,
+    /// failovers) and the circuit breaker's state.
+    pub fn take_report(&mut self, store: &dyn SharedStore, gateway_id: &str, now: Now) -> ReportBatch {
         self.catch_up(store, Inflight::load(store).head());
         let inserts = self
             .unreported
@@ -167,11 +168,31 @@ impl Gateway {
             .into_iter()
             .map(|(worker, hashes)| IndexInsert { worker, hashes, ..Default::default() })
             .collect();
-        let counts = Inflight::counts(store)
+        let mut counts: std::collections::BTreeMap<WorkerId, WorkerCounts> = Inflight::counts(store)
             .into_iter()
-            .map(|c| WorkerCounts { worker: c.worker, in_flight: c.in_flight, requests: c.finished, errors: c.failed })
+            .map(|c| {
+                let counts = WorkerCounts {
+                    worker: c.worker,
+                    in_flight: c.in_flight,
+                    requests: c.finished,
+                    errors: c.failed,
+                    ..Default::default()
+                };
+                (c.worker, counts)
+            })
             .collect();
-        ReportBatch { gateway_id: gateway_id.to_string(), inserts, counts }
+        // Breakers of workers no longer in the table (kept until idle) are not reported.
+        for b in self.health.report(store, now).into_iter().filter(|b| self.table.get(b.worker).is_some()) {
+            let entry =
+                counts.entry(b.worker).or_insert_with(|| WorkerCounts { worker: b.worker, ..Default::default() });
+            entry.set_breaker(match b.state {
+                BreakerState::Closed => proto::BreakerState::Closed,
+                BreakerState::Open => proto::BreakerState::Open,
+                BreakerState::HalfOpen => proto::BreakerState::HalfOpen,
+            });
+            entry.failovers = b.failovers;
+        }
+        ReportBatch { gateway_id: gateway_id.to_string(), inserts, counts: counts.into_values().collect() }
     }
 
     /// Everything this VM's index holds, for a control plane that just (re)connected: report
@@ -382,10 +403,10 @@ mod tests {
             },
         );
         route(&mut g, &store, &"r".repeat(100));
-        let report = g.take_report(&store, "gw");
+        let report = g.take_report(&store, "gw", Now::default());
         assert_eq!(report.inserts.len(), 1);
         assert_eq!(report.counts[0].in_flight, 1);
-        assert!(g.take_report(&store, "gw").inserts.is_empty(), "reported once");
+        assert!(g.take_report(&store, "gw", Now::default()).inserts.is_empty(), "reported once");
         let full = g.full_report("gw", 1 << 16);
         assert_eq!(full.len(), 1);
         assert_eq!(full[0].inserts.iter().map(|i| i.hashes.len()).sum::<usize>(), 4);
