@@ -28,7 +28,10 @@ struct Stack {
 fn stack() -> Stack {
     let sims: Vec<Sim> = (0..3).map(|_| Sim::start(&["--time-scale", "0"]).unwrap()).collect();
     let timeout = TIMEOUT_SECS.to_string();
+    // Without failover: the test watches the failing worker's own 5xx answers (with retries,
+    // Envoy would hand them to another worker; tests/tests/failover.rs covers that).
     let mut args = vec![
+        "--disable-retries",
         "--policy",
         "round_robin",
         "--cb-failure-threshold",
