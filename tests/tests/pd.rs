@@ -396,3 +396,89 @@ fn a_failed_decode_leg_ends_the_request_without_waiting_for_the_prefill() {
     })
     .unwrap_or_else(|e| panic!("{e}: {in_flight:?}"));
 }
+
+/// A prefill worker killed while its legs are in flight: those requests fail fast with a JSON
+/// 502 naming it (never a hang, never a decode answer without its KV); once its breaker is
+/// open, every request is served by the other prefill worker.
+#[test]
+fn a_prefill_worker_dying_between_the_legs_fails_fast_then_is_avoided() {
+    let slow_boot = free_port().unwrap();
+    // Prefill takes ~1 s (5 ms per uncached token), so legs are in flight when it dies.
+    let mut slow = Sim::start(&[
+        "--role",
+        "prefill",
+        "--bootstrap-port",
+        &slow_boot.to_string(),
+        "--time-scale",
+        "1",
+        "--prefill-us-per-token",
+        "5000",
+    ])
+    .unwrap();
+    let other_boot = free_port().unwrap();
+    let other =
+        Sim::start(&["--role", "prefill", "--bootstrap-port", &other_boot.to_string(), "--time-scale", "0"]).unwrap();
+    let decode = Sim::start(&["--role", "decode", "--time-scale", "0", "--bootstrap-timeout-ms", "3000"]).unwrap();
+    let filter = json!({
+        "prefill": [[slow.url(), slow_boot], [other.url(), other_boot]],
+        "decode": [decode.url()],
+        "prefill_policy": "round_robin",
+        "cb_failure_threshold": 2,
+    });
+    let mut opts = EnvoyOptions::new(filter).unwrap();
+    opts.template = repo_root().join("envoy/envoy-pd.yaml");
+    let envoy = Envoy::start(&opts).unwrap();
+    let url = envoy.url("/generate");
+    let prompt = |i: usize| json!({"text": format!("{i} {}", "words to prefill ".repeat(40)), "sampling_params": {"max_new_tokens": 2}});
+    // Requests in flight on both prefill workers.
+    let inflight: Vec<_> = (0..6)
+        .map(|i| {
+            let (url, body) = (url.clone(), prompt(i));
+            std::thread::spawn(move || {
+                let started = Instant::now();
+                let r = http::post_json(&url, &body).unwrap();
+                (r, started.elapsed())
+            })
+        })
+        .collect();
+    kvmesh_testkit::wait_until("legs in flight on the slow prefill worker", Duration::from_secs(10), || {
+        slow.stats().is_ok_and(|s| s["running"].as_u64().unwrap_or(0) + s["waiting"].as_u64().unwrap_or(0) > 0)
+    })
+    .unwrap();
+    let killed = Instant::now();
+    slow.proc().kill();
+    let mut failed = 0;
+    for t in inflight {
+        let (r, _) = t.join().unwrap();
+        if r.status != 200 {
+            // Whichever leg notices first: the gateway's 502 naming the prefill worker, or the
+            // decode worker's own error (it could not fetch the KV from that prefill worker).
+            if r.status == 502 {
+                assert_prefill_error(&r, &slow.addr());
+            } else {
+                let bootstrap = format!("{}:{slow_boot}", slow.host);
+                assert!(r.status >= 500 && r.text().contains(&bootstrap), "{} {}", r.status, r.text());
+            }
+            failed += 1;
+        }
+    }
+    assert!(failed >= 1, "some legs were on the killed worker");
+    assert!(killed.elapsed() < Duration::from_secs(3), "the failed requests ended at once ({:?})", killed.elapsed());
+    // Its breaker opens after two failures (some may still be needed: the legs in flight may
+    // have failed on the decode side first); then the other prefill worker serves all.
+    let mut served_after = 0;
+    let mut failed_after = Vec::new();
+    for i in 0..40 {
+        let r = http::post_json(&url, &prompt(100 + i)).unwrap();
+        if r.status == 200 {
+            assert_eq!(r.header("x-kvmesh-prefill"), Some(other.addr().as_str()));
+            served_after += 1;
+        } else {
+            assert_prefill_error(&r, &slow.addr());
+            failed_after.push(i);
+        }
+    }
+    // (Each Envoy thread sees another's breaker change on its next 20 ms tick.)
+    assert!(failed_after.iter().all(|&i| i < 10), "failed later: {failed_after:?}");
+    assert!(served_after >= 35, "{served_after} of 40 served once the dead prefill worker was left");
+}

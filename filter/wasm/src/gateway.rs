@@ -678,6 +678,11 @@ impl Gateway {
         self.record_outcome(store, routed.worker, ok, now);
     }
 
+    /// What a request did to `worker` (`ok`: not a failure of the worker's), at `now`.
+    pub fn record(&mut self, store: &dyn SharedStore, worker: WorkerId, ok: bool, now: Now) {
+        self.record_outcome(store, worker, ok, now);
+    }
+
     /// A failure of `worker` learned without a [`Routed`] (an attempt Envoy retried on
     /// another worker, say), at `now`: counts against its circuit breaker.
     pub fn worker_failed(&mut self, store: &dyn SharedStore, worker: WorkerId, now: Now) {

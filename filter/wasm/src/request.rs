@@ -14,7 +14,7 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use kvmesh_core::paths::{valid_request_id, PathClass};
-use kvmesh_core::Endpoint;
+use kvmesh_core::{Endpoint, WorkerId};
 
 use crate::gateway::{endpoint_list, is_routing_header, Gateway, Now, Outcome, Plan, Reply, RequestInfo, Routed};
 use crate::host::{Action, Callout, Host, Metric};
@@ -51,6 +51,8 @@ pub struct RequestFilter {
     failed_over: bool,
     /// The main leg was sent and nothing came back yet (for the stall window).
     awaiting: bool,
+    /// Decode workers whose failure counts only if the prefill leg succeeds.
+    deferred: Vec<WorkerId>,
 }
 
 /// What a response says about the worker that was asked.
@@ -157,6 +159,7 @@ impl RequestFilter {
             verdict: None,
             failed_over: false,
             awaiting: false,
+            deferred: Vec::new(),
         }
     }
 
@@ -379,10 +382,15 @@ impl RequestFilter {
         };
         let effects = leg.prefill_answered(result, |size| host.response_body(size));
         let now = Now::from_nanos(host.now_nanos());
+        let deferred = std::mem::take(&mut self.deferred);
         self.with_gateway(|g| {
             g.finish(host, &prefill, worker_ok);
             g.outcome(host, &prefill, worker_ok, now);
             g.ended(prefill.worker, status.is_some(), now.ms());
+            // The prefill did its part: decode failures seen meanwhile were the decode's own.
+            for &worker in deferred.iter().filter(|_| ok) {
+                g.worker_failed(host, worker, now);
+            }
         });
         for effect in effects {
             match effect {
@@ -421,20 +429,34 @@ impl RequestFilter {
         // Envoy says which worker answered: another than the chosen one means the chosen one
         // failed and Envoy failed over (the ones in between failed too, unseen).
         let served = host.upstream_address().filter(|a| !a.is_empty()).unwrap_or_else(|| routed.addr.clone());
+        let mut judged: Vec<(WorkerId, bool)> = Vec::with_capacity(2);
         if served != routed.addr {
             self.failed_over = true;
             host.increment(Metric::Failovers);
             log::info!("worker {} failed; Envoy failed over to {served}", routed.addr);
-            self.with_gateway(|g| {
-                g.worker_failed(host, routed.worker, now);
-                g.failover(host, routed.worker);
-                if let (Some(ok), Some(worker)) = (verdict.health(), g.worker_at(&served)) {
-                    let other = Routed { worker, addr: served.clone(), counted: false, matched_bytes: 0 };
-                    g.outcome(host, &other, ok, now);
-                }
-            });
+            judged.push((routed.worker, false));
+            if let (Some(ok), Some(worker)) = (verdict.health(), self.with_gateway(|g| g.worker_at(&served)).flatten())
+            {
+                judged.push((worker, ok));
+            }
+            self.with_gateway(|g| g.failover(host, routed.worker));
         } else if let Some(ok) = verdict.health() {
-            self.with_gateway(|g| g.outcome(host, &routed, ok, now));
+            judged.push((routed.worker, ok));
+        }
+        // In PD mode a decode failure may be the prefill's doing (the decode worker could not
+        // fetch the KV from a prefill worker that died): while the prefill leg is out, decode
+        // failures wait for its answer, and count only if the prefill succeeded.
+        let prefill_out = self.pd.as_ref().is_some_and(PdLeg::pending);
+        self.with_gateway(|g| {
+            for &(worker, ok) in &judged {
+                if !ok && prefill_out {
+                    continue;
+                }
+                g.record(host, worker, ok, now);
+            }
+        });
+        if prefill_out {
+            self.deferred.extend(judged.iter().filter(|(_, ok)| !ok).map(|&(w, _)| w));
         }
         let _ = host.set_response_header(WORKER_HEADER, Some(&served));
         let Some(leg) = self.pd.as_mut() else { return Action::Continue };
@@ -973,6 +995,29 @@ mod tests {
             let counts = Inflight::counts(&host);
             let decode = counts.iter().find(|c| c.worker == 1).unwrap();
             assert_eq!(decode.failed, 0, "the cancelled decode leg is not the decode worker's failure");
+        }
+    }
+
+    #[test]
+    fn pd_a_decode_failure_counts_against_the_decode_worker_only_if_the_prefill_succeeded() {
+        // One failure opens a breaker (PD's cb_failure_threshold is 1).
+        for (prefill_status, decode_blamed) in [(None, false), (Some(500), false), (Some(200), true)] {
+            let host = MockHost::new();
+            let gw = gateway(&host, PD);
+            let mut f = pd_send(&host, &gw, r#"{"text":"hi"}"#);
+            // The decode worker fails first: it could not fetch the KV from the prefill worker.
+            host.set_response(500, b"{}");
+            *host.code_details.borrow_mut() = Some("via_upstream".into());
+            f.on_response_headers(&host);
+            answer_prefill(&host, &mut f, prefill_status, "");
+            f.on_log(&host);
+            let now = Now::from_nanos(host.now_nanos());
+            let state = gw.borrow().breaker_state(1, now);
+            assert_eq!(
+                state != kvmesh_core::breaker::BreakerState::Closed,
+                decode_blamed,
+                "prefill answered {prefill_status:?}: decode breaker {state:?}"
+            );
         }
     }
 
