@@ -738,3 +738,36 @@ fn the_istio_1_27_and_sidecar_variants_load_in_envoy() {
     let config = bootstrap(&gw, &[ef], vs, clusters, "t0ken");
     kvmesh_testkit::envoy::validate(&gw.write("envoy.json", &config)).unwrap();
 }
+
+/// The Dockerfile cannot be built here (no container engine); what it promises the
+/// Deployment is checked: the same unprivileged user, the ports, the binary it runs.
+#[test]
+fn the_dockerfile_makes_the_image_the_deployment_expects() {
+    let text = std::fs::read_to_string(repo_root().join("Dockerfile")).unwrap();
+    let lines: Vec<&str> = text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).collect();
+    let stages = lines.iter().filter(|l| l.starts_with("FROM ")).count();
+    assert!(stages >= 2, "a multi-stage build");
+    let last_stage: Vec<&str> = lines.iter().rev().take_while(|l| !l.starts_with("FROM ")).copied().collect();
+    let user = last_stage.iter().find_map(|l| l.strip_prefix("USER ")).expect("the final stage sets USER");
+    let uid: u32 = user.split(':').next().unwrap().parse().expect("a numeric user");
+    assert_ne!(uid, 0, "the image runs as root");
+    assert!(text.contains("cargo build --release --locked -p kvmesh-cp"));
+
+    let objs = install("overlays/regular", &["sglang-workers.yaml"]);
+    let pod = &find(&objs, "Deployment", "kvmesh-cp")["spec"]["template"]["spec"];
+    assert_eq!(pod["securityContext"]["runAsUser"], uid);
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+    let container = &pod["containers"][0];
+    let entrypoint = last_stage.iter().find_map(|l| l.strip_prefix("ENTRYPOINT ")).expect("ENTRYPOINT");
+    let entrypoint: Vec<String> = serde_json::from_str(entrypoint).unwrap();
+    assert!(entrypoint[0].ends_with("/kvmesh-cp"));
+    assert_eq!(container["args"][0], "--config", "the Deployment passes flags to the ENTRYPOINT");
+    let exposed: HashSet<u64> = last_stage
+        .iter()
+        .filter_map(|l| l.strip_prefix("EXPOSE "))
+        .flat_map(|l| l.split_whitespace().map(|p| p.parse::<u64>().unwrap()))
+        .collect();
+    let ports: HashSet<u64> =
+        container["ports"].as_array().unwrap().iter().map(|p| p["containerPort"].as_u64().unwrap()).collect();
+    assert_eq!(exposed, ports);
+}
