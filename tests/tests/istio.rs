@@ -369,7 +369,7 @@ fn the_names_that_tie_the_install_together_agree() {
         let service_selector: BTreeMap<String, String> =
             serde_json::from_value(workers["spec"]["selector"].clone()).unwrap();
         let deployments: Vec<&Value> =
-            objs.iter().filter(|o| o["kind"] == "Deployment" && labels(o).get("kvmesh.io/worker").is_some()).collect();
+            objs.iter().filter(|o| o["kind"] == "Deployment" && labels(o).contains_key("kvmesh.io/worker")).collect();
         assert_eq!(deployments.len(), files.len(), "{dir}: the example workers");
         for d in &deployments {
             let l = labels(d);
