@@ -518,3 +518,32 @@ fn every_flag_is_documented_with_its_status() {
         assert!(row.contains(status), "--{long}: the docs row should say `{status}`: {row}");
     }
 }
+
+/// docs/migrating-from-sglang-router.md has a row for every flag of sglang-router 0.3.2, with
+/// the status kvmesh-cp's help text gives it.
+#[test]
+fn every_sglang_router_flag_is_in_the_migration_guide() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/migrating-from-sglang-router.md");
+    let docs = std::fs::read_to_string(path).unwrap();
+    let cmd = built();
+    for line in fixture() {
+        let flag = line.split_whitespace().next().unwrap();
+        let long = flag.trim_start_matches("--");
+        let arg = cmd.get_arguments().find(|a| a.get_long() == Some(long)).unwrap();
+        let help = arg.get_help().map(|h| h.to_string()).unwrap_or_default();
+        let status = if help.starts_with(NO_EFFECT) {
+            "accepted, no effect"
+        } else if help.starts_with(NOT_YET) {
+            "accepted, not yet enforced"
+        } else if help.starts_with(REFUSED) {
+            "refused"
+        } else {
+            "implemented"
+        };
+        let row = docs
+            .lines()
+            .find(|l| l.starts_with(&format!("| `{flag}`")))
+            .unwrap_or_else(|| panic!("{flag} has no row in docs/migrating-from-sglang-router.md"));
+        assert!(row.contains(&format!("| {status}")), "{flag}: the migration guide should say `{status}`: {row}");
+    }
+}
