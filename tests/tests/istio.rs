@@ -67,23 +67,20 @@ fn load(path: &Path) -> Vec<Value> {
 }
 
 /// `kubectl` for `kubectl kustomize`: `KVMESH_KUBECTL` (set by `cargo xtask test`, which
-/// installs it), else `.venv/bin/kubectl`, else on the PATH.
-fn kubectl() -> Option<PathBuf> {
+/// installs it), else `.venv/bin/kubectl`, else on the PATH. No cluster is contacted.
+fn kubectl() -> PathBuf {
     if let Some(p) = std::env::var_os("KVMESH_KUBECTL") {
         let p = PathBuf::from(p);
         assert!(p.exists(), "KVMESH_KUBECTL names {}, which does not exist", p.display());
-        return Some(p);
+        return p;
     }
     let venv = repo_root().join(".venv/bin/kubectl");
     if venv.exists() {
-        return Some(venv);
+        return venv;
     }
-    Command::new("kubectl")
-        .args(["version", "--client"])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|_| "kubectl".into())
+    let on_path = Command::new("kubectl").args(["version", "--client"]).output().is_ok_and(|o| o.status.success());
+    assert!(on_path, "kubectl is needed to render istio/ (`cargo xtask test` installs it into .venv)");
+    "kubectl".into()
 }
 
 /// The folders users install with `kubectl kustomize DIR | kubectl apply -f -`.
@@ -96,20 +93,10 @@ fn render(kubectl: &Path, dir: &str) -> Vec<Value> {
     documents(&String::from_utf8_lossy(&out.stdout), &format!("kubectl kustomize istio/{dir}"))
 }
 
-/// Every object users can apply: the rendered kustomizations when kubectl is here, else
-/// every resource file as written.
+/// Every object users can apply: the rendered kustomizations.
 fn installable() -> Vec<(String, Vec<Value>)> {
-    match kubectl() {
-        Some(k) => KUSTOMIZATIONS.iter().map(|d| (d.to_string(), render(&k, d))).collect(),
-        None => {
-            eprintln!("note: no kubectl; checking the resource files unrendered (cargo xtask test installs it)");
-            yaml_files()
-                .into_iter()
-                .filter(|p| p.file_name().is_some_and(|n| n != "kustomization.yaml"))
-                .map(|p| (p.display().to_string(), load(&p)))
-                .collect()
-        }
-    }
+    let k = kubectl();
+    KUSTOMIZATIONS.iter().map(|d| (d.to_string(), render(&k, d))).collect()
 }
 
 fn kind(v: &Value) -> (&str, &str) {
@@ -234,7 +221,7 @@ fn every_manifest_parses_and_every_kustomization_renders() {
             assert!(d.get("kind").and_then(Value::as_str).is_some(), "{}: a document without `kind`", path.display());
         }
     }
-    let Some(k) = kubectl() else { return };
+    let k = kubectl();
     for dir in KUSTOMIZATIONS {
         let objs = render(&k, dir);
         let names: HashSet<String> =
@@ -282,17 +269,9 @@ fn the_checks_catch_mistakes() {
     assert!(!core_errors(&bad).is_empty(), "a list where a string belongs passed");
 }
 
-/// The objects of one install (rendered, or the base and overlay files).
-fn install(dir: &str, overlay_files: &[&str]) -> Vec<Value> {
-    match kubectl() {
-        Some(k) => render(&k, dir),
-        None => {
-            let base = ["control-plane.yaml", "workers-service.yaml", "gateway.yaml", "envoyfilter-gateway.yaml"];
-            let mut out: Vec<Value> = base.iter().flat_map(|f| load(&istio_dir().join("base").join(f))).collect();
-            out.extend(overlay_files.iter().flat_map(|f| load(&istio_dir().join(dir).join(f))));
-            out
-        }
-    }
+/// The objects of one install, rendered.
+fn install(dir: &str) -> Vec<Value> {
+    render(&kubectl(), dir)
 }
 
 fn find<'a>(objs: &'a [Value], kind: &str, name: &str) -> &'a Value {
@@ -337,11 +316,8 @@ fn selector(cfg: &Value, key: &str) -> Vec<(String, String)> {
 
 #[test]
 fn the_names_that_tie_the_install_together_agree() {
-    for (dir, files) in [
-        ("overlays/regular", vec!["sglang-workers.yaml"]),
-        ("overlays/pd", vec!["sglang-prefill.yaml", "sglang-decode.yaml"]),
-    ] {
-        let objs = install(dir, &files);
+    for (dir, worker_deployments) in [("overlays/regular", 1), ("overlays/pd", 2)] {
+        let objs = install(dir);
         // The Services behind the clusters the filter names.
         let workers = find(&objs, "Service", "sglang-workers");
         assert_eq!(workers["metadata"]["namespace"], "kvmesh");
@@ -370,7 +346,7 @@ fn the_names_that_tie_the_install_together_agree() {
             serde_json::from_value(workers["spec"]["selector"].clone()).unwrap();
         let deployments: Vec<&Value> =
             objs.iter().filter(|o| o["kind"] == "Deployment" && labels(o).contains_key("kvmesh.io/worker")).collect();
-        assert_eq!(deployments.len(), files.len(), "{dir}: the example workers");
+        assert_eq!(deployments.len(), worker_deployments, "{dir}: the example workers");
         for d in &deployments {
             let l = labels(d);
             for (k, v) in
@@ -604,7 +580,7 @@ fn start_envoy(gw: &Gateway, config: &Path) -> Proc {
 
 #[test]
 fn the_gateway_envoyfilters_route_in_a_real_envoy_behind_kvmesh_cp_from_the_configmap() {
-    let objs = install("overlays/regular", &["sglang-workers.yaml"]);
+    let objs = install("overlays/regular");
     let worker = find(&objs, "Deployment", "sglang-worker");
 
     // Two "pods" of the example Deployment: its labels, on their own loopback addresses.
@@ -705,7 +681,7 @@ fn the_gateway_envoyfilters_route_in_a_real_envoy_behind_kvmesh_cp_from_the_conf
 #[test]
 fn the_istio_1_27_and_sidecar_variants_load_in_envoy() {
     let endpoints = vec![("127.0.0.1".to_string(), free_port().unwrap())];
-    let objs = install("overlays/regular", &["sglang-workers.yaml"]);
+    let objs = install("overlays/regular");
     let vs = find(&objs, "VirtualService", "llm");
 
     // 1.27: the inline TypedStruct filter and the clusters the EnvoyFilter adds.
@@ -735,8 +711,29 @@ fn the_istio_1_27_and_sidecar_variants_load_in_envoy() {
     }
     let clusters =
         vec![service_cluster(WORKERS_CLUSTER, &endpoints, false), service_cluster(CP_CLUSTER, &endpoints, true)];
-    let config = bootstrap(&gw, &[ef], vs, clusters, "t0ken");
-    kvmesh_testkit::envoy::validate(&gw.write("envoy.json", &config)).unwrap();
+    let mut config = bootstrap(&gw, &[ef], vs, clusters, "t0ken");
+    // The clients' outbound listener serves other services on port 8000 too: the model's
+    // virtual host (named as Istio names it) and another one.
+    let host = vs["spec"]["hosts"][0].as_str().unwrap();
+    let vhosts = &mut config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        ["route_config"]["virtual_hosts"];
+    vhosts[0]["name"] = json!(format!("{host}:8000"));
+    vhosts[0]["domains"] = json!([host, format!("{host}:8000")]);
+    vhosts.as_array_mut().unwrap().push(json!({
+        "name": "other.apps.svc.cluster.local:8000",
+        "domains": ["*"],
+        "routes": [{"match": {"prefix": "/"}, "direct_response": {"status": 200, "body": {"inline_string": "other"}}}],
+    }));
+    let path = gw.write("envoy.json", &config);
+    kvmesh_testkit::envoy::validate(&path).unwrap();
+    // Live: the filter answers on the model's virtual host only.
+    let _envoy = start_envoy(&gw, &path);
+    let url = format!("http://127.0.0.1:{}/flush_cache", gw.listener_port);
+    let other = http::post(&url, b"", &[("host", "other.apps.svc.cluster.local:8000")]).unwrap();
+    assert_eq!((other.status, other.text().as_str()), (200, "other"), "another service is untouched");
+    let model = http::post(&url, b"", &[("host", host)]).unwrap();
+    assert_eq!(model.status, 404, "the filter runs on the model's virtual host: {}", model.text());
+    assert_eq!(model.json().unwrap()["error"]["code"], "not_found");
 }
 
 /// The Dockerfile cannot be built here (no container engine); what it promises the
@@ -753,7 +750,7 @@ fn the_dockerfile_makes_the_image_the_deployment_expects() {
     assert_ne!(uid, 0, "the image runs as root");
     assert!(text.contains("cargo build --release --locked -p kvmesh-cp"));
 
-    let objs = install("overlays/regular", &["sglang-workers.yaml"]);
+    let objs = install("overlays/regular");
     let pod = &find(&objs, "Deployment", "kvmesh-cp")["spec"]["template"]["spec"];
     assert_eq!(pod["securityContext"]["runAsUser"], uid);
     assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
