@@ -412,13 +412,16 @@ struct Gateway {
     dir: PathBuf,
     listener_port: u16,
     admin_port: u16,
+    /// Where Envoy fetches a module itself (Istio 1.27's inline filter): URL and sha256.
+    /// Without it, the module is given as a local file.
+    module_url: Option<(String, String)>,
 }
 
 impl Gateway {
     fn new(tag: &str) -> Gateway {
         let dir = std::env::temp_dir().join(format!("kvmesh-istio-{tag}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        Gateway { dir, listener_port: free_port().unwrap(), admin_port: free_port().unwrap() }
+        Gateway { dir, listener_port: free_port().unwrap(), admin_port: free_port().unwrap(), module_url: None }
     }
 
     fn write(&self, file: &str, value: &Value) -> PathBuf {
@@ -523,7 +526,15 @@ fn bootstrap(gw: &Gateway, envoy_filters: &[&Value], vs: &Value, mut clusters: V
                         });
                     }
                     if filter["typed_config"]["@type"] == "type.googleapis.com/udpa.type.v1.TypedStruct" {
-                        fetched_locally(&mut filter["typed_config"]["value"]["config"]);
+                        let wasm_config = &mut filter["typed_config"]["value"]["config"];
+                        match &gw.module_url {
+                            Some((url, sha256)) => {
+                                let remote = &mut wasm_config["vm_config"]["code"]["remote"];
+                                remote["http_uri"]["uri"] = json!(url);
+                                remote["sha256"] = json!(sha256);
+                            }
+                            None => fetched_locally(wasm_config),
+                        }
                         with_token(&mut filter["typed_config"]["value"]["config"], token);
                     }
                     let filters = hcm["http_filters"].as_array_mut().unwrap();
@@ -684,16 +695,43 @@ fn the_istio_1_27_and_sidecar_variants_load_in_envoy() {
     let objs = install("overlays/regular");
     let vs = find(&objs, "VirtualService", "llm");
 
-    // 1.27: the inline TypedStruct filter and the clusters the EnvoyFilter adds.
-    let gw = Gateway::new("1-27");
+    // 1.27: the inline TypedStruct filter and the clusters the EnvoyFilter adds; Envoy
+    // fetches the module itself, through the added cluster, and checks its sha256.
+    let module = std::fs::read(wasm_path()).unwrap();
+    let server = serve_once_per_request(module.clone());
+    let mut gw = Gateway::new("1-27");
+    let sha256 = {
+        use sha2::Digest;
+        sha2::Sha256::digest(&module).iter().map(|b| format!("{b:02x}")).collect::<String>()
+    };
+    gw.module_url =
+        Some((format!("http://kvmesh-wasm.kvmesh.svc.cluster.local:{}/kvmesh_filter.wasm", server.0), sha256));
     let old = load(&istio_dir().join("istio-1.27/envoyfilter-gateway.yaml")).remove(0);
     let listener = find(&objs, "EnvoyFilter", "kvmesh-gateway-listener");
     let clusters =
         vec![service_cluster(WORKERS_CLUSTER, &endpoints, false), service_cluster(CP_CLUSTER, &endpoints, true)];
-    let config = bootstrap(&gw, &[&old, listener], vs, clusters, "t0ken");
+    let mut config = bootstrap(&gw, &[&old, listener], vs, clusters, "t0ken");
     let text = serde_json::to_string(&config).unwrap();
     assert!(text.contains("\"cluster\":\"kvmesh_workers\"") && text.contains("\"use_http_header\":true"));
-    kvmesh_testkit::envoy::validate(&gw.write("envoy.json", &config)).unwrap();
+    // The module server's DNS name stands for this test's loopback server.
+    let source = config["static_resources"]["clusters"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|c| c["name"] == "kvmesh_wasm_source")
+        .expect("the EnvoyFilter adds the module's cluster");
+    let address =
+        &mut source["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"];
+    address["address"] = json!("127.0.0.1");
+    address["port_value"] = json!(server.0);
+    let path = gw.write("envoy.json", &config);
+    kvmesh_testkit::envoy::validate(&path).unwrap();
+    let envoy = start_envoy(&gw, &path);
+    let r = http::post(&format!("http://127.0.0.1:{}/flush_cache", gw.listener_port), b"", &[]).unwrap();
+    assert_eq!(r.status, 404, "the fetched filter answers: {}", r.text());
+    assert_eq!(r.json().unwrap()["error"]["code"], "not_found");
+    assert!(server.1.load(std::sync::atomic::Ordering::SeqCst) >= 1, "Envoy fetched the module");
+    drop(envoy);
 
     // The sidecar: filters disabled by default, enabled on the model's virtual host; the
     // clients' VirtualService.
@@ -734,6 +772,35 @@ fn the_istio_1_27_and_sidecar_variants_load_in_envoy() {
     let model = http::post(&url, b"", &[("host", host)]).unwrap();
     assert_eq!(model.status, 404, "the filter runs on the model's virtual host: {}", model.text());
     assert_eq!(model.json().unwrap()["error"]["code"], "not_found");
+}
+
+/// A loopback HTTP server answering every request with `body` (the module Envoy fetches);
+/// returns its port and the number of requests served. It lives as long as the test process.
+fn serve_once_per_request(body: Vec<u8>) -> (u16, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::io::{BufRead, BufReader, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let served = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = served.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            let mut reader = BufReader::new(&stream);
+            let mut line = String::new();
+            // The request's head, up to its blank line (bounded).
+            for _ in 0..100 {
+                line.clear();
+                if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+                    break;
+                }
+            }
+            let mut out = &stream;
+            let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n", body.len());
+            if out.write_all(head.as_bytes()).and_then(|_| out.write_all(&body)).is_ok() {
+                count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+    });
+    (port, served)
 }
 
 /// The Dockerfile cannot be built here (no container engine); what it promises the
