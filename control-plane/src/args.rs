@@ -216,18 +216,18 @@ fn help_of(cmd: &Command, id: &str) -> String {
 }
 
 /// A YAML scalar as a command-line value.
-fn scalar(key: &str, v: &serde_yaml::Value) -> Result<String, String> {
+fn scalar(key: &str, v: &serde_norway::Value) -> Result<String, String> {
     match v {
-        serde_yaml::Value::String(s) => Ok(s.clone()),
-        serde_yaml::Value::Number(n) => Ok(n.to_string()),
-        serde_yaml::Value::Bool(b) => Ok(b.to_string()),
+        serde_norway::Value::String(s) => Ok(s.clone()),
+        serde_norway::Value::Number(n) => Ok(n.to_string()),
+        serde_norway::Value::Bool(b) => Ok(b.to_string()),
         _ => Err(format!("`{key}` takes a single value here, not a list or a mapping")),
     }
 }
 
-fn items(v: &serde_yaml::Value) -> Vec<serde_yaml::Value> {
+fn items(v: &serde_norway::Value) -> Vec<serde_norway::Value> {
     match v {
-        serde_yaml::Value::Sequence(s) => s.clone(),
+        serde_norway::Value::Sequence(s) => s.clone(),
         other => vec![other.clone()],
     }
 }
@@ -235,10 +235,10 @@ fn items(v: &serde_yaml::Value) -> Vec<serde_yaml::Value> {
 /// The `--config` file as command-line arguments for `cmd`, leaving out what `cli` (the real
 /// command line) gives. Returns the arguments and the ids they set.
 fn file_args(cmd: &Command, cli: &ArgMatches, text: &str) -> Result<(Vec<OsString>, Vec<String>), String> {
-    let doc: serde_yaml::Value = serde_yaml::from_str(text).map_err(|e| e.to_string().replace('\n', " "))?;
+    let doc: serde_norway::Value = serde_norway::from_str(text).map_err(|e| e.to_string().replace('\n', " "))?;
     let map = match doc {
-        serde_yaml::Value::Mapping(m) => m,
-        serde_yaml::Value::Null => serde_yaml::Mapping::new(),
+        serde_norway::Value::Mapping(m) => m,
+        serde_norway::Value::Null => serde_norway::Mapping::new(),
         _ => return Err("the configuration must be a mapping of flag names to values".into()),
     };
     let mut out: Vec<OsString> = Vec::new();
@@ -259,8 +259,8 @@ fn file_args(cmd: &Command, cli: &ArgMatches, text: &str) -> Result<(Vec<OsStrin
         let range = arg.get_num_args().unwrap_or_default();
         if range.max_values() == 0 {
             match v {
-                serde_yaml::Value::Bool(true) => out.push(long.into()),
-                serde_yaml::Value::Bool(false) => {}
+                serde_norway::Value::Bool(true) => out.push(long.into()),
+                serde_norway::Value::Bool(false) => {}
                 _ => return Err(format!("`{key}` takes true or false")),
             }
         } else if id == "prefill" {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context};
 use serde_json::Value as Json;
-use serde_yaml::Value as Yaml;
+use serde_norway::Value as Yaml;
 
 use crate::proc::{free_port, wait_until, Proc};
 use crate::{envoy_bin, http, repo_root, wasm_path};
@@ -92,7 +92,7 @@ fn wasm_config(doc: &mut Yaml) -> anyhow::Result<&mut Yaml> {
 pub fn render(opts: &EnvoyOptions) -> anyhow::Result<String> {
     let text =
         std::fs::read_to_string(&opts.template).with_context(|| format!("reading {}", opts.template.display()))?;
-    let mut doc: Yaml = serde_yaml::from_str(&text)?;
+    let mut doc: Yaml = serde_norway::from_str(&text)?;
     *at(&mut doc, &["admin", "address", "socket_address", "port_value"])? = opts.admin_port.into();
     *at(&mut doc, &["static_resources", "listeners", "0", "address", "socket_address", "port_value"])? =
         opts.listener_port.into();
@@ -161,7 +161,7 @@ pub fn render(opts: &EnvoyOptions) -> anyhow::Result<String> {
             }
         }
     }
-    Ok(serde_yaml::to_string(&doc)?)
+    Ok(serde_norway::to_string(&doc)?)
 }
 
 /// The workers' cluster: with a control plane, its EDS stream presents the filter's token;
@@ -277,7 +277,7 @@ fn make_plain(doc: &mut Yaml, upstreams: &[String]) -> anyhow::Result<()> {
     map.insert("lb_policy".into(), "ROUND_ROBIN".into());
     let name = map.get("name").cloned().unwrap_or_else(|| "kvmesh_workers".into());
     let assignment = serde_json::json!({"cluster_name": name, "endpoints": [{"lb_endpoints": endpoints}]});
-    map.insert("load_assignment".into(), serde_yaml::to_value(assignment)?);
+    map.insert("load_assignment".into(), serde_norway::to_value(assignment)?);
     Ok(())
 }
 

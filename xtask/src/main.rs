@@ -1,8 +1,9 @@
-//! `cargo xtask up | test | bench`: the project's tasks, each installing what it needs.
+//! `cargo xtask up | test | bench | package`: the project's tasks, each installing what it needs.
 
 mod bench;
 mod bench_cp;
 mod loadgen;
+mod package;
 mod supervise;
 mod tools;
 mod up;
@@ -19,6 +20,9 @@ tasks:
   test  install what is missing, build, and run every test (unit, wasm32, real Envoy)
   bench [overhead | pd | cp] [--seconds N] [--connections N] [--no-sglang]
         benchmarks, side by side with their baselines (never part of the tests)
+  package [--out DIR] [--tag TAG]
+        the filter as users install it: a size-optimised .wasm, its sha256, and an OCI
+        image layout for istio-agent (dist/; docs/istio.md)
 ";
 
 fn main() -> ExitCode {
@@ -27,6 +31,7 @@ fn main() -> ExitCode {
         Some("up") => up::run(&args[1..]),
         Some("test") => tools::test(&args[1..]),
         Some("bench") => bench::run(&args[1..]),
+        Some("package") => package::run_package(&args[1..]),
         Some("-h" | "--help" | "help") | None => {
             print!("{USAGE}");
             return ExitCode::SUCCESS;

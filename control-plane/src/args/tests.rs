@@ -148,8 +148,8 @@ fn sample(cmd: &Command, arg: &clap::Arg) -> String {
         .to_string()
 }
 
-fn yaml_scalar(v: &str) -> serde_yaml::Value {
-    serde_yaml::from_str(v).unwrap()
+fn yaml_scalar(v: &str) -> serde_norway::Value {
+    serde_norway::from_str(v).unwrap()
 }
 
 /// Every flag, given on the command line or as a `--config` key (alternately spelt with `_`
@@ -166,30 +166,30 @@ fn every_flag_means_the_same_in_the_config_file() {
         let flag = format!("--{long}");
         let key = if n % 2 == 0 { long.replace('-', "_") } else { long.to_string() };
         let range = arg.get_num_args().unwrap_or_default();
-        let (argv, value): (Vec<String>, serde_yaml::Value) = if range.max_values() == 0 {
-            (vec![flag], serde_yaml::Value::Bool(true))
+        let (argv, value): (Vec<String>, serde_norway::Value) = if range.max_values() == 0 {
+            (vec![flag], serde_norway::Value::Bool(true))
         } else if long == "prefill" {
             let a = ["http://127.0.0.1:1", "8998"];
             let b = ["http://127.0.0.1:2"];
             let argv = [&["--prefill"][..], &a, &["--prefill"], &b].concat();
-            let yaml = serde_yaml::from_str("[[http://127.0.0.1:1, 8998], [http://127.0.0.1:2]]").unwrap();
+            let yaml = serde_norway::from_str("[[http://127.0.0.1:1, 8998], [http://127.0.0.1:2]]").unwrap();
             (argv.into_iter().map(String::from).collect(), yaml)
         } else {
             let v = sample(&cmd, arg);
             if range.max_values() > 1 {
-                let yaml = serde_yaml::Value::Sequence(vec![yaml_scalar(&v), yaml_scalar(&v)]);
+                let yaml = serde_norway::Value::Sequence(vec![yaml_scalar(&v), yaml_scalar(&v)]);
                 (vec![flag, v.clone(), v], yaml)
             } else if matches!(arg.get_action(), ArgAction::Append) {
-                let yaml = serde_yaml::Value::Sequence(vec![yaml_scalar(&v), yaml_scalar(&v)]);
+                let yaml = serde_norway::Value::Sequence(vec![yaml_scalar(&v), yaml_scalar(&v)]);
                 (vec![flag.clone(), v.clone(), flag, v], yaml)
             } else {
                 (vec![flag, v.clone()], yaml_scalar(&v))
             }
         };
         let by_flag = args(&argv.iter().map(String::as_str).collect::<Vec<_>>());
-        let mut doc = serde_yaml::Mapping::new();
+        let mut doc = serde_norway::Mapping::new();
         doc.insert(key.clone().into(), value);
-        let path = config_file(&format!("flag-{long}.yaml"), &serde_yaml::to_string(&doc).unwrap());
+        let path = config_file(&format!("flag-{long}.yaml"), &serde_norway::to_string(&doc).unwrap());
         let mut by_file = args(&["--config", path_str(&path)]);
         assert_eq!(by_file.from_file, vec![arg.get_id().to_string()], "{key}");
         by_file.config = None;
@@ -516,5 +516,34 @@ fn every_flag_is_documented_with_its_status() {
             "implemented"
         };
         assert!(row.contains(status), "--{long}: the docs row should say `{status}`: {row}");
+    }
+}
+
+/// docs/migrating-from-sglang-router.md has a row for every flag of sglang-router 0.3.2, with
+/// the status kvmesh-cp's help text gives it.
+#[test]
+fn every_sglang_router_flag_is_in_the_migration_guide() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/migrating-from-sglang-router.md");
+    let docs = std::fs::read_to_string(path).unwrap();
+    let cmd = built();
+    for line in fixture() {
+        let flag = line.split_whitespace().next().unwrap();
+        let long = flag.trim_start_matches("--");
+        let arg = cmd.get_arguments().find(|a| a.get_long() == Some(long)).unwrap();
+        let help = arg.get_help().map(|h| h.to_string()).unwrap_or_default();
+        let status = if help.starts_with(NO_EFFECT) {
+            "accepted, no effect"
+        } else if help.starts_with(NOT_YET) {
+            "accepted, not yet enforced"
+        } else if help.starts_with(REFUSED) {
+            "refused"
+        } else {
+            "implemented"
+        };
+        let row = docs
+            .lines()
+            .find(|l| l.starts_with(&format!("| `{flag}`")))
+            .unwrap_or_else(|| panic!("{flag} has no row in docs/migrating-from-sglang-router.md"));
+        assert!(row.contains(&format!("| {status}")), "{flag}: the migration guide should say `{status}`: {row}");
     }
 }

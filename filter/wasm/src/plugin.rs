@@ -57,7 +57,7 @@ impl Plugin {
                 config.max_payload_size
             ),
         }
-        let cluster = config.control_plane_cluster.clone();
+        let cluster = config.control_plane_cluster.as_deref().map(grpc_target).transpose()?;
         let token = config.control_plane_token.clone();
         let report_interval_ms = config.report_interval_ms;
         let gateway = Gateway::new(config, host, seed);
@@ -213,6 +213,34 @@ pub fn gateway_id(host: &dyn Host, seed: u64) -> String {
         let _ = host.set(GATEWAY_ID_KEY, id.as_bytes(), cas);
     }
     host.get(GATEWAY_ID_KEY).0.and_then(|v| String::from_utf8(v).ok()).filter(|id| !id.is_empty()).unwrap_or(id)
+}
+
+/// What the streams are opened on. Envoy takes a bare cluster name as the streams'
+/// `:authority` too, and Istio's cluster names (`outbound|PORT|SUBSET|HOST`) are not valid
+/// authorities: the HTTP/2 stream would be refused as a protocol error. For those, the filter
+/// hands Envoy a serialized `envoy.config.core.v3.GrpcService` instead (Envoy's Wasm host
+/// accepts either): `envoy_grpc { cluster_name: <the cluster>, authority: "HOST:PORT" }`, the
+/// authority Istio itself gives gRPC calls to that Service.
+fn grpc_target(cluster: &str) -> Result<String, String> {
+    let mut parts = cluster.split('|');
+    let (Some("outbound"), Some(port), Some(_subset), Some(host), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return Ok(cluster.to_string());
+    };
+    let authority = format!("{host}:{port}");
+    // Protobuf fields: tag, length (one byte while under 128, which keeps the text ASCII), bytes.
+    let field = |tag: u8, value: &str| -> Option<String> {
+        let len = u8::try_from(value.len()).ok().filter(|l| *l < 128)?;
+        Some(format!("{}{}{value}", char::from(tag), char::from(len)))
+    };
+    let envoy_grpc = field(0x0a, cluster).zip(field(0x12, &authority)).map(|(c, a)| c + &a);
+    envoy_grpc.and_then(|inner| field(0x0a, &inner)).ok_or_else(|| {
+        format!(
+            "invalid configuration: control_plane_cluster `{cluster}` is too long to open gRPC streams on \
+             (the cluster name and `{authority}` must fit in 123 bytes)"
+        )
+    })
 }
 
 /// Opens both streams (with the token as `authorization` metadata) and sends the watch
@@ -405,6 +433,37 @@ mod tests {
         a_host.advance_ms(LEASE_MS + 20);
         a.on_tick(&a_host);
         assert_eq!(a_host.grpc_cancelled.borrow().len(), 2);
+    }
+
+    #[test]
+    fn istio_cluster_names_get_a_valid_authority() {
+        // A plain cluster name is passed as it is: Envoy makes it the authority too.
+        assert_eq!(grpc_target("kvmesh_control_plane").unwrap(), "kvmesh_control_plane");
+        // Istio's: a GrpcService { envoy_grpc { cluster_name, authority } }, byte for byte.
+        let cluster = "outbound|18000||kvmesh-cp.kvmesh.svc.cluster.local";
+        let authority = "kvmesh-cp.kvmesh.svc.cluster.local:18000";
+        let mut inner = vec![0x0a, cluster.len() as u8];
+        inner.extend_from_slice(cluster.as_bytes());
+        inner.extend_from_slice(&[0x12, authority.len() as u8]);
+        inner.extend_from_slice(authority.as_bytes());
+        let mut want = vec![0x0a, inner.len() as u8];
+        want.extend_from_slice(&inner);
+        assert_eq!(grpc_target(cluster).unwrap().into_bytes(), want);
+        // What the streams open on.
+        let host = MockHost::new();
+        let mut p = Plugin::default();
+        let config = format!(r#"{{"control_plane_cluster":"{}"}}"#, cluster);
+        p.configure(&host, config.as_bytes(), 1).unwrap();
+        p.on_tick(&host);
+        let opened = host.grpc_opened.borrow().clone();
+        assert_eq!(opened.len(), 2);
+        assert!(opened.iter().all(|(_, c)| c.as_bytes().starts_with(&want)), "{opened:?}");
+        // Too long for one-byte lengths: refused with a message, never a stream Envoy rejects.
+        let long = format!("outbound|8000||{}.svc.cluster.local", "x".repeat(60));
+        let e = Plugin::default().configure(&host, format!(r#"{{"control_plane_cluster":"{long}"}}"#).as_bytes(), 1);
+        assert!(e.unwrap_err().contains("too long"));
+        // Not Istio's shape (five parts): passed as it is.
+        assert_eq!(grpc_target("outbound|1|a|b|c").unwrap(), "outbound|1|a|b|c");
     }
 
     #[test]
