@@ -182,7 +182,7 @@ fn workers_cluster(doc: &mut Yaml, opts: &EnvoyOptions, filter: &Json) -> anyhow
             let metadata = serde_json::json!([{"key": "authorization", "value": format!("Bearer {token}")}]);
             grpc.as_mapping_mut()
                 .ok_or_else(|| anyhow!("grpc_services[0] is not a mapping"))?
-                .insert("initial_metadata".into(), serde_yaml::to_value(metadata)?);
+                .insert("initial_metadata".into(), serde_norway::to_value(metadata)?);
         }
         return Ok(());
     }
@@ -220,7 +220,7 @@ fn workers_cluster(doc: &mut Yaml, opts: &EnvoyOptions, filter: &Json) -> anyhow
     map.remove("eds_cluster_config");
     map.insert("type".into(), "STATIC".into());
     let assignment = serde_json::json!({"cluster_name": "kvmesh_workers", "endpoints": [{"lb_endpoints": endpoints}]});
-    map.insert("load_assignment".into(), serde_yaml::to_value(assignment)?);
+    map.insert("load_assignment".into(), serde_norway::to_value(assignment)?);
     Ok(())
 }
 
