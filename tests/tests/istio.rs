@@ -476,9 +476,18 @@ fn bootstrap(gw: &Gateway, envoy_filters: &[&Value], vs: &Value, mut clusters: V
     let destination = &http["route"][0]["destination"];
     let route_cluster =
         format!("outbound|{}||{}", destination["port"]["number"], destination["host"].as_str().unwrap());
+    // The VirtualService's header matches, as istiod translates them (regex: safe_regex).
+    let headers: Vec<Value> = http["match"][0]["headers"]
+        .as_object()
+        .map(|h| {
+            h.iter()
+                .map(|(name, m)| json!({"name": name, "string_match": {"safe_regex": {"regex": m["regex"]}}}))
+                .collect()
+        })
+        .unwrap_or_default();
     let mut route = json!({
         "name": http["name"],
-        "match": {"prefix": "/"},
+        "match": {"prefix": "/", "headers": headers},
         "route": {
             "cluster": route_cluster,
             "timeout": http["timeout"],
@@ -563,7 +572,20 @@ fn bootstrap(gw: &Gateway, envoy_filters: &[&Value], vs: &Value, mut clusters: V
             }
         }
     }
-    hcm["route_config"]["virtual_hosts"][0]["routes"] = json!([route]);
+    // The VirtualService's other entries that answer directly (the `not-routed` catch-all).
+    let mut routes = vec![route];
+    for other in vs["spec"]["http"].as_array().into_iter().flatten().skip(1) {
+        let direct = &other["directResponse"];
+        assert!(direct.is_object(), "the test translates only directResponse entries after the first");
+        let content_type = &other["headers"]["response"]["set"]["content-type"];
+        routes.push(json!({
+            "name": other["name"],
+            "match": {"prefix": "/"},
+            "direct_response": {"status": direct["status"], "body": {"inline_string": direct["body"]["string"]}},
+            "response_headers_to_add": [{"header": {"key": "content-type", "value": content_type}}],
+        }));
+    }
+    hcm["route_config"]["virtual_hosts"][0]["routes"] = json!(routes);
     listener["filter_chains"] =
         json!([{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}]);
     gw.write("ecds.json", &json!({"version_info": "1", "resources": ecds}));
