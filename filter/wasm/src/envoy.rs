@@ -228,6 +228,11 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
+        #[cfg(feature = "test-crash")]
+        {
+            let vm = self.plugin.gateway().and_then(|g| g.try_borrow().ok().map(|g| g.vm_id()));
+            stop_if_lease_owner(self.host.as_ref(), vm);
+        }
         self.plugin.on_tick(self.host.as_ref());
     }
 
@@ -252,6 +257,42 @@ fn crash_if_asked() {
     }
 }
 
+/// Test builds only: where a request leaves the order for the lease owner to stop.
+#[cfg(feature = "test-crash")]
+const STOP_LEASE_OWNER_KEY: &str = "kvmesh.test.stop_lease_owner";
+
+/// Test builds only: a request carrying `x-test-stop-lease-owner` asks whichever VM holds the
+/// control-plane lease to stop (a flag in shared data, see [`stop_if_lease_owner`]). The
+/// request is answered here (200) and reaches no worker, so it is in no count.
+#[cfg(feature = "test-crash")]
+fn stop_lease_owner_if_asked() -> Option<WasmAction> {
+    let asked =
+        hostcalls::get_map_value(MapType::HttpRequestHeaders, "x-test-stop-lease-owner").ok().flatten().is_some();
+    if !asked {
+        return None;
+    }
+    let _ = hostcalls::set_shared_data(STOP_LEASE_OWNER_KEY, Some(b"1"), None);
+    let _ = hostcalls::log(LogLevel::Warn, "test-crash: the lease owner is asked to stop");
+    let body = br#"{"test_crash":"the control-plane lease owner will stop"}"#;
+    let _ = hostcalls::send_http_response(200, vec![("content-type", "application/json")], Some(body));
+    Some(WasmAction::Pause)
+}
+
+/// Test builds only, on every tick: when the stop flag is set and this VM (`vm`) holds the
+/// control-plane lease, it clears the flag (by compare-and-swap: one VM stops per order) and
+/// traps. It ticks no more, so its lease lapses and another VM takes the streams over.
+#[cfg(feature = "test-crash")]
+fn stop_if_lease_owner(host: &EnvoyHost, vm: Option<u32>) {
+    let (flag, cas) = host.get(STOP_LEASE_OWNER_KEY);
+    if flag.as_deref() != Some(b"1".as_slice()) || vm.is_none() || crate::shared::Lease::owner(host) != vm {
+        return;
+    }
+    if host.set(STOP_LEASE_OWNER_KEY, b"", cas).is_ok() {
+        let _ = hostcalls::log(LogLevel::Warn, &format!("test-crash: trapping the lease owner VM {vm:?}"));
+        core::arch::wasm32::unreachable();
+    }
+}
+
 /// One HTTP stream.
 pub struct Http {
     host: Rc<EnvoyHost>,
@@ -267,7 +308,12 @@ impl Context for Http {
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> WasmAction {
         #[cfg(feature = "test-crash")]
-        crash_if_asked();
+        {
+            crash_if_asked();
+            if let Some(stopped) = stop_lease_owner_if_asked() {
+                return stopped;
+            }
+        }
         action(self.filter.on_request_headers(self.host.as_ref(), end_of_stream))
     }
 

@@ -392,6 +392,13 @@ impl Lease {
         // Two VMs may both have found the key missing: the last writer wins.
         store.get(Self::KEY).0.and_then(|v| u32_at(&v, 0)) == Some(vm)
     }
+
+    /// The VM named in the lease (lapsed or not): for the `test-crash` build's hook that stops
+    /// the owner, and for tests.
+    #[cfg(any(test, feature = "test-crash"))]
+    pub fn owner(store: &dyn SharedStore) -> Option<u32> {
+        store.get(Self::KEY).0.and_then(|v| u32_at(&v, 0))
+    }
 }
 
 /// The worker table (and routing configuration) from the control plane, as the stream owner
@@ -577,6 +584,7 @@ mod tests {
         assert!(!Lease::hold(&store, 2, 5999, 3000));
         assert!(Lease::hold(&store, 2, 6000, 3000), "lapsed: taken over");
         assert!(!Lease::hold(&store, 1, 6001, 3000));
+        assert_eq!(Lease::owner(&store), Some(2));
     }
 
     #[test]
