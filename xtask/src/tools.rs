@@ -189,9 +189,11 @@ pub fn lint() -> anyhow::Result<()> {
     }
     step("cargo fmt --check");
     run(cargo().args(["fmt", "--all", "--", "--check"])).context("code is not formatted: run `cargo fmt --all`")?;
-    step("cargo clippy (workspace, all targets; the filter for wasm32-wasip1), warnings denied");
+    step("cargo clippy (workspace, all targets; the filter for wasm32-wasip1, also with test-crash), warnings denied");
     run(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
-    run(cargo().args(["clippy", "-p", "kvmesh-filter", "--target", "wasm32-wasip1", "--", "-D", "warnings"]))
+    run(cargo().args(["clippy", "-p", "kvmesh-filter", "--target", "wasm32-wasip1", "--", "-D", "warnings"]))?;
+    let crash = ["clippy", "-p", "kvmesh-filter", "--target", "wasm32-wasip1", "--features", "test-crash"];
+    run(cargo().args(crash).args(["--", "-D", "warnings"]))
 }
 
 /// The test build of the `.wasm` (feature `test-crash`: a request can trap the VM, so that the
