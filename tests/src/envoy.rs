@@ -32,6 +32,10 @@ pub struct EnvoyOptions {
     pub control_plane_token: Option<String>,
     /// The workers' cluster's `circuit_breakers.max_requests` (the concurrency limit).
     pub max_requests: Option<u32>,
+    /// Hot restart `(base id, epoch)`: epoch 0 starts normally, epoch 1 with the same base id
+    /// takes over the listeners of a running epoch 0, which drains and exits (a configuration
+    /// reload of a standalone Envoy). `None`: hot restart disabled.
+    pub hot_restart: Option<(u32, u32)>,
     /// Remove these HTTP filters (or early header mutations) from the shipped configuration,
     /// nothing else (e.g. the kvmesh filter, to see what a filter that fails open would leave).
     pub remove_http_filters: Vec<String>,
@@ -51,6 +55,7 @@ impl EnvoyOptions {
             control_plane: None,
             control_plane_token: None,
             max_requests: None,
+            hot_restart: None,
             remove_http_filters: Vec::new(),
         })
     }
@@ -311,22 +316,27 @@ impl Envoy {
         }
         let dir = std::env::temp_dir().join("kvmesh-envoy");
         std::fs::create_dir_all(&dir)?;
-        let config_path = dir.join(format!("envoy-{}-{}.yaml", std::process::id(), opts.listener_port));
+        let epoch = opts.hot_restart.map_or(0, |(_, e)| e);
+        let config_path = dir.join(format!("envoy-{}-{}-{epoch}.yaml", std::process::id(), opts.listener_port));
         std::fs::write(&config_path, render(opts)?)?;
         Ok(Envoy {
             port: opts.listener_port,
             admin_port: opts.admin_port,
-            proc: Self::launch(&config_path, opts.concurrency)?,
+            proc: Self::launch(&config_path, opts.concurrency, opts.hot_restart)?,
             config_path,
         })
     }
 
-    fn launch(config: &Path, concurrency: u32) -> anyhow::Result<Proc> {
+    fn launch(config: &Path, concurrency: u32, hot_restart: Option<(u32, u32)>) -> anyhow::Result<Proc> {
         let mut cmd = Command::new(envoy_bin());
-        cmd.arg("-c")
-            .arg(config)
-            .args(["--concurrency", &concurrency.to_string(), "--disable-hot-restart", "--log-level", "warn"])
-            .args(["--component-log-level", "wasm:info"]);
+        cmd.arg("-c").arg(config).args(["--concurrency", &concurrency.to_string(), "--log-level", "warn"]);
+        match hot_restart {
+            None => cmd.arg("--disable-hot-restart"),
+            Some((base_id, epoch)) => cmd
+                .args(["--base-id", &base_id.to_string(), "--restart-epoch", &epoch.to_string()])
+                .args(["--drain-time-s", "2", "--parent-shutdown-time-s", "6"]),
+        };
+        cmd.args(["--component-log-level", "wasm:info"]);
         Proc::spawn("envoy", cmd).with_context(|| format!("is Envoy installed at {}?", envoy_bin().display()))
     }
 

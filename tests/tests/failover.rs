@@ -391,3 +391,84 @@ fn past_the_concurrency_limit_requests_get_a_json_429() {
     let r = http::post_json(&url, &json!({"text": "room again", "sampling_params": {"max_new_tokens": 1}})).unwrap();
     assert_eq!(r.status, 200);
 }
+
+/// Envoy's configuration reloaded (a hot restart with a changed filter configuration) under
+/// steady load while kvmesh-cp pushes a worker change: no request is lost, the old Envoy
+/// drains and exits, and the new one routes with kvmesh-cp's table (the added worker too).
+#[test]
+fn an_envoy_configuration_reload_under_load_loses_no_request() {
+    let sims: Vec<Sim> = (0..4).map(|_| Sim::start(&["--time-scale", "0.2"]).unwrap()).collect();
+    let urls: Vec<String> = sims.iter().map(Sim::url).collect();
+    // Three workers at first; the fourth is added through the API during the reload.
+    let mut args: Vec<&str> = vec!["--worker-urls"];
+    args.extend(urls[..3].iter().map(String::as_str));
+    args.extend(["--health-check-interval-secs", "1"]);
+    let cp = ControlPlane::start(&args).unwrap();
+    let base_id = kvmesh_testkit::free_port().unwrap() as u32;
+    let mut opts = EnvoyOptions::new(json!({"worker_urls": urls[..3]})).unwrap();
+    opts.use_control_plane(&cp);
+    opts.hot_restart = Some((base_id, 0));
+    let mut old = Envoy::start(&opts).unwrap();
+    let url = old.url("/generate");
+
+    let next = Arc::new(AtomicUsize::new(0));
+    let done = Arc::new(AtomicUsize::new(0));
+    let failed = Arc::new(Mutex::new(Vec::new()));
+    let served_by = Arc::new(Mutex::new(std::collections::HashMap::<String, usize>::new()));
+    // Load until the checks below are done (at most 20,000 requests).
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let clients: Vec<_> = (0..4)
+        .map(|_| {
+            let (next, done, failed, served_by, url, stop) =
+                (next.clone(), done.clone(), failed.clone(), served_by.clone(), url.clone(), stop.clone());
+            std::thread::spawn(move || loop {
+                let i = next.fetch_add(1, Ordering::SeqCst);
+                if i >= 20_000 || stop.load(Ordering::SeqCst) {
+                    break;
+                }
+                // Prompts of their own: cache-aware routing sends them to the emptiest index, so
+                // the worker added during the reload gets its share.
+                let body = json!({"text": format!("reload prompt {i}"), "sampling_params": {"max_new_tokens": 4}});
+                match http::post_json(&url, &body) {
+                    Ok(r) if r.status == 200 => {
+                        let w = r.header("x-kvmesh-worker").unwrap_or("").to_string();
+                        *served_by.lock().unwrap().entry(w).or_default() += 1;
+                    }
+                    Ok(r) => failed.lock().unwrap().push(format!("{} {}", r.status, r.text())),
+                    Err(e) => failed.lock().unwrap().push(e.to_string()),
+                }
+                done.fetch_add(1, Ordering::SeqCst);
+            })
+        })
+        .collect();
+    wait_until("load to run", Duration::from_secs(60), || done.load(Ordering::SeqCst) >= 200).unwrap();
+    // The reload: another filter configuration, same ports; the control plane pushes meanwhile.
+    let mut reloaded = opts.clone();
+    reloaded.filter["cache_threshold"] = json!(0.5);
+    reloaded.hot_restart = Some((base_id, 1));
+    let mut new = Envoy::spawn(&reloaded).unwrap();
+    let added = cp.post(&format!("/add_worker?url={}", urls[3])).unwrap();
+    assert_eq!(added.status, 200, "{}", added.text());
+    wait_until("the old Envoy to drain and exit", Duration::from_secs(30), || old.proc().exited().is_some()).unwrap();
+    assert!(new.proc().exited().is_none(), "the new Envoy runs: {}", new.proc().log_tail());
+    wait_until("the new Envoy's cluster to list the added worker", Duration::from_secs(30), || {
+        usable_endpoints(&new).contains(&sims[3].addr())
+    })
+    .unwrap();
+    wait_until("the added worker to serve through the new Envoy", Duration::from_secs(30), || {
+        served_by.lock().unwrap().contains_key(&sims[3].addr())
+    })
+    .unwrap();
+    stop.store(true, Ordering::SeqCst);
+    for c in clients {
+        c.join().unwrap();
+    }
+    let failed = failed.lock().unwrap();
+    eprintln!(
+        "envoy reload: {} requests, {} failed; served by {:?}",
+        done.load(Ordering::SeqCst),
+        failed.len(),
+        served_by.lock().unwrap()
+    );
+    assert!(failed.is_empty(), "{} failed, e.g. {}", failed.len(), failed[0]);
+}
