@@ -137,3 +137,58 @@ fn pd_roles_and_bootstrap_ports_come_from_labels_and_annotations() {
     assert_eq!(r.header("x-kvmesh-prefill"), Some(format!("{prefill_ip}:{port}").as_str()));
     assert_eq!(r.header("x-kvmesh-worker"), Some(format!("{decode_ip}:{port}").as_str()));
 }
+
+/// `--state-file` with discovered workers: a restarted control plane finds the same pods under
+/// the same ids (not renumbered from 0 in discovery order), and a prefix routed before the
+/// restart goes to the same worker after it.
+#[test]
+fn a_restarted_control_plane_keeps_discovered_workers_ids_and_their_prefixes() {
+    let kube = FakeKube::start().unwrap();
+    let port = free_port().unwrap();
+    let ips = ["127.0.0.2", "127.0.0.3", "127.0.0.4"];
+    let _sims: Vec<Sim> = ips.iter().map(|ip| Sim::start_at(ip, port, &["--time-scale", "0"]).unwrap()).collect();
+    let app = [("app", "sglang")];
+    let dir = std::env::temp_dir().join(format!("kvmesh-discovery-state-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("state.json");
+    let _ = std::fs::remove_file(&file);
+    let file_arg = file.to_str().unwrap().to_string();
+    let url = |ip: &str| format!("http://{ip}:{port}");
+    // Ids 0, 1, then 2; the first pod leaves: the workers left have ids 1 and 2.
+    kube.apply(pod("default", "w2", ips[0], true, &app, &[]));
+    let mut cp = watching(&kube, port, &["--state-file", &file_arg]);
+    wait_for_urls(&cp, &[url(ips[0])]);
+    kube.apply(pod("default", "w3", ips[1], true, &app, &[]));
+    wait_for_urls(&cp, &[url(ips[0]), url(ips[1])]);
+    kube.apply(pod("default", "w4", ips[2], true, &app, &[]));
+    wait_for_urls(&cp, &[url(ips[0]), url(ips[1]), url(ips[2])]);
+    kube.delete("default", "w2");
+    wait_for_urls(&cp, &[url(ips[1]), url(ips[2])]);
+    let ids = |cp: &ControlPlane| -> Vec<(String, u64)> {
+        let mut v: Vec<(String, u64)> =
+            workers(cp).iter().map(|w| (w["url"].as_str().unwrap().to_string(), w["id"].as_u64().unwrap())).collect();
+        v.sort();
+        v
+    };
+    let before = ids(&cp);
+    assert_eq!(before.iter().map(|(_, id)| *id).collect::<Vec<_>>(), vec![1, 2], "{before:?}");
+
+    let envoy = synced_gateway(&cp, "envoy/envoy.yaml", json!({"worker_urls": []}));
+    let prefix = "a conversation with a long shared history ".repeat(12);
+    let ask = |tail: &str| {
+        let r = http::post_json(&envoy.url("/generate"), &json!({"text": format!("{prefix}{tail}")})).unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.header("x-sim-worker").unwrap().to_string()
+    };
+    let home = ask("before");
+
+    cp.restart().unwrap();
+    wait_until(
+        "the restarted control plane to list the same workers under the same ids",
+        Duration::from_secs(20),
+        || ids(&cp) == before,
+    )
+    .unwrap_or_else(|e| panic!("{e}: {:?} (before: {before:?})", ids(&cp)));
+    sync(&cp, &envoy);
+    assert_eq!(ask("after the restart"), home, "the prefix stays with its worker");
+}
