@@ -4,7 +4,7 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use kvmesh_testkit::http::{self, Response};
-use kvmesh_testkit::{cp_bin, prom, wait_until, ControlPlane, Envoy, EnvoyOptions, Sim};
+use kvmesh_testkit::{cp_bin, prom, repo_root, wait_until, ControlPlane, Envoy, EnvoyOptions, Sim};
 use serde_json::{json, Value};
 
 const FAST: &[&str] = &["--time-scale", "0"];
@@ -756,4 +756,61 @@ fn flush_cache_fans_out_to_every_worker_and_empties_every_index() {
     let before = hits();
     served(&generate(&envoy, &format!("{prefix}three")));
     assert_eq!(hits(), before, "the filter's index forgot the flushed prefix");
+}
+
+/// Every metric the shipped Grafana dashboard (docs/grafana/kvmesh.json) queries exists: in
+/// kvmesh-cp's `/metrics` or in Envoy's `/stats/prometheus` (the filter's stats and Envoy's
+/// own), scraped from a running stack after a request.
+#[test]
+fn the_grafana_dashboard_queries_metrics_that_exist() {
+    let workers = sims(2);
+    let flags = worker_flags(&workers);
+    let cp = ControlPlane::start(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    let envoy = gateway(&cp);
+    wait_for_version(&envoy, cp_version(&cp));
+    assert_eq!(generate(&envoy, "a question for the dashboard").status, 200);
+    let path = repo_root().join("docs/grafana/kvmesh.json");
+    let dashboard: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let exprs: Vec<String> = dashboard["panels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|p| p["targets"].as_array().unwrap().iter().map(|t| t["expr"].as_str().unwrap().to_string()))
+        .collect();
+    assert!(exprs.len() >= 10, "{} queries", exprs.len());
+    let scraped = |text: &str| -> HashSet<String> {
+        text.lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|l| l.split(['{', ' ']).next())
+            .map(String::from)
+            .collect()
+    };
+    let mut names = scraped(&http::get(&cp.url("/metrics")).unwrap().text());
+    // kvmesh-cp's reports reach it at least once a second; scrape until the per-worker failover
+    // series (made on the first report) is there.
+    wait_until("kvmesh-cp's per-worker series", Duration::from_secs(10), || {
+        names = scraped(&http::get(&cp.url("/metrics")).unwrap().text());
+        names.iter().any(|n| n.starts_with("kvmesh_worker_failovers"))
+    })
+    .unwrap();
+    names.extend(scraped(&http::get(&envoy.admin_url("/stats/prometheus")).unwrap().text()));
+    for expr in &exprs {
+        // Label matchers (`{envoy_cluster_name="..."}`) are not metric names.
+        let mut bare = String::new();
+        let mut depth = 0;
+        for c in expr.chars() {
+            match c {
+                '{' => depth += 1,
+                '}' => depth -= 1,
+                _ if depth == 0 => bare.push(c),
+                _ => {}
+            }
+        }
+        for name in bare
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .filter(|w| w.starts_with("kvmesh_") || w.starts_with("sgl_router_") || w.starts_with("envoy_"))
+        {
+            assert!(names.contains(name), "the dashboard queries `{name}` ({expr}), which no scrape has");
+        }
+    }
 }
