@@ -263,12 +263,16 @@ fn candidates(g: &Gateway, inflight: &Inflight, role: Role, now: Now, probes: Pr
         available.iter().copied().filter(|w| !g.stalls.stalled(w.id, now.ms())).collect();
     let pool = if moving.is_empty() { available } else { moving };
     let (max_waiting, max_kv) = (g.config.overload_waiting, g.config.overload_kv_usage);
-    let room: Vec<Candidate> = pool
-        .iter()
-        .filter(|w| !w.overloaded(max_waiting, max_kv))
-        .map(|w| Candidate { id: w.id, load: w.load + u64::from(inflight.count(w.id)) })
-        .collect();
-    (room.clone(), room.is_empty() && !pool.is_empty())
+    let candidate = |w: &&kvmesh_core::Worker| Candidate { id: w.id, load: w.load + u64::from(inflight.count(w.id)) };
+    let room: Vec<Candidate> = pool.iter().filter(|w| !w.overloaded(max_waiting, max_kv)).map(candidate).collect();
+    if room.is_empty() && !pool.is_empty() {
+        if probes == Probes::Refused {
+            // Read-only paths (health, models) cost a worker nothing: not shed.
+            return (pool.iter().map(candidate).collect(), false);
+        }
+        return (room, true);
+    }
+    (room, false)
 }
 
 /// One VM's routing state.
@@ -926,6 +930,7 @@ mod tests {
         let r = reply(req(&mut g, &store, Endpoint::Generate, &body("one more")));
         assert_eq!((r.status, r.retry_after), (503, Some(1)));
         assert!(String::from_utf8_lossy(&r.body).contains("overloaded"));
+        assert!(g.route_other(&store, Now::from_secs(0)).is_ok(), "read-only paths are not shed");
         // Thresholds at 0 are off.
         let mut g = gateway(&store, r#","overload_waiting_requests":0,"overload_kv_usage":0"#);
         g.table.workers.iter_mut().for_each(|w| (w.waiting, w.kv_usage) = (Some(1000), Some(1.0)));
