@@ -90,17 +90,17 @@ impl WorkerEntry {
         self.polled_load.unwrap_or_else(|| self.inflight_total())
     }
 
-    /// A bare entry (tests of modules that read the table).
-    #[cfg(test)]
-    pub fn for_test(url: &str, healthy: bool) -> Self {
+    /// A worker just registered: no probes, loads or counts yet. `awaiting_probe`: unhealthy
+    /// (no traffic) until its first health check passes.
+    fn new(id: u32, url: &str, role: Role, bootstrap_port: Option<u16>, source: Source, awaiting_probe: bool) -> Self {
         Self {
-            id: 0,
+            id,
             url: url.to_string(),
-            role: Role::Regular,
-            bootstrap_port: None,
-            source: Source::Static,
-            healthy,
-            awaiting_probe: false,
+            role,
+            bootstrap_port,
+            source,
+            healthy: !awaiting_probe,
+            awaiting_probe,
             fails: 0,
             oks: 0,
             polled_load: None,
@@ -113,6 +113,12 @@ impl WorkerEntry {
             breakers: HashMap::new(),
             last_counts: HashMap::new(),
         }
+    }
+
+    /// A bare entry (tests of modules that read the table).
+    #[cfg(test)]
+    pub fn for_test(url: &str, healthy: bool) -> Self {
+        Self { healthy, ..Self::new(0, url, Role::Regular, None, Source::Static, false) }
     }
 
     fn proto(&self) -> Worker {
@@ -346,26 +352,7 @@ impl State {
         inner.ids.insert(url.to_string(), id);
         // A worker someone named at runtime gets traffic only once it answered a health check.
         let awaiting_probe = source == Source::Api && self.settings.health_checks;
-        let entry = WorkerEntry {
-            id,
-            url: url.to_string(),
-            role,
-            bootstrap_port,
-            source,
-            healthy: !awaiting_probe,
-            awaiting_probe,
-            fails: 0,
-            oks: 0,
-            polled_load: None,
-            cache_hit_rate: None,
-            pressure: Default::default(),
-            inflight: HashMap::new(),
-            requests: 0,
-            errors: 0,
-            failovers: 0,
-            last_counts: HashMap::new(),
-            breakers: HashMap::new(),
-        };
+        let entry = WorkerEntry::new(id, url, role, bootstrap_port, source, awaiting_probe);
         inner.workers.insert(id, entry);
         inner.workers_dirty = true;
         drop(inner);

@@ -420,15 +420,14 @@ impl RequestFilter {
         let verdict = Verdict::of(status, host.response_code_details().as_deref());
         self.verdict = Some(verdict);
         let now = Now::from_nanos(host.now_nanos());
-        if std::mem::take(&mut self.awaiting) {
-            // The worker asked first answered itself, or did not (a timeout, a reset, a failover).
-            let answered = matches!(verdict, Verdict::Worker(_))
-                && host.upstream_address().is_none_or(|a| a.is_empty() || a == routed.addr);
-            self.with_gateway(|g| g.ended(routed.worker, answered, now.ms()));
-        }
         // Envoy says which worker answered: another than the chosen one means the chosen one
         // failed and Envoy failed over (the ones in between failed too, unseen).
         let served = host.upstream_address().filter(|a| !a.is_empty()).unwrap_or_else(|| routed.addr.clone());
+        if std::mem::take(&mut self.awaiting) {
+            // The worker asked first answered itself, or did not (a timeout, a reset, a failover).
+            let answered = matches!(verdict, Verdict::Worker(_)) && served == routed.addr;
+            self.with_gateway(|g| g.ended(routed.worker, answered, now.ms()));
+        }
         let mut judged: Vec<(WorkerId, bool)> = Vec::with_capacity(2);
         if served != routed.addr {
             self.failed_over = true;
