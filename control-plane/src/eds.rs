@@ -182,6 +182,21 @@ mod tests {
     }
 
     #[test]
+    fn requests_for_other_types_or_too_many_clusters_are_refused() {
+        let ok = DiscoveryRequest {
+            type_url: CLUSTER_LOAD_ASSIGNMENT.into(),
+            resource_names: vec!["kvmesh_workers".into()],
+            ..Default::default()
+        };
+        assert!(check(&ok).is_ok());
+        let other =
+            DiscoveryRequest { type_url: "type.googleapis.com/envoy.config.cluster.v3.Cluster".into(), ..ok.clone() };
+        assert_eq!(check(&other).unwrap_err().code(), tonic::Code::InvalidArgument);
+        let many = DiscoveryRequest { resource_names: vec!["c".into(); MAX_RESOURCE_NAMES + 1], ..ok };
+        assert_eq!(check(&many).unwrap_err().code(), tonic::Code::InvalidArgument);
+    }
+
+    #[test]
     fn an_assignment_decodes_as_envoy_would_read_it() {
         let any =
             assignment("kvmesh_workers", &[("127.0.0.1".into(), 30001, true), ("127.0.0.2".into(), 30002, false)]);

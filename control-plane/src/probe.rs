@@ -59,7 +59,7 @@ pub fn waiting_from_get_load(body: &str) -> Option<u64> {
     let ranks = v.as_array()?;
     let counts: Vec<u64> =
         ranks.iter().filter_map(|r| r.get("num_waiting_reqs").and_then(serde_json::Value::as_u64)).collect();
-    (!counts.is_empty()).then(|| counts.iter().sum())
+    (!counts.is_empty()).then(|| counts.iter().fold(0u64, |a, &n| a.saturating_add(n)))
 }
 
 /// Waiting requests and KV cache usage from Prometheus text (SGLang or vLLM names).
@@ -189,6 +189,8 @@ mod tests {
             r#"[{"dp_rank":0,"num_reqs":3,"num_waiting_reqs":1},{"dp_rank":1,"num_reqs":2,"num_waiting_reqs":4}]"#;
         assert_eq!(waiting_from_get_load(ranks), Some(5));
         assert_eq!(waiting_from_get_load(r#"{"load":3}"#), None, "the old shape does not say");
+        let huge = format!(r#"[{{"num_waiting_reqs":{m}}},{{"num_waiting_reqs":{m}}}]"#, m = u64::MAX);
+        assert_eq!(waiting_from_get_load(&huge), Some(u64::MAX), "saturates, never overflows");
         let sglang = "sglang:num_queue_reqs{model_name=\"m\"} 2\nsglang:token_usage{model_name=\"m\"} 0.25\n";
         assert_eq!(parse_pressure(sglang), Pressure { waiting: Some(2), kv_usage: Some(0.25) });
         let vllm = "vllm:num_requests_waiting 7.0\nvllm:kv_cache_usage_perc 0.9\n";
