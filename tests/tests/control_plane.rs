@@ -688,6 +688,13 @@ fn a_restarted_control_plane_keeps_api_workers_and_their_ids_and_prefixes_stay_p
     })
     .unwrap();
     wait_for_version(&envoy, cp_version(&cp));
+    // Envoy's endpoints (kvmesh-cp's EDS) have the added worker healthy too, or override_host
+    // would pass over it to the next listed worker.
+    let added = format!("kvmesh_workers::{}::health_flags::healthy", workers[1].addr());
+    wait_until("Envoy's cluster to list the added worker healthy", Duration::from_secs(10), || {
+        http::get(&envoy.admin_url("/clusters")).is_ok_and(|r| r.text().lines().any(|l| l == added))
+    })
+    .unwrap();
     let before = listed(&cp);
     let prefix = "A conversation the added worker holds in its cache. ".repeat(20);
     let home = served(&generate(&envoy, &format!("{prefix}before")));
