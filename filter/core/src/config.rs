@@ -9,6 +9,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 use thiserror::Error;
 
+use crate::admission::AdmissionParams;
 use crate::breaker::BreakerParams;
 use crate::policy::{CacheAwareParams, PolicyKind};
 use crate::router::RouterParams;
@@ -72,6 +73,9 @@ pub struct Config {
     /// counts the same way: `--disable-retries` is 1), at most [`MAX_ATTEMPTS`]: the worker the
     /// policy chose, then the next ones Envoy fails over to.
     pub max_attempts: u32,
+    /// The concurrency limit and its queue (`max_concurrent_requests` and the rest); none when
+    /// no limit is set (sglang-router's default).
+    pub admission: Option<AdmissionParams>,
     /// Passive health: the per-worker circuit breakers (sglang-router's `--cb-*` flags and
     /// `--disable-circuit-breaker`).
     pub breaker: BreakerParams,
@@ -212,6 +216,7 @@ impl Default for Config {
             overload_waiting: DEFAULT_OVERLOAD_WAITING,
             overload_kv_usage: DEFAULT_OVERLOAD_KV_USAGE,
             max_attempts: DEFAULT_RETRY_MAX_RETRIES,
+            admission: None,
             breaker: BreakerParams::default(),
             upstream_cluster: DEFAULT_UPSTREAM_CLUSTER.to_string(),
             control_plane_cluster: None,
@@ -228,6 +233,39 @@ fn available(field: &'static str, policy: Option<PolicyKind>, default: PolicyKin
         return Err(invalid(field, format!("`{policy}` is not available in this build yet")));
     }
     Ok(policy)
+}
+
+/// sglang-router's `--queue-size` and `--queue-timeout-secs` defaults.
+pub const DEFAULT_QUEUE_SIZE: u64 = 100;
+pub const DEFAULT_QUEUE_TIMEOUT_SECS: u64 = 60;
+
+/// The admission settings: on when `max_concurrent_requests` is positive (-1, 0 or unset: no
+/// limit). The refill rate defaults to the limit, as in sglang-router.
+fn admission(s: &RoutingSettings) -> Result<Option<AdmissionParams>, ConfigError> {
+    let capacity = match s.max_concurrent_requests {
+        None | Some(..=0) => return Ok(None),
+        Some(n) => u32::try_from(n)
+            .ok()
+            .filter(|n| *n <= 1_000_000)
+            .ok_or_else(|| invalid("max_concurrent_requests", format!("{n} is over 1000000")))?,
+    };
+    let refill_per_sec = match s.rate_limit_tokens_per_second {
+        None | Some(..=0) => f64::from(capacity),
+        Some(r) if r > 1_000_000 => {
+            return Err(invalid("rate_limit_tokens_per_second", format!("{r} is over 1000000")))
+        }
+        Some(r) => r as f64,
+    };
+    let queue_size = s.queue_size.unwrap_or(DEFAULT_QUEUE_SIZE);
+    let queue_size = u32::try_from(queue_size)
+        .ok()
+        .filter(|n| *n <= 1_000_000)
+        .ok_or_else(|| invalid("queue_size", format!("{queue_size} is over 1000000")))?;
+    let timeout = positive("queue_timeout_secs", s.queue_timeout_secs, DEFAULT_QUEUE_TIMEOUT_SECS)?;
+    if timeout > 86_400 {
+        return Err(invalid("queue_timeout_secs", format!("{timeout} is over a day")));
+    }
+    Ok(Some(AdmissionParams { capacity, refill_per_sec, queue_size, queue_timeout_ms: timeout * 1000 }))
 }
 
 fn positive(field: &'static str, v: Option<u64>, default: u64) -> Result<u64, ConfigError> {
@@ -347,6 +385,7 @@ impl Config {
             } else {
                 s.retry_max_retries.unwrap_or(d.max_attempts).clamp(1, MAX_ATTEMPTS)
             },
+            admission: admission(s)?,
             breaker,
             pd,
             passthrough_paths,
@@ -447,6 +486,28 @@ mod tests {
         let mut got = documented.clone();
         got.sort_unstable();
         assert_eq!(got, want, "the filter-only keys in docs/configuration.md");
+    }
+
+    #[test]
+    fn admission_is_off_unless_a_concurrency_limit_is_set() {
+        for json in [&b"{}"[..], br#"{"max_concurrent_requests":-1}"#, br#"{"max_concurrent_requests":0}"#] {
+            assert_eq!(Config::from_json(json).unwrap().admission, None);
+        }
+        let c = Config::from_json(br#"{"max_concurrent_requests":8}"#).unwrap();
+        let want = AdmissionParams { capacity: 8, refill_per_sec: 8.0, queue_size: 100, queue_timeout_ms: 60_000 };
+        assert_eq!(c.admission, Some(want), "sglang-router's defaults: refill = limit, queue 100, 60 s");
+        let json =
+            br#"{"max_concurrent_requests":4,"rate_limit_tokens_per_second":1,"queue_size":0,"queue_timeout_secs":2}"#;
+        let want = AdmissionParams { capacity: 4, refill_per_sec: 1.0, queue_size: 0, queue_timeout_ms: 2_000 };
+        assert_eq!(Config::from_json(json).unwrap().admission, Some(want));
+        for (json, field) in [
+            (&br#"{"max_concurrent_requests":4,"queue_timeout_secs":0}"#[..], "queue_timeout_secs"),
+            (br#"{"max_concurrent_requests":99999999999}"#, "max_concurrent_requests"),
+            (br#"{"max_concurrent_requests":4,"queue_size":99999999999}"#, "queue_size"),
+        ] {
+            let e = Config::from_json(json).unwrap_err().to_string();
+            assert!(e.contains(field), "{e}");
+        }
     }
 
     #[test]

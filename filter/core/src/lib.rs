@@ -13,11 +13,13 @@
 //! - [`config`]: the configuration, validated once from the settings.
 //! - [`worker`]: the worker table (a snapshot of workers) the policies choose from.
 //! - [`breaker`]: per-worker circuit breakers (a state machine, and its shared-data encoding).
+//! - [`admission`]: the token bucket behind the concurrency limit and queue.
 //! - [`errors`]: the OpenAI-style JSON error body the gateway answers with.
 
 // Linked into the `.wasm`: a panic there kills the VM and every request on its Envoy thread.
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing))]
 
+pub mod admission;
 pub mod blocks;
 pub mod bootstrap;
 pub mod breaker;

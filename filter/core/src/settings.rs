@@ -182,15 +182,16 @@ routing_settings! {
     /// One attempt per request: no failover to another worker.
     #[cfg_attr(feature = "cli", arg(num_args = 0, default_missing_value = "true"))]
     disable_retries: bool,
-    /// No effect in kvmesh: Envoy limits concurrency per Envoy with the workers' cluster
-    /// `circuit_breakers.max_requests`; past it, a JSON 429 at once (docs/operations.md).
+    /// Requests admitted at once per Envoy (a token bucket of this size; every request that
+    /// ends gives its token back); past it, requests wait in the queue. -1 (default): no limit.
     #[cfg_attr(feature = "cli", arg(allow_negative_numbers = true))]
     max_concurrent_requests: i64,
-    /// No effect in kvmesh: there is no queue; past the concurrency limit, a JSON 429 at once.
+    /// Requests that may wait for a token per Envoy (default 100); past it, a JSON 429. 0: 429
+    /// at once.
     queue_size: u64,
-    /// No effect in kvmesh: there is no queue to wait in.
+    /// Longest wait in the queue, in seconds (default 60); past it, a JSON 408.
     queue_timeout_secs: u64,
-    /// No effect in kvmesh: Envoy's `local_ratelimit` filter is the token bucket (429).
+    /// Tokens added to the bucket per second (default: `--max-concurrent-requests`).
     #[cfg_attr(feature = "cli", arg(allow_negative_numbers = true))]
     rate_limit_tokens_per_second: i64,
     /// Read-only worker paths the gateway passes through (GET/HEAD) to one healthy worker;

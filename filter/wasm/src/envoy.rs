@@ -3,6 +3,7 @@
 //! panic kills the VM), and the contexts translate Envoy's callbacks into calls on
 //! [`Plugin`] and [`RequestFilter`] — nothing else.
 
+use std::cell::RefCell;
 use std::rc::Rc;
 
 use proxy_wasm::hostcalls;
@@ -35,7 +36,9 @@ impl EnvoyHost {
                         MetricType::Counter
                     }
                     Metric::DecisionNs => MetricType::Histogram,
-                    Metric::IndexBlocks | Metric::SnapshotVersion | Metric::InFlight => MetricType::Gauge,
+                    Metric::IndexBlocks | Metric::SnapshotVersion | Metric::InFlight | Metric::Queued => {
+                        MetricType::Gauge
+                    }
                 };
                 hostcalls::define_metric(kind, m.name()).ok()
             })
@@ -112,6 +115,14 @@ impl Host for EnvoyHost {
 
     fn resume_response(&self) -> Result<(), HostError> {
         hostcalls::resume_http_response().map_err(err)
+    }
+
+    fn resume_request(&self) -> Result<(), HostError> {
+        hostcalls::resume_http_request().map_err(err)
+    }
+
+    fn enter_context(&self, context_id: u32) -> Result<(), HostError> {
+        hostcalls::set_effective_context(context_id).map_err(err)
     }
 
     fn dispatch(&self, c: Callout<'_>) -> Result<u32, HostError> {
@@ -195,7 +206,20 @@ pub struct Root {
     plugin: Plugin,
 }
 
+impl Root {
+    pub fn new(context_id: u32) -> Self {
+        let mut root = Self::default();
+        root.plugin.set_context_id(context_id);
+        root
+    }
+}
+
 impl Context for Root {
+    /// A prefill callout dispatched from the tick (for a request admitted from the queue).
+    fn on_http_call_response(&mut self, token_id: u32, _num_headers: usize, body_size: usize, _num_trailers: usize) {
+        self.plugin.on_callout_response(self.host.as_ref(), token_id, body_size);
+    }
+
     fn on_grpc_stream_message(&mut self, token_id: u32, message_size: usize) {
         self.plugin.on_grpc_message(self.host.as_ref(), token_id, message_size);
     }
@@ -236,8 +260,8 @@ impl RootContext for Root {
         self.plugin.on_tick(self.host.as_ref());
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(Http { host: Rc::clone(&self.host), filter: RequestFilter::new(self.plugin.gateway()) }))
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(Http { host: Rc::clone(&self.host), filter: self.plugin.new_request(context_id) }))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -293,15 +317,25 @@ fn stop_if_lease_owner(host: &EnvoyHost, vm: Option<u32>) {
     }
 }
 
-/// One HTTP stream.
+/// One HTTP stream. Its filter is shared with the VM's admission queue (the tick admits it);
+/// a callback that finds it busy (never expected: one thread, no re-entry) does nothing.
 pub struct Http {
     host: Rc<EnvoyHost>,
-    filter: RequestFilter,
+    filter: Rc<RefCell<RequestFilter>>,
+}
+
+impl Http {
+    fn with<T>(&self, busy: T, f: impl FnOnce(&mut RequestFilter, &EnvoyHost) -> T) -> T {
+        match self.filter.try_borrow_mut() {
+            Ok(mut filter) => f(&mut filter, self.host.as_ref()),
+            Err(_) => busy,
+        }
+    }
 }
 
 impl Context for Http {
     fn on_http_call_response(&mut self, token_id: u32, _num_headers: usize, body_size: usize, _num_trailers: usize) {
-        self.filter.on_callout_response(self.host.as_ref(), token_id, body_size);
+        self.with((), |f, host| f.on_callout_response(host, token_id, body_size));
     }
 }
 
@@ -314,22 +348,22 @@ impl HttpContext for Http {
                 return stopped;
             }
         }
-        action(self.filter.on_request_headers(self.host.as_ref(), end_of_stream))
+        action(self.with(Action::Continue, |f, host| f.on_request_headers(host, end_of_stream)))
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> WasmAction {
-        action(self.filter.on_request_body(self.host.as_ref(), body_size, end_of_stream))
+        action(self.with(Action::Continue, |f, host| f.on_request_body(host, body_size, end_of_stream)))
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> WasmAction {
-        action(self.filter.on_response_headers(self.host.as_ref()))
+        action(self.with(Action::Continue, |f, host| f.on_response_headers(host)))
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> WasmAction {
-        action(self.filter.on_response_body(self.host.as_ref(), body_size, end_of_stream))
+        action(self.with(Action::Continue, |f, host| f.on_response_body(host, body_size, end_of_stream)))
     }
 
     fn on_log(&mut self) {
-        self.filter.on_log(self.host.as_ref());
+        self.with((), |f, host| f.on_log(host));
     }
 }

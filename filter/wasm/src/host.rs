@@ -34,10 +34,12 @@ pub enum Metric {
     InFlight,
     /// Counter: requests that Envoy failed over to another worker than the one chosen.
     Failovers,
+    /// Gauge: requests waiting in this Envoy's admission queue, updated on the tick.
+    Queued,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 8] = [
+    pub const ALL: [Metric; 9] = [
         Metric::Requests,
         Metric::LocalReplies,
         Metric::CacheHits,
@@ -46,6 +48,7 @@ impl Metric {
         Metric::SnapshotVersion,
         Metric::InFlight,
         Metric::Failovers,
+        Metric::Queued,
     ];
 
     pub fn name(self) -> &'static str {
@@ -58,6 +61,7 @@ impl Metric {
             Metric::SnapshotVersion => "kvmesh_snapshot_version",
             Metric::InFlight => "kvmesh_in_flight",
             Metric::Failovers => "kvmesh_failovers_total",
+            Metric::Queued => "kvmesh_queued",
         }
     }
 }
@@ -107,6 +111,11 @@ pub trait Host: SharedStore {
     fn send_reply(&self, status: u16, headers: &[(&str, &str)], body: &[u8]) -> Result<(), HostError>;
     /// Lets a held response go on.
     fn resume_response(&self) -> Result<(), HostError>;
+    /// Lets a held request go on (one the filter paused while it waited in the queue).
+    fn resume_request(&self) -> Result<(), HostError>;
+    /// Makes `context_id`'s stream "the" request and response of the calls that follow (for
+    /// work done from the root context's tick on a request's behalf).
+    fn enter_context(&self, context_id: u32) -> Result<(), HostError>;
 
     // HTTP callouts: the answer arrives in `on_http_call_response`.
     fn dispatch(&self, callout: Callout<'_>) -> Result<u32, HostError>;

@@ -4,7 +4,7 @@
 //! [`request`] (one HTTP request), [`pd_leg`] (the PD legs' state machine), [`plugin`] (the
 //! root context: configuration, tick) and [`link`] (the control-plane link's state machine),
 //! over [`gateway`] (one VM's routing state, decide-then-commit), [`shared`] (state shared by
-//! the VMs of one Envoy), [`health`] (passive health) and [`stall`] (the stall window). Everything they ask of Envoy goes
+//! the VMs of one Envoy), [`health`] (passive health) and [`stall`] (the stall window), [`admission`] (the concurrency limit and its queue). Everything they ask of Envoy goes
 //! through the [`host::Host`] trait; `envoy.rs`, compiled for wasm32 only, implements it over
 //! `proxy_wasm::hostcalls` and translates Envoy's callbacks into calls on that logic.
 //!
@@ -15,6 +15,7 @@
 // Linked into the `.wasm`: a panic there kills the VM and every request on its Envoy thread.
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing))]
 
+pub mod admission;
 pub mod gateway;
 pub mod health;
 pub mod host;
@@ -32,5 +33,5 @@ mod envoy;
 proxy_wasm::main! {{
     envoy::install_panic_hook();
     proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
-    proxy_wasm::set_root_context(|_| -> Box<dyn proxy_wasm::traits::RootContext> { Box::new(envoy::Root::default()) });
+    proxy_wasm::set_root_context(|id| -> Box<dyn proxy_wasm::traits::RootContext> { Box::new(envoy::Root::new(id)) });
 }}

@@ -108,6 +108,11 @@ impl PdLeg {
         self.pending && self.token == token
     }
 
+    /// The callout's token while it is out.
+    pub fn token(&self) -> Option<u32> {
+        self.pending.then_some(self.token)
+    }
+
     /// The callout is still out (on stream end it must be released).
     pub fn pending(&self) -> bool {
         self.pending

@@ -3,15 +3,18 @@
 //! table, drive the control-plane [`Link`] (lease, streams, reports), run eviction.
 
 use std::cell::RefCell;
-use std::rc::Rc;
+use std::collections::HashMap;
+use std::rc::{Rc, Weak};
 
 use kvmesh_core::Config;
 use kvmesh_proto::v1::{Snapshot, WatchRequest};
 use kvmesh_proto::{Message, REPORT, SERVICE, WATCH};
 
+use crate::admission::{SharedBucket, Wake};
 use crate::gateway::{Gateway, Now};
 use crate::host::{now_ms, Host, HostError, Metric};
 use crate::link::{Link, Step, LEASE_MS};
+use crate::request::{RequestFilter, Room};
 use crate::shared::{Inflight, Lease};
 
 /// The control-plane side of the plugin: where to connect, as whom, and the link's state.
@@ -37,6 +40,13 @@ pub const MAX_HASHES_PER_REPORT: usize = 1 << 16;
 pub struct Plugin {
     gateway: Option<Rc<RefCell<Gateway>>>,
     control_plane: Option<ControlPlane>,
+    /// This root context's id: the tick enters requests' contexts and comes back to it.
+    context_id: u32,
+    /// The VM's admission queue.
+    room: Rc<RefCell<Room>>,
+    /// Prefill callouts dispatched from the tick (for requests admitted from the queue): the
+    /// host answers them to the root context, which hands them on.
+    callouts: HashMap<u32, (u32, Weak<RefCell<RequestFilter>>)>,
 }
 
 impl Plugin {
@@ -78,7 +88,77 @@ impl Plugin {
         self.gateway.clone()
     }
 
+    pub fn set_context_id(&mut self, id: u32) {
+        self.context_id = id;
+    }
+
+    /// A request context's filter, able to wait in this VM's queue.
+    pub fn new_request(&self, context_id: u32) -> Rc<RefCell<RequestFilter>> {
+        RequestFilter::seated(self.gateway(), Rc::clone(&self.room), context_id)
+    }
+
     pub fn on_tick(&mut self, host: &dyn Host) {
+        self.tick_gateway(host);
+        self.wake_waiting(host);
+    }
+
+    /// The admission queue's turn, after the gateway's (admitted requests borrow it): the
+    /// requests waiting too long get a 408, the oldest get the tokens left; each in its own
+    /// context, then back to the root's.
+    fn wake_waiting(&mut self, host: &dyn Host) {
+        let Some((params, vm)) =
+            self.gateway.as_ref().and_then(|g| g.try_borrow().ok()).map(|g| (g.config().admission, g.vm_id()))
+        else {
+            return;
+        };
+        let now = now_ms(host);
+        // Callouts whose request went away (Envoy cancelled them with the stream).
+        self.callouts.retain(|_, (_, w)| w.strong_count() > 0);
+        let wakes = match self.room.try_borrow_mut() {
+            Ok(mut room) if !room.is_empty() || params.is_some() => room.tick(host, params.as_ref(), vm, now),
+            _ => return,
+        };
+        if params.is_some() {
+            host.record(Metric::Queued, SharedBucket::queued(host, now));
+        }
+        if wakes.is_empty() {
+            return;
+        }
+        for wake in wakes {
+            let (ctx, waiter, admit) = match wake {
+                Wake::Admit(ctx, w) => (ctx, w, true),
+                Wake::Expire(ctx, w) => (ctx, w, false),
+            };
+            let Some(filter) = waiter.upgrade() else { continue };
+            if host.enter_context(ctx).is_err() {
+                continue; // the stream is gone; its on_log cleans up
+            }
+            let Ok(mut f) = filter.try_borrow_mut() else { continue };
+            if admit {
+                f.admitted(host);
+                if let Some(token) = f.callout_token() {
+                    self.callouts.insert(token, (ctx, Rc::downgrade(&filter)));
+                }
+            } else {
+                f.expired(host);
+            }
+        }
+        let _ = host.enter_context(self.context_id);
+    }
+
+    /// An HTTP callout answered to the root context: a prefill leg dispatched from the tick.
+    pub fn on_callout_response(&mut self, host: &dyn Host, token: u32, body_size: usize) {
+        let Some((ctx, waiter)) = self.callouts.remove(&token) else { return };
+        let Some(filter) = waiter.upgrade() else { return };
+        if host.enter_context(ctx).is_ok() {
+            if let Ok(mut f) = filter.try_borrow_mut() {
+                f.on_callout_response(host, token, body_size);
+            }
+        }
+        let _ = host.enter_context(self.context_id);
+    }
+
+    fn tick_gateway(&mut self, host: &dyn Host) {
         let Some(gateway) = &self.gateway else { return };
         let Ok(mut gateway) = gateway.try_borrow_mut() else { return };
         let now = now_ms(host);
@@ -578,5 +658,83 @@ mod tests {
         deliver(&host, &mut p, 999, &snapshot(9, &[30001]));
         assert!(host.metrics.borrow().get(&Metric::SnapshotVersion).is_none());
         assert_eq!(route(&host, &p, "z"), None);
+    }
+
+    /// Starts a request on `p` as context `ctx`; returns its filter and what the body callback
+    /// said.
+    fn start(host: &MockHost, p: &Plugin, ctx: u32, text: &str) -> (Rc<RefCell<RequestFilter>>, crate::host::Action) {
+        let body = format!(r#"{{"text":"{text}"}}"#);
+        host.request("POST", "/generate", &[], body.as_bytes());
+        let f = p.new_request(ctx);
+        f.borrow_mut().on_request_headers(host, false);
+        let action = f.borrow_mut().on_request_body(host, body.len(), true);
+        (f, action)
+    }
+
+    fn limited(queue_timeout_secs: u64) -> (MockHost, Plugin) {
+        let host = MockHost::new();
+        let mut p = Plugin::default();
+        let config = format!(
+            r#"{{"worker_urls":["http://127.0.0.1:30001"],"max_concurrent_requests":1,"queue_size":1,"queue_timeout_secs":{queue_timeout_secs}}}"#
+        );
+        p.configure(&host, config.as_bytes(), 1).unwrap();
+        p.set_context_id(1);
+        (host, p)
+    }
+
+    #[test]
+    fn past_the_limit_a_request_waits_and_the_tick_routes_it_when_a_token_comes_back() {
+        use crate::host::Action;
+        let (host, mut p) = limited(60);
+        let (first, action) = start(&host, &p, 10, "a");
+        assert_eq!(action, Action::Continue);
+        let (_second, action) = start(&host, &p, 11, "b");
+        assert_eq!(action, Action::Pause, "no token: it waits");
+        assert_eq!(host.request_header(crate::request::ENDPOINTS_HEADER), None, "not routed while waiting");
+        let (_third, _) = start(&host, &p, 12, "c");
+        let reply = host.reply().expect("the queue (1) is full");
+        assert_eq!((reply.status, reply.json()["error"]["code"].as_str()), (429, Some("too_many_requests")));
+
+        p.on_tick(&host);
+        assert_eq!(host.resumed_requests.get(), 0, "still no token");
+        first.borrow_mut().on_log(&host);
+        // The tick enters the waiting request's context: its body is "the" body again.
+        host.request("POST", "/generate", &[], br#"{"text":"b"}"#);
+        p.on_tick(&host);
+        assert_eq!(*host.entered.borrow(), vec![11, 1], "the request's context, then back to the root's");
+        assert_eq!(host.resumed_requests.get(), 1);
+        assert!(host.request_header(crate::request::ENDPOINTS_HEADER).is_some(), "routed from the tick");
+        assert_eq!(host.metrics.borrow().get(&Metric::Queued).and_then(|v| v.last().copied()), Some(0));
+    }
+
+    #[test]
+    fn a_request_waiting_past_the_queue_timeout_gets_a_408() {
+        let (host, mut p) = limited(1);
+        let (_first, _) = start(&host, &p, 10, "a");
+        let (_second, _) = start(&host, &p, 11, "b");
+        host.advance_ms(999);
+        p.on_tick(&host);
+        assert!(host.reply().is_none());
+        host.advance_ms(1);
+        p.on_tick(&host);
+        let reply = host.reply().expect("408");
+        assert_eq!((reply.status, reply.json()["error"]["code"].as_str()), (408, Some("queue_timeout")));
+        assert_eq!(host.resumed_requests.get(), 0);
+    }
+
+    #[test]
+    fn a_waiting_request_that_goes_away_leaves_the_queue() {
+        use crate::host::Action;
+        let (host, mut p) = limited(60);
+        let (first, _) = start(&host, &p, 10, "a");
+        let (second, _) = start(&host, &p, 11, "b");
+        second.borrow_mut().on_log(&host);
+        drop(second);
+        p.on_tick(&host);
+        let (_third, action) = start(&host, &p, 12, "c");
+        assert_eq!(action, Action::Pause, "room in the queue again");
+        first.borrow_mut().on_log(&host);
+        p.on_tick(&host);
+        assert_eq!(*host.entered.borrow(), vec![12, 1], "the one that left is not woken");
     }
 }

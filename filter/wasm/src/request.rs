@@ -3,19 +3,22 @@
 //!
 //! - request headers: drop client routing headers; LLM paths pause for the body, other paths
 //!   are routed at once.
-//! - request body: at end of stream, decide (nothing changes yet), apply the decision to the
-//!   request (destination header; in PD mode the new body and the prefill callout), and only
-//!   when all of that worked, commit it (index, in-flight counts, delta log).
+//! - request body: at end of stream, pass admission (with a concurrency limit: take a token,
+//!   or wait in the VM's queue until the root context's tick admits the request or answers
+//!   408), then decide (nothing changes yet), apply the decision to the request (destination
+//!   header; in PD mode the new body and the prefill callout), and only when all of that
+//!   worked, commit it (index, in-flight counts, delta log).
 //! - prefill callout answer, response headers and body: driven through [`PdLeg`].
 //! - log (always called, also on resets): the in-flight counts go down.
 
 use std::cell::RefCell;
-use std::rc::Rc;
+use std::rc::{Rc, Weak};
 use std::time::Duration;
 
 use kvmesh_core::paths::{valid_request_id, PathClass};
 use kvmesh_core::{Endpoint, WorkerId};
 
+use crate::admission::{Entry, SharedBucket, WaitRoom};
 use crate::gateway::{endpoint_list, is_routing_header, Gateway, Now, Outcome, Plan, Reply, RequestInfo, Routed};
 use crate::host::{Action, Callout, Host, Metric};
 use crate::pd_leg::{Effect, PdLeg, PrefillResult};
@@ -35,8 +38,35 @@ pub const PREFILL_HEADER: &str = "x-kvmesh-prefill";
 /// How much of a failed prefill's body goes into the error message.
 const ERROR_DETAIL_BYTES: usize = 512;
 
+/// One VM's admission queue of paused requests.
+pub type Room = WaitRoom<Weak<RefCell<RequestFilter>>>;
+
+/// Where a request waits when the concurrency limit is reached: the VM's queue, the request's
+/// own handle in it, and its context id (the tick enters that context to resume it).
+pub struct Seat {
+    pub room: Rc<RefCell<Room>>,
+    pub me: Weak<RefCell<RequestFilter>>,
+    pub ctx: u32,
+}
+
+/// Where a request stands with the concurrency limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Admission {
+    /// No limit applied to it (yet).
+    Free,
+    /// Paused in the VM's queue.
+    Waiting,
+    /// It took a token, given back when it ends.
+    Holds,
+}
+
 pub struct RequestFilter {
     gateway: Option<Rc<RefCell<Gateway>>>,
+    /// How this request can wait in the queue (none: it cannot; the limit then only admits).
+    seat: Option<Seat>,
+    admission: Admission,
+    /// The whole request body's size, once it is here.
+    body_size: usize,
     endpoint: Option<Endpoint>,
     path: String,
     request_id: Option<String>,
@@ -150,6 +180,9 @@ impl RequestFilter {
     pub fn new(gateway: Option<Rc<RefCell<Gateway>>>) -> Self {
         Self {
             gateway,
+            seat: None,
+            admission: Admission::Free,
+            body_size: 0,
             endpoint: None,
             path: String::new(),
             request_id: None,
@@ -161,6 +194,16 @@ impl RequestFilter {
             awaiting: false,
             deferred: Vec::new(),
         }
+    }
+
+    /// A filter that can wait in `room` (the VM's queue) as context `ctx`, shared with the
+    /// glue (the tick reaches it through the room).
+    pub fn seated(gateway: Option<Rc<RefCell<Gateway>>>, room: Rc<RefCell<Room>>, ctx: u32) -> Rc<RefCell<Self>> {
+        Rc::new_cyclic(|me| {
+            let mut f = Self::new(gateway);
+            f.seat = Some(Seat { room, me: me.clone(), ctx });
+            RefCell::new(f)
+        })
     }
 
     fn reply(&mut self, host: &dyn Host, reply: Reply) -> Action {
@@ -263,8 +306,7 @@ impl RequestFilter {
     }
 
     pub fn on_request_body(&mut self, host: &dyn Host, body_size: usize, end_of_stream: bool) -> Action {
-        let Some(endpoint) = self.endpoint else { return Action::Continue };
-        if self.routed.is_some() || self.replied {
+        if self.endpoint.is_none() || self.routed.is_some() || self.replied {
             return Action::Continue;
         }
         let Some(too_large) = self.with_gateway(|g| (body_size as u64 > g.max_payload_size()).then(|| g.too_large()))
@@ -277,7 +319,76 @@ impl RequestFilter {
         if !end_of_stream {
             return Action::Pause; // Buffer until the whole body is here.
         }
-        let body = host.request_body(body_size);
+        self.body_size = body_size;
+        match self.enter(host) {
+            Entry::Admitted => self.route_body(host),
+            Entry::Queued => Action::Pause,
+            Entry::Full => self.reply(
+                host,
+                Reply {
+                    retry_after: Some(1),
+                    ..Reply::error(429, "too_many_requests", "the concurrency limit is reached and the queue is full")
+                },
+            ),
+        }
+    }
+
+    /// Admission, when a concurrency limit is configured: a token, a place in the VM's queue,
+    /// or a 429. Without a seat (no queue to wait in), a request that would wait is admitted.
+    fn enter(&mut self, host: &dyn Host) -> Entry {
+        let Some((Some(params), vm)) = self.with_gateway(|g| (g.config().admission, g.vm_id())) else {
+            return Entry::Admitted;
+        };
+        let now_ms = host.now_nanos() / 1_000_000;
+        let Some(seat) = &self.seat else { return Entry::Admitted };
+        let Ok(mut room) = seat.room.try_borrow_mut() else { return Entry::Admitted };
+        let entry = SharedBucket::enter(host, &params, vm, room.len(), now_ms);
+        match entry {
+            Entry::Admitted => self.admission = Admission::Holds,
+            Entry::Queued => {
+                room.push(seat.ctx, now_ms, seat.me.clone());
+                self.admission = Admission::Waiting;
+            }
+            Entry::Full => {}
+        }
+        entry
+    }
+
+    /// The tick admitted this waiting request (its context entered): route it and let it go.
+    pub fn admitted(&mut self, host: &dyn Host) {
+        if self.admission != Admission::Waiting {
+            return;
+        }
+        self.admission = Admission::Holds;
+        if self.route_body(host) == Action::Continue {
+            if let Err(e) = host.resume_request() {
+                log::warn!("cannot resume a request admitted from the queue: {e}");
+            }
+        }
+    }
+
+    /// The tick found this request waiting past the queue timeout (its context entered).
+    pub fn expired(&mut self, host: &dyn Host) {
+        if self.admission != Admission::Waiting {
+            return;
+        }
+        self.admission = Admission::Free;
+        let timeout = self.with_gateway(|g| g.config().admission.map(|p| p.queue_timeout_ms / 1000)).flatten();
+        let msg = format!("waited in the queue for {} s without a free slot", timeout.unwrap_or(0));
+        self.reply(host, Reply::error(408, "queue_timeout", &msg));
+    }
+
+    /// The prefill callout this request has out, if any (one dispatched from the tick is
+    /// answered to the root context, which hands it on by this token).
+    pub fn callout_token(&self) -> Option<u32> {
+        self.pd.as_ref().and_then(PdLeg::token)
+    }
+
+    /// The whole body is here and admitted: decide, apply, commit.
+    fn route_body(&mut self, host: &dyn Host) -> Action {
+        let Some(endpoint) = self.endpoint else { return Action::Continue };
+        let body = host.request_body(self.body_size);
+        let body_size = self.body_size;
         let started = host.now_nanos();
         let info = RequestInfo { request_id: self.request_id.as_deref(), now: Now::from_nanos(started) };
         let Some(outcome) = self.with_gateway(|g| g.route_request(host, endpoint, &body, &info)) else {
@@ -479,6 +590,21 @@ impl RequestFilter {
     }
 
     pub fn on_log(&mut self, host: &dyn Host) {
+        match std::mem::replace(&mut self.admission, Admission::Free) {
+            Admission::Free => {}
+            Admission::Waiting => {
+                if let Some(seat) = &self.seat {
+                    if let Ok(mut room) = seat.room.try_borrow_mut() {
+                        room.remove(seat.ctx);
+                    }
+                }
+            }
+            Admission::Holds => {
+                if let Some(Some(params)) = self.with_gateway(|g| g.config().admission) {
+                    SharedBucket::give_back(host, &params, host.now_nanos() / 1_000_000);
+                }
+            }
+        }
         let routed = self.routed.take();
         let leg = self.pd.take();
         let awaiting = std::mem::take(&mut self.awaiting);

@@ -49,6 +49,10 @@ pub struct MockHost {
     pub upstream: RefCell<Option<String>>,
     pub replies: RefCell<Vec<SentReply>>,
     pub resumed: Cell<u32>,
+    /// Requests resumed after a pause (`resume_request`).
+    pub resumed_requests: Cell<u32>,
+    /// The contexts entered, in order (`enter_context`).
+    pub entered: RefCell<Vec<u32>>,
     pub callouts: RefCell<Vec<SentCallout>>,
     /// The answer the callout callback reads: status and body.
     pub callout_answer: RefCell<(Option<u16>, Vec<u8>)>,
@@ -218,6 +222,16 @@ impl Host for MockHost {
 
     fn resume_response(&self) -> Result<(), HostError> {
         self.resumed.set(self.resumed.get() + 1);
+        Ok(())
+    }
+
+    fn resume_request(&self) -> Result<(), HostError> {
+        self.resumed_requests.set(self.resumed_requests.get() + 1);
+        Ok(())
+    }
+
+    fn enter_context(&self, context_id: u32) -> Result<(), HostError> {
+        self.entered.borrow_mut().push(context_id);
         Ok(())
     }
 

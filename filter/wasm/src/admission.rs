@@ -1,0 +1,311 @@
+//! The concurrency limit and its queue, per Envoy (sglang-router's `--max-concurrent-requests`,
+//! `--rate-limit-tokens-per-second`, `--queue-size`, `--queue-timeout-secs`; the bucket's
+//! arithmetic is [`kvmesh_core::admission`]).
+//!
+//! - [`SharedBucket`]: one value in shared data, changed by compare-and-swap: the bucket, and
+//!   how many requests each VM holds in its queue (with a heartbeat, so that the queue of a VM
+//!   that died stops counting after [`QUEUE_STALE_MS`]).
+//! - [`WaitRoom`]: one VM's FIFO of paused requests. Its tick (the root context's) answers the
+//!   ones that waited too long (408) and admits the oldest while tokens are left; the request
+//!   is then routed and resumed from the tick.
+//!
+//! A token lost with a VM that died comes back through the refill; nothing else keeps count.
+
+use std::collections::VecDeque;
+
+use kvmesh_core::admission::{AdmissionParams, Bucket};
+
+use crate::shared::{update, SharedStore};
+
+/// A VM's queue count no longer counts when its heartbeat is older than this.
+pub const QUEUE_STALE_MS: u64 = 2_000;
+
+/// What a request that wants in is told.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Entry {
+    /// It took a token: on it goes (and gives the token back when it ends).
+    Admitted,
+    /// It waits in this VM's queue (counted in the shared value).
+    Queued,
+    /// No token and the queue is full: 429.
+    Full,
+}
+
+/// The shared value: the bucket (16 bytes), then `(vm u32, queued u32, heartbeat u64)`.
+struct State {
+    bucket: Bucket,
+    queues: Vec<(u32, u32, u64)>,
+}
+
+impl State {
+    fn decode(bytes: &[u8], p: &AdmissionParams, now_ms: u64) -> Self {
+        let bucket = Bucket::decode(bytes).unwrap_or_else(|| Bucket::full(p, now_ms));
+        let queues = bytes
+            .get(16..)
+            .unwrap_or_default()
+            .chunks_exact(16)
+            .filter_map(|c| {
+                let vm = u32::from_le_bytes(c.get(..4)?.try_into().ok()?);
+                let n = u32::from_le_bytes(c.get(4..8)?.try_into().ok()?);
+                let at = u64::from_le_bytes(c.get(8..16)?.try_into().ok()?);
+                Some((vm, n, at))
+            })
+            // Stale (a VM that died) or empty entries go.
+            .filter(|&(_, n, at)| n > 0 && now_ms.saturating_sub(at) <= QUEUE_STALE_MS)
+            .collect();
+        Self { bucket, queues }
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        let mut out = self.bucket.encode().to_vec();
+        for &(vm, n, at) in &self.queues {
+            out.extend_from_slice(&vm.to_le_bytes());
+            out.extend_from_slice(&n.to_le_bytes());
+            out.extend_from_slice(&at.to_le_bytes());
+        }
+        out
+    }
+
+    fn queued(&self) -> u64 {
+        self.queues.iter().map(|&(_, n, _)| u64::from(n)).sum()
+    }
+
+    fn set_queued(&mut self, vm: u32, n: u32, now_ms: u64) {
+        self.queues.retain(|&(v, _, _)| v != vm);
+        if n > 0 {
+            self.queues.push((vm, n, now_ms));
+        }
+    }
+}
+
+/// The Envoy-wide bucket and queue counts, in shared data.
+pub struct SharedBucket;
+
+impl SharedBucket {
+    const KEY: &'static str = "kvmesh.admission";
+
+    /// A request of VM `vm` wants in. It takes a token only when nobody waits (the queue is
+    /// first come, first served); else it queues if there is room. `queued_here` is what this
+    /// VM's queue holds before this request.
+    pub fn enter(store: &dyn SharedStore, p: &AdmissionParams, vm: u32, queued_here: u32, now_ms: u64) -> Entry {
+        let mut entry = Entry::Full;
+        let written = update(store, Self::KEY, |value| {
+            let mut s = State::decode(value, p, now_ms);
+            entry = if s.queued() == 0 && s.bucket.take(p, now_ms) {
+                Entry::Admitted
+            } else if s.queued() < u64::from(p.queue_size) {
+                s.set_queued(vm, queued_here.saturating_add(1), now_ms);
+                Entry::Queued
+            } else {
+                Entry::Full
+            };
+            *value = s.encode();
+        });
+        // Shared data refusing writes: let the request through rather than fail it.
+        if written {
+            entry
+        } else {
+            Entry::Admitted
+        }
+    }
+
+    /// A request ended: its token goes back.
+    pub fn give_back(store: &dyn SharedStore, p: &AdmissionParams, now_ms: u64) {
+        update(store, Self::KEY, |value| {
+            let mut s = State::decode(value, p, now_ms);
+            s.bucket.give_back(p, now_ms);
+            *value = s.encode();
+        });
+    }
+
+    /// Takes up to `waiting` tokens for this VM's queue; publishes what is left waiting (with a
+    /// heartbeat). Returns how many were taken.
+    pub fn admit(store: &dyn SharedStore, p: &AdmissionParams, vm: u32, waiting: u32, now_ms: u64) -> u32 {
+        let mut taken = 0;
+        update(store, Self::KEY, |value| {
+            let mut s = State::decode(value, p, now_ms);
+            taken = 0;
+            while taken < waiting && s.bucket.take(p, now_ms) {
+                taken += 1;
+            }
+            s.set_queued(vm, waiting - taken, now_ms);
+            *value = s.encode();
+        });
+        taken
+    }
+
+    /// Requests waiting in every live VM's queue.
+    pub fn queued(store: &dyn SharedStore, now_ms: u64) -> u64 {
+        let Some(value) = store.get(Self::KEY).0 else { return 0 };
+        let p = AdmissionParams { capacity: 0, refill_per_sec: 0.0, queue_size: 0, queue_timeout_ms: 0 };
+        State::decode(&value, &p, now_ms).queued()
+    }
+}
+
+/// What the tick does with a waiting request.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Wake<T> {
+    /// It holds a token now: route it and let it go on.
+    Admit(u32, T),
+    /// It waited past the queue timeout: 408.
+    Expire(u32, T),
+}
+
+struct Waiting<T> {
+    ctx: u32,
+    since_ms: u64,
+    waiter: T,
+}
+
+/// One VM's queue of paused requests (`T`: how to reach one; the context id names it).
+pub struct WaitRoom<T> {
+    queue: VecDeque<Waiting<T>>,
+    /// The count this VM last published in the shared value.
+    published: u32,
+}
+
+impl<T> Default for WaitRoom<T> {
+    fn default() -> Self {
+        Self { queue: VecDeque::new(), published: 0 }
+    }
+}
+
+impl<T> WaitRoom<T> {
+    pub fn len(&self) -> u32 {
+        u32::try_from(self.queue.len()).unwrap_or(u32::MAX)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.queue.is_empty()
+    }
+
+    /// A request that [`SharedBucket::enter`] queued (its count already published).
+    pub fn push(&mut self, ctx: u32, now_ms: u64, waiter: T) {
+        self.queue.push_back(Waiting { ctx, since_ms: now_ms, waiter });
+        self.published = self.len();
+    }
+
+    /// A request that went away while waiting (the next tick publishes the new count).
+    pub fn remove(&mut self, ctx: u32) {
+        self.queue.retain(|w| w.ctx != ctx);
+    }
+
+    /// The tick: the ones past the timeout expire, then the oldest are admitted while tokens
+    /// are left. With no limit configured any more, everyone is admitted.
+    pub fn tick(&mut self, store: &dyn SharedStore, p: Option<&AdmissionParams>, vm: u32, now_ms: u64) -> Vec<Wake<T>> {
+        let mut out = Vec::new();
+        let Some(p) = p else {
+            out.extend(self.queue.drain(..).map(|w| Wake::Admit(w.ctx, w.waiter)));
+            self.published = 0;
+            return out;
+        };
+        while let Some(w) = self.queue.front() {
+            if now_ms.saturating_sub(w.since_ms) < p.queue_timeout_ms {
+                break;
+            }
+            if let Some(w) = self.queue.pop_front() {
+                out.push(Wake::Expire(w.ctx, w.waiter));
+            }
+        }
+        if self.queue.is_empty() && self.published == 0 {
+            return out;
+        }
+        let taken = SharedBucket::admit(store, p, vm, self.len(), now_ms);
+        for _ in 0..taken {
+            if let Some(w) = self.queue.pop_front() {
+                out.push(Wake::Admit(w.ctx, w.waiter));
+            }
+        }
+        self.published = self.len();
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shared::fake::FakeStore;
+
+    const P: AdmissionParams =
+        AdmissionParams { capacity: 1, refill_per_sec: 1.0, queue_size: 2, queue_timeout_ms: 500 };
+
+    #[test]
+    fn past_the_limit_requests_queue_then_get_429() {
+        let store = FakeStore::default();
+        assert_eq!(SharedBucket::enter(&store, &P, 1, 0, 0), Entry::Admitted);
+        assert_eq!(SharedBucket::enter(&store, &P, 1, 0, 0), Entry::Queued);
+        assert_eq!(SharedBucket::enter(&store, &P, 2, 0, 0), Entry::Queued, "queues count across VMs");
+        assert_eq!(SharedBucket::queued(&store, 0), 2);
+        assert_eq!(SharedBucket::enter(&store, &P, 2, 1, 0), Entry::Full);
+    }
+
+    #[test]
+    fn a_newcomer_never_jumps_the_queue() {
+        let store = FakeStore::default();
+        assert_eq!(SharedBucket::enter(&store, &P, 1, 0, 0), Entry::Admitted);
+        assert_eq!(SharedBucket::enter(&store, &P, 1, 0, 0), Entry::Queued);
+        SharedBucket::give_back(&store, &P, 10);
+        assert_eq!(SharedBucket::enter(&store, &P, 2, 0, 10), Entry::Queued, "a token is back, but one waits");
+    }
+
+    #[test]
+    fn the_tick_admits_the_oldest_when_a_token_comes_back_and_expires_the_late() {
+        let store = FakeStore::default();
+        let mut room = WaitRoom::default();
+        assert_eq!(SharedBucket::enter(&store, &P, 1, 0, 0), Entry::Admitted);
+        for (ctx, at) in [(10, 0), (11, 300)] {
+            assert_eq!(SharedBucket::enter(&store, &P, 1, room.len(), at), Entry::Queued);
+            room.push(ctx, at, ctx * 100);
+        }
+        assert_eq!(room.tick(&store, Some(&P), 1, 100), vec![], "no token yet");
+        SharedBucket::give_back(&store, &P, 200);
+        assert_eq!(room.tick(&store, Some(&P), 1, 200), vec![Wake::Admit(10, 1000)], "the oldest first");
+        assert_eq!(SharedBucket::queued(&store, 200), 1);
+        assert_eq!(room.tick(&store, Some(&P), 1, 800), vec![Wake::Expire(11, 1100)], "waited 500 ms");
+        assert_eq!(SharedBucket::queued(&store, 800), 0, "the expired one no longer counts");
+    }
+
+    #[test]
+    fn a_request_that_leaves_stops_counting_at_the_next_tick() {
+        let store = FakeStore::default();
+        let mut room = WaitRoom::default();
+        SharedBucket::enter(&store, &P, 1, 0, 0);
+        assert_eq!(SharedBucket::enter(&store, &P, 1, 0, 0), Entry::Queued);
+        room.push(7, 0, ());
+        room.remove(7);
+        assert!(room.tick(&store, Some(&P), 1, 10).is_empty());
+        assert_eq!(SharedBucket::queued(&store, 10), 0);
+        assert_eq!(SharedBucket::enter(&store, &P, 1, 0, 10), Entry::Queued, "the bucket is still empty");
+    }
+
+    #[test]
+    fn a_dead_vms_queue_stops_counting() {
+        let store = FakeStore::default();
+        SharedBucket::enter(&store, &P, 1, 0, 0);
+        assert_eq!(SharedBucket::enter(&store, &P, 9, 0, 0), Entry::Queued);
+        assert_eq!(SharedBucket::enter(&store, &P, 9, 1, 0), Entry::Queued);
+        assert_eq!(SharedBucket::enter(&store, &P, 1, 0, 100), Entry::Full);
+        assert_eq!(SharedBucket::queued(&store, QUEUE_STALE_MS + 1), 0, "VM 9 stopped beating");
+    }
+
+    #[test]
+    fn the_refill_admits_without_any_request_ending() {
+        let store = FakeStore::default();
+        let mut room = WaitRoom::default();
+        SharedBucket::enter(&store, &P, 1, 0, 0);
+        SharedBucket::enter(&store, &P, 1, 0, 0);
+        room.push(3, 0, ());
+        let p = AdmissionParams { queue_timeout_ms: 60_000, ..P };
+        assert_eq!(room.tick(&store, Some(&p), 1, 999), vec![]);
+        assert_eq!(room.tick(&store, Some(&p), 1, 1_000), vec![Wake::Admit(3, ())], "1 token per second");
+    }
+
+    #[test]
+    fn with_the_limit_turned_off_everyone_waiting_goes() {
+        let store = FakeStore::default();
+        let mut room = WaitRoom::default();
+        room.push(1, 0, ());
+        room.push(2, 0, ());
+        assert_eq!(room.tick(&store, None, 1, 0), vec![Wake::Admit(1, ()), Wake::Admit(2, ())]);
+    }
+}
