@@ -37,6 +37,7 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/get_model_info", get(model_info))
         .route("/get_server_info", get(server_info))
         .route("/flush_cache", post(flush_cache))
+        .route("/abort_request", post(abort_request))
         .route("/sim/stats", get(stats))
         .route("/sim/requests", get(recent))
         .route("/sim/fault", post(fault))
@@ -184,7 +185,25 @@ async fn run_item(e: &Engine, item: &Prompt, plan: Plan, logprobs: bool, max_tok
     })
 }
 
+/// Counts a request in `in_progress` until it is answered or its client goes away (the
+/// server drops the handler then).
+struct InProgress(Arc<Engine>);
+
+impl InProgress {
+    fn new(e: &Arc<Engine>) -> Self {
+        e.counters.in_progress.fetch_add(1, Relaxed);
+        Self(Arc::clone(e))
+    }
+}
+
+impl Drop for InProgress {
+    fn drop(&mut self) {
+        self.0.counters.in_progress.fetch_sub(1, Relaxed);
+    }
+}
+
 async fn serve(e: Arc<Engine>, endpoint: Endpoint, headers: &HeaderMap, body: Bytes) -> Response {
+    let _counted = InProgress::new(&e);
     let request_id = headers.get("x-request-id").and_then(|v| v.to_str().ok()).map(String::from);
     let recorded = serde_json::from_slice::<Value>(&body).unwrap_or(Value::Null);
     e.record(json!({"path": endpoint_path(endpoint), "x_request_id": request_id, "body": recorded}));
@@ -195,6 +214,23 @@ async fn serve(e: Arc<Engine>, endpoint: Endpoint, headers: &HeaderMap, body: By
     if e.accept().is_err() {
         return error(StatusCode::INTERNAL_SERVER_ERROR, &format!("injected failure on {}", e.addr));
     }
+    let abortable = e.abortable(job.given_rids());
+    tokio::select! {
+        r = serve_job(e, endpoint, job) => r,
+        () = abortable.aborted() => error(StatusCode::BAD_REQUEST, "aborted by /abort_request"),
+    }
+}
+
+/// `POST /abort_request {"rid": ...}`, as SGLang: the request with that rid stops (its
+/// computation and, for a PD prefill, the KV it would publish). Streams already answering are
+/// not stopped.
+async fn abort_request(State(e): Shared, body: Bytes) -> Response {
+    let rid = serde_json::from_slice::<Value>(&body).ok().and_then(|v| v["rid"].as_str().map(String::from));
+    let Some(rid) = rid else { return error(StatusCode::BAD_REQUEST, "`rid` (a string) is required") };
+    Json(json!({"rid": rid, "aborted": e.abort(&rid)})).into_response()
+}
+
+async fn serve_job(e: Arc<Engine>, endpoint: Endpoint, job: Job) -> Response {
     let plans = match plan(&e, &job).await {
         Ok(p) => p,
         Err((status, msg)) => return error(status, &msg),
@@ -442,6 +478,7 @@ async fn stats(State(e): Shared) -> Json<Value> {
         "transferred_tokens": c.transferred_tokens.load(Relaxed),
         "running": c.running.load(Relaxed),
         "waiting": c.waiting.load(Relaxed),
+        "in_progress": c.in_progress.load(Relaxed),
         "cache_hit_rate": e.hit_rate(),
     }))
 }

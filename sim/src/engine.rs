@@ -2,12 +2,12 @@
 //! cost is the uncached part of the prompt, decode steps that slow down as the batch grows,
 //! fault injection, and the counters `/metrics`, `/get_load` and `/sim/stats` report.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::sync::{Semaphore, SemaphorePermit};
+use tokio::sync::{Notify, Semaphore, SemaphorePermit};
 
 use serde_json::Value;
 
@@ -26,10 +26,15 @@ pub struct Counters {
     pub waiting: AtomicU64,
     /// Prompt tokens whose KV arrived from a prefill worker (PD decode).
     pub transferred_tokens: AtomicU64,
+    /// Requests being handled (a PD decode waiting for its KV included); a client that goes
+    /// away takes its request out.
+    pub in_progress: AtomicU64,
 }
 
 pub struct Engine {
     pub args: Args,
+    /// Requests that `/abort_request` can stop, by rid.
+    aborts: Mutex<HashMap<String, Arc<Notify>>>,
     pub addr: String,
     /// PD: the KV this prefill worker holds per bootstrap room.
     pub rooms: Arc<Rooms>,
@@ -57,6 +62,30 @@ impl Drop for Run<'_> {
     }
 }
 
+/// A request `/abort_request` can stop (registered under its rids while this lives).
+pub struct Abortable {
+    engine: Arc<Engine>,
+    rids: Vec<String>,
+    signal: Arc<Notify>,
+}
+
+impl Abortable {
+    /// Resolves when the request is aborted (an abort that came first is not lost).
+    pub async fn aborted(&self) {
+        self.signal.notified().await;
+    }
+}
+
+impl Drop for Abortable {
+    fn drop(&mut self) {
+        if let Ok(mut map) = self.engine.aborts.lock() {
+            for rid in &self.rids {
+                map.remove(rid);
+            }
+        }
+    }
+}
+
 /// The injected failure of `--fail-rate`.
 #[derive(Debug)]
 pub struct InjectedFailure;
@@ -68,6 +97,7 @@ impl Engine {
             cache: Mutex::new(KvCache::new(args.kv_capacity_tokens)),
             rooms: Arc::new(Rooms::default()),
             recent: Mutex::new(VecDeque::new()),
+            aborts: Mutex::new(HashMap::new()),
             slots: Semaphore::new(args.max_running),
             counters: Counters::default(),
             fail_rate: AtomicU64::new(args.fail_rate.to_bits()),
@@ -84,6 +114,23 @@ impl Engine {
         if let Some(d) = self.scaled(secs) {
             tokio::time::sleep(d).await;
         }
+    }
+
+    /// Makes a request stoppable by its rids until the returned guard drops.
+    pub fn abortable(self: &Arc<Self>, rids: Vec<String>) -> Abortable {
+        let signal = Arc::new(Notify::new());
+        if let Ok(mut map) = self.aborts.lock() {
+            for rid in &rids {
+                map.insert(rid.clone(), Arc::clone(&signal));
+            }
+        }
+        Abortable { engine: Arc::clone(self), rids, signal }
+    }
+
+    /// SGLang's `/abort_request`: stops the request with `rid`; false if there is none.
+    pub fn abort(&self, rid: &str) -> bool {
+        let signal = self.aborts.lock().ok().and_then(|map| map.get(rid).cloned());
+        signal.map(|s| s.notify_one()).is_some()
     }
 
     /// Remembers a request (bounded to the last 64).

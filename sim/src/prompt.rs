@@ -241,6 +241,11 @@ impl Job {
     }
 
     /// The request id of item `i`: the client's, else a fresh one.
+    /// The rids the client set (the ones `/abort_request` can name).
+    pub fn given_rids(&self) -> Vec<String> {
+        self.rids.iter().flatten().cloned().collect()
+    }
+
     pub fn rid(&self, i: usize) -> String {
         self.rids.get(i).cloned().flatten().unwrap_or_else(|| format!("{:032x}", fastrand::u128(..)))
     }

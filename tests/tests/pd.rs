@@ -482,3 +482,66 @@ fn a_prefill_worker_dying_between_the_legs_fails_fast_then_is_avoided() {
     assert!(failed_after.iter().all(|&i| i < 10), "failed later: {failed_after:?}");
     assert!(served_after >= 35, "{served_after} of 40 served once the dead prefill worker was left");
 }
+
+/// Polls a sim's `/sim/stats` until nothing is in progress there.
+fn settles(sim: &Sim, within: Duration) -> Result<(), String> {
+    kvmesh_testkit::wait_until("the worker to have nothing in progress", within, || {
+        sim.stats().ok().and_then(|s| s["in_progress"].as_u64()) == Some(0)
+    })
+    .map_err(|e| e.to_string())
+}
+
+/// A failed leg takes the other one down with it: a prefill that fails leaves no decode
+/// waiting for its KV (the decode stream is reset), and a decode that fails leaves no prefill
+/// computing a KV nobody will fetch (the gateway sends `/abort_request`: Envoy does not cancel
+/// a Wasm callout when its stream ends) — long before either worker's own timeout.
+#[test]
+fn a_failed_leg_leaves_nothing_behind_on_the_other_side() {
+    let start = |prefill: &[&str], decode: &[&str]| {
+        let boot = free_port().unwrap().to_string();
+        let mut p = vec!["--role", "prefill", "--bootstrap-port", boot.as_str()];
+        p.extend(prefill);
+        let mut d = vec!["--role", "decode", "--default-bootstrap-port", boot.as_str()];
+        d.extend(decode);
+        let (p, d) = (Sim::start(&p).unwrap(), Sim::start(&d).unwrap());
+        let mut opts = EnvoyOptions::new(json!({"prefill": [[p.url(), null]], "decode": [d.url()]})).unwrap();
+        opts.template = repo_root().join("envoy/envoy-pd.yaml");
+        let envoy = Envoy::start(&opts).unwrap();
+        (p, d, envoy)
+    };
+    let body = json!({"text": "tell me a story ".repeat(200), "sampling_params": {"max_new_tokens": 4}});
+
+    // The prefill dies mid-computation while the decode waits (up to 30 s) for its KV.
+    let (mut prefill, decode, envoy) = start(
+        &["--time-scale", "1", "--prefill-us-per-token", "100000"],
+        &["--time-scale", "0", "--bootstrap-timeout-ms", "30000"],
+    );
+    let url = envoy.url("/generate");
+    let request = {
+        let body = body.clone();
+        std::thread::spawn(move || http::post_json(&url, &body).unwrap())
+    };
+    kvmesh_testkit::wait_until("both legs under way", Duration::from_secs(10), || {
+        [&prefill, &decode].iter().all(|s| s.stats().ok().and_then(|s| s["in_progress"].as_u64()) == Some(1))
+    })
+    .unwrap();
+    let started = Instant::now();
+    prefill.proc().kill();
+    let r = request.join().unwrap();
+    assert_eq!(r.status, 502, "{}", r.text());
+    assert_eq!(r.json().unwrap()["error"]["code"], "prefill_failed");
+    settles(&decode, Duration::from_secs(5)).unwrap();
+    assert!(started.elapsed() < Duration::from_secs(10), "the decode stopped waiting after {:?}", started.elapsed());
+    drop(envoy);
+
+    // The decode fails at once; the prefill would compute for 30 s.
+    let (prefill, _d, envoy) =
+        start(&["--time-scale", "1", "--prefill-us-per-token", "100000"], &["--time-scale", "0", "--fail-rate", "1"]);
+    let started = Instant::now();
+    let r = http::post_json(&envoy.url("/generate"), &body).unwrap();
+    assert!(r.status >= 500, "{} {}", r.status, r.text());
+    assert_eq!(prefill.stats().unwrap()["requests"], 1, "the prefill leg was sent");
+    settles(&prefill, Duration::from_secs(5)).unwrap();
+    assert!(started.elapsed() < Duration::from_secs(10), "the prefill stopped after {:?}", started.elapsed());
+    assert_eq!(envoy.stat("wasmcustom.kvmesh_prefill_aborts_total").unwrap(), Some(1));
+}

@@ -58,6 +58,16 @@ impl Bootstrap {
         fields
     }
 
+    /// The rids the gateway gives the request's items (none when the client set its own):
+    /// what the prefill leg can be aborted by (`/abort_request`). At most `max` of them.
+    pub fn injected_rids(&self, parsed: &ParsedRequest<'_>, max: usize) -> Vec<String> {
+        let Some(id) = self.request_id.as_ref().filter(|_| !parsed.has_rid) else { return Vec::new() };
+        match (parsed.endpoint, parsed.batch) {
+            (Endpoint::Generate, Some(n)) => (0..n.min(max)).map(|i| format!("{id}-{i}")).collect(),
+            _ => vec![id.clone()],
+        }
+    }
+
     /// The body both legs receive: `body` with the fields spliced in before its closing
     /// brace, every other byte unchanged. A body carrying its own `bootstrap_*` fields is
     /// refused (only the gateway writes them).
@@ -119,6 +129,17 @@ mod tests {
         assert_eq!(v["bootstrap_room"], 42);
         assert_eq!(v["rid"], "req-1");
         assert_eq!(v["temperature"], 0.7, "other fields pass through");
+    }
+
+    #[test]
+    fn the_rids_to_abort_are_the_ones_injected() {
+        let b = boot(Some(1), vec![1, 2, 3]);
+        let single = parse(Endpoint::Generate, br#"{"text":"a"}"#).unwrap();
+        assert_eq!(b.injected_rids(&single, 16), vec!["req-1"]);
+        let batch = parse(Endpoint::Generate, br#"{"text":["a","b","c"]}"#).unwrap();
+        assert_eq!(b.injected_rids(&batch, 2), vec!["req-1-0", "req-1-1"], "capped");
+        let own = parse(Endpoint::Generate, br#"{"text":"a","rid":"mine"}"#).unwrap();
+        assert!(b.injected_rids(&own, 16).is_empty(), "the client's own rid is not ours to abort");
     }
 
     #[test]

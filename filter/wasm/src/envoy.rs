@@ -32,9 +32,11 @@ impl EnvoyHost {
             .iter()
             .map(|m| {
                 let kind = match m {
-                    Metric::Requests | Metric::LocalReplies | Metric::CacheHits | Metric::Failovers => {
-                        MetricType::Counter
-                    }
+                    Metric::Requests
+                    | Metric::LocalReplies
+                    | Metric::CacheHits
+                    | Metric::Failovers
+                    | Metric::PrefillAborts => MetricType::Counter,
                     Metric::DecisionNs => MetricType::Histogram,
                     Metric::IndexBlocks | Metric::SnapshotVersion | Metric::InFlight | Metric::Queued => {
                         MetricType::Gauge

@@ -46,7 +46,8 @@ pub struct Plan {
     /// Where Envoy fails the main leg over to, in order (other available workers of its
     /// role, least loaded first; at most `max_attempts - 1`).
     fallbacks: Vec<String>,
-    pd: Option<PdPlan>,
+    /// Boxed: `Outcome` stays small for the regular requests.
+    pd: Option<Box<PdPlan>>,
     /// The shared counts as read for this decision (the commit's CAS starts from them).
     inflight: Inflight,
     /// When the decision was made: a half-open worker's probe slot is taken at that time.
@@ -59,6 +60,9 @@ enum Chosen {
     Pd(PdDecision),
 }
 
+/// Most `/abort_request` calls for one request's prefill leg (one per batch item).
+pub const MAX_ABORTS: usize = 16;
+
 /// The PD part of a plan.
 #[derive(Debug, PartialEq)]
 pub struct PdPlan {
@@ -68,6 +72,8 @@ pub struct PdPlan {
     /// Whether the prefill's input logprobs must be merged into the decode response.
     pub merge_logprobs: bool,
     pub stream: bool,
+    /// The rids the prefill leg can be aborted by, should the request end before it answers.
+    pub abort_rids: Vec<String>,
 }
 
 impl Plan {
@@ -77,7 +83,7 @@ impl Plan {
     }
 
     pub fn pd(&self) -> Option<&PdPlan> {
-        self.pd.as_ref()
+        self.pd.as_deref()
     }
 
     /// Where Envoy fails the main leg over to, in order.
@@ -520,12 +526,13 @@ impl Gateway {
                     Ok(b) => b,
                     Err(e) => return Outcome::Reply(Reply::request(&e)),
                 };
-                Some(PdPlan {
+                Some(Box::new(PdPlan {
                     prefill: routed,
+                    abort_rids: boot.injected_rids(&parsed, MAX_ABORTS),
                     body,
                     merge_logprobs: parsed.return_logprob && endpoint == Endpoint::Generate,
                     stream: parsed.stream,
-                })
+                }))
             }
         };
         Outcome::Route(Plan { chosen, main: main_routed, fallbacks, pd, inflight, now })

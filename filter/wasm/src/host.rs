@@ -36,10 +36,12 @@ pub enum Metric {
     Failovers,
     /// Gauge: requests waiting in this Envoy's admission queue, updated on the tick.
     Queued,
+    /// Counter: `/abort_request` calls sent for prefill legs whose request ended first.
+    PrefillAborts,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 9] = [
+    pub const ALL: [Metric; 10] = [
         Metric::Requests,
         Metric::LocalReplies,
         Metric::CacheHits,
@@ -49,6 +51,7 @@ impl Metric {
         Metric::InFlight,
         Metric::Failovers,
         Metric::Queued,
+        Metric::PrefillAborts,
     ];
 
     pub fn name(self) -> &'static str {
@@ -62,6 +65,7 @@ impl Metric {
             Metric::InFlight => "kvmesh_in_flight",
             Metric::Failovers => "kvmesh_failovers_total",
             Metric::Queued => "kvmesh_queued",
+            Metric::PrefillAborts => "kvmesh_prefill_aborts_total",
         }
     }
 }

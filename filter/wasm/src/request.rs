@@ -83,6 +83,8 @@ pub struct RequestFilter {
     awaiting: bool,
     /// Decode workers whose failure counts only if the prefill leg succeeds.
     deferred: Vec<WorkerId>,
+    /// The rids the prefill leg can be aborted by (PD).
+    abort_rids: Vec<String>,
 }
 
 /// What a response says about the worker that was asked.
@@ -193,6 +195,7 @@ impl RequestFilter {
             failed_over: false,
             awaiting: false,
             deferred: Vec::new(),
+            abort_rids: Vec::new(),
         }
     }
 
@@ -403,6 +406,7 @@ impl RequestFilter {
 
     /// Applies a decision to the request; commits it only when everything worked.
     fn apply(&mut self, host: &dyn Host, plan: Plan, body_size: usize) -> Action {
+        self.abort_rids = plan.pd().map(|pd| pd.abort_rids.clone()).unwrap_or_default();
         let token = match self.prepare(host, &plan, body_size) {
             Ok(token) => token,
             Err(reply) => return self.reply(host, reply),
@@ -631,11 +635,44 @@ impl RequestFilter {
                 };
                 g.finish(host, &routed, verdict.health() != Some(false) && !self.failed_over);
             }
-            // A prefill callout still out is cancelled with the stream: release it.
-            if let Some(leg) = leg.filter(PdLeg::pending) {
+            // A prefill callout still out when the stream ends serves nobody: release it.
+            if let Some(leg) = leg.as_ref().filter(|l| l.pending()) {
                 g.release(host, leg.prefill());
             }
         });
+        if let Some(leg) = leg.filter(PdLeg::pending) {
+            self.abort_prefill(host, &leg);
+        }
+    }
+
+    /// Envoy does not cancel a Wasm callout when its stream ends (the ABI has no call for it):
+    /// the prefill worker would go on computing, and publishing, a KV no decode will fetch. It
+    /// is told to stop instead, with SGLang's `/abort_request` for each rid the gateway gave
+    /// the request (answers are not awaited: the stream is gone).
+    fn abort_prefill(&self, host: &dyn Host, leg: &PdLeg) {
+        let cluster = self.with_gateway(|g| g.upstream_cluster().to_string()).unwrap_or_default();
+        let addr = leg.prefill().addr.as_str();
+        for rid in &self.abort_rids {
+            let body = serde_json::json!({ "rid": rid }).to_string();
+            let headers = [
+                (":method", "POST"),
+                (":path", "/abort_request"),
+                (":authority", addr),
+                (DST_HEADER, addr),
+                (ENDPOINTS_HEADER, addr),
+                ("content-type", "application/json"),
+            ];
+            let callout = Callout {
+                cluster: &cluster,
+                headers: &headers,
+                body: body.as_bytes(),
+                timeout: Duration::from_secs(5),
+            };
+            match host.dispatch(callout) {
+                Ok(_) => host.increment(Metric::PrefillAborts),
+                Err(e) => log::warn!("cannot abort the prefill leg {rid} on {addr}: {e}"),
+            }
+        }
     }
 }
 
@@ -1168,10 +1205,33 @@ mod tests {
         let gw = gateway(&host, PD);
         let mut f = pd_send(&host, &gw, r#"{"text":"hi"}"#);
         assert_eq!(inflight(&host), 2);
+        let prefill = callout(&host);
+        let rid = host.request_header("x-request-id").expect("the gateway's request id");
         f.on_log(&host); // the client went away
         assert_eq!(inflight(&host), 0);
-        // A late answer to the cancelled callout changes nothing.
+        // The prefill worker is told to stop, by the rid the gateway gave the request.
+        let abort = callout(&host);
+        assert_ne!(abort.token, prefill.token);
+        let header = |c: &crate::host::mock::SentCallout, n: &str| {
+            c.headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone())
+        };
+        assert_eq!(header(&abort, ":path").as_deref(), Some("/abort_request"));
+        assert_eq!(header(&abort, ENDPOINTS_HEADER), header(&prefill, ENDPOINTS_HEADER), "to the prefill worker");
+        let body: serde_json::Value = serde_json::from_slice(&abort.body).unwrap();
+        assert_eq!(body, serde_json::json!({ "rid": rid }));
+        // A late answer to the abandoned callout changes nothing.
         answer_prefill(&host, &mut f, Some(200), "{}");
         assert_eq!(inflight(&host), 0);
+    }
+
+    #[test]
+    fn pd_a_prefill_that_answered_is_not_aborted() {
+        let host = MockHost::new();
+        let gw = gateway(&host, PD);
+        let mut f = pd_send(&host, &gw, r#"{"text":"hi"}"#);
+        answer_prefill(&host, &mut f, Some(200), PREFILL_ANSWER);
+        let sent = host.callouts.borrow().len();
+        f.on_log(&host);
+        assert_eq!(host.callouts.borrow().len(), sent, "no abort");
     }
 }
