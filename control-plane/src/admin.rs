@@ -142,6 +142,9 @@ async fn workers(Axum(state): Shared) -> Json<Value> {
                 "failovers": w.failovers,
                 "circuit_breaker": w.circuit_breaker(),
                 "index_entries": state.index_size_of(w.id),
+                "index_tokens": state.index_tokens_of(w.id),
+                "kv_capacity_tokens": state.kv_capacity(w),
+                "prediction": w.feedback.json(),
                 "cache_hit_rate": w.cache_hit_rate,
                 "waiting": w.pressure.waiting,
                 "kv_usage": w.pressure.kv_usage,
@@ -164,7 +167,7 @@ async fn snapshot(Axum(state): Shared) -> Json<Value> {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct WorkerLabels {
+pub struct WorkerLabels {
     worker: String,
     role: String,
 }
@@ -182,6 +185,7 @@ pub struct Metrics {
     errors: Family<WorkerLabels, Counter>,
     failovers: Family<WorkerLabels, Counter>,
     breakers_open: Family<WorkerLabels, Gauge>,
+    cache: crate::feedback::CacheMetrics,
     index_blocks: Gauge,
     index_entries: Gauge,
     /// The label sets of the workers at the last scrape.
@@ -200,6 +204,7 @@ impl Metrics {
             errors: Family::default(),
             failovers: Family::default(),
             breakers_open: Family::default(),
+            cache: Default::default(),
             index_blocks: Gauge::default(),
             index_entries: Gauge::default(),
             known: Mutex::default(),
@@ -229,6 +234,7 @@ impl Metrics {
             "Gateways (with a live report stream) whose circuit breaker for the worker is open",
             m.breakers_open.clone(),
         );
+        m.cache.register(&mut registry);
         registry.register("kvmesh_index_blocks", "Distinct blocks in the global prefix index", m.index_blocks.clone());
         registry.register(
             "kvmesh_index_entries",
@@ -239,6 +245,11 @@ impl Metrics {
         registry.register("kvmesh_reports", "Gateway report batches merged", c.reports.clone());
         registry.register("kvmesh_bad_reports", "Report entries or streams rejected", c.bad_reports.clone());
         registry.register("kvmesh_evicted_blocks", "Blocks evicted from the global index", c.evicted_blocks.clone());
+        registry.register(
+            "kvmesh_stale_blocks",
+            "Blocks dropped from the global index because a worker's response showed it no longer held them",
+            c.stale_blocks.clone(),
+        );
         registry.register("kvmesh_snapshot_deltas", "Snapshot deltas pushed", c.deltas.clone());
         registry.register(
             "kvmesh_auth_failures",
@@ -263,6 +274,7 @@ impl Metrics {
             self.load.get_or_create(&labels).set(w.load() as i64);
             self.inflight.get_or_create(&labels).set(w.inflight_total() as i64);
             self.breakers_open.get_or_create(&labels).set(w.breakers_open() as i64);
+            self.cache.update(&labels, self.state.kv_capacity(&w), self.state.index_tokens_of(w.id), &w.feedback);
             // The state's totals only grow (for one registration of a worker).
             for (family, total) in
                 [(&self.requests, w.requests), (&self.errors, w.errors), (&self.failovers, w.failovers)]
@@ -280,6 +292,7 @@ impl Metrics {
             self.errors.remove(gone);
             self.failovers.remove(gone);
             self.breakers_open.remove(gone);
+            self.cache.remove(gone);
         }
         *known = now;
         let (blocks, entries) = self.state.index_stats();
