@@ -78,6 +78,9 @@ pub struct PrefixMatch {
     pub blocks: usize,
 }
 
+/// Per worker, `(tick, hash)` stamps in the order they were made.
+type Recency = HashMap<WorkerId, VecDeque<(u32, u64)>, BuildNoHashHasher<WorkerId>>;
+
 /// Block hashes per worker, with LRU eviction to a per-worker size.
 #[derive(Debug, Default)]
 pub struct PrefixIndex {
@@ -88,7 +91,7 @@ pub struct PrefixIndex {
     /// made (`(tick, hash)`, oldest first). An entry is current while the block's owner still
     /// carries that tick; the others are skipped (and compacted away), so evicting one
     /// worker's least recently used blocks costs what it evicts, not a scan of the index.
-    recency: Option<HashMap<WorkerId, VecDeque<(u32, u64)>, BuildNoHashHasher<WorkerId>>>,
+    recency: Option<Recency>,
 }
 
 impl PrefixIndex {
