@@ -635,7 +635,7 @@ impl State {
                     changed |= old != c.in_flight && w.polled_load.is_none();
                     // The first report of a gateway counts from zero; the same gateway (one id
                     // per Envoy, whichever VM holds its stream) is counted by differences.
-                    let feedback = c.feedback.clone().unwrap_or_default();
+                    let feedback = c.feedback.unwrap_or_default();
                     let now = LastCounts { requests: c.requests, errors: c.errors, failovers: c.failovers, feedback };
                     let last = w.last_counts.get(&gateway).cloned().unwrap_or_default();
                     w.requests += u64::from(c.requests.wrapping_sub(last.requests));
