@@ -31,9 +31,14 @@ impl EnvoyHost {
             .iter()
             .map(|m| {
                 let kind = match m {
-                    Metric::Requests | Metric::LocalReplies | Metric::CacheHits | Metric::Failovers => {
-                        MetricType::Counter
-                    }
+                    Metric::Requests
+                    | Metric::LocalReplies
+                    | Metric::CacheHits
+                    | Metric::Failovers
+                    | Metric::Predictions
+                    | Metric::PredictionsAccurate
+                    | Metric::PredictionsOver
+                    | Metric::PredictionsUnder => MetricType::Counter,
                     Metric::DecisionNs => MetricType::Histogram,
                     Metric::IndexBlocks | Metric::SnapshotVersion | Metric::InFlight => MetricType::Gauge,
                 };

@@ -34,10 +34,18 @@ pub enum Metric {
     InFlight,
     /// Counter: requests that Envoy failed over to another worker than the one chosen.
     Failovers,
+    /// Counter: responses whose `cached_tokens` was compared with the prediction.
+    Predictions,
+    /// Counter: of those, predicted within one index block.
+    PredictionsAccurate,
+    /// Counter: of those, the worker held less than predicted (the rest was dropped).
+    PredictionsOver,
+    /// Counter: of those, the worker held more than predicted.
+    PredictionsUnder,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 8] = [
+    pub const ALL: [Metric; 12] = [
         Metric::Requests,
         Metric::LocalReplies,
         Metric::CacheHits,
@@ -46,6 +54,10 @@ impl Metric {
         Metric::SnapshotVersion,
         Metric::InFlight,
         Metric::Failovers,
+        Metric::Predictions,
+        Metric::PredictionsAccurate,
+        Metric::PredictionsOver,
+        Metric::PredictionsUnder,
     ];
 
     pub fn name(self) -> &'static str {
@@ -58,6 +70,10 @@ impl Metric {
             Metric::SnapshotVersion => "kvmesh_snapshot_version",
             Metric::InFlight => "kvmesh_in_flight",
             Metric::Failovers => "kvmesh_failovers_total",
+            Metric::Predictions => "kvmesh_predictions_total",
+            Metric::PredictionsAccurate => "kvmesh_predictions_accurate_total",
+            Metric::PredictionsOver => "kvmesh_predictions_over_total",
+            Metric::PredictionsUnder => "kvmesh_predictions_under_total",
         }
     }
 }

@@ -15,6 +15,7 @@
 // Linked into the `.wasm`: a panic there kills the VM and every request on its Envoy thread.
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing))]
 
+pub mod feedback;
 pub mod gateway;
 pub mod health;
 pub mod host;
@@ -22,6 +23,7 @@ pub mod link;
 pub mod pd_leg;
 pub mod plugin;
 pub mod request;
+pub mod response_feedback;
 pub mod shared;
 pub mod stall;
 

@@ -19,6 +19,7 @@ use kvmesh_core::{Endpoint, WorkerId};
 use crate::gateway::{endpoint_list, is_routing_header, Gateway, Now, Outcome, Plan, Reply, RequestInfo, Routed};
 use crate::host::{Action, Callout, Host, Metric};
 use crate::pd_leg::{Effect, PdLeg, PrefillResult};
+use crate::response_feedback::ResponseFeedback;
 
 /// The header Envoy's ORIGINAL_DST cluster (`use_http_header`) connects to: the chosen
 /// worker (for clusters that pin one host; no failover there).
@@ -53,6 +54,10 @@ pub struct RequestFilter {
     awaiting: bool,
     /// Decode workers whose failure counts only if the prefill leg succeeds.
     deferred: Vec<WorkerId>,
+    /// Engine feedback on the response (regular requests).
+    feedback: Option<ResponseFeedback>,
+    /// The response body reached its end.
+    complete: bool,
 }
 
 /// What a response says about the worker that was asked.
@@ -160,6 +165,8 @@ impl RequestFilter {
             failed_over: false,
             awaiting: false,
             deferred: Vec::new(),
+            feedback: None,
+            complete: false,
         }
     }
 
@@ -312,6 +319,9 @@ impl RequestFilter {
             Self::count_route(host, &prefill);
             self.pd = Some(PdLeg::new(prefill, token, committed.stream, committed.merge_logprobs));
         }
+        if self.pd.is_none() {
+            self.feedback = Some(ResponseFeedback::new(committed.prediction));
+        }
         self.routed = Some(committed.main);
         Action::Continue
     }
@@ -457,6 +467,9 @@ impl RequestFilter {
         if prefill_out {
             self.deferred.extend(judged.iter().filter(|(_, ok)| !ok).map(|&(w, _)| w));
         }
+        if let Some(f) = self.feedback.as_mut() {
+            f.headers(status, served == routed.addr);
+        }
         let _ = host.set_response_header(WORKER_HEADER, Some(&served));
         let Some(leg) = self.pd.as_mut() else { return Action::Continue };
         let _ = host.set_response_header(PREFILL_HEADER, Some(&leg.prefill().addr));
@@ -468,6 +481,12 @@ impl RequestFilter {
     }
 
     pub fn on_response_body(&mut self, host: &dyn Host, body_size: usize, end_of_stream: bool) -> Action {
+        if let Some(f) = self.feedback.as_mut() {
+            f.body(host, body_size);
+            if end_of_stream {
+                self.complete = true;
+            }
+        }
         let Some(leg) = self.pd.as_mut() else { return Action::Continue };
         let step = leg.decode_body(body_size, end_of_stream, || host.response_body(body_size));
         if let Some(out) = step.replace {
@@ -479,6 +498,10 @@ impl RequestFilter {
     }
 
     pub fn on_log(&mut self, host: &dyn Host) {
+        if let Some(f) = self.feedback.take() {
+            let complete = self.complete;
+            self.with_gateway(|g| f.finish(g, host, complete));
+        }
         let routed = self.routed.take();
         let leg = self.pd.take();
         let awaiting = std::mem::take(&mut self.awaiting);
