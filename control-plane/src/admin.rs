@@ -10,7 +10,6 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use kvmesh_proto::v1::Role;
 use prometheus_client::encoding::text::encode;
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -166,11 +165,7 @@ async fn snapshot(Axum(state): Shared) -> Json<Value> {
     Json(state.describe())
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct WorkerLabels {
-    worker: String,
-    role: String,
-}
+use crate::feedback::WorkerLabels;
 
 /// The `/metrics` registry, built once at startup. The control plane's own counters are the
 /// state's handles; the per-worker families and the index gauges are brought up to date on

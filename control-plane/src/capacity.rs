@@ -8,8 +8,6 @@
 //! more than the worker can hold. `--max-tree-size` stays an upper bound on top, as in
 //! sglang-router.
 
-use std::time::Duration;
-
 use crate::settings::Settings;
 
 /// Parses one `--worker-kv-capacity` entry: `URL=TOKENS`.
@@ -51,14 +49,6 @@ pub fn bound_blocks(settings: &Settings, capacity_tokens: Option<u64>) -> u64 {
 /// Tokens' worth of `blocks` index blocks.
 pub fn tokens_of_blocks(settings: &Settings, blocks: u64) -> u64 {
     blocks.saturating_mul(settings.block_size as u64) / settings.bytes_per_token.max(1)
-}
-
-/// Asks the worker at `addr` for its KV capacity.
-pub async fn fetch(addr: &str, timeout: Duration) -> Option<u64> {
-    match crate::probe::get(addr, "/get_server_info", timeout).await {
-        Ok((200, body)) => parse_server_info(&body),
-        _ => None,
-    }
 }
 
 #[cfg(test)]

@@ -12,7 +12,14 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use serde_json::{json, Value};
 
-use crate::admin::WorkerLabels;
+use prometheus_client::encoding::EncodeLabelSet;
+
+/// The labels of every per-worker `/metrics` series.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WorkerLabels {
+    pub worker: String,
+    pub role: String,
+}
 
 /// One worker's totals over every gateway.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]

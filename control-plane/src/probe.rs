@@ -161,7 +161,11 @@ pub async fn load_loop(state: Arc<State>) {
                 let Ok(addr) = kvmesh_core::worker::socket_addr(&w.url) else { return };
                 let addr = addr.to_string();
                 if ask_capacity {
-                    state.capacity_result(w.id, crate::capacity::fetch(&addr, timeout).await);
+                    let capacity = match get(&addr, "/get_server_info", timeout).await {
+                        Ok((200, body)) => crate::capacity::parse_server_info(&body),
+                        _ => None,
+                    };
+                    state.capacity_result(w.id, capacity);
                 }
                 let (mut load, mut hit, mut pressure) = (None, None, Pressure::default());
                 if let Ok((200, body)) = get(&addr, "/get_load", timeout).await {
