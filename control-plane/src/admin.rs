@@ -10,7 +10,6 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use kvmesh_proto::v1::Role;
 use prometheus_client::encoding::text::encode;
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -142,6 +141,9 @@ async fn workers(Axum(state): Shared) -> Json<Value> {
                 "failovers": w.failovers,
                 "circuit_breaker": w.circuit_breaker(),
                 "index_entries": state.index_size_of(w.id),
+                "index_tokens": state.index_tokens_of(w.id),
+                "kv_capacity_tokens": state.kv_capacity(w),
+                "prediction": w.feedback.json(),
                 "cache_hit_rate": w.cache_hit_rate,
                 "waiting": w.pressure.waiting,
                 "kv_usage": w.pressure.kv_usage,
@@ -163,11 +165,7 @@ async fn snapshot(Axum(state): Shared) -> Json<Value> {
     Json(state.describe())
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct WorkerLabels {
-    worker: String,
-    role: String,
-}
+use crate::feedback::WorkerLabels;
 
 /// The `/metrics` registry, built once at startup. The control plane's own counters are the
 /// state's handles; the per-worker families and the index gauges are brought up to date on
@@ -182,6 +180,7 @@ pub struct Metrics {
     errors: Family<WorkerLabels, Counter>,
     failovers: Family<WorkerLabels, Counter>,
     breakers_open: Family<WorkerLabels, Gauge>,
+    cache: crate::feedback::CacheMetrics,
     index_blocks: Gauge,
     index_entries: Gauge,
     /// The label sets of the workers at the last scrape.
@@ -200,6 +199,7 @@ impl Metrics {
             errors: Family::default(),
             failovers: Family::default(),
             breakers_open: Family::default(),
+            cache: Default::default(),
             index_blocks: Gauge::default(),
             index_entries: Gauge::default(),
             known: Mutex::default(),
@@ -229,6 +229,7 @@ impl Metrics {
             "Gateways (with a live report stream) whose circuit breaker for the worker is open",
             m.breakers_open.clone(),
         );
+        m.cache.register(&mut registry);
         registry.register("kvmesh_index_blocks", "Distinct blocks in the global prefix index", m.index_blocks.clone());
         registry.register(
             "kvmesh_index_entries",
@@ -239,6 +240,11 @@ impl Metrics {
         registry.register("kvmesh_reports", "Gateway report batches merged", c.reports.clone());
         registry.register("kvmesh_bad_reports", "Report entries or streams rejected", c.bad_reports.clone());
         registry.register("kvmesh_evicted_blocks", "Blocks evicted from the global index", c.evicted_blocks.clone());
+        registry.register(
+            "kvmesh_stale_blocks",
+            "Blocks dropped from the global index because a worker's response showed it no longer held them",
+            c.stale_blocks.clone(),
+        );
         registry.register("kvmesh_snapshot_deltas", "Snapshot deltas pushed", c.deltas.clone());
         registry.register(
             "kvmesh_auth_failures",
@@ -263,6 +269,7 @@ impl Metrics {
             self.load.get_or_create(&labels).set(w.load() as i64);
             self.inflight.get_or_create(&labels).set(w.inflight_total() as i64);
             self.breakers_open.get_or_create(&labels).set(w.breakers_open() as i64);
+            self.cache.update(&labels, self.state.kv_capacity(&w), self.state.index_tokens_of(w.id), &w.feedback);
             // The state's totals only grow (for one registration of a worker).
             for (family, total) in
                 [(&self.requests, w.requests), (&self.errors, w.errors), (&self.failovers, w.failovers)]
@@ -280,6 +287,7 @@ impl Metrics {
             self.errors.remove(gone);
             self.failovers.remove(gone);
             self.breakers_open.remove(gone);
+            self.cache.remove(gone);
         }
         *known = now;
         let (blocks, entries) = self.state.index_stats();

@@ -7,6 +7,7 @@
 //! command line (flags win), and the whole is parsed once. So the file accepts exactly what
 //! the flags accept. A bad flag, key or value is one line naming it, and exit code 2.
 
+use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::path::PathBuf;
 
@@ -147,6 +148,11 @@ pub struct Args {
     /// restarts (written on each change) (kvmesh). Default: none, API workers are forgotten.
     #[arg(long, help_heading = "Workers: health, load, discovery")]
     pub state_file: Option<PathBuf>,
+    /// A worker's KV capacity in tokens, `URL=TOKENS`, for engines that do not report
+    /// `max_total_num_tokens` in `/get_server_info` (or to override it); repeatable. The
+    /// worker's part of the prefix index is kept within it (kvmesh).
+    #[arg(long, value_name = "URL=TOKENS", help_heading = "Workers: health, load, discovery")]
+    pub worker_kv_capacity: Vec<String>,
     /// Largest gRPC message kvmesh-cp decodes, in bytes (kvmesh). Default 16777216 (16 MiB).
     #[arg(long, help_heading = "Limits")]
     pub max_message_bytes: Option<usize>,
@@ -538,6 +544,12 @@ impl Args {
                 crate::urls::check(url, &worker_policy).map_err(|e| self.bad(flag, e))?;
             }
         }
+        let mut kv_capacity = BTreeMap::new();
+        for entry in &self.worker_kv_capacity {
+            let (url, tokens) =
+                crate::capacity::parse_override(entry).map_err(|e| self.bad("worker_kv_capacity", e))?;
+            kv_capacity.insert(url, tokens);
+        }
         let defaults = Limits::default();
         let limits = Limits {
             max_message_bytes: usize::try_from(positive(
@@ -574,6 +586,8 @@ impl Args {
             prefill,
             routing,
             block_size: checked.block_size,
+            bytes_per_token: checked.bytes_per_token,
+            kv_capacity,
             max_tree_size: checked.max_tree_size,
             eviction_interval_secs: checked.eviction_interval_secs,
             health_checks: !self.disable_health_check,

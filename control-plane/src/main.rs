@@ -7,8 +7,10 @@
 mod admin;
 mod args;
 mod auth;
+mod capacity;
 mod discovery;
 mod eds;
+mod feedback;
 mod grpc;
 mod peer_flags;
 mod probe;

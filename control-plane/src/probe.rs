@@ -136,17 +136,37 @@ pub async fn health_loop(state: Arc<State>) {
     }
 }
 
-/// Load polling every `load_poll_interval_ms`: `/get_load`, else `/metrics`.
+/// How often a worker's KV capacity (`/get_server_info`) is asked again: a worker that does
+/// not report it is not asked on every load poll, one that restarted is heard within this.
+const CAPACITY_POLL: Duration = Duration::from_secs(30);
+
+/// Load polling every `load_poll_interval_ms`: `/get_load`, else `/metrics`; and every
+/// [`CAPACITY_POLL`] (at once for a worker new or healthy again) its KV capacity.
 pub async fn load_loop(state: Arc<State>) {
     let mut tick = tokio::time::interval(Duration::from_millis(state.settings.load_poll_interval_ms));
     let timeout = Duration::from_secs(2);
+    let mut capacity_asked: std::collections::HashMap<u32, std::time::Instant> = Default::default();
     loop {
         tick.tick().await;
-        let polls = state.workers().into_iter().filter(|w| w.healthy).map(|w| {
+        let workers = state.workers();
+        capacity_asked.retain(|id, _| workers.iter().any(|w| w.id == *id && w.healthy));
+        let now = std::time::Instant::now();
+        let polls = workers.into_iter().filter(|w| w.healthy).map(|w| {
             let state = state.clone();
+            let ask_capacity = capacity_asked.get(&w.id).is_none_or(|at| now.duration_since(*at) >= CAPACITY_POLL);
+            if ask_capacity {
+                capacity_asked.insert(w.id, now);
+            }
             async move {
                 let Ok(addr) = kvmesh_core::worker::socket_addr(&w.url) else { return };
                 let addr = addr.to_string();
+                if ask_capacity {
+                    let capacity = match get(&addr, "/get_server_info", timeout).await {
+                        Ok((200, body)) => crate::capacity::parse_server_info(&body),
+                        _ => None,
+                    };
+                    state.capacity_result(w.id, capacity);
+                }
                 let (mut load, mut hit, mut pressure) = (None, None, Pressure::default());
                 if let Ok((200, body)) = get(&addr, "/get_load", timeout).await {
                     load = parse_get_load(&body);

@@ -25,6 +25,11 @@ pub struct Settings {
     /// The routing settings shipped to every filter (validated; `pd_disaggregation` set).
     pub routing: RoutingSettings,
     pub block_size: usize,
+    /// Bytes of routing text per engine token (`--bytes-per-token`).
+    pub bytes_per_token: u64,
+    /// `--worker-kv-capacity`: KV capacity in tokens by worker URL (wins over what the
+    /// worker reports).
+    pub kv_capacity: BTreeMap<String, u64>,
     pub max_tree_size: u64,
     pub eviction_interval_secs: u64,
     /// Active health checks (`--disable-health-check` turns them off).

@@ -7,11 +7,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kvmesh_core::index::PrefixIndex;
-use kvmesh_proto::v1::{BreakerState, IndexEvict, IndexInsert, ReportBatch, Role, Snapshot, Worker};
+use kvmesh_proto::v1::{BreakerState, Feedback, IndexEvict, IndexInsert, ReportBatch, Role, Snapshot, Worker};
 use prometheus_client::metrics::counter::Counter;
 use serde_json::{json, Value};
 use tokio::sync::broadcast;
 
+use crate::capacity;
+use crate::feedback::FeedbackTotals;
 use crate::settings::Settings;
 
 /// Where a worker came from (discovery only removes what it added).
@@ -52,14 +54,19 @@ pub struct WorkerEntry {
     last_counts: HashMap<String, LastCounts>,
     /// The circuit breaker of each gateway with a live report stream, where it is not closed.
     pub breakers: HashMap<String, BreakerState>,
+    /// The KV capacity in tokens the worker reported (`/get_server_info`).
+    pub kv_capacity_reported: Option<u64>,
+    /// Engine feedback summed over the gateways.
+    pub feedback: FeedbackTotals,
 }
 
 /// One gateway's last cumulative counts for one worker.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 struct LastCounts {
     requests: u32,
     errors: u32,
     failovers: u32,
+    feedback: Feedback,
 }
 
 impl WorkerEntry {
@@ -112,6 +119,8 @@ impl WorkerEntry {
             failovers: 0,
             breakers: HashMap::new(),
             last_counts: HashMap::new(),
+            kv_capacity_reported: None,
+            feedback: FeedbackTotals::default(),
         }
     }
 
@@ -225,6 +234,8 @@ pub struct Counters {
     pub bad_reports: Counter,
     /// Blocks evicted from the global index.
     pub evicted_blocks: Counter,
+    /// Of those, blocks a worker's own response showed it no longer held (engine feedback).
+    pub stale_blocks: Counter,
     /// Snapshot deltas pushed.
     pub deltas: Counter,
     /// gRPC streams and admin requests refused for a missing or wrong credential.
@@ -266,8 +277,13 @@ impl State {
 
     fn build(settings: Settings, persisted: Persisted) -> Arc<Self> {
         let (deltas, _) = broadcast::channel(1024);
-        let inner =
-            Inner { next_id: persisted.next_id, remembered: persisted.ids.into_iter().collect(), ..Default::default() };
+        let inner = Inner {
+            next_id: persisted.next_id,
+            remembered: persisted.ids.into_iter().collect(),
+            // Each report bounds the workers it names to their capacity: by recency, not scans.
+            index: PrefixIndex::with_recency(),
+            ..Default::default()
+        };
         let state = Arc::new(Self { settings, inner: Mutex::new(inner), counters: Counters::default(), deltas });
         let s = &state.settings;
         for url in &s.workers {
@@ -532,6 +548,7 @@ impl State {
                 None => self.settings.limits.max_inserts_per_report,
             };
             let mut taken = 0usize;
+            let mut touched: Vec<u32> = Vec::new();
             for insert in batch.inserts {
                 if !inner.workers.contains_key(&insert.worker) {
                     bad += 1;
@@ -544,6 +561,9 @@ impl State {
                 let Some(hashes) = insert.hashes.get(..n) else { continue };
                 let mut added = Vec::new();
                 inner.index.insert_reporting(insert.worker, hashes, |h| added.push(h));
+                if !touched.contains(&insert.worker) {
+                    touched.push(insert.worker);
+                }
                 if !added.is_empty() {
                     inner.pending_inserts.push(IndexInsert {
                         worker: insert.worker,
@@ -554,6 +574,35 @@ impl State {
             }
             if let Some(g) = inner.gateways.get_mut(&gateway) {
                 g.budget = (g.budget - taken as f64).max(0.0);
+            }
+            // Each worker with a known KV capacity stays within it: its least recently used
+            // blocks go at once (--max-tree-size alone waits for the periodic eviction, as in
+            // sglang-router).
+            for worker in touched {
+                let Some(capacity) = inner.workers.get(&worker).and_then(|w| self.kv_capacity(w)) else { continue };
+                let bound = capacity::bound_blocks(&self.settings, Some(capacity));
+                let out = inner.index.evict_worker_to(worker, bound);
+                if !out.is_empty() {
+                    evicted += out.len();
+                    inner.pending_evictions.push(IndexEvict { worker, hashes: out });
+                }
+            }
+            // Blocks a worker's response showed it no longer held: every gateway forgets them.
+            for stale in batch.stale {
+                if !inner.workers.contains_key(&stale.worker) {
+                    bad += 1;
+                    continue;
+                }
+                let n = stale.hashes.len().min(self.settings.limits.max_inserts_per_report);
+                let Some(hashes) = stale.hashes.get(..n) else { continue };
+                let before = inner.index.size_of(stale.worker);
+                for &h in hashes {
+                    inner.index.remove(h, stale.worker);
+                }
+                let gone = before.saturating_sub(inner.index.size_of(stale.worker));
+                self.counters.stale_blocks.inc_by(gone);
+                evicted += gone as usize;
+                inner.pending_evictions.push(IndexEvict { worker: stale.worker, hashes: hashes.to_vec() });
             }
             let max = self.settings.limits.max_index_entries;
             if inner.index.entries() > max.saturating_add(max / 8) {
@@ -586,11 +635,14 @@ impl State {
                     changed |= old != c.in_flight && w.polled_load.is_none();
                     // The first report of a gateway counts from zero; the same gateway (one id
                     // per Envoy, whichever VM holds its stream) is counted by differences.
-                    let now = LastCounts { requests: c.requests, errors: c.errors, failovers: c.failovers };
-                    let last = w.last_counts.insert(gateway.clone(), now).unwrap_or_default();
+                    let feedback = c.feedback.unwrap_or_default();
+                    let now = LastCounts { requests: c.requests, errors: c.errors, failovers: c.failovers, feedback };
+                    let last = w.last_counts.get(&gateway).cloned().unwrap_or_default();
                     w.requests += u64::from(c.requests.wrapping_sub(last.requests));
                     w.errors += u64::from(c.errors.wrapping_sub(last.errors));
                     w.failovers += u64::from(c.failovers.wrapping_sub(last.failovers));
+                    w.feedback.add(&last.feedback, &now.feedback);
+                    w.last_counts.insert(gateway.clone(), now);
                 }
             }
             bad += batch.counts.iter().filter(|c| !inner.workers.contains_key(&c.worker)).count() as u64;
@@ -612,11 +664,50 @@ impl State {
         self.counters.bad_reports.inc();
     }
 
-    /// LRU-evicts every worker's index to `max_tree_size`; the evictions go out in the next
-    /// delta.
+    /// LRU-evicts every worker's index to its bound (its KV capacity within
+    /// `max_tree_size`); the evictions go out in the next delta.
     pub fn evict(&self) -> usize {
-        let max_blocks = (self.settings.max_tree_size / self.settings.block_size as u64).max(1);
-        self.evict_with(|index| index.evict_to(max_blocks))
+        let bounds: Vec<(u32, u64)> = {
+            let inner = self.lock();
+            inner.index.sizes().map(|(w, _)| (w, self.bound_of(&inner, w))).collect()
+        };
+        self.evict_with(|index| {
+            bounds
+                .iter()
+                .flat_map(|&(w, bound)| index.evict_worker_to(w, bound).into_iter().map(move |h| (h, w)))
+                .collect()
+        })
+    }
+
+    /// The most blocks `worker`'s part of the index may hold.
+    fn bound_of(&self, inner: &Inner, worker: u32) -> u64 {
+        capacity::bound_blocks(&self.settings, inner.workers.get(&worker).and_then(|w| self.kv_capacity(w)))
+    }
+
+    /// A worker's KV capacity in tokens: `--worker-kv-capacity`, else what it reported.
+    pub fn kv_capacity(&self, w: &WorkerEntry) -> Option<u64> {
+        self.settings.kv_capacity.get(w.url.trim_end_matches('/')).copied().or(w.kv_capacity_reported)
+    }
+
+    /// What worker `id` reported as its KV capacity (None: it does not say). A smaller
+    /// capacity than before evicts its least recently used blocks at once.
+    pub fn capacity_result(&self, id: u32, tokens: Option<u64>) {
+        let bound = {
+            let mut inner = self.lock();
+            let Some(w) = inner.workers.get_mut(&id) else { return };
+            if w.kv_capacity_reported == tokens {
+                return;
+            }
+            tracing::info!(url = %w.url, ?tokens, "worker KV capacity");
+            w.kv_capacity_reported = tokens;
+            self.bound_of(&inner, id)
+        };
+        self.evict_with(|index| index.evict_worker_to(id, bound).into_iter().map(|h| (h, id)).collect());
+    }
+
+    /// Tokens' worth of the blocks worker `id` holds in the index.
+    pub fn index_tokens_of(&self, id: u32) -> u64 {
+        capacity::tokens_of_blocks(&self.settings, self.index_size_of(id))
     }
 
     /// Forgets the whole global index (the workers' caches were flushed); the evictions go
@@ -805,6 +896,7 @@ pub(crate) mod tests {
             gateway_id: "a".into(),
             inserts: vec![IndexInsert { worker: 42, hashes: vec![1], ..Default::default() }],
             counts: vec![WorkerCounts { worker: 43, in_flight: 1, ..Default::default() }],
+            ..Default::default()
         });
         assert_eq!(s.counters.bad_reports.get(), 2);
         assert_eq!(s.index_stats(), (0, 0));

@@ -94,6 +94,7 @@ impl From<&RoutingSettings> for v1::RoutingSettings {
             queue_timeout_secs,
             rate_limit_tokens_per_second,
             passthrough_paths,
+            bytes_per_token,
         } = s.clone();
         Self {
             policy: policy.map(policy_to),
@@ -129,6 +130,7 @@ impl From<&RoutingSettings> for v1::RoutingSettings {
             queue_timeout_secs,
             rate_limit_tokens_per_second,
             passthrough_paths: passthrough_paths.map(|paths| v1::PathList { paths }),
+            bytes_per_token,
         }
     }
 }
@@ -171,6 +173,7 @@ impl TryFrom<v1::RoutingSettings> for RoutingSettings {
             queue_timeout_secs,
             rate_limit_tokens_per_second,
             passthrough_paths,
+            bytes_per_token,
         } = m;
         Ok(Self {
             policy: policy_from("policy", policy)?,
@@ -206,6 +209,7 @@ impl TryFrom<v1::RoutingSettings> for RoutingSettings {
             queue_timeout_secs,
             rate_limit_tokens_per_second,
             passthrough_paths: passthrough_paths.map(|l| l.paths),
+            bytes_per_token,
         })
     }
 }
@@ -226,7 +230,7 @@ mod tests {
                 "retry_initial_backoff_ms":10,"retry_max_backoff_ms":100,"retry_backoff_multiplier":2.0,
                 "retry_jitter_factor":0.1,"disable_retries":true,"max_concurrent_requests":-1,"queue_size":8,
                 "queue_timeout_secs":11,"rate_limit_tokens_per_second":50,
-                "passthrough_paths":["/health","/v1/models/*"]}"#,
+                "passthrough_paths":["/health","/v1/models/*"],"bytes_per_token":3}"#,
         )
         .unwrap();
         let keys = serde_json::to_value(&s).unwrap().as_object().unwrap().len();

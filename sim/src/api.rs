@@ -416,6 +416,8 @@ async fn metrics(State(e): Shared) -> impl IntoResponse {
         ("sglang:num_running_reqs", "gauge", c.running.load(Relaxed) as f64),
         ("sglang:num_queue_reqs", "gauge", c.waiting.load(Relaxed) as f64),
         ("sglang:token_usage", "gauge", used as f64 / cap.max(1) as f64),
+        ("sglang:num_used_tokens", "gauge", used as f64),
+        ("sglang:max_total_num_tokens", "gauge", cap as f64),
         ("sglang:cache_hit_rate", "gauge", e.hit_rate()),
         ("sglang:prompt_tokens_total", "counter", c.prompt_tokens.load(Relaxed) as f64),
         ("sglang:generation_tokens_total", "counter", c.completion_tokens.load(Relaxed) as f64),
@@ -440,9 +442,12 @@ async fn model_info(State(e): Shared) -> Json<Value> {
     Json(json!({"model_path": e.args.model, "tokenizer_path": e.args.model, "is_generation": true}))
 }
 
+/// SGLang's server info: `max_total_num_tokens` is the KV pool's size in tokens (here the
+/// prefix cache's capacity, `--kv-capacity-tokens` rounded down to whole pages).
 async fn server_info(State(e): Shared) -> Json<Value> {
+    let (_, cap) = e.cache_usage();
     Json(
-        json!({"model_path": e.args.model, "port": e.args.port, "disaggregation_mode": format!("{:?}", e.args.role).to_lowercase(), "max_running_requests": e.args.max_running}),
+        json!({"model_path": e.args.model, "port": e.args.port, "disaggregation_mode": format!("{:?}", e.args.role).to_lowercase(), "max_running_requests": e.args.max_running, "max_total_num_tokens": cap}),
     )
 }
 

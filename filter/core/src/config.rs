@@ -56,6 +56,8 @@ pub struct Config {
     pub max_tree_size: u64,
     /// Bytes per prefix-index block.
     pub block_size: usize,
+    /// Bytes of routing text per engine token (capacities and cached-token reports).
+    pub bytes_per_token: u64,
     /// Largest request body accepted, in bytes.
     pub max_payload_size: u64,
     /// The static workers, used until a control-plane snapshot arrives.
@@ -192,6 +194,7 @@ pub const DEFAULT_RETRY_MAX_RETRIES: u32 = 5;
 /// Most attempts per request, whatever `retry_max_retries` says.
 pub const MAX_ATTEMPTS: u32 = 16;
 pub const DEFAULT_NON_CACHED_TOKENS: u64 = 128;
+pub const DEFAULT_BYTES_PER_TOKEN: u64 = 4;
 pub const DEFAULT_UPSTREAM_CLUSTER: &str = "kvmesh_workers";
 pub const DEFAULT_REPORT_INTERVAL_MS: u64 = 20;
 
@@ -208,6 +211,7 @@ impl Default for Config {
             eviction_interval_secs: DEFAULT_EVICTION_INTERVAL_SECS,
             max_tree_size: DEFAULT_MAX_TREE_SIZE,
             block_size: DEFAULT_BLOCK_SIZE,
+            bytes_per_token: DEFAULT_BYTES_PER_TOKEN,
             max_payload_size: DEFAULT_MAX_PAYLOAD_SIZE,
             workers: WorkerTable::default(),
             pd: None,
@@ -363,6 +367,10 @@ impl Config {
             max_tree_size: positive("max_tree_size", s.max_tree_size, d.max_tree_size)?,
             // At most 1 MiB (checked above), so it fits any usize.
             block_size: usize::try_from(block_size).unwrap_or(DEFAULT_BLOCK_SIZE),
+            bytes_per_token: match positive("bytes_per_token", s.bytes_per_token, d.bytes_per_token)? {
+                n if n > 1024 => return Err(invalid("bytes_per_token", format!("{n} is over 1024"))),
+                n => n,
+            },
             max_payload_size: positive("max_payload_size", s.max_payload_size, d.max_payload_size)?,
             request_timeout_secs: positive("request_timeout_secs", s.request_timeout_secs, d.request_timeout_secs)?,
             worker_stall_ms: match s.worker_stall_secs {

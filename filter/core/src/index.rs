@@ -9,7 +9,7 @@
 //! than shallower ones; LRU eviction therefore removes the leaves of a prefix before its
 //! root, as a radix tree's leaf eviction does, and never strands a reachable suffix.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use nohash_hasher::BuildNoHashHasher;
 
@@ -78,17 +78,45 @@ pub struct PrefixMatch {
     pub blocks: usize,
 }
 
+/// Per worker, `(tick, hash)` stamps in the order they were made.
+type Recency = HashMap<WorkerId, VecDeque<(u32, u64)>, BuildNoHashHasher<WorkerId>>;
+
 /// Block hashes per worker, with LRU eviction to a per-worker size.
 #[derive(Debug, Default)]
 pub struct PrefixIndex {
     nodes: HashMap<u64, Owners, BuildNoHashHasher<u64>>,
     sizes: HashMap<WorkerId, u64, BuildNoHashHasher<WorkerId>>,
     clock: u32,
+    /// With [`PrefixIndex::with_recency`]: per worker, its stamps in the order they were
+    /// made (`(tick, hash)`, oldest first). An entry is current while the block's owner still
+    /// carries that tick; the others are skipped (and compacted away), so evicting one
+    /// worker's least recently used blocks costs what it evicts, not a scan of the index.
+    recency: Option<Recency>,
 }
 
 impl PrefixIndex {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An index that also keeps each worker's recency order, for
+    /// [`evict_worker_to`](Self::evict_worker_to) (the control plane's, which bounds each
+    /// worker to its KV capacity on every report; about 16 more bytes per entry).
+    pub fn with_recency() -> Self {
+        Self { recency: Some(HashMap::default()), ..Self::default() }
+    }
+
+    fn stamped(&mut self, worker: WorkerId, tick: u32, hash: u64) {
+        let Some(recency) = self.recency.as_mut() else { return };
+        let log = recency.entry(worker).or_default();
+        log.push_back((tick, hash));
+        let size = self.sizes.get(&worker).copied().unwrap_or(0);
+        // Stale entries (re-stamped or removed blocks) are dropped once they outnumber the
+        // live ones: amortised O(1) per stamp.
+        if log.len() as u64 > size.saturating_mul(2).saturating_add(64) {
+            let nodes = &self.nodes;
+            log.retain(|&(t, h)| current(nodes, h, worker, t));
+        }
     }
 
     /// Records that `worker` now holds the prefix whose chained block hashes are `hashes`.
@@ -102,6 +130,12 @@ impl PrefixIndex {
         let n = hashes.len() as u32;
         let base = self.clock;
         self.clock = self.clock.wrapping_add(n);
+        if self.recency.is_some() {
+            // In stamping order: the deepest block first (the oldest stamp).
+            for (i, &hash) in hashes.iter().enumerate().rev() {
+                self.stamped(worker, base.wrapping_add(n - 1 - i as u32), hash);
+            }
+        }
         for (i, &hash) in hashes.iter().enumerate() {
             // Deeper blocks get older stamps, so eviction takes leaves first.
             let tick = base.wrapping_add(n - 1 - i as u32);
@@ -184,6 +218,57 @@ impl PrefixIndex {
     pub fn remove_worker(&mut self, worker: WorkerId) {
         self.nodes.retain(|_, owners| !owners.remove(worker));
         self.sizes.remove(&worker);
+        if let Some(recency) = self.recency.as_mut() {
+            recency.remove(&worker);
+        }
+    }
+
+    /// Evicts `worker`'s least recently used blocks (by last use: an insert or a match that
+    /// was routed there) until it holds at most `max_blocks`; deeper blocks of one prefix go
+    /// before shallower ones. Returns the evicted hashes. Without
+    /// [`with_recency`](Self::with_recency), scans the index.
+    pub fn evict_worker_to(&mut self, worker: WorkerId, max_blocks: u64) -> Vec<u64> {
+        let size = self.size_of(worker);
+        if size <= max_blocks {
+            return Vec::new();
+        }
+        let Some(log) = self.recency.as_mut().and_then(|r| r.remove(&worker)) else {
+            return self.evict_scan(worker, size - max_blocks);
+        };
+        let mut log = log;
+        let mut evicted = Vec::new();
+        while self.size_of(worker) > max_blocks {
+            let Some((tick, hash)) = log.pop_front() else { break };
+            if current(&self.nodes, hash, worker, tick) {
+                self.remove(hash, worker);
+                evicted.push(hash);
+            }
+        }
+        if let Some(recency) = self.recency.as_mut() {
+            recency.insert(worker, log);
+        }
+        evicted
+    }
+
+    /// `worker`'s `excess` least recently used blocks, found by a scan of the whole index.
+    fn evict_scan(&mut self, worker: WorkerId, excess: u64) -> Vec<u64> {
+        let mut stamps: Vec<(u32, u64)> = self
+            .nodes
+            .iter()
+            .filter_map(|(&h, owners)| {
+                owners.as_slice().iter().find(|o| o.worker == worker).map(|o| (self.age(o.tick), h))
+            })
+            .collect();
+        // Oldest first: the largest age.
+        let k = usize::try_from(excess).unwrap_or(usize::MAX).min(stamps.len());
+        if k < stamps.len() {
+            stamps.select_nth_unstable_by(k, |a, b| b.0.cmp(&a.0));
+        }
+        let evicted: Vec<u64> = stamps.iter().take(k).map(|&(_, h)| h).collect();
+        for &hash in &evicted {
+            self.remove(hash, worker);
+        }
+        evicted
     }
 
     /// Removes `worker` from one block (an eviction decided elsewhere, e.g. by the control
@@ -214,22 +299,9 @@ impl PrefixIndex {
             .collect();
         let mut evicted = Vec::new();
         for (worker, excess) in over {
-            let mut stamps: Vec<(u32, u64)> = self
-                .nodes
-                .iter()
-                .filter_map(|(&h, owners)| {
-                    owners.as_slice().iter().find(|o| o.worker == worker).map(|o| (self.age(o.tick), h))
-                })
-                .collect();
-            // Oldest first: the largest age.
-            let k = (excess as usize).min(stamps.len());
-            if k < stamps.len() {
-                stamps.select_nth_unstable_by(k, |a, b| b.0.cmp(&a.0));
-            }
-            for &(_, hash) in stamps.iter().take(k) {
-                self.remove(hash, worker);
-                evicted.push((hash, worker));
-            }
+            let size = self.size_of(worker);
+            let gone = self.evict_worker_to(worker, size.saturating_sub(excess));
+            evicted.extend(gone.into_iter().map(|h| (h, worker)));
         }
         evicted
     }
@@ -259,11 +331,21 @@ impl PrefixIndex {
         evicted
     }
 
+    /// The workers the index holds blocks for, with how many each holds.
+    pub fn sizes(&self) -> impl Iterator<Item = (WorkerId, u64)> + '_ {
+        self.sizes.iter().map(|(&w, &n)| (w, n))
+    }
+
     /// How many ticks ago `tick` was stamped (the clock wraps; ages stay right while fewer
     /// than 2^32 blocks are inserted between two evictions).
     fn age(&self, tick: u32) -> u32 {
         self.clock.wrapping_sub(tick)
     }
+}
+
+/// Whether `worker` still holds `hash` with the stamp `tick` (a recency entry is current).
+fn current(nodes: &HashMap<u64, Owners, BuildNoHashHasher<u64>>, hash: u64, worker: WorkerId, tick: u32) -> bool {
+    nodes.get(&hash).is_some_and(|owners| owners.as_slice().iter().any(|o| o.worker == worker && o.tick == tick))
 }
 
 #[cfg(test)]
@@ -353,6 +435,54 @@ mod tests {
         idx.evict_to(2);
         assert_eq!(idx.match_prefix(&h("aaaabbbb")), vec![PrefixMatch { worker: 1, blocks: 2 }]);
         assert!(idx.match_prefix(&h("cccc")).is_empty());
+    }
+
+    #[test]
+    fn one_workers_bound_evicts_its_least_recently_used_blocks_leaves_first() {
+        for mut idx in [PrefixIndex::new(), PrefixIndex::with_recency()] {
+            idx.insert(1, &h("aaaabbbbcccc")); // used first
+            idx.insert(1, &h("xxxxyyyy"));
+            idx.insert(2, &h("qqqqrrrrssss")); // another worker: untouched
+            idx.insert(1, &h("aaaabbbb")); // a match routed here: the shared blocks are fresh again
+            let gone = idx.evict_worker_to(1, 3);
+            // Oldest by last use: "cccc" (stamped with the first insert), then "yyyy" (the
+            // deeper block of the second), leaving "aaaa", "bbbb", "xxxx".
+            assert_eq!(gone, vec![h("aaaabbbbcccc")[2], h("xxxxyyyy")[1]]);
+            assert_eq!(idx.size_of(1), 3);
+            assert_eq!(idx.size_of(2), 3);
+            assert_eq!(idx.match_prefix(&h("aaaabbbbcccc")), vec![PrefixMatch { worker: 1, blocks: 2 }]);
+            assert_eq!(idx.match_prefix(&h("xxxxyyyy")), vec![PrefixMatch { worker: 1, blocks: 1 }]);
+            assert!(idx.evict_worker_to(1, 3).is_empty(), "within its bound: nothing");
+            assert_eq!(idx.evict_worker_to(2, 0).len(), 3);
+        }
+    }
+
+    #[test]
+    fn the_recency_order_survives_removals_restamps_and_compaction() {
+        // A worker whose blocks are touched over and over (stale recency entries pile up and
+        // are compacted) evicts exactly what a scan of the whole index evicts.
+        let mut fast = PrefixIndex::with_recency();
+        let mut slow = PrefixIndex::new();
+        let mut x = 7u64;
+        for round in 0..2_000u64 {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let prompt = format!("{:04}{}", x % 50, "z".repeat((x >> 20) as usize % 12));
+            for idx in [&mut fast, &mut slow] {
+                idx.insert(1, &h(&prompt));
+                if round % 7 == 0 {
+                    idx.remove(h(&prompt)[0], 1);
+                }
+            }
+            if round % 100 == 99 {
+                let mut a = fast.evict_worker_to(1, 40);
+                let mut b = slow.evict_worker_to(1, 40);
+                a.sort_unstable();
+                b.sort_unstable();
+                assert_eq!(a, b, "round {round}");
+            }
+        }
+        let log = fast.recency.as_ref().and_then(|r| r.get(&1)).map_or(0, |l| l.len()) as u64;
+        assert!(log <= fast.size_of(1) * 2 + 64 + 16, "the log stays within twice the live entries: {log}");
     }
 
     #[test]

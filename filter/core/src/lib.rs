@@ -8,6 +8,8 @@
 //! - [`request`]: parse a request body and extract the routing text.
 //! - [`blocks`]: chained xxh3 block hashes of the routing text (the prefix index's keys).
 //! - [`index`]: the prefix index with LRU eviction.
+//! - [`usage`]: `cached_tokens` and completion metrics read from responses as they pass.
+//! - [`feedback`]: a worker's `cached_tokens` against the prefix the gateway predicted.
 //! - [`policy`]: the routing policies (one file each) over plain-data candidates.
 //! - [`settings`]: the routing settings, declared once (flags, plugin JSON, protobuf).
 //! - [`config`]: the configuration, validated once from the settings.
@@ -25,6 +27,7 @@ pub mod bootstrap;
 pub mod breaker;
 pub mod config;
 pub mod errors;
+pub mod feedback;
 pub mod index;
 pub mod logprobs;
 pub mod paths;
@@ -34,6 +37,7 @@ pub mod request;
 pub mod rng;
 pub mod router;
 pub mod settings;
+pub mod usage;
 pub mod worker;
 
 pub use config::{Config, ConfigError};

@@ -211,6 +211,11 @@ routing_settings! {
     /// A worker with more of its KV cache in use (0..1) is passed over while others have room
     /// (kvmesh, as SMG). 0 turns it off. Default 0.8.
     overload_kv_usage: f64,
+    /// Bytes of routing text per engine token: converts a worker's KV capacity (tokens) into
+    /// its share of the prefix index, and the prefix the gateway believed cached into the
+    /// tokens the worker reports (kvmesh; 4 is the usual ratio for English text and the
+    /// simulator's). Default 4.
+    bytes_per_token: u64,
 }
 
 #[cfg(test)]
@@ -241,7 +246,7 @@ mod tests {
             .contains("polcy"));
         let e = serde_json::from_str::<RoutingSettings>(r#"{"policy":"fastest"}"#).unwrap_err().to_string();
         assert!(e.contains("unknown policy `fastest`"), "{e}");
-        assert_eq!(RoutingSettings::FIELDS.len(), 33);
+        assert_eq!(RoutingSettings::FIELDS.len(), 34);
         assert!(RoutingSettings::FIELDS.contains(&"rate_limit_tokens_per_second"));
     }
 }

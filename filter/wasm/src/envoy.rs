@@ -36,7 +36,11 @@ impl EnvoyHost {
                     | Metric::LocalReplies
                     | Metric::CacheHits
                     | Metric::Failovers
-                    | Metric::PrefillAborts => MetricType::Counter,
+                    | Metric::PrefillAborts
+                    | Metric::Predictions
+                    | Metric::PredictionsAccurate
+                    | Metric::PredictionsOver
+                    | Metric::PredictionsUnder => MetricType::Counter,
                     Metric::DecisionNs => MetricType::Histogram,
                     Metric::IndexBlocks | Metric::SnapshotVersion | Metric::InFlight | Metric::Queued => {
                         MetricType::Gauge

@@ -52,6 +52,8 @@ pub struct Plan {
     inflight: Inflight,
     /// When the decision was made: a half-open worker's probe slot is taken at that time.
     now: Now,
+    /// A batch: no prediction is judged (its items' reports cannot be told apart).
+    batch: bool,
 }
 
 #[derive(Debug)]
@@ -107,6 +109,7 @@ pub fn endpoint_list(first: &str, then: &[String]) -> String {
 #[derive(Debug)]
 pub struct Committed {
     pub main: Routed,
+    pub prediction: Option<Prediction>,
     pub prefill: Option<Routed>,
     pub merge_logprobs: bool,
     pub stream: bool,
@@ -208,8 +211,10 @@ enum Mode {
     Pd(PdRouter),
 }
 
+mod feedback;
 mod sync;
 
+pub use feedback::Prediction;
 pub use sync::table_from;
 
 /// With a control plane, a filter's own eviction only keeps its index under this many times
@@ -298,6 +303,8 @@ pub struct Gateway {
     /// only by the VM that holds the control-plane streams (another VM's queue would never be
     /// sent; when a VM takes the streams over, its full report covers what it indexed).
     unreported: ReportQueue,
+    /// Blocks engine feedback showed stale, for the next report (the stream owner's only).
+    stale: std::collections::VecDeque<(WorkerId, Vec<u64>)>,
     /// This VM holds the control-plane streams (the plugin says so on every tick).
     reporting: bool,
     /// This Envoy's gateway id: inserts a delta says it reported itself are not applied again.
@@ -335,6 +342,7 @@ impl Gateway {
             stalls: Stalls::new(config.worker_stall_ms),
             last_eviction_secs: 0,
             unreported: ReportQueue::default(),
+            stale: std::collections::VecDeque::new(),
             reporting: false,
             own_id: None,
             table_version: None,
@@ -413,8 +421,11 @@ impl Gateway {
         }
         for delta in self.log.poll(store, head) {
             self.apply_delta(&delta);
-            if !delta.evict && !delta.from_cp {
-                self.queue_report(delta.worker, delta.hashes);
+            match (delta.evict, delta.from_cp) {
+                (false, false) => self.queue_report(delta.worker, delta.hashes),
+                // Engine feedback on another VM of this Envoy.
+                (true, false) => self.queue_stale(delta.worker, delta.hashes),
+                _ => {}
             }
         }
     }
@@ -441,6 +452,7 @@ impl Gateway {
     pub fn set_reporting(&mut self, on: bool) {
         if !on && self.reporting {
             self.unreported.take();
+            self.stale.clear();
         }
         self.reporting = on;
     }
@@ -535,14 +547,31 @@ impl Gateway {
                 }))
             }
         };
-        Outcome::Route(Plan { chosen, main: main_routed, fallbacks, pd, inflight, now })
+        let batch = parsed.batch.is_some();
+        Outcome::Route(Plan { chosen, main: main_routed, fallbacks, pd, inflight, now, batch })
     }
 
     /// Records a plan that was applied: the index learns the prefix, the legs are counted in
     /// flight, and the new blocks go to the other VMs (one CAS for counts and log sequence,
     /// plus the log slot) and into the next report.
     pub fn commit(&mut self, store: &dyn SharedStore, plan: Plan) -> Committed {
-        let Plan { chosen, mut main, pd, inflight, now, fallbacks: _ } = plan;
+        let Plan { chosen, mut main, pd, inflight, now, fallbacks: _, batch } = plan;
+        // What the index believed the chosen worker held, read before this insert: its own
+        // match (a policy that chose by load reports none, though the worker may hold part of
+        // the prompt). A partial last block counts whole (within the one-block tolerance).
+        let prediction = match (&chosen, &self.mode) {
+            (Chosen::Regular(d), Mode::Regular(router)) if !batch && !d.blocks.is_empty() => {
+                let held = router
+                    .index()
+                    .match_prefix(&d.blocks)
+                    .iter()
+                    .find(|m| m.worker == d.worker)
+                    .map_or(0, |m| m.blocks);
+                let bytes = held.saturating_mul(self.config.block_size).max(d.matched_bytes);
+                Some(Prediction::new(d.worker, bytes, &d.blocks, self.config.block_size))
+            }
+            _ => None,
+        };
         let decisions: Vec<&Decision> = match &chosen {
             Chosen::Regular(d) | Chosen::Pd(PdDecision::DecodeOnly(d)) => vec![d],
             Chosen::Pd(PdDecision::Split { prefill, decode }) => vec![decode, prefill],
@@ -582,7 +611,7 @@ impl Gateway {
             Some(p) => (Some(Routed { counted, ..p.prefill }), p.merge_logprobs, p.stream),
             None => (None, false, false),
         };
-        Committed { main, prefill, merge_logprobs, stream }
+        Committed { main, prediction, prefill, merge_logprobs, stream }
     }
 
     /// Where Envoy fails over to when `chosen` fails: the other candidates, least loaded

@@ -38,10 +38,18 @@ pub enum Metric {
     Queued,
     /// Counter: `/abort_request` calls sent for prefill legs whose request ended first.
     PrefillAborts,
+    /// Counter: responses whose `cached_tokens` was compared with the prediction.
+    Predictions,
+    /// Counter: of those, predicted within one index block.
+    PredictionsAccurate,
+    /// Counter: of those, the worker held less than predicted (the rest was dropped).
+    PredictionsOver,
+    /// Counter: of those, the worker held more than predicted.
+    PredictionsUnder,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 10] = [
+    pub const ALL: [Metric; 14] = [
         Metric::Requests,
         Metric::LocalReplies,
         Metric::CacheHits,
@@ -52,6 +60,10 @@ impl Metric {
         Metric::Failovers,
         Metric::Queued,
         Metric::PrefillAborts,
+        Metric::Predictions,
+        Metric::PredictionsAccurate,
+        Metric::PredictionsOver,
+        Metric::PredictionsUnder,
     ];
 
     pub fn name(self) -> &'static str {
@@ -66,6 +78,10 @@ impl Metric {
             Metric::Failovers => "kvmesh_failovers_total",
             Metric::Queued => "kvmesh_queued",
             Metric::PrefillAborts => "kvmesh_prefill_aborts_total",
+            Metric::Predictions => "kvmesh_predictions_total",
+            Metric::PredictionsAccurate => "kvmesh_predictions_accurate_total",
+            Metric::PredictionsOver => "kvmesh_predictions_over_total",
+            Metric::PredictionsUnder => "kvmesh_predictions_under_total",
         }
     }
 }

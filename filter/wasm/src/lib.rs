@@ -16,6 +16,7 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing))]
 
 pub mod admission;
+pub mod feedback;
 pub mod gateway;
 pub mod health;
 pub mod host;
@@ -23,6 +24,7 @@ pub mod link;
 pub mod pd_leg;
 pub mod plugin;
 pub mod request;
+pub mod response_feedback;
 pub mod shared;
 pub mod stall;
 

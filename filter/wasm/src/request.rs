@@ -22,6 +22,7 @@ use crate::admission::{Entry, SharedBucket, WaitRoom};
 use crate::gateway::{endpoint_list, is_routing_header, Gateway, Now, Outcome, Plan, Reply, RequestInfo, Routed};
 use crate::host::{Action, Callout, Host, Metric};
 use crate::pd_leg::{Effect, PdLeg, PrefillResult};
+use crate::response_feedback::ResponseFeedback;
 
 /// The header Envoy's ORIGINAL_DST cluster (`use_http_header`) connects to: the chosen
 /// worker (for clusters that pin one host; no failover there).
@@ -85,6 +86,10 @@ pub struct RequestFilter {
     deferred: Vec<WorkerId>,
     /// The rids the prefill leg can be aborted by (PD).
     abort_rids: Vec<String>,
+    /// Engine feedback on the response (regular requests).
+    feedback: Option<ResponseFeedback>,
+    /// The response body reached its end.
+    complete: bool,
 }
 
 /// What a response says about the worker that was asked.
@@ -196,6 +201,8 @@ impl RequestFilter {
             awaiting: false,
             deferred: Vec::new(),
             abort_rids: Vec::new(),
+            feedback: None,
+            complete: false,
         }
     }
 
@@ -427,6 +434,9 @@ impl RequestFilter {
             Self::count_route(host, &prefill);
             self.pd = Some(PdLeg::new(prefill, token, committed.stream, committed.merge_logprobs));
         }
+        if self.pd.is_none() {
+            self.feedback = Some(ResponseFeedback::new(committed.prediction));
+        }
         self.routed = Some(committed.main);
         Action::Continue
     }
@@ -572,6 +582,9 @@ impl RequestFilter {
         if prefill_out {
             self.deferred.extend(judged.iter().filter(|(_, ok)| !ok).map(|&(w, _)| w));
         }
+        if let Some(f) = self.feedback.as_mut() {
+            f.headers(status, served == routed.addr);
+        }
         let _ = host.set_response_header(WORKER_HEADER, Some(&served));
         let Some(leg) = self.pd.as_mut() else { return Action::Continue };
         let _ = host.set_response_header(PREFILL_HEADER, Some(&leg.prefill().addr));
@@ -583,6 +596,12 @@ impl RequestFilter {
     }
 
     pub fn on_response_body(&mut self, host: &dyn Host, body_size: usize, end_of_stream: bool) -> Action {
+        if let Some(f) = self.feedback.as_mut() {
+            f.body(host, body_size);
+            if end_of_stream {
+                self.complete = true;
+            }
+        }
         let Some(leg) = self.pd.as_mut() else { return Action::Continue };
         let step = leg.decode_body(body_size, end_of_stream, || host.response_body(body_size));
         if let Some(out) = step.replace {
@@ -608,6 +627,10 @@ impl RequestFilter {
                     SharedBucket::give_back(host, &params, host.now_nanos() / 1_000_000);
                 }
             }
+        }
+        if let Some(f) = self.feedback.take() {
+            let complete = self.complete;
+            self.with_gateway(|g| f.finish(g, host, complete));
         }
         let routed = self.routed.take();
         let leg = self.pd.take();

@@ -3,7 +3,7 @@
 
 use kvmesh_core::breaker::BreakerState;
 use kvmesh_core::{Role, RoutingSettings, Worker, WorkerTable};
-use kvmesh_proto::v1::{self as proto, IndexInsert, ReportBatch, WorkerCounts};
+use kvmesh_proto::v1::{self as proto, IndexEvict, IndexInsert, ReportBatch, WorkerCounts};
 use kvmesh_proto::Message;
 
 use super::{build_mode, Gateway, Mode, Now};
@@ -192,7 +192,13 @@ impl Gateway {
             });
             entry.failovers = b.failovers;
         }
-        ReportBatch { gateway_id: gateway_id.to_string(), inserts, counts: counts.into_values().collect() }
+        for (worker, feedback) in crate::feedback::read(store).into_iter().filter(|(w, _)| self.table.get(*w).is_some())
+        {
+            counts.entry(worker).or_insert_with(|| WorkerCounts { worker, ..Default::default() }).feedback =
+                Some(feedback);
+        }
+        let stale = self.stale.drain(..).map(|(worker, hashes)| IndexEvict { worker, hashes }).collect();
+        ReportBatch { gateway_id: gateway_id.to_string(), inserts, counts: counts.into_values().collect(), stale }
     }
 
     /// Everything this VM's index holds, for a control plane that just (re)connected: report

@@ -1,0 +1,274 @@
+//! What a worker's response says about the request it served: `cached_tokens` (SGLang's
+//! `meta_info.cached_tokens`, OpenAI's `usage.prompt_tokens_details.cached_tokens`),
+//! `completion_tokens` and SGLang's `e2e_latency` — read from the response bytes as they pass,
+//! chunk by chunk, without buffering them.
+//!
+//! The scanner keeps a few bytes of state whatever the response's size or shape (no DOM, no
+//! nesting stack): it looks for a JSON key `"<name>"` opened by an unescaped quote, then `:`
+//! and a number, and keeps the last value of each. JSON, SSE (`data: {...}` events, the last
+//! one carrying the key wins) and batched bodies read the same way; inside a string every
+//! quote is escaped, so text the model generated cannot pass for a key.
+
+/// The most bytes of a number kept (longer ones are not numbers a worker would send).
+const MAX_NUMBER: usize = 32;
+
+/// The keys read, in [`Usage`] order.
+const KEYS: [&[u8]; 3] = [b"\"cached_tokens\"", b"\"completion_tokens\"", b"\"e2e_latency\""];
+
+/// The last values a response carried.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Usage {
+    /// Prompt tokens the worker found in its cache.
+    pub cached_tokens: Option<u64>,
+    pub completion_tokens: Option<u64>,
+    /// Seconds from arrival to the end of the request, as the worker measured it.
+    pub e2e_latency: Option<f64>,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum Step {
+    /// Looking for a key: how far each key's pattern is matched.
+    #[default]
+    Seek,
+    /// A key matched: whitespace, then `:`.
+    Colon(u8),
+    /// After the colon: whitespace, then the number.
+    Value(u8),
+    /// Inside the number.
+    Number(u8),
+}
+
+/// The incremental scanner; feed it every chunk, read [`usage`](Self::usage) at the end.
+#[derive(Clone, Debug, Default)]
+pub struct UsageScanner {
+    step: Step,
+    /// How many bytes of each key's pattern the input ends with.
+    matched: [u8; KEYS.len()],
+    /// The previous byte was a backslash that escapes the next one.
+    escaped: bool,
+    number: [u8; MAX_NUMBER],
+    number_len: u8,
+    /// The number is longer than [`MAX_NUMBER`]: it is dropped.
+    number_long: bool,
+    usage: Usage,
+    /// Bytes seen.
+    seen: u64,
+}
+
+impl UsageScanner {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// What the bytes so far carried (a number still being read is not in it yet).
+    pub fn usage(&self) -> Usage {
+        let mut copy = self.clone();
+        copy.finish();
+        copy.usage
+    }
+
+    /// Bytes fed so far.
+    pub fn seen(&self) -> u64 {
+        self.seen
+    }
+
+    /// Reads the next bytes of the response.
+    pub fn feed(&mut self, chunk: &[u8]) {
+        self.seen = self.seen.saturating_add(chunk.len() as u64);
+        for &b in chunk {
+            self.byte(b);
+        }
+    }
+
+    /// The response ended: a number at the very end counts.
+    fn finish(&mut self) {
+        if let Step::Number(key) = self.step {
+            self.store(key);
+            self.step = Step::Seek;
+        }
+    }
+
+    fn byte(&mut self, b: u8) {
+        match self.step {
+            Step::Seek => self.seek(b),
+            Step::Colon(key) => match b {
+                b' ' | b'\t' | b'\r' | b'\n' => {}
+                b':' => self.step = Step::Value(key),
+                _ => self.restart(b),
+            },
+            Step::Value(key) => match b {
+                b' ' | b'\t' | b'\r' | b'\n' => {}
+                b'0'..=b'9' | b'-' => self.start_number(key, b),
+                // `null`, a string, an object: not a number, nothing to keep.
+                _ => self.restart(b),
+            },
+            Step::Number(key) => match b {
+                b'0'..=b'9' | b'.' | b'e' | b'E' | b'+' | b'-' => self.push_digit(b),
+                _ => {
+                    self.store(key);
+                    self.restart(b);
+                }
+            },
+        }
+    }
+
+    /// Back to looking for keys, with `b` read as the first byte of that search.
+    fn restart(&mut self, b: u8) {
+        self.step = Step::Seek;
+        self.matched = [0; KEYS.len()];
+        self.escaped = false;
+        self.seek(b);
+    }
+
+    fn seek(&mut self, b: u8) {
+        let escaped = self.escaped;
+        self.escaped = b == b'\\' && !escaped;
+        for (k, pattern) in KEYS.iter().enumerate() {
+            let Some(m) = self.matched.get_mut(k) else { continue };
+            let pos = usize::from(*m);
+            *m = if pattern.get(pos) == Some(&b) && (pos > 0 || !escaped) {
+                *m + 1
+            } else if b == b'"' && !escaped {
+                // The only quotes of a pattern are its first and last bytes, so a mismatch
+                // can only restart the pattern at a quote.
+                1
+            } else {
+                0
+            };
+            if usize::from(*m) == pattern.len() {
+                self.matched = [0; KEYS.len()];
+                self.step = Step::Colon(k as u8);
+                return;
+            }
+        }
+    }
+
+    fn start_number(&mut self, key: u8, b: u8) {
+        self.number_len = 0;
+        self.number_long = false;
+        self.step = Step::Number(key);
+        self.push_digit(b);
+    }
+
+    fn push_digit(&mut self, b: u8) {
+        match self.number.get_mut(usize::from(self.number_len)) {
+            Some(slot) => {
+                *slot = b;
+                self.number_len += 1;
+            }
+            None => self.number_long = true,
+        }
+    }
+
+    fn store(&mut self, key: u8) {
+        if self.number_long {
+            return;
+        }
+        let Some(text) = self.number.get(..usize::from(self.number_len)).and_then(|n| std::str::from_utf8(n).ok())
+        else {
+            return;
+        };
+        match key {
+            0 => self.usage.cached_tokens = text.parse().ok().or(self.usage.cached_tokens),
+            1 => self.usage.completion_tokens = text.parse().ok().or(self.usage.completion_tokens),
+            _ => {
+                if let Some(v) = text.parse::<f64>().ok().filter(|v| v.is_finite() && *v >= 0.0) {
+                    self.usage.e2e_latency = Some(v);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scan(parts: &[&[u8]]) -> Usage {
+        let mut s = UsageScanner::new();
+        for p in parts {
+            s.feed(p);
+        }
+        s.usage()
+    }
+
+    fn every_split(body: &[u8]) -> Vec<Usage> {
+        (0..=body.len()).map(|i| scan(&[&body[..i], &body[i..]])).collect()
+    }
+
+    #[test]
+    fn sglang_meta_info_and_openai_usage() {
+        let sglang = br#"{"text":" w0 w1","meta_info":{"id":"a","prompt_tokens":40,"completion_tokens":2,"cached_tokens":32,"e2e_latency":0.0125}}"#;
+        let want = Usage { cached_tokens: Some(32), completion_tokens: Some(2), e2e_latency: Some(0.0125) };
+        assert_eq!(scan(&[sglang]), want);
+        let openai = br#"{"id":"x","choices":[{"text":"a"}],"usage":{"prompt_tokens":9,"completion_tokens":3,
+            "total_tokens":12,"prompt_tokens_details":{"cached_tokens" : 8}}}"#;
+        assert_eq!(scan(&[openai]), Usage { cached_tokens: Some(8), completion_tokens: Some(3), e2e_latency: None });
+        assert_eq!(scan(&[br#"{"usage":{"prompt_tokens_details":{"cached_tokens":null}}}"#]), Usage::default());
+    }
+
+    #[test]
+    fn every_chunk_boundary_reads_the_same() {
+        let body = br#"{"meta_info":{"cached_tokens":1234,"completion_tokens":56,"e2e_latency":1.5e-1}}"#;
+        let want = scan(&[body]);
+        assert_eq!(want.cached_tokens, Some(1234));
+        assert_eq!(want.e2e_latency, Some(0.15));
+        for (i, got) in every_split(body).into_iter().enumerate() {
+            assert_eq!(got, want, "split at {i}");
+        }
+        // One byte at a time.
+        let bytes: Vec<&[u8]> = body.chunks(1).collect();
+        assert_eq!(scan(&bytes), want);
+    }
+
+    #[test]
+    fn sse_the_last_event_carrying_the_key_wins() {
+        let stream = b"data: {\"text\":\" w0\",\"meta_info\":{\"cached_tokens\":0,\"completion_tokens\":1}}\n\n\
+            data: {\"text\":\" w0 w1\",\"meta_info\":{\"cached_tokens\":0,\"completion_tokens\":2}}\n\n\
+            data: {\"choices\":[],\"usage\":{\"completion_tokens\":2,\"prompt_tokens_details\":{\"cached_tokens\":16}}}\n\n\
+            data: [DONE]\n\n";
+        let want = Usage { cached_tokens: Some(16), completion_tokens: Some(2), e2e_latency: None };
+        for (i, got) in every_split(stream).into_iter().enumerate() {
+            assert_eq!(got, want, "split at {i}");
+        }
+    }
+
+    #[test]
+    fn generated_text_cannot_pass_for_a_key() {
+        // The model wrote `"cached_tokens": 999` in its answer: escaped inside the string.
+        let body = br#"{"text":"say \"cached_tokens\": 999 and \\\"cached_tokens\": 5","x\"cached_tokens":7,"meta_info":{"cached_tokens":3}}"#;
+        assert_eq!(scan(&[body]).cached_tokens, Some(3));
+        let only_text = br#"{"text":"\"cached_tokens\":999"}"#;
+        assert_eq!(scan(&[only_text]).cached_tokens, None);
+    }
+
+    #[test]
+    fn hostile_values_are_dropped_not_trusted() {
+        let long = format!(r#"{{"cached_tokens":{}}}"#, "9".repeat(100));
+        assert_eq!(scan(&[long.as_bytes()]).cached_tokens, None, "too long to be a count");
+        assert_eq!(scan(&[br#"{"cached_tokens":-5}"#]).cached_tokens, None);
+        assert_eq!(scan(&[br#"{"cached_tokens":1.5}"#]).cached_tokens, None);
+        assert_eq!(scan(&[br#"{"cached_tokens":"12"}"#]).cached_tokens, None);
+        assert_eq!(scan(&[br#"{"e2e_latency":-1}"#]).e2e_latency, None);
+        assert_eq!(scan(&[br#"{"e2e_latency":1e999}"#]).e2e_latency, None);
+        // A good value survives a later bad one.
+        assert_eq!(scan(&[br#"{"cached_tokens":7}{"cached_tokens":"x"}"#]).cached_tokens, Some(7));
+        // A number at the very end of the stream counts.
+        assert_eq!(scan(&[br#"{"cached_tokens":4"#]).cached_tokens, Some(4));
+    }
+
+    #[test]
+    fn huge_and_deep_input_costs_no_memory() {
+        let mut s = UsageScanner::new();
+        let deep = "[".repeat(1 << 16);
+        for _ in 0..64 {
+            s.feed(deep.as_bytes());
+            s.feed(&[b'"'; 4096]);
+            s.feed(&[b'\\'; 4096]);
+        }
+        s.feed(br#""cached_tokens":12}"#);
+        assert_eq!(s.usage().cached_tokens, Some(12));
+        assert_eq!(s.seen(), 64 * ((1 << 16) + 4096 + 4096) + 19);
+        assert!(std::mem::size_of::<UsageScanner>() < 128);
+    }
+}

@@ -1,0 +1,77 @@
+//! Engine feedback on the gateway: what a worker's response said it had cached
+//! (`cached_tokens`) against the prefix this gateway's index matched for it when the request
+//! was routed. The comparison is counted per worker (`kvmesh.feedback`, reported to the
+//! control plane); when the worker held less, the blocks it did not hold are dropped for it —
+//! here, in the other VMs (through the delta log) and, through the report, in the control
+//! plane and so in every gateway.
+
+use kvmesh_core::feedback::{judge, Judged, Verdict};
+use kvmesh_core::usage::Usage;
+use kvmesh_core::WorkerId;
+
+use super::Gateway;
+use crate::shared::{Delta, SharedStore};
+
+/// Most stale block hashes held for the next report (the oldest go first past it).
+const STALE_QUEUE_HASHES: usize = 1 << 16;
+
+/// What the gateway believed a worker held when it routed a request there.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Prediction {
+    pub worker: WorkerId,
+    /// Bytes of the routing text the index matched for that worker.
+    pub matched_bytes: u64,
+    /// The hashes of the matched blocks, in order.
+    pub hashes: Vec<u64>,
+}
+
+impl Prediction {
+    /// The prediction of a decision for `worker` that matched `matched_bytes` of a routing
+    /// text cut into `blocks` of `block_size` bytes.
+    pub fn new(worker: WorkerId, matched_bytes: usize, blocks: &[u64], block_size: usize) -> Self {
+        let n = matched_bytes.div_ceil(block_size.max(1)).min(blocks.len());
+        Self { worker, matched_bytes: matched_bytes as u64, hashes: blocks.get(..n).unwrap_or_default().to_vec() }
+    }
+}
+
+impl Gateway {
+    /// A response of `prediction`'s worker ended, carrying `usage`: judged, counted, and the
+    /// stale blocks dropped. Returns the judgement (None: the response said no
+    /// `cached_tokens`).
+    pub fn feedback(&mut self, store: &dyn SharedStore, prediction: &Prediction, usage: &Usage) -> Option<Judged> {
+        let (block_size, per_token) = (self.config.block_size as u64, self.config.bytes_per_token);
+        let judged = usage
+            .cached_tokens
+            .map(|cached| judge(prediction.matched_bytes, prediction.hashes.len(), cached, block_size, per_token));
+        crate::feedback::record(store, prediction.worker, judged.as_ref(), usage);
+        let stale = match judged.as_ref().filter(|j| j.verdict == Verdict::Over) {
+            Some(j) => prediction.hashes.get(j.stale.clone()).unwrap_or_default().to_vec(),
+            None => Vec::new(),
+        };
+        if let (false, Some(j)) = (stale.is_empty(), judged.as_ref()) {
+            log::debug!(
+                "worker {}: {} cached tokens where {} were predicted; {} blocks dropped",
+                prediction.worker,
+                j.cached_tokens,
+                j.predicted_tokens,
+                stale.len()
+            );
+            let delta = Delta { worker: prediction.worker, evict: true, from_cp: false, hashes: stale };
+            self.apply_delta(&delta);
+            self.log.append(store, std::slice::from_ref(&delta));
+            self.queue_stale(delta.worker, delta.hashes);
+        }
+        judged
+    }
+
+    /// Stale blocks for the next report (only on the VM holding the streams).
+    pub(super) fn queue_stale(&mut self, worker: WorkerId, hashes: Vec<u64>) {
+        if self.config.control_plane_cluster.is_none() || !self.reporting {
+            return;
+        }
+        self.stale.push_back((worker, hashes));
+        while self.stale.iter().map(|(_, h)| h.len()).sum::<usize>() > STALE_QUEUE_HASHES {
+            self.stale.pop_front();
+        }
+    }
+}

@@ -1,0 +1,148 @@
+//! The response side of engine feedback, for one request: the response body is scanned as
+//! it passes (each chunk read, never held or changed: the client receives exactly what the
+//! worker sent), and when the stream ends the gateway compares the worker's `cached_tokens`
+//! with its prediction ([`Gateway::feedback`]).
+
+use kvmesh_core::feedback::Verdict;
+use kvmesh_core::usage::UsageScanner;
+
+use crate::gateway::{Gateway, Prediction};
+use crate::host::{Host, Metric};
+
+/// One request's feedback in progress.
+#[derive(Debug, Default)]
+pub struct ResponseFeedback {
+    prediction: Option<Prediction>,
+    scanner: UsageScanner,
+    /// The worker answered 2xx itself (no failover): only then does the answer count.
+    counts: bool,
+}
+
+impl ResponseFeedback {
+    pub fn new(prediction: Option<Prediction>) -> Self {
+        Self { prediction, ..Self::default() }
+    }
+
+    /// The response headers: a 2xx from the chosen worker is compared, anything else not.
+    pub fn headers(&mut self, status: u16, served_by_chosen: bool) {
+        self.counts = (200..300).contains(&status) && served_by_chosen;
+    }
+
+    /// A chunk of the response body (`body_size` bytes, as Envoy passes it on).
+    pub fn body(&mut self, host: &dyn Host, body_size: usize) {
+        if self.counts && body_size > 0 {
+            self.scanner.feed(&host.response_body(body_size));
+        }
+    }
+
+    /// The stream ended (`complete`: the worker's answer arrived whole).
+    pub fn finish(self, gateway: &mut Gateway, host: &dyn Host, complete: bool) {
+        if !self.counts || !complete {
+            return;
+        }
+        let usage = self.scanner.usage();
+        let Some(prediction) = self.prediction else {
+            if usage.completion_tokens.is_some() {
+                // No prediction (a batch, a blind policy): the completion metrics still count.
+                if let Some(w) = host_worker(gateway, host) {
+                    crate::feedback::record(host, w, None, &usage);
+                }
+            }
+            return;
+        };
+        let Some(judged) = gateway.feedback(host, &prediction, &usage) else { return };
+        host.increment(Metric::Predictions);
+        host.increment(match judged.verdict {
+            Verdict::Accurate => Metric::PredictionsAccurate,
+            Verdict::Over => Metric::PredictionsOver,
+            Verdict::Under => Metric::PredictionsUnder,
+        });
+    }
+}
+
+/// The worker that answered, by Envoy's upstream address.
+fn host_worker(gateway: &Gateway, host: &dyn Host) -> Option<kvmesh_core::WorkerId> {
+    gateway.worker_at(&host.upstream_address()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+    use std::rc::Rc;
+
+    use kvmesh_core::Config;
+
+    use crate::gateway::Gateway;
+    use crate::host::mock::MockHost;
+    use crate::host::{Action, Host, Metric};
+    use crate::request::{RequestFilter, DST_HEADER};
+
+    const TWO: &str = r#"{"worker_urls":["http://127.0.0.1:30001","http://127.0.0.1:30002"]}"#;
+
+    /// One request through the filter, answered by its worker with `chunks` (the response
+    /// body as Envoy passes it on); returns the worker chosen.
+    fn exchange(host: &MockHost, gw: &Rc<RefCell<Gateway>>, prompt: &str, chunks: &[&str]) -> String {
+        let body = serde_json::json!({ "text": prompt }).to_string();
+        host.request("POST", "/generate", &[("content-length", &body.len().to_string())], body.as_bytes());
+        let mut f = RequestFilter::new(Some(Rc::clone(gw)));
+        assert_eq!(f.on_request_headers(host, false), Action::Pause);
+        assert_eq!(f.on_request_body(host, body.len(), true), Action::Continue);
+        let dst = host.request_header(DST_HEADER).unwrap();
+        host.set_response(200, b"");
+        f.on_response_headers(host);
+        for (i, chunk) in chunks.iter().enumerate() {
+            *host.response_body.borrow_mut() = chunk.as_bytes().to_vec();
+            assert_eq!(f.on_response_body(host, chunk.len(), i + 1 == chunks.len()), Action::Continue);
+            assert_eq!(&*host.response_body.borrow(), chunk.as_bytes(), "the client gets the bytes as sent");
+        }
+        f.on_log(host);
+        dst
+    }
+
+    #[test]
+    fn a_worker_that_no_longer_holds_a_prefix_makes_the_next_request_choose_by_load() {
+        let host = MockHost::new();
+        let gw = Rc::new(RefCell::new(Gateway::new(Config::from_json(TWO.as_bytes()).unwrap(), &host, 9)));
+        let prompt = "s".repeat(640); // 20 blocks, 160 tokens
+        let first = exchange(&host, &gw, &prompt, &[r#"{"text":"x","meta_info":{"cached_"#, r#"tokens":0}}"#]);
+        assert_eq!(host.metric_sum(Metric::PredictionsAccurate), 1, "a miss predicted, a miss found");
+        // Predicted: 160 tokens on the same worker. The worker says it had none (it evicted them).
+        let second =
+            exchange(&host, &gw, &prompt, &[r#"data: {"meta_info":{"cached_tokens":0}}"#, "\n\ndata: [DONE]\n\n"]);
+        assert_eq!(second, first, "sticky while the index believes it");
+        assert_eq!(host.metric_sum(Metric::CacheHits), 1);
+        assert_eq!(host.metric_sum(Metric::PredictionsOver), 1);
+        // The next request with that prefix is no cache hit any more: chosen by load.
+        exchange(
+            &host,
+            &gw,
+            &prompt,
+            &[r#"{"meta_info":{"cached_tokens":160,"completion_tokens":3,"e2e_latency":0.5}}"#],
+        );
+        assert_eq!(host.metric_sum(Metric::CacheHits), 1, "the stale prefix attracts no traffic");
+        assert_eq!(host.metric_sum(Metric::Predictions), 3);
+        let counts = crate::feedback::read(&host);
+        let total: u32 = counts.iter().map(|(_, f)| f.predictions).sum();
+        let completions: u64 = counts.iter().map(|(_, f)| f.completion_tokens).sum();
+        assert_eq!((total, completions), (3, 3));
+    }
+
+    #[test]
+    fn failed_or_failed_over_answers_and_cut_streams_are_not_judged() {
+        let host = MockHost::new();
+        let gw = Rc::new(RefCell::new(Gateway::new(Config::from_json(TWO.as_bytes()).unwrap(), &host, 9)));
+        let body = r#"{"text":"hello hello hello hello hello hello hello"}"#;
+        for (status, upstream, end) in [(500, None, true), (200, Some("127.0.0.9:1"), true), (200, None, false)] {
+            host.request("POST", "/generate", &[("content-length", &body.len().to_string())], body.as_bytes());
+            let mut f = RequestFilter::new(Some(Rc::clone(&gw)));
+            f.on_request_headers(&host, false);
+            f.on_request_body(&host, body.len(), true);
+            host.set_response(status, br#"{"meta_info":{"cached_tokens":0}}"#);
+            *host.upstream.borrow_mut() = upstream.map(String::from);
+            f.on_response_headers(&host);
+            f.on_response_body(&host, host.response_body(1 << 20).len(), end);
+            f.on_log(&host);
+        }
+        assert_eq!(host.metric_sum(Metric::Predictions), 0);
+    }
+}

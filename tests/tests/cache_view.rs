@@ -1,0 +1,136 @@
+//! The cache view under pressure, end to end (real kvmesh-cp, Envoy with the real filter,
+//! sims): the index's part of a worker stays within the KV capacity the worker reports, and
+//! a prefix the worker evicted behind the gateway's back stops attracting traffic once a
+//! response shows it, with hit-prediction accuracy in kvmesh-cp's `/workers` and `/metrics`
+//! and in Envoy's stats.
+
+use std::time::Duration;
+
+use kvmesh_testkit::http;
+use kvmesh_testkit::{prom, wait_until, ControlPlane, Envoy, EnvoyOptions, Sim};
+use serde_json::{json, Value};
+
+fn gateway(cp: &ControlPlane) -> Envoy {
+    let mut opts = EnvoyOptions::new(json!({"worker_urls": []})).unwrap();
+    opts.use_control_plane(cp);
+    let envoy = Envoy::start(&opts).unwrap();
+    wait_until("the first snapshot", Duration::from_secs(20), || {
+        envoy.stat("wasmcustom.kvmesh_snapshot_version").unwrap().unwrap_or(0) >= 1
+    })
+    .unwrap();
+    envoy
+}
+
+/// Sends a generation through the gateway; returns the worker that served it.
+fn generate(envoy: &Envoy, text: &str) -> String {
+    let r = http::post_json(&envoy.url("/generate"), &json!({"text": text, "sampling_params": {"max_new_tokens": 1}}))
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.header("x-sim-worker").unwrap().to_string()
+}
+
+fn worker(cp: &ControlPlane, url: &str) -> Value {
+    let all = http::get(&cp.url("/workers")).unwrap().json().unwrap();
+    all.as_array().unwrap().iter().find(|w| w["url"] == url).cloned().unwrap_or(Value::Null)
+}
+
+/// Index blocks the control plane believes `url` holds of `text`.
+fn held(cp: &ControlPlane, url: &str, text: &str) -> u64 {
+    let m = http::post(&cp.url("/match"), text.as_bytes(), &[]).unwrap().json().unwrap();
+    m.as_array().unwrap().iter().find(|e| e["url"] == url).map_or(0, |e| e["blocks"].as_u64().unwrap())
+}
+
+fn metric(cp: &ControlPlane, series: &str) -> Option<f64> {
+    prom::value(&http::get(&cp.url("/metrics")).unwrap().text(), series)
+}
+
+#[test]
+fn a_workers_part_of_the_index_stays_within_the_kv_capacity_it_reports() {
+    // 512 tokens: 32 pages of 16 tokens; 2048 bytes of prompt at 4 bytes a token, 64 blocks.
+    let sim = Sim::start(&["--time-scale", "0", "--kv-capacity-tokens", "512"]).unwrap();
+    // No periodic eviction within the test: only the capacity model can bound the index.
+    let cp = ControlPlane::start(&["--worker-urls", &sim.url(), "--eviction-interval-secs", "3600"]).unwrap();
+    wait_until("kvmesh-cp to learn the worker's KV capacity", Duration::from_secs(15), || {
+        worker(&cp, &sim.url())["kv_capacity_tokens"] == 512
+    })
+    .unwrap();
+    let envoy = gateway(&cp);
+    // 20 prompts of 256 bytes (64 tokens, 8 blocks each): 1280 tokens, 2.5 times the capacity.
+    let prompts: Vec<String> = (0..20).map(|i| format!("{i:03} {}", "p".repeat(252))).collect();
+    for p in &prompts {
+        generate(&envoy, p);
+        let w = worker(&cp, &sim.url());
+        let tokens = w["index_tokens"].as_u64().unwrap();
+        assert!(tokens <= 512, "the index claims {tokens} tokens of a worker that holds 512: {w}");
+    }
+    // Everything reported: 160 blocks routed, 64 kept.
+    wait_until("kvmesh-cp to evict the worker's least recently used blocks", Duration::from_secs(15), || {
+        metric(&cp, "kvmesh_evicted_blocks_total") >= Some(96.0)
+    })
+    .unwrap();
+    let w = worker(&cp, &sim.url());
+    assert_eq!((w["index_entries"].as_u64(), w["index_tokens"].as_u64()), (Some(64), Some(512)), "{w}");
+    assert_eq!(metric(&cp, "kvmesh_worker_kv_capacity_tokens"), Some(512.0));
+    assert_eq!(metric(&cp, "kvmesh_worker_index_tokens"), Some(512.0));
+    // The same prefixes as the worker's own LRU: the last 8 prompts, not the first ones.
+    for (i, p) in prompts.iter().enumerate() {
+        let want = if i >= 12 { 8 } else { 0 };
+        assert_eq!(held(&cp, &sim.url(), p), want, "prompt {i}");
+    }
+    // And the worker agrees: the oldest prompt is a miss there, the newest a hit.
+    let cached = |text: &str| {
+        let r = http::post_json(&format!("{}/generate", sim.url()), &json!({"text": text})).unwrap();
+        r.json().unwrap()["meta_info"]["cached_tokens"].as_u64().unwrap()
+    };
+    assert_eq!(cached(&prompts[19]), 64);
+    assert_eq!(cached(&prompts[0]), 0);
+}
+
+#[test]
+fn a_prefix_the_worker_evicted_stops_attracting_traffic_and_accuracy_is_exported() {
+    let sims: Vec<Sim> = (0..2).map(|_| Sim::start(&["--time-scale", "0"]).unwrap()).collect();
+    let cp = ControlPlane::start(&["--worker-urls", &sims[0].url(), &sims[1].url()]).unwrap();
+    let envoy = gateway(&cp);
+    let stat = |name: &str| envoy.stat(&format!("wasmcustom.{name}")).unwrap().unwrap_or(0);
+    let prompt = format!("system prompt: {}", "s".repeat(625)); // 640 bytes: 160 tokens, 20 blocks
+    let first = generate(&envoy, &prompt); // predicted 0, found 0
+    let sim = sims.iter().find(|s| s.addr() == first).unwrap();
+    assert_eq!(generate(&envoy, &prompt), first, "predicted 160 tokens, found 160");
+    assert_eq!(stat("kvmesh_cache_hits_total"), 1);
+    // The worker loses its cache behind the gateway's back (a restart, another router's traffic).
+    assert_eq!(http::post(&format!("{}/flush_cache", sim.url()), b"", &[]).unwrap().status, 200);
+    assert_eq!(generate(&envoy, &prompt), first, "the index still believes it: predicted 160, found 0");
+    assert_eq!(stat("kvmesh_cache_hits_total"), 2);
+    wait_until("the gateway to judge the three responses", Duration::from_secs(10), || {
+        stat("kvmesh_predictions_total") == 3
+    })
+    .unwrap();
+    assert_eq!((stat("kvmesh_predictions_accurate_total"), stat("kvmesh_predictions_over_total")), (2, 1));
+    // Every gateway learns: kvmesh-cp drops the prefix for that worker.
+    wait_until("kvmesh-cp to drop the stale prefix", Duration::from_secs(10), || held(&cp, &sim.url(), &prompt) == 0)
+        .unwrap();
+    // The next request with that prefix is no cache hit: chosen by load.
+    generate(&envoy, &prompt);
+    assert_eq!(stat("kvmesh_cache_hits_total"), 2, "the stale prefix attracts no traffic");
+    // Accuracy per worker in /workers and /metrics, matching what the sim reported.
+    wait_until("kvmesh-cp to sum the gateway's feedback", Duration::from_secs(10), || {
+        worker(&cp, &sim.url())["prediction"]["predictions"].as_u64() >= Some(3)
+    })
+    .unwrap();
+    let w = worker(&cp, &sim.url());
+    let p = &w["prediction"];
+    assert_eq!((p["accurate"].as_u64(), p["over"].as_u64()), (Some(2), Some(1)), "{w}");
+    assert_eq!(p["predicted_tokens"].as_u64(), Some(320), "{w}");
+    let sim_cached = sim.stats().unwrap()["cached_tokens"].as_u64().unwrap();
+    let fourth_here = p["predictions"] == 4;
+    assert_eq!(p["cached_tokens"].as_u64(), Some(sim_cached), "what the sim reported: {w}");
+    if !fourth_here {
+        assert!((p["accuracy"].as_f64().unwrap() - 2.0 / 3.0).abs() < 1e-9, "{w}");
+    }
+    let metrics = http::get(&cp.url("/metrics")).unwrap().text();
+    let series = |name: &str| format!("{name}{{worker=\"{}\",role=\"regular\"}}", sim.url());
+    let accuracy = metrics.lines().find_map(|l| l.strip_prefix(&series("kvmesh_worker_prediction_accuracy")));
+    assert!(accuracy.is_some(), "{metrics}");
+    assert!(metrics.contains(&format!("{} 1", series("kvmesh_worker_predictions_over_total"))), "{metrics}");
+    assert!(prom::value(&metrics, "kvmesh_stale_blocks_total") >= Some(20.0), "{metrics}");
+}
