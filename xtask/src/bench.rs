@@ -174,3 +174,43 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     step(&format!("benchmarks done in {:.0} s; reports in {}", started.elapsed().as_secs_f64(), o.out.display()));
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The harness cannot rot: the quick overhead suite at a tiny size (both modes, every
+    /// router) runs and writes its JSON with both peers and the ratios. Timings are not checked.
+    /// Needs what `cargo xtask test` installs and builds (Envoy, the .wasm, the sims, both peers).
+    #[test]
+    fn the_quick_overhead_suite_runs_every_router_and_writes_its_json() {
+        let root = kvmesh_testkit::repo_root();
+        let smg = std::env::var_os("KVMESH_SMG_BIN").map_or(root.join(".venv/smg/bin/smg"), PathBuf::from);
+        let python = std::env::var_os("SGLANG_ROUTER_PYTHON").map_or(root.join(".venv/bin/python"), PathBuf::from);
+        let bins = PeerBins { smg: Some(smg), sglang_python: Some(python) };
+        let out = std::env::temp_dir().join(format!("kvmesh-bench-test-{}", std::process::id()));
+        let o =
+            Opts { suites: vec![Suite::Overhead], seconds: 0.3, connections: 4, out: out.clone(), ..Opts::new(true) };
+        run_suites(&o, &bins).unwrap();
+        let doc: Value = serde_json::from_str(&std::fs::read_to_string(out.join("overhead.json")).unwrap()).unwrap();
+        let results = doc["results"].as_array().unwrap();
+        for mode in ["regular", "pd"] {
+            for router in ["kvmesh", "smg", "sglang-router", "envoy+smg", "envoy+sglang-router"] {
+                let row = results.iter().find(|r| r["mode"] == mode && r["router"] == router);
+                let row = row.unwrap_or_else(|| panic!("no {router} in {mode} mode: {doc:#}"));
+                assert!(row["requests_ok"].as_u64().unwrap() > 0, "{row}");
+            }
+        }
+        for router in ["direct", "plain-envoy"] {
+            assert!(results.iter().any(|r| r["router"] == router), "no {router}");
+        }
+        let ratios = doc["ratios"].as_array().unwrap();
+        for peer in ["smg", "sglang-router"] {
+            assert!(ratios.iter().any(|r| r["versus_router"] == peer && r["rps_ratio"].as_f64().unwrap() > 0.0));
+        }
+        assert_eq!(doc["failed_to_start"].as_array().unwrap().len(), 0);
+        assert!(doc["commit"].is_string() && doc["machine"]["cores"].as_u64().unwrap() > 0);
+        assert!(std::fs::read_to_string(out.join("overhead.md")).unwrap().contains("| kvmesh (1 thread"));
+        let _ = std::fs::remove_dir_all(&out);
+    }
+}

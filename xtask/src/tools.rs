@@ -257,6 +257,7 @@ pub fn test(args: &[String]) -> anyhow::Result<()> {
     ensure_node()?;
     let envoy = ensure_envoy()?;
     let sglang_router = ensure_sglang_router()?;
+    let smg = ensure_smg()?;
     let kubectl = ensure_kubectl()?;
     lint()?;
     build()?;
@@ -267,7 +268,7 @@ pub fn test(args: &[String]) -> anyhow::Result<()> {
     let mut native = cargo();
     native.args(["test", "--workspace"]);
     stack_env(&mut native, &envoy);
-    native.env("SGLANG_ROUTER_PYTHON", &sglang_router).env("KVMESH_KUBECTL", &kubectl);
+    native.env("SGLANG_ROUTER_PYTHON", &sglang_router).env("KVMESH_KUBECTL", &kubectl).env("KVMESH_SMG_BIN", &smg);
     run_tests(&mut native, &mut totals)?;
 
     step("routing core tests compiled to wasm32-wasip1 (run under Node's WASI)");

@@ -103,6 +103,7 @@ pub fn run(o: &Opts) -> anyhow::Result<(Value, String)> {
     micro.extend(criterion(o, "kvmesh-proto", "snapshot")?);
     micro.retain(|(id, _)| ["decision/", "index/", "snapshot/"].iter().any(|p| id.starts_with(p)));
     micro.sort_by(|a, b| a.0.cmp(&b.0));
+    micro.dedup_by(|a, b| a.0 == b.0);
     let cp = super::cp::run()?;
     let prop = propagation(if o.quick { 30 } else { 300 })?;
     let doc = json!({
