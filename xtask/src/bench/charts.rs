@@ -59,6 +59,9 @@ fn bars(path: &Path, title: &str, unit: &str, items: &[(String, f64)]) -> anyhow
     Ok(())
 }
 
+/// A chart to draw: file name, title, unit, bars.
+type Chart = (String, String, &'static str, Vec<(String, f64)>);
+
 /// Draws the suite's charts into `dir`; returns their file names.
 pub fn draw(dir: &Path, suite: &str, doc: &Value) -> Vec<String> {
     if !font() {
@@ -66,7 +69,7 @@ pub fn draw(dir: &Path, suite: &str, doc: &Value) -> Vec<String> {
         return Vec::new();
     }
     let results = doc["results"].as_array().cloned().unwrap_or_default();
-    let mut charts: Vec<(String, String, &str, Vec<(String, f64)>)> = Vec::new();
+    let mut charts: Vec<Chart> = Vec::new();
     let pick = |filter: &dyn Fn(&Value) -> bool, key: &str, scale: f64| -> Vec<(String, f64)> {
         results
             .iter()
