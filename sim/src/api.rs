@@ -432,9 +432,11 @@ async fn metrics(State(e): Shared) -> impl IntoResponse {
     ([("content-type", "text/plain; version=0.0.4")], out)
 }
 
+/// OpenAI's model list, owned by `sglang` as SGLang answers it: routers (SMG) read that
+/// field to tell an SGLang worker from other backends.
 async fn models(State(e): Shared) -> Json<Value> {
     Json(
-        json!({"object": "list", "data": [{"id": e.args.model, "object": "model", "created": created(), "owned_by": "kvmesh-sim"}]}),
+        json!({"object": "list", "data": [{"id": e.args.model, "object": "model", "created": created(), "owned_by": "sglang"}]}),
     )
 }
 

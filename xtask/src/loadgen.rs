@@ -1,30 +1,58 @@
-//! A closed-loop HTTP/1.1 load generator: N keep-alive connections, each sending the next
-//! prepared request as soon as the previous answer is in. Plain sockets, so the client
-//! costs little CPU next to the proxies being compared.
+//! The one load generator every router is measured with: a fixed request stream sent over a
+//! fixed number of keep-alive HTTP/1.1 connections (closed loop: each connection sends the
+//! stream's next request as soon as its previous answer is in), latencies in HDR histograms,
+//! a progress bar on a terminal. Plain sockets, so the client costs little CPU next to the
+//! proxies being compared.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use hdrhistogram::Histogram;
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// Latencies are recorded in microseconds, from 1 µs to 10 minutes, 3 significant digits.
+fn histogram() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 600_000_000, 3).expect("constant, valid bounds")
+}
+
+/// How long a run lasts.
+#[derive(Clone, Copy, Debug)]
+pub enum Stop {
+    /// Cycle through the stream for this long, after a warm-up of a tenth of it (not measured).
+    For(Duration),
+    /// Send every request of the stream once, in order (all measured).
+    Once,
+}
+
+/// What a run measured.
 pub struct Load {
+    /// Requests answered or failed, the warm-up included.
+    pub sent: u64,
     pub ok: u64,
     pub errors: u64,
     pub elapsed: Duration,
-    /// Latency of every successful request, sorted.
-    pub latencies: Vec<Duration>,
+    /// Request to complete answer, µs, successful requests only.
+    pub latency: Histogram<u64>,
+    /// Request to first body byte (for a stream: the first event), µs.
+    pub ttft: Histogram<u64>,
 }
 
 impl Load {
     pub fn rps(&self) -> f64 {
-        self.ok as f64 / self.elapsed.as_secs_f64()
+        self.ok as f64 / self.elapsed.as_secs_f64().max(1e-9)
     }
 
-    pub fn quantile(&self, q: f64) -> Duration {
-        if self.latencies.is_empty() {
-            return Duration::ZERO;
-        }
-        let i = ((self.latencies.len() - 1) as f64 * q).round() as usize;
-        self.latencies[i]
+    /// The latency at quantile `q`, in milliseconds.
+    pub fn ms(&self, q: f64) -> f64 {
+        self.latency.value_at_quantile(q) as f64 / 1e3
+    }
+
+    /// The time to first byte at quantile `q`, in milliseconds.
+    pub fn ttft_ms(&self, q: f64) -> f64 {
+        self.ttft.value_at_quantile(q) as f64 / 1e3
     }
 }
 
@@ -37,8 +65,8 @@ pub fn post(path: &str, body: &str) -> Vec<u8> {
     .into_bytes()
 }
 
-/// Reads one response; returns its status.
-fn read_response(r: &mut BufReader<TcpStream>) -> std::io::Result<u16> {
+/// Reads one response: its status and when its first body byte arrived.
+fn read_response(r: &mut BufReader<TcpStream>) -> std::io::Result<(u16, Option<Instant>)> {
     let mut line = String::new();
     r.read_line(&mut line)?;
     let status: u16 = line.split(' ').nth(1).and_then(|s| s.parse().ok()).ok_or(std::io::ErrorKind::InvalidData)?;
@@ -61,74 +89,140 @@ fn read_response(r: &mut BufReader<TcpStream>) -> std::io::Result<u16> {
         }
     }
     if !chunked {
+        let first = (length > 0).then(|| r.fill_buf().map(|_| Instant::now())).transpose()?;
         std::io::copy(&mut r.by_ref().take(length as u64), &mut std::io::sink())?;
-        return Ok(status);
+        return Ok((status, first));
     }
+    let mut first = None;
     loop {
         line.clear();
         r.read_line(&mut line)?;
         let size = usize::from_str_radix(line.trim().split(';').next().unwrap_or("0"), 16).unwrap_or(0);
+        if size > 0 && first.is_none() {
+            first = Some(Instant::now());
+        }
         std::io::copy(&mut r.by_ref().take(size as u64 + 2), &mut std::io::sink())?;
         if size == 0 {
-            return Ok(status);
+            return Ok((status, first));
         }
     }
 }
 
-/// Sends `requests` round-robin over `connections` connections to `targets` for `duration`
-/// (after a warm-up of a tenth of it).
-pub fn run(targets: &[SocketAddr], requests: &[Vec<u8>], connections: usize, duration: Duration) -> Load {
-    let warmup = duration / 10;
-    let start = Instant::now() + warmup;
-    let end = start + duration;
-    let threads: Vec<_> = (0..connections)
+/// Sends `requests` over `connections` connections spread over `targets` (connection `c` to
+/// `targets[c % len]`). Requests are taken from the stream in order by whichever connection
+/// is free, so every router sees the same stream at the same concurrency.
+pub fn run(label: &str, targets: &[SocketAddr], requests: &[Vec<u8>], connections: usize, stop: Stop) -> Load {
+    let requests: Arc<Vec<Vec<u8>>> = Arc::new(requests.to_vec());
+    let next = Arc::new(AtomicUsize::new(0));
+    let done = Arc::new(AtomicU64::new(0));
+    let halt = Arc::new(AtomicBool::new(false));
+    let began = Instant::now();
+    let (measure_from, end) = match stop {
+        Stop::For(d) => (began + d / 10, Some(began + d / 10 + d)),
+        Stop::Once => (began, None),
+    };
+    let bar = match stop {
+        Stop::For(d) => ProgressBar::new(d.as_millis() as u64 + d.as_millis() as u64 / 10),
+        Stop::Once => ProgressBar::new(requests.len() as u64),
+    };
+    bar.set_style(
+        ProgressStyle::with_template("    {prefix:>28} [{bar:30}] {pos}/{len} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    bar.set_prefix(label.chars().take(28).collect::<String>());
+    let threads: Vec<_> = (0..connections.max(1))
         .map(|c| {
             let target = targets[c % targets.len()];
-            let requests: Vec<Vec<u8>> = requests.iter().skip(c).step_by(connections).cloned().collect();
-            std::thread::spawn(move || worker(target, &requests, start, end))
+            let (requests, next, done, halt) = (requests.clone(), next.clone(), done.clone(), halt.clone());
+            std::thread::spawn(move || worker(target, &requests, &next, &done, &halt, stop, measure_from, end))
         })
         .collect();
-    let mut total = Load { ok: 0, errors: 0, elapsed: duration, latencies: Vec::new() };
+    while threads.iter().any(|t| !t.is_finished()) {
+        std::thread::sleep(Duration::from_millis(100));
+        match stop {
+            Stop::For(_) => bar.set_position(began.elapsed().as_millis() as u64),
+            Stop::Once => bar.set_position(done.load(Relaxed)),
+        }
+        bar.set_message(format!("{:.0} req/s", done.load(Relaxed) as f64 / began.elapsed().as_secs_f64()));
+        // A run that cannot finish (a router that stopped answering) is cut off.
+        if began.elapsed() > Duration::from_secs(900) {
+            halt.store(true, Relaxed);
+        }
+    }
+    bar.finish_and_clear();
+    let elapsed = match stop {
+        Stop::For(d) => d,
+        Stop::Once => began.elapsed(),
+    };
+    let mut total =
+        Load { sent: done.load(Relaxed), ok: 0, errors: 0, elapsed, latency: histogram(), ttft: histogram() };
     for t in threads {
         if let Ok(part) = t.join() {
             total.ok += part.ok;
             total.errors += part.errors;
-            total.latencies.extend(part.latencies);
+            let _ = total.latency.add(&part.latency);
+            let _ = total.ttft.add(&part.ttft);
         }
     }
-    total.latencies.sort_unstable();
     total
 }
 
-fn worker(target: SocketAddr, requests: &[Vec<u8>], start: Instant, end: Instant) -> Load {
-    let mut load = Load { ok: 0, errors: 0, elapsed: Duration::ZERO, latencies: Vec::new() };
+#[allow(clippy::too_many_arguments)]
+fn worker(
+    target: SocketAddr,
+    requests: &[Vec<u8>],
+    next: &AtomicUsize,
+    done: &AtomicU64,
+    halt: &AtomicBool,
+    stop: Stop,
+    measure_from: Instant,
+    end: Option<Instant>,
+) -> Load {
+    let mut load = Load { sent: 0, ok: 0, errors: 0, elapsed: Duration::ZERO, latency: histogram(), ttft: histogram() };
     let mut conn: Option<(TcpStream, BufReader<TcpStream>)> = None;
-    let mut i = 0usize;
-    while Instant::now() < end && !requests.is_empty() {
-        if conn.is_none() {
-            let Ok(s) = TcpStream::connect_timeout(&target, Duration::from_secs(2)) else {
-                load.errors += 1;
-                std::thread::sleep(Duration::from_millis(10));
-                continue;
-            };
-            let _ = s.set_nodelay(true);
-            let _ = s.set_read_timeout(Some(Duration::from_secs(30)));
-            let Ok(r) = s.try_clone() else { continue };
-            conn = Some((s, BufReader::new(r)));
-        }
-        let Some((w, r)) = conn.as_mut() else { continue };
-        let sent = Instant::now();
-        let result = w.write_all(&requests[i % requests.len()]).and_then(|_| read_response(r));
-        i += 1;
-        let measured = sent >= start;
-        match result {
-            Ok(200) if measured => {
-                load.ok += 1;
-                load.latencies.push(sent.elapsed());
+    while !requests.is_empty() && !halt.load(Relaxed) && end.is_none_or(|e| Instant::now() < e) {
+        let i = next.fetch_add(1, Relaxed);
+        let request = match stop {
+            Stop::For(_) => &requests[i % requests.len()],
+            Stop::Once if i < requests.len() => &requests[i],
+            Stop::Once => break,
+        };
+        let mut attempt = 0;
+        let result = loop {
+            attempt += 1;
+            if conn.is_none() {
+                let Ok(s) = TcpStream::connect_timeout(&target, Duration::from_secs(2)) else {
+                    std::thread::sleep(Duration::from_millis(10));
+                    if attempt < 3 {
+                        continue;
+                    }
+                    break Err(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+                };
+                let _ = s.set_nodelay(true);
+                let _ = s.set_read_timeout(Some(Duration::from_secs(60)));
+                let Ok(r) = s.try_clone() else { continue };
+                conn = Some((s, BufReader::new(r)));
             }
-            Ok(200) => {}
-            Ok(_) if measured => load.errors += 1,
-            Ok(_) => {}
+            let Some((w, r)) = conn.as_mut() else { continue };
+            let sent = Instant::now();
+            break w.write_all(request).and_then(|_| read_response(r)).map(|(s, first)| (s, sent, first));
+        };
+        done.fetch_add(1, Relaxed);
+        let measured = Instant::now() >= measure_from;
+        match result {
+            Ok((200, sent, first)) if measured => {
+                load.ok += 1;
+                let _ = load.latency.record((sent.elapsed().as_micros() as u64).max(1));
+                let first = first.map_or(sent.elapsed(), |f| f.duration_since(sent));
+                let _ = load.ttft.record((first.as_micros() as u64).max(1));
+            }
+            Ok((200, _, _)) => {}
+            Ok(_) => {
+                if measured {
+                    load.errors += 1;
+                }
+            }
             Err(_) => {
                 if measured {
                     load.errors += 1;

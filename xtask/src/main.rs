@@ -1,7 +1,6 @@
 //! `cargo xtask up | test | bench | package`: the project's tasks, each installing what it needs.
 
 mod bench;
-mod bench_cp;
 mod loadgen;
 mod package;
 mod supervise;
@@ -18,8 +17,10 @@ tasks:
         build, then start 4 simulated workers and Envoy with the kvmesh filter
         (gateway http://127.0.0.1:10000, admin :9901); Ctrl-C stops everything
   test  install what is missing, build, and run every test (unit, wasm32, real Envoy)
-  bench [overhead | pd | cp] [--seconds N] [--connections N] [--no-sglang]
-        benchmarks, side by side with their baselines (never part of the tests)
+  bench [overhead | quality | scale] [--quick] [--seconds N] [--connections N] [--no-pd]
+        [--no-peers] [--out DIR]
+        benchmarks against SMG 1.13.0 and sglang-router 0.3.2 (installed into .venv), the
+        floors and the mesh path; JSON, markdown and charts in target/bench/ (docs/benchmarks.md)
   package [--out DIR] [--tag TAG]
         the filter as users install it: a size-optimised .wasm, its sha256, and an OCI
         image layout for istio-agent (dist/; docs/istio.md)

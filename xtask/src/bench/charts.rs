@@ -1,0 +1,145 @@
+//! PNG charts of a suite's JSON (`plotters`): horizontal bars, one per router/config. Text is
+//! drawn with a TrueType font found on the system at run time (DejaVu or any `.ttf` under
+//! /usr/share/fonts); without one, no chart is drawn and the run says so.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use plotters::prelude::*;
+use plotters::style::FontStyle;
+use serde_json::Value;
+
+fn font_file(dir: &Path, depth: usize) -> Option<PathBuf> {
+    let entries = std::fs::read_dir(dir).ok()?;
+    let mut dirs = Vec::new();
+    for e in entries.flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            dirs.push(p);
+        } else if p.extension().is_some_and(|x| x == "ttf") {
+            return Some(p);
+        }
+    }
+    dirs.into_iter().filter(|_| depth > 0).find_map(|d| font_file(&d, depth - 1))
+}
+
+/// Registers a system font as "sans-serif" once; false when there is none.
+fn font() -> bool {
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(|| {
+        let preferred = PathBuf::from("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf");
+        let path = if preferred.exists() { Some(preferred) } else { font_file(Path::new("/usr/share/fonts"), 4) };
+        let Some(bytes) = path.and_then(|p| std::fs::read(p).ok()) else { return false };
+        let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+        plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_ok()
+    })
+}
+
+/// One horizontal bar per `(label, value)`, kvmesh's in another colour.
+fn bars(path: &Path, title: &str, unit: &str, items: &[(String, f64)]) -> anyhow::Result<()> {
+    let (w, row) = (1100u32, 26u32);
+    let h = 70 + row * items.len() as u32 + 20;
+    let root = BitMapBackend::new(path, (w, h)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let text = |size: u32| ("sans-serif", size).into_font().color(&BLACK);
+    root.draw(&Text::new(title.to_string(), (20, 15), text(20))).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let max = items.iter().map(|(_, v)| *v).filter(|v| v.is_finite()).fold(0.0, f64::max).max(1e-9);
+    let (x0, span) = (430i32, 560f64);
+    for (i, (label, v)) in items.iter().enumerate() {
+        let y = 60 + (i as u32 * row) as i32;
+        let colour = if label.starts_with("kvmesh") { RGBColor(31, 119, 180) } else { RGBColor(170, 170, 170) };
+        let len = if v.is_finite() { (v / max * span) as i32 } else { 0 };
+        root.draw(&Text::new(label.clone(), (20, y + 4), text(14))).map_err(|e| anyhow::anyhow!("{e}"))?;
+        root.draw(&Rectangle::new([(x0, y), (x0 + len.max(1), y + row as i32 - 6)], colour.filled()))
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let value = if v.is_finite() { format!("{v:.1} {unit}") } else { "-".into() };
+        root.draw(&Text::new(value, (x0 + len + 6, y + 4), text(14))).map_err(|e| anyhow::anyhow!("{e}"))?;
+    }
+    root.present().map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok(())
+}
+
+/// A chart to draw: file name, title, unit, bars.
+type Chart = (String, String, &'static str, Vec<(String, f64)>);
+
+/// Draws the suite's charts into `dir`; returns their file names.
+pub fn draw(dir: &Path, suite: &str, doc: &Value) -> Vec<String> {
+    if !font() {
+        eprintln!("xtask: no TrueType font under /usr/share/fonts: no charts (apt-get install fonts-dejavu-core)");
+        return Vec::new();
+    }
+    let results = doc["results"].as_array().cloned().unwrap_or_default();
+    let mut charts: Vec<Chart> = Vec::new();
+    let pick = |filter: &dyn Fn(&Value) -> bool, key: &str, scale: f64| -> Vec<(String, f64)> {
+        results
+            .iter()
+            .filter(|r| filter(r))
+            .map(|r| (r["config"].as_str().unwrap_or("").to_string(), r[key].as_f64().unwrap_or(f64::NAN) * scale))
+            .collect()
+    };
+    match suite {
+        "overhead" => {
+            for mode in ["regular", "pd"] {
+                let rows = pick(&|r: &Value| r["mode"] == mode, "rps", 1.0);
+                if !rows.is_empty() {
+                    charts.push((
+                        format!("overhead-{mode}-rps.png"),
+                        format!("Overhead ({mode}): requests per second"),
+                        "req/s",
+                        rows,
+                    ));
+                }
+                let rows =
+                    pick(&|r: &Value| r["mode"] == mode && r["router"] != "direct", "proxy_cpu_us_per_request", 1.0);
+                if !rows.is_empty() {
+                    charts.push((
+                        format!("overhead-{mode}-cpu.png"),
+                        format!("Overhead ({mode}): proxy CPU per request"),
+                        "µs",
+                        rows,
+                    ));
+                }
+            }
+        }
+        "quality" => {
+            let mut workloads: Vec<String> =
+                results.iter().filter_map(|r| r["workload"].as_str().map(String::from)).collect();
+            workloads.dedup();
+            for w in workloads {
+                let rows = pick(&|r: &Value| r["workload"] == w.as_str(), "hit_rate", 100.0);
+                charts.push((format!("quality-{w}-hit.png"), format!("Quality ({w}): KV cache hit rate"), "%", rows));
+            }
+        }
+        _ => {}
+    }
+    let mut out = Vec::new();
+    for (file, title, unit, rows) in charts {
+        match bars(&dir.join(&file), &title, unit, &rows) {
+            Ok(()) => out.push(file),
+            Err(e) => eprintln!("xtask: chart {file}: {e:#}"),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_overhead_chart_is_a_png_when_a_font_exists() {
+        let dir = std::env::temp_dir().join(format!("kvmesh-charts-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let doc = serde_json::json!({"results": [
+            {"mode": "regular", "router": "kvmesh", "config": "kvmesh (1 thread)", "rps": 5000.0, "proxy_cpu_us_per_request": 150.0},
+            {"mode": "regular", "router": "smg", "config": "SMG 1.13.0", "rps": 3000.0, "proxy_cpu_us_per_request": 250.0},
+        ]});
+        let files = draw(&dir, "overhead", &doc);
+        if font() {
+            assert_eq!(files, ["overhead-regular-rps.png", "overhead-regular-cpu.png"]);
+            let png = std::fs::read(dir.join(&files[0])).unwrap();
+            assert_eq!(&png[1..4], b"PNG");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,0 +1,295 @@
+//! The overhead suite: workers answer at once (`--time-scale 0`), so what is measured is the
+//! proxy. Regular mode: direct to the workers, plain Envoy, kvmesh (Envoy with the filter),
+//! SMG, sglang-router, and the mesh path (plain Envoy in front of each peer); Envoy with 1 and
+//! 2 worker threads, the peers with their defaults. PD mode: kvmesh, the peers and the mesh
+//! path over 2 prefill and 2 decode workers.
+
+use kvmesh_testkit::{free_port, Sim};
+use serde_json::{json, Value};
+
+use super::report::{f, table};
+use super::stack::{self, Peer, PeerBins, Running, Workers};
+use super::Opts;
+use crate::loadgen::{self, Load, Stop};
+use crate::tools::step;
+
+/// 16 shared system prompts of ~1 KiB, each followed by a distinct question: the request
+/// stream every router gets.
+pub fn workload() -> Vec<Vec<u8>> {
+    (0..4096)
+        .map(|i| {
+            let group = i % 16;
+            let system = format!("System prompt {group}: you are assistant number {group}. ").repeat(20);
+            let body = json!({"text": format!("{system}Question {i}: what is {i} squared?"), "sampling_params": {"max_new_tokens": 1}});
+            loadgen::post("/generate", &body.to_string())
+        })
+        .collect()
+}
+
+/// One measured configuration.
+struct Row {
+    mode: &'static str,
+    router: &'static str,
+    config: String,
+    threads: Option<u32>,
+    load: Load,
+    cpu_us: Option<f64>,
+}
+
+impl Row {
+    fn json(&self, floor_p50: Option<f64>) -> Value {
+        json!({
+            "mode": self.mode,
+            "router": self.router,
+            "config": self.config,
+            "envoy_threads": self.threads,
+            "requests_ok": self.load.ok,
+            "errors": self.load.errors,
+            "seconds": self.load.elapsed.as_secs_f64(),
+            "rps": self.load.rps(),
+            "p50_ms": self.load.ms(0.5),
+            "p99_ms": self.load.ms(0.99),
+            "added_p50_ms": floor_p50.map(|f| self.load.ms(0.5) - f),
+            "proxy_cpu_us_per_request": self.cpu_us,
+        })
+    }
+}
+
+fn measure(o: &Opts, name: &str, running: &Running, requests: &[Vec<u8>], proxy: bool) -> (Load, Option<f64>) {
+    let before = running.cpu();
+    let load = loadgen::run(name, &running.targets, requests, o.connections, Stop::For(o.duration()));
+    let spent = running.cpu().saturating_sub(before);
+    // Over every request sent, the warm-up included, as the CPU was counted.
+    let cpu = proxy.then(|| spent.as_secs_f64() * 1e6 / load.sent.max(1) as f64);
+    eprintln!(
+        "    {name}: {:.0} req/s  p50 {:.3} ms  p99 {:.3} ms  errors {}{}",
+        load.rps(),
+        load.ms(0.5),
+        load.ms(0.99),
+        load.errors,
+        cpu.map_or(String::new(), |c| format!("  proxy CPU {c:.1} us/req"))
+    );
+    (load, cpu)
+}
+
+/// Starts a configuration, measures it, stops it. A configuration that cannot start is
+/// reported as such, never left out silently.
+#[allow(clippy::too_many_arguments)]
+fn config(
+    o: &Opts,
+    rows: &mut Vec<Row>,
+    failures: &mut Vec<Value>,
+    mode: &'static str,
+    router: &'static str,
+    name: &str,
+    threads: Option<u32>,
+    requests: &[Vec<u8>],
+    start: impl FnOnce() -> anyhow::Result<Running>,
+) {
+    step(&format!("overhead {mode}: {name}"));
+    match start() {
+        Ok(running) => {
+            let (load, cpu_us) = measure(o, name, &running, requests, router != "direct");
+            rows.push(Row { mode, router, config: name.to_string(), threads, load, cpu_us });
+        }
+        Err(e) => {
+            eprintln!("    {name} did not start: {e:#}");
+            failures.push(json!({"mode": mode, "router": router, "config": name, "error": format!("{e:#}")}));
+        }
+    }
+}
+
+pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
+    let requests = workload();
+    let mut rows = Vec::new();
+    let mut failures = Vec::new();
+    let peers: Vec<Peer> = [Peer::Smg, Peer::SglangRouter]
+        .into_iter()
+        .filter(|p| match p {
+            Peer::Smg => bins.smg.is_some(),
+            Peer::SglangRouter => bins.sglang_python.is_some(),
+        })
+        .collect();
+    let threads = [1u32, 2];
+
+    {
+        step("starting 4 simulated workers (--time-scale 0)");
+        let sims: Vec<Sim> =
+            (0..4).map(|_| Sim::start(&["--time-scale", "0", "--max-running", "4096"])).collect::<Result<_, _>>()?;
+        let urls: Vec<String> = sims.iter().map(Sim::url).collect();
+        let addrs: Vec<String> = sims.iter().map(Sim::addr).collect();
+        let workers = Workers::Regular(urls.clone());
+        let m = "regular";
+        config(o, &mut rows, &mut failures, m, "direct", "direct to workers", None, &requests, || {
+            Ok(stack::direct(&urls))
+        });
+        for t in threads {
+            let name = format!("plain Envoy ({t} thread{})", if t > 1 { "s" } else { "" });
+            config(o, &mut rows, &mut failures, m, "plain-envoy", &name, Some(t), &requests, || {
+                stack::plain_envoy(&addrs, t)
+            });
+        }
+        for t in threads {
+            let name = format!("kvmesh ({t} thread{}, cache_aware)", if t > 1 { "s" } else { "" });
+            config(o, &mut rows, &mut failures, m, "kvmesh", &name, Some(t), &requests, || {
+                stack::kvmesh(&workers, t, 1, "cache_aware", false)
+            });
+        }
+        for &p in &peers {
+            let name = format!("{} (cache_aware)", p.label());
+            config(o, &mut rows, &mut failures, m, p.name(), &name, None, &requests, || {
+                stack::peer(bins, p, &workers, 1, false, "cache_aware")
+            });
+            for t in threads {
+                let name = format!("plain Envoy ({t}t) -> {}", p.label());
+                let router: &'static str = match p {
+                    Peer::Smg => "envoy+smg",
+                    Peer::SglangRouter => "envoy+sglang-router",
+                };
+                config(o, &mut rows, &mut failures, m, router, &name, Some(t), &requests, || {
+                    stack::mesh_path(stack::peer(bins, p, &workers, 1, false, "cache_aware")?, t)
+                });
+            }
+        }
+    }
+
+    if o.pd {
+        step("starting 2 prefill and 2 decode simulated workers (--time-scale 0)");
+        let mut prefill = Vec::new();
+        for _ in 0..2 {
+            let boot = free_port()?;
+            let args = ["--role", "prefill", "--bootstrap-port", &boot.to_string(), "--time-scale", "0"];
+            prefill.push((Sim::start(&[&args[..], &["--max-running", "4096"]].concat())?, boot));
+        }
+        let decode: Vec<Sim> = (0..2)
+            .map(|_| Sim::start(&["--role", "decode", "--time-scale", "0", "--max-running", "4096"]))
+            .collect::<Result<_, _>>()?;
+        let workers = Workers::Pd {
+            prefill: prefill.iter().map(|(s, b)| (s.url(), *b)).collect(),
+            decode: decode.iter().map(Sim::url).collect(),
+        };
+        let m = "pd";
+        for t in threads {
+            let name = format!("kvmesh PD ({t} thread{})", if t > 1 { "s" } else { "" });
+            config(o, &mut rows, &mut failures, m, "kvmesh", &name, Some(t), &requests, || {
+                stack::kvmesh(&workers, t, 1, "cache_aware", false)
+            });
+        }
+        for &p in &peers {
+            let name = format!("{} PD", p.label());
+            config(o, &mut rows, &mut failures, m, p.name(), &name, None, &requests, || {
+                stack::peer(bins, p, &workers, 1, false, "cache_aware")
+            });
+            let name = format!("plain Envoy (1t) -> {} PD", p.label());
+            let router: &'static str = match p {
+                Peer::Smg => "envoy+smg",
+                Peer::SglangRouter => "envoy+sglang-router",
+            };
+            config(o, &mut rows, &mut failures, m, router, &name, Some(1), &requests, || {
+                stack::mesh_path(stack::peer(bins, p, &workers, 1, false, "cache_aware")?, 1)
+            });
+        }
+    }
+
+    // The floor of added latency: straight to the workers (regular mode only).
+    let floor = rows.iter().find(|r| r.router == "direct").map(|r| r.load.ms(0.5));
+    let results: Vec<Value> = rows.iter().map(|r| r.json(if r.mode == "regular" { floor } else { None })).collect();
+    let ratios = ratios(&rows, floor);
+    let doc = json!({
+        "suite": "overhead",
+        "params": {"seconds": o.seconds, "connections": o.connections, "workers": 4, "pd_workers": "2 prefill + 2 decode",
+                   "sim": "--time-scale 0 --max-running 4096", "requests": "16 shared ~1 KiB system prompts, 4096 distinct questions, /generate, max_new_tokens 1"},
+        "results": results,
+        "ratios": ratios,
+        "failed_to_start": failures,
+    });
+    let md = markdown(&rows, floor, &doc, o);
+    Ok((doc, md))
+}
+
+/// kvmesh against every peer and the mesh path, same mode and same Envoy threads where
+/// threads apply: throughput, added p50 latency, proxy CPU per request.
+fn ratios(rows: &[Row], floor: Option<f64>) -> Vec<Value> {
+    let mut out = Vec::new();
+    for k in rows.iter().filter(|r| r.router == "kvmesh") {
+        for p in rows.iter().filter(|r| r.mode == k.mode && r.router != "kvmesh" && r.router != "direct") {
+            if p.router == "plain-envoy" && p.threads != k.threads {
+                continue;
+            }
+            let added = |r: &Row| floor.filter(|_| r.mode == "regular").map(|f| (r.load.ms(0.5) - f).max(1e-3));
+            out.push(json!({
+                "mode": k.mode,
+                "kvmesh": k.config,
+                "versus": p.config,
+                "versus_router": p.router,
+                "rps_ratio": k.load.rps() / p.load.rps().max(1e-9),
+                "p50_ratio": k.load.ms(0.5) / p.load.ms(0.5).max(1e-9),
+                "added_p50_ratio": added(k).zip(added(p)).map(|(a, b)| a / b),
+                "cpu_per_request_ratio": k.cpu_us.zip(p.cpu_us).map(|(a, b)| a / b.max(1e-9)),
+            }));
+        }
+    }
+    out
+}
+
+fn markdown(rows: &[Row], floor: Option<f64>, doc: &Value, o: &Opts) -> String {
+    let mut md = format!(
+        "## Overhead ({} s per configuration after a {:.1} s warm-up, {} connections, workers at --time-scale 0)\n\n",
+        o.seconds,
+        o.seconds / 10.0,
+        o.connections
+    );
+    for mode in ["regular", "pd"] {
+        let these: Vec<&Row> = rows.iter().filter(|r| r.mode == mode).collect();
+        if these.is_empty() {
+            continue;
+        }
+        md.push_str(&format!(
+            "### {}\n\n",
+            if mode == "regular" { "Regular (4 workers)" } else { "PD (2 prefill + 2 decode workers)" }
+        ));
+        let body: Vec<Vec<String>> = these
+            .iter()
+            .map(|r| {
+                vec![
+                    r.config.clone(),
+                    f(r.load.rps(), 0),
+                    f(r.load.ms(0.5), 3),
+                    f(r.load.ms(0.99), 3),
+                    floor.filter(|_| mode == "regular").map_or("-".into(), |fl| f(r.load.ms(0.5) - fl, 3)),
+                    r.cpu_us.map_or("-".into(), |c| f(c, 1)),
+                    r.load.errors.to_string(),
+                ]
+            })
+            .collect();
+        md.push_str(&table(
+            &["setup", "req/s", "p50 ms", "p99 ms", "added p50 ms", "proxy CPU µs/req", "errors"],
+            &body,
+        ));
+        md.push('\n');
+    }
+    md.push_str("### kvmesh / other, same run\n\n");
+    let body: Vec<Vec<String>> = doc["ratios"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|r| {
+            let v = |k: &str| r[k].as_f64().map_or("-".into(), |x| f(x, 2));
+            vec![
+                r["kvmesh"].as_str().unwrap_or("").to_string(),
+                r["versus"].as_str().unwrap_or("").to_string(),
+                v("rps_ratio"),
+                v("added_p50_ratio"),
+                v("cpu_per_request_ratio"),
+            ]
+        })
+        .collect();
+    md.push_str(&table(&["kvmesh", "versus", "req/s ratio", "added p50 ratio", "CPU/req ratio"], &body));
+    if let Some(f) = doc["failed_to_start"].as_array().filter(|a| !a.is_empty()) {
+        md.push_str("\nConfigurations that did not start:\n\n");
+        for x in f {
+            md.push_str(&format!("- {}: {}\n", x["config"].as_str().unwrap_or(""), x["error"].as_str().unwrap_or("")));
+        }
+    }
+    md
+}

@@ -1,0 +1,178 @@
+//! The quality suite's request streams, generated from a seed (the same stream for every
+//! router): `/v1/chat/completions` with `stream: true` (time to first token is the first
+//! event), 8 output tokens. The simulated workers count 4 bytes of prompt as a token.
+
+use serde_json::json;
+
+use crate::loadgen;
+
+/// SplitMix64: small, seeded, the same on every machine.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+
+    pub fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+const WORDS: &[&str] = &[
+    "model", "cache", "prefix", "token", "router", "worker", "kernel", "matrix", "vector", "tensor", "graph", "query",
+    "answer", "system", "policy", "memory", "latency", "request", "stream", "batch", "layer", "weight", "signal",
+    "review", "summary", "account", "invoice", "contract", "ticket", "support", "travel", "recipe", "garden",
+    "history", "science", "music", "poem", "story", "letter", "report",
+];
+
+/// About `bytes` bytes of words.
+fn text(rng: &mut Rng, bytes: usize) -> String {
+    let mut s = String::with_capacity(bytes + 16);
+    while s.len() < bytes {
+        s.push_str(WORDS[rng.below(WORDS.len())]);
+        s.push(' ');
+    }
+    s
+}
+
+fn chat(messages: &[(&str, String)]) -> Vec<u8> {
+    let messages: Vec<_> = messages.iter().map(|(role, content)| json!({"role": role, "content": content})).collect();
+    let body = json!({"model": "kvmesh-sim", "messages": messages, "max_tokens": 8, "stream": true});
+    loadgen::post("/v1/chat/completions", &body.to_string())
+}
+
+/// A workload: its name, what it is, the request stream, and the KV capacity per worker (in
+/// simulated tokens) it is meant for.
+pub struct Workload {
+    pub name: &'static str,
+    pub what: &'static str,
+    pub requests: Vec<Vec<u8>>,
+    pub kv_capacity_tokens: u64,
+}
+
+/// Every workload, `n` requests each (about), from `seed`.
+pub fn all(seed: u64, n: usize) -> Vec<Workload> {
+    vec![shared_prompts(seed, n), multi_turn(seed, n), zipf(seed, n), random(seed, n), tight(seed, n)]
+}
+
+/// Many users sharing a few long system prompts (8 prompts of ~2000 tokens), each with a
+/// question of their own.
+fn shared_prompts(seed: u64, n: usize) -> Workload {
+    let mut rng = Rng::new(seed ^ 1);
+    let systems: Vec<String> = (0..8).map(|i| format!("You are assistant {i}. {}", text(&mut rng, 8000))).collect();
+    let requests = (0..n)
+        .map(|_| {
+            let s = rng.below(systems.len());
+            chat(&[("system", systems[s].clone()), ("user", text(&mut rng, 200))])
+        })
+        .collect();
+    Workload {
+        name: "shared_prompts",
+        what: "8 system prompts of ~2000 tokens shared by all users, a ~50-token question each",
+        requests,
+        kv_capacity_tokens: 262_144,
+    }
+}
+
+/// Multi-turn chats that grow: conversations of up to 8 turns (each turn adds a ~100-token
+/// question and the previous answer), interleaved: round r sends turn r of every live
+/// conversation, in a shuffled order.
+fn multi_turn(seed: u64, n: usize) -> Workload {
+    let mut rng = Rng::new(seed ^ 2);
+    let turns = 8;
+    let conversations = n.div_ceil(turns).max(1);
+    let mut history: Vec<Vec<(&str, String)>> =
+        (0..conversations).map(|c| vec![("system", format!("Conversation {c}. {}", text(&mut rng, 1600)))]).collect();
+    let mut requests = Vec::with_capacity(n);
+    for _ in 0..turns {
+        let mut order: Vec<usize> = (0..conversations).collect();
+        for i in (1..order.len()).rev() {
+            order.swap(i, rng.below(i + 1));
+        }
+        for c in order {
+            if requests.len() == n {
+                break;
+            }
+            history[c].push(("user", text(&mut rng, 400)));
+            requests.push(chat(&history[c]));
+            history[c].push(("assistant", text(&mut rng, 32)));
+        }
+    }
+    Workload {
+        name: "multi_turn",
+        what: "chats of up to 8 turns growing by ~100 tokens a turn, interleaved across conversations",
+        requests,
+        kv_capacity_tokens: 262_144,
+    }
+}
+
+/// A Zipf-popular prompt mix: 256 prompts of ~1000 tokens, prompt k drawn with weight
+/// 1/k^1.1, each with a short suffix of its own.
+fn zipf(seed: u64, n: usize) -> Workload {
+    let mut rng = Rng::new(seed ^ 3);
+    let prompts: Vec<String> = (0..256).map(|i| format!("Document {i}. {}", text(&mut rng, 4000))).collect();
+    let weights: Vec<f64> = (1..=prompts.len()).map(|k| 1.0 / (k as f64).powf(1.1)).collect();
+    let total: f64 = weights.iter().sum();
+    let requests = (0..n)
+        .map(|_| {
+            let mut x = rng.unit() * total;
+            let k = weights.iter().position(|w| {
+                x -= w;
+                x <= 0.0
+            });
+            let k = k.unwrap_or(prompts.len() - 1);
+            chat(&[("user", format!("{}\nQuestion: {}", prompts[k], text(&mut rng, 80)))])
+        })
+        .collect();
+    Workload {
+        name: "zipf",
+        what: "256 prompts of ~1000 tokens with Zipf(1.1) popularity, a short suffix each",
+        requests,
+        kv_capacity_tokens: 262_144,
+    }
+}
+
+/// Random prompts of ~1000 tokens, nothing shared: the control (no router can hit).
+fn random(seed: u64, n: usize) -> Workload {
+    let mut rng = Rng::new(seed ^ 4);
+    let requests = (0..n).map(|_| chat(&[("user", text(&mut rng, 4000))])).collect();
+    Workload {
+        name: "random",
+        what: "random ~1000-token prompts, nothing shared (control)",
+        requests,
+        kv_capacity_tokens: 262_144,
+    }
+}
+
+/// Tight capacity: 24 system prompts of ~2000 tokens (48k tokens) on workers that hold 16k
+/// tokens each (64k in all): the prompts fit only when a router partitions them across
+/// workers; one that spreads every prompt everywhere keeps evicting.
+fn tight(seed: u64, n: usize) -> Workload {
+    let mut rng = Rng::new(seed ^ 5);
+    let systems: Vec<String> = (0..24).map(|i| format!("You are agent {i}. {}", text(&mut rng, 8000))).collect();
+    let requests = (0..n)
+        .map(|_| {
+            let s = rng.below(systems.len());
+            chat(&[("system", systems[s].clone()), ("user", text(&mut rng, 200))])
+        })
+        .collect();
+    Workload {
+        name: "tight_capacity",
+        what: "24 system prompts of ~2000 tokens on workers holding 16k tokens each",
+        requests,
+        kv_capacity_tokens: 16_384,
+    }
+}
