@@ -511,22 +511,28 @@ fn a_failed_leg_leaves_nothing_behind_on_the_other_side() {
     };
     let body = json!({"text": "tell me a story ".repeat(200), "sampling_params": {"max_new_tokens": 4}});
 
-    // The prefill dies mid-computation while the decode waits (up to 30 s) for its KV.
-    let (mut prefill, decode, envoy) = start(
+    // The prefill fails mid-computation (aborted at the worker, whose bootstrap server stays
+    // up) while the decode waits (up to 30 s) for a KV that will never be published.
+    let (prefill, decode, envoy) = start(
         &["--time-scale", "1", "--prefill-us-per-token", "100000"],
         &["--time-scale", "0", "--bootstrap-timeout-ms", "30000"],
     );
     let url = envoy.url("/generate");
     let request = {
-        let body = body.clone();
-        std::thread::spawn(move || http::post_json(&url, &body).unwrap())
+        let body = body.to_string();
+        std::thread::spawn(move || {
+            let headers = [("content-type", "application/json"), ("x-request-id", "fail-the-prefill")];
+            http::post(&url, body.as_bytes(), &headers).unwrap()
+        })
     };
     kvmesh_testkit::wait_until("both legs under way", Duration::from_secs(10), || {
         [&prefill, &decode].iter().all(|s| s.stats().ok().and_then(|s| s["in_progress"].as_u64()) == Some(1))
     })
     .unwrap();
     let started = Instant::now();
-    prefill.proc().kill();
+    let abort = format!("{}/abort_request", prefill.url());
+    let r = http::post(&abort, br#"{"rid":"fail-the-prefill"}"#, &[("content-type", "application/json")]).unwrap();
+    assert_eq!(r.json().unwrap()["aborted"], true, "the gateway gave the prefill leg the request id as rid");
     let r = request.join().unwrap();
     assert_eq!(r.status, 502, "{}", r.text());
     assert_eq!(r.json().unwrap()["error"]["code"], "prefill_failed");
