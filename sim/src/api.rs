@@ -405,13 +405,13 @@ async fn health() -> &'static str {
 async fn get_load(State(e): Shared) -> Json<Value> {
     let c = &e.counters;
     let (running, waiting) = (c.running.load(Relaxed), c.waiting.load(Relaxed));
-    let (used, _) = e.cache_usage();
+    let (used, _) = e.kv_usage();
     Json(json!([{"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting, "num_tokens": used}]))
 }
 
 async fn metrics(State(e): Shared) -> impl IntoResponse {
     let c = &e.counters;
-    let (used, cap) = e.cache_usage();
+    let (used, cap) = e.kv_usage();
     let lines = [
         ("sglang:num_running_reqs", "gauge", c.running.load(Relaxed) as f64),
         ("sglang:num_queue_reqs", "gauge", c.waiting.load(Relaxed) as f64),

@@ -26,6 +26,9 @@ pub struct Counters {
     pub waiting: AtomicU64,
     /// Prompt tokens whose KV arrived from a prefill worker (PD decode).
     pub transferred_tokens: AtomicU64,
+    /// KV tokens held by running requests (their prompts): what SGLang counts as used. Cached
+    /// prefixes that nothing runs on are evictable and not counted.
+    pub active_tokens: AtomicU64,
     /// Requests being handled (a PD decode waiting for its KV included); a client that goes
     /// away takes its request out.
     pub in_progress: AtomicU64,
@@ -52,6 +55,8 @@ pub struct Engine {
 pub struct Run<'a> {
     engine: &'a Engine,
     _slot: SemaphorePermit<'a>,
+    /// Prompt tokens counted in `active_tokens` while this runs.
+    tokens: u64,
     pub cached_tokens: u64,
     pub started: Instant,
 }
@@ -59,6 +64,7 @@ pub struct Run<'a> {
 impl Drop for Run<'_> {
     fn drop(&mut self) {
         self.engine.counters.running.fetch_sub(1, Relaxed);
+        self.engine.counters.active_tokens.fetch_sub(self.tokens, Relaxed);
     }
 }
 
@@ -153,7 +159,8 @@ impl Engine {
         let Ok(slot) = slot else { return Err(InjectedFailure) };
         self.counters.running.fetch_add(1, Relaxed);
         self.counters.transferred_tokens.fetch_add(prompt_tokens, Relaxed);
-        Ok(Run { engine: self, _slot: slot, cached_tokens: prompt_tokens, started })
+        self.counters.active_tokens.fetch_add(prompt_tokens, Relaxed);
+        Ok(Run { engine: self, _slot: slot, tokens: prompt_tokens, cached_tokens: prompt_tokens, started })
     }
 
     /// Queues for a slot, then runs the prefill of `prompt` (`prompt_tokens` tokens).
@@ -166,7 +173,8 @@ impl Engine {
             return Err(InjectedFailure);
         };
         self.counters.running.fetch_add(1, Relaxed);
-        let mut run = Run { engine: self, _slot: slot, cached_tokens: 0, started };
+        self.counters.active_tokens.fetch_add(prompt_tokens, Relaxed);
+        let mut run = Run { engine: self, _slot: slot, tokens: prompt_tokens, cached_tokens: 0, started };
         let cached = match self.cache.lock() {
             Ok(mut cache) => cache.lookup_and_store(prompt, prompt_tokens),
             Err(_) => 0,
@@ -209,6 +217,14 @@ impl Engine {
         self.pause(self.args.decode_ms_per_token / 1e3 * (1.0 + self.args.batch_slowdown * running)).await;
     }
 
+    /// KV tokens in use by running requests, and the capacity (SGLang's `token_usage` is their
+    /// ratio: evictable cached prefixes do not count).
+    pub fn kv_usage(&self) -> (u64, u64) {
+        let (_, cap) = self.cache_usage();
+        (self.counters.active_tokens.load(Relaxed).min(cap), cap)
+    }
+
+    /// Tokens the prefix cache holds, and its capacity.
     pub fn cache_usage(&self) -> (u64, u64) {
         self.cache.lock().map(|c| (c.used_tokens(), c.capacity_tokens())).unwrap_or((0, 1))
     }

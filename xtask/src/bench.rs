@@ -55,6 +55,8 @@ pub struct Opts {
     /// Run the peers (off: kvmesh and the floors only).
     pub peers: bool,
     pub out: PathBuf,
+    /// Quality: only these workloads (empty: all).
+    pub workloads: Vec<String>,
 }
 
 impl Opts {
@@ -72,12 +74,13 @@ impl Opts {
             pd: true,
             peers: true,
             out: report::default_dir(),
+            workloads: Vec::new(),
         }
     }
 }
 
 const OPTIONS: &str =
-    "overhead | quality | scale (default: all), --quick, --seconds N, --connections N, --no-pd, --no-peers, --out DIR";
+    "overhead | quality | scale (default: all), --quick, --seconds N, --connections N, --no-pd, --no-peers, --out DIR, --workload NAME (quality; repeatable)";
 
 fn parse(args: &[String]) -> anyhow::Result<Opts> {
     let mut o = Opts::new(args.iter().any(|a| a == "--quick"));
@@ -111,6 +114,7 @@ fn parse(args: &[String]) -> anyhow::Result<Opts> {
             "--no-pd" => o.pd = false,
             "--no-peers" | "--no-sglang" => o.peers = false,
             "--out" => o.out = PathBuf::from(value("--out")?),
+            "--workload" => o.workloads.push(value("--workload")?),
             other => bail!("unknown bench option `{other}` ({OPTIONS})"),
         }
     }

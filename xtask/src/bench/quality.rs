@@ -130,7 +130,14 @@ fn measure(w: &Workload, c: &Config, sims: &[Sim], running: &Running) -> Value {
 
 pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
     let n = if o.quick { 96 } else { 1200 };
-    let workloads = workload::all(SEED, n);
+    let mut workloads = workload::all(SEED, n);
+    if !o.workloads.is_empty() {
+        let known: Vec<&str> = workloads.iter().map(|w| w.name).collect();
+        if let Some(bad) = o.workloads.iter().find(|n| !known.contains(&n.as_str())) {
+            anyhow::bail!("--workload {bad}: unknown (one of {})", known.join(", "));
+        }
+        workloads.retain(|w| o.workloads.iter().any(|n| n == w.name));
+    }
     let configs = configs(o, bins);
     let mut results = Vec::new();
     let mut failures = Vec::new();
