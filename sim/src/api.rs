@@ -486,6 +486,7 @@ async fn stats(State(e): Shared) -> Json<Value> {
         "running": c.running.load(Relaxed),
         "waiting": c.waiting.load(Relaxed),
         "in_progress": c.in_progress.load(Relaxed),
+        "cache_tokens": e.cache_usage().0,
         "cache_hit_rate": e.hit_rate(),
     }))
 }

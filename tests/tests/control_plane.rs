@@ -733,9 +733,10 @@ fn flush_cache_fans_out_to_every_worker_and_empties_every_index() {
     let prefix = "A long system prompt that every request shares. ".repeat(20);
     served(&generate(&envoy, &format!("{prefix}one")));
     let again = served(&generate(&envoy, &format!("{prefix}two")));
+    // What each worker's prefix cache holds.
     let cached_tokens = |addr: &str| -> u64 {
-        let load = http::get(&format!("http://{addr}/get_load")).unwrap().json().unwrap();
-        load[0]["num_tokens"].as_u64().unwrap_or(0)
+        let stats = http::get(&format!("http://{addr}/sim/stats")).unwrap().json().unwrap();
+        stats["cache_tokens"].as_u64().unwrap_or(0)
     };
     assert!(cached_tokens(&again) > 0, "the worker holds the prefix");
     wait_until("the control plane to index the prefix", Duration::from_secs(10), || {
