@@ -42,40 +42,56 @@ pub fn run() -> anyhow::Result<serde_json::Value> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let endpoint = format!("http://127.0.0.1:{}", cp.grpc_port);
     let token = cp.token.clone();
-    let (full_bytes, full_time) = rt.block_on(async {
+    let mut client = rt.block_on(async {
         let channel = tonic::transport::Endpoint::from_shared(endpoint)?.connect().await?;
         let authorization: tonic::metadata::MetadataValue<_> =
             format!("Bearer {}", token.as_deref().unwrap_or_default()).parse()?;
-        let mut client = KvmeshClient::with_interceptor(channel, move |mut req: tonic::Request<()>| {
+        let client = KvmeshClient::with_interceptor(channel, move |mut req: tonic::Request<()>| {
             req.metadata_mut().insert("authorization", authorization.clone());
             Ok(req)
         })
         .max_decoding_message_size(1 << 30);
-        // Prefixes of 50 blocks, as chained hashes would give.
-        let batches: Vec<ReportBatch> = (0..ENTRIES / 50_000)
-            .map(|b| ReportBatch {
-                gateway_id: "bench".into(),
-                inserts: (0..1000u64)
-                    .map(|p| IndexInsert {
-                        worker: ((b * 1000 + p) % WORKERS) as u32,
-                        // Uniformly spread 64-bit values, like xxh3 block hashes.
-                        hashes: (0..50).map(|i| mix((b << 40) ^ (p << 16) ^ i)).collect(),
-                        ..Default::default()
-                    })
-                    .collect(),
-                ..Default::default()
-            })
-            .collect();
-        client.report(tokio_stream::iter(batches)).await?;
-        let started = Instant::now();
-        let mut watch = // Another gateway's view: the control plane leaves a gateway's own inserts out of
-        // what it sends that gateway.
-        client.watch(WatchRequest { gateway_id: "bench-watcher".into() }).await?.into_inner();
-        let full = watch.message().await?.ok_or_else(|| anyhow::anyhow!("no snapshot"))?;
-        anyhow::Ok((full.encoded_len(), started.elapsed()))
+        anyhow::Ok(client)
     })?;
+    // Prefixes of 50 blocks, as chained hashes would give.
+    let batches: Vec<ReportBatch> = (0..ENTRIES / 50_000)
+        .map(|b| ReportBatch {
+            gateway_id: "bench".into(),
+            inserts: (0..1000u64)
+                .map(|p| IndexInsert {
+                    worker: ((b * 1000 + p) % WORKERS) as u32,
+                    // Uniformly spread 64-bit values, like xxh3 block hashes.
+                    hashes: (0..50).map(|i| mix((b << 40) ^ (p << 16) ^ i)).collect(),
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        })
+        .collect();
+    rt.block_on(client.report(tokio_stream::iter(batches)))?;
+    // The full snapshot is measured once the control plane holds every entry (the report
+    // stream returning does not mean its batches are merged).
     wait_until("the control plane to merge the reports", Duration::from_secs(60), || {
         cp.snapshot().map(|s| s["index_entries"].as_u64().unwrap_or(0) >= ENTRIES).unwrap_or(false)
+    })?;
+    let (full_bytes, full_time) = rt.block_on(async {
+        let started = Instant::now();
+        // Another gateway's view: the control plane leaves a gateway's own inserts out of what
+        // it sends that gateway.
+        let mut watch = client.watch(WatchRequest { gateway_id: "bench-watcher".into() }).await?.into_inner();
+        // The full snapshot arrives as a full message and deltas of the same version carrying
+        // the rest of the hashes (512 KiB each): all of them are the snapshot.
+        let full = watch.message().await?.ok_or_else(|| anyhow::anyhow!("no snapshot"))?;
+        let hashes = |s: &kvmesh_proto::v1::Snapshot| s.inserts.iter().map(|i| i.hashes.len() as u64).sum::<u64>();
+        let (version, mut bytes, mut got) = (full.version, full.encoded_len(), hashes(&full));
+        while got < ENTRIES {
+            let next = tokio::time::timeout(Duration::from_secs(30), watch.message()).await??;
+            let Some(part) = next.filter(|p| p.version == version && !p.full) else { break };
+            bytes += part.encoded_len();
+            got += hashes(&part);
+        }
+        anyhow::ensure!(got >= ENTRIES, "the full snapshot carried {got} of {ENTRIES} hashes");
+        anyhow::Ok((bytes, started.elapsed()))
     })?;
     let after = rss_kib(pid);
     let snapshot = cp.snapshot()?;
