@@ -85,13 +85,31 @@ fn delta(after: &[Value], before: &[Value], key: &str) -> Vec<f64> {
     after.iter().zip(before).map(|(a, b)| a[key].as_f64().unwrap_or(0.0) - b[key].as_f64().unwrap_or(0.0)).collect()
 }
 
+/// The kvmesh gateways' engine-feedback counters, summed: (compared, accurate).
+fn predictions(running: &Running) -> (f64, f64) {
+    let read = |admin: &str, name: &str| -> f64 {
+        let text =
+            http::get(&format!("{admin}/stats?filter=^wasmcustom.{name}$")).map(|r| r.text()).unwrap_or_default();
+        text.lines().filter_map(|l| l.split_once(": ")).filter_map(|(_, v)| v.trim().parse::<f64>().ok()).sum()
+    };
+    running.admin.iter().fold((0.0, 0.0), |(n, ok), a| {
+        (n + read(a, "kvmesh_predictions_total"), ok + read(a, "kvmesh_predictions_accurate_total"))
+    })
+}
+
 fn measure(w: &Workload, c: &Config, sims: &[Sim], running: &Running) -> Value {
     for s in sims {
         let _ = http::post(&format!("{}/flush_cache", s.url()), b"", &[]);
     }
     let before = stats(sims);
+    let predicted_before = predictions(running);
     let load = loadgen::run(&c.label(), &running.targets, &w.requests, CONCURRENCY, Stop::Once);
     let after = stats(sims);
+    let predicted_after = predictions(running);
+    let compared = predicted_after.0 - predicted_before.0;
+    // kvmesh only: the share of responses whose cached prefix the gateway predicted within one
+    // index block (null for the peers, which publish no such figure).
+    let accuracy = (compared > 0.0).then(|| (predicted_after.1 - predicted_before.1) / compared);
     let prompt: f64 = delta(&after, &before, "prompt_tokens").iter().sum();
     let cached: f64 = delta(&after, &before, "cached_tokens").iter().sum();
     let per_worker = delta(&after, &before, "requests");
@@ -108,6 +126,9 @@ fn measure(w: &Workload, c: &Config, sims: &[Sim], running: &Running) -> Value {
         if mean > 0.0 { max / mean } else { 0.0 },
         load.errors
     );
+    if let Some(a) = accuracy {
+        eprintln!("      hit-prediction accuracy {:.1}% over {compared} responses", a * 100.0);
+    }
     json!({
         "workload": w.name,
         "router": c.router,
@@ -123,6 +144,8 @@ fn measure(w: &Workload, c: &Config, sims: &[Sim], running: &Running) -> Value {
         "e2e_p50_ms": load.ms(0.5),
         "e2e_p99_ms": load.ms(0.99),
         "imbalance": if mean > 0.0 { max / mean } else { 0.0 },
+        "prediction_accuracy": accuracy,
+        "predictions_compared": compared,
         "requests_per_worker": per_worker,
         "seconds": load.elapsed.as_secs_f64(),
     })
@@ -223,12 +246,23 @@ fn markdown(doc: &Value, workloads: &[Workload]) -> String {
                     v("e2e_p50_ms", 1),
                     v("e2e_p99_ms", 1),
                     v("imbalance", 2),
+                    r["prediction_accuracy"].as_f64().map_or("-".into(), |x| f(x * 100.0, 1)),
                     r["errors"].to_string(),
                 ]
             })
             .collect();
         md.push_str(&table(
-            &["router", "hit %", "TTFT p50 ms", "TTFT p99 ms", "e2e p50 ms", "e2e p99 ms", "imbalance", "errors"],
+            &[
+                "router",
+                "hit %",
+                "TTFT p50 ms",
+                "TTFT p99 ms",
+                "e2e p50 ms",
+                "e2e p99 ms",
+                "imbalance",
+                "hit prediction %",
+                "errors",
+            ],
             &rows,
         ));
         md.push('\n');

@@ -50,7 +50,12 @@ fn text(rng: &mut Rng, bytes: usize) -> String {
 
 fn chat(messages: &[(&str, String)]) -> Vec<u8> {
     let messages: Vec<_> = messages.iter().map(|(role, content)| json!({"role": role, "content": content})).collect();
-    let body = json!({"model": "kvmesh-sim", "messages": messages, "max_tokens": 8, "stream": true});
+    // `include_usage`: the last event carries the usage (cached tokens included), as clients
+    // that bill or meter ask for; it changes nothing in the routing.
+    let body = json!({
+        "model": "kvmesh-sim", "messages": messages, "max_tokens": 8, "stream": true,
+        "stream_options": {"include_usage": true},
+    });
     loadgen::post("/v1/chat/completions", &body.to_string())
 }
 
