@@ -119,6 +119,17 @@ fn routing_settings_from_the_control_plane_config_file_win_in_the_filter() {
     assert_eq!(used.len(), 3, "round robin from the control plane: {used:?}");
 }
 
+/// Waits until Envoy's endpoints (kvmesh-cp's EDS, which can trail the filter's snapshot by
+/// milliseconds) list `addr` healthy: before that, override_host passes over it to the next
+/// listed worker.
+fn wait_for_endpoint(envoy: &Envoy, addr: &str) {
+    let healthy = format!("kvmesh_workers::{addr}::health_flags::healthy");
+    wait_until("Envoy's cluster to list the added worker healthy", Duration::from_secs(10), || {
+        http::get(&envoy.admin_url("/clusters")).is_ok_and(|r| r.text().lines().any(|l| l == healthy))
+    })
+    .unwrap();
+}
+
 #[test]
 fn remove_worker_and_add_worker_change_where_traffic_goes() {
     let workers = sims(2);
@@ -144,6 +155,7 @@ fn remove_worker_and_add_worker_change_where_traffic_goes() {
     })
     .unwrap();
     wait_for_version(&envoy, cp_version(&cp));
+    wait_for_endpoint(&envoy, &gone.addr());
     // Its index is empty, so the next new prefixes go to it.
     let back: HashSet<String> =
         (0..6).map(|i| served(&generate(&envoy, &format!("fresh prompt {i} {}", "y".repeat(100))))).collect();
@@ -688,13 +700,7 @@ fn a_restarted_control_plane_keeps_api_workers_and_their_ids_and_prefixes_stay_p
     })
     .unwrap();
     wait_for_version(&envoy, cp_version(&cp));
-    // Envoy's endpoints (kvmesh-cp's EDS) have the added worker healthy too, or override_host
-    // would pass over it to the next listed worker.
-    let added = format!("kvmesh_workers::{}::health_flags::healthy", workers[1].addr());
-    wait_until("Envoy's cluster to list the added worker healthy", Duration::from_secs(10), || {
-        http::get(&envoy.admin_url("/clusters")).is_ok_and(|r| r.text().lines().any(|l| l == added))
-    })
-    .unwrap();
+    wait_for_endpoint(&envoy, &workers[1].addr());
     let before = listed(&cp);
     let prefix = "A conversation the added worker holds in its cache. ".repeat(20);
     let home = served(&generate(&envoy, &format!("{prefix}before")));

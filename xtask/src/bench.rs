@@ -69,7 +69,7 @@ impl Opts {
         Self {
             suites: Vec::new(),
             quick,
-            seconds: if quick { 2.0 } else { 10.0 },
+            seconds: if quick { 1.5 } else { 10.0 },
             connections: 32,
             pd: true,
             peers: true,

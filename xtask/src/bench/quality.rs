@@ -152,7 +152,7 @@ fn measure(w: &Workload, c: &Config, sims: &[Sim], running: &Running) -> Value {
 }
 
 pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
-    let n = if o.quick { 96 } else { 1200 };
+    let n = if o.quick { 64 } else { 1200 };
     let mut workloads = workload::all(SEED, n);
     if !o.workloads.is_empty() {
         let known: Vec<&str> = workloads.iter().map(|w| w.name).collect();
