@@ -38,8 +38,9 @@ struct State {
 }
 
 impl State {
-    fn decode(bytes: &[u8], p: &AdmissionParams, now_ms: u64) -> Self {
-        let bucket = Bucket::decode(bytes).unwrap_or_else(|| Bucket::full(p, now_ms));
+    /// The value in `bytes`; a missing or garbled bucket reads as `fresh`.
+    fn decode(bytes: &[u8], fresh: Bucket, now_ms: u64) -> Self {
+        let bucket = Bucket::decode(bytes).unwrap_or(fresh);
         let queues = bytes
             .get(16..)
             .unwrap_or_default()
@@ -90,7 +91,7 @@ impl SharedBucket {
     pub fn enter(store: &dyn SharedStore, p: &AdmissionParams, vm: u32, queued_here: u32, now_ms: u64) -> Entry {
         let mut entry = Entry::Full;
         let written = update(store, Self::KEY, |value| {
-            let mut s = State::decode(value, p, now_ms);
+            let mut s = State::decode(value, Bucket::full(p, now_ms), now_ms);
             entry = if s.queued() == 0 && s.bucket.take(p, now_ms) {
                 Entry::Admitted
             } else if s.queued() < u64::from(p.queue_size) {
@@ -112,7 +113,7 @@ impl SharedBucket {
     /// A request ended: its token goes back.
     pub fn give_back(store: &dyn SharedStore, p: &AdmissionParams, now_ms: u64) {
         update(store, Self::KEY, |value| {
-            let mut s = State::decode(value, p, now_ms);
+            let mut s = State::decode(value, Bucket::full(p, now_ms), now_ms);
             s.bucket.give_back(p, now_ms);
             *value = s.encode();
         });
@@ -123,7 +124,7 @@ impl SharedBucket {
     pub fn admit(store: &dyn SharedStore, p: &AdmissionParams, vm: u32, waiting: u32, now_ms: u64) -> u32 {
         let mut taken = 0;
         update(store, Self::KEY, |value| {
-            let mut s = State::decode(value, p, now_ms);
+            let mut s = State::decode(value, Bucket::full(p, now_ms), now_ms);
             taken = 0;
             while taken < waiting && s.bucket.take(p, now_ms) {
                 taken += 1;
@@ -137,8 +138,7 @@ impl SharedBucket {
     /// Requests waiting in every live VM's queue.
     pub fn queued(store: &dyn SharedStore, now_ms: u64) -> u64 {
         let Some(value) = store.get(Self::KEY).0 else { return 0 };
-        let p = AdmissionParams { capacity: 0, refill_per_sec: 0.0, queue_size: 0, queue_timeout_ms: 0 };
-        State::decode(&value, &p, now_ms).queued()
+        State::decode(&value, Bucket { tokens: 0.0, at_ms: now_ms }, now_ms).queued()
     }
 }
 

@@ -179,6 +179,18 @@ fn set_destination(
     host.set_request_header(TIMEOUT_HEADER, Some(&timeout_secs.saturating_mul(1000).to_string()))
 }
 
+/// A JSON POST of `path` to the worker at `addr`, through the workers' cluster.
+fn callout_headers<'a>(path: &'a str, addr: &'a str) -> [(&'a str, &'a str); 6] {
+    [
+        (":method", "POST"),
+        (":path", path),
+        (":authority", addr),
+        (DST_HEADER, addr),
+        (ENDPOINTS_HEADER, addr),
+        ("content-type", "application/json"),
+    ]
+}
+
 fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
     headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
 }
@@ -349,7 +361,7 @@ impl RequestFilter {
         let Some((Some(params), vm)) = self.with_gateway(|g| (g.config().admission, g.vm_id())) else {
             return Entry::Admitted;
         };
-        let now_ms = host.now_nanos() / 1_000_000;
+        let now_ms = crate::host::now_ms(host);
         let Some(seat) = &self.seat else { return Entry::Admitted };
         let Ok(mut room) = seat.room.try_borrow_mut() else { return Entry::Admitted };
         let entry = SharedBucket::enter(host, &params, vm, room.len(), now_ms);
@@ -422,7 +434,7 @@ impl RequestFilter {
             return self.not_configured(host);
         };
         Self::count_route(host, &committed.main);
-        let now_ms = host.now_nanos() / 1_000_000;
+        let now_ms = crate::host::now_ms(host);
         self.with_gateway(|g| {
             g.sent(committed.main.worker, now_ms);
             if let Some(p) = &committed.prefill {
@@ -460,14 +472,7 @@ impl RequestFilter {
         set_destination(host, plan.addr(), plan.fallbacks(), timeout_secs)
             .map_err(|e| internal("cannot set the destination", e))?;
         let client = host.request_headers();
-        let mut headers = vec![
-            (":method", "POST"),
-            (":path", self.path.as_str()),
-            (":authority", pd.prefill.addr.as_str()),
-            (DST_HEADER, pd.prefill.addr.as_str()),
-            (ENDPOINTS_HEADER, pd.prefill.addr.as_str()),
-            ("content-type", "application/json"),
-        ];
+        let mut headers = callout_headers(&self.path, &pd.prefill.addr).to_vec();
         if let Some(id) = self.request_id.as_deref() {
             headers.push(("x-request-id", id));
         }
@@ -624,7 +629,7 @@ impl RequestFilter {
             }
             Admission::Holds => {
                 if let Some(Some(params)) = self.with_gateway(|g| g.config().admission) {
-                    SharedBucket::give_back(host, &params, host.now_nanos() / 1_000_000);
+                    SharedBucket::give_back(host, &params, crate::host::now_ms(host));
                 }
             }
         }
@@ -635,7 +640,7 @@ impl RequestFilter {
         let routed = self.routed.take();
         let leg = self.pd.take();
         let awaiting = std::mem::take(&mut self.awaiting);
-        let now_ms = host.now_nanos() / 1_000_000;
+        let now_ms = crate::host::now_ms(host);
         self.with_gateway(|g| {
             if let (true, Some(routed)) = (awaiting, &routed) {
                 g.ended(routed.worker, false, now_ms);
@@ -677,14 +682,7 @@ impl RequestFilter {
         let addr = leg.prefill().addr.as_str();
         for rid in &self.abort_rids {
             let body = serde_json::json!({ "rid": rid }).to_string();
-            let headers = [
-                (":method", "POST"),
-                (":path", "/abort_request"),
-                (":authority", addr),
-                (DST_HEADER, addr),
-                (ENDPOINTS_HEADER, addr),
-                ("content-type", "application/json"),
-            ];
+            let headers = callout_headers("/abort_request", addr);
             let callout = Callout {
                 cluster: &cluster,
                 headers: &headers,
