@@ -240,6 +240,28 @@ mod tests {
     }
 
     #[test]
+    fn a_flood_is_bounded_by_the_queue_and_the_shared_value_by_the_vms() {
+        let store = FakeStore::default();
+        let (mut entries, mut rooms) = ([0u32; 3], [0u32; 4]);
+        for i in 0..100_000usize {
+            let vm = i % 4;
+            match SharedBucket::enter(&store, &P, vm as u32, rooms[vm], 0) {
+                Entry::Admitted => entries[0] += 1,
+                Entry::Queued => {
+                    entries[1] += 1;
+                    rooms[vm] += 1;
+                }
+                Entry::Full => entries[2] += 1,
+            }
+        }
+        assert_eq!(entries[0], P.capacity);
+        assert_eq!(entries[1], P.queue_size, "{entries:?}");
+        assert!(SharedBucket::queued(&store, 0) <= u64::from(P.queue_size));
+        let value = store.get(SharedBucket::KEY).0.unwrap();
+        assert!(value.len() <= 16 + 4 * 16, "one entry per VM at most: {} bytes", value.len());
+    }
+
+    #[test]
     fn a_newcomer_never_jumps_the_queue() {
         let store = FakeStore::default();
         assert_eq!(SharedBucket::enter(&store, &P, 1, 0, 0), Entry::Admitted);
