@@ -89,8 +89,10 @@ fn a_request_waiting_past_the_queue_timeout_gets_a_json_408() {
     let envoy = Envoy::start(&EnvoyOptions::new(limited(json!([sim.url()]), 8, 1)).unwrap()).unwrap();
     let url = envoy.url("/generate");
     let long = hold_the_token(&envoy, &url, 200);
-    // Three wait; the refill lets at most one in per second, so at least two time out.
-    let waiting: Vec<_> = (0..3).map(|i| spawn(&url, body(&format!("waiting {i}"), 1))).collect();
+    // Three wait; the refill lets at most one in per second, and the one let in holds its token
+    // for 2 s (a short one would give it back at once to the next in line), so at least two
+    // time out.
+    let waiting: Vec<_> = (0..3).map(|i| spawn(&url, body(&format!("waiting {i}"), 100))).collect();
     let results: Vec<(Response, Duration)> = waiting.into_iter().map(|h| h.join().unwrap()).collect();
     let timed_out: Vec<_> = results.iter().filter(|(r, _)| r.status == 408).collect();
     assert!(timed_out.len() >= 2, "statuses {:?}", results.iter().map(|(r, _)| r.status).collect::<Vec<_>>());
