@@ -41,9 +41,15 @@ pub fn bound_blocks(settings: &Settings, capacity_tokens: Option<u64>) -> u64 {
     let block = (settings.block_size as u64).max(1);
     let tree = (settings.max_tree_size / block).max(1);
     match capacity_tokens {
-        Some(tokens) => (tokens.saturating_mul(settings.bytes_per_token) / block).clamp(1, tree),
+        Some(tokens) => capacity_blocks(settings, tokens).min(tree),
         None => tree,
     }
+}
+
+/// A KV capacity of `tokens` in index blocks (at least 1): the bound a report is held to at
+/// once; `--max-tree-size` is the periodic eviction's, as in sglang-router.
+pub fn capacity_blocks(settings: &Settings, tokens: u64) -> u64 {
+    (tokens.saturating_mul(settings.bytes_per_token) / (settings.block_size as u64).max(1)).max(1)
 }
 
 /// Tokens' worth of `blocks` index blocks.
@@ -80,6 +86,7 @@ mod tests {
         assert_eq!(bound_blocks(&s, Some(1 << 40)), 2048, "--max-tree-size stays the upper bound");
         assert_eq!(bound_blocks(&s, Some(1)), 1);
         assert_eq!(tokens_of_blocks(&s, 256), 2048);
+        assert_eq!(capacity_blocks(&s, 1 << 40), 1 << 37, "the immediate bound ignores --max-tree-size");
     }
 
     use kvmesh_proto::v1::{Feedback, IndexEvict, IndexInsert, ReportBatch, WorkerCounts};

@@ -576,11 +576,11 @@ impl State {
                 g.budget = (g.budget - taken as f64).max(0.0);
             }
             // Each worker with a known KV capacity stays within it: its least recently used
-            // blocks go at once (--max-tree-size alone waits for the periodic eviction, as in
-            // sglang-router).
+            // blocks go at once (--max-tree-size waits for the periodic eviction, as in
+            // sglang-router, whether the capacity is known or not).
             for worker in touched {
                 let Some(capacity) = inner.workers.get(&worker).and_then(|w| self.kv_capacity(w)) else { continue };
-                let bound = capacity::bound_blocks(&self.settings, Some(capacity));
+                let bound = capacity::capacity_blocks(&self.settings, capacity);
                 let out = inner.index.evict_worker_to(worker, bound);
                 if !out.is_empty() {
                     evicted += out.len();
