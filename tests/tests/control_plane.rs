@@ -587,6 +587,11 @@ fn oversize_and_flood_reports_are_refused_or_throttled_and_rss_stays_flat() {
     const MAX_ENTRIES: u64 = 100_000;
     let workers = sims(2);
     let mut flags = worker_flags(&workers);
+    // Capacities far above the flood: only the index bounds under test evict (the sims' own
+    // capacity, learned at some point during the flood, would evict too, at a moment of its own).
+    for w in &workers {
+        flags.extend(["--worker-kv-capacity".to_string(), format!("{}=1000000000", w.url())]);
+    }
     flags.extend(
         [
             "--max-index-entries",
