@@ -174,6 +174,7 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     std::env::set_var("ENVOY_BIN", ensure_envoy()?);
     let bins = peer_bins(o.peers)?;
     build()?;
+    crate::tools::build_naive_filter()?;
     run_suites(&o, &bins)?;
     step(&format!("benchmarks done in {:.0} s; reports in {}", started.elapsed().as_secs_f64(), o.out.display()));
     Ok(())

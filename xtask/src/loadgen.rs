@@ -38,6 +38,9 @@ pub struct Load {
     pub latency: Histogram<u64>,
     /// Request to first body byte (for a stream: the first event), µs.
     pub ttft: Histogram<u64>,
+    /// `(seconds since the start, requests done by then)`, sampled every 100 ms from the
+    /// first request on, the warm-up included.
+    pub timeline: Vec<(f64, u64)>,
 }
 
 impl Load {
@@ -54,6 +57,35 @@ impl Load {
     pub fn ttft_ms(&self, q: f64) -> f64 {
         self.ttft.value_at_quantile(q) as f64 / 1e3
     }
+
+    /// Seconds from the first request until throughput first reaches 90 % of its steady
+    /// rate (the median of the 0.5 s windows of the run's second half); None for a run too
+    /// short to say.
+    pub fn steady_after(&self) -> Option<f64> {
+        steady_after(&self.timeline, 0.5, 0.9)
+    }
+}
+
+/// Over `timeline` samples, windows of `window` seconds: the start of the first whose rate is
+/// at least `share` of the median rate of the windows in the second half.
+pub fn steady_after(timeline: &[(f64, u64)], window: f64, share: f64) -> Option<f64> {
+    let end = timeline.last()?.0;
+    let mut rates: Vec<(f64, f64)> = Vec::new();
+    let mut from = 0usize;
+    for (i, &(t, done)) in timeline.iter().enumerate() {
+        let (t0, d0) = timeline[from];
+        if t - t0 >= window - 1e-9 {
+            rates.push((t0, done.saturating_sub(d0) as f64 / (t - t0)));
+            from = i;
+        }
+    }
+    let mut late: Vec<f64> = rates.iter().filter(|(t, _)| *t >= end / 2.0).map(|&(_, r)| r).collect();
+    if late.len() < 2 {
+        return None;
+    }
+    late.sort_by(f64::total_cmp);
+    let steady = late[late.len() / 2];
+    rates.iter().find(|&&(_, r)| r >= share * steady).map(|&(t, _)| t)
 }
 
 /// A raw `POST path` request with a JSON body.
@@ -138,8 +170,10 @@ pub fn run(label: &str, targets: &[SocketAddr], requests: &[Vec<u8>], connection
             std::thread::spawn(move || worker(target, &requests, &next, &done, &halt, stop, measure_from, end))
         })
         .collect();
+    let mut timeline = vec![(0.0, 0)];
     while threads.iter().any(|t| !t.is_finished()) {
         std::thread::sleep(Duration::from_millis(100));
+        timeline.push((began.elapsed().as_secs_f64(), done.load(Relaxed)));
         match stop {
             Stop::For(_) => bar.set_position(began.elapsed().as_millis() as u64),
             Stop::Once => bar.set_position(done.load(Relaxed)),
@@ -156,7 +190,7 @@ pub fn run(label: &str, targets: &[SocketAddr], requests: &[Vec<u8>], connection
         Stop::Once => began.elapsed(),
     };
     let mut total =
-        Load { sent: done.load(Relaxed), ok: 0, errors: 0, elapsed, latency: histogram(), ttft: histogram() };
+        Load { sent: done.load(Relaxed), ok: 0, errors: 0, elapsed, latency: histogram(), ttft: histogram(), timeline };
     for t in threads {
         if let Ok(part) = t.join() {
             total.ok += part.ok;
@@ -179,7 +213,15 @@ fn worker(
     measure_from: Instant,
     end: Option<Instant>,
 ) -> Load {
-    let mut load = Load { sent: 0, ok: 0, errors: 0, elapsed: Duration::ZERO, latency: histogram(), ttft: histogram() };
+    let mut load = Load {
+        sent: 0,
+        ok: 0,
+        errors: 0,
+        elapsed: Duration::ZERO,
+        latency: histogram(),
+        ttft: histogram(),
+        timeline: Vec::new(),
+    };
     let mut conn: Option<(TcpStream, BufReader<TcpStream>)> = None;
     while !requests.is_empty() && !halt.load(Relaxed) && end.is_none_or(|e| Instant::now() < e) {
         let i = next.fetch_add(1, Relaxed);
@@ -232,4 +274,29 @@ fn worker(
         }
     }
     load
+}
+
+#[cfg(test)]
+mod tests {
+    use super::steady_after;
+
+    /// A run at 100 req/s for its first second and 1000 req/s after it.
+    fn ramp() -> Vec<(f64, u64)> {
+        let mut t = vec![(0.0, 0u64)];
+        let mut done = 0;
+        for i in 1..=60 {
+            done += if i <= 10 { 10 } else { 100 };
+            t.push((f64::from(i) / 10.0, done));
+        }
+        t
+    }
+
+    #[test]
+    fn steady_state_is_where_throughput_reaches_its_late_median() {
+        assert_eq!(steady_after(&ramp(), 0.5, 0.9), Some(1.0));
+        let flat: Vec<(f64, u64)> = (0..=60).map(|i| (f64::from(i) / 10.0, u64::from(i as u32) * 50)).collect();
+        assert_eq!(steady_after(&flat, 0.5, 0.9), Some(0.0));
+        assert_eq!(steady_after(&ramp()[..4], 0.5, 0.9), None, "too short to say");
+        assert_eq!(steady_after(&[], 0.5, 0.9), None);
+    }
 }

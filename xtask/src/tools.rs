@@ -210,6 +210,11 @@ pub fn build() -> anyhow::Result<()> {
     run(cargo().args(["build", "--release", "-p", "kvmesh-sim", "-p", "kvmesh-cp"]))
 }
 
+/// The benchmark's reference filter (`xtask/naive-filter`, for `cargo xtask bench` and its test).
+pub fn build_naive_filter() -> anyhow::Result<()> {
+    run(cargo().args(["build", "--release", "-p", "kvmesh-naive-filter", "--target", "wasm32-wasip1"]))
+}
+
 /// `cargo fmt --check` and clippy with warnings denied, natively and for the `.wasm` (whose
 /// proxy-wasm glue only exists on wasm32).
 pub fn lint() -> anyhow::Result<()> {
@@ -261,6 +266,7 @@ pub fn test(args: &[String]) -> anyhow::Result<()> {
     let kubectl = ensure_kubectl()?;
     lint()?;
     build()?;
+    build_naive_filter()?;
     build_crash_wasm()?;
 
     step("native tests: core, filter logic, simulator, end to end with real Envoy");

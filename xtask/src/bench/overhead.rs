@@ -51,6 +51,7 @@ impl Row {
             "p99_ms": self.load.ms(0.99),
             "added_p50_ms": floor_p50.map(|f| self.load.ms(0.5) - f),
             "proxy_cpu_us_per_request": self.cpu_us,
+            "steady_after_s": self.load.steady_after(),
         })
     }
 }
@@ -62,12 +63,13 @@ fn measure(o: &Opts, name: &str, running: &Running, requests: &[Vec<u8>], proxy:
     // Over every request sent, the warm-up included, as the CPU was counted.
     let cpu = proxy.then(|| spent.as_secs_f64() * 1e6 / load.sent.max(1) as f64);
     eprintln!(
-        "    {name}: {:.0} req/s  p50 {:.3} ms  p99 {:.3} ms  errors {}{}",
+        "    {name}: {:.0} req/s  p50 {:.3} ms  p99 {:.3} ms  errors {}{}  steady after {}",
         load.rps(),
         load.ms(0.5),
         load.ms(0.99),
         load.errors,
-        cpu.map_or(String::new(), |c| format!("  proxy CPU {c:.1} us/req"))
+        cpu.map_or(String::new(), |c| format!("  proxy CPU {c:.1} us/req")),
+        load.steady_after().map_or("-".into(), |s| format!("{s:.1} s"))
     );
     (load, cpu)
 }
@@ -127,6 +129,12 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
             let name = format!("plain Envoy ({t} thread{})", if t > 1 { "s" } else { "" });
             config(o, &mut rows, &mut failures, m, "plain-envoy", &name, Some(t), &requests, || {
                 stack::plain_envoy(&addrs, t)
+            });
+        }
+        for t in threads {
+            let name = format!("naive body filter ({t} thread{})", if t > 1 { "s" } else { "" });
+            config(o, &mut rows, &mut failures, m, "naive-filter", &name, Some(t), &requests, || {
+                stack::naive_filter(&urls, t)
             });
         }
         for t in threads {
@@ -213,7 +221,8 @@ fn ratios(rows: &[Row], floor: Option<f64>) -> Vec<Value> {
     let mut out = Vec::new();
     for k in rows.iter().filter(|r| r.router == "kvmesh") {
         for p in rows.iter().filter(|r| r.mode == k.mode && r.router != "kvmesh" && r.router != "direct") {
-            if p.router == "plain-envoy" && p.threads != k.threads {
+            // Envoy-based floors compare at equal worker threads.
+            if matches!(p.router, "plain-envoy" | "naive-filter") && p.threads != k.threads {
                 continue;
             }
             let added = |r: &Row| floor.filter(|_| r.mode == "regular").map(|f| (r.load.ms(0.5) - f).max(1e-3));
@@ -226,6 +235,7 @@ fn ratios(rows: &[Row], floor: Option<f64>) -> Vec<Value> {
                 "p50_ratio": k.load.ms(0.5) / p.load.ms(0.5).max(1e-9),
                 "added_p50_ratio": added(k).zip(added(p)).map(|(a, b)| a / b),
                 "cpu_per_request_ratio": k.cpu_us.zip(p.cpu_us).map(|(a, b)| a / b.max(1e-9)),
+                "cpu_added_us": k.cpu_us.zip(p.cpu_us).map(|(a, b)| a - b),
             }));
         }
     }
@@ -258,12 +268,13 @@ fn markdown(rows: &[Row], floor: Option<f64>, doc: &Value, o: &Opts) -> String {
                     f(r.load.ms(0.99), 3),
                     floor.filter(|_| mode == "regular").map_or("-".into(), |fl| f(r.load.ms(0.5) - fl, 3)),
                     r.cpu_us.map_or("-".into(), |c| f(c, 1)),
+                    r.load.steady_after().map_or("-".into(), |s| f(s, 1)),
                     r.load.errors.to_string(),
                 ]
             })
             .collect();
         md.push_str(&table(
-            &["setup", "req/s", "p50 ms", "p99 ms", "added p50 ms", "proxy CPU µs/req", "errors"],
+            &["setup", "req/s", "p50 ms", "p99 ms", "added p50 ms", "proxy CPU µs/req", "steady after s", "errors"],
             &body,
         ));
         md.push('\n');
@@ -281,10 +292,14 @@ fn markdown(rows: &[Row], floor: Option<f64>, doc: &Value, o: &Opts) -> String {
                 v("rps_ratio"),
                 v("added_p50_ratio"),
                 v("cpu_per_request_ratio"),
+                r["cpu_added_us"].as_f64().map_or("-".into(), |x| f(x, 1)),
             ]
         })
         .collect();
-    md.push_str(&table(&["kvmesh", "versus", "req/s ratio", "added p50 ratio", "CPU/req ratio"], &body));
+    md.push_str(&table(
+        &["kvmesh", "versus", "req/s ratio", "added p50 ratio", "CPU/req ratio", "CPU added µs/req"],
+        &body,
+    ));
     if let Some(f) = doc["failed_to_start"].as_array().filter(|a| !a.is_empty()) {
         md.push_str("\nConfigurations that did not start:\n\n");
         for x in f {

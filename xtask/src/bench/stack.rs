@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use kvmesh_testkit::{free_port, http, repo_root, wait_until, ControlPlane, Envoy, EnvoyOptions, Proc};
-use serde_json::json;
+use serde_json::{json, Value};
 
 /// In PD mode every router picks the decode worker with power-of-two choices (kvmesh's
 /// default; the peers would otherwise use `--policy` for both legs).
@@ -138,6 +138,27 @@ pub fn plain_envoy(upstreams: &[String], threads: u32) -> anyhow::Result<Running
     opts.plain_upstreams = Some(upstreams.to_vec());
     let envoy = Envoy::start(&opts)?;
     let mut r = Running::new(vec![addr(envoy.port)]);
+    r.envoy(envoy);
+    Ok(r)
+}
+
+/// The reference body-routing filter (`xtask/naive-filter`): Envoy with kvmesh's
+/// configuration and static workers, the filter swapped for one that only buffers the body,
+/// parses it whole and sets the destination. What any body-routing Wasm filter costs at least.
+pub fn naive_filter(urls: &[String], threads: u32) -> anyhow::Result<Running> {
+    // Profiling only: KVMESH_BENCH_NAIVE_PROBE='{"shared_get": 10}' adds that many host calls
+    // of a kind to every request (xtask/naive-filter's `Probe`), to price each kind.
+    let probe: Value = std::env::var("KVMESH_BENCH_NAIVE_PROBE")
+        .ok()
+        .and_then(|p| serde_json::from_str(&p).ok())
+        .unwrap_or(Value::Null);
+    let mut opts = EnvoyOptions::new(json!({"worker_urls": urls, "probe": probe}))?;
+    opts.concurrency = threads;
+    opts.wasm = repo_root().join("target/wasm32-wasip1/release/kvmesh_naive_filter.wasm");
+    let mut envoy = Envoy::start(&opts)?;
+    let port = envoy.port;
+    wait_serving("the naive filter", port, || envoy.proc().exited().is_none())?;
+    let mut r = Running::new(vec![addr(port)]);
     r.envoy(envoy);
     Ok(r)
 }
