@@ -57,6 +57,8 @@ pub struct Opts {
     pub out: PathBuf,
     /// Quality: only these workloads (empty: all).
     pub workloads: Vec<String>,
+    /// Overhead: only the configurations whose name contains one of these (empty: all).
+    pub only: Vec<String>,
 }
 
 impl Opts {
@@ -75,12 +77,18 @@ impl Opts {
             peers: true,
             out: report::default_dir(),
             workloads: Vec::new(),
+            only: Vec::new(),
         }
+    }
+
+    /// Whether the overhead configuration `name` is measured (`--only`).
+    pub fn wants(&self, name: &str) -> bool {
+        self.only.is_empty() || self.only.iter().any(|o| name.contains(o.as_str()))
     }
 }
 
 const OPTIONS: &str =
-    "overhead | quality | scale (default: all), --quick, --seconds N, --connections N, --no-pd, --no-peers, --out DIR, --workload NAME (quality; repeatable)";
+    "overhead | quality | scale (default: all), --quick, --seconds N, --connections N, --no-pd, --no-peers, --out DIR, --workload NAME (quality; repeatable), --only TEXT (overhead: configurations named with it; repeatable)";
 
 fn parse(args: &[String]) -> anyhow::Result<Opts> {
     let mut o = Opts::new(args.iter().any(|a| a == "--quick"));
@@ -115,6 +123,7 @@ fn parse(args: &[String]) -> anyhow::Result<Opts> {
             "--no-peers" | "--no-sglang" => o.peers = false,
             "--out" => o.out = PathBuf::from(value("--out")?),
             "--workload" => o.workloads.push(value("--workload")?),
+            "--only" => o.only.push(value("--only")?),
             other => bail!("unknown bench option `{other}` ({OPTIONS})"),
         }
     }

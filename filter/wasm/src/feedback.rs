@@ -51,39 +51,95 @@ fn encode(worker: WorkerId, f: &Feedback, out: &mut [u8]) {
     }
 }
 
-/// Adds one response of `worker`: its judged prediction (if one was made) and its usage.
+/// Adds one response's judgement (if a prediction was made) and usage to `f`.
+fn add(f: &mut Feedback, judged: Option<&Judged>, usage: &Usage) {
+    if let Some(j) = judged {
+        f.predictions = f.predictions.wrapping_add(1);
+        match j.verdict {
+            Verdict::Accurate => f.accurate = f.accurate.wrapping_add(1),
+            Verdict::Over => f.over = f.over.wrapping_add(1),
+            Verdict::Under => f.under = f.under.wrapping_add(1),
+        }
+        f.predicted_tokens = f.predicted_tokens.wrapping_add(j.predicted_tokens);
+        f.cached_tokens = f.cached_tokens.wrapping_add(j.cached_tokens);
+    }
+    if let Some(tokens) = usage.completion_tokens {
+        f.completions = f.completions.wrapping_add(1);
+        f.completion_tokens = f.completion_tokens.wrapping_add(tokens);
+        let ms = usage.e2e_latency.map_or(0, |s| (s * 1000.0).min(u32::MAX as f64) as u64);
+        f.e2e_latency_ms = f.e2e_latency_ms.wrapping_add(ms);
+    }
+}
+
+/// `b` added to `a`, field by field (wrapping, like the shared counts).
+fn merge(a: &mut Feedback, b: &Feedback) {
+    a.predictions = a.predictions.wrapping_add(b.predictions);
+    a.accurate = a.accurate.wrapping_add(b.accurate);
+    a.over = a.over.wrapping_add(b.over);
+    a.under = a.under.wrapping_add(b.under);
+    a.completions = a.completions.wrapping_add(b.completions);
+    a.predicted_tokens = a.predicted_tokens.wrapping_add(b.predicted_tokens);
+    a.cached_tokens = a.cached_tokens.wrapping_add(b.cached_tokens);
+    a.completion_tokens = a.completion_tokens.wrapping_add(b.completion_tokens);
+    a.e2e_latency_ms = a.e2e_latency_ms.wrapping_add(b.e2e_latency_ms);
+}
+
+/// One VM's feedback not yet in shared data. Responses are added here (no host call on the
+/// request path); the tick merges them into `kvmesh.feedback` with one compare-and-swap, so
+/// the stream owner's report lags a response by at most one tick.
+#[derive(Debug, Default)]
+pub struct Pending {
+    workers: std::collections::BTreeMap<WorkerId, Feedback>,
+}
+
+impl Pending {
+    /// Adds one response of `worker`: its judged prediction (if one was made) and its usage.
+    pub fn add(&mut self, worker: WorkerId, judged: Option<&Judged>, usage: &Usage) {
+        if !self.workers.contains_key(&worker) && self.workers.len() >= MAX_WORKERS {
+            return;
+        }
+        add(self.workers.entry(worker).or_default(), judged, usage);
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.workers.is_empty()
+    }
+
+    /// Merges what was added into the shared counts (nothing to do: no host call). What did
+    /// not fit (the table full, or the store refusing every try) is dropped, not retried.
+    pub fn flush(&mut self, store: &dyn SharedStore) {
+        if self.workers.is_empty() {
+            return;
+        }
+        let pending = std::mem::take(&mut self.workers);
+        update(store, KEY, |value| {
+            value.truncate(value.len() - value.len() % ENTRY);
+            for (&worker, more) in &pending {
+                let pos = value.chunks_exact(ENTRY).position(|e| u32_at(e, 0) == worker);
+                let at = match pos {
+                    Some(i) => i * ENTRY,
+                    None if value.len() / ENTRY < MAX_WORKERS => {
+                        value.resize(value.len() + ENTRY, 0);
+                        value.len() - ENTRY
+                    }
+                    None => continue,
+                };
+                let Some(entry) = value.get_mut(at..at + ENTRY) else { continue };
+                let (_, mut f) = decode(entry);
+                merge(&mut f, more);
+                encode(worker, &f, entry);
+            }
+        });
+    }
+}
+
+/// Adds one response of `worker` to the shared counts at once (the request path goes
+/// through [`Pending`]).
+#[cfg(test)]
 pub fn record(store: &dyn SharedStore, worker: WorkerId, judged: Option<&Judged>, usage: &Usage) {
-    update(store, KEY, |value| {
-        value.truncate(value.len() - value.len() % ENTRY);
-        let pos = value.chunks_exact(ENTRY).position(|e| u32_at(e, 0) == worker);
-        let at = match pos {
-            Some(i) => i * ENTRY,
-            None if value.len() / ENTRY < MAX_WORKERS => {
-                value.resize(value.len() + ENTRY, 0);
-                value.len() - ENTRY
-            }
-            None => return,
-        };
-        let Some(entry) = value.get_mut(at..at + ENTRY) else { return };
-        let (_, mut f) = decode(entry);
-        if let Some(j) = judged {
-            f.predictions = f.predictions.wrapping_add(1);
-            match j.verdict {
-                Verdict::Accurate => f.accurate = f.accurate.wrapping_add(1),
-                Verdict::Over => f.over = f.over.wrapping_add(1),
-                Verdict::Under => f.under = f.under.wrapping_add(1),
-            }
-            f.predicted_tokens = f.predicted_tokens.wrapping_add(j.predicted_tokens);
-            f.cached_tokens = f.cached_tokens.wrapping_add(j.cached_tokens);
-        }
-        if let Some(tokens) = usage.completion_tokens {
-            f.completions = f.completions.wrapping_add(1);
-            f.completion_tokens = f.completion_tokens.wrapping_add(tokens);
-            let ms = usage.e2e_latency.map_or(0, |s| (s * 1000.0).min(u32::MAX as f64) as u64);
-            f.e2e_latency_ms = f.e2e_latency_ms.wrapping_add(ms);
-        }
-        encode(worker, &f, entry);
-    });
+    let mut one = Pending::default();
+    one.add(worker, judged, usage);
+    one.flush(store);
 }
 
 /// Every worker's counts.
@@ -111,6 +167,30 @@ mod tests {
         assert_eq!((f.predicted_tokens, f.cached_tokens), (160, 80));
         assert_eq!((f.completions, f.completion_tokens, f.e2e_latency_ms), (1, 4, 250));
         assert_eq!((all[1].0, all[1].1.predictions, all[1].1.completions), (5, 0, 1));
+    }
+
+    #[test]
+    fn pending_responses_reach_shared_data_in_one_write_on_flush() {
+        let store = FakeStore::default();
+        let mut pending = Pending::default();
+        let usage = Usage { cached_tokens: Some(0), completion_tokens: Some(2), e2e_latency: Some(0.5) };
+        for i in 0..100u32 {
+            pending.add(i % 2, Some(&judge(320, 10, 0, 32, 4)), &usage);
+        }
+        assert!(read(&store).is_empty(), "nothing written per response");
+        pending.flush(&store);
+        assert!(pending.is_empty());
+        pending.flush(&store); // nothing pending: nothing changes
+        let all = read(&store);
+        assert_eq!(all.len(), 2);
+        for (_, f) in &all {
+            assert_eq!((f.predictions, f.over, f.completions, f.completion_tokens), (50, 50, 50, 100));
+            assert_eq!((f.e2e_latency_ms, f.predicted_tokens, f.cached_tokens), (25_000, 4_000, 0));
+        }
+        // A second batch adds to what the first left.
+        pending.add(1, None, &usage);
+        pending.flush(&store);
+        assert_eq!(read(&store)[1].1.completions, 51);
     }
 
     #[test]

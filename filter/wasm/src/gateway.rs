@@ -305,6 +305,9 @@ pub struct Gateway {
     unreported: ReportQueue,
     /// Blocks engine feedback showed stale, for the next report (the stream owner's only).
     stale: std::collections::VecDeque<(WorkerId, Vec<u64>)>,
+    /// Engine feedback of this VM's responses since the last tick (merged into shared data
+    /// on the tick, not per response).
+    pending_feedback: crate::feedback::Pending,
     /// This VM holds the control-plane streams (the plugin says so on every tick).
     reporting: bool,
     /// This Envoy's gateway id: inserts a delta says it reported itself are not applied again.
@@ -343,6 +346,7 @@ impl Gateway {
             last_eviction_secs: 0,
             unreported: ReportQueue::default(),
             stale: std::collections::VecDeque::new(),
+            pending_feedback: crate::feedback::Pending::default(),
             reporting: false,
             own_id: None,
             table_version: None,

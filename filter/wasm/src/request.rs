@@ -273,7 +273,6 @@ impl RequestFilter {
         for (name, _) in headers.iter().filter(|(n, _)| is_routing_header(n)) {
             let _ = host.set_request_header(name, None);
         }
-        let now = Now::from_nanos(host.now_nanos());
         let method = header(&headers, ":method").unwrap_or("");
         let path = header(&headers, ":path").unwrap_or("/");
         let Some(class) = self.with_gateway(|g| g.classify(method, path)) else {
@@ -283,7 +282,7 @@ impl RequestFilter {
             PathClass::Llm(endpoint) => endpoint,
             PathClass::WrongMethod => return self.reply(host, Reply::method_not_allowed(method, path)),
             PathClass::NotFound => return self.reply(host, Reply::not_found(method, path)),
-            PathClass::Passthrough => return self.route_other(host, now),
+            PathClass::Passthrough => return self.route_other(host, Now::from_nanos(host.now_nanos())),
         };
         let content_length = header(&headers, "content-length").and_then(|v| v.trim().parse().ok());
         let Some(reply) =
@@ -416,15 +415,17 @@ impl RequestFilter {
         let Some(outcome) = self.with_gateway(|g| g.route_request(host, endpoint, &body, &info)) else {
             return self.not_configured(host);
         };
-        host.record(Metric::DecisionNs, host.now_nanos().saturating_sub(started));
+        let decided = host.now_nanos();
+        host.record(Metric::DecisionNs, decided.saturating_sub(started));
         match outcome {
             Outcome::Reply(reply) => self.reply(host, reply),
-            Outcome::Route(plan) => self.apply(host, plan, body_size),
+            Outcome::Route(plan) => self.apply(host, plan, body_size, Now::from_nanos(decided)),
         }
     }
 
-    /// Applies a decision to the request; commits it only when everything worked.
-    fn apply(&mut self, host: &dyn Host, plan: Plan, body_size: usize) -> Action {
+    /// Applies a decision (made at `decided`) to the request; commits it only when
+    /// everything worked.
+    fn apply(&mut self, host: &dyn Host, plan: Plan, body_size: usize, decided: Now) -> Action {
         self.abort_rids = plan.pd().map(|pd| pd.abort_rids.clone()).unwrap_or_default();
         let token = match self.prepare(host, &plan, body_size) {
             Ok(token) => token,
@@ -434,7 +435,7 @@ impl RequestFilter {
             return self.not_configured(host);
         };
         Self::count_route(host, &committed.main);
-        let now_ms = crate::host::now_ms(host);
+        let now_ms = decided.ms();
         self.with_gateway(|g| {
             g.sent(committed.main.worker, now_ms);
             if let Some(p) = &committed.prefill {
@@ -547,12 +548,18 @@ impl RequestFilter {
         }
         let Some(routed) = self.routed.clone() else { return Action::Continue };
         let status = host.response_header(":status").and_then(|s| s.parse::<u16>().ok()).unwrap_or(0);
-        let verdict = Verdict::of(status, host.response_code_details().as_deref());
-        self.verdict = Some(verdict);
-        let now = Now::from_nanos(host.now_nanos());
         // Envoy says which worker answered: another than the chosen one means the chosen one
         // failed and Envoy failed over (the ones in between failed too, unseen).
-        let served = host.upstream_address().filter(|a| !a.is_empty()).unwrap_or_else(|| routed.addr.clone());
+        let upstream = host.upstream_address().filter(|a| !a.is_empty());
+        // A response below 500 from a worker is the worker's own answer: Envoy's code details
+        // (one more host call) are asked only when they can change the verdict.
+        let verdict = match &upstream {
+            Some(_) if status < 500 => Verdict::Worker(true),
+            _ => Verdict::of(status, host.response_code_details().as_deref()),
+        };
+        self.verdict = Some(verdict);
+        let now = Now::from_nanos(host.now_nanos());
+        let served = upstream.unwrap_or_else(|| routed.addr.clone());
         if std::mem::take(&mut self.awaiting) {
             // The worker asked first answered itself, or did not (a timeout, a reset, a failover).
             let answered = matches!(verdict, Verdict::Worker(_)) && served == routed.addr;
@@ -749,6 +756,81 @@ mod tests {
         f.on_log(&host);
         assert_eq!(inflight(&host), 0);
         assert_eq!(Inflight::counts(&host)[0].finished, 1);
+    }
+
+    /// Every host call crosses the Wasm boundary in Envoy, and the ones that return bytes
+    /// (headers, bodies, shared data, properties) also allocate in the VM: a routed request
+    /// makes few, and none it can do without. A regression here is a cost on every request.
+    #[test]
+    fn one_request_makes_only_the_host_calls_it_needs() {
+        let host = MockHost::new();
+        let gw = gateway(&host, REGULAR);
+        for round in 0..3 {
+            host.calls.borrow_mut().clear();
+            let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"hello there {round}"}}]}}"#);
+            let len = body.len().to_string();
+            host.request(
+                "POST",
+                "/v1/chat/completions",
+                &[("content-length", &len), ("x-request-id", "r1")],
+                body.as_bytes(),
+            );
+            let mut f = RequestFilter::new(Some(Rc::clone(&gw)));
+            assert_eq!(f.on_request_headers(&host, false), Action::Pause);
+            assert_eq!(f.on_request_body(&host, body.len(), true), Action::Continue);
+            let resp = br#"{"id":"x","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":0}}}"#;
+            host.set_response(200, resp);
+            *host.upstream.borrow_mut() = host.request_header(DST_HEADER);
+            f.on_response_headers(&host);
+            f.on_response_body(&host, resp.len(), true);
+            f.on_log(&host);
+            let calls = host.calls.borrow();
+            let n = |name: &str| calls.iter().filter(|c| **c == name).count();
+            // A 2xx from the chosen worker needs no code details from Envoy.
+            assert_eq!(n("response_code_details"), 0, "round {round}: {calls:?}");
+            // Shared data: the counts read once to decide, written at commit (with the log
+            // slot of the new blocks) and at the end; nothing read back, feedback on the tick.
+            assert_eq!((n("get"), n("set")), (2, 3), "round {round}: {calls:?}");
+            assert_eq!(n("now_nanos"), 4, "round {round}: {calls:?}");
+            assert!(calls.len() <= 23, "round {round}: {} host calls: {calls:?}", calls.len());
+        }
+    }
+
+    /// Not a test: the whole request path in a loop, for a native profile
+    /// (`perf record` on `cargo test -p kvmesh-filter --release --lib profile_ -- --ignored`),
+    /// with the overhead benchmark's request stream and four workers.
+    #[test]
+    #[ignore]
+    fn profile_the_request_path() {
+        let host = MockHost::new();
+        let four = r#"{"worker_urls":["http://127.0.0.1:30001","http://127.0.0.1:30002","http://127.0.0.1:30003","http://127.0.0.1:30004"]}"#;
+        let gw = gateway(&host, four);
+        let resp = br#"{"text":"x","meta_info":{"prompt_tokens":300,"completion_tokens":1,"cached_tokens":256,"e2e_latency":0.001}}"#;
+        let n: usize = std::env::var("PROFILE_REQUESTS").ok().and_then(|v| v.parse().ok()).unwrap_or(200_000);
+        let started = std::time::Instant::now();
+        for i in 0..n {
+            let group = i % 16;
+            let system = format!("System prompt {group}: you are assistant number {group}. ").repeat(20);
+            let text = format!("{system}Question {}: what is {} squared?", i % 4096, i % 4096);
+            let body = serde_json::json!({"text": text, "sampling_params": {"max_new_tokens": 1}}).to_string();
+            let len = body.len().to_string();
+            host.request("POST", "/generate", &[("content-length", &len), ("x-request-id", "r1")], body.as_bytes());
+            let mut f = RequestFilter::new(Some(Rc::clone(&gw)));
+            f.on_request_headers(&host, false);
+            f.on_request_body(&host, body.len(), true);
+            host.set_response(200, resp);
+            *host.upstream.borrow_mut() = host.request_header(DST_HEADER);
+            f.on_response_headers(&host);
+            f.on_response_body(&host, resp.len(), true);
+            f.on_log(&host);
+            if i % 1000 == 0 {
+                host.calls.borrow_mut().clear();
+                host.metrics.borrow_mut().clear();
+                host.now_ms.set(host.now_ms.get() + 20);
+                gw.borrow_mut().flush_feedback(&host);
+            }
+        }
+        eprintln!("{n} requests: {:.2} us each", started.elapsed().as_secs_f64() * 1e6 / n as f64);
     }
 
     #[test]

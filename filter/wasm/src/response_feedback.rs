@@ -45,7 +45,7 @@ impl ResponseFeedback {
             if usage.completion_tokens.is_some() {
                 // No prediction (a batch, a blind policy): the completion metrics still count.
                 if let Some(w) = host_worker(gateway, host) {
-                    crate::feedback::record(host, w, None, &usage);
+                    gateway.count_usage(w, &usage);
                 }
             }
             return;
@@ -121,6 +121,8 @@ mod tests {
         );
         assert_eq!(host.metric_sum(Metric::CacheHits), 1, "the stale prefix attracts no traffic");
         assert_eq!(host.metric_sum(Metric::Predictions), 3);
+        assert!(crate::feedback::read(&host).is_empty(), "counted on the tick, not per response");
+        gw.borrow_mut().flush_feedback(&host);
         let counts = crate::feedback::read(&host);
         let total: u32 = counts.iter().map(|(_, f)| f.predictions).sum();
         let completions: u64 = counts.iter().map(|(_, f)| f.completion_tokens).sum();

@@ -88,6 +88,9 @@ fn config(
     requests: &[Vec<u8>],
     start: impl FnOnce() -> anyhow::Result<Running>,
 ) {
+    if !o.wants(name) {
+        return;
+    }
     step(&format!("overhead {mode}: {name}"));
     match start() {
         Ok(running) => {

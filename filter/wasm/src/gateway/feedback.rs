@@ -43,7 +43,7 @@ impl Gateway {
         let judged = usage
             .cached_tokens
             .map(|cached| judge(prediction.matched_bytes, prediction.hashes.len(), cached, block_size, per_token));
-        crate::feedback::record(store, prediction.worker, judged.as_ref(), usage);
+        self.pending_feedback.add(prediction.worker, judged.as_ref(), usage);
         let stale = match judged.as_ref().filter(|j| j.verdict == Verdict::Over) {
             Some(j) => prediction.hashes.get(j.stale.clone()).unwrap_or_default().to_vec(),
             None => Vec::new(),
@@ -62,6 +62,16 @@ impl Gateway {
             self.queue_stale(delta.worker, delta.hashes);
         }
         judged
+    }
+
+    /// A response of `worker` that carried completion metrics but had no prediction to judge.
+    pub fn count_usage(&mut self, worker: WorkerId, usage: &Usage) {
+        self.pending_feedback.add(worker, None, usage);
+    }
+
+    /// On the tick: this VM's feedback since the last tick into the shared counts.
+    pub fn flush_feedback(&mut self, store: &dyn SharedStore) {
+        self.pending_feedback.flush(store);
     }
 
     /// Stale blocks for the next report (only on the VM holding the streams).

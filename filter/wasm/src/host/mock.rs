@@ -71,6 +71,8 @@ pub struct MockHost {
     pub grpc_attempts: Cell<u32>,
     pub now_ms: Cell<u64>,
     pub metrics: RefCell<HashMap<Metric, Vec<u64>>>,
+    /// Every host call made, in order (each crosses the Wasm boundary in Envoy).
+    pub calls: RefCell<Vec<&'static str>>,
     next_token: Cell<u32>,
 }
 
@@ -131,6 +133,10 @@ impl MockHost {
         self.metrics.borrow().get(&m).map_or(0, Vec::len)
     }
 
+    fn note(&self, call: &'static str) {
+        self.calls.borrow_mut().push(call);
+    }
+
     fn token(&self) -> u32 {
         self.next_token.set(self.next_token.get() + 1);
         self.next_token.get()
@@ -153,20 +159,24 @@ fn replace(buf: &RefCell<Vec<u8>>, size: usize, body: &[u8]) {
 
 impl SharedStore for MockHost {
     fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+        self.note("get");
         self.store.get(key)
     }
 
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
+        self.note("set");
         self.store.set(key, value, cas)
     }
 }
 
 impl Host for MockHost {
     fn request_headers(&self) -> Vec<(String, String)> {
+        self.note("request_headers");
         self.request_headers.borrow().clone()
     }
 
     fn set_request_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError> {
+        self.note("set_request_header");
         if self.refuse_headers.get() {
             return Err(HostError("refused".into()));
         }
@@ -175,43 +185,52 @@ impl Host for MockHost {
     }
 
     fn request_body(&self, size: usize) -> Vec<u8> {
+        self.note("request_body");
         let b = self.request_body.borrow();
         b[..size.min(b.len())].to_vec()
     }
 
     fn set_request_body(&self, size: usize, body: &[u8]) -> Result<(), HostError> {
+        self.note("set_request_body");
         replace(&self.request_body, size, body);
         Ok(())
     }
 
     fn response_header(&self, name: &str) -> Option<String> {
+        self.note("response_header");
         self.response_headers.borrow().iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.clone())
     }
 
     fn set_response_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError> {
+        self.note("set_response_header");
         set(&self.response_headers, name, value);
         Ok(())
     }
 
     fn response_body(&self, size: usize) -> Vec<u8> {
+        self.note("response_body");
         let b = self.response_body.borrow();
         b[..size.min(b.len())].to_vec()
     }
 
     fn response_code_details(&self) -> Option<String> {
+        self.note("response_code_details");
         self.code_details.borrow().clone()
     }
 
     fn upstream_address(&self) -> Option<String> {
+        self.note("upstream_address");
         self.upstream.borrow().clone()
     }
 
     fn set_response_body(&self, size: usize, body: &[u8]) -> Result<(), HostError> {
+        self.note("set_response_body");
         replace(&self.response_body, size, body);
         Ok(())
     }
 
     fn send_reply(&self, status: u16, headers: &[(&str, &str)], body: &[u8]) -> Result<(), HostError> {
+        self.note("send_reply");
         self.replies.borrow_mut().push(SentReply {
             status,
             headers: headers.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
@@ -221,21 +240,25 @@ impl Host for MockHost {
     }
 
     fn resume_response(&self) -> Result<(), HostError> {
+        self.note("resume_response");
         self.resumed.set(self.resumed.get() + 1);
         Ok(())
     }
 
     fn resume_request(&self) -> Result<(), HostError> {
+        self.note("resume_request");
         self.resumed_requests.set(self.resumed_requests.get() + 1);
         Ok(())
     }
 
     fn enter_context(&self, context_id: u32) -> Result<(), HostError> {
+        self.note("enter_context");
         self.entered.borrow_mut().push(context_id);
         Ok(())
     }
 
     fn dispatch(&self, callout: Callout<'_>) -> Result<u32, HostError> {
+        self.note("dispatch");
         if self.refuse_dispatch.get() {
             return Err(HostError("BadArgument".into()));
         }
@@ -250,10 +273,12 @@ impl Host for MockHost {
     }
 
     fn callout_status(&self) -> Option<u16> {
+        self.note("callout_status");
         self.callout_answer.borrow().0
     }
 
     fn callout_body(&self, size: usize) -> Vec<u8> {
+        self.note("callout_body");
         let a = self.callout_answer.borrow();
         a.1[..size.min(a.1.len())].to_vec()
     }
@@ -278,6 +303,7 @@ impl Host for MockHost {
     }
 
     fn send_grpc(&self, token: u32, message: &[u8], _end_of_stream: bool) -> Result<(), HostError> {
+        self.note("send_grpc");
         if self.refuse_grpc.get() {
             return Err(HostError("closed".into()));
         }
@@ -286,27 +312,33 @@ impl Host for MockHost {
     }
 
     fn cancel_grpc(&self, token: u32) {
+        self.note("cancel_grpc");
         self.grpc_cancelled.borrow_mut().push(token);
     }
 
     fn grpc_message(&self, size: usize) -> Vec<u8> {
+        self.note("grpc_message");
         let m = self.grpc_inbox.borrow();
         m[..size.min(m.len())].to_vec()
     }
 
     fn now_nanos(&self) -> u64 {
+        self.note("now_nanos");
         self.now_ms.get() * 1_000_000
     }
 
     fn node_id(&self) -> Option<String> {
+        self.note("node_id");
         Some("test-node".into())
     }
 
     fn increment(&self, metric: Metric) {
+        self.note("increment");
         self.metrics.borrow_mut().entry(metric).or_default().push(1);
     }
 
     fn record(&self, metric: Metric, value: u64) {
+        self.note("record");
         self.metrics.borrow_mut().entry(metric).or_default().push(value);
     }
 }
