@@ -75,9 +75,25 @@ impl UsageScanner {
     /// Reads the next bytes of the response.
     pub fn feed(&mut self, chunk: &[u8]) {
         self.seen = self.seen.saturating_add(chunk.len() as u64);
-        for &b in chunk {
+        let mut rest = chunk;
+        loop {
+            if self.idle() {
+                // Only a quote or a backslash can change an idle scanner: skip to the next one.
+                match rest.iter().position(|&c| c == b'"' || c == b'\\') {
+                    Some(at) => rest = rest.get(at..).unwrap_or_default(),
+                    None => return,
+                }
+            }
+            let Some((&b, tail)) = rest.split_first() else { return };
             self.byte(b);
+            rest = tail;
         }
+    }
+
+    /// Looking for a key with nothing matched and no pending escape: any byte but `"` and `\`
+    /// leaves the scanner as it is.
+    fn idle(&self) -> bool {
+        self.step == Step::Seek && !self.escaped && self.matched == [0; KEYS.len()]
     }
 
     /// The response ended: a number at the very end counts.
@@ -255,6 +271,49 @@ mod tests {
         assert_eq!(scan(&[br#"{"cached_tokens":7}{"cached_tokens":"x"}"#]).cached_tokens, Some(7));
         // A number at the very end of the stream counts.
         assert_eq!(scan(&[br#"{"cached_tokens":4"#]).cached_tokens, Some(4));
+    }
+
+    /// The scanner fed one byte at a time through `byte`, without the idle skip.
+    fn scan_bytewise(body: &[u8]) -> Usage {
+        let mut s = UsageScanner::new();
+        for &b in body {
+            s.byte(b);
+        }
+        s.usage()
+    }
+
+    #[test]
+    fn skipping_idle_bytes_reads_what_every_byte_reads() {
+        let pieces: [&[u8]; 12] = [
+            b"\"cached_tokens\"",
+            b"\"completion_tokens\"",
+            b"\"e2e_latency\"",
+            b":",
+            b" ",
+            b"12",
+            b"0.5",
+            b"\\",
+            b"\"",
+            b"x",
+            b"{",
+            b"\"cached_",
+        ];
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for _ in 0..3000 {
+            let len = (next() % 24) as usize;
+            let body: Vec<u8> =
+                (0..len).flat_map(|_| pieces[(next() % pieces.len() as u64) as usize].to_vec()).collect();
+            let want = scan_bytewise(&body);
+            assert_eq!(scan(&[&body]), want, "{}", String::from_utf8_lossy(&body));
+            let cut = (next() as usize) % (body.len() + 1);
+            assert_eq!(scan(&[&body[..cut], &body[cut..]]), want, "{}", String::from_utf8_lossy(&body));
+        }
     }
 
     #[test]

@@ -807,14 +807,20 @@ mod tests {
         let gw = gateway(&host, four);
         let resp = br#"{"text":"x","meta_info":{"prompt_tokens":300,"completion_tokens":1,"cached_tokens":256,"e2e_latency":0.001}}"#;
         let n: usize = std::env::var("PROFILE_REQUESTS").ok().and_then(|v| v.parse().ok()).unwrap_or(200_000);
+        let bodies: Vec<(String, String)> = (0..4096)
+            .map(|i| {
+                let group = i % 16;
+                let system = format!("System prompt {group}: you are assistant number {group}. ").repeat(20);
+                let text = format!("{system}Question {i}: what is {i} squared?");
+                let body = serde_json::json!({"text": text, "sampling_params": {"max_new_tokens": 1}}).to_string();
+                let len = body.len().to_string();
+                (body, len)
+            })
+            .collect();
         let started = std::time::Instant::now();
         for i in 0..n {
-            let group = i % 16;
-            let system = format!("System prompt {group}: you are assistant number {group}. ").repeat(20);
-            let text = format!("{system}Question {}: what is {} squared?", i % 4096, i % 4096);
-            let body = serde_json::json!({"text": text, "sampling_params": {"max_new_tokens": 1}}).to_string();
-            let len = body.len().to_string();
-            host.request("POST", "/generate", &[("content-length", &len), ("x-request-id", "r1")], body.as_bytes());
+            let (body, len) = &bodies[i % bodies.len()];
+            host.request("POST", "/generate", &[("content-length", len), ("x-request-id", "r1")], body.as_bytes());
             let mut f = RequestFilter::new(Some(Rc::clone(&gw)));
             f.on_request_headers(&host, false);
             f.on_request_body(&host, body.len(), true);
