@@ -59,6 +59,9 @@ pub struct Opts {
     pub workloads: Vec<String>,
     /// Overhead: only the configurations whose name contains one of these (empty: all).
     pub only: Vec<String>,
+    /// Overhead: every configuration is measured this many times, the rounds interleaved
+    /// (CPU per request: the median round).
+    pub rounds: usize,
 }
 
 impl Opts {
@@ -78,6 +81,7 @@ impl Opts {
             out: report::default_dir(),
             workloads: Vec::new(),
             only: Vec::new(),
+            rounds: 1,
         }
     }
 
@@ -88,7 +92,7 @@ impl Opts {
 }
 
 const OPTIONS: &str =
-    "overhead | quality | scale (default: all), --quick, --seconds N, --connections N, --no-pd, --no-peers, --out DIR, --workload NAME (quality; repeatable), --only TEXT (overhead: configurations named with it; repeatable)";
+    "overhead | quality | scale (default: all), --quick, --seconds N, --connections N, --no-pd, --no-peers, --out DIR, --workload NAME (quality; repeatable), --only TEXT (overhead: configurations named with it; repeatable), --rounds N (overhead: each configuration N times, interleaved)";
 
 fn parse(args: &[String]) -> anyhow::Result<Opts> {
     let mut o = Opts::new(args.iter().any(|a| a == "--quick"));
@@ -124,6 +128,14 @@ fn parse(args: &[String]) -> anyhow::Result<Opts> {
             "--out" => o.out = PathBuf::from(value("--out")?),
             "--workload" => o.workloads.push(value("--workload")?),
             "--only" => o.only.push(value("--only")?),
+            "--rounds" => {
+                let v = value("--rounds")?;
+                o.rounds = v
+                    .parse()
+                    .ok()
+                    .filter(|&n| n > 0)
+                    .with_context(|| format!("--rounds {v}: not a positive number"))?;
+            }
             other => bail!("unknown bench option `{other}` ({OPTIONS})"),
         }
     }

@@ -34,6 +34,42 @@ struct Row {
     threads: Option<u32>,
     load: Load,
     cpu_us: Option<f64>,
+    /// The CPU per request of each round (`--rounds`), in the order they ran.
+    cpu_rounds: Vec<f64>,
+    /// Each round's seconds to steady throughput (see [`Load::steady_after`]).
+    steady: Vec<f64>,
+}
+
+/// Rows of the same configuration from several rounds become one: requests, errors and
+/// latencies added up (req/s over the time of all rounds), the median round's CPU per
+/// request, the median time to steady throughput.
+fn merge_rounds(rows: Vec<Row>) -> Vec<Row> {
+    let mut out: Vec<Row> = Vec::new();
+    for r in rows {
+        match out.iter_mut().find(|o| o.mode == r.mode && o.config == r.config) {
+            None => out.push(r),
+            Some(o) => {
+                o.load.sent += r.load.sent;
+                o.load.ok += r.load.ok;
+                o.load.errors += r.load.errors;
+                o.load.elapsed += r.load.elapsed;
+                let _ = o.load.latency.add(&r.load.latency);
+                let _ = o.load.ttft.add(&r.load.ttft);
+                o.steady.extend(r.steady);
+                o.cpu_rounds.extend(r.cpu_rounds);
+            }
+        }
+    }
+    for o in &mut out {
+        o.cpu_us = median(&o.cpu_rounds);
+    }
+    out
+}
+
+fn median(values: &[f64]) -> Option<f64> {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied()
 }
 
 impl Row {
@@ -51,7 +87,9 @@ impl Row {
             "p99_ms": self.load.ms(0.99),
             "added_p50_ms": floor_p50.map(|f| self.load.ms(0.5) - f),
             "proxy_cpu_us_per_request": self.cpu_us,
-            "steady_after_s": self.load.steady_after(),
+            "proxy_cpu_us_per_request_rounds": self.cpu_rounds,
+            "steady_after_s": median(&self.steady),
+            "steady_after_s_rounds": self.steady,
         })
     }
 }
@@ -95,7 +133,8 @@ fn config(
     match start() {
         Ok(running) => {
             let (load, cpu_us) = measure(o, name, &running, requests, router != "direct");
-            rows.push(Row { mode, router, config: name.to_string(), threads, load, cpu_us });
+            let (cpu_rounds, steady) = (cpu_us.into_iter().collect(), load.steady_after().into_iter().collect());
+            rows.push(Row { mode, router, config: name.to_string(), threads, load, cpu_us, cpu_rounds, steady });
         }
         Err(e) => {
             eprintln!("    {name} did not start: {e:#}");
@@ -125,41 +164,46 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
         let addrs: Vec<String> = sims.iter().map(Sim::addr).collect();
         let workers = Workers::Regular(urls.clone());
         let m = "regular";
-        config(o, &mut rows, &mut failures, m, "direct", "direct to workers", None, &requests, || {
-            Ok(stack::direct(&urls))
-        });
-        for t in threads {
-            let name = format!("plain Envoy ({t} thread{})", if t > 1 { "s" } else { "" });
-            config(o, &mut rows, &mut failures, m, "plain-envoy", &name, Some(t), &requests, || {
-                stack::plain_envoy(&addrs, t)
-            });
-        }
-        for t in threads {
-            let name = format!("naive body filter ({t} thread{})", if t > 1 { "s" } else { "" });
-            config(o, &mut rows, &mut failures, m, "naive-filter", &name, Some(t), &requests, || {
-                stack::naive_filter(&urls, t)
-            });
-        }
-        for t in threads {
-            let name = format!("kvmesh ({t} thread{}, cache_aware)", if t > 1 { "s" } else { "" });
-            config(o, &mut rows, &mut failures, m, "kvmesh", &name, Some(t), &requests, || {
-                stack::kvmesh(&workers, t, 1, "cache_aware", false)
-            });
-        }
-        for &p in &peers {
-            let name = format!("{} (cache_aware)", p.label());
-            config(o, &mut rows, &mut failures, m, p.name(), &name, None, &requests, || {
-                stack::peer(bins, p, &workers, 1, false, "cache_aware")
+        for round in 0..o.rounds {
+            if o.rounds > 1 {
+                step(&format!("regular mode, round {} of {}", round + 1, o.rounds));
+            }
+            config(o, &mut rows, &mut failures, m, "direct", "direct to workers", None, &requests, || {
+                Ok(stack::direct(&urls))
             });
             for t in threads {
-                let name = format!("plain Envoy ({t}t) -> {}", p.label());
-                let router: &'static str = match p {
-                    Peer::Smg => "envoy+smg",
-                    Peer::SglangRouter => "envoy+sglang-router",
-                };
-                config(o, &mut rows, &mut failures, m, router, &name, Some(t), &requests, || {
-                    stack::mesh_path(stack::peer(bins, p, &workers, 1, false, "cache_aware")?, t)
+                let name = format!("plain Envoy ({t} thread{})", if t > 1 { "s" } else { "" });
+                config(o, &mut rows, &mut failures, m, "plain-envoy", &name, Some(t), &requests, || {
+                    stack::plain_envoy(&addrs, t)
                 });
+            }
+            for t in threads {
+                let name = format!("naive body filter ({t} thread{})", if t > 1 { "s" } else { "" });
+                config(o, &mut rows, &mut failures, m, "naive-filter", &name, Some(t), &requests, || {
+                    stack::naive_filter(&urls, t)
+                });
+            }
+            for t in threads {
+                let name = format!("kvmesh ({t} thread{}, cache_aware)", if t > 1 { "s" } else { "" });
+                config(o, &mut rows, &mut failures, m, "kvmesh", &name, Some(t), &requests, || {
+                    stack::kvmesh(&workers, t, 1, "cache_aware", false)
+                });
+            }
+            for &p in &peers {
+                let name = format!("{} (cache_aware)", p.label());
+                config(o, &mut rows, &mut failures, m, p.name(), &name, None, &requests, || {
+                    stack::peer(bins, p, &workers, 1, false, "cache_aware")
+                });
+                for t in threads {
+                    let name = format!("plain Envoy ({t}t) -> {}", p.label());
+                    let router: &'static str = match p {
+                        Peer::Smg => "envoy+smg",
+                        Peer::SglangRouter => "envoy+sglang-router",
+                    };
+                    config(o, &mut rows, &mut failures, m, router, &name, Some(t), &requests, || {
+                        stack::mesh_path(stack::peer(bins, p, &workers, 1, false, "cache_aware")?, t)
+                    });
+                }
             }
         }
     }
@@ -180,27 +224,33 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
             decode: decode.iter().map(Sim::url).collect(),
         };
         let m = "pd";
-        for t in threads {
-            let name = format!("kvmesh PD ({t} thread{})", if t > 1 { "s" } else { "" });
-            config(o, &mut rows, &mut failures, m, "kvmesh", &name, Some(t), &requests, || {
-                stack::kvmesh(&workers, t, 1, "cache_aware", false)
-            });
-        }
-        for &p in &peers {
-            let name = format!("{} PD", p.label());
-            config(o, &mut rows, &mut failures, m, p.name(), &name, None, &requests, || {
-                stack::peer(bins, p, &workers, 1, false, "cache_aware")
-            });
-            let name = format!("plain Envoy (1t) -> {} PD", p.label());
-            let router: &'static str = match p {
-                Peer::Smg => "envoy+smg",
-                Peer::SglangRouter => "envoy+sglang-router",
-            };
-            config(o, &mut rows, &mut failures, m, router, &name, Some(1), &requests, || {
-                stack::mesh_path(stack::peer(bins, p, &workers, 1, false, "cache_aware")?, 1)
-            });
+        for round in 0..o.rounds {
+            if o.rounds > 1 {
+                step(&format!("PD mode, round {} of {}", round + 1, o.rounds));
+            }
+            for t in threads {
+                let name = format!("kvmesh PD ({t} thread{})", if t > 1 { "s" } else { "" });
+                config(o, &mut rows, &mut failures, m, "kvmesh", &name, Some(t), &requests, || {
+                    stack::kvmesh(&workers, t, 1, "cache_aware", false)
+                });
+            }
+            for &p in &peers {
+                let name = format!("{} PD", p.label());
+                config(o, &mut rows, &mut failures, m, p.name(), &name, None, &requests, || {
+                    stack::peer(bins, p, &workers, 1, false, "cache_aware")
+                });
+                let name = format!("plain Envoy (1t) -> {} PD", p.label());
+                let router: &'static str = match p {
+                    Peer::Smg => "envoy+smg",
+                    Peer::SglangRouter => "envoy+sglang-router",
+                };
+                config(o, &mut rows, &mut failures, m, router, &name, Some(1), &requests, || {
+                    stack::mesh_path(stack::peer(bins, p, &workers, 1, false, "cache_aware")?, 1)
+                });
+            }
         }
     }
+    let rows = merge_rounds(rows);
 
     // The floor of added latency: straight to the workers (regular mode only).
     let floor = rows.iter().find(|r| r.router == "direct").map(|r| r.load.ms(0.5));
@@ -208,7 +258,7 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
     let ratios = ratios(&rows, floor);
     let doc = json!({
         "suite": "overhead",
-        "params": {"seconds": o.seconds, "connections": o.connections, "workers": 4, "pd_workers": "2 prefill + 2 decode",
+        "params": {"seconds": o.seconds, "rounds": o.rounds, "connections": o.connections, "workers": 4, "pd_workers": "2 prefill + 2 decode",
                    "sim": "--time-scale 0 --max-running 4096", "requests": "16 shared ~1 KiB system prompts, 4096 distinct questions, /generate, max_new_tokens 1"},
         "results": results,
         "ratios": ratios,
@@ -247,9 +297,10 @@ fn ratios(rows: &[Row], floor: Option<f64>) -> Vec<Value> {
 
 fn markdown(rows: &[Row], floor: Option<f64>, doc: &Value, o: &Opts) -> String {
     let mut md = format!(
-        "## Overhead ({} s per configuration after a {:.1} s warm-up, {} connections, workers at --time-scale 0)\n\n",
+        "## Overhead ({} s per configuration after a {:.1} s warm-up{}, {} connections, workers at --time-scale 0)\n\n",
         o.seconds,
         o.seconds / 10.0,
+        if o.rounds > 1 { format!(", {} interleaved rounds (CPU: the median round)", o.rounds) } else { String::new() },
         o.connections
     );
     for mode in ["regular", "pd"] {
@@ -271,7 +322,7 @@ fn markdown(rows: &[Row], floor: Option<f64>, doc: &Value, o: &Opts) -> String {
                     f(r.load.ms(0.99), 3),
                     floor.filter(|_| mode == "regular").map_or("-".into(), |fl| f(r.load.ms(0.5) - fl, 3)),
                     r.cpu_us.map_or("-".into(), |c| f(c, 1)),
-                    r.load.steady_after().map_or("-".into(), |s| f(s, 1)),
+                    median(&r.steady).map_or("-".into(), |s| f(s, 1)),
                     r.load.errors.to_string(),
                 ]
             })
