@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use kvmesh_proto::v1::kvmesh_client::KvmeshClient;
 use kvmesh_proto::v1::{IndexInsert, ReportBatch, WatchRequest};
-use kvmesh_testkit::{wait_until, ControlPlane};
+use kvmesh_testkit::{http, wait_until, ControlPlane, Envoy, EnvoyOptions};
 use prost::Message;
 
 use crate::tools::step;
@@ -35,6 +35,9 @@ pub fn run() -> anyhow::Result<serde_json::Value> {
     args.extend(workers);
     // Workers are not running here: keep health checks from marking them down during the run.
     args.extend(["--health-check-interval-secs", "3600", "--load-poll-interval-ms", "3600000"].map(String::from));
+    // The gateway measured below sends requests to these absent workers: their refused
+    // connections must not take them out of the decisions being timed.
+    args.extend(["--disable-circuit-breaker", "--disable-retries"].map(String::from));
     let mut cp = ControlPlane::start(&args.iter().map(String::as_str).collect::<Vec<_>>())?;
     let pid = cp.proc().pid();
     let before = rss_kib(pid);
@@ -95,12 +98,104 @@ pub fn run() -> anyhow::Result<serde_json::Value> {
     })?;
     let after = rss_kib(pid);
     let snapshot = cp.snapshot()?;
+    let gateway = gateway_at_scale(&cp, &args, ENTRIES)?;
     Ok(serde_json::json!({
+        "gateway": gateway,
         "workers": WORKERS,
         "index_entries": snapshot["index_entries"],
         "rss_before_mib": before as f64 / 1024.0,
         "rss_after_mib": after as f64 / 1024.0,
         "snapshot_mib": full_bytes as f64 / (1 << 20) as f64,
         "snapshot_ms": full_time.as_secs_f64() * 1e3,
+    }))
+}
+
+/// A wasm custom stat's computed quantiles (Envoy's `/stats?format=json`), cumulative, by
+/// quantile in percent.
+fn quantiles(envoy: &Envoy, name: &str) -> Vec<(f64, Option<f64>)> {
+    let url = envoy.admin_url(&format!("/stats?format=json&filter={name}"));
+    let Ok(doc) = http::get(&url).and_then(|r| Ok(serde_json::from_str::<serde_json::Value>(&r.text())?)) else {
+        return Vec::new();
+    };
+    let Some(h) = doc["stats"].as_array().and_then(|a| a.iter().find_map(|s| s.get("histograms"))) else {
+        return Vec::new();
+    };
+    let qs: Vec<f64> = h["supported_quantiles"].as_array().into_iter().flatten().filter_map(|q| q.as_f64()).collect();
+    let Some(values) = h["computed_quantiles"]
+        .as_array()
+        .and_then(|c| c.iter().find(|q| q["name"].as_str().is_some_and(|n| n.ends_with(name))))
+        .and_then(|q| q["values"].as_array())
+    else {
+        return Vec::new();
+    };
+    qs.into_iter().zip(values.iter().map(|v| v["cumulative"].as_f64())).collect()
+}
+
+/// A kvmesh gateway (Envoy, 1 worker thread) on the control plane holding `entries` index
+/// entries: its memory against the same gateway on an empty control plane, and the routing
+/// decision's time inside Envoy (the filter's `kvmesh_route_decision_ns` histogram) for
+/// 4 KiB prompts half of which is indexed, decided among the 64 workers.
+fn gateway_at_scale(cp: &ControlPlane, cp_args: &[String], entries: u64) -> anyhow::Result<serde_json::Value> {
+    const REQUESTS: usize = 2000;
+    step("a gateway on that control plane: memory and the decision inside Envoy");
+    let start = |cp: &ControlPlane| -> anyhow::Result<Envoy> {
+        let mut opts = EnvoyOptions::new(serde_json::json!({"worker_urls": [], "policy": "cache_aware"}))?;
+        opts.concurrency = 1;
+        opts.use_control_plane(cp);
+        Envoy::start(&opts)
+    };
+    let applied = |e: &Envoy| e.stat("wasmcustom.kvmesh_snapshot_version").ok().flatten().is_some_and(|v| v > 0);
+    // The baseline: the same gateway on a control plane with the same workers and no index.
+    let empty = ControlPlane::start(&cp_args.iter().map(String::as_str).collect::<Vec<_>>())?;
+    let mut base = start(&empty)?;
+    wait_until("the baseline gateway's first snapshot", Duration::from_secs(60), || applied(&base))?;
+    let rss_empty = rss_kib(base.proc().pid());
+    drop(base);
+    drop(empty);
+    let mut envoy = start(cp)?;
+    let blocks = |e: &Envoy| e.stat("wasmcustom.kvmesh_index_blocks").ok().flatten().unwrap_or(0);
+    wait_until("the gateway to index the full snapshot", Duration::from_secs(120), || blocks(&envoy) >= entries)?;
+    let rss_full = rss_kib(envoy.proc().pid());
+    // A 4 KiB prompt indexed once, then prompts sharing its first half.
+    let mut x = 7u64;
+    let mut word = || {
+        x = mix(x);
+        format!("{:016x} ", x)
+    };
+    let base_text: String = (0..241).map(|_| word()).collect();
+    let url = envoy.url("/generate");
+    for i in 0..REQUESTS {
+        let text = if i == 0 {
+            base_text.clone()
+        } else {
+            let half: String = base_text.chars().take(2048).collect();
+            half + &(0..120).map(|_| word()).collect::<String>()
+        };
+        // The workers are absent: Envoy answers 502, after the decision was made and timed.
+        let _ = http::post_json(&url, &serde_json::json!({"text": text, "sampling_params": {"max_new_tokens": 1}}));
+    }
+    let counted = |e: &Envoy| {
+        let text = http::get(&e.admin_url("/stats/prometheus")).map(|r| r.text()).unwrap_or_default();
+        text.lines()
+            .find_map(|l| {
+                l.strip_prefix("kvmesh_route_decision_ns_count")?.split_whitespace().last()?.parse::<u64>().ok()
+            })
+            .unwrap_or(0)
+    };
+    // Envoy merges histograms on its stats flush (every 5 s by default).
+    wait_until("Envoy to merge the decision histogram", Duration::from_secs(30), || {
+        counted(&envoy) >= REQUESTS as u64
+    })?;
+    let q = quantiles(&envoy, "kvmesh_route_decision_ns");
+    let at = |p: f64| q.iter().find(|(k, _)| (k - p).abs() < 1e-9).and_then(|(_, v)| *v).map(|ns| ns / 1e3);
+    Ok(serde_json::json!({
+        "envoy_threads": 1,
+        "index_blocks": blocks(&envoy),
+        "rss_empty_index_mib": rss_empty as f64 / 1024.0,
+        "rss_full_index_mib": rss_full as f64 / 1024.0,
+        "requests": REQUESTS,
+        "decision_p50_us": at(50.0),
+        "decision_p99_us": at(99.0),
+        "decision_max_us": at(100.0),
     }))
 }
