@@ -41,7 +41,7 @@ impl EnvoyHost {
                     | Metric::PredictionsAccurate
                     | Metric::PredictionsOver
                     | Metric::PredictionsUnder => MetricType::Counter,
-                    Metric::DecisionNs => MetricType::Histogram,
+                    Metric::DecisionNs | Metric::VmMemory => MetricType::Histogram,
                     Metric::IndexBlocks | Metric::SnapshotVersion | Metric::InFlight | Metric::Queued => {
                         MetricType::Gauge
                     }
@@ -175,6 +175,11 @@ impl Host for EnvoyHost {
     fn node_id(&self) -> Option<String> {
         let bytes = hostcalls::get_property(vec!["node", "id"]).ok().flatten()?;
         Some(String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    fn vm_memory_bytes(&self) -> u64 {
+        // Pages of 64 KiB.
+        (core::arch::wasm32::memory_size::<0>() as u64).saturating_mul(65_536)
     }
 
     fn increment(&self, metric: Metric) {

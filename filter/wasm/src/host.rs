@@ -46,10 +46,13 @@ pub enum Metric {
     PredictionsOver,
     /// Counter: of those, the worker held more than predicted.
     PredictionsUnder,
+    /// Histogram: each VM's linear memory in bytes, recorded once a second (the largest
+    /// value is the largest VM).
+    VmMemory,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 14] = [
+    pub const ALL: [Metric; 15] = [
         Metric::Requests,
         Metric::LocalReplies,
         Metric::CacheHits,
@@ -64,6 +67,7 @@ impl Metric {
         Metric::PredictionsAccurate,
         Metric::PredictionsOver,
         Metric::PredictionsUnder,
+        Metric::VmMemory,
     ];
 
     pub fn name(self) -> &'static str {
@@ -82,6 +86,7 @@ impl Metric {
             Metric::PredictionsAccurate => "kvmesh_predictions_accurate_total",
             Metric::PredictionsOver => "kvmesh_predictions_over_total",
             Metric::PredictionsUnder => "kvmesh_predictions_under_total",
+            Metric::VmMemory => "kvmesh_vm_memory_bytes",
         }
     }
 }
@@ -162,6 +167,8 @@ pub trait Host: SharedStore {
     fn now_nanos(&self) -> u64;
     /// Envoy's node id, if set.
     fn node_id(&self) -> Option<String>;
+    /// The size of this VM's linear memory in bytes (not a host call).
+    fn vm_memory_bytes(&self) -> u64;
     fn increment(&self, metric: Metric);
     fn record(&self, metric: Metric, value: u64);
 }

@@ -47,6 +47,8 @@ pub struct Plugin {
     /// Prefill callouts dispatched from the tick (for requests admitted from the queue): the
     /// host answers them to the root context, which hands them on.
     callouts: HashMap<u32, (u32, Weak<RefCell<RequestFilter>>)>,
+    /// When this VM last recorded its memory (ms).
+    memory_recorded_ms: u64,
 }
 
 impl Plugin {
@@ -100,6 +102,11 @@ impl Plugin {
     pub fn on_tick(&mut self, host: &dyn Host) {
         self.tick_gateway(host);
         self.wake_waiting(host);
+        let now = now_ms(host);
+        if now.saturating_sub(self.memory_recorded_ms) >= 1_000 {
+            self.memory_recorded_ms = now;
+            host.record(Metric::VmMemory, host.vm_memory_bytes());
+        }
     }
 
     /// The admission queue's turn, after the gateway's (admitted requests borrow it): the
@@ -362,6 +369,18 @@ mod tests {
         let mut p = Plugin::default();
         p.configure(host, CONFIG.as_bytes(), seed).unwrap();
         p
+    }
+
+    #[test]
+    fn each_vm_records_its_memory_once_a_second() {
+        let host = MockHost::new();
+        let mut p = plugin(&host, 1);
+        host.now_ms.set(5_000);
+        for step in 0..150 {
+            host.now_ms.set(5_000 + step * 20); // 3 s of 20 ms ticks
+            p.on_tick(&host);
+        }
+        assert_eq!(host.metrics.borrow().get(&Metric::VmMemory).cloned(), Some(vec![1 << 20; 3]));
     }
 
     fn snapshot(version: u64, ports: &[u16]) -> Vec<u8> {

@@ -131,6 +131,17 @@ fn quantiles(envoy: &Envoy, name: &str) -> Vec<(f64, Option<f64>)> {
     qs.into_iter().zip(values.iter().map(|v| v["cumulative"].as_f64())).collect()
 }
 
+/// The largest Wasm VM's linear memory (bytes) in `envoy`: the most the filter's
+/// `kvmesh_vm_memory_bytes` histogram recorded (each VM records its memory once a second).
+fn largest_vm(envoy: &Envoy) -> anyhow::Result<f64> {
+    let mut max = None;
+    wait_until("Envoy to report the VMs' memory", Duration::from_secs(30), || {
+        max = quantiles(envoy, "kvmesh_vm_memory_bytes").iter().find(|(q, _)| *q >= 100.0).and_then(|(_, v)| *v);
+        max.is_some()
+    })?;
+    Ok(max.unwrap_or(0.0))
+}
+
 /// A kvmesh gateway (Envoy, 1 worker thread) on the control plane holding `entries` index
 /// entries: its memory against the same gateway on an empty control plane, and the routing
 /// decision's time inside Envoy (the filter's `kvmesh_route_decision_ns` histogram) for
@@ -150,12 +161,14 @@ fn gateway_at_scale(cp: &ControlPlane, cp_args: &[String], entries: u64) -> anyh
     let mut base = start(&empty)?;
     wait_until("the baseline gateway's first snapshot", Duration::from_secs(60), || applied(&base))?;
     let rss_empty = rss_kib(base.proc().pid());
+    let vm_empty = largest_vm(&base)?;
     drop(base);
     drop(empty);
     let mut envoy = start(cp)?;
     let blocks = |e: &Envoy| e.stat("wasmcustom.kvmesh_index_blocks").ok().flatten().unwrap_or(0);
     wait_until("the gateway to index the full snapshot", Duration::from_secs(120), || blocks(&envoy) >= entries)?;
     let rss_full = rss_kib(envoy.proc().pid());
+    let vm_full = largest_vm(&envoy)?;
     // A 4 KiB prompt indexed once, then prompts sharing its first half.
     let mut x = 7u64;
     let mut word = || {
@@ -193,6 +206,8 @@ fn gateway_at_scale(cp: &ControlPlane, cp_args: &[String], entries: u64) -> anyh
         "index_blocks": blocks(&envoy),
         "rss_empty_index_mib": rss_empty as f64 / 1024.0,
         "rss_full_index_mib": rss_full as f64 / 1024.0,
+        "largest_vm_empty_index_mib": vm_empty / (1 << 20) as f64,
+        "largest_vm_full_index_mib": vm_full / (1 << 20) as f64,
         "requests": REQUESTS,
         "decision_p50_us": at(50.0),
         "decision_p99_us": at(99.0),

@@ -189,6 +189,11 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
                     stack::kvmesh(&workers, t, 1, "cache_aware", false)
                 });
             }
+            // As deployed: with kvmesh-cp (reports, deltas, load polling), whose CPU counts too.
+            let name = "kvmesh (2 threads, cache_aware, with kvmesh-cp)";
+            config(o, &mut rows, &mut failures, m, "kvmesh", name, Some(2), &requests, || {
+                stack::kvmesh(&workers, 2, 1, "cache_aware", true)
+            });
             for &p in &peers {
                 let name = format!("{} (cache_aware)", p.label());
                 config(o, &mut rows, &mut failures, m, p.name(), &name, None, &requests, || {
@@ -234,6 +239,11 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
                     stack::kvmesh(&workers, t, 1, "cache_aware", false)
                 });
             }
+            // As deployed: with kvmesh-cp (reports, deltas, load polling), whose CPU counts too.
+            let name = "kvmesh (2 threads, cache_aware, with kvmesh-cp)";
+            config(o, &mut rows, &mut failures, m, "kvmesh", name, Some(2), &requests, || {
+                stack::kvmesh(&workers, 2, 1, "cache_aware", true)
+            });
             for &p in &peers {
                 let name = format!("{} PD", p.label());
                 config(o, &mut rows, &mut failures, m, p.name(), &name, None, &requests, || {

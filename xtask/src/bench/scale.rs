@@ -156,13 +156,15 @@ pub fn run(o: &Opts) -> anyhow::Result<(Value, String)> {
             vec!["blocks in the filter's index".into(), g["index_blocks"].to_string()],
             vec!["Envoy RSS, the same gateway on an empty control plane".into(), mib("rss_empty_index_mib")],
             vec!["Envoy RSS with the full index".into(), mib("rss_full_index_mib")],
+            vec!["largest Wasm VM, empty index".into(), mib("largest_vm_empty_index_mib")],
+            vec!["largest Wasm VM, full index (target < 64 MB)".into(), mib("largest_vm_full_index_mib")],
             vec!["routing decision inside Envoy, p50".into(), us("decision_p50_us")],
             vec!["routing decision inside Envoy, p99 (target ≤ 50 µs)".into(), us("decision_p99_us")],
             vec!["routing decision inside Envoy, max".into(), us("decision_max_us")],
         ],
     ));
     md.push_str(&format!(
-        "\n{} requests of 4 KiB whose first half is indexed, each decided among the 64 workers; the filter's `kvmesh_route_decision_ns` histogram (parse, index look-up, policy; Envoy's computed quantiles). The workers are absent (their 502s come after the decision). Envoy runs one Wasm VM on its main thread and one per worker thread, and each holds the index: the filter's memory per VM is at most half the RSS growth (target < 64 MB per worker thread's VM).\n",
+        "\n{} requests of 4 KiB whose first half is indexed, each decided among the 64 workers; the filter's `kvmesh_route_decision_ns` histogram (parse, index look-up, policy; Envoy's computed quantiles). The workers are absent (their 502s come after the decision). A VM's memory is its Wasm linear memory (the filter's `kvmesh_vm_memory_bytes`, which each VM records once a second; Envoy runs one VM on its main thread and one per worker thread); the RSS growth also holds Envoy's shared data (the delta log's slots through which the snapshot reached the other VM) and V8's own structures.\n",
         g["requests"]
     ));
     let p = &doc["propagation"];

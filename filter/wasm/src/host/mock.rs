@@ -332,6 +332,10 @@ impl Host for MockHost {
         Some("test-node".into())
     }
 
+    fn vm_memory_bytes(&self) -> u64 {
+        1 << 20
+    }
+
     fn increment(&self, metric: Metric) {
         self.note("increment");
         self.metrics.borrow_mut().entry(metric).or_default().push(1);
