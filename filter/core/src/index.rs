@@ -21,51 +21,97 @@ struct Owner {
     tick: u32,
 }
 
-/// The workers holding one block; almost always a single one, so that case stays inline.
-#[derive(Debug)]
-enum Owners {
-    One(Owner),
-    // Boxed so that `Owners` stays 16 bytes: the map holds millions of them.
-    #[allow(clippy::box_collection)]
-    Many(Box<Vec<Owner>>),
+/// Blocks past which an index with an expected size grows straight to it.
+const EARLY_GROWTH: usize = 1 << 17;
+
+/// A worker id no worker has: a [`Node`] holding it lists its owners in [`Shared`].
+const MANY: WorkerId = WorkerId::MAX;
+
+/// The workers holding one block, in 8 bytes (the map holds millions of them: 16 bytes an
+/// entry with its key). Almost always a single owner, held inline; a block held by several
+/// workers holds `MANY` as its worker and, as its tick, the [`Shared`] slot listing them.
+#[derive(Clone, Copy, Debug)]
+struct Node(Owner);
+
+/// The owner lists of blocks held by several workers, in slots reused once freed.
+#[derive(Debug, Default)]
+struct Shared {
+    slots: Vec<Vec<Owner>>,
+    free: Vec<u32>,
 }
 
-impl Owners {
-    fn as_slice(&self) -> &[Owner] {
-        match self {
-            Owners::One(o) => std::slice::from_ref(o),
-            Owners::Many(v) => v,
+impl Shared {
+    fn add(&mut self, owners: Vec<Owner>) -> u32 {
+        match self.free.pop() {
+            Some(slot) => {
+                if let Some(s) = self.slots.get_mut(slot as usize) {
+                    *s = owners;
+                }
+                slot
+            }
+            None => {
+                self.slots.push(owners);
+                (self.slots.len() - 1) as u32
+            }
         }
     }
 
+    fn release(&mut self, slot: u32) -> Vec<Owner> {
+        let owners = self.slots.get_mut(slot as usize).map(std::mem::take).unwrap_or_default();
+        self.free.push(slot);
+        owners
+    }
+}
+
+impl Node {
+    fn one(worker: WorkerId, tick: u32) -> Self {
+        Self(Owner { worker, tick })
+    }
+
+    fn owners<'a>(&'a self, shared: &'a Shared) -> &'a [Owner] {
+        if self.0.worker == MANY {
+            return shared.slots.get(self.0.tick as usize).map_or(&[], Vec::as_slice);
+        }
+        std::slice::from_ref(&self.0)
+    }
+
     /// Stamps `worker` with `tick`, adding it when it is new on this block.
-    fn touch(&mut self, worker: WorkerId, tick: u32) {
+    fn touch(&mut self, shared: &mut Shared, worker: WorkerId, tick: u32) {
         let fresh = Owner { worker, tick };
-        match self {
-            Owners::One(o) if o.worker == worker => o.tick = tick,
-            Owners::One(o) => *self = Owners::Many(Box::new(vec![*o, fresh])),
-            Owners::Many(v) => match v.iter_mut().find(|o| o.worker == worker) {
-                Some(o) => o.tick = tick,
-                None => v.push(fresh),
-            },
+        if self.0.worker == MANY {
+            if let Some(v) = shared.slots.get_mut(self.0.tick as usize) {
+                match v.iter_mut().find(|o| o.worker == worker) {
+                    Some(o) => o.tick = tick,
+                    None => v.push(fresh),
+                }
+            }
+        } else if self.0.worker == worker {
+            self.0.tick = tick;
+        } else {
+            let slot = shared.add(vec![self.0, fresh]);
+            self.0 = Owner { worker: MANY, tick: slot };
         }
     }
 
     /// Removes `worker`; returns true when no owner is left.
-    fn remove(&mut self, worker: WorkerId) -> bool {
-        match self {
-            Owners::One(o) => o.worker == worker,
-            Owners::Many(v) => {
-                v.retain(|o| o.worker != worker);
-                match v.as_slice() {
-                    [] => true,
-                    [only] => {
-                        *self = Owners::One(*only);
-                        false
-                    }
-                    _ => false,
-                }
+    fn remove(&mut self, shared: &mut Shared, worker: WorkerId) -> bool {
+        if self.0.worker != MANY {
+            return self.0.worker == worker;
+        }
+        let slot = self.0.tick;
+        let Some(v) = shared.slots.get_mut(slot as usize) else { return true };
+        v.retain(|o| o.worker != worker);
+        match v.as_slice() {
+            [] => {
+                shared.release(slot);
+                true
             }
+            [only] => {
+                self.0 = *only;
+                shared.release(slot);
+                false
+            }
+            _ => false,
         }
     }
 }
@@ -84,7 +130,11 @@ type Recency = HashMap<WorkerId, VecDeque<(u32, u64)>, BuildNoHashHasher<WorkerI
 /// Block hashes per worker, with LRU eviction to a per-worker size.
 #[derive(Debug, Default)]
 pub struct PrefixIndex {
-    nodes: HashMap<u64, Owners, BuildNoHashHasher<u64>>,
+    nodes: HashMap<u64, Node, BuildNoHashHasher<u64>>,
+    /// Owner lists of the blocks several workers hold.
+    shared: Shared,
+    /// How many blocks the index may come to hold (its owner's bound; 0: unknown).
+    expected: usize,
     sizes: HashMap<WorkerId, u64, BuildNoHashHasher<WorkerId>>,
     clock: u32,
     /// With [`PrefixIndex::with_recency`]: per worker, its stamps in the order they were
@@ -106,6 +156,13 @@ impl PrefixIndex {
         Self { recency: Some(HashMap::default()), ..Self::default() }
     }
 
+    /// The index will hold at most about `blocks` blocks: past [`EARLY_GROWTH`] it grows
+    /// straight to that size instead of doubling its table step by step (each step holds the
+    /// old table and the new at once, and a VM's linear memory never shrinks).
+    pub fn expect_blocks(&mut self, blocks: usize) {
+        self.expected = blocks;
+    }
+
     fn stamped(&mut self, worker: WorkerId, tick: u32, hash: u64) {
         let Some(recency) = self.recency.as_mut() else { return };
         let log = recency.entry(worker).or_default();
@@ -114,8 +171,8 @@ impl PrefixIndex {
         // Stale entries (re-stamped or removed blocks) are dropped once they outnumber the
         // live ones: amortised O(1) per stamp.
         if log.len() as u64 > size.saturating_mul(2).saturating_add(64) {
-            let nodes = &self.nodes;
-            log.retain(|&(t, h)| current(nodes, h, worker, t));
+            let (nodes, shared) = (&self.nodes, &self.shared);
+            log.retain(|&(t, h)| current(nodes, shared, h, worker, t));
         }
     }
 
@@ -127,6 +184,9 @@ impl PrefixIndex {
     /// [`insert`](Self::insert), calling `added` with each block that is new for `worker`
     /// (what other copies of the index need to learn).
     pub fn insert_reporting(&mut self, worker: WorkerId, hashes: &[u64], mut added_block: impl FnMut(u64)) {
+        if worker == MANY {
+            return; // Not a worker id (and the marker of a shared node): nothing to record.
+        }
         let n = hashes.len() as u32;
         let base = self.clock;
         self.clock = self.clock.wrapping_add(n);
@@ -140,13 +200,17 @@ impl PrefixIndex {
             // Deeper blocks get older stamps, so eviction takes leaves first.
             let tick = base.wrapping_add(n - 1 - i as u32);
             let added = match self.nodes.get_mut(&hash) {
-                Some(owners) => {
-                    let had = owners.as_slice().iter().any(|o| o.worker == worker);
-                    owners.touch(worker, tick);
+                Some(node) => {
+                    let had = node.owners(&self.shared).iter().any(|o| o.worker == worker);
+                    node.touch(&mut self.shared, worker, tick);
                     !had
                 }
                 None => {
-                    self.nodes.insert(hash, Owners::One(Owner { worker, tick }));
+                    let len = self.nodes.len();
+                    if len >= EARLY_GROWTH && len == self.nodes.capacity() && self.expected > len {
+                        self.nodes.reserve(self.expected - len);
+                    }
+                    self.nodes.insert(hash, Node::one(worker, tick));
                     true
                 }
             };
@@ -162,10 +226,10 @@ impl PrefixIndex {
     pub fn match_prefix(&self, hashes: &[u64]) -> Vec<PrefixMatch> {
         let mut found: Vec<PrefixMatch> = Vec::new();
         for (i, hash) in hashes.iter().enumerate() {
-            let Some(owners) = self.nodes.get(hash) else {
+            let Some(node) = self.nodes.get(hash) else {
                 break;
             };
-            for o in owners.as_slice() {
+            for o in node.owners(&self.shared) {
                 match found.iter_mut().find(|m| m.worker == o.worker) {
                     Some(m) => m.blocks = i + 1,
                     None => found.push(PrefixMatch { worker: o.worker, blocks: i + 1 }),
@@ -198,8 +262,8 @@ impl PrefixIndex {
     /// inserting them in this order into an empty index reproduces the recency order.
     pub fn export(&self) -> Vec<(WorkerId, Vec<u64>)> {
         let mut per_worker: HashMap<WorkerId, Vec<(u32, u64)>, BuildNoHashHasher<WorkerId>> = HashMap::default();
-        for (&hash, owners) in &self.nodes {
-            for o in owners.as_slice() {
+        for (&hash, node) in &self.nodes {
+            for o in node.owners(&self.shared) {
                 per_worker.entry(o.worker).or_default().push((self.age(o.tick), hash));
             }
         }
@@ -216,7 +280,8 @@ impl PrefixIndex {
 
     /// Forgets everything `worker` holds.
     pub fn remove_worker(&mut self, worker: WorkerId) {
-        self.nodes.retain(|_, owners| !owners.remove(worker));
+        let shared = &mut self.shared;
+        self.nodes.retain(|_, node| !node.remove(shared, worker));
         self.sizes.remove(&worker);
         if let Some(recency) = self.recency.as_mut() {
             recency.remove(&worker);
@@ -239,7 +304,7 @@ impl PrefixIndex {
         let mut evicted = Vec::new();
         while self.size_of(worker) > max_blocks {
             let Some((tick, hash)) = log.pop_front() else { break };
-            if current(&self.nodes, hash, worker, tick) {
+            if current(&self.nodes, &self.shared, hash, worker, tick) {
                 self.remove(hash, worker);
                 evicted.push(hash);
             }
@@ -255,8 +320,8 @@ impl PrefixIndex {
         let mut stamps: Vec<(u32, u64)> = self
             .nodes
             .iter()
-            .filter_map(|(&h, owners)| {
-                owners.as_slice().iter().find(|o| o.worker == worker).map(|o| (self.age(o.tick), h))
+            .filter_map(|(&h, node)| {
+                node.owners(&self.shared).iter().find(|o| o.worker == worker).map(|o| (self.age(o.tick), h))
             })
             .collect();
         // Oldest first: the largest age.
@@ -274,13 +339,13 @@ impl PrefixIndex {
     /// Removes `worker` from one block (an eviction decided elsewhere, e.g. by the control
     /// plane).
     pub fn remove(&mut self, hash: u64, worker: WorkerId) {
-        let Some(owners) = self.nodes.get_mut(&hash) else {
+        let Some(node) = self.nodes.get_mut(&hash) else {
             return;
         };
-        if !owners.as_slice().iter().any(|o| o.worker == worker) {
+        if !node.owners(&self.shared).iter().any(|o| o.worker == worker) {
             return;
         }
-        if owners.remove(worker) {
+        if node.remove(&mut self.shared, worker) {
             self.nodes.remove(&hash);
         }
         if let Some(size) = self.sizes.get_mut(&worker) {
@@ -314,17 +379,39 @@ impl PrefixIndex {
         if excess == 0 {
             return Vec::new();
         }
-        let mut stamps: Vec<(u32, u64, WorkerId)> = self
-            .nodes
-            .iter()
-            .flat_map(|(&h, owners)| owners.as_slice().iter().map(move |o| (o.tick, h, o.worker)))
-            .map(|(tick, h, w)| (self.age(tick), h, w))
-            .collect();
-        let k = usize::try_from(excess).unwrap_or(usize::MAX).min(stamps.len());
-        if k < stamps.len() {
-            stamps.select_nth_unstable_by(k, |a, b| b.0.cmp(&a.0));
+        // The oldest `excess` entries without a list of every entry (the bound exists for
+        // memory): the age from which they start is found in two counting passes, on its
+        // high then its low 16 bits, and a third pass takes them.
+        let ages = || self.nodes.values().flat_map(|node| node.owners(&self.shared).iter().map(|o| self.age(o.tick)));
+        let mut counts = vec![0u64; 1 << 16];
+        for age in ages() {
+            if let Some(c) = counts.get_mut((age >> 16) as usize) {
+                *c += 1;
+            }
         }
-        let evicted: Vec<(u64, WorkerId)> = stamps.iter().take(k).map(|&(_, h, w)| (h, w)).collect();
+        let (high, before_high) = oldest_bucket(&counts, excess);
+        counts.iter_mut().for_each(|c| *c = 0);
+        for age in ages().filter(|a| a >> 16 == high) {
+            if let Some(c) = counts.get_mut((age & 0xffff) as usize) {
+                *c += 1;
+            }
+        }
+        let (low, before_low) = oldest_bucket(&counts, excess - before_high);
+        let threshold = (high << 16) | low;
+        // Entries older than the threshold all go; of those exactly at it, as many as needed.
+        let mut at_threshold = excess - before_high - before_low;
+        let mut evicted: Vec<(u64, WorkerId)> = Vec::new();
+        for (&hash, node) in &self.nodes {
+            for o in node.owners(&self.shared) {
+                let age = self.age(o.tick);
+                if age > threshold {
+                    evicted.push((hash, o.worker));
+                } else if age == threshold && at_threshold > 0 {
+                    at_threshold -= 1;
+                    evicted.push((hash, o.worker));
+                }
+            }
+        }
         for &(hash, worker) in &evicted {
             self.remove(hash, worker);
         }
@@ -343,9 +430,28 @@ impl PrefixIndex {
     }
 }
 
+/// Over `counts` per age bucket (oldest last), the bucket holding the `need`-th oldest entry
+/// and how many entries are older than that bucket.
+fn oldest_bucket(counts: &[u64], need: u64) -> (u32, u64) {
+    let mut older = 0u64;
+    for (bucket, &n) in counts.iter().enumerate().rev() {
+        if older + n >= need {
+            return (bucket as u32, older);
+        }
+        older += n;
+    }
+    (0, older)
+}
+
 /// Whether `worker` still holds `hash` with the stamp `tick` (a recency entry is current).
-fn current(nodes: &HashMap<u64, Owners, BuildNoHashHasher<u64>>, hash: u64, worker: WorkerId, tick: u32) -> bool {
-    nodes.get(&hash).is_some_and(|owners| owners.as_slice().iter().any(|o| o.worker == worker && o.tick == tick))
+fn current(
+    nodes: &HashMap<u64, Node, BuildNoHashHasher<u64>>,
+    shared: &Shared,
+    hash: u64,
+    worker: WorkerId,
+    tick: u32,
+) -> bool {
+    nodes.get(&hash).is_some_and(|node| node.owners(shared).iter().any(|o| o.worker == worker && o.tick == tick))
 }
 
 #[cfg(test)]
@@ -370,6 +476,65 @@ mod tests {
 
     fn h(text: &str) -> Vec<u64> {
         block_hashes(text.as_bytes(), 4)
+    }
+
+    #[test]
+    fn the_total_bound_takes_exactly_the_oldest_entries_shared_blocks_included() {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let mut idx = PrefixIndex::new();
+        for _ in 0..3000 {
+            // Few distinct prefixes, so that many blocks end up with several owners.
+            let root = next() % 40;
+            let len = 1 + next() % 12;
+            let hashes: Vec<u64> = (0..len).map(|i| root * 1000 + i).collect();
+            idx.insert((next() % 5) as u32, &hashes);
+        }
+        let mut all: Vec<(u32, u64, WorkerId)> = idx
+            .nodes
+            .iter()
+            .flat_map(|(&h, n)| n.owners(&idx.shared).iter().map(move |o| (o.tick, h, o.worker)))
+            .map(|(t, h, w)| (idx.age(t), h, w))
+            .collect();
+        assert!(all.len() > 200 && all.len() > idx.len(), "shared blocks exist");
+        all.sort_unstable_by_key(|a| std::cmp::Reverse(a.0));
+        let excess = all.len() / 3;
+        let mut want: Vec<(u64, WorkerId)> = all.iter().take(excess).map(|&(_, h, w)| (h, w)).collect();
+        let entries = idx.entries();
+        let mut got = idx.evict_total_to(entries - excess as u64);
+        want.sort_unstable();
+        got.sort_unstable();
+        assert_eq!(got, want);
+        assert_eq!(idx.entries(), entries - excess as u64);
+        for (h, w) in got {
+            assert!(idx.nodes.get(&h).is_none_or(|n| n.owners(&idx.shared).iter().all(|o| o.worker != w)));
+        }
+    }
+
+    #[test]
+    fn a_node_holds_one_owner_inline_and_many_in_a_reused_slot() {
+        assert_eq!(std::mem::size_of::<(u64, Node)>(), 16);
+        let mut idx = PrefixIndex::new();
+        idx.insert(1, &[7]);
+        idx.insert(2, &[7]);
+        idx.insert(3, &[7]);
+        assert_eq!(idx.shared.slots.len(), 1);
+        idx.remove(7, 2);
+        idx.remove(7, 1);
+        assert_eq!(idx.match_prefix(&[7]), vec![PrefixMatch { worker: 3, blocks: 1 }]);
+        assert_eq!(idx.shared.free.len(), 1, "back inline: the slot is free");
+        idx.insert(4, &[7]);
+        assert_eq!(idx.shared.slots.len(), 1, "the freed slot is reused");
+        idx.insert(WorkerId::MAX, &[8]);
+        assert!(idx.match_prefix(&[8]).is_empty(), "the marker id is no worker");
+        idx.remove_worker(3);
+        idx.remove_worker(4);
+        assert!(idx.is_empty());
     }
 
     #[test]
@@ -513,5 +678,34 @@ mod tests {
         idx.remove(hashes[0], 1);
         assert!(idx.is_empty());
         assert_eq!(idx.entries(), 0);
+    }
+}
+
+/// The index's memory on the target it ships to (wasm32: 16 bytes an entry with its key):
+/// 10^6 indexed blocks over 64 workers, with the total bound's eviction, stay well under the
+/// filter's 64 MB per VM.
+#[cfg(all(test, target_arch = "wasm32"))]
+mod memory {
+    #[test]
+    fn a_million_blocks_fit_in_a_vm() {
+        let mib = || core::arch::wasm32::memory_size::<0>() as u64 * 65_536 / (1 << 20);
+        let before = mib();
+        let mut idx = super::PrefixIndex::new();
+        idx.expect_blocks((1 << 20) + (1 << 17));
+        let mut x = 1u64;
+        for p in 0..22_600u64 {
+            let hashes: Vec<u64> = (0..50)
+                .map(|_| {
+                    x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                    x
+                })
+                .collect();
+            idx.insert((p % 64) as u32, &hashes);
+        }
+        assert_eq!(idx.len(), 1_130_000);
+        let evicted = idx.evict_total_to(1 << 20);
+        assert_eq!(evicted.len(), 1_130_000 - (1 << 20));
+        let grown = mib() - before;
+        assert!(grown < 56, "the index of 10^6 blocks took {grown} MiB of linear memory");
     }
 }

@@ -10,6 +10,9 @@ use rand::RngCore;
 /// periodic evictions (about 40 MiB): past it, by one eighth, the least recently used go.
 pub const MAX_INDEX_ENTRIES: u64 = 1 << 20;
 
+/// The most blocks an index reserves room for in one step (its bound, past which it doubles).
+const MAX_EXPECTED_BLOCKS: usize = 1 << 21;
+
 /// A request's routing text: its first bytes (what is hashed, at most
 /// [`crate::request::MAX_ROUTING_BYTES`]) and its full length (what match ratios divide by).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,12 +73,16 @@ pub struct Router {
 impl Router {
     /// A router running `kind` with `params` (PD mode has one per leg).
     pub fn new(params: RouterParams, kind: PolicyKind) -> Self {
+        let mut index = PrefixIndex::new();
+        // What `bound` lets the index reach: it may grow there in one step.
+        let most = params.max_entries.saturating_add(params.max_entries / 8);
+        index.expect_blocks(usize::try_from(most).unwrap_or(usize::MAX).min(MAX_EXPECTED_BLOCKS));
         Self {
             kind,
             track: false,
             round_robin: RoundRobin::default(),
             cache_aware: CacheAware::new(params.cache_aware),
-            index: PrefixIndex::new(),
+            index,
             block_size: params.block_size,
             max_blocks: params.max_blocks,
             max_entries: params.max_entries,
