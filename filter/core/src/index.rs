@@ -261,9 +261,17 @@ impl PrefixIndex {
     /// Every `(worker, hashes)` the index holds, each worker's blocks oldest first, so that
     /// inserting them in this order into an empty index reproduces the recency order.
     pub fn export(&self) -> Vec<(WorkerId, Vec<u64>)> {
+        let mut workers: Vec<WorkerId> = self.sizes.keys().copied().collect();
+        workers.sort_unstable();
+        self.export_workers(&workers)
+    }
+
+    /// [`export`](Self::export) for `workers` only (sorted): one pass over the index, and
+    /// memory for what those workers hold, not for the whole index.
+    pub fn export_workers(&self, workers: &[WorkerId]) -> Vec<(WorkerId, Vec<u64>)> {
         let mut per_worker: HashMap<WorkerId, Vec<(u32, u64)>, BuildNoHashHasher<WorkerId>> = HashMap::default();
         for (&hash, node) in &self.nodes {
-            for o in node.owners(&self.shared) {
+            for o in node.owners(&self.shared).iter().filter(|o| workers.binary_search(&o.worker).is_ok()) {
                 per_worker.entry(o.worker).or_default().push((self.age(o.tick), hash));
             }
         }

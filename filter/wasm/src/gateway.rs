@@ -206,6 +206,8 @@ pub struct RequestInfo<'a> {
     pub now: Now,
 }
 
+// One per VM: the size of its variants does not matter.
+#[allow(clippy::large_enum_variant)]
 enum Mode {
     Regular(Router),
     Pd(PdRouter),

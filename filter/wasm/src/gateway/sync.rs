@@ -209,7 +209,25 @@ impl Gateway {
         let mut out: Vec<ReportBatch> = Vec::new();
         let mut room = 0usize;
         let mut export = |r: &mut Router| {
-            for (worker, hashes) in r.index().export() {
+            // A group of workers at a time, about `max_hashes` blocks each: the memory of one
+            // batch's worth of recency stamps, not of the whole index.
+            let mut sizes: Vec<(WorkerId, u64)> = r.index().sizes().collect();
+            sizes.sort_unstable();
+            let mut groups: Vec<Vec<WorkerId>> = Vec::new();
+            let mut filled = u64::MAX;
+            for (worker, size) in sizes {
+                match groups.last_mut() {
+                    Some(g) if filled.saturating_add(size) <= max_hashes as u64 => {
+                        g.push(worker);
+                        filled += size;
+                    }
+                    _ => {
+                        groups.push(vec![worker]);
+                        filled = size;
+                    }
+                }
+            }
+            for (worker, hashes) in groups.iter().flat_map(|g| r.index().export_workers(g)) {
                 let mut rest = hashes.as_slice();
                 while !rest.is_empty() {
                     if room == 0 {
