@@ -21,6 +21,9 @@ struct Owner {
     tick: u32,
 }
 
+/// Workers matched past which `match_prefix` finds them by a map instead of a scan.
+const LINEAR_MATCHES: usize = 8;
+
 /// Blocks past which an index with an expected size grows straight to it.
 const EARLY_GROWTH: usize = 1 << 17;
 
@@ -225,14 +228,29 @@ impl PrefixIndex {
     /// The walk stops at the first block nobody holds.
     pub fn match_prefix(&self, hashes: &[u64]) -> Vec<PrefixMatch> {
         let mut found: Vec<PrefixMatch> = Vec::new();
+        // Where each worker is in `found`, once a few are (a prompt shared by a whole fleet
+        // has dozens of owners on every block: no scan of `found` per owner then).
+        let mut at: Option<HashMap<WorkerId, usize, BuildNoHashHasher<WorkerId>>> = None;
         for (i, hash) in hashes.iter().enumerate() {
             let Some(node) = self.nodes.get(hash) else {
                 break;
             };
             for o in node.owners(&self.shared) {
-                match found.iter_mut().find(|m| m.worker == o.worker) {
+                let pos = match &at {
+                    Some(map) => map.get(&o.worker).copied(),
+                    None => found.iter().position(|m| m.worker == o.worker),
+                };
+                match pos.and_then(|p| found.get_mut(p)) {
                     Some(m) => m.blocks = i + 1,
-                    None => found.push(PrefixMatch { worker: o.worker, blocks: i + 1 }),
+                    None => {
+                        if let Some(map) = at.as_mut() {
+                            map.insert(o.worker, found.len());
+                        }
+                        found.push(PrefixMatch { worker: o.worker, blocks: i + 1 });
+                        if at.is_none() && found.len() >= LINEAR_MATCHES {
+                            at = Some(found.iter().enumerate().map(|(p, m)| (m.worker, p)).collect());
+                        }
+                    }
                 }
             }
         }
@@ -543,6 +561,22 @@ mod tests {
         idx.remove_worker(3);
         idx.remove_worker(4);
         assert!(idx.is_empty());
+    }
+
+    #[test]
+    fn many_owners_match_as_a_few_do() {
+        let mut idx = PrefixIndex::new();
+        let prompt = h("aaaabbbbccccddddeeee");
+        for w in 0..40u32 {
+            // Worker w holds the first 1 + w % 5 blocks.
+            idx.insert(w, &prompt[..1 + (w as usize % 5)]);
+        }
+        let m = idx.match_prefix(&prompt);
+        assert_eq!(m.len(), 40);
+        // In the order the workers first appear, each with its deepest block.
+        for (i, pm) in m.iter().enumerate() {
+            assert_eq!(*pm, PrefixMatch { worker: i as u32, blocks: 1 + i % 5 });
+        }
     }
 
     #[test]

@@ -803,14 +803,19 @@ mod tests {
     #[ignore]
     fn profile_the_request_path() {
         let host = MockHost::new();
-        let four = r#"{"worker_urls":["http://127.0.0.1:30001","http://127.0.0.1:30002","http://127.0.0.1:30003","http://127.0.0.1:30004"]}"#;
-        let gw = gateway(&host, four);
-        let resp = br#"{"text":"x","meta_info":{"prompt_tokens":300,"completion_tokens":1,"cached_tokens":256,"e2e_latency":0.001}}"#;
+        let env = |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
+        let urls: Vec<String> =
+            (0..env("PROFILE_WORKERS", 4)).map(|i| format!("http://127.0.0.1:{}", 30001 + i)).collect();
+        let gw = gateway(&host, &serde_json::json!({ "worker_urls": urls }).to_string());
+        let repeat = env("PROFILE_PROMPT_REPEAT", 20);
+        // No cached_tokens: engine feedback judges nothing (a steady index, as with a worker whose
+        // reports match the prediction).
+        let resp = br#"{"text":"x","meta_info":{"prompt_tokens":300,"completion_tokens":1,"e2e_latency":0.001}}"#;
         let n: usize = std::env::var("PROFILE_REQUESTS").ok().and_then(|v| v.parse().ok()).unwrap_or(200_000);
         let bodies: Vec<(String, String)> = (0..4096)
             .map(|i| {
                 let group = i % 16;
-                let system = format!("System prompt {group}: you are assistant number {group}. ").repeat(20);
+                let system = format!("System prompt {group}: you are assistant number {group}. ").repeat(repeat);
                 let text = format!("{system}Question {i}: what is {i} squared?");
                 let body = serde_json::json!({"text": text, "sampling_params": {"max_new_tokens": 1}}).to_string();
                 let len = body.len().to_string();
