@@ -66,10 +66,8 @@ impl Load {
     }
 }
 
-/// Over `timeline` samples, windows of `window` seconds: the start of the first whose rate is
-/// at least `share` of the median rate of the windows in the second half.
-pub fn steady_after(timeline: &[(f64, u64)], window: f64, share: f64) -> Option<f64> {
-    let end = timeline.last()?.0;
+/// `(start, requests per second)` over consecutive windows of `window` seconds.
+pub fn window_rates(timeline: &[(f64, u64)], window: f64) -> Vec<(f64, f64)> {
     let mut rates: Vec<(f64, f64)> = Vec::new();
     let mut from = 0usize;
     for (i, &(t, done)) in timeline.iter().enumerate() {
@@ -79,6 +77,14 @@ pub fn steady_after(timeline: &[(f64, u64)], window: f64, share: f64) -> Option<
             from = i;
         }
     }
+    rates
+}
+
+/// Over `timeline` samples, windows of `window` seconds: the start of the first whose rate is
+/// at least `share` of the median rate of the windows in the second half.
+pub fn steady_after(timeline: &[(f64, u64)], window: f64, share: f64) -> Option<f64> {
+    let end = timeline.last()?.0;
+    let rates = window_rates(timeline, window);
     let mut late: Vec<f64> = rates.iter().filter(|(t, _)| *t >= end / 2.0).map(|&(_, r)| r).collect();
     if late.len() < 2 {
         return None;

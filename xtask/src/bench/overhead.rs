@@ -38,6 +38,8 @@ struct Row {
     cpu_rounds: Vec<f64>,
     /// Each round's seconds to steady throughput (see [`Load::steady_after`]).
     steady: Vec<f64>,
+    /// The first round's `(second, req/s)` windows.
+    first_rates: Vec<(f64, f64)>,
 }
 
 /// Rows of the same configuration from several rounds become one: requests, errors and
@@ -90,6 +92,8 @@ impl Row {
             "proxy_cpu_us_per_request_rounds": self.cpu_rounds,
             "steady_after_s": median(&self.steady),
             "steady_after_s_rounds": self.steady,
+            // The first round's throughput per second, from the first request (warm-up included).
+            "first_round_rps_per_second": self.first_rates.iter().map(|&(t, r)| json!([t, r.round()])).collect::<Vec<_>>(),
         })
     }
 }
@@ -134,7 +138,18 @@ fn config(
         Ok(running) => {
             let (load, cpu_us) = measure(o, name, &running, requests, router != "direct");
             let (cpu_rounds, steady) = (cpu_us.into_iter().collect(), load.steady_after().into_iter().collect());
-            rows.push(Row { mode, router, config: name.to_string(), threads, load, cpu_us, cpu_rounds, steady });
+            let first_rates = loadgen::window_rates(&load.timeline, 1.0);
+            rows.push(Row {
+                mode,
+                router,
+                config: name.to_string(),
+                threads,
+                load,
+                cpu_us,
+                cpu_rounds,
+                steady,
+                first_rates,
+            });
         }
         Err(e) => {
             eprintln!("    {name} did not start: {e:#}");
