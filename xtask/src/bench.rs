@@ -62,6 +62,9 @@ pub struct Opts {
     /// Overhead: every configuration is measured this many times, the rounds interleaved
     /// (CPU per request: the median round).
     pub rounds: usize,
+    /// Overhead: another build of the filter measured beside this one (1 Envoy thread), for a
+    /// before/after in one run.
+    pub baseline_wasm: Option<PathBuf>,
 }
 
 impl Opts {
@@ -82,6 +85,7 @@ impl Opts {
             workloads: Vec::new(),
             only: Vec::new(),
             rounds: 1,
+            baseline_wasm: None,
         }
     }
 
@@ -92,7 +96,7 @@ impl Opts {
 }
 
 const OPTIONS: &str =
-    "overhead | quality | scale (default: all), --quick, --seconds N, --connections N, --no-pd, --no-peers, --out DIR, --workload NAME (quality; repeatable), --only TEXT (overhead: configurations named with it; repeatable), --rounds N (overhead: each configuration N times, interleaved)";
+    "overhead | quality | scale (default: all), --quick, --seconds N, --connections N, --no-pd, --no-peers, --out DIR, --workload NAME (quality; repeatable), --only TEXT (overhead: configurations named with it; repeatable), --rounds N (overhead: each configuration N times, interleaved), --baseline-wasm FILE (overhead: that filter build beside this one)";
 
 fn parse(args: &[String]) -> anyhow::Result<Opts> {
     let mut o = Opts::new(args.iter().any(|a| a == "--quick"));
@@ -128,6 +132,11 @@ fn parse(args: &[String]) -> anyhow::Result<Opts> {
             "--out" => o.out = PathBuf::from(value("--out")?),
             "--workload" => o.workloads.push(value("--workload")?),
             "--only" => o.only.push(value("--only")?),
+            "--baseline-wasm" => {
+                let v = PathBuf::from(value("--baseline-wasm")?);
+                anyhow::ensure!(v.is_file(), "--baseline-wasm {}: no such file", v.display());
+                o.baseline_wasm = Some(v);
+            }
             "--rounds" => {
                 let v = value("--rounds")?;
                 o.rounds = v
@@ -205,6 +214,10 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
 mod tests {
     use super::*;
 
+    fn ratios_of(doc: &Value) -> Vec<Value> {
+        doc["ratios"].as_array().cloned().unwrap_or_default()
+    }
+
     /// The harness cannot rot: the quick overhead suite at a tiny size (both modes, every
     /// router) runs and writes its JSON with both peers and the ratios. Timings are not checked.
     /// Needs what `cargo xtask test` installs and builds (Envoy, the .wasm, the sims, both peers).
@@ -227,9 +240,11 @@ mod tests {
                 assert!(row["requests_ok"].as_u64().unwrap() > 0, "{row}");
             }
         }
-        for router in ["direct", "plain-envoy"] {
+        for router in ["direct", "plain-envoy", "naive-filter"] {
             assert!(results.iter().any(|r| r["router"] == router), "no {router}");
         }
+        // The floors' ratios carry the CPU kvmesh adds over them.
+        assert!(ratios_of(&doc).iter().any(|r| r["versus_router"] == "naive-filter" && r["cpu_added_us"].is_number()));
         let ratios = doc["ratios"].as_array().unwrap();
         for peer in ["smg", "sglang-router"] {
             assert!(ratios.iter().any(|r| r["versus_router"] == peer && r["rps_ratio"].as_f64().unwrap() > 0.0));

@@ -204,6 +204,12 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
                     stack::kvmesh(&workers, t, 1, "cache_aware", false)
                 });
             }
+            if let Some(wasm) = &o.baseline_wasm {
+                let name = "kvmesh baseline .wasm (1 thread, cache_aware)";
+                config(o, &mut rows, &mut failures, m, "kvmesh-baseline", name, Some(1), &requests, || {
+                    stack::kvmesh_with(&workers, 1, 1, "cache_aware", false, Some(wasm))
+                });
+            }
             // As deployed: with kvmesh-cp (reports, deltas, load polling), whose CPU counts too.
             let name = "kvmesh (2 threads, cache_aware, with kvmesh-cp)";
             config(o, &mut rows, &mut failures, m, "kvmesh", name, Some(2), &requests, || {
@@ -254,6 +260,12 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
                     stack::kvmesh(&workers, t, 1, "cache_aware", false)
                 });
             }
+            if let Some(wasm) = &o.baseline_wasm {
+                let name = "kvmesh baseline .wasm (1 thread, cache_aware)";
+                config(o, &mut rows, &mut failures, m, "kvmesh-baseline", name, Some(1), &requests, || {
+                    stack::kvmesh_with(&workers, 1, 1, "cache_aware", false, Some(wasm))
+                });
+            }
             // As deployed: with kvmesh-cp (reports, deltas, load polling), whose CPU counts too.
             let name = "kvmesh (2 threads, cache_aware, with kvmesh-cp)";
             config(o, &mut rows, &mut failures, m, "kvmesh", name, Some(2), &requests, || {
@@ -300,7 +312,7 @@ fn ratios(rows: &[Row], floor: Option<f64>) -> Vec<Value> {
     for k in rows.iter().filter(|r| r.router == "kvmesh") {
         for p in rows.iter().filter(|r| r.mode == k.mode && r.router != "kvmesh" && r.router != "direct") {
             // Envoy-based floors compare at equal worker threads.
-            if matches!(p.router, "plain-envoy" | "naive-filter") && p.threads != k.threads {
+            if matches!(p.router, "plain-envoy" | "naive-filter" | "kvmesh-baseline") && p.threads != k.threads {
                 continue;
             }
             let added = |r: &Row| floor.filter(|_| r.mode == "regular").map(|f| (r.load.ms(0.5) - f).max(1e-3));

@@ -172,6 +172,18 @@ pub fn kvmesh(
     policy: &str,
     control_plane: bool,
 ) -> anyhow::Result<Running> {
+    kvmesh_with(workers, threads, gateways, policy, control_plane, None)
+}
+
+/// [`kvmesh`] with another build of the filter (`wasm`; None: the one just built).
+pub fn kvmesh_with(
+    workers: &Workers,
+    threads: u32,
+    gateways: usize,
+    policy: &str,
+    control_plane: bool,
+    wasm: Option<&std::path::Path>,
+) -> anyhow::Result<Running> {
     let mut r = Running::new(Vec::new());
     let pd_template = repo_root().join("envoy/envoy-pd.yaml");
     let cp = if control_plane || gateways > 1 {
@@ -215,6 +227,9 @@ pub fn kvmesh(
         };
         let mut opts = EnvoyOptions::new(filter)?;
         opts.concurrency = threads;
+        if let Some(wasm) = wasm {
+            opts.wasm = wasm.to_path_buf();
+        }
         if matches!(workers, Workers::Pd { .. }) {
             opts.template = pd_template.clone();
         }
