@@ -147,6 +147,8 @@ async fn workers(Axum(state): Shared) -> Json<Value> {
                 "cache_hit_rate": w.cache_hit_rate,
                 "waiting": w.pressure.waiting,
                 "kv_usage": w.pressure.kv_usage,
+                "utility": w.utility,
+                "utility_window": w.window.len(),
             })
         })
         .collect();

@@ -42,7 +42,8 @@ fn decision(c: &mut Criterion) {
     for blocks in [10_000u64, 1_000_000] {
         for workers in [8u64, 64, 256] {
             let (router, text) = filled(workers, blocks);
-            let cands: Vec<Candidate> = (0..workers).map(|i| Candidate { id: i as u32, load: i % 5 }).collect();
+            let cands: Vec<Candidate> =
+                (0..workers).map(|i| Candidate { id: i as u32, load: i % 5, ..Default::default() }).collect();
             let mut rng = SmallRng::seed_from_u64(1);
             g.bench_with_input(BenchmarkId::new(format!("{blocks}_blocks"), workers), &workers, |b, _| {
                 b.iter(|| router.decide(RoutingText::from(black_box(&text[..])), black_box(&cands), &mut rng))

@@ -71,6 +71,8 @@ pub struct RequestFilter {
     endpoint: Option<Endpoint>,
     path: String,
     request_id: Option<String>,
+    /// The routing key a header gave (`consistent_hashing`).
+    routing_key: Option<String>,
     /// The committed main leg (the worker, or the decode worker in PD mode).
     routed: Option<Routed>,
     pd: Option<PdLeg>,
@@ -205,6 +207,7 @@ impl RequestFilter {
             endpoint: None,
             path: String::new(),
             request_id: None,
+            routing_key: None,
             routed: None,
             pd: None,
             replied: false,
@@ -304,6 +307,7 @@ impl RequestFilter {
                 id
             }
         });
+        self.routing_key = self.with_gateway(|g| g.routing_key(&headers)).flatten();
         self.endpoint = Some(endpoint);
         // The body is delivered to us only with `allow_on_headers_stop_iteration: true`.
         Action::Pause
@@ -412,7 +416,11 @@ impl RequestFilter {
         let body = host.request_body(self.body_size);
         let body_size = self.body_size;
         let started = host.now_nanos();
-        let info = RequestInfo { request_id: self.request_id.as_deref(), now: Now::from_nanos(started) };
+        let info = RequestInfo {
+            request_id: self.request_id.as_deref(),
+            routing_key: self.routing_key.as_deref(),
+            now: Now::from_nanos(started),
+        };
         let Some(outcome) = self.with_gateway(|g| g.route_request(host, endpoint, &body, &info)) else {
             return self.not_configured(host);
         };

@@ -28,6 +28,7 @@ pub fn table_from(snapshot: &proto::Snapshot) -> WorkerTable {
                 worker.load = w.load;
                 worker.waiting = w.waiting;
                 worker.kv_usage = w.kv_usage.filter(|u| u.is_finite());
+                worker.utility = w.utility.filter(|u| u.is_finite());
                 Some(worker)
             }
             Err(e) => {
