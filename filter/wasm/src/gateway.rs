@@ -198,12 +198,15 @@ impl Now {
 }
 
 /// Per-request facts from the host.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Default)]
 pub struct RequestInfo<'a> {
     /// The request id (`x-request-id`), used as `rid` in PD bodies when the client set none.
     pub request_id: Option<&'a str>,
     /// The routing key a request header gave (`consistent_hashing`; see [`Gateway::routing_key`]).
     pub routing_key: Option<&'a str>,
+    /// Reads the request headers again (none: they cannot be), for a VM that learns only at
+    /// the body that a key is needed (its first snapshot, or new settings, arrived between).
+    pub headers: Option<&'a dyn Fn() -> Vec<(String, String)>>,
     /// When the request body was complete.
     pub now: Now,
 }
@@ -527,11 +530,18 @@ impl Gateway {
         self.catch_up(store, inflight.head());
         let now = info.now;
         self.health.sync_if_probing(store, now);
-        let body_key = match (&self.config.routing_key.body_field, info.routing_key) {
+        // The key the headers gave; when none did and this VM has only now learned (in the
+        // sync above) that consistent hashing is in force, the headers are read again.
+        let late_key = match (info.routing_key, info.headers) {
+            (None, Some(fetch)) if self.uses(PolicyKind::ConsistentHashing) => self.routing_key(&fetch()),
+            _ => None,
+        };
+        let header_key = info.routing_key.or(late_key.as_deref());
+        let body_key = match (&self.config.routing_key.body_field, header_key) {
             (Some(field), None) if self.uses(PolicyKind::ConsistentHashing) => request::top_level_key(body, field),
             _ => None,
         };
-        let key = info.routing_key.map(str::as_bytes).or(body_key.as_deref().map(str::as_bytes));
+        let key = header_key.or(body_key.as_deref()).map(str::as_bytes);
         let main_role = if matches!(self.mode, Mode::Pd(_)) { Role::Decode } else { Role::Regular };
         let (main_cands, main_full) = candidates(self, &inflight, main_role, now, Probes::Allowed);
         let chosen = match &self.mode {
@@ -842,7 +852,7 @@ mod tests {
             store,
             endpoint,
             body,
-            &RequestInfo { request_id: Some("rq-1"), routing_key: None, now: Now::from_secs(1000) },
+            &RequestInfo { request_id: Some("rq-1"), routing_key: None, headers: None, now: Now::from_secs(1000) },
         )
     }
 
@@ -894,7 +904,7 @@ mod tests {
         assert_eq!(g.routing_key(&hdr("")), None);
         assert_eq!(g.routing_key(&hdr(&"k".repeat(MAX_ROUTING_KEY + 1))), None, "too long");
         let owner = |g: &mut Gateway, key: Option<&str>, body: &[u8]| {
-            let info = RequestInfo { request_id: None, routing_key: key, now: Now::from_secs(1000) };
+            let info = RequestInfo { request_id: None, routing_key: key, headers: None, now: Now::from_secs(1000) };
             let p = plan(g.route_request(&store, Endpoint::Generate, body, &info));
             g.commit(&store, p).main.addr
         };
@@ -910,6 +920,15 @@ mod tests {
         let spread: std::collections::HashSet<String> =
             (0..24).map(|i| owner(&mut g, Some(&format!("user-{i}")), &body("p"))).collect();
         assert_eq!(spread.len(), 3, "keys spread over every worker");
+        // No key captured at the headers (the VM did not know yet): the headers are read again.
+        let first = owner(&mut g, Some("erin"), &body("p"));
+        let fetch = || vec![("x-smg-routing-key".to_string(), "erin".to_string())];
+        for _ in 0..5 {
+            let info =
+                RequestInfo { request_id: None, routing_key: None, headers: Some(&fetch), now: Now::from_secs(1000) };
+            let p = plan(g.route_request(&store, Endpoint::Generate, &body("q"), &info));
+            assert_eq!(g.commit(&store, p).main.addr, first);
+        }
         // Another policy keeps no key.
         let g = gateway(&store, "");
         assert_eq!(g.routing_key(&hdr("s1")), None);
@@ -1132,7 +1151,7 @@ mod tests {
 
     /// Decides at `now` (seconds) and commits: the worker, or the status of the local reply.
     fn route_at(g: &mut Gateway, store: &FakeStore, text: &str, now: u64) -> Result<Routed, u16> {
-        let info = RequestInfo { request_id: None, routing_key: None, now: Now::from_secs(now) };
+        let info = RequestInfo { request_id: None, routing_key: None, headers: None, now: Now::from_secs(now) };
         match g.route_request(store, Endpoint::Generate, &body(text), &info) {
             Outcome::Route(p) => Ok(g.commit(store, p).main),
             Outcome::Reply(r) => Err(r.status),

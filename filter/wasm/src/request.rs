@@ -416,9 +416,11 @@ impl RequestFilter {
         let body = host.request_body(self.body_size);
         let body_size = self.body_size;
         let started = host.now_nanos();
+        let headers = || host.request_headers();
         let info = RequestInfo {
             request_id: self.request_id.as_deref(),
             routing_key: self.routing_key.as_deref(),
+            headers: Some(&headers),
             now: Now::from_nanos(started),
         };
         let Some(outcome) = self.with_gateway(|g| g.route_request(host, endpoint, &body, &info)) else {
@@ -454,9 +456,8 @@ impl RequestFilter {
             Self::count_route(host, &prefill);
             self.pd = Some(PdLeg::new(prefill, token, committed.stream, committed.merge_logprobs));
         }
-        if self.pd.is_none() {
-            self.feedback = Some(ResponseFeedback::new(committed.prediction));
-        }
+        // PD too: the decode response's completion metrics count (no prediction is judged).
+        self.feedback = Some(ResponseFeedback::new(committed.prediction, now_ms));
         self.routed = Some(committed.main);
         Action::Continue
     }
