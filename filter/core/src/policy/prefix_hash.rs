@@ -71,8 +71,10 @@ impl PrefixHash {
     /// Every candidate's score (prefix and load together), or none when it is passed over for
     /// its load.
     pub fn scores(&self, hashes: &[u64], cands: &[Candidate], index: &PrefixIndex) -> Vec<Option<f64>> {
-        let considered = self.considered(hashes).len();
-        let depth = self.depths(hashes, cands, index);
+        self.scores_of(self.considered(hashes).len(), &self.depths(hashes, cands, index), cands)
+    }
+
+    fn scores_of(&self, considered: usize, depth: &[usize], cands: &[Candidate]) -> Vec<Option<f64>> {
         let (Some(min), Some(max)) = (cands.iter().map(|c| c.load).min(), cands.iter().map(|c| c.load).max()) else {
             return Vec::new();
         };
@@ -81,7 +83,7 @@ impl PrefixHash {
         cands
             .iter()
             .zip(depth)
-            .map(|(c, d)| {
+            .map(|(c, &d)| {
                 if c.load > min && c.load as f64 > p.load_factor * mean {
                     return None;
                 }
@@ -99,10 +101,10 @@ impl PrefixHash {
         index: &PrefixIndex,
         rng: &mut dyn RngCore,
     ) -> Option<PrefixChoice> {
-        let scores = self.scores(hashes, cands, index);
+        let depth = self.depths(hashes, cands, index);
+        let scores = self.scores_of(self.considered(hashes).len(), &depth, cands);
         let pos = best_scored(0..cands.len(), |p| scores.get(p).copied().flatten().unwrap_or(f64::NAN), rng)?;
-        let blocks = self.depths(hashes, cands.get(pos..=pos)?, index).first().copied().unwrap_or(0);
-        Some(PrefixChoice { pos, blocks })
+        Some(PrefixChoice { pos, blocks: depth.get(pos).copied().unwrap_or(0) })
     }
 }
 
