@@ -147,6 +147,9 @@ fn marginal_utility_moves_new_traffic_off_a_slow_worker_and_back_when_it_recover
     eprintln!("slow worker {slow}: before {before:?}, slow {during:?}, recovered {after:?}");
     // The scores reached the gateway through the snapshots (kvmesh-cp shows what it sent).
     assert!(workers_scored(&cp) >= 2, "{:?}", worker_list(&cp));
+    let metrics = http::get(&cp.url("/metrics")).unwrap().text();
+    let gauges = metrics.lines().filter(|l| l.starts_with("kvmesh_worker_utility{")).count();
+    assert!(gauges >= 2, "the scores are in /metrics too: {gauges}");
 }
 
 /// Workers kvmesh-cp has a marginal_utility score for.
