@@ -204,8 +204,9 @@ pub struct RequestInfo<'a> {
     pub request_id: Option<&'a str>,
     /// The routing key a request header gave (`consistent_hashing`; see [`Gateway::routing_key`]).
     pub routing_key: Option<&'a str>,
-    /// Reads the request headers again (none: they cannot be), for a VM that learns only at
-    /// the body that a key is needed (its first snapshot, or new settings, arrived between).
+    /// Reads the request headers again, for a VM that learns only at the body that a key is
+    /// needed (its first snapshot, or new settings, arrived in between); none when the headers
+    /// were already looked up for a key (or cannot be read again).
     pub headers: Option<&'a dyn Fn() -> Vec<(String, String)>>,
     /// When the request body was complete.
     pub now: Now,
@@ -484,6 +485,11 @@ impl Gateway {
     fn routed(&self, worker: WorkerId, matched_bytes: usize) -> Option<Routed> {
         let w = self.table.get(worker)?;
         Some(Routed { worker, addr: w.addr.clone(), counted: false, matched_bytes })
+    }
+
+    /// Whether a policy in force hashes on a routing key (its headers are then looked up).
+    pub fn wants_key(&self) -> bool {
+        self.uses(PolicyKind::ConsistentHashing)
     }
 
     /// Whether the main policy or a PD leg's is `kind`.

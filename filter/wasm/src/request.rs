@@ -71,8 +71,10 @@ pub struct RequestFilter {
     endpoint: Option<Endpoint>,
     path: String,
     request_id: Option<String>,
-    /// The routing key a header gave (`consistent_hashing`).
+    /// The routing key a header gave (`consistent_hashing`), and whether the headers were
+    /// looked up for one (a policy that wants a key was in force then).
     routing_key: Option<String>,
+    key_checked: bool,
     /// The committed main leg (the worker, or the decode worker in PD mode).
     routed: Option<Routed>,
     pd: Option<PdLeg>,
@@ -208,6 +210,7 @@ impl RequestFilter {
             path: String::new(),
             request_id: None,
             routing_key: None,
+            key_checked: false,
             routed: None,
             pd: None,
             replied: false,
@@ -307,7 +310,8 @@ impl RequestFilter {
                 id
             }
         });
-        self.routing_key = self.with_gateway(|g| g.routing_key(&headers)).flatten();
+        (self.key_checked, self.routing_key) =
+            self.with_gateway(|g| (g.wants_key(), g.routing_key(&headers))).unwrap_or_default();
         self.endpoint = Some(endpoint);
         // The body is delivered to us only with `allow_on_headers_stop_iteration: true`.
         Action::Pause
@@ -420,7 +424,7 @@ impl RequestFilter {
         let info = RequestInfo {
             request_id: self.request_id.as_deref(),
             routing_key: self.routing_key.as_deref(),
-            headers: Some(&headers),
+            headers: (!self.key_checked).then_some(&headers),
             now: Now::from_nanos(started),
         };
         let Some(outcome) = self.with_gateway(|g| g.route_request(host, endpoint, &body, &info)) else {
