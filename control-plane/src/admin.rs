@@ -147,6 +147,8 @@ async fn workers(Axum(state): Shared) -> Json<Value> {
                 "cache_hit_rate": w.cache_hit_rate,
                 "waiting": w.pressure.waiting,
                 "kv_usage": w.pressure.kv_usage,
+                "utility": w.utility,
+                "utility_window": w.window.len(),
             })
         })
         .collect();
@@ -180,6 +182,8 @@ pub struct Metrics {
     errors: Family<WorkerLabels, Counter>,
     failovers: Family<WorkerLabels, Counter>,
     breakers_open: Family<WorkerLabels, Gauge>,
+    /// marginal_utility's score, while the worker has one.
+    utility: Family<WorkerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     cache: crate::feedback::CacheMetrics,
     index_blocks: Gauge,
     index_entries: Gauge,
@@ -199,6 +203,7 @@ impl Metrics {
             errors: Family::default(),
             failovers: Family::default(),
             breakers_open: Family::default(),
+            utility: Family::default(),
             cache: Default::default(),
             index_blocks: Gauge::default(),
             index_entries: Gauge::default(),
@@ -228,6 +233,11 @@ impl Metrics {
             "kvmesh_worker_circuit_breaker_open",
             "Gateways (with a live report stream) whose circuit breaker for the worker is open",
             m.breakers_open.clone(),
+        );
+        registry.register(
+            "kvmesh_worker_utility",
+            "marginal_utility: the worker's score (z-scored throughput and latency trends), while it has one",
+            m.utility.clone(),
         );
         m.cache.register(&mut registry);
         registry.register("kvmesh_index_blocks", "Distinct blocks in the global prefix index", m.index_blocks.clone());
@@ -269,6 +279,14 @@ impl Metrics {
             self.load.get_or_create(&labels).set(w.load() as i64);
             self.inflight.get_or_create(&labels).set(w.inflight_total() as i64);
             self.breakers_open.get_or_create(&labels).set(w.breakers_open() as i64);
+            match w.utility {
+                Some(u) => {
+                    self.utility.get_or_create(&labels).set(u);
+                }
+                None => {
+                    self.utility.remove(&labels);
+                }
+            }
             self.cache.update(&labels, self.state.kv_capacity(&w), self.state.index_tokens_of(w.id), &w.feedback);
             // The state's totals only grow (for one registration of a worker).
             for (family, total) in
@@ -281,6 +299,7 @@ impl Metrics {
         }
         for gone in known.difference(&now) {
             self.healthy.remove(gone);
+            self.utility.remove(gone);
             self.load.remove(gone);
             self.inflight.remove(gone);
             self.requests.remove(gone);

@@ -13,7 +13,9 @@ use std::path::PathBuf;
 
 use clap::parser::ValueSource;
 use clap::{ArgAction, ArgMatches, Command, CommandFactory, FromArgMatches, Parser};
+use kvmesh_core::policy::PolicyKind;
 use kvmesh_core::RoutingSettings;
+use kvmesh_proto::v1::Role;
 
 use crate::peer_flags::{PeerFlags, NOT_YET, NO_EFFECT, REFUSED};
 use crate::settings::{ApiKey, AuthSettings, DiscoveryConfig, Limits, Settings, WorkerPolicy};
@@ -589,6 +591,9 @@ impl Args {
             bytes_per_token: checked.bytes_per_token,
             kv_capacity,
             max_tree_size: checked.max_tree_size,
+            prefix_hash_roles: roles_of(&checked, PolicyKind::PrefixHash),
+            lru_capacity_per_server: checked.prefix_hash.lru_capacity,
+            utility: (!roles_of(&checked, PolicyKind::MarginalUtility).is_empty()).then_some(checked.utility),
             eviction_interval_secs: checked.eviction_interval_secs,
             health_checks: !self.disable_health_check,
             health_interval_secs: positive("health_check_interval_secs", self.health_check_interval_secs, 60)?,
@@ -604,6 +609,19 @@ impl Args {
             workers: self.worker_urls,
             decode: self.decode,
         })
+    }
+}
+
+/// The worker roles whose policy is `kind`.
+fn roles_of(config: &kvmesh_core::Config, kind: PolicyKind) -> Vec<Role> {
+    match &config.pd {
+        None if config.policy == kind => vec![Role::Regular],
+        None => Vec::new(),
+        Some(pd) => [(pd.prefill_policy, Role::Prefill), (pd.decode_policy, Role::Decode)]
+            .into_iter()
+            .filter(|(p, _)| *p == kind)
+            .map(|(_, r)| r)
+            .collect(),
     }
 }
 

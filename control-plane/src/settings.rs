@@ -31,6 +31,13 @@ pub struct Settings {
     /// worker reports).
     pub kv_capacity: BTreeMap<String, u64>,
     pub max_tree_size: u64,
+    /// prefix_hash: the roles whose policy it is, and the blocks each of their workers keeps
+    /// in the index (`--lru-capacity-per-server`, within `--max-tree-size`).
+    pub prefix_hash_roles: Vec<kvmesh_proto::v1::Role>,
+    pub lru_capacity_per_server: u64,
+    /// marginal_utility's parameters, when a policy in force is marginal_utility (kvmesh-cp
+    /// then keeps the windows and ships the scores).
+    pub utility: Option<kvmesh_core::policy::UtilityParams>,
     pub eviction_interval_secs: u64,
     /// Active health checks (`--disable-health-check` turns them off).
     pub health_checks: bool,

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kvmesh_core::index::PrefixIndex;
+use kvmesh_core::policy::{utility_scores, UtilityWindow};
 use kvmesh_proto::v1::{BreakerState, Feedback, IndexEvict, IndexInsert, ReportBatch, Role, Snapshot, Worker};
 use prometheus_client::metrics::counter::Counter;
 use serde_json::{json, Value};
@@ -58,6 +59,10 @@ pub struct WorkerEntry {
     pub kv_capacity_reported: Option<u64>,
     /// Engine feedback summed over the gateways.
     pub feedback: FeedbackTotals,
+    /// marginal_utility: the last completed requests (from the gateways' completion metrics)
+    /// and the score they give, shipped to the filters.
+    pub window: UtilityWindow,
+    pub utility: Option<f64>,
 }
 
 /// One gateway's last cumulative counts for one worker.
@@ -67,6 +72,8 @@ struct LastCounts {
     errors: u32,
     failovers: u32,
     feedback: Feedback,
+    /// When these counts arrived (ms since the epoch; 0: never).
+    at_ms: u64,
 }
 
 impl WorkerEntry {
@@ -121,6 +128,8 @@ impl WorkerEntry {
             last_counts: HashMap::new(),
             kv_capacity_reported: None,
             feedback: FeedbackTotals::default(),
+            window: UtilityWindow::default(),
+            utility: None,
         }
     }
 
@@ -140,6 +149,7 @@ impl WorkerEntry {
             bootstrap_port: self.bootstrap_port.map(u32::from),
             waiting: self.pressure.waiting,
             kv_usage: self.pressure.kv_usage,
+            utility: self.utility,
         }
     }
 }
@@ -529,6 +539,11 @@ impl State {
     /// so are hashes past the per-report limit and the gateway's rate. The global index stays
     /// within `max_index_entries` (evicting the least recently used at once past 1/8 slack).
     pub fn report(&self, batch: ReportBatch) {
+        self.report_at(batch, now_ms());
+    }
+
+    /// [`report`](Self::report) arriving at `at_ms` (ms since the epoch).
+    fn report_at(&self, batch: ReportBatch, at_ms: u64) {
         let mut bad = 0u64;
         let mut dropped = 0u64;
         let mut evicted = 0usize;
@@ -618,6 +633,7 @@ impl State {
             }
             // A batch without counts (a chunk of the full report on connect) leaves them be.
             let mut changed = false;
+            let window = self.settings.utility.map(|u| u.window_size);
             if !batch.counts.is_empty() {
                 for w in inner.workers.values_mut() {
                     let Some(c) = batch.counts.iter().find(|c| c.worker == w.id) else {
@@ -636,8 +652,24 @@ impl State {
                     // The first report of a gateway counts from zero; the same gateway (one id
                     // per Envoy, whichever VM holds its stream) is counted by differences.
                     let feedback = c.feedback.unwrap_or_default();
-                    let now = LastCounts { requests: c.requests, errors: c.errors, failovers: c.failovers, feedback };
+                    let now =
+                        LastCounts { requests: c.requests, errors: c.errors, failovers: c.failovers, feedback, at_ms };
                     let last = w.last_counts.get(&gateway).cloned().unwrap_or_default();
+                    if let Some(size) = window {
+                        if w.window.capacity() != size {
+                            w.window = UtilityWindow::new(size);
+                        }
+                        // The completions since this gateway's last report, spread over the time
+                        // between the two (a first report: over the last second).
+                        let from = if last.at_ms == 0 { at_ms.saturating_sub(1000) } else { last.at_ms };
+                        w.window.push_batch(
+                            from.min(at_ms),
+                            at_ms,
+                            u64::from(now.feedback.completions.wrapping_sub(last.feedback.completions)),
+                            now.feedback.completion_tokens.saturating_sub(last.feedback.completion_tokens),
+                            now.feedback.e2e_latency_ms.saturating_sub(last.feedback.e2e_latency_ms),
+                        );
+                    }
                     w.requests += u64::from(c.requests.wrapping_sub(last.requests));
                     w.errors += u64::from(c.errors.wrapping_sub(last.errors));
                     w.failovers += u64::from(c.failovers.wrapping_sub(last.failovers));
@@ -646,6 +678,9 @@ impl State {
                 }
             }
             bad += batch.counts.iter().filter(|c| !inner.workers.contains_key(&c.worker)).count() as u64;
+            if !batch.counts.is_empty() {
+                changed |= self.score_utility(&mut inner, at_ms);
+            }
             inner.workers_dirty |= changed;
         }
         if bad > 0 {
@@ -658,6 +693,30 @@ impl State {
         self.counters.bad_reports.inc_by(bad);
         self.counters.dropped_inserts.inc_by(dropped);
         self.counters.evicted_blocks.inc_by(evicted as u64);
+    }
+
+    /// marginal_utility: every worker's score from its window at `now_ms`, z-scored among the
+    /// workers of its role (prefill, decode and regular workers are separate pools). Scores
+    /// are rounded to 1/1000 so that noise does not republish the table; says whether one
+    /// changed.
+    fn score_utility(&self, inner: &mut Inner, now_ms: u64) -> bool {
+        let Some(params) = self.settings.utility else { return false };
+        let mut changed = false;
+        for role in [Role::Regular, Role::Prefill, Role::Decode] {
+            let ids: Vec<u32> = inner.workers.values().filter(|w| w.role == role).map(|w| w.id).collect();
+            let trends: Vec<_> = ids
+                .iter()
+                .map(|id| inner.workers.get(id).and_then(|w| w.window.trend(params.min_history, now_ms)))
+                .collect();
+            let scores = utility_scores(&trends, params.throughput_weight, params.latency_weight);
+            for (id, score) in ids.iter().zip(scores) {
+                let Some(w) = inner.workers.get_mut(id) else { continue };
+                let score = score.map(|u| (u * 1000.0).round() / 1000.0);
+                changed |= w.utility != score;
+                w.utility = score;
+            }
+        }
+        changed
     }
 
     pub fn bad_report(&self) {
@@ -681,7 +740,15 @@ impl State {
 
     /// The most blocks `worker`'s part of the index may hold.
     fn bound_of(&self, inner: &Inner, worker: u32) -> u64 {
-        capacity::bound_blocks(&self.settings, inner.workers.get(&worker).and_then(|w| self.kv_capacity(w)))
+        let entry = inner.workers.get(&worker);
+        let bound = capacity::bound_blocks(&self.settings, entry.and_then(|w| self.kv_capacity(w)));
+        match entry {
+            // prefix_hash keeps llm-d's per-server LRU capacity.
+            Some(w) if self.settings.prefix_hash_roles.contains(&w.role) => {
+                bound.min(self.settings.lru_capacity_per_server.max(1))
+            }
+            _ => bound,
+        }
     }
 
     /// A worker's KV capacity in tokens: `--worker-kv-capacity`, else what it reported.
@@ -1118,6 +1185,77 @@ pub(crate) mod tests {
         let c = WorkerCounts { worker: 0, breaker: 77, ..Default::default() };
         s.report(ReportBatch { gateway_id: "a".into(), counts: vec![c], ..Default::default() });
         assert_eq!(w(&s).circuit_breaker(), "closed");
+    }
+
+    #[test]
+    fn completion_metrics_fill_windows_and_a_worker_slowing_down_scores_below_a_steady_one() {
+        let urls = ["--worker-urls", "http://127.0.0.1:1", "http://127.0.0.1:2", "--policy", "marginal_utility"];
+        let s = state(&urls);
+        s.report_stream_opened("g").unwrap();
+        // Every second, each worker finishes 2 requests of 10 tokens; worker 0's latency grows
+        // by 100 ms a report, worker 1's stays at 200 ms.
+        let (mut lat0, mut lat1, mut done) = (0u64, 0u64, 0u32);
+        for i in 1..=12u64 {
+            done += 2;
+            lat0 += 2 * 100 * i;
+            lat1 += 2 * 200;
+            let fb = |lat| Feedback {
+                completions: done,
+                completion_tokens: 10 * u64::from(done),
+                e2e_latency_ms: lat,
+                ..Default::default()
+            };
+            let counts = vec![
+                WorkerCounts { worker: 0, feedback: Some(fb(lat0)), ..Default::default() },
+                WorkerCounts { worker: 1, feedback: Some(fb(lat1)), ..Default::default() },
+            ];
+            s.report_at(ReportBatch { gateway_id: "g".into(), counts, ..Default::default() }, 1_000_000 + 1000 * i);
+            let ws = s.workers();
+            if i < 5 {
+                assert_eq!((ws[0].utility, ws[1].utility), (None, None), "below min_history after {i} reports");
+            }
+        }
+        let ws = s.workers();
+        assert_eq!((ws[0].window.len(), ws[1].window.len()), (20, 20), "the window slides");
+        let (u0, u1) = (ws[0].utility.unwrap(), ws[1].utility.unwrap());
+        assert!(u0 < 0.0 && u1 > 0.0, "slowing {u0} vs steady {u1}");
+        let snap = s.full_snapshot();
+        assert_eq!(snap.workers.iter().map(|w| w.utility).collect::<Vec<_>>(), vec![Some(u0), Some(u1)]);
+        // Silence: the windows go stale, and the next report (no completions) clears the scores.
+        let counts = vec![WorkerCounts {
+            worker: 0,
+            feedback: Some(Feedback { completions: done, ..Default::default() }),
+            ..Default::default()
+        }];
+        s.report_at(ReportBatch { gateway_id: "g".into(), counts, ..Default::default() }, 1_000_000 + 30_000);
+        assert!(s.workers().iter().all(|w| w.utility.is_none()));
+        // Without marginal_utility in force, no windows are kept.
+        let s = state(&urls[..3]);
+        let fb = Feedback { completions: 5, completion_tokens: 50, e2e_latency_ms: 500, ..Default::default() };
+        let counts = vec![WorkerCounts { worker: 0, feedback: Some(fb), ..Default::default() }];
+        s.report_at(ReportBatch { gateway_id: "g".into(), counts, ..Default::default() }, 5_000);
+        assert_eq!((s.workers()[0].window.len(), s.workers()[0].utility), (0, None));
+    }
+
+    #[test]
+    fn prefix_hash_workers_are_evicted_to_the_lru_capacity_per_server() {
+        let s = state(&[
+            "--worker-urls",
+            "http://127.0.0.1:1",
+            "--policy",
+            "prefix_hash",
+            "--lru-capacity-per-server",
+            "3",
+        ]);
+        let hashes: Vec<u64> = (1..=10).collect();
+        s.report(ReportBatch {
+            gateway_id: "g".into(),
+            inserts: vec![IndexInsert { worker: 0, hashes, ..Default::default() }],
+            ..Default::default()
+        });
+        assert_eq!(s.index_size_of(0), 10);
+        assert_eq!(s.evict(), 7);
+        assert_eq!(s.index_size_of(0), 3);
     }
 
     #[test]

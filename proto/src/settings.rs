@@ -23,6 +23,7 @@ fn policy_to(p: PolicyKind) -> i32 {
         PolicyKind::CacheAware => v1::Policy::CacheAware,
         PolicyKind::PrefixHash => v1::Policy::PrefixHash,
         PolicyKind::MarginalUtility => v1::Policy::MarginalUtility,
+        PolicyKind::ConsistentHashing => v1::Policy::ConsistentHashing,
     };
     p as i32
 }
@@ -36,6 +37,7 @@ fn policy_from(field: &'static str, value: Option<i32>) -> Result<Option<PolicyK
         Ok(v1::Policy::CacheAware) => PolicyKind::CacheAware,
         Ok(v1::Policy::PrefixHash) => PolicyKind::PrefixHash,
         Ok(v1::Policy::MarginalUtility) => PolicyKind::MarginalUtility,
+        Ok(v1::Policy::ConsistentHashing) => PolicyKind::ConsistentHashing,
         Ok(v1::Policy::Unspecified) | Err(_) => return Err(SettingsError::UnknownValue { field, value }),
     };
     Ok(Some(p))
@@ -95,6 +97,19 @@ impl From<&RoutingSettings> for v1::RoutingSettings {
             rate_limit_tokens_per_second,
             passthrough_paths,
             bytes_per_token,
+            max_prefix_blocks_to_match,
+            prefix_token_count,
+            lru_capacity_per_server,
+            prefix_hash_load_factor,
+            prefix_cache_weight,
+            prefix_load_weight,
+            routing_key_headers,
+            routing_key_body_field,
+            utility_window_size,
+            utility_min_history,
+            utility_throughput_weight,
+            utility_latency_weight,
+            utility_load_weight,
         } = s.clone();
         Self {
             policy: policy.map(policy_to),
@@ -131,6 +146,19 @@ impl From<&RoutingSettings> for v1::RoutingSettings {
             rate_limit_tokens_per_second,
             passthrough_paths: passthrough_paths.map(|paths| v1::PathList { paths }),
             bytes_per_token,
+            max_prefix_blocks_to_match,
+            prefix_token_count,
+            lru_capacity_per_server,
+            prefix_hash_load_factor,
+            prefix_cache_weight,
+            prefix_load_weight,
+            routing_key_headers: routing_key_headers.map(|values| v1::StringList { values }),
+            routing_key_body_field,
+            utility_window_size,
+            utility_min_history,
+            utility_throughput_weight,
+            utility_latency_weight,
+            utility_load_weight,
         }
     }
 }
@@ -174,6 +202,19 @@ impl TryFrom<v1::RoutingSettings> for RoutingSettings {
             rate_limit_tokens_per_second,
             passthrough_paths,
             bytes_per_token,
+            max_prefix_blocks_to_match,
+            prefix_token_count,
+            lru_capacity_per_server,
+            prefix_hash_load_factor,
+            prefix_cache_weight,
+            prefix_load_weight,
+            routing_key_headers,
+            routing_key_body_field,
+            utility_window_size,
+            utility_min_history,
+            utility_throughput_weight,
+            utility_latency_weight,
+            utility_load_weight,
         } = m;
         Ok(Self {
             policy: policy_from("policy", policy)?,
@@ -210,6 +251,19 @@ impl TryFrom<v1::RoutingSettings> for RoutingSettings {
             rate_limit_tokens_per_second,
             passthrough_paths: passthrough_paths.map(|l| l.paths),
             bytes_per_token,
+            max_prefix_blocks_to_match,
+            prefix_token_count,
+            lru_capacity_per_server,
+            prefix_hash_load_factor,
+            prefix_cache_weight,
+            prefix_load_weight,
+            routing_key_headers: routing_key_headers.map(|l| l.values),
+            routing_key_body_field,
+            utility_window_size,
+            utility_min_history,
+            utility_throughput_weight,
+            utility_latency_weight,
+            utility_load_weight,
         })
     }
 }
@@ -230,7 +284,12 @@ mod tests {
                 "retry_initial_backoff_ms":10,"retry_max_backoff_ms":100,"retry_backoff_multiplier":2.0,
                 "retry_jitter_factor":0.1,"disable_retries":true,"max_concurrent_requests":-1,"queue_size":8,
                 "queue_timeout_secs":11,"rate_limit_tokens_per_second":50,
-                "passthrough_paths":["/health","/v1/models/*"],"bytes_per_token":3}"#,
+                "passthrough_paths":["/health","/v1/models/*"],"bytes_per_token":3,
+                "max_prefix_blocks_to_match":64,"prefix_token_count":128,"lru_capacity_per_server":99,
+                "prefix_hash_load_factor":1.5,"prefix_cache_weight":3.0,"prefix_load_weight":0.5,
+                "routing_key_headers":["x-user"],"routing_key_body_field":"user","utility_window_size":30,
+                "utility_min_history":12,"utility_throughput_weight":0.7,"utility_latency_weight":0.3,
+                "utility_load_weight":2.0}"#,
         )
         .unwrap();
         let keys = serde_json::to_value(&s).unwrap().as_object().unwrap().len();

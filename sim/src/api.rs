@@ -460,14 +460,22 @@ async fn flush_cache(State(e): Shared) -> &'static str {
     "Cache flushed.\n"
 }
 
-/// `POST /sim/fault?fail_rate=P`: fault injection changed at run time (tests turn a worker's
-/// failures on and off). Answers the rate in force.
+/// `POST /sim/fault?fail_rate=P&slowdown=F`: fault injection changed at run time (tests turn
+/// a worker's failures or slowness on and off); either parameter or both. Answers what is in
+/// force.
 async fn fault(State(e): Shared, RawQuery(query): RawQuery) -> Response {
-    let wanted = query.as_deref().unwrap_or("").split('&').find_map(|kv| kv.strip_prefix("fail_rate="));
-    let Some(p) = wanted else { return error(StatusCode::BAD_REQUEST, "missing `fail_rate` query parameter") };
-    let set = p.parse::<f64>().map_err(|_| format!("fail_rate `{p}` is not a number")).and_then(|p| e.set_fail_rate(p));
+    let query = query.unwrap_or_default();
+    let param = |name: &str| query.split('&').find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='));
+    let (rate, slowdown) = (param("fail_rate"), param("slowdown"));
+    if rate.is_none() && slowdown.is_none() {
+        return error(StatusCode::BAD_REQUEST, "missing `fail_rate` or `slowdown` query parameter");
+    }
+    let number = |name: &str, v: &str| v.parse::<f64>().map_err(|_| format!("{name} `{v}` is not a number"));
+    let set = rate
+        .map_or(Ok(()), |p| number("fail_rate", p).and_then(|p| e.set_fail_rate(p)))
+        .and_then(|()| slowdown.map_or(Ok(()), |f| number("slowdown", f).and_then(|f| e.set_slowdown(f))));
     match set {
-        Ok(()) => Json(json!({"fail_rate": e.fail_rate()})).into_response(),
+        Ok(()) => Json(json!({"fail_rate": e.fail_rate(), "slowdown": e.slowdown()})).into_response(),
         Err(msg) => error(StatusCode::BAD_REQUEST, &msg),
     }
 }
@@ -479,6 +487,7 @@ async fn stats(State(e): Shared) -> Json<Value> {
         "requests": c.requests.load(Relaxed),
         "failures": c.failures.load(Relaxed),
         "fail_rate": e.fail_rate(),
+        "slowdown": e.slowdown(),
         "prompt_tokens": c.prompt_tokens.load(Relaxed),
         "cached_tokens": c.cached_tokens.load(Relaxed),
         "completion_tokens": c.completion_tokens.load(Relaxed),

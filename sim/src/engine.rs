@@ -49,6 +49,8 @@ pub struct Engine {
     /// The probability of an injected failure (`--fail-rate`, changed by `POST /sim/fault`),
     /// as f64 bits.
     fail_rate: AtomicU64,
+    /// The worker's slowness factor (`--slowdown`, changed by `POST /sim/fault`), as f64 bits.
+    slowdown: AtomicU64,
 }
 
 /// An admitted request: holds a running slot until dropped.
@@ -107,12 +109,13 @@ impl Engine {
             slots: Semaphore::new(args.max_running),
             counters: Counters::default(),
             fail_rate: AtomicU64::new(args.fail_rate.to_bits()),
+            slowdown: AtomicU64::new(args.slowdown.to_bits()),
             args,
         }
     }
 
     fn scaled(&self, secs: f64) -> Option<Duration> {
-        let s = secs * self.args.time_scale * self.args.slowdown;
+        let s = secs * self.args.time_scale * self.slowdown();
         (s > 0.0).then(|| Duration::from_secs_f64(s))
     }
 
@@ -188,6 +191,19 @@ impl Engine {
 
     pub fn fail_rate(&self) -> f64 {
         f64::from_bits(self.fail_rate.load(Relaxed))
+    }
+
+    pub fn slowdown(&self) -> f64 {
+        f64::from_bits(self.slowdown.load(Relaxed))
+    }
+
+    /// Changes the slowness factor at run time (finite, > 0, at most 1000; else refused).
+    pub fn set_slowdown(&self, f: f64) -> Result<(), String> {
+        if !(f.is_finite() && f > 0.0 && f <= 1000.0) {
+            return Err(format!("slowdown {f} is not in (0, 1000]"));
+        }
+        self.slowdown.store(f.to_bits(), Relaxed);
+        Ok(())
     }
 
     /// Changes the failure probability at run time (0..1, else refused).

@@ -551,3 +551,49 @@ fn a_failed_leg_leaves_nothing_behind_on_the_other_side() {
     assert!(started.elapsed() < Duration::from_secs(10), "the prefill stopped after {:?}", started.elapsed());
     assert_eq!(envoy.stat("wasmcustom.kvmesh_prefill_aborts_total").unwrap(), Some(1));
 }
+
+/// The seeds' other policies on the PD legs: `prefix_hash` keeps each session's prefill worker,
+/// `consistent_hashing` its decode worker (by `x-session-id`), the bootstrap fields still pair
+/// the legs; and the `prefix` decider still sees what a decode worker holds when that leg runs
+/// `prefix_hash` (which indexes fewer blocks for its own scoring).
+#[test]
+fn prefix_hash_and_consistent_hashing_choose_the_legs_and_the_prefix_decider_still_works() {
+    let pd = pd_stack(3, 3, json!({"prefill_policy": "prefix_hash", "decode_policy": "consistent_hashing"}));
+    let mut prefill_of = std::collections::HashMap::new();
+    let mut decode_of = std::collections::HashMap::new();
+    for turn in 0..4 {
+        for s in 0..6 {
+            let id = format!("ph-{s}-{turn}");
+            let body = json!({
+                "text": format!("Session {s}: {}Turn {turn}.", "Summarise the thread so far. ".repeat(60)),
+                "sampling_params": {"max_new_tokens": 1},
+            });
+            let key = format!("session-{s}");
+            let headers = [("x-request-id", id.as_str()), ("x-session-id", key.as_str())];
+            let r = http::post(&pd.envoy.url("/generate"), body.to_string().as_bytes(), &headers).unwrap();
+            let (p, d) = legs(&r);
+            assert_same_bootstrap(&pd, &p, &d, &id, None);
+            assert_eq!(prefill_of.entry(s).or_insert_with(|| p.clone()), &p, "session {s}: its prefill worker");
+            assert_eq!(decode_of.entry(s).or_insert_with(|| d.clone()), &d, "session {s}: its decode worker");
+        }
+    }
+    let keys_spread: HashSet<&String> = decode_of.values().collect();
+    assert!(keys_spread.len() >= 2, "keys spread over the decode workers: {decode_of:?}");
+
+    let pd = pd_stack(
+        1,
+        2,
+        json!({"prefill_policy": "prefix_hash", "decode_policy": "prefix_hash", "pd_decider": "prefix",
+               "non_cached_tokens": 8}),
+    );
+    // 4000 bytes: 125 blocks, far past the 32 prefix_hash scores on.
+    let text = "Read the whole contract before answering. ".repeat(95);
+    let first = send(&pd, "/generate", &json!({"text": text, "sampling_params": {"max_new_tokens": 1}}), "dec-1");
+    let (_, decode) = legs(&first);
+    let again = format!("{text}Now?");
+    let r = send(&pd, "/generate", &json!({"text": again, "sampling_params": {"max_new_tokens": 1}}), "dec-2");
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-kvmesh-prefill"), None, "the decode worker holds all but a few tokens: no prefill leg");
+    assert_eq!(r.header("x-kvmesh-worker"), Some(decode.as_str()));
+    assert!(pd.received(&decode, "dec-2").get("bootstrap_room").is_none(), "run on the decode worker alone");
+}

@@ -96,8 +96,14 @@ pub fn steady_after(timeline: &[(f64, u64)], window: f64, share: f64) -> Option<
 
 /// A raw `POST path` request with a JSON body.
 pub fn post(path: &str, body: &str) -> Vec<u8> {
+    post_with(path, body, &[])
+}
+
+/// [`post`] with extra headers.
+pub fn post_with(path: &str, body: &str, headers: &[(&str, &str)]) -> Vec<u8> {
+    let extra: String = headers.iter().map(|(k, v)| format!("{k}: {v}\r\n")).collect();
     format!(
-        "POST {path} HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        "POST {path} HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n{extra}content-length: {}\r\n\r\n{body}",
         body.len()
     )
     .into_bytes()

@@ -1,6 +1,6 @@
 //! Criterion micro-benchmarks of the routing core (`cargo xtask bench scale` runs them): the
-//! cache-aware decision with 8/64/256 workers over an index of 10^4 or 10^6 blocks, and index
-//! insert and LRU eviction.
+//! cache-aware decision with 8/64/256 workers over an index of 10^4 or 10^6 blocks, the other
+//! policies' decisions with 64 workers over 10^6 blocks, and index insert and LRU eviction.
 
 use std::hint::black_box;
 
@@ -25,7 +25,11 @@ fn params(workers: u64, blocks: u64) -> RouterParams {
 /// A router whose index holds `blocks` blocks spread over `workers` workers, and the text of
 /// a request that shares its first half with a prefix worker 3 holds.
 fn filled(workers: u64, blocks: u64) -> (Router, Vec<u8>) {
-    let mut r = Router::new(params(workers, blocks), PolicyKind::CacheAware);
+    filled_for(PolicyKind::CacheAware, workers, blocks)
+}
+
+fn filled_for(kind: PolicyKind, workers: u64, blocks: u64) -> (Router, Vec<u8>) {
+    let mut r = Router::new(params(workers, blocks), kind);
     let mut rng = SmallRng::seed_from_u64(7);
     for p in 0..blocks / PREFIX_BLOCKS {
         let hashes: Vec<u64> = (0..PREFIX_BLOCKS).map(|_| rng.next_u64()).collect();
@@ -42,12 +46,38 @@ fn decision(c: &mut Criterion) {
     for blocks in [10_000u64, 1_000_000] {
         for workers in [8u64, 64, 256] {
             let (router, text) = filled(workers, blocks);
-            let cands: Vec<Candidate> = (0..workers).map(|i| Candidate { id: i as u32, load: i % 5 }).collect();
+            let cands: Vec<Candidate> =
+                (0..workers).map(|i| Candidate { id: i as u32, load: i % 5, ..Default::default() }).collect();
             let mut rng = SmallRng::seed_from_u64(1);
             g.bench_with_input(BenchmarkId::new(format!("{blocks}_blocks"), workers), &workers, |b, _| {
                 b.iter(|| router.decide(RoutingText::from(black_box(&text[..])), black_box(&cands), &mut rng))
             });
         }
+    }
+    g.finish();
+}
+
+/// The other policies at 64 workers over 10^6 blocks (consistent_hashing with a key,
+/// marginal_utility with every worker scored).
+fn other_policies(c: &mut Criterion) {
+    let mut g = c.benchmark_group("decision_policies");
+    for kind in [PolicyKind::PrefixHash, PolicyKind::MarginalUtility, PolicyKind::ConsistentHashing] {
+        let (router, text) = filled_for(kind, 64, 1_000_000);
+        let cands: Vec<Candidate> = (0..64u64)
+            .map(|i| Candidate {
+                id: i as u32,
+                load: i % 5,
+                affinity: i.wrapping_mul(0x9e37_79b9_7f4a_7c15),
+                utility: Some((i % 7) as f64 / 7.0 - 0.5),
+            })
+            .collect();
+        let mut rng = SmallRng::seed_from_u64(1);
+        g.bench_function(kind.name(), |b| {
+            b.iter(|| {
+                let t = RoutingText::from(black_box(&text[..])).with_key(Some(b"session-1234"));
+                router.decide(t, black_box(&cands), &mut rng)
+            })
+        });
     }
     g.finish();
 }
@@ -85,5 +115,5 @@ fn index(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, decision, index);
+criterion_group!(benches, decision, other_policies, index);
 criterion_main!(benches);

@@ -11,7 +11,7 @@ use thiserror::Error;
 
 use crate::admission::AdmissionParams;
 use crate::breaker::BreakerParams;
-use crate::policy::{CacheAwareParams, PolicyKind};
+use crate::policy::{CacheAwareParams, PolicyKind, PrefixHashParams, UtilityParams};
 use crate::router::RouterParams;
 use crate::settings::{PdDecider, RoutingSettings};
 use crate::worker::{AddrError, WorkerTable};
@@ -92,6 +92,20 @@ pub struct Config {
     pub control_plane_token: Option<String>,
     /// Read-only worker paths that pass through (see [`crate::paths`]).
     pub passthrough_paths: Vec<String>,
+    /// `prefix_hash`'s parameters (`max_blocks` already in blocks).
+    pub prefix_hash: PrefixHashParams,
+    /// `marginal_utility`'s parameters.
+    pub utility: UtilityParams,
+    /// Where `consistent_hashing` finds a request's routing key.
+    pub routing_key: RoutingKey,
+}
+
+/// Where a request's routing key comes from (`consistent_hashing`): the first of `headers`
+/// present (names lowercase), else the top-level body field.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RoutingKey {
+    pub headers: Vec<String>,
+    pub body_field: Option<String>,
 }
 
 /// PD mode settings.
@@ -195,6 +209,22 @@ pub const DEFAULT_RETRY_MAX_RETRIES: u32 = 5;
 pub const MAX_ATTEMPTS: u32 = 16;
 pub const DEFAULT_NON_CACHED_TOKENS: u64 = 128;
 pub const DEFAULT_BYTES_PER_TOKEN: u64 = 4;
+/// llm-d's prefix-cache scorer defaults.
+pub const DEFAULT_MAX_PREFIX_BLOCKS: u64 = 256;
+pub const DEFAULT_LRU_CAPACITY_PER_SERVER: u64 = 31_250;
+/// SMG's prefix_hash defaults.
+pub const DEFAULT_PREFIX_TOKEN_COUNT: u64 = 256;
+pub const DEFAULT_PREFIX_HASH_LOAD_FACTOR: f64 = 1.25;
+pub const DEFAULT_PREFIX_CACHE_WEIGHT: f64 = 2.0;
+pub const DEFAULT_PREFIX_LOAD_WEIGHT: f64 = 1.0;
+/// SMG's default routing-key header, and a common session header.
+pub const DEFAULT_ROUTING_KEY_HEADERS: [&str; 2] = ["x-smg-routing-key", "x-session-id"];
+/// Seed 002's defaults.
+pub const DEFAULT_UTILITY_WINDOW: u64 = 20;
+pub const DEFAULT_UTILITY_MIN_HISTORY: u64 = 10;
+pub const DEFAULT_UTILITY_THROUGHPUT_WEIGHT: f64 = 0.6;
+pub const DEFAULT_UTILITY_LATENCY_WEIGHT: f64 = 0.4;
+pub const DEFAULT_UTILITY_LOAD_WEIGHT: f64 = 1.0;
 pub const DEFAULT_UPSTREAM_CLUSTER: &str = "kvmesh_workers";
 pub const DEFAULT_REPORT_INTERVAL_MS: u64 = 20;
 
@@ -227,16 +257,124 @@ impl Default for Config {
             report_interval_ms: DEFAULT_REPORT_INTERVAL_MS,
             control_plane_token: None,
             passthrough_paths: crate::paths::DEFAULT_PASSTHROUGH.iter().map(|p| p.to_string()).collect(),
+            prefix_hash: PrefixHashParams {
+                // 256 tokens of 4 bytes in blocks of 32 bytes: 32 blocks (SMG's count wins).
+                max_blocks: (DEFAULT_PREFIX_TOKEN_COUNT * DEFAULT_BYTES_PER_TOKEN).div_ceil(DEFAULT_BLOCK_SIZE as u64)
+                    as usize,
+                cache_weight: DEFAULT_PREFIX_CACHE_WEIGHT,
+                load_weight: DEFAULT_PREFIX_LOAD_WEIGHT,
+                load_factor: DEFAULT_PREFIX_HASH_LOAD_FACTOR,
+                lru_capacity: DEFAULT_LRU_CAPACITY_PER_SERVER,
+            },
+            utility: UtilityParams {
+                window_size: DEFAULT_UTILITY_WINDOW as usize,
+                min_history: DEFAULT_UTILITY_MIN_HISTORY as usize,
+                throughput_weight: DEFAULT_UTILITY_THROUGHPUT_WEIGHT,
+                latency_weight: DEFAULT_UTILITY_LATENCY_WEIGHT,
+                load_weight: DEFAULT_UTILITY_LOAD_WEIGHT,
+            },
+            routing_key: RoutingKey {
+                headers: DEFAULT_ROUTING_KEY_HEADERS.iter().map(|h| h.to_string()).collect(),
+                body_field: None,
+            },
         }
     }
 }
 
-fn available(field: &'static str, policy: Option<PolicyKind>, default: PolicyKind) -> Result<PolicyKind, ConfigError> {
-    let policy = policy.unwrap_or(default);
-    if !policy.implemented() {
-        return Err(invalid(field, format!("`{policy}` is not available in this build yet")));
+/// A weight: finite and not negative.
+fn weight(field: &'static str, v: Option<f64>, default: f64) -> Result<f64, ConfigError> {
+    match v {
+        Some(w) if !w.is_finite() || w < 0.0 => Err(invalid(field, format!("{w} must be a number >= 0"))),
+        Some(w) => Ok(w),
+        None => Ok(default),
     }
-    Ok(policy)
+}
+
+/// `prefix_hash`'s parameters, with the matched prefix in blocks of `block_size` bytes.
+fn prefix_hash_params(
+    s: &RoutingSettings,
+    block_size: u64,
+    bytes_per_token: u64,
+) -> Result<PrefixHashParams, ConfigError> {
+    let blocks = positive("max_prefix_blocks_to_match", s.max_prefix_blocks_to_match, DEFAULT_MAX_PREFIX_BLOCKS)?;
+    if blocks > 1 << 20 {
+        return Err(invalid("max_prefix_blocks_to_match", format!("{blocks} is over 1048576")));
+    }
+    let tokens = positive("prefix_token_count", s.prefix_token_count, DEFAULT_PREFIX_TOKEN_COUNT)?;
+    let token_blocks = tokens.saturating_mul(bytes_per_token).div_ceil(block_size.max(1)).max(1);
+    let load_factor = s.prefix_hash_load_factor.unwrap_or(DEFAULT_PREFIX_HASH_LOAD_FACTOR);
+    if !load_factor.is_finite() || load_factor < 1.0 {
+        return Err(invalid("prefix_hash_load_factor", format!("{load_factor} must be >= 1")));
+    }
+    let cache_weight = weight("prefix_cache_weight", s.prefix_cache_weight, DEFAULT_PREFIX_CACHE_WEIGHT)?;
+    let load_weight = weight("prefix_load_weight", s.prefix_load_weight, DEFAULT_PREFIX_LOAD_WEIGHT)?;
+    if cache_weight + load_weight <= 0.0 {
+        return Err(invalid("prefix_cache_weight", "prefix and load weights are both 0"));
+    }
+    Ok(PrefixHashParams {
+        // At most 2^20 (checked above), so it fits any usize.
+        max_blocks: usize::try_from(blocks.min(token_blocks)).unwrap_or(1 << 20),
+        cache_weight,
+        load_weight,
+        load_factor,
+        lru_capacity: positive("lru_capacity_per_server", s.lru_capacity_per_server, DEFAULT_LRU_CAPACITY_PER_SERVER)?,
+    })
+}
+
+/// `marginal_utility`'s parameters.
+fn utility_params(s: &RoutingSettings) -> Result<UtilityParams, ConfigError> {
+    let max = crate::policy::MAX_WINDOW as u64;
+    let window = s.utility_window_size.unwrap_or(DEFAULT_UTILITY_WINDOW);
+    if !(2..=max).contains(&window) {
+        return Err(invalid("utility_window_size", format!("{window} is not between 2 and {max}")));
+    }
+    let min_history = s.utility_min_history.unwrap_or(DEFAULT_UTILITY_MIN_HISTORY.min(window));
+    if !(2..=window).contains(&min_history) {
+        return Err(invalid(
+            "utility_min_history",
+            format!("{min_history} is not between 2 and the window ({window})"),
+        ));
+    }
+    Ok(UtilityParams {
+        // At most MAX_WINDOW (checked above).
+        window_size: usize::try_from(window).unwrap_or(20),
+        min_history: usize::try_from(min_history).unwrap_or(10),
+        throughput_weight: weight(
+            "utility_throughput_weight",
+            s.utility_throughput_weight,
+            DEFAULT_UTILITY_THROUGHPUT_WEIGHT,
+        )?,
+        latency_weight: weight("utility_latency_weight", s.utility_latency_weight, DEFAULT_UTILITY_LATENCY_WEIGHT)?,
+        load_weight: weight("utility_load_weight", s.utility_load_weight, DEFAULT_UTILITY_LOAD_WEIGHT)?,
+    })
+}
+
+/// Where `consistent_hashing` reads the key: header names (lowercased; at most 16 tokens of
+/// at most 128 bytes) and a body field (at most 128 bytes).
+fn routing_key(s: &RoutingSettings) -> Result<RoutingKey, ConfigError> {
+    let headers = match &s.routing_key_headers {
+        None => DEFAULT_ROUTING_KEY_HEADERS.iter().map(|h| h.to_string()).collect(),
+        Some(hs) if hs.len() > 16 => {
+            return Err(invalid("routing_key_headers", format!("{} headers: at most 16", hs.len())))
+        }
+        Some(hs) => {
+            let token = |h: &String| {
+                !h.is_empty()
+                    && h.len() <= 128
+                    && h.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.!#$%&'*+^`|~".contains(&b))
+            };
+            if let Some(h) = hs.iter().find(|h| !token(h)) {
+                return Err(invalid("routing_key_headers", format!("`{h}` is not a header name")));
+            }
+            hs.iter().map(|h| h.to_ascii_lowercase()).collect()
+        }
+    };
+    let body_field = match s.routing_key_body_field.as_deref() {
+        None | Some("") => None,
+        Some(f) if f.len() > 128 => return Err(invalid("routing_key_body_field", "longer than 128 bytes")),
+        Some(f) => Some(f.to_string()),
+    };
+    Ok(RoutingKey { headers, body_field })
 }
 
 /// sglang-router's `--queue-size` and `--queue-timeout-secs` defaults.
@@ -303,7 +441,7 @@ impl Config {
     /// filter-only parts (workers, clusters, report interval) are left at their defaults.
     pub fn from_settings(s: &RoutingSettings) -> Result<Self, ConfigError> {
         let d = Self::default();
-        let policy = available("policy", s.policy, d.policy)?;
+        let policy = s.policy.unwrap_or(d.policy);
         let cache_threshold = s.cache_threshold.unwrap_or(d.cache_aware.cache_threshold);
         if !(0.0..=1.0).contains(&cache_threshold) {
             return Err(invalid("cache_threshold", format!("{cache_threshold} is not between 0 and 1")));
@@ -331,14 +469,18 @@ impl Config {
             };
             // Like sglang-router, `--policy` is the default of both legs.
             Some(PdConfig {
-                prefill_policy: available("prefill_policy", s.prefill_policy.or(s.policy), PolicyKind::CacheAware)?,
-                decode_policy: available("decode_policy", s.decode_policy.or(s.policy), PolicyKind::PowerOfTwo)?,
+                prefill_policy: s.prefill_policy.or(s.policy).unwrap_or(PolicyKind::CacheAware),
+                decode_policy: s.decode_policy.or(s.policy).unwrap_or(PolicyKind::PowerOfTwo),
                 decider,
             })
         } else {
             None
         };
         let breaker = breaker_params(s, &d.breaker)?;
+        let bytes_per_token = match positive("bytes_per_token", s.bytes_per_token, d.bytes_per_token)? {
+            n if n > 1024 => return Err(invalid("bytes_per_token", format!("{n} is over 1024"))),
+            n => n,
+        };
         let passthrough_paths = match &s.passthrough_paths {
             None => d.passthrough_paths.clone(),
             Some(paths) => {
@@ -367,10 +509,10 @@ impl Config {
             max_tree_size: positive("max_tree_size", s.max_tree_size, d.max_tree_size)?,
             // At most 1 MiB (checked above), so it fits any usize.
             block_size: usize::try_from(block_size).unwrap_or(DEFAULT_BLOCK_SIZE),
-            bytes_per_token: match positive("bytes_per_token", s.bytes_per_token, d.bytes_per_token)? {
-                n if n > 1024 => return Err(invalid("bytes_per_token", format!("{n} is over 1024"))),
-                n => n,
-            },
+            bytes_per_token,
+            prefix_hash: prefix_hash_params(s, block_size, bytes_per_token)?,
+            utility: utility_params(s)?,
+            routing_key: routing_key(s)?,
             max_payload_size: positive("max_payload_size", s.max_payload_size, d.max_payload_size)?,
             request_timeout_secs: positive("request_timeout_secs", s.request_timeout_secs, d.request_timeout_secs)?,
             worker_stall_ms: match s.worker_stall_secs {
@@ -469,6 +611,8 @@ impl Config {
     pub fn router_params(&self) -> RouterParams {
         RouterParams {
             cache_aware: self.cache_aware,
+            prefix_hash: self.prefix_hash,
+            utility_load_weight: self.utility.load_weight,
             block_size: self.block_size,
             max_blocks: self.max_blocks_per_worker(),
             max_entries: crate::router::MAX_INDEX_ENTRIES,
@@ -594,7 +738,13 @@ mod tests {
     fn bad_values_name_the_field() {
         let err = |json: &str| Config::from_json(json.as_bytes()).unwrap_err().to_string();
         assert!(err(r#"{"policy":"fastest"}"#).contains("`policy`"));
-        assert!(err(r#"{"policy":"marginal_utility"}"#).contains("not available"));
+        assert!(err(r#"{"prefix_hash_load_factor":0.5}"#).contains("`prefix_hash_load_factor`"));
+        assert!(err(r#"{"utility_window_size":1}"#).contains("`utility_window_size`"));
+        assert!(err(r#"{"utility_window_size":8,"utility_min_history":9}"#).contains("`utility_min_history`"));
+        assert!(err(r#"{"utility_latency_weight":-1}"#).contains("`utility_latency_weight`"));
+        assert!(err(r#"{"routing_key_headers":["bad header"]}"#).contains("`routing_key_headers`"));
+        assert!(err(r#"{"max_prefix_blocks_to_match":0}"#).contains("`max_prefix_blocks_to_match`"));
+        assert!(err(r#"{"prefix_cache_weight":0,"prefix_load_weight":0}"#).contains("`prefix_cache_weight`"));
         assert!(err(r#"{"cache_threshold":1.5}"#).contains("`cache_threshold`"));
         assert!(err(r#"{"balance_rel_threshold":0.5}"#).contains("`balance_rel_threshold`"));
         assert!(err(r#"{"block_size":0}"#).contains("`block_size`"));
@@ -607,6 +757,29 @@ mod tests {
         assert!(err(r#"{"control_plane_token":7}"#).contains("`control_plane_token`"));
         assert!(err("[1]").contains("JSON object"));
         assert!(err("{").contains("not valid JSON"));
+    }
+
+    #[test]
+    fn every_policy_is_available_with_its_parameters() {
+        for k in PolicyKind::ALL {
+            let c = Config::from_json(format!(r#"{{"policy":"{k}"}}"#).as_bytes()).unwrap();
+            assert_eq!(c.policy, k);
+        }
+        let c = Config::from_json(
+            br#"{"policy":"prefix_hash","max_prefix_blocks_to_match":100,"prefix_token_count":64,"block_size":16,
+                "lru_capacity_per_server":500,"prefix_hash_load_factor":2,"routing_key_headers":["X-User"],
+                "routing_key_body_field":"user","utility_window_size":30,"utility_load_weight":0.5}"#,
+        )
+        .unwrap();
+        // 64 tokens of 4 bytes in blocks of 16: 16 blocks, fewer than 100.
+        assert_eq!((c.prefix_hash.max_blocks, c.prefix_hash.lru_capacity, c.prefix_hash.load_factor), (16, 500, 2.0));
+        assert_eq!(c.routing_key, RoutingKey { headers: vec!["x-user".into()], body_field: Some("user".into()) });
+        assert_eq!((c.utility.window_size, c.utility.min_history, c.utility.load_weight), (30, 10, 0.5));
+        let d = Config::default();
+        assert_eq!((d.prefix_hash.max_blocks, d.utility.window_size, d.utility.min_history), (32, 20, 10));
+        assert_eq!(Config::from_json(b"{}").unwrap().prefix_hash, d.prefix_hash);
+        // A window smaller than the default history: the history follows it.
+        assert_eq!(Config::from_json(br#"{"utility_window_size":4}"#).unwrap().utility.min_history, 4);
     }
 
     #[test]

@@ -85,7 +85,7 @@ mod tests {
     use crate::rng::{seeded, FastRng};
 
     fn cands(ids: std::ops::Range<u32>, load: u64) -> Vec<Candidate> {
-        ids.map(|id| Candidate { id, load }).collect()
+        ids.map(|id| Candidate { id, load, ..Default::default() }).collect()
     }
 
     fn route(
@@ -111,7 +111,8 @@ mod tests {
         for i in 0..40 {
             let text = format!("{prefix}{i}");
             // Decode loads differ per round so that power-of-two has something to balance.
-            let decode: Vec<Candidate> = (10..14).map(|id| Candidate { id, load: (id as u64 * 7 + i) % 5 }).collect();
+            let decode: Vec<Candidate> =
+                (10..14).map(|id| Candidate { id, load: (id as u64 * 7 + i) % 5, ..Default::default() }).collect();
             match route(&mut pd, text.as_bytes(), &cands(0..3, 0), &decode, &mut rng).unwrap() {
                 PdDecision::Split { prefill, decode } => {
                     prefills.insert(prefill.worker);
@@ -140,6 +141,25 @@ mod tests {
         let again = format!("{text}tail");
         let second = route(&mut pd, again.as_bytes(), &cands(0..1, 0), &cands(5..6, 0), &mut rng).unwrap();
         assert!(matches!(second, PdDecision::DecodeOnly(ref d) if d.worker == 5), "{second:?}");
+    }
+
+    #[test]
+    fn prefix_decider_works_under_every_decode_policy() {
+        // Decode workers of role `both` (llm-d's label) are decode workers here: the decider
+        // must see what each holds whatever policy picks them, prefix_hash (whose own index
+        // keeps only the leading blocks) included.
+        for decode_policy in PolicyKind::ALL {
+            let cfg = crate::Config::default().router_params();
+            let mut pd =
+                PdRouter::new(cfg, PolicyKind::PrefixHash, decode_policy, Decider::Prefix { non_cached_tokens: 8 });
+            let mut rng = seeded(6);
+            let text = "z".repeat(4000); // 125 blocks, far past prefix_hash's 32
+            let first = route(&mut pd, text.as_bytes(), &cands(0..2, 0), &cands(5..6, 0), &mut rng).unwrap();
+            assert!(matches!(first, PdDecision::Split { .. }), "{decode_policy}: nothing cached yet");
+            let again = format!("{text}tail");
+            let second = route(&mut pd, again.as_bytes(), &cands(0..2, 0), &cands(5..6, 0), &mut rng).unwrap();
+            assert!(matches!(second, PdDecision::DecodeOnly(ref d) if d.worker == 5), "{decode_policy}: {second:?}");
+        }
     }
 
     #[test]

@@ -12,7 +12,7 @@
 use std::borrow::Cow;
 use std::fmt;
 
-use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, SeqAccess, Visitor};
+use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use thiserror::Error;
@@ -23,6 +23,47 @@ pub const MAX_ROUTING_BYTES: usize = 256 * 1024;
 
 /// The most items a batch request may have.
 pub const MAX_BATCH: usize = 4096;
+
+/// The longest routing key (`consistent_hashing`) kept, in bytes.
+pub const MAX_ROUTING_KEY: usize = 1024;
+
+/// Walks a JSON object's top level, keeping only the value of one field.
+struct FieldOf<'f>(&'f str);
+
+impl<'de> Visitor<'de> for FieldOf<'_> {
+    type Value = Option<&'de RawValue>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut found = None;
+        while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+            if found.is_none() && key == self.0 {
+                found = Some(map.next_value::<&'de RawValue>()?);
+            } else {
+                map.next_value::<IgnoredAny>()?;
+            }
+        }
+        Ok(found)
+    }
+}
+
+/// A top-level body field as a routing key: a string of 1 to [`MAX_ROUTING_KEY`] bytes, or a
+/// number as written. Anything else (absent, another type, a body that is not an object) is no
+/// key. Only the field's own value is kept, whatever the body holds.
+pub fn top_level_key(body: &[u8], field: &str) -> Option<String> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let raw = de.deserialize_map(FieldOf(field)).ok()??;
+    let text = raw.get();
+    let key = match text.as_bytes().first()? {
+        b'"' => serde_json::from_str::<String>(text).ok()?,
+        b'-' | b'0'..=b'9' => text.to_string(),
+        _ => return None,
+    };
+    (!key.is_empty() && key.len() <= MAX_ROUTING_KEY).then_some(key)
+}
 
 /// The LLM endpoints the gateway routes by content.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -751,5 +792,18 @@ mod tests {
         let body = r#"{"model":"x","sampling_params":{"max_new_tokens":8,"stop":["a"]},"text":"q"}"#;
         assert_eq!(text_of(Endpoint::Generate, body), b"q");
         assert!(matches!(err(Endpoint::Generate, r#"{"x":[1,,2],"text":"q"}"#), RequestError::MalformedJson(_)));
+    }
+
+    #[test]
+    fn a_top_level_field_is_a_routing_key() {
+        let body = br#"{"messages":[{"role":"user","content":"hi","user":"inner"}],"user":"alice","n":2}"#;
+        assert_eq!(top_level_key(body, "user").as_deref(), Some("alice"), "not the nested one");
+        assert_eq!(top_level_key(body, "n").as_deref(), Some("2"));
+        assert_eq!(top_level_key(br#"{"user":"a\"b"}"#, "user").as_deref(), Some("a\"b"));
+        for body in [&br#"{"user":null}"#[..], br#"{"user":""}"#, br#"{"user":{"id":1}}"#, b"[1]", b"{", br#"{}"#] {
+            assert_eq!(top_level_key(body, "user"), None, "{}", String::from_utf8_lossy(body));
+        }
+        let long = format!(r#"{{"user":"{}"}}"#, "u".repeat(MAX_ROUTING_KEY + 1));
+        assert_eq!(top_level_key(long.as_bytes(), "user"), None);
     }
 }

@@ -2,7 +2,10 @@
 
 use crate::blocks::{block_hashes, covered_bytes};
 use crate::index::PrefixIndex;
-use crate::policy::{CacheAware, CacheAwareParams, Candidate, PolicyKind, PowerOfTwo, Random, RoundRobin};
+use crate::policy::{
+    CacheAware, CacheAwareParams, Candidate, ConsistentHash, MarginalUtility, PolicyKind, PowerOfTwo, PrefixHash,
+    PrefixHashParams, Random, RoundRobin,
+};
 use crate::worker::WorkerId;
 use rand::RngCore;
 
@@ -14,22 +17,31 @@ pub const MAX_INDEX_ENTRIES: u64 = 1 << 20;
 const MAX_EXPECTED_BLOCKS: usize = 1 << 21;
 
 /// A request's routing text: its first bytes (what is hashed, at most
-/// [`crate::request::MAX_ROUTING_BYTES`]) and its full length (what match ratios divide by).
+/// [`crate::request::MAX_ROUTING_BYTES`]) and its full length (what match ratios divide by),
+/// and its routing key (`consistent_hashing`), if it has one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RoutingText<'a> {
     pub head: &'a [u8],
     pub len: usize,
+    pub key: Option<&'a [u8]>,
+}
+
+impl<'a> RoutingText<'a> {
+    /// The same text with a routing key.
+    pub fn with_key(self, key: Option<&'a [u8]>) -> Self {
+        Self { key, ..self }
+    }
 }
 
 impl<'a> From<&'a [u8]> for RoutingText<'a> {
     fn from(head: &'a [u8]) -> Self {
-        Self { head, len: head.len() }
+        Self { head, len: head.len(), key: None }
     }
 }
 
 impl<'a> From<&'a crate::request::ParsedRequest<'a>> for RoutingText<'a> {
     fn from(p: &'a crate::request::ParsedRequest<'a>) -> Self {
-        Self { head: &p.text, len: p.text_len.max(p.text.len()) }
+        Self { head: &p.text, len: p.text_len.max(p.text.len()), key: None }
     }
 }
 
@@ -50,6 +62,9 @@ pub struct Decision {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RouterParams {
     pub cache_aware: CacheAwareParams,
+    pub prefix_hash: PrefixHashParams,
+    /// `marginal_utility`: weight of a request in flight against a unit of utility.
+    pub utility_load_weight: f64,
     /// Bytes of routing text per index block.
     pub block_size: usize,
     /// Per-worker index budget in blocks (`max_tree_size / block_size`).
@@ -64,6 +79,8 @@ pub struct Router {
     track: bool,
     round_robin: RoundRobin,
     cache_aware: CacheAware,
+    prefix_hash: PrefixHash,
+    utility: MarginalUtility,
     index: PrefixIndex,
     block_size: usize,
     max_blocks: u64,
@@ -82,9 +99,16 @@ impl Router {
             track: false,
             round_robin: RoundRobin::default(),
             cache_aware: CacheAware::new(params.cache_aware),
+            prefix_hash: PrefixHash::new(params.prefix_hash),
+            utility: MarginalUtility { load_weight: params.utility_load_weight },
             index,
             block_size: params.block_size,
-            max_blocks: params.max_blocks,
+            // llm-d's per-server LRU capacity bounds a prefix_hash index (within max_tree_size).
+            max_blocks: if kind == PolicyKind::PrefixHash {
+                params.max_blocks.min(params.prefix_hash.lru_capacity.max(1))
+            } else {
+                params.max_blocks
+            },
             max_entries: params.max_entries,
         }
     }
@@ -107,13 +131,30 @@ impl Router {
             let worker = cands.get(c.pos)?.id;
             return Some(Decision { worker, matched_bytes: c.matched_bytes, blocks });
         }
-        let worker = cands.get(self.pick_blind(cands, rng)?)?.id;
+        if self.kind == PolicyKind::PrefixHash {
+            let mut blocks = block_hashes(text.head, self.block_size);
+            let c = self.prefix_hash.pick(&blocks, cands, &self.index, rng)?;
+            let worker = cands.get(c.pos)?.id;
+            if self.track {
+                // The PD decider needs the whole match, and the whole prefix indexed.
+                return Some(self.tracked(worker, text, blocks));
+            }
+            // Only the blocks that count are indexed (llm-d's scorer does the same).
+            blocks.truncate(self.prefix_hash.considered(&blocks).len());
+            let matched_bytes = covered_bytes(c.blocks, self.block_size, text.len);
+            return Some(Decision { worker, matched_bytes, blocks });
+        }
+        let worker = cands.get(self.pick_blind(text, cands, rng)?)?.id;
         if !self.track {
             return Some(Decision { worker, matched_bytes: 0, blocks: Vec::new() });
         }
-        let blocks = block_hashes(text.head, self.block_size);
+        Some(self.tracked(worker, text, block_hashes(text.head, self.block_size)))
+    }
+
+    /// A decision for `worker` that indexes every block and reports the whole prefix it holds.
+    fn tracked(&self, worker: WorkerId, text: RoutingText<'_>, blocks: Vec<u64>) -> Decision {
         let held = self.index.match_prefix(&blocks).iter().find(|m| m.worker == worker).map_or(0, |m| m.blocks);
-        Some(Decision { worker, matched_bytes: covered_bytes(held, self.block_size, text.head.len()), blocks })
+        Decision { worker, matched_bytes: covered_bytes(held, self.block_size, text.head.len()), blocks }
     }
 
     /// Records a decision that went through: the chosen worker now holds the prefix (and
@@ -149,12 +190,19 @@ impl Router {
         }
     }
 
-    fn pick_blind(&self, cands: &[Candidate], rng: &mut dyn RngCore) -> Option<usize> {
+    fn pick_blind(&self, text: RoutingText<'_>, cands: &[Candidate], rng: &mut dyn RngCore) -> Option<usize> {
         match self.kind {
             PolicyKind::RoundRobin => self.round_robin.pick(cands),
             PolicyKind::PowerOfTwo => PowerOfTwo.pick(cands, rng),
-            _ => Random.pick(cands, rng),
+            PolicyKind::MarginalUtility => self.utility.pick(cands, rng),
+            PolicyKind::ConsistentHashing => ConsistentHash.pick(text.key, cands, rng),
+            PolicyKind::Random | PolicyKind::CacheAware | PolicyKind::PrefixHash => Random.pick(cands, rng),
         }
+    }
+
+    /// The policy this router runs.
+    pub fn kind(&self) -> PolicyKind {
+        self.kind
     }
 
     /// Applies an insert decided elsewhere (another thread or gateway).
@@ -198,11 +246,19 @@ mod tests {
     fn params(block_size: usize, max_blocks: u64) -> RouterParams {
         let cache_aware =
             CacheAwareParams { cache_threshold: 0.3, balance_abs_threshold: 64, balance_rel_threshold: 1.5 };
-        RouterParams { cache_aware, block_size, max_blocks, max_entries: MAX_INDEX_ENTRIES }
+        let prefix_hash = crate::Config::default().prefix_hash;
+        RouterParams {
+            cache_aware,
+            prefix_hash,
+            utility_load_weight: 1.0,
+            block_size,
+            max_blocks,
+            max_entries: MAX_INDEX_ENTRIES,
+        }
     }
 
     fn cands(n: u32) -> Vec<Candidate> {
-        (0..n).map(|id| Candidate { id, load: 0 }).collect()
+        (0..n).map(|id| Candidate { id, affinity: u64::from(id) * 7919, ..Default::default() }).collect()
     }
 
     /// Decides and commits, as the filter does when nothing failed in between.
@@ -231,6 +287,65 @@ mod tests {
         // Distinct prefixes go to the smallest indexes: the three workers without the prefix.
         assert_eq!(used.len(), 3);
         assert!(!used.contains(&first.worker));
+    }
+
+    #[test]
+    fn prefix_hash_sticks_to_a_shared_prefix_spreads_others_and_indexes_only_what_counts() {
+        let mut r = Router::new(params(32, 1 << 20), PolicyKind::PrefixHash);
+        let mut rng = seeded(12);
+        let prefix = "You are a meticulous assistant. ".repeat(40); // 1280 bytes: 40 blocks
+        let first = route(&mut r, format!("{prefix}question 0").as_bytes(), &cands(4), &mut rng).unwrap();
+        assert_eq!(first.blocks.len(), 32, "the first 256 tokens only (32 blocks)");
+        for i in 1..10 {
+            let d = route(&mut r, format!("{prefix}question {i}").as_bytes(), &cands(4), &mut rng).unwrap();
+            assert_eq!(d.worker, first.worker);
+            assert_eq!(d.matched_bytes, 32 * 32);
+        }
+        // Distinct prompts: nothing matches, equal loads: spread at random.
+        let mut used = std::collections::HashSet::new();
+        for i in 0..24 {
+            let text = format!("{i} completely different conversation {}", "x".repeat(200));
+            used.insert(route(&mut r, text.as_bytes(), &cands(4), &mut rng).unwrap().worker);
+        }
+        assert_eq!(used.len(), 4);
+        // With the prefix worker loaded well past the mean, the prefix goes elsewhere.
+        let mut loaded = cands(4);
+        loaded[first.worker as usize].load = 20;
+        let d = r.decide(format!("{prefix}question x").as_bytes().into(), &loaded, &mut rng).unwrap();
+        assert_ne!(d.worker, first.worker);
+    }
+
+    #[test]
+    fn prefix_hash_evicts_to_its_lru_capacity() {
+        let mut p = params(16, 1 << 20);
+        p.prefix_hash.lru_capacity = 5;
+        let mut r = Router::new(p, PolicyKind::PrefixHash);
+        let mut rng = seeded(1);
+        route(&mut r, &[b'a'; 160], &cands(1), &mut rng);
+        assert_eq!(r.index().size_of(0), 10);
+        assert_eq!(r.evict().len(), 5);
+        assert_eq!(r.index().size_of(0), 5);
+    }
+
+    #[test]
+    fn consistent_hashing_follows_the_key_and_marginal_utility_the_scores() {
+        let r = Router::new(params(32, 1 << 20), PolicyKind::ConsistentHashing);
+        let mut rng = seeded(3);
+        let keyed = |k: &'static str| RoutingText::from(b"same text".as_slice()).with_key(Some(k.as_bytes()));
+        let owners: std::collections::HashSet<u32> =
+            (0..10).map(|_| r.decide(keyed("alice"), &cands(5), &mut rng).unwrap().worker).collect();
+        assert_eq!(owners.len(), 1);
+        let keys = ["k0", "k1", "k2", "k3", "k4", "k5", "k6", "k7", "k8", "k9", "k10", "k11"];
+        let spread: std::collections::HashSet<u32> =
+            keys.iter().map(|k| r.decide(keyed(k), &cands(5), &mut rng).unwrap().worker).collect();
+        assert!(spread.len() >= 3, "{spread:?}");
+        assert!(r.decide(keyed("alice"), &cands(5), &mut rng).unwrap().blocks.is_empty(), "text-blind");
+        let r = Router::new(params(32, 1 << 20), PolicyKind::MarginalUtility);
+        let mut cs = cands(3);
+        cs[0].utility = Some(-1.0);
+        cs[1].utility = Some(1.2);
+        cs[2].load = 1;
+        assert!((0..20).all(|_| r.decide(b"t".as_slice().into(), &cs, &mut rng).unwrap().worker == 1));
     }
 
     #[test]

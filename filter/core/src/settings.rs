@@ -114,9 +114,10 @@ macro_rules! routing_settings {
 }
 
 routing_settings! {
-    /// Routing policy: random, round_robin, power_of_two, cache_aware (prefix_hash and
-    /// marginal_utility are named but not available yet). In PD mode, the policy of each leg
-    /// whose own flag is unset. Default cache_aware.
+    /// Routing policy: random, round_robin, power_of_two, cache_aware, prefix_hash (llm-d's
+    /// prefix-cache scorer with load), marginal_utility (seed 002: performance trends from
+    /// completion metrics, with load) or consistent_hashing (sticky by a routing key). In PD
+    /// mode, the policy of each leg whose own flag is unset. Default cache_aware.
     policy: PolicyKind,
     /// PD mode: the prefill leg's policy (default: --policy, else cache_aware).
     prefill_policy: PolicyKind,
@@ -216,6 +217,44 @@ routing_settings! {
     /// tokens the worker reports (kvmesh; 4 is the usual ratio for English text and the
     /// simulator's). Default 4.
     bytes_per_token: u64,
+    /// prefix_hash: leading blocks of the routing text matched (llm-d's
+    /// maxPrefixBlocksToMatch). Default 256.
+    max_prefix_blocks_to_match: u64,
+    /// prefix_hash: leading prompt tokens hashed (SMG's; in blocks with --bytes-per-token and
+    /// --block-size, the smaller of this and --max-prefix-blocks-to-match counts). Default 256.
+    prefix_token_count: u64,
+    /// prefix_hash: index blocks kept per worker, least recently used evicted (llm-d's
+    /// lruCapacityPerServer, within --max-tree-size). Default 31250.
+    lru_capacity_per_server: u64,
+    /// prefix_hash: a worker with more than this times the mean load is passed over (SMG's;
+    /// at least 1). Default 1.25.
+    prefix_hash_load_factor: f64,
+    /// prefix_hash: weight of the prefix score (matched / considered blocks, 0..1) (kvmesh).
+    /// Default 2.
+    prefix_cache_weight: f64,
+    /// prefix_hash: weight of the load score (1 for the least loaded worker, 0 for the most)
+    /// (kvmesh). Default 1.
+    prefix_load_weight: f64,
+    /// consistent_hashing: request headers whose first present value is the routing key
+    /// (SMG's). Default x-smg-routing-key x-session-id.
+    #[cfg_attr(feature = "cli", arg(num_args = 0..))]
+    routing_key_headers: Vec<String>,
+    /// consistent_hashing: a top-level body field (string or number) that is the routing key
+    /// when no header gives one, e.g. `user` (kvmesh). Default none.
+    routing_key_body_field: String,
+    /// marginal_utility: completed requests kept per worker (seed 002's window_size; 2..1024).
+    /// Default 20.
+    utility_window_size: u64,
+    /// marginal_utility: completed requests a worker needs before its trend counts (seed 002's
+    /// min_history_for_trend; 2..window). Default 10.
+    utility_min_history: u64,
+    /// marginal_utility: weight of the z-scored throughput gradient. Default 0.6.
+    utility_throughput_weight: f64,
+    /// marginal_utility: weight of the z-scored latency gradient. Default 0.4.
+    utility_latency_weight: f64,
+    /// marginal_utility: weight of one request in flight against one unit of utility, in the
+    /// filter (kvmesh). Default 1.
+    utility_load_weight: f64,
 }
 
 #[cfg(test)]
@@ -246,7 +285,7 @@ mod tests {
             .contains("polcy"));
         let e = serde_json::from_str::<RoutingSettings>(r#"{"policy":"fastest"}"#).unwrap_err().to_string();
         assert!(e.contains("unknown policy `fastest`"), "{e}");
-        assert_eq!(RoutingSettings::FIELDS.len(), 34);
+        assert_eq!(RoutingSettings::FIELDS.len(), 47);
         assert!(RoutingSettings::FIELDS.contains(&"rate_limit_tokens_per_second"));
     }
 }

@@ -46,6 +46,10 @@ pub struct Worker {
     /// control plane polled them (None: unknown).
     pub waiting: Option<u64>,
     pub kv_usage: Option<f64>,
+    /// Its identity for consistent hashing (a hash of the URL).
+    pub affinity: u64,
+    /// `marginal_utility`'s score from the control plane (none: no trend yet).
+    pub utility: Option<f64>,
 }
 
 impl Worker {
@@ -61,6 +65,8 @@ impl Worker {
             load: 0,
             waiting: None,
             kv_usage: None,
+            affinity: crate::policy::affinity_of(url),
+            utility: None,
         })
     }
 

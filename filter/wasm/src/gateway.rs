@@ -8,10 +8,10 @@ use kvmesh_core::breaker::BreakerState;
 use kvmesh_core::errors::error_json;
 use kvmesh_core::paths::{self, PathClass};
 use kvmesh_core::pd::{PdDecision, PdRouter};
-use kvmesh_core::policy::Candidate;
-use kvmesh_core::request::{self, RequestError};
+use kvmesh_core::policy::{Candidate, PolicyKind};
+use kvmesh_core::request::{self, RequestError, MAX_ROUTING_KEY};
 use kvmesh_core::rng::{random_u64, seeded, FastRng, RngCore};
-use kvmesh_core::{Config, Decision, Endpoint, Role, Router, RoutingSettings, WorkerId, WorkerTable};
+use kvmesh_core::{Config, Decision, Endpoint, Role, Router, RoutingSettings, RoutingText, WorkerId, WorkerTable};
 
 use crate::health::Health;
 use crate::shared::{Delta, DeltaLog, Inflight, SharedStore, VmLedger};
@@ -198,15 +198,22 @@ impl Now {
 }
 
 /// Per-request facts from the host.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Default)]
 pub struct RequestInfo<'a> {
     /// The request id (`x-request-id`), used as `rid` in PD bodies when the client set none.
     pub request_id: Option<&'a str>,
+    /// The routing key a request header gave (`consistent_hashing`; see [`Gateway::routing_key`]).
+    pub routing_key: Option<&'a str>,
+    /// Reads the request headers again, for a VM that learns only at the body that a key is
+    /// needed (its first snapshot, or new settings, arrived in between); none when the headers
+    /// were already looked up for a key (or cannot be read again).
+    pub headers: Option<&'a dyn Fn() -> Vec<(String, String)>>,
     /// When the request body was complete.
     pub now: Now,
 }
 
-// One per VM: the size of its variants does not matter.
+// One per VM, built once: the size difference between a router and a PD pair of them costs
+// nothing.
 #[allow(clippy::large_enum_variant)]
 enum Mode {
     Regular(Router),
@@ -276,7 +283,12 @@ fn candidates(g: &Gateway, inflight: &Inflight, role: Role, now: Now, probes: Pr
         available.iter().copied().filter(|w| !g.stalls.stalled(w.id, now.ms())).collect();
     let pool = if moving.is_empty() { available } else { moving };
     let (max_waiting, max_kv) = (g.config.overload_waiting, g.config.overload_kv_usage);
-    let candidate = |w: &&kvmesh_core::Worker| Candidate { id: w.id, load: w.load + u64::from(inflight.count(w.id)) };
+    let candidate = |w: &&kvmesh_core::Worker| Candidate {
+        id: w.id,
+        load: w.load + u64::from(inflight.count(w.id)),
+        affinity: w.affinity,
+        utility: w.utility,
+    };
     let room: Vec<Candidate> = pool.iter().filter(|w| !w.overloaded(max_waiting, max_kv)).map(candidate).collect();
     if room.is_empty() && !pool.is_empty() {
         if probes == Probes::Refused {
@@ -479,6 +491,34 @@ impl Gateway {
         Some(Routed { worker, addr: w.addr.clone(), counted: false, matched_bytes })
     }
 
+    /// Whether a policy in force hashes on a routing key (its headers are then looked up).
+    pub fn wants_key(&self) -> bool {
+        self.uses(PolicyKind::ConsistentHashing)
+    }
+
+    /// Whether the main policy or a PD leg's is `kind`.
+    fn uses(&self, kind: PolicyKind) -> bool {
+        match &self.config.pd {
+            Some(pd) => pd.prefill_policy == kind || pd.decode_policy == kind,
+            None => self.config.policy == kind,
+        }
+    }
+
+    /// The routing key of a request with these headers: the first of the configured
+    /// `routing_key_headers` present with a value of 1 to 1024 bytes, when a policy in force
+    /// hashes on it (none otherwise: nothing is kept).
+    pub fn routing_key(&self, headers: &[(String, String)]) -> Option<String> {
+        if !self.uses(PolicyKind::ConsistentHashing) {
+            return None;
+        }
+        self.config.routing_key.headers.iter().find_map(|name| {
+            headers
+                .iter()
+                .find(|(n, v)| n.eq_ignore_ascii_case(name) && !v.is_empty() && v.len() <= MAX_ROUTING_KEY)
+                .map(|(_, v)| v.clone())
+        })
+    }
+
     /// Decides where an LLM request goes, by its body. Changes nothing that outlives the call
     /// (other VMs' index changes are applied first, as on every request).
     pub fn route_request(
@@ -500,16 +540,30 @@ impl Gateway {
         self.catch_up(store, inflight.head());
         let now = info.now;
         self.health.sync_if_probing(store, now);
+        // The key the headers gave; when none did and this VM has only now learned (in the
+        // sync above) that consistent hashing is in force, the headers are read again.
+        let late_key = match (info.routing_key, info.headers) {
+            (None, Some(fetch)) if self.uses(PolicyKind::ConsistentHashing) => self.routing_key(&fetch()),
+            _ => None,
+        };
+        let header_key = info.routing_key.or(late_key.as_deref());
+        let body_key = match (&self.config.routing_key.body_field, header_key) {
+            (Some(field), None) if self.uses(PolicyKind::ConsistentHashing) => request::top_level_key(body, field),
+            _ => None,
+        };
+        let key = header_key.or(body_key.as_deref()).map(str::as_bytes);
         let main_role = if matches!(self.mode, Mode::Pd(_)) { Role::Decode } else { Role::Regular };
         let (main_cands, main_full) = candidates(self, &inflight, main_role, now, Probes::Allowed);
         let chosen = match &self.mode {
-            Mode::Regular(router) => match router.decide((&parsed).into(), &main_cands, &mut self.rng) {
-                Some(d) => Chosen::Regular(d),
-                None => return Outcome::Reply(Reply::no_worker_or_full("worker", main_full)),
-            },
+            Mode::Regular(router) => {
+                match router.decide(RoutingText::from(&parsed).with_key(key), &main_cands, &mut self.rng) {
+                    Some(d) => Chosen::Regular(d),
+                    None => return Outcome::Reply(Reply::no_worker_or_full("worker", main_full)),
+                }
+            }
             Mode::Pd(pd) => {
                 let (prefill, prefill_full) = candidates(self, &inflight, Role::Prefill, now, Probes::Allowed);
-                match pd.decide((&parsed).into(), &prefill, &main_cands, &mut self.rng) {
+                match pd.decide(RoutingText::from(&parsed).with_key(key), &prefill, &main_cands, &mut self.rng) {
                     Some(d) => Chosen::Pd(d),
                     None if main_cands.is_empty() => {
                         return Outcome::Reply(Reply::no_worker_or_full("decode worker", main_full))
@@ -804,7 +858,12 @@ mod tests {
     use crate::shared::fake::FakeStore;
 
     fn req(g: &mut Gateway, store: &FakeStore, endpoint: Endpoint, body: &[u8]) -> Outcome {
-        g.route_request(store, endpoint, body, &RequestInfo { request_id: Some("rq-1"), now: Now::from_secs(1000) })
+        g.route_request(
+            store,
+            endpoint,
+            body,
+            &RequestInfo { request_id: Some("rq-1"), routing_key: None, headers: None, now: Now::from_secs(1000) },
+        )
     }
 
     fn plan(o: Outcome) -> Plan {
@@ -844,6 +903,45 @@ mod tests {
 
     fn body(text: &str) -> Vec<u8> {
         format!(r#"{{"text":"{text}"}}"#).into_bytes()
+    }
+
+    #[test]
+    fn consistent_hashing_keys_come_from_the_headers_then_the_body_field() {
+        let store = FakeStore::default();
+        let mut g = gateway(&store, r#","policy":"consistent_hashing","routing_key_body_field":"user""#);
+        let hdr = |v: &str| vec![("X-Session-Id".to_string(), v.to_string())];
+        assert_eq!(g.routing_key(&hdr("s1")).as_deref(), Some("s1"), "a default header, any case");
+        assert_eq!(g.routing_key(&hdr("")), None);
+        assert_eq!(g.routing_key(&hdr(&"k".repeat(MAX_ROUTING_KEY + 1))), None, "too long");
+        let owner = |g: &mut Gateway, key: Option<&str>, body: &[u8]| {
+            let info = RequestInfo { request_id: None, routing_key: key, headers: None, now: Now::from_secs(1000) };
+            let p = plan(g.route_request(&store, Endpoint::Generate, body, &info));
+            g.commit(&store, p).main.addr
+        };
+        for key in ["alice", "bob", "carol", "dave"] {
+            let first = owner(&mut g, Some(key), &body("one prompt"));
+            for i in 0..5 {
+                assert_eq!(owner(&mut g, Some(key), &body(&format!("other prompt {i}"))), first, "{key}");
+            }
+            // The same key in the body field when no header gives one.
+            let in_body = format!(r#"{{"text":"x","user":"{key}"}}"#);
+            assert_eq!(owner(&mut g, None, in_body.as_bytes()), first, "{key} from the body");
+        }
+        let spread: std::collections::HashSet<String> =
+            (0..24).map(|i| owner(&mut g, Some(&format!("user-{i}")), &body("p"))).collect();
+        assert_eq!(spread.len(), 3, "keys spread over every worker");
+        // No key captured at the headers (the VM did not know yet): the headers are read again.
+        let first = owner(&mut g, Some("erin"), &body("p"));
+        let fetch = || vec![("x-smg-routing-key".to_string(), "erin".to_string())];
+        for _ in 0..5 {
+            let info =
+                RequestInfo { request_id: None, routing_key: None, headers: Some(&fetch), now: Now::from_secs(1000) };
+            let p = plan(g.route_request(&store, Endpoint::Generate, &body("q"), &info));
+            assert_eq!(g.commit(&store, p).main.addr, first);
+        }
+        // Another policy keeps no key.
+        let g = gateway(&store, "");
+        assert_eq!(g.routing_key(&hdr("s1")), None);
     }
 
     #[test]
@@ -1063,7 +1161,7 @@ mod tests {
 
     /// Decides at `now` (seconds) and commits: the worker, or the status of the local reply.
     fn route_at(g: &mut Gateway, store: &FakeStore, text: &str, now: u64) -> Result<Routed, u16> {
-        let info = RequestInfo { request_id: None, now: Now::from_secs(now) };
+        let info = RequestInfo { request_id: None, routing_key: None, headers: None, now: Now::from_secs(now) };
         match g.route_request(store, Endpoint::Generate, &body(text), &info) {
             Outcome::Route(p) => Ok(g.commit(store, p).main),
             Outcome::Reply(r) => Err(r.status),

@@ -71,6 +71,10 @@ pub struct RequestFilter {
     endpoint: Option<Endpoint>,
     path: String,
     request_id: Option<String>,
+    /// The routing key a header gave (`consistent_hashing`), and whether the headers were
+    /// looked up for one (a policy that wants a key was in force then).
+    routing_key: Option<String>,
+    key_checked: bool,
     /// The committed main leg (the worker, or the decode worker in PD mode).
     routed: Option<Routed>,
     pd: Option<PdLeg>,
@@ -205,6 +209,8 @@ impl RequestFilter {
             endpoint: None,
             path: String::new(),
             request_id: None,
+            routing_key: None,
+            key_checked: false,
             routed: None,
             pd: None,
             replied: false,
@@ -303,6 +309,8 @@ impl RequestFilter {
                 id
             }
         });
+        (self.key_checked, self.routing_key) =
+            self.with_gateway(|g| (g.wants_key(), g.routing_key(&headers))).unwrap_or_default();
         self.endpoint = Some(endpoint);
         // The body is delivered to us only with `allow_on_headers_stop_iteration: true`.
         Action::Pause
@@ -411,7 +419,13 @@ impl RequestFilter {
         let body = host.request_body(self.body_size);
         let body_size = self.body_size;
         let started = host.now_nanos();
-        let info = RequestInfo { request_id: self.request_id.as_deref(), now: Now::from_nanos(started) };
+        let headers = || host.request_headers();
+        let info = RequestInfo {
+            request_id: self.request_id.as_deref(),
+            routing_key: self.routing_key.as_deref(),
+            headers: (!self.key_checked).then_some(&headers),
+            now: Now::from_nanos(started),
+        };
         let Some(outcome) = self.with_gateway(|g| g.route_request(host, endpoint, &body, &info)) else {
             return self.not_configured(host);
         };
@@ -447,9 +461,8 @@ impl RequestFilter {
             Self::count_route(host, &prefill);
             self.pd = Some(PdLeg::new(prefill, token, committed.stream, committed.merge_logprobs));
         }
-        if self.pd.is_none() {
-            self.feedback = Some(ResponseFeedback::new(committed.prediction));
-        }
+        // PD too: the decode response's completion metrics count (no prediction is judged).
+        self.feedback = Some(ResponseFeedback::new(committed.prediction, now_ms));
         self.routed = Some(committed.main);
         Action::Continue
     }
@@ -791,8 +804,11 @@ mod tests {
             // Shared data: the counts read once to decide, written at commit (with the log
             // slot of the new blocks) and at the end; nothing read back, feedback on the tick.
             assert_eq!((n("get"), n("set")), (2, 3), "round {round}: {calls:?}");
-            assert_eq!(n("now_nanos"), 4, "round {round}: {calls:?}");
-            assert!(calls.len() <= 23, "round {round}: {} host calls: {calls:?}", calls.len());
+            // Decision, commit, response headers, the end of the body (to time an answer that
+            // carries no e2e_latency), the end of the stream: the clock is no host round trip
+            // worth saving.
+            assert_eq!(n("now_nanos"), 5, "round {round}: {calls:?}");
+            assert!(calls.len() <= 24, "round {round}: {} host calls: {calls:?}", calls.len());
         }
     }
 

@@ -1,7 +1,10 @@
 //! The response side of engine feedback, for one request: the response body is scanned as
 //! it passes (each chunk read, never held or changed: the client receives exactly what the
 //! worker sent), and when the stream ends the gateway compares the worker's `cached_tokens`
-//! with its prediction ([`Gateway::feedback`]).
+//! with its prediction ([`Gateway::feedback`]). The completion metrics count whether or not a
+//! prediction was made (PD decode legs, text-blind policies); a response that carries no
+//! `e2e_latency` (OpenAI's) is timed by the gateway, from the routing decision to the end of
+//! the response.
 
 use kvmesh_core::feedback::Verdict;
 use kvmesh_core::usage::UsageScanner;
@@ -16,11 +19,13 @@ pub struct ResponseFeedback {
     scanner: UsageScanner,
     /// The worker answered 2xx itself (no failover): only then does the answer count.
     counts: bool,
+    /// When the request was routed (the host's clock, ms).
+    routed_ms: u64,
 }
 
 impl ResponseFeedback {
-    pub fn new(prediction: Option<Prediction>) -> Self {
-        Self { prediction, ..Self::default() }
+    pub fn new(prediction: Option<Prediction>, routed_ms: u64) -> Self {
+        Self { prediction, routed_ms, ..Self::default() }
     }
 
     /// The response headers: a 2xx from the chosen worker is compared, anything else not.
@@ -40,7 +45,11 @@ impl ResponseFeedback {
         if !self.counts || !complete {
             return;
         }
-        let usage = self.scanner.usage();
+        let mut usage = self.scanner.usage();
+        if usage.e2e_latency.is_none() {
+            let ms = crate::host::now_ms(host).saturating_sub(self.routed_ms);
+            usage.e2e_latency = Some(ms as f64 / 1000.0);
+        }
         let Some(prediction) = self.prediction else {
             if usage.completion_tokens.is_some() {
                 // No prediction (a batch, a blind policy): the completion metrics still count.
@@ -127,6 +136,34 @@ mod tests {
         let total: u32 = counts.iter().map(|(_, f)| f.predictions).sum();
         let completions: u64 = counts.iter().map(|(_, f)| f.completion_tokens).sum();
         assert_eq!((total, completions), (3, 3));
+    }
+
+    #[test]
+    fn a_response_without_e2e_latency_is_timed_by_the_gateway() {
+        let host = MockHost::new();
+        let gw = Rc::new(RefCell::new(Gateway::new(
+            Config::from_json(br#"{"policy":"round_robin","worker_urls":["http://127.0.0.1:30001"]}"#).unwrap(),
+            &host,
+            9,
+        )));
+        host.now_ms.set(10_000);
+        let body = r#"{"text":"hi"}"#;
+        host.request("POST", "/generate", &[("content-length", &body.len().to_string())], body.as_bytes());
+        let mut f = RequestFilter::new(Some(Rc::clone(&gw)));
+        f.on_request_headers(&host, false);
+        f.on_request_body(&host, body.len(), true);
+        host.set_response(200, b"");
+        *host.upstream.borrow_mut() = Some("127.0.0.1:30001".into());
+        f.on_response_headers(&host);
+        host.now_ms.set(10_250);
+        let chunk = r#"data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":7}}"#;
+        *host.response_body.borrow_mut() = chunk.as_bytes().to_vec();
+        f.on_response_body(&host, chunk.len(), true);
+        f.on_log(&host);
+        gw.borrow_mut().flush_feedback(&host); // the tick's part
+        let counts = crate::feedback::read(&host);
+        let f = counts[0].1;
+        assert_eq!((f.completions, f.completion_tokens, f.e2e_latency_ms), (1, 7, 250));
     }
 
     #[test]

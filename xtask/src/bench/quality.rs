@@ -39,6 +39,9 @@ impl Config {
     }
 }
 
+/// Policies only kvmesh has (the peers as installed have no such `--policy`).
+const KVMESH_ONLY: [&str; 3] = ["prefix_hash", "marginal_utility", "consistent_hashing"];
+
 fn configs(o: &Opts, bins: &PeerBins) -> Vec<Config> {
     let policies: &[&'static str] =
         if o.quick { &["cache_aware"] } else { &["cache_aware", "power_of_two", "round_robin", "random"] };
@@ -54,6 +57,12 @@ fn configs(o: &Opts, bins: &PeerBins) -> Vec<Config> {
     for &policy in policies {
         for &router in &routers {
             out.push(Config { router, replicas: 1, mesh: false, policy });
+        }
+    }
+    if !o.quick {
+        // With a control plane: marginal_utility's windows live there.
+        for policy in KVMESH_ONLY {
+            out.push(Config { router: "kvmesh", replicas: 1, mesh: false, policy });
         }
     }
     // Several replicas matter for the policy that keeps state: cache_aware.
@@ -167,8 +176,15 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
     for w in &workloads {
         step(&format!("quality: {} ({} requests; {})", w.name, w.requests.len(), w.what));
         let cap = w.kv_capacity_tokens.to_string();
+        let slow = w.slow_worker.map(|f| f.to_string());
         let sims: Vec<Sim> = (0..4)
-            .map(|_| Sim::start(&["--kv-capacity-tokens", &cap, "--max-running", "32"]))
+            .map(|i| {
+                let mut args = vec!["--kv-capacity-tokens", &cap, "--max-running", "32"];
+                if let (0, Some(f)) = (i, &slow) {
+                    args.extend(["--slowdown", f.as_str()]);
+                }
+                Sim::start(&args)
+            })
             .collect::<Result<_, _>>()?;
         let workers = Workers::Regular(sims.iter().map(Sim::url).collect());
         for c in &configs {
@@ -295,4 +311,31 @@ fn markdown(doc: &Value, workloads: &[Workload]) -> String {
         }
     }
     md
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_full_run_compares_every_kvmesh_policy_and_the_peers_only_on_theirs() {
+        let bins = PeerBins { smg: Some("smg".into()), sglang_python: Some("python".into()) };
+        let all = configs(&Opts::new(false), &bins);
+        let kvmesh: Vec<&str> =
+            all.iter().filter(|c| c.router == "kvmesh" && c.replicas == 1).map(|c| c.policy).collect();
+        for p in [
+            "cache_aware",
+            "power_of_two",
+            "round_robin",
+            "random",
+            "prefix_hash",
+            "marginal_utility",
+            "consistent_hashing",
+        ] {
+            assert!(kvmesh.contains(&p), "{p}: {kvmesh:?}");
+        }
+        assert!(all.iter().filter(|c| c.router != "kvmesh").all(|c| !KVMESH_ONLY.contains(&c.policy)));
+        let quick = configs(&Opts::new(true), &bins);
+        assert!(quick.iter().all(|c| c.policy == "cache_aware"), "--quick stays short");
+    }
 }

@@ -101,7 +101,8 @@ fn propagation(samples: usize) -> anyhow::Result<Value> {
 pub fn run(o: &Opts) -> anyhow::Result<(Value, String)> {
     let mut micro = criterion(o, "kvmesh-core", "routing")?;
     micro.extend(criterion(o, "kvmesh-proto", "snapshot")?);
-    micro.retain(|(id, _)| ["decision/", "index/", "snapshot/"].iter().any(|p| id.starts_with(p)));
+    micro
+        .retain(|(id, _)| ["decision/", "decision_policies/", "index/", "snapshot/"].iter().any(|p| id.starts_with(p)));
     micro.sort_by(|a, b| a.0.cmp(&b.0));
     micro.dedup_by(|a, b| a.0 == b.0);
     let cp = super::cp::run()?;
@@ -124,7 +125,7 @@ pub fn run(o: &Opts) -> anyhow::Result<(Value, String)> {
         })
         .collect();
     md.push_str(&table(&["benchmark", "median"], &rows));
-    md.push_str("\n`decision/<blocks>_blocks/<workers>`: one cache-aware decision (a 4 KiB routing text, half of it indexed for one worker).\n\n");
+    md.push_str("\n`decision/<blocks>_blocks/<workers>`: one cache-aware decision (a 4 KiB routing text, half of it indexed for one worker); `decision_policies/<policy>`: the same with 64 workers over 10^6 blocks for kvmesh's other policies.\n\n");
     md.push_str("### kvmesh-cp at 10^6 index entries (64 workers)\n\n");
     let c = &doc["control_plane"];
     md.push_str(&table(

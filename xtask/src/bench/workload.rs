@@ -48,7 +48,9 @@ fn text(rng: &mut Rng, bytes: usize) -> String {
     s
 }
 
-fn chat(messages: &[(&str, String)]) -> Vec<u8> {
+/// A streamed chat request; `session` goes in `x-session-id`, the routing key
+/// `consistent_hashing` reads by default (the other routers and policies ignore it).
+fn chat(session: &str, messages: &[(&str, String)]) -> Vec<u8> {
     let messages: Vec<_> = messages.iter().map(|(role, content)| json!({"role": role, "content": content})).collect();
     // `include_usage`: the last event carries the usage (cached tokens included), as clients
     // that bill or meter ask for; it changes nothing in the routing.
@@ -56,7 +58,7 @@ fn chat(messages: &[(&str, String)]) -> Vec<u8> {
         "model": "kvmesh-sim", "messages": messages, "max_tokens": 8, "stream": true,
         "stream_options": {"include_usage": true},
     });
-    loadgen::post("/v1/chat/completions", &body.to_string())
+    loadgen::post_with("/v1/chat/completions", &body.to_string(), &[("x-session-id", session)])
 }
 
 /// A workload: its name, what it is, the request stream, and the KV capacity per worker (in
@@ -66,11 +68,20 @@ pub struct Workload {
     pub what: &'static str,
     pub requests: Vec<Vec<u8>>,
     pub kv_capacity_tokens: u64,
+    /// The first worker's `--slowdown` (heterogeneous workers), if any.
+    pub slow_worker: Option<f64>,
 }
 
 /// Every workload, `n` requests each (about), from `seed`.
 pub fn all(seed: u64, n: usize) -> Vec<Workload> {
-    vec![shared_prompts(seed, n), multi_turn(seed, n), zipf(seed, n), random(seed, n), tight(seed, n)]
+    vec![
+        shared_prompts(seed, n),
+        multi_turn(seed, n),
+        zipf(seed, n),
+        random(seed, n),
+        tight(seed, n),
+        heterogeneous(seed, n),
+    ]
 }
 
 /// Many users sharing a few long system prompts (8 prompts of ~2000 tokens), each with a
@@ -81,7 +92,7 @@ fn shared_prompts(seed: u64, n: usize) -> Workload {
     let requests = (0..n)
         .map(|_| {
             let s = rng.below(systems.len());
-            chat(&[("system", systems[s].clone()), ("user", text(&mut rng, 200))])
+            chat(&format!("prompt-{s}"), &[("system", systems[s].clone()), ("user", text(&mut rng, 200))])
         })
         .collect();
     Workload {
@@ -89,6 +100,7 @@ fn shared_prompts(seed: u64, n: usize) -> Workload {
         what: "8 system prompts of ~2000 tokens shared by all users, a ~50-token question each",
         requests,
         kv_capacity_tokens: 262_144,
+        slow_worker: None,
     }
 }
 
@@ -112,7 +124,7 @@ fn multi_turn(seed: u64, n: usize) -> Workload {
                 break;
             }
             history[c].push(("user", text(&mut rng, 400)));
-            requests.push(chat(&history[c]));
+            requests.push(chat(&format!("conversation-{c}"), &history[c]));
             history[c].push(("assistant", text(&mut rng, 32)));
         }
     }
@@ -121,6 +133,7 @@ fn multi_turn(seed: u64, n: usize) -> Workload {
         what: "chats of up to 8 turns growing by ~100 tokens a turn, interleaved across conversations",
         requests,
         kv_capacity_tokens: 262_144,
+        slow_worker: None,
     }
 }
 
@@ -139,7 +152,7 @@ fn zipf(seed: u64, n: usize) -> Workload {
                 x <= 0.0
             });
             let k = k.unwrap_or(prompts.len() - 1);
-            chat(&[("user", format!("{}\nQuestion: {}", prompts[k], text(&mut rng, 80)))])
+            chat(&format!("document-{k}"), &[("user", format!("{}\nQuestion: {}", prompts[k], text(&mut rng, 80)))])
         })
         .collect();
     Workload {
@@ -147,18 +160,20 @@ fn zipf(seed: u64, n: usize) -> Workload {
         what: "256 prompts of ~1000 tokens with Zipf(1.1) popularity, a short suffix each",
         requests,
         kv_capacity_tokens: 262_144,
+        slow_worker: None,
     }
 }
 
 /// Random prompts of ~1000 tokens, nothing shared: the control (no router can hit).
 fn random(seed: u64, n: usize) -> Workload {
     let mut rng = Rng::new(seed ^ 4);
-    let requests = (0..n).map(|_| chat(&[("user", text(&mut rng, 4000))])).collect();
+    let requests = (0..n).map(|i| chat(&format!("request-{i}"), &[("user", text(&mut rng, 4000))])).collect();
     Workload {
         name: "random",
         what: "random ~1000-token prompts, nothing shared (control)",
         requests,
         kv_capacity_tokens: 262_144,
+        slow_worker: None,
     }
 }
 
@@ -171,7 +186,7 @@ fn tight(seed: u64, n: usize) -> Workload {
     let requests = (0..n)
         .map(|_| {
             let s = rng.below(systems.len());
-            chat(&[("system", systems[s].clone()), ("user", text(&mut rng, 200))])
+            chat(&format!("agent-{s}"), &[("system", systems[s].clone()), ("user", text(&mut rng, 200))])
         })
         .collect();
     Workload {
@@ -179,5 +194,61 @@ fn tight(seed: u64, n: usize) -> Workload {
         what: "24 system prompts of ~2000 tokens on workers holding 16k tokens each",
         requests,
         kv_capacity_tokens: 16_384,
+        slow_worker: None,
+    }
+}
+
+/// Heterogeneous workers: the multi-turn chats of [`multi_turn`] (shorter: 4 turns) on four
+/// workers of which one is four times slower (`--slowdown 4`), as a node with an older GPU
+/// or a noisy neighbour would be. Load-aware policies should send it less.
+fn heterogeneous(seed: u64, n: usize) -> Workload {
+    let mut rng = Rng::new(seed ^ 6);
+    let turns = 4;
+    let conversations = n.div_ceil(turns).max(1);
+    let mut history: Vec<Vec<(&str, String)>> =
+        (0..conversations).map(|c| vec![("system", format!("Chat {c}. {}", text(&mut rng, 2000)))]).collect();
+    let mut requests = Vec::with_capacity(n);
+    for _ in 0..turns {
+        for (c, h) in history.iter_mut().enumerate() {
+            if requests.len() == n {
+                break;
+            }
+            h.push(("user", text(&mut rng, 300)));
+            requests.push(chat(&format!("chat-{c}"), h));
+            h.push(("assistant", text(&mut rng, 32)));
+        }
+    }
+    Workload {
+        name: "heterogeneous",
+        what: "4-turn chats on 4 workers, one of them 4x slower (--slowdown 4)",
+        requests,
+        kv_capacity_tokens: 262_144,
+        slow_worker: Some(4.0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_workload_has_its_requests_and_a_session_key_and_one_has_a_slow_worker() {
+        let all = all(7, 40);
+        let names: Vec<&str> = all.iter().map(|w| w.name).collect();
+        assert_eq!(names, ["shared_prompts", "multi_turn", "zipf", "random", "tight_capacity", "heterogeneous"]);
+        for w in &all {
+            assert_eq!(w.requests.len(), 40, "{}", w.name);
+            let first = String::from_utf8_lossy(&w.requests[0]).to_string();
+            assert!(first.contains("\r\nx-session-id: "), "{}: {first:.200}", w.name);
+        }
+        let slow: Vec<_> = all.iter().filter_map(|w| w.slow_worker.map(|f| (w.name, f))).collect();
+        assert_eq!(slow, [("heterogeneous", 4.0)]);
+        // A conversation keeps its key from turn to turn.
+        let h = &all[5];
+        let key = |r: &[u8]| {
+            let t = String::from_utf8_lossy(r).to_string();
+            t.split("x-session-id: ").nth(1).and_then(|r| r.split("\r\n").next()).map(String::from)
+        };
+        assert_eq!(key(&h.requests[0]), key(&h.requests[10]), "10 chats: request 10 is chat 0's second turn");
     }
 }

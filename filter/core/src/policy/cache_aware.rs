@@ -109,7 +109,7 @@ mod tests {
     }
 
     fn cands(loads: &[u64]) -> Vec<Candidate> {
-        loads.iter().enumerate().map(|(i, &load)| Candidate { id: i as u32 + 10, load }).collect()
+        loads.iter().enumerate().map(|(i, &load)| Candidate { id: i as u32 + 10, load, ..Default::default() }).collect()
     }
 
     fn pick(p: &CacheAware, text: &str, cands: &[Candidate], idx: &PrefixIndex, rng: &mut FastRng) -> Choice {

@@ -2,7 +2,10 @@
 //! workers with their current load) and never see live worker objects, sockets or clocks.
 
 mod cache_aware;
+mod consistent_hash;
+mod marginal_utility;
 mod power_of_two;
+mod prefix_hash;
 mod random;
 mod round_robin;
 
@@ -10,7 +13,10 @@ use std::fmt;
 use std::str::FromStr;
 
 pub use cache_aware::{CacheAware, CacheAwareParams, Choice, Reason};
+pub use consistent_hash::{affinity_of, ConsistentHash};
+pub use marginal_utility::{utility_scores, MarginalUtility, Sample, Trend, UtilityParams, UtilityWindow, MAX_WINDOW};
 pub use power_of_two::PowerOfTwo;
+pub use prefix_hash::{PrefixChoice, PrefixHash, PrefixHashParams};
 pub use random::Random;
 pub use round_robin::RoundRobin;
 
@@ -20,13 +26,20 @@ use crate::worker::WorkerId;
 
 /// A worker a policy may pick, with its load: the control plane's load table plus this
 /// gateway's in-flight requests.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Candidate {
     pub id: WorkerId,
     pub load: u64,
+    /// The worker's stable identity for consistent hashing ([`affinity_of`] its URL): the
+    /// same in every gateway and across worker-table changes, unlike `id` in a static table.
+    pub affinity: u64,
+    /// `marginal_utility`'s score from the control plane (z-scored throughput and latency
+    /// trends); none until the worker has enough history.
+    pub utility: Option<f64>,
 }
 
-/// The policy names of `--policy` (sglang-router's, plus llm-d's and seed 002's).
+/// The policy names of `--policy` (sglang-router's, plus llm-d's `prefix_hash`, seed 002's
+/// `marginal_utility` and SMG's `consistent_hashing`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PolicyKind {
     Random,
@@ -35,11 +48,19 @@ pub enum PolicyKind {
     CacheAware,
     PrefixHash,
     MarginalUtility,
+    ConsistentHashing,
 }
 
 impl PolicyKind {
-    pub const ALL: [PolicyKind; 6] =
-        [Self::Random, Self::RoundRobin, Self::PowerOfTwo, Self::CacheAware, Self::PrefixHash, Self::MarginalUtility];
+    pub const ALL: [PolicyKind; 7] = [
+        Self::Random,
+        Self::RoundRobin,
+        Self::PowerOfTwo,
+        Self::CacheAware,
+        Self::PrefixHash,
+        Self::MarginalUtility,
+        Self::ConsistentHashing,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -49,12 +70,8 @@ impl PolicyKind {
             Self::CacheAware => "cache_aware",
             Self::PrefixHash => "prefix_hash",
             Self::MarginalUtility => "marginal_utility",
+            Self::ConsistentHashing => "consistent_hashing",
         }
-    }
-
-    /// Whether this build can route with it.
-    pub fn implemented(self) -> bool {
-        !matches!(self, Self::PrefixHash | Self::MarginalUtility)
     }
 
     /// Whether the policy looks at the routing text (so it must be hashed).
@@ -112,6 +129,40 @@ pub(crate) fn least_loaded(
     best.map(|(p, _)| p)
 }
 
+/// Scores within this of the best count as ties.
+const SCORE_EPSILON: f64 = 1e-9;
+
+/// Position of the highest-scoring candidate among `positions` (scores that are not finite
+/// are passed over), ties broken at random.
+pub(crate) fn best_scored(
+    positions: impl IntoIterator<Item = usize>,
+    score: impl Fn(usize) -> f64,
+    rng: &mut dyn RngCore,
+) -> Option<usize> {
+    let mut best: Option<(usize, f64)> = None;
+    let mut ties = 0usize;
+    for p in positions {
+        let s = score(p);
+        if !s.is_finite() {
+            continue;
+        }
+        match best {
+            Some((_, b)) if s < b - SCORE_EPSILON => {}
+            Some((_, b)) if s <= b + SCORE_EPSILON => {
+                ties += 1;
+                if rng.random_range(0..=ties) == 0 {
+                    best = Some((p, b));
+                }
+            }
+            _ => {
+                best = Some((p, s));
+                ties = 0;
+            }
+        }
+    }
+    best.map(|(p, _)| p)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -129,10 +180,10 @@ mod tests {
     #[test]
     fn least_loaded_breaks_ties_at_random() {
         let cands = [
-            Candidate { id: 0, load: 3 },
-            Candidate { id: 1, load: 1 },
-            Candidate { id: 2, load: 1 },
-            Candidate { id: 3, load: 2 },
+            Candidate { id: 0, load: 3, ..Default::default() },
+            Candidate { id: 1, load: 1, ..Default::default() },
+            Candidate { id: 2, load: 1, ..Default::default() },
+            Candidate { id: 3, load: 2, ..Default::default() },
         ];
         let mut rng = seeded(1);
         let mut hits = [0; 4];

@@ -32,7 +32,11 @@ mod tests {
 
     #[test]
     fn the_most_loaded_worker_never_wins() {
-        let cands = [Candidate { id: 0, load: 9 }, Candidate { id: 1, load: 1 }, Candidate { id: 2, load: 2 }];
+        let cands = [
+            Candidate { id: 0, load: 9, ..Default::default() },
+            Candidate { id: 1, load: 1, ..Default::default() },
+            Candidate { id: 2, load: 2, ..Default::default() },
+        ];
         let mut rng = seeded(5);
         let mut hits = [0; 3];
         for _ in 0..300 {
@@ -44,7 +48,8 @@ mod tests {
 
     #[test]
     fn two_workers_always_compared() {
-        let cands = [Candidate { id: 0, load: 4 }, Candidate { id: 1, load: 0 }];
+        let cands =
+            [Candidate { id: 0, load: 4, ..Default::default() }, Candidate { id: 1, load: 0, ..Default::default() }];
         let mut rng = seeded(9);
         assert!((0..50).all(|_| PowerOfTwo.pick(&cands, &mut rng) == Some(1)));
         assert_eq!(PowerOfTwo.pick(&cands[..1], &mut rng), Some(0));

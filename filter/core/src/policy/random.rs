@@ -19,7 +19,7 @@ mod tests {
 
     #[test]
     fn spreads_over_all_candidates() {
-        let cands: Vec<Candidate> = (0..4).map(|id| Candidate { id, load: 0 }).collect();
+        let cands: Vec<Candidate> = (0..4).map(|id| Candidate { id, load: 0, ..Default::default() }).collect();
         let mut rng = seeded(3);
         let mut hits = [0; 4];
         for _ in 0..400 {

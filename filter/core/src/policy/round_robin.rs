@@ -25,7 +25,7 @@ mod tests {
 
     #[test]
     fn cycles_through_candidates() {
-        let cands: Vec<Candidate> = (0..3).map(|id| Candidate { id, load: 0 }).collect();
+        let cands: Vec<Candidate> = (0..3).map(|id| Candidate { id, load: 0, ..Default::default() }).collect();
         let mut rr = RoundRobin::default();
         let picks: Vec<usize> = (0..6)
             .filter_map(|_| {

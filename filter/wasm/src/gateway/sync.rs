@@ -28,6 +28,7 @@ pub fn table_from(snapshot: &proto::Snapshot) -> WorkerTable {
                 worker.load = w.load;
                 worker.waiting = w.waiting;
                 worker.kv_usage = w.kv_usage.filter(|u| u.is_finite());
+                worker.utility = w.utility.filter(|u| u.is_finite());
                 Some(worker)
             }
             Err(e) => {
@@ -290,6 +291,29 @@ mod tests {
         match g.route_request(store, Endpoint::Generate, body.as_bytes(), &RequestInfo::default()) {
             Outcome::Route(plan) => g.commit(store, plan).main.addr,
             Outcome::Reply(r) => panic!("not routed: {}", r.status),
+        }
+    }
+
+    #[test]
+    fn marginal_utility_scores_from_the_snapshot_steer_every_vm() {
+        let store = FakeStore::default();
+        let (mut owner, mut other) = (gateway(&store, 1), gateway(&store, 2));
+        let scored = |id, port, utility| proto::Worker { utility, ..worker(id, port) };
+        let full = proto::Snapshot {
+            version: 4,
+            full: true,
+            workers: vec![scored(10, 20, Some(-1.0)), scored(11, 21, Some(1.5)), scored(12, 22, Some(f64::NAN))],
+            workers_changed: true,
+            settings: cp_settings(r#"{"policy":"marginal_utility"}"#),
+            ..Default::default()
+        };
+        owner.apply_snapshot(&store, &full);
+        assert!(owner.table.get(12).is_some_and(|w| w.utility.is_none()), "not finite: no score");
+        // Every request goes to the best score while the loads stay equal (each is finished
+        // before the next: routed requests stay in flight, so end them).
+        for i in 0..5 {
+            assert_eq!(route(&mut other, &store, &format!("q{i}")), "127.0.0.1:21");
+            crate::shared::Inflight::finish(&store, 11, false);
         }
     }
 

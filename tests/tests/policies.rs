@@ -1,0 +1,209 @@
+//! The seeds' other policies end to end (real kvmesh-cp, Envoy with the real filter, sims):
+//! `prefix_hash` keeps shared-prefix sessions on one worker and spreads distinct ones,
+//! `marginal_utility` moves new traffic off a worker made slow and back when it recovers,
+//! `consistent_hashing` keeps a key on one worker and moves only the removed worker's keys.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use kvmesh_testkit::http::{self, Response};
+use kvmesh_testkit::{wait_until, ControlPlane, Envoy, EnvoyOptions, Sim};
+use serde_json::{json, Value};
+
+const FAST: &[&str] = &["--time-scale", "0"];
+
+fn sims(n: usize, args: &[&str]) -> Vec<Sim> {
+    (0..n).map(|_| Sim::start(args).unwrap()).collect()
+}
+
+/// kvmesh-cp over `workers` with `flags`, and one Envoy that has applied its first snapshot.
+fn stack(workers: &[Sim], flags: &[&str]) -> (ControlPlane, Envoy) {
+    let mut args = vec!["--worker-urls".to_string()];
+    args.extend(workers.iter().map(Sim::url));
+    args.extend(flags.iter().map(|f| f.to_string()));
+    let cp = ControlPlane::start(&args.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    let mut opts = EnvoyOptions::new(json!({"worker_urls": []})).unwrap();
+    opts.use_control_plane(&cp);
+    let envoy = Envoy::start(&opts).unwrap();
+    wait_for_version(&envoy, 1);
+    (cp, envoy)
+}
+
+fn wait_for_version(envoy: &Envoy, v: u64) {
+    wait_until(&format!("envoy to apply snapshot version {v}"), Duration::from_secs(20), || {
+        envoy.stat("wasmcustom.kvmesh_snapshot_version").unwrap().unwrap_or(0) >= v
+    })
+    .unwrap();
+}
+
+/// The worker that served: the gateway's claim must match the simulator's own header.
+fn served(r: &Response) -> String {
+    assert_eq!(r.status, 200, "{}", r.text());
+    let w = r.header("x-kvmesh-worker").unwrap().to_string();
+    assert_eq!(Some(w.as_str()), r.header("x-sim-worker"));
+    w
+}
+
+fn generate(envoy: &Envoy, text: &str, tokens: u32) -> String {
+    let body = json!({"text": text, "sampling_params": {"max_new_tokens": tokens}});
+    served(&http::post_json(&envoy.url("/generate"), &body).unwrap())
+}
+
+fn worker_list(cp: &ControlPlane) -> Vec<Value> {
+    http::get(&cp.url("/workers")).unwrap().json().unwrap().as_array().unwrap().clone()
+}
+
+#[test]
+fn prefix_hash_keeps_shared_prefix_sessions_together_and_spreads_distinct_ones() {
+    let workers = sims(4, FAST);
+    let (cp, envoy) = stack(&workers, &["--policy", "prefix_hash"]);
+    // 12 sessions, each with its own long system prompt (distinct from the first byte), asked
+    // 5 questions in turn, interleaved with the other sessions.
+    let prompt = |s: usize| format!("Session {s:02}: you are assistant number {s}. {}", "Be brief. ".repeat(150));
+    let mut home: HashMap<usize, String> = HashMap::new();
+    for turn in 0..5 {
+        for s in 0..12 {
+            let w = generate(&envoy, &format!("{}Question {turn}?", prompt(s)), 1);
+            let first = home.entry(s).or_insert_with(|| w.clone());
+            assert_eq!(*first, w, "session {s}, turn {turn}: the shared prefix sticks");
+        }
+    }
+    let used: HashSet<&String> = home.values().collect();
+    assert!(used.len() >= 3, "distinct prefixes spread over the workers: {used:?}");
+    // The workers agree: every session's turns after the first hit their cache.
+    let cached: u64 = workers.iter().map(|w| w.stats().unwrap()["cached_tokens"].as_u64().unwrap()).sum();
+    assert!(cached >= 12 * 4 * 1000 / 4, "the repeated prefixes were served from cache ({cached} tokens)");
+    // Only the blocks prefix_hash considers (256 tokens: 32 blocks of 32 bytes) are indexed,
+    // in the control plane too.
+    wait_until("kvmesh-cp to merge the gateway's inserts", Duration::from_secs(10), || {
+        let m = http::post(&cp.url("/match"), prompt(0).as_bytes(), &[]).unwrap().json().unwrap();
+        m.as_array().unwrap().iter().any(|e| e["url"] == format!("http://{}", home[&0]) && e["blocks"] == 32)
+    })
+    .unwrap();
+}
+
+/// Shares of the workers over `n` requests sent by `clients` concurrent clients.
+fn shares(envoy: &Envoy, clients: usize, n: usize, tokens: u32) -> HashMap<String, usize> {
+    let counts = Mutex::new(HashMap::new());
+    let sent = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|scope| {
+        for c in 0..clients {
+            let (counts, sent) = (&counts, &sent);
+            scope.spawn(move || {
+                while sent.fetch_add(1, Ordering::SeqCst) < n {
+                    let w = generate(envoy, &format!("client {c} asks something distinct"), tokens);
+                    *counts.lock().unwrap().entry(w).or_insert(0) += 1;
+                }
+            });
+        }
+    });
+    counts.into_inner().unwrap()
+}
+
+#[test]
+fn marginal_utility_moves_new_traffic_off_a_slow_worker_and_back_when_it_recovers() {
+    // Real time: a request decodes 8 tokens in about 70 ms.
+    let workers = sims(3, &["--time-scale", "1"]);
+    let (cp, envoy) = stack(&workers, &["--policy", "marginal_utility", "--load-poll-interval-ms", "200"]);
+    let slow = workers[0].addr();
+    let fault = |f: f64| {
+        let r = http::post(&format!("{}/sim/fault?slowdown={f}", workers[0].url()), b"", &[]).unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+    };
+    // Warm up with background traffic until kvmesh-cp has a trend for every worker.
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        for c in 0..4 {
+            let (envoy, stop) = (&envoy, &stop);
+            scope.spawn(move || {
+                while !stop.load(Ordering::SeqCst) {
+                    generate(envoy, &format!("warm-up {c}"), 8);
+                }
+            });
+        }
+        let scored =
+            wait_until("kvmesh-cp to score every worker", Duration::from_secs(30), || workers_scored(&cp) == 3);
+        stop.store(true, Ordering::SeqCst);
+        scored.unwrap();
+    });
+    let fair = 1.0 / 3.0;
+    let before = shares(&envoy, 6, 90, 8);
+    let share = |m: &HashMap<String, usize>| *m.get(&slow).unwrap_or(&0) as f64 / m.values().sum::<usize>() as f64;
+    assert!(share(&before) > fair / 2.0, "balanced before: {before:?}");
+
+    // Eight times slower: its share of new requests falls well below a fair third.
+    fault(8.0);
+    shares(&envoy, 6, 30, 8); // the requests already on it finish
+    let during = shares(&envoy, 6, 90, 8);
+    assert!(share(&during) < fair / 2.0, "the slow worker {slow} still gets {during:?}");
+
+    // Recovered: its share comes back.
+    fault(1.0);
+    shares(&envoy, 6, 60, 8);
+    let after = shares(&envoy, 6, 120, 8);
+    assert!(share(&after) > fair / 2.0, "the recovered worker {slow} gets {after:?}");
+    eprintln!("slow worker {slow}: before {before:?}, slow {during:?}, recovered {after:?}");
+    // The scores reached the gateway through the snapshots (kvmesh-cp shows what it sent).
+    assert!(workers_scored(&cp) >= 2, "{:?}", worker_list(&cp));
+    let metrics = http::get(&cp.url("/metrics")).unwrap().text();
+    let gauges = metrics.lines().filter(|l| l.starts_with("kvmesh_worker_utility{")).count();
+    assert!(gauges >= 2, "the scores are in /metrics too: {gauges}");
+}
+
+/// Workers kvmesh-cp has a marginal_utility score for.
+fn workers_scored(cp: &ControlPlane) -> usize {
+    worker_list(cp).iter().filter(|w| w["utility"].is_number()).count()
+}
+
+#[test]
+fn consistent_hashing_keeps_a_key_on_one_worker_and_moves_only_a_removed_workers_keys() {
+    let workers = sims(4, FAST);
+    let (cp, envoy) = stack(&workers, &["--policy", "consistent_hashing", "--routing-key-body-field", "user"]);
+    let keyed = |key: &str, i: usize| {
+        let r = http::post(
+            &envoy.url("/generate"),
+            json!({"text": format!("prompt {i} of {key}"), "sampling_params": {"max_new_tokens": 1}})
+                .to_string()
+                .as_bytes(),
+            &[("content-type", "application/json"), ("x-session-id", key)],
+        )
+        .unwrap();
+        served(&r)
+    };
+    let keys: Vec<String> = (0..40).map(|i| format!("session-{i}")).collect();
+    let owner: HashMap<&String, String> = keys.iter().map(|k| (k, keyed(k, 0))).collect();
+    for (i, k) in keys.iter().enumerate() {
+        for turn in 1..3 {
+            assert_eq!(keyed(k, turn * 100 + i), owner[k], "{k} moved");
+        }
+    }
+    let per_worker: HashSet<&String> = owner.values().collect();
+    assert_eq!(per_worker.len(), 4, "keys spread over every worker");
+    // The same key in the body (an OpenAI `user`) lands on the same worker.
+    for k in keys.iter().take(5) {
+        let body = json!({"messages": [{"role": "user", "content": "hi"}], "user": k, "max_tokens": 1});
+        assert_eq!(served(&http::post_json(&envoy.url("/v1/chat/completions"), &body).unwrap()), owner[k], "{k}");
+    }
+
+    // One worker leaves: only its keys move, each to one new worker.
+    let gone = workers[1].addr();
+    let r = cp.post(&format!("/remove_worker?url={}", workers[1].url())).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    wait_for_version(&envoy, cp.settled_version().unwrap());
+    let mut moved = 0;
+    for (i, k) in keys.iter().enumerate() {
+        let now = keyed(k, 1000 + i);
+        assert_ne!(now, gone);
+        if owner[k] == gone {
+            moved += 1;
+            assert_eq!(keyed(k, 2000 + i), now, "{k} sticks to its new worker");
+        } else {
+            assert_eq!(now, owner[k], "{k} moved although its worker stayed");
+        }
+    }
+    let had = owner.values().filter(|w| **w == gone).count();
+    assert_eq!(moved, had);
+    assert!(moved < keys.len() / 2, "few keys move: {moved} of {}", keys.len());
+}
