@@ -542,6 +542,9 @@ mod tests {
         }
     }
 
+    // Native only: it grows the table to its full expected size, which makes Node 20's WASI
+    // runner segfault at exit (see `memory` below).
+    #[cfg(not(target_arch = "wasm32"))]
     #[test]
     fn the_index_grows_to_its_expected_size_in_one_step() {
         let mut idx = PrefixIndex::new();
