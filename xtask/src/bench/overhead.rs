@@ -158,6 +158,36 @@ fn config(
     }
 }
 
+/// kvmesh's configurations in one mode: 1 and 2 Envoy threads with static workers, the
+/// baseline build (`--baseline-wasm`), and 2 threads with kvmesh-cp as deployed (its CPU counts
+/// too). `tags`: what the names carry after "kvmesh" and after the threads.
+fn kvmesh_configs(
+    o: &Opts,
+    rows: &mut Vec<Row>,
+    failures: &mut Vec<Value>,
+    mode: &'static str,
+    workers: &Workers,
+    requests: &[Vec<u8>],
+    (mode_tag, policy_tag): (&str, &str),
+) {
+    for t in [1u32, 2] {
+        let name = format!("kvmesh{mode_tag} ({t} thread{}{policy_tag})", if t > 1 { "s" } else { "" });
+        config(o, rows, failures, mode, "kvmesh", &name, Some(t), requests, || {
+            stack::kvmesh(workers, t, 1, "cache_aware", false)
+        });
+    }
+    if let Some(wasm) = &o.baseline_wasm {
+        let name = format!("kvmesh{mode_tag} baseline .wasm (1 thread{policy_tag})");
+        config(o, rows, failures, mode, "kvmesh-baseline", &name, Some(1), requests, || {
+            stack::kvmesh_with(workers, 1, 1, "cache_aware", false, Some(wasm))
+        });
+    }
+    let name = format!("kvmesh{mode_tag} (2 threads{policy_tag}, with kvmesh-cp)");
+    config(o, rows, failures, mode, "kvmesh", &name, Some(2), requests, || {
+        stack::kvmesh(workers, 2, 1, "cache_aware", true)
+    });
+}
+
 pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
     let requests = workload();
     let mut rows = Vec::new();
@@ -198,23 +228,7 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
                     stack::naive_filter(&urls, t)
                 });
             }
-            for t in threads {
-                let name = format!("kvmesh ({t} thread{}, cache_aware)", if t > 1 { "s" } else { "" });
-                config(o, &mut rows, &mut failures, m, "kvmesh", &name, Some(t), &requests, || {
-                    stack::kvmesh(&workers, t, 1, "cache_aware", false)
-                });
-            }
-            if let Some(wasm) = &o.baseline_wasm {
-                let name = "kvmesh baseline .wasm (1 thread, cache_aware)";
-                config(o, &mut rows, &mut failures, m, "kvmesh-baseline", name, Some(1), &requests, || {
-                    stack::kvmesh_with(&workers, 1, 1, "cache_aware", false, Some(wasm))
-                });
-            }
-            // As deployed: with kvmesh-cp (reports, deltas, load polling), whose CPU counts too.
-            let name = "kvmesh (2 threads, cache_aware, with kvmesh-cp)";
-            config(o, &mut rows, &mut failures, m, "kvmesh", name, Some(2), &requests, || {
-                stack::kvmesh(&workers, 2, 1, "cache_aware", true)
-            });
+            kvmesh_configs(o, &mut rows, &mut failures, m, &workers, &requests, ("", ", cache_aware"));
             for &p in &peers {
                 let name = format!("{} (cache_aware)", p.label());
                 config(o, &mut rows, &mut failures, m, p.name(), &name, None, &requests, || {
@@ -254,23 +268,7 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
             if o.rounds > 1 {
                 step(&format!("PD mode, round {} of {}", round + 1, o.rounds));
             }
-            for t in threads {
-                let name = format!("kvmesh PD ({t} thread{})", if t > 1 { "s" } else { "" });
-                config(o, &mut rows, &mut failures, m, "kvmesh", &name, Some(t), &requests, || {
-                    stack::kvmesh(&workers, t, 1, "cache_aware", false)
-                });
-            }
-            if let Some(wasm) = &o.baseline_wasm {
-                let name = "kvmesh baseline .wasm (1 thread, cache_aware)";
-                config(o, &mut rows, &mut failures, m, "kvmesh-baseline", name, Some(1), &requests, || {
-                    stack::kvmesh_with(&workers, 1, 1, "cache_aware", false, Some(wasm))
-                });
-            }
-            // As deployed: with kvmesh-cp (reports, deltas, load polling), whose CPU counts too.
-            let name = "kvmesh (2 threads, cache_aware, with kvmesh-cp)";
-            config(o, &mut rows, &mut failures, m, "kvmesh", name, Some(2), &requests, || {
-                stack::kvmesh(&workers, 2, 1, "cache_aware", true)
-            });
+            kvmesh_configs(o, &mut rows, &mut failures, m, &workers, &requests, (" PD", ""));
             for &p in &peers {
                 let name = format!("{} PD", p.label());
                 config(o, &mut rows, &mut failures, m, p.name(), &name, None, &requests, || {
