@@ -506,13 +506,8 @@ mod tests {
 
     #[test]
     fn the_total_bound_takes_exactly_the_oldest_entries_shared_blocks_included() {
-        let mut state = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut rng = crate::rng::seeded(0x9e37_79b9_7f4a_7c15);
+        let mut next = || rand::RngCore::next_u64(&mut rng);
         let mut idx = PrefixIndex::new();
         for _ in 0..3000 {
             // Few distinct prefixes, so that many blocks end up with several owners.

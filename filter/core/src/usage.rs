@@ -298,13 +298,8 @@ mod tests {
             b"{",
             b"\"cached_",
         ];
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut rng = crate::rng::seeded(0x2545_f491_4f6c_dd1d);
+        let mut next = || rand::RngCore::next_u64(&mut rng);
         for _ in 0..3000 {
             let len = (next() % 24) as usize;
             let body: Vec<u8> =
