@@ -205,6 +205,9 @@ impl Drop for InProgress {
 async fn serve(e: Arc<Engine>, endpoint: Endpoint, headers: &HeaderMap, body: Bytes) -> Response {
     let _counted = InProgress::new(&e);
     let request_id = headers.get("x-request-id").and_then(|v| v.to_str().ok()).map(String::from);
+    if let Some(session) = headers.get("x-session-id").and_then(|v| v.to_str().ok()) {
+        e.record_session(session);
+    }
     let recorded = serde_json::from_slice::<Value>(&body).unwrap_or(Value::Null);
     e.record(json!({"path": endpoint_path(endpoint), "x_request_id": request_id, "body": recorded}));
     let job = match Job::parse(endpoint, &body, e.args.default_max_tokens) {
@@ -497,5 +500,6 @@ async fn stats(State(e): Shared) -> Json<Value> {
         "in_progress": c.in_progress.load(Relaxed),
         "cache_tokens": e.cache_usage().0,
         "cache_hit_rate": e.hit_rate(),
+        "sessions": e.sessions(),
     }))
 }

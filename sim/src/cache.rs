@@ -2,6 +2,7 @@
 //! LRU beyond the capacity. A request's cached tokens are its leading pages found here.
 
 use lru::LruCache;
+use std::collections::HashMap;
 use std::num::NonZeroUsize;
 use xxhash_rust::xxh3::Xxh3;
 
@@ -12,23 +13,47 @@ pub const BYTES_PER_TOKEN: u64 = 4;
 
 pub struct KvCache {
     pages: LruCache<u64, ()>,
+    /// Pages running requests hold, with how many of them hold each: SGLang's radix cache
+    /// locks a running request's prefix, and requests that share a prefix share its pages,
+    /// so a page counts once in the KV in use however many requests run on it.
+    locked: HashMap<u64, u32>,
 }
 
 impl KvCache {
     pub fn new(capacity_tokens: u64) -> Self {
         let pages = (capacity_tokens / PAGE_TOKENS).max(1) as usize;
-        Self { pages: LruCache::new(NonZeroUsize::new(pages).unwrap_or(NonZeroUsize::MIN)) }
+        Self { pages: LruCache::new(NonZeroUsize::new(pages).unwrap_or(NonZeroUsize::MIN)), locked: HashMap::new() }
     }
 
-    /// Looks up the prompt (its bytes; a token is [`BYTES_PER_TOKEN`] bytes), stores all of
-    /// it, and returns how many of its `prompt_tokens` were already cached.
-    pub fn lookup_and_store(&mut self, prompt: &[u8], prompt_tokens: u64) -> u64 {
+    /// A request starts running on the prompt (its bytes; a token is [`BYTES_PER_TOKEN`]
+    /// bytes): all of it is stored, and its pages are locked (counted in
+    /// [`locked_tokens`](Self::locked_tokens)) until [`release`](Self::release)d with the
+    /// keys returned. Returns how many of its `prompt_tokens` were already cached, and the keys.
+    pub fn run(&mut self, prompt: &[u8], prompt_tokens: u64) -> (u64, Vec<u64>) {
         let hashes = page_keys(prompt);
         let hit_pages = hashes.iter().take_while(|h| self.pages.contains(*h)).count() as u64;
-        for h in hashes {
+        for &h in &hashes {
             self.pages.put(h, ());
+            *self.locked.entry(h).or_default() += 1;
         }
-        (hit_pages * PAGE_TOKENS).min(prompt_tokens)
+        ((hit_pages * PAGE_TOKENS).min(prompt_tokens), hashes)
+    }
+
+    /// A running request ended: its pages are no longer held by it.
+    pub fn release(&mut self, pages: &[u64]) {
+        for h in pages {
+            if let Some(n) = self.locked.get_mut(h) {
+                *n -= 1;
+                if *n == 0 {
+                    self.locked.remove(h);
+                }
+            }
+        }
+    }
+
+    /// Tokens in the pages running requests hold, each page once.
+    pub fn locked_tokens(&self) -> u64 {
+        self.locked.len() as u64 * PAGE_TOKENS
     }
 
     /// Empties the cache (SGLang's `POST /flush_cache`).
@@ -72,9 +97,9 @@ mod tests {
     fn repeated_prefixes_hit() {
         let mut c = KvCache::new(1024);
         let a = "x".repeat(640);
-        assert_eq!(c.lookup_and_store(a.as_bytes(), tokens_of(a.len())), 0);
+        assert_eq!(c.run(a.as_bytes(), tokens_of(a.len())).0, 0);
         let b = format!("{a}and more");
-        assert_eq!(c.lookup_and_store(b.as_bytes(), tokens_of(b.len())), 160);
+        assert_eq!(c.run(b.as_bytes(), tokens_of(b.len())).0, 160);
     }
 
     #[test]
@@ -83,9 +108,27 @@ mod tests {
         let page = "p".repeat(64);
         let a = format!("{}{page}", "a".repeat(64));
         let b = format!("{}{page}", "b".repeat(64));
-        assert_eq!(c.lookup_and_store(a.as_bytes(), 32), 0);
-        assert_eq!(c.lookup_and_store(b.as_bytes(), 32), 0, "same second page, other first page");
-        assert_eq!(c.lookup_and_store(a.as_bytes(), 32), 32);
+        assert_eq!(c.run(a.as_bytes(), 32).0, 0);
+        assert_eq!(c.run(b.as_bytes(), 32).0, 0, "same second page, other first page");
+        assert_eq!(c.run(a.as_bytes(), 32).0, 32);
+    }
+
+    #[test]
+    fn running_requests_that_share_a_prefix_hold_its_pages_once() {
+        let mut c = KvCache::new(1024);
+        let system = "s".repeat(640); // 10 pages
+        let a = format!("{system}{}", "a".repeat(64));
+        let b = format!("{system}{}", "b".repeat(64));
+        let (_, pa) = c.run(a.as_bytes(), tokens_of(a.len()));
+        let (cached, pb) = c.run(b.as_bytes(), tokens_of(b.len()));
+        assert_eq!(cached, 160, "the shared prefix hit");
+        assert_eq!(c.locked_tokens(), 12 * PAGE_TOKENS, "10 shared pages and one of each");
+        c.release(&pa);
+        assert_eq!(c.locked_tokens(), 11 * PAGE_TOKENS);
+        c.release(&pb);
+        assert_eq!(c.locked_tokens(), 0);
+        c.release(&pb);
+        assert_eq!(c.locked_tokens(), 0, "a second release changes nothing");
     }
 
     #[test]
@@ -93,9 +136,9 @@ mod tests {
         let mut c = KvCache::new(32); // two pages
         let a = "a".repeat(128);
         let b = "b".repeat(128);
-        c.lookup_and_store(a.as_bytes(), 32);
-        c.lookup_and_store(b.as_bytes(), 32);
+        c.run(a.as_bytes(), 32);
+        c.run(b.as_bytes(), 32);
         assert_eq!(c.used_tokens(), 32);
-        assert_eq!(c.lookup_and_store(a.as_bytes(), 32), 0, "evicted by b");
+        assert_eq!(c.run(a.as_bytes(), 32).0, 0, "evicted by b");
     }
 }

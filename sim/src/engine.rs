@@ -2,7 +2,7 @@
 //! cost is the uncached part of the prompt, decode steps that slow down as the batch grows,
 //! fault injection, and the counters `/metrics`, `/get_load` and `/sim/stats` report.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -26,13 +26,18 @@ pub struct Counters {
     pub waiting: AtomicU64,
     /// Prompt tokens whose KV arrived from a prefill worker (PD decode).
     pub transferred_tokens: AtomicU64,
-    /// KV tokens held by running requests (their prompts): what SGLang counts as used. Cached
-    /// prefixes that nothing runs on are evictable and not counted.
+    /// KV tokens held by running requests whose KV was transferred from a prefill worker; a
+    /// request prefilled here holds prefix cache pages instead, each page counted once however
+    /// many requests share it (`KvCache::locked_tokens`). Cached prefixes that nothing runs on
+    /// are evictable and not counted.
     pub active_tokens: AtomicU64,
     /// Requests being handled (a PD decode waiting for its KV included); a client that goes
     /// away takes its request out.
     pub in_progress: AtomicU64,
 }
+
+/// The most distinct sessions a worker remembers between two cache flushes.
+pub const MAX_SESSIONS: usize = 65_536;
 
 pub struct Engine {
     pub args: Args,
@@ -43,6 +48,9 @@ pub struct Engine {
     pub rooms: Arc<Rooms>,
     /// The last requests received (for tests and debugging: `/sim/requests`).
     pub recent: Mutex<VecDeque<Value>>,
+    /// The distinct `x-session-id`s served since the last cache flush (bounded): how many
+    /// workers one session reached is how well a router keeps a session in one place.
+    sessions: Mutex<HashSet<String>>,
     cache: Mutex<KvCache>,
     slots: Semaphore,
     pub counters: Counters,
@@ -57,8 +65,11 @@ pub struct Engine {
 pub struct Run<'a> {
     engine: &'a Engine,
     _slot: SemaphorePermit<'a>,
-    /// Prompt tokens counted in `active_tokens` while this runs.
+    /// Prompt tokens counted in `active_tokens` while this runs (KV transferred from a
+    /// prefill worker: its own).
     tokens: u64,
+    /// The prefix cache pages this run holds (a prompt prefilled here).
+    pages: Vec<u64>,
     pub cached_tokens: u64,
     pub started: Instant,
 }
@@ -67,6 +78,11 @@ impl Drop for Run<'_> {
     fn drop(&mut self) {
         self.engine.counters.running.fetch_sub(1, Relaxed);
         self.engine.counters.active_tokens.fetch_sub(self.tokens, Relaxed);
+        if !self.pages.is_empty() {
+            if let Ok(mut cache) = self.engine.cache.lock() {
+                cache.release(&self.pages);
+            }
+        }
     }
 }
 
@@ -105,6 +121,7 @@ impl Engine {
             cache: Mutex::new(KvCache::new(args.kv_capacity_tokens)),
             rooms: Arc::new(Rooms::default()),
             recent: Mutex::new(VecDeque::new()),
+            sessions: Mutex::new(HashSet::new()),
             aborts: Mutex::new(HashMap::new()),
             slots: Semaphore::new(args.max_running),
             counters: Counters::default(),
@@ -152,6 +169,21 @@ impl Engine {
         }
     }
 
+    /// Remembers a request's session (at most [`MAX_SESSIONS`] of them, ids of at most 128
+    /// bytes).
+    pub fn record_session(&self, id: &str) {
+        if let Ok(mut sessions) = self.sessions.lock() {
+            if id.len() <= 128 && sessions.len() < MAX_SESSIONS && !sessions.contains(id) {
+                sessions.insert(id.to_string());
+            }
+        }
+    }
+
+    /// The distinct sessions served since the last cache flush.
+    pub fn sessions(&self) -> usize {
+        self.sessions.lock().map_or(0, |s| s.len())
+    }
+
     /// Queues for a slot for a prompt whose KV was transferred from a prefill worker: no
     /// prefill here.
     pub async fn admit_transferred(&self, prompt_tokens: u64) -> Result<Run<'_>, InjectedFailure> {
@@ -163,7 +195,14 @@ impl Engine {
         self.counters.running.fetch_add(1, Relaxed);
         self.counters.transferred_tokens.fetch_add(prompt_tokens, Relaxed);
         self.counters.active_tokens.fetch_add(prompt_tokens, Relaxed);
-        Ok(Run { engine: self, _slot: slot, tokens: prompt_tokens, cached_tokens: prompt_tokens, started })
+        Ok(Run {
+            engine: self,
+            _slot: slot,
+            tokens: prompt_tokens,
+            pages: Vec::new(),
+            cached_tokens: prompt_tokens,
+            started,
+        })
     }
 
     /// Queues for a slot, then runs the prefill of `prompt` (`prompt_tokens` tokens).
@@ -176,10 +215,13 @@ impl Engine {
             return Err(InjectedFailure);
         };
         self.counters.running.fetch_add(1, Relaxed);
-        self.counters.active_tokens.fetch_add(prompt_tokens, Relaxed);
-        let mut run = Run { engine: self, _slot: slot, tokens: prompt_tokens, cached_tokens: 0, started };
+        let mut run = Run { engine: self, _slot: slot, tokens: 0, pages: Vec::new(), cached_tokens: 0, started };
         let cached = match self.cache.lock() {
-            Ok(mut cache) => cache.lookup_and_store(prompt, prompt_tokens),
+            Ok(mut cache) => {
+                let (cached, pages) = cache.run(prompt, prompt_tokens);
+                run.pages = pages;
+                cached
+            }
             Err(_) => 0,
         };
         self.counters.prompt_tokens.fetch_add(prompt_tokens, Relaxed);
@@ -234,10 +276,11 @@ impl Engine {
     }
 
     /// KV tokens in use by running requests, and the capacity (SGLang's `token_usage` is their
-    /// ratio: evictable cached prefixes do not count).
+    /// ratio: evictable cached prefixes do not count, and a prefix that several running
+    /// requests share counts once).
     pub fn kv_usage(&self) -> (u64, u64) {
-        let (_, cap) = self.cache_usage();
-        (self.counters.active_tokens.load(Relaxed).min(cap), cap)
+        let (locked, cap) = self.cache.lock().map(|c| (c.locked_tokens(), c.capacity_tokens())).unwrap_or((0, 1));
+        (locked.saturating_add(self.counters.active_tokens.load(Relaxed)).min(cap), cap)
     }
 
     /// Tokens the prefix cache holds, and its capacity.
@@ -249,6 +292,9 @@ impl Engine {
     pub fn flush_cache(&self) {
         if let Ok(mut cache) = self.cache.lock() {
             cache.clear();
+        }
+        if let Ok(mut sessions) = self.sessions.lock() {
+            sessions.clear();
         }
     }
 
