@@ -57,10 +57,11 @@ pub struct Opts {
     pub out: PathBuf,
     /// Quality: only these workloads (empty: all).
     pub workloads: Vec<String>,
-    /// Overhead: only the configurations whose name contains one of these (empty: all).
+    /// Overhead and quality: only the configurations whose name contains one of these (empty: all).
     pub only: Vec<String>,
-    /// Overhead: every configuration is measured this many times, the rounds interleaved
-    /// (CPU per request: the median round).
+    /// Overhead and quality: every configuration is measured this many times, the rounds
+    /// interleaved (overhead: the median round's CPU per request; quality: means with a 95 %
+    /// confidence interval).
     pub rounds: usize,
     /// Overhead: another build of the filter measured beside this one (1 Envoy thread), for a
     /// before/after in one run.
@@ -96,7 +97,7 @@ impl Opts {
 }
 
 const OPTIONS: &str =
-    "overhead | quality | scale (default: all), --quick, --seconds N, --connections N, --no-pd, --no-peers, --out DIR, --workload NAME (quality; repeatable), --only TEXT (overhead: configurations named with it; repeatable), --rounds N (overhead: each configuration N times, interleaved), --baseline-wasm FILE (overhead: that filter build beside this one)";
+    "overhead | quality | scale (default: all), --quick, --seconds N, --connections N, --no-pd, --no-peers, --out DIR, --workload NAME (quality; repeatable), --only TEXT (overhead, quality: configurations named with it; repeatable), --rounds N (overhead, quality: each configuration N times, interleaved), --baseline-wasm FILE (overhead: that filter build beside this one)";
 
 fn parse(args: &[String]) -> anyhow::Result<Opts> {
     let mut o = Opts::new(args.iter().any(|a| a == "--quick"));

@@ -94,16 +94,51 @@ fn delta(after: &[Value], before: &[Value], key: &str) -> Vec<f64> {
     after.iter().zip(before).map(|(a, b)| a[key].as_f64().unwrap_or(0.0) - b[key].as_f64().unwrap_or(0.0)).collect()
 }
 
-/// The kvmesh gateways' engine-feedback counters, summed: (compared, accurate).
-fn predictions(running: &Running) -> (f64, f64) {
-    let read = |admin: &str, name: &str| -> f64 {
-        let text =
-            http::get(&format!("{admin}/stats?filter=^wasmcustom.{name}$")).map(|r| r.text()).unwrap_or_default();
-        text.lines().filter_map(|l| l.split_once(": ")).filter_map(|(_, v)| v.trim().parse::<f64>().ok()).sum()
-    };
-    running.admin.iter().fold((0.0, 0.0), |(n, ok), a| {
-        (n + read(a, "kvmesh_predictions_total"), ok + read(a, "kvmesh_predictions_accurate_total"))
-    })
+/// A filter counter summed over the kvmesh gateways (0 for the peers, which have no admin).
+fn counter(running: &Running, name: &str) -> f64 {
+    running
+        .admin
+        .iter()
+        .map(|admin| {
+            let text =
+                http::get(&format!("{admin}/stats?filter=^wasmcustom.{name}$")).map(|r| r.text()).unwrap_or_default();
+            text.lines()
+                .filter_map(|l| l.split_once(": "))
+                .filter_map(|(_, v)| v.trim().parse::<f64>().ok())
+                .sum::<f64>()
+        })
+        .sum()
+}
+
+/// The kvmesh gateways' counters this suite reads, summed: requests routed, requests routed
+/// to a worker whose index matched part of the prompt, responses whose cached prefix was
+/// compared with the prediction, and those predicted within one block.
+#[derive(Clone, Copy, Default)]
+struct Counters {
+    requests: f64,
+    matched: f64,
+    compared: f64,
+    accurate: f64,
+}
+
+impl Counters {
+    fn read(running: &Running) -> Self {
+        Self {
+            requests: counter(running, "kvmesh_requests_total"),
+            matched: counter(running, "kvmesh_cache_hits_total"),
+            compared: counter(running, "kvmesh_predictions_total"),
+            accurate: counter(running, "kvmesh_predictions_accurate_total"),
+        }
+    }
+
+    fn since(self, before: Self) -> Self {
+        Self {
+            requests: self.requests - before.requests,
+            matched: self.matched - before.matched,
+            compared: self.compared - before.compared,
+            accurate: self.accurate - before.accurate,
+        }
+    }
 }
 
 fn measure(w: &Workload, c: &Config, sims: &[Sim], running: &Running) -> Value {
@@ -111,32 +146,42 @@ fn measure(w: &Workload, c: &Config, sims: &[Sim], running: &Running) -> Value {
         let _ = http::post(&format!("{}/flush_cache", s.url()), b"", &[]);
     }
     let before = stats(sims);
-    let predicted_before = predictions(running);
+    let counters_before = Counters::read(running);
     let load = loadgen::run(&c.label(), &running.targets, &w.requests, CONCURRENCY, Stop::Once);
     let after = stats(sims);
-    let predicted_after = predictions(running);
-    let compared = predicted_after.0 - predicted_before.0;
+    let counted = Counters::read(running).since(counters_before);
+    let compared = counted.compared;
     // kvmesh only: the share of responses whose cached prefix the gateway predicted within one
     // index block (null for the peers, which publish no such figure).
-    let accuracy = (compared > 0.0).then(|| (predicted_after.1 - predicted_before.1) / compared);
+    let accuracy = (compared > 0.0).then(|| counted.accurate / compared);
+    // kvmesh only: requests placed with no prefix match (a new prefix, or one the index lost).
+    let unmatched = (counted.requests > 0.0).then_some(counted.requests - counted.matched);
     let prompt: f64 = delta(&after, &before, "prompt_tokens").iter().sum();
     let cached: f64 = delta(&after, &before, "cached_tokens").iter().sum();
     let per_worker = delta(&after, &before, "requests");
     let mean = per_worker.iter().sum::<f64>() / per_worker.len().max(1) as f64;
     let max = per_worker.iter().cloned().fold(0.0, f64::max);
     let hit = if prompt > 0.0 { cached / prompt } else { 0.0 };
+    // Workers per session: 1.0 when every session stays where it started (null when the
+    // router does not pass `x-session-id` on to the workers).
+    let reached: f64 = after.iter().filter_map(|s| s["sessions"].as_f64()).sum();
+    let copies = (reached > 0.0).then(|| reached / w.sessions().max(1) as f64);
     eprintln!(
-        "    {}: hit {:.1}%  TTFT p50 {:.1} ms p99 {:.1} ms  e2e p50 {:.1} ms  imbalance {:.2}  errors {}",
+        "    {}: hit {:.1}%  TTFT p50 {:.1} ms p99 {:.1} ms  e2e p50 {:.1} ms  imbalance {:.2}  workers per session {}  errors {}",
         c.label(),
         hit * 100.0,
         load.ttft_ms(0.5),
         load.ttft_ms(0.99),
         load.ms(0.5),
         if mean > 0.0 { max / mean } else { 0.0 },
+        copies.map_or("-".into(), |c| format!("{c:.2}")),
         load.errors
     );
-    if let Some(a) = accuracy {
-        eprintln!("      hit-prediction accuracy {:.1}% over {compared} responses", a * 100.0);
+    if let (Some(a), Some(u)) = (accuracy, unmatched) {
+        eprintln!(
+            "      hit-prediction accuracy {:.1}% over {compared} responses; {u} requests placed with no match",
+            a * 100.0
+        );
     }
     json!({
         "workload": w.name,
@@ -155,6 +200,8 @@ fn measure(w: &Workload, c: &Config, sims: &[Sim], running: &Running) -> Value {
         "imbalance": if mean > 0.0 { max / mean } else { 0.0 },
         "prediction_accuracy": accuracy,
         "predictions_compared": compared,
+        "placed_without_match": unmatched,
+        "workers_per_session": copies,
         "requests_per_worker": per_worker,
         "seconds": load.elapsed.as_secs_f64(),
     })
@@ -170,7 +217,8 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
         }
         workloads.retain(|w| o.workloads.iter().any(|n| n == w.name));
     }
-    let configs = configs(o, bins);
+    let configs: Vec<Config> = configs(o, bins).into_iter().filter(|c| o.wants(&c.label())).collect();
+    anyhow::ensure!(!configs.is_empty(), "--only {:?}: no quality configuration is named so", o.only);
     let mut results = Vec::new();
     let mut failures = Vec::new();
     for w in &workloads {
@@ -187,31 +235,115 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
             })
             .collect::<Result<_, _>>()?;
         let workers = Workers::Regular(sims.iter().map(Sim::url).collect());
-        for c in &configs {
-            match start(bins, c, &workers) {
-                Ok(running) => results.push(measure(w, c, &sims, &running)),
-                Err(e) => {
-                    eprintln!("    {} did not start: {e:#}", c.label());
-                    failures.push(json!({"workload": w.name, "config": c.label(), "error": format!("{e:#}")}));
+        // Rounds interleaved: a slow minute of the machine spreads over every configuration.
+        for round in 0..o.rounds {
+            if o.rounds > 1 {
+                step(&format!("quality: {} round {} of {}", w.name, round + 1, o.rounds));
+            }
+            for c in &configs {
+                match start(bins, c, &workers) {
+                    Ok(running) => {
+                        let mut r = measure(w, c, &sims, &running);
+                        r["round"] = json!(round);
+                        results.push(r);
+                    }
+                    Err(e) => {
+                        eprintln!("    {} did not start: {e:#}", c.label());
+                        failures.push(json!({"workload": w.name, "config": c.label(), "error": format!("{e:#}")}));
+                    }
                 }
             }
         }
     }
-    let ratios = ratios(&results);
+    let summaries = summarise(&results);
+    let ratios = ratios(&summaries);
     let doc = json!({
         "suite": "quality",
         "params": {
             "seed": SEED, "requests_per_workload": n, "concurrency": CONCURRENCY, "workers": 4,
             "sim": "real-time latency model (--time-scale 1), --max-running 32, KV capacity per workload",
             "kvmesh_envoy_threads": 1,
+            "rounds": o.rounds,
             "workloads": workloads.iter().map(|w| json!({"name": w.name, "what": w.what, "kv_capacity_tokens": w.kv_capacity_tokens})).collect::<Vec<_>>(),
         },
         "results": results,
+        "summaries": summaries,
         "ratios": ratios,
         "failed_to_start": failures,
     });
     let md = markdown(&doc, &workloads);
     Ok((doc, md))
+}
+
+/// The two-sided 95 % quantile of Student's t with `df` degrees of freedom.
+fn t95(df: usize) -> f64 {
+    const T: [f64; 10] = [12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23];
+    match df {
+        0 => f64::NAN,
+        1..=10 => T[df - 1],
+        11..=20 => 2.09,
+        21..=30 => 2.04,
+        _ => 1.96,
+    }
+}
+
+/// Mean and the half-width of its 95 % confidence interval (NaN with one value).
+pub fn mean_ci(xs: &[f64]) -> (f64, f64) {
+    let n = xs.len();
+    if n == 0 {
+        return (f64::NAN, f64::NAN);
+    }
+    let mean = xs.iter().sum::<f64>() / n as f64;
+    if n == 1 {
+        return (mean, f64::NAN);
+    }
+    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
+    (mean, t95(n - 1) * (var / n as f64).sqrt())
+}
+
+/// One row per workload and configuration over its rounds: the means (with the hit rate's
+/// 95 % confidence interval, minimum and maximum).
+fn summarise(results: &[Value]) -> Vec<Value> {
+    let mut keys: Vec<(String, String)> = Vec::new();
+    for r in results {
+        let k = (r["workload"].as_str().unwrap_or("").to_string(), r["config"].as_str().unwrap_or("").to_string());
+        if !keys.contains(&k) {
+            keys.push(k);
+        }
+    }
+    keys.iter()
+        .filter_map(|(w, c)| {
+            let rows: Vec<&Value> =
+                results.iter().filter(|r| r["workload"] == w.as_str() && r["config"] == c.as_str()).collect();
+            let first = rows.first()?;
+            let values = |key: &str| -> Vec<f64> { rows.iter().filter_map(|r| r[key].as_f64()).collect() };
+            let mean = |key: &str| -> Option<f64> { Some(mean_ci(&values(key)).0).filter(|m| m.is_finite()) };
+            let hits = values("hit_rate");
+            let (hit, ci) = mean_ci(&hits);
+            Some(json!({
+                "workload": w,
+                "config": c,
+                "router": first["router"],
+                "replicas": first["replicas"],
+                "mesh": first["mesh"],
+                "policy": first["policy"],
+                "rounds": rows.len(),
+                "hit_rate": hit,
+                "hit_rate_ci95": Some(ci).filter(|c| c.is_finite()),
+                "hit_rate_min": hits.iter().cloned().fold(f64::INFINITY, f64::min),
+                "hit_rate_max": hits.iter().cloned().fold(f64::NEG_INFINITY, f64::max),
+                "ttft_p50_ms": mean("ttft_p50_ms"),
+                "ttft_p99_ms": mean("ttft_p99_ms"),
+                "e2e_p50_ms": mean("e2e_p50_ms"),
+                "e2e_p99_ms": mean("e2e_p99_ms"),
+                "imbalance": mean("imbalance"),
+                "prediction_accuracy": mean("prediction_accuracy"),
+                "placed_without_match": mean("placed_without_match"),
+                "workers_per_session": mean("workers_per_session"),
+                "errors": values("errors").iter().sum::<f64>(),
+            }))
+        })
+        .collect()
 }
 
 /// kvmesh against each peer on the same workload, policy and number of replicas (SMG with
@@ -246,41 +378,59 @@ fn markdown(doc: &Value, workloads: &[Workload]) -> String {
         "## Quality ({} requests per workload, seed {}, {} concurrent streams, 4 workers with the real-time latency model)\n\n",
         p["requests_per_workload"], p["seed"], p["concurrency"]
     );
-    let results = doc["results"].as_array().cloned().unwrap_or_default();
+    let rows_of = doc["summaries"].as_array().cloned().unwrap_or_default();
+    let rounds = p["rounds"].as_u64().unwrap_or(1);
+    if rounds > 1 {
+        md.push_str(&format!(
+            "Every configuration ran {rounds} times, the rounds interleaved; each figure is the mean over the rounds, the hit rate with the half-width of its 95 % confidence interval (Student's t) and the lowest and highest round.\n\n"
+        ));
+    }
     for w in workloads {
         md.push_str(&format!("### {} — {}\n\n", w.name, w.what));
-        let rows: Vec<Vec<String>> = results
+        let rows: Vec<Vec<String>> = rows_of
             .iter()
             .filter(|r| r["workload"] == w.name)
             .map(|r| {
                 let v = |k: &str, d: usize| r[k].as_f64().map_or("-".into(), |x| f(x, d));
-                vec![
-                    r["config"].as_str().unwrap_or("").to_string(),
-                    r["hit_rate"].as_f64().map_or("-".into(), |x| f(x * 100.0, 1)),
+                let pct = |k: &str| r[k].as_f64().map_or("-".into(), |x| f(x * 100.0, 1));
+                let hit = match r["hit_rate_ci95"].as_f64() {
+                    Some(ci) => format!("{} ± {}", pct("hit_rate"), f(ci * 100.0, 1)),
+                    None => pct("hit_rate"),
+                };
+                let mut row = vec![r["config"].as_str().unwrap_or("").to_string(), hit];
+                if rounds > 1 {
+                    row.push(format!("{}–{}", pct("hit_rate_min"), pct("hit_rate_max")));
+                }
+                row.extend([
                     v("ttft_p50_ms", 1),
                     v("ttft_p99_ms", 1),
                     v("e2e_p50_ms", 1),
                     v("e2e_p99_ms", 1),
                     v("imbalance", 2),
-                    r["prediction_accuracy"].as_f64().map_or("-".into(), |x| f(x * 100.0, 1)),
+                    pct("prediction_accuracy"),
+                    v("placed_without_match", 0),
+                    v("workers_per_session", 2),
                     r["errors"].to_string(),
-                ]
+                ]);
+                row
             })
             .collect();
-        md.push_str(&table(
-            &[
-                "router",
-                "hit %",
-                "TTFT p50 ms",
-                "TTFT p99 ms",
-                "e2e p50 ms",
-                "e2e p99 ms",
-                "imbalance",
-                "hit prediction %",
-                "errors",
-            ],
-            &rows,
-        ));
+        let mut header = vec!["router", "hit %"];
+        if rounds > 1 {
+            header.push("hit % range");
+        }
+        header.extend([
+            "TTFT p50 ms",
+            "TTFT p99 ms",
+            "e2e p50 ms",
+            "e2e p99 ms",
+            "imbalance",
+            "hit prediction %",
+            "placed with no match",
+            "workers per session",
+            "errors",
+        ]);
+        md.push_str(&table(&header, &rows));
         md.push('\n');
     }
     md.push_str("### kvmesh − peer, same workload, policy and replica count\n\n");

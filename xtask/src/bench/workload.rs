@@ -72,6 +72,24 @@ pub struct Workload {
     pub slow_worker: Option<f64>,
 }
 
+impl Workload {
+    /// The distinct sessions (`x-session-id`) among the requests.
+    pub fn sessions(&self) -> usize {
+        let mut ids: Vec<&[u8]> = self.requests.iter().filter_map(|r| session_of(r)).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids.len()
+    }
+}
+
+/// The `x-session-id` header's value in a raw request.
+fn session_of(request: &[u8]) -> Option<&[u8]> {
+    const NAME: &[u8] = b"\r\nx-session-id: ";
+    let at = request.windows(NAME.len()).position(|w| w == NAME)? + NAME.len();
+    let rest = request.get(at..)?;
+    rest.get(..rest.iter().position(|&b| b == b'\r')?)
+}
+
 /// Every workload, `n` requests each (about), from `seed`.
 pub fn all(seed: u64, n: usize) -> Vec<Workload> {
     vec![
@@ -240,6 +258,7 @@ mod tests {
             assert_eq!(w.requests.len(), 40, "{}", w.name);
             let first = String::from_utf8_lossy(&w.requests[0]).to_string();
             assert!(first.contains("\r\nx-session-id: "), "{}: {first:.200}", w.name);
+            assert!(w.sessions() > 1 && w.sessions() <= w.requests.len(), "{}: {} sessions", w.name, w.sessions());
         }
         let slow: Vec<_> = all.iter().filter_map(|w| w.slow_worker.map(|f| (w.name, f))).collect();
         assert_eq!(slow, [("heterogeneous", 4.0)]);
