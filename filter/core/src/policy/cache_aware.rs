@@ -3,8 +3,21 @@
 //! - The system is imbalanced when `max_load - min_load > balance_abs_threshold` and
 //!   `max_load > balance_rel_threshold * min_load`; then the least-loaded worker wins.
 //! - Otherwise the worker with the longest prefix match wins when
-//!   `matched / text_len > cache_threshold`; else the worker with the smallest index (most
-//!   free cache). Ties are broken by load, then at random.
+//!   `matched / text_len > cache_threshold` (ties broken by load, then at random); else the
+//!   prefix is new and is placed on a worker with the smallest index (most free cache).
+//!
+//! Placing a new prefix departs from SGLang in one way, so that many gateways agree without
+//! talking: every worker whose index is within half a prefix (half this request's blocks)
+//! of the smallest counts as equally empty, and among them the prefix's own rendezvous hash chooses
+//! (xxh3 of the block at the `cache_threshold` point of the text, seeded with each worker's
+//! [`affinity`](super::Candidate::affinity)) instead of load and a random draw. Two gateways
+//! that see a new system prompt at the same moment, with index sizes and loads a few
+//! milliseconds apart, send it to the same worker; different prefixes still spread over the
+//! emptiest workers, and no worker is given a prefix while another is emptier by half of
+//! it or more (a whole prefix of slack let a worker holding one prompt more than another
+//! take the next one: 1.5x the mean traffic with 8 shared prompts). Requests that share the text up to that point would count as hits on each
+//! other, so they share the key. Workers with the same affinity (none configured) fall back
+//! to load, then a random draw.
 //!
 //! The caller inserts the request's prefix for the chosen worker afterwards (see
 //! [`crate::router::Router`]), in both cases, as SGLang does.
@@ -13,6 +26,7 @@ use super::{least_loaded, Candidate};
 use crate::blocks::covered_bytes;
 use crate::index::PrefixIndex;
 use rand::RngCore;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CacheAwareParams {
@@ -89,11 +103,42 @@ impl CacheAware {
             return Some(Choice { pos, reason: Reason::CacheHit, matched_bytes: matched });
         }
 
-        let smallest = cands.iter().map(|c| index.size_of(c.id)).min()?;
-        let emptiest = cands.iter().enumerate().filter(|(_, c)| index.size_of(c.id) == smallest).map(|(p, _)| p);
-        let pos = least_loaded(cands, emptiest, rng)?;
+        let pos = self.place(text_len, hashes, block_size, cands, index, rng)?;
         Some(Choice { pos, reason: Reason::SmallestIndex, matched_bytes: 0 })
     }
+
+    /// Where a new prefix goes: among the workers within half a prefix of the smallest index,
+    /// the one its rendezvous hash weighs most (see the module's documentation).
+    fn place(
+        &self,
+        text_len: usize,
+        hashes: &[u64],
+        block_size: usize,
+        cands: &[Candidate],
+        index: &PrefixIndex,
+        rng: &mut dyn RngCore,
+    ) -> Option<usize> {
+        let smallest = cands.iter().map(|c| index.size_of(c.id)).min()?;
+        let Some(key) = placement_key(hashes, text_len, block_size, self.params.cache_threshold) else {
+            // No text: SGLang's rule as it stands.
+            let emptiest = (0..cands.len()).filter(|&p| cands.get(p).is_some_and(|c| index.size_of(c.id) == smallest));
+            return least_loaded(cands, emptiest, rng);
+        };
+        let within = smallest.saturating_add((hashes.len() as u64 / 2).max(1));
+        let near = || (0..cands.len()).filter(|&p| cands.get(p).is_some_and(|c| index.size_of(c.id) < within));
+        let weight = |p: usize| cands.get(p).map_or(0, |c| xxh3_64_with_seed(&key.to_le_bytes(), c.affinity));
+        let heaviest = near().map(weight).max()?;
+        least_loaded(cands, near().filter(|&p| weight(p) == heaviest), rng)
+    }
+}
+
+/// The block a new prefix is placed by: the one that covers the `threshold` share of the
+/// text (requests sharing the text that far would match each other above the threshold), or
+/// the last block hashed when the text runs longer than its hashed head. None without blocks.
+pub fn placement_key(hashes: &[u64], text_len: usize, block_size: usize, threshold: f64) -> Option<u64> {
+    let last = hashes.len().checked_sub(1)?;
+    let at = (threshold.clamp(0.0, 1.0) * text_len as f64) as usize / block_size.max(1);
+    hashes.get(at.min(last)).copied()
 }
 
 #[cfg(test)]
@@ -144,8 +189,9 @@ mod tests {
         idx.insert(10, &block_hashes(b"abcdefgh-worker-ten-has-a-lot", BS));
         idx.insert(11, &block_hashes(b"abcd", BS));
         let mut rng = seeded(1);
-        // "abcd" matches worker 11 for 4 of 30 bytes: below the threshold.
-        let c = pick(&p, "abcd-something-else-entirely!!", &cands(&[0, 0, 1]), &idx, &mut rng);
+        // "abcd" matches worker 11 for 4 of 30 bytes: below the threshold. Workers 11 and 12
+        // are within one prefix of each other (and have no affinity): the less loaded.
+        let c = pick(&p, "abcd-something-else-entirely!!", &cands(&[0, 1, 0]), &idx, &mut rng);
         assert_eq!((c.pos, c.reason), (2, Reason::SmallestIndex));
     }
 
@@ -173,6 +219,76 @@ mod tests {
             seen[pick(&p, "fresh text", &cs, &idx, &mut rng).pos] = true;
         }
         assert!(seen.iter().all(|&s| s), "{seen:?}");
+    }
+
+    fn fleet(loads: &[u64]) -> Vec<Candidate> {
+        loads
+            .iter()
+            .enumerate()
+            .map(|(i, &load)| Candidate {
+                id: i as u32 + 10,
+                load,
+                affinity: crate::policy::affinity_of(&format!("http://10.0.0.{i}:30000")),
+                ..Default::default()
+            })
+            .collect()
+    }
+
+    /// An index where worker `10 + i` holds `sizes[i]` blocks of filler.
+    fn sized(sizes: &[usize]) -> PrefixIndex {
+        let mut idx = PrefixIndex::new();
+        for (i, &n) in sizes.iter().enumerate() {
+            let filler: Vec<u64> = (0..n as u64).map(|b| (i as u64 + 1) << 32 | b).collect();
+            idx.insert(i as u32 + 10, &filler);
+        }
+        idx
+    }
+
+    #[test]
+    fn gateways_with_different_views_place_a_new_prefix_on_the_same_worker() {
+        let p = policy();
+        // Two gateways a few inserts and requests apart: sizes and loads differ a little.
+        let (a, b) = (sized(&[40, 42, 41, 40]), sized(&[41, 40, 44, 42]));
+        let (loads_a, loads_b) = (fleet(&[1, 0, 3, 2]), fleet(&[0, 2, 1, 0]));
+        let mut rng = seeded(3);
+        let mut spread = [0usize; 4];
+        for i in 0..200 {
+            let text = format!("system prompt number {i}: a long shared instruction for every user. Q?");
+            let on_a = pick(&p, &text, &loads_a, &a, &mut rng);
+            let on_b = pick(&p, &text, &loads_b, &b, &mut rng);
+            assert_eq!((on_a.reason, on_b.reason), (Reason::SmallestIndex, Reason::SmallestIndex));
+            assert_eq!(on_a.pos, on_b.pos, "{text}");
+            spread[on_a.pos] += 1;
+        }
+        assert!(spread.iter().all(|&n| n > 25), "new prefixes still spread: {spread:?}");
+    }
+
+    #[test]
+    fn a_worker_half_a_prefix_fuller_than_the_emptiest_gets_no_new_prefix() {
+        let p = policy();
+        let text = "a new prefix of exactly forty bytes!!!!!"; // 10 blocks of 4
+        let idx = sized(&[25, 19, 30, 24]);
+        let mut rng = seeded(4);
+        for i in 0..50 {
+            let t = format!("{i:02}{text}");
+            assert_eq!(pick(&p, &t, &fleet(&[0, 3, 0, 0]), &idx, &mut rng).pos, 1, "the only one within half a prefix");
+        }
+        // Requests sharing the text up to the threshold point share their key.
+        let idx = sized(&[0, 0, 0, 0]);
+        let first = pick(&p, "shared-system-prompt-long-enough/question one", &fleet(&[0; 4]), &idx, &mut rng).pos;
+        let again =
+            pick(&p, "shared-system-prompt-long-enough/another question", &fleet(&[4, 0, 2, 1]), &idx, &mut rng);
+        assert_eq!(again.pos, first);
+    }
+
+    #[test]
+    fn the_placement_key_is_the_block_at_the_threshold_within_the_hashed_head() {
+        let hashes = [1, 2, 3, 4, 5];
+        assert_eq!(placement_key(&hashes, 20, 4, 0.3), Some(2), "0.3 * 20 bytes = byte 6: block 1 of 0..5");
+        assert_eq!(placement_key(&hashes, 20, 4, 0.0), Some(1));
+        assert_eq!(placement_key(&hashes, 1 << 30, 4, 0.3), Some(5), "a text longer than its head: the last block");
+        assert_eq!(placement_key(&[], 20, 4, 0.3), None);
+        assert_eq!(placement_key(&hashes, 20, 0, f64::NAN), Some(1), "hostile parameters stay in range");
     }
 
     #[test]
