@@ -3,8 +3,8 @@
 //! - The system is imbalanced when `max_load - min_load > balance_abs_threshold` and
 //!   `max_load > balance_rel_threshold * min_load`; then the least-loaded worker wins.
 //! - Otherwise the worker with the longest prefix match wins when
-//!   `matched / text_len > cache_threshold` (ties broken by load, then at random); else the
-//!   prefix is new and is placed on a worker with the smallest index (most free cache).
+//!   `matched / text_len > cache_threshold`; else the prefix is new and is placed on a worker
+//!   with the smallest index (most free cache).
 //!
 //! Placing a new prefix departs from SGLang in one way, so that many gateways agree without
 //! talking: every worker whose index is within half a prefix (half this request's blocks)
@@ -18,6 +18,11 @@
 //! take the next one: 1.5x the mean traffic with 8 shared prompts). Requests that share the text up to that point would count as hits on each
 //! other, so they share the key. Workers with the same affinity (none configured) fall back
 //! to load, then a random draw.
+//!
+//! The same key breaks a tie between workers that match equally deep (a prompt two gateways
+//! placed apart before they heard of each other, or one copied by the imbalance rule): every
+//! gateway sends it to the same holder, so the other copy ages out of that worker's cache
+//! instead of both being kept warm, load deciding between them, until the caches overflow.
 //!
 //! The caller inserts the request's prefix for the chosen worker afterwards (see
 //! [`crate::router::Router`]), in both cases, as SGLang does.
@@ -98,8 +103,9 @@ impl CacheAware {
         let matched = covered_bytes(best_blocks, block_size, text_len);
         let ratio = if text_len == 0 { 0.0 } else { matched as f64 / text_len as f64 };
         if best_blocks > 0 && ratio > self.params.cache_threshold {
-            let deepest = depth.iter().enumerate().filter(|&(_, &d)| d == best_blocks).map(|(p, _)| p);
-            let pos = least_loaded(cands, deepest, rng)?;
+            let deepest = (0..cands.len()).filter(|&p| depth.get(p) == Some(&best_blocks));
+            let key = placement_key(hashes, text_len, block_size, self.params.cache_threshold);
+            let pos = heaviest(cands, deepest, key, rng)?;
             return Some(Choice { pos, reason: Reason::CacheHit, matched_bytes: matched });
         }
 
@@ -125,11 +131,23 @@ impl CacheAware {
             return least_loaded(cands, emptiest, rng);
         };
         let within = smallest.saturating_add((hashes.len() as u64 / 2).max(1));
-        let near = || (0..cands.len()).filter(|&p| cands.get(p).is_some_and(|c| index.size_of(c.id) < within));
-        let weight = |p: usize| cands.get(p).map_or(0, |c| xxh3_64_with_seed(&key.to_le_bytes(), c.affinity));
-        let heaviest = near().map(weight).max()?;
-        least_loaded(cands, near().filter(|&p| weight(p) == heaviest), rng)
+        let near = (0..cands.len()).filter(|&p| cands.get(p).is_some_and(|c| index.size_of(c.id) < within));
+        heaviest(cands, near, Some(key), rng)
     }
+}
+
+/// Among `positions`, the candidate `key`'s rendezvous hash weighs most; equal weights (the
+/// same affinity), or no key, go to the least loaded, then a random draw.
+fn heaviest(
+    cands: &[Candidate],
+    positions: impl Iterator<Item = usize> + Clone,
+    key: Option<u64>,
+    rng: &mut dyn RngCore,
+) -> Option<usize> {
+    let Some(key) = key else { return least_loaded(cands, positions, rng) };
+    let weight = |p: usize| cands.get(p).map_or(0, |c| xxh3_64_with_seed(&key.to_le_bytes(), c.affinity));
+    let most = positions.clone().map(weight).max()?;
+    least_loaded(cands, positions.filter(|&p| weight(p) == most), rng)
 }
 
 /// The block a new prefix is placed by: the one that covers the `threshold` share of the
@@ -279,6 +297,29 @@ mod tests {
         let again =
             pick(&p, "shared-system-prompt-long-enough/another question", &fleet(&[4, 0, 2, 1]), &idx, &mut rng);
         assert_eq!(again.pos, first);
+    }
+
+    #[test]
+    fn equally_deep_holders_are_chosen_by_the_prompt_whatever_the_loads() {
+        let p = policy();
+        let mut idx = PrefixIndex::new();
+        let prompts: Vec<String> = (0..40).map(|i| format!("prompt {i:02}: shared by two workers")).collect();
+        for t in &prompts {
+            // Placed apart by two gateways that had not heard of each other: workers 11, 13.
+            idx.insert(11, &block_hashes(t.as_bytes(), BS));
+            idx.insert(13, &block_hashes(t.as_bytes(), BS));
+        }
+        let mut rng = seeded(5);
+        let mut to = [0usize; 4];
+        for t in &prompts {
+            let here = pick(&p, t, &fleet(&[0, 3, 0, 0]), &idx, &mut rng);
+            let there = pick(&p, t, &fleet(&[0, 0, 0, 2]), &idx, &mut rng);
+            assert_eq!((here.reason, there.reason), (Reason::CacheHit, Reason::CacheHit));
+            assert_eq!(here.pos, there.pos, "{t}: every gateway picks the same holder");
+            to[here.pos] += 1;
+        }
+        assert_eq!(to[0] + to[2], 0, "only holders: {to:?}");
+        assert!(to[1] > 8 && to[3] > 8, "different prompts, different holders: {to:?}");
     }
 
     #[test]
