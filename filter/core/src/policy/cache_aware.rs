@@ -20,9 +20,11 @@
 //! to load, then a random draw.
 //!
 //! The same key breaks a tie between workers that match equally deep (a prompt two gateways
-//! placed apart before they heard of each other, or one copied by the imbalance rule): every
-//! gateway sends it to the same holder, so the other copy ages out of that worker's cache
-//! instead of both being kept warm, load deciding between them, until the caches overflow.
+//! placed apart before they heard of each other, or one copied by the imbalance rule) among
+//! those whose load is within 2 (or a third) of the least loaded one: while their loads are
+//! close every gateway sends it to the same holder, so the other copy ages out of that
+//! worker's cache instead of both being kept warm until the caches overflow; a hot prompt
+//! whose holder is busier than that still spreads over its copies.
 //!
 //! The caller inserts the request's prefix for the chosen worker afterwards (see
 //! [`crate::router::Router`]), in both cases, as SGLang does.
@@ -104,8 +106,13 @@ impl CacheAware {
         let ratio = if text_len == 0 { 0.0 } else { matched as f64 / text_len as f64 };
         if best_blocks > 0 && ratio > self.params.cache_threshold {
             let deepest = (0..cands.len()).filter(|&p| depth.get(p) == Some(&best_blocks));
+            // Holders about as loaded as the least loaded one (within 2, or a third more):
+            // a hot prompt's copies still share its traffic.
+            let least = deepest.clone().filter_map(|p| cands.get(p).map(|c| c.load)).min()?;
+            let margin = least.saturating_add((least / 3).max(2));
+            let level = deepest.filter(|&p| cands.get(p).is_some_and(|c| c.load <= margin));
             let key = placement_key(hashes, text_len, block_size, self.params.cache_threshold);
-            let pos = heaviest(cands, deepest, key, rng)?;
+            let pos = heaviest(cands, level, key, rng)?;
             return Some(Choice { pos, reason: Reason::CacheHit, matched_bytes: matched });
         }
 
@@ -300,7 +307,7 @@ mod tests {
     }
 
     #[test]
-    fn equally_deep_holders_are_chosen_by_the_prompt_whatever_the_loads() {
+    fn equally_deep_holders_about_as_loaded_are_chosen_by_the_prompt() {
         let p = policy();
         let mut idx = PrefixIndex::new();
         let prompts: Vec<String> = (0..40).map(|i| format!("prompt {i:02}: shared by two workers")).collect();
@@ -312,7 +319,8 @@ mod tests {
         let mut rng = seeded(5);
         let mut to = [0usize; 4];
         for t in &prompts {
-            let here = pick(&p, t, &fleet(&[0, 3, 0, 0]), &idx, &mut rng);
+            // Loads within 2 of each other: every gateway picks by the prompt.
+            let here = pick(&p, t, &fleet(&[0, 2, 0, 0]), &idx, &mut rng);
             let there = pick(&p, t, &fleet(&[0, 0, 0, 2]), &idx, &mut rng);
             assert_eq!((here.reason, there.reason), (Reason::CacheHit, Reason::CacheHit));
             assert_eq!(here.pos, there.pos, "{t}: every gateway picks the same holder");
@@ -320,6 +328,10 @@ mod tests {
         }
         assert_eq!(to[0] + to[2], 0, "only holders: {to:?}");
         assert!(to[1] > 8 && to[3] > 8, "different prompts, different holders: {to:?}");
+        // A holder busier than that gives way to the other copy.
+        for t in &prompts {
+            assert_eq!(pick(&p, t, &fleet(&[0, 4, 0, 1]), &idx, &mut rng).pos, 3, "{t}");
+        }
     }
 
     #[test]
