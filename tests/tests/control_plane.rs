@@ -685,8 +685,10 @@ fn a_restarted_control_plane_keeps_api_workers_and_their_ids_and_prefixes_stay_p
     let flags = ["--worker-urls", &first, "--state-file", file.to_str().unwrap(), "--health-check-interval-secs", "1"];
     let mut cp = ControlPlane::start(&flags).unwrap();
     let envoy = gateway(&cp);
-    // The static worker indexes something first, so that a fresh prefix prefers the added one.
-    assert_eq!(served(&generate(&envoy, &"warm-up ".repeat(20))), workers[0].addr());
+    // The static worker indexes something first, so that a fresh prefix prefers the added one:
+    // 50 blocks, more than half of the fresh prefix's 32 (a worker within half a prefix of the
+    // emptiest would count as equally empty, and the prefix's hash would choose).
+    assert_eq!(served(&generate(&envoy, &"warm-up ".repeat(200))), workers[0].addr());
     let r = cp.post(&format!("/add_worker?url={}", workers[1].url())).unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
     let listed = |cp: &ControlPlane| -> Vec<(String, u64, bool)> {
