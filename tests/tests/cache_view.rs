@@ -146,9 +146,9 @@ const AGENTS: usize = 24;
 
 /// The tight workload through `gateways` Envoys sharing one fresh kvmesh-cp: 12 rounds over
 /// the agents in a scrambled order, 6 requests in flight, `tokens` generated each; with
-/// `burst`, each agent's first request is sent three times at once (one per gateway when
-/// there are three: concurrent first requests for a new prefix) instead of the first round.
-/// Returns the hit rate the sims counted and the workers per agent.
+/// `burst`, the first three rounds are replaced by each agent's first request sent to every
+/// gateway at the same moment (concurrent first requests for a new prefix), one agent after
+/// another. Returns the hit rate the sims counted and the workers per agent.
 fn tight_run(sims: &[Sim], gateways: usize, burst: bool, tokens: u32) -> (f64, f64) {
     for sim in sims {
         assert_eq!(http::post(&format!("{}/flush_cache", sim.url()), b"", &[]).unwrap().status, 200);
@@ -167,25 +167,33 @@ fn tight_run(sims: &[Sim], gateways: usize, burst: bool, tokens: u32) -> (f64, f
     let prompts: Vec<String> =
         (0..AGENTS).map(|a| format!("agent {a:02} instructions: {}", "follow the rules below. ".repeat(333))).collect();
     let rounds = |from: usize| (from..12).flat_map(|r| (0..AGENTS).map(move |k| (k * 7 + r * 5) % AGENTS));
-    let order: Vec<usize> = if burst {
-        (0..AGENTS).flat_map(|k| [k * 7 % AGENTS; 3]).chain(rounds(3)).collect()
-    } else {
-        rounds(0).collect()
-    };
+    let order: Vec<usize> = rounds(if burst { 3 } else { 0 }).collect();
     let before: Vec<Value> = sims.iter().map(|s| s.stats().unwrap()).collect();
-    let next = AtomicUsize::new(0);
     let served: Mutex<Vec<(usize, String)>> = Mutex::new(Vec::new());
+    let send = |envoy: &Envoy, agent: usize, i: usize| {
+        let text = format!("{} question {i}?", prompts[agent]);
+        let body = json!({"text": text, "sampling_params": {"max_new_tokens": tokens}});
+        let r = http::post_json(&envoy.url("/generate"), &body).unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        served.lock().unwrap().push((agent, r.header("x-sim-worker").unwrap().to_string()));
+    };
+    if burst {
+        let base = order.len();
+        for k in 0..AGENTS {
+            std::thread::scope(|scope| {
+                for (g, envoy) in envoys.iter().enumerate() {
+                    scope.spawn(move || send(envoy, k * 7 % AGENTS, base + k * gateways + g));
+                }
+            });
+        }
+    }
+    let next = AtomicUsize::new(0);
     std::thread::scope(|scope| {
         for _ in 0..6 {
             scope.spawn(|| loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 let Some(&agent) = order.get(i) else { break };
-                let envoy = &envoys[i % gateways];
-                let text = format!("{} question {i}?", prompts[agent]);
-                let body = json!({"text": text, "sampling_params": {"max_new_tokens": tokens}});
-                let r = http::post_json(&envoy.url("/generate"), &body).unwrap();
-                assert_eq!(r.status, 200, "{}", r.text());
-                served.lock().unwrap().push((agent, r.header("x-sim-worker").unwrap().to_string()));
+                send(&envoys[i % gateways], agent, i);
             });
         }
     });
@@ -194,7 +202,7 @@ fn tight_run(sims: &[Sim], gateways: usize, burst: bool, tokens: u32) -> (f64, f
         after.iter().zip(&before).map(|(a, b)| a[key].as_f64().unwrap() - b[key].as_f64().unwrap()).sum()
     };
     let mut pairs = served.into_inner().unwrap();
-    assert_eq!(pairs.len(), order.len());
+    assert_eq!(pairs.len(), order.len() + if burst { AGENTS * gateways } else { 0 });
     pairs.sort();
     pairs.dedup();
     (sum("cached_tokens") / sum("prompt_tokens"), pairs.len() as f64 / AGENTS as f64)
@@ -220,14 +228,15 @@ fn three_gateways_on_a_tight_workload_keep_one_gateways_hit_rate_and_each_prompt
 fn concurrent_first_requests_for_new_prompts_on_three_gateways_do_not_scatter_them() {
     // Sims that answer at once and every agent's first request on the three gateways at the
     // same moment: faster than any delta can travel, so only the placement rule itself (the
-    // prompt's rendezvous hash among the emptiest workers, and among equally deep holders)
-    // keeps the gateways agreeing. A random tie-break scattered each prompt over about 3 of
-    // the 4 workers here, and the hit rate fell to about half of one gateway's.
+    // prompt's rendezvous hash among the emptiest workers) keeps the gateways agreeing. With
+    // a random tie-break each prompt went to 3 of the 4 workers here and the hit rate fell
+    // to 0.42-0.44. (Not covered: requests for *other* new prompts racing on the gateways,
+    // which makes their views differ by what each placed last; see docs/benchmarks.md.)
     let sims: Vec<Sim> =
         (0..4).map(|_| Sim::start(&["--time-scale", "0", "--kv-capacity-tokens", "16384"]).unwrap()).collect();
     let (hit, spread) = tight_run(&sims, 3, true, 1);
     eprintln!("x3 with bursts: hit rate {hit:.3} ({spread:.2} workers per agent)");
-    // One gateway reaches about 0.91 on this stream.
-    assert!(hit > 0.8, "three gateways under bursts: {hit:.3}");
-    assert!(spread <= 1.75, "prompts scattered: {spread:.2} workers per agent");
+    // One gateway reaches about 0.91 on this stream (288 requests, 24 first ones).
+    assert!(hit > 0.88, "three gateways under bursts: {hit:.3}");
+    assert!(spread <= 1.1, "prompts scattered: {spread:.2} workers per agent");
 }
