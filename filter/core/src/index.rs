@@ -257,6 +257,27 @@ impl PrefixIndex {
         found
     }
 
+    /// How many leading blocks of `hashes` the index holds for some worker, found by binary
+    /// search in about log2(len) look-ups instead of one per block: an entry stands for its
+    /// whole prefix (the hashes are chained, and eviction takes a prefix's leaves first), so
+    /// the blocks held form a run from the first. Returns that depth with the workers that
+    /// hold the deepest block (empty at depth 0).
+    pub fn deepest(&self, hashes: &[u64]) -> (usize, impl Iterator<Item = WorkerId> + '_) {
+        let depth = leading_run(hashes.len(), |i| hashes.get(i).is_some_and(|h| self.nodes.contains_key(h)));
+        let node = depth.checked_sub(1).and_then(|i| hashes.get(i)).and_then(|h| self.nodes.get(h));
+        let owners = node.map_or(&[][..], |n| n.owners(&self.shared));
+        (depth, owners.iter().map(|o| o.worker))
+    }
+
+    /// How many leading blocks of `hashes` `worker` holds, by binary search (see
+    /// [`deepest`](Self::deepest)).
+    pub fn depth_of(&self, worker: WorkerId, hashes: &[u64]) -> usize {
+        leading_run(hashes.len(), |i| {
+            let node = hashes.get(i).and_then(|h| self.nodes.get(h));
+            node.is_some_and(|n| n.owners(&self.shared).iter().any(|o| o.worker == worker))
+        })
+    }
+
     /// Number of blocks `worker` holds (its "tree size").
     pub fn size_of(&self, worker: WorkerId) -> u64 {
         self.sizes.get(&worker).copied().unwrap_or(0)
@@ -456,6 +477,22 @@ impl PrefixIndex {
     }
 }
 
+/// The length of the run of `held` blocks from block 0, out of `len`, for a `held` that is
+/// true up to some block and false after it (binary search: about log2(len) calls).
+fn leading_run(len: usize, held: impl Fn(usize) -> bool) -> usize {
+    let (mut lo, mut hi) = (0, len);
+    // Invariant: the first `lo` blocks are held; none from `hi` on.
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if held(mid - 1) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    lo
+}
+
 /// Over `counts` per age bucket (oldest last), the bucket holding the `need`-th oldest entry
 /// and how many entries are older than that bucket.
 fn oldest_bucket(counts: &[u64], need: u64) -> (u32, u64) {
@@ -502,6 +539,52 @@ mod tests {
 
     fn h(text: &str) -> Vec<u64> {
         block_hashes(text.as_bytes(), 4)
+    }
+
+    #[test]
+    fn the_leading_run_is_found_at_every_length() {
+        for len in 0..40 {
+            for run in 0..=len {
+                let calls = std::cell::Cell::new(0);
+                let found = leading_run(len, |i| {
+                    calls.set(calls.get() + 1);
+                    i < run
+                });
+                assert_eq!(found, run, "{run} of {len}");
+                assert!(calls.get() <= 6, "{} look-ups for {len} blocks", calls.get());
+            }
+        }
+    }
+
+    #[test]
+    fn the_deepest_block_and_each_depth_agree_with_the_walk_under_inserts_and_evictions() {
+        let mut rng = crate::rng::seeded(17);
+        let mut next = || rand::RngCore::next_u64(&mut rng);
+        let mut idx = PrefixIndex::new();
+        let texts: Vec<String> =
+            (0..30).map(|i| format!("root {} / branch {i} / {}", i % 4, "x".repeat(i * 3))).collect();
+        for round in 0..400 {
+            let t = &texts[(next() % 30) as usize];
+            let cut = (next() as usize % t.len()).max(1);
+            idx.insert((next() % 6) as u32, &h(&t[..cut]));
+            if round % 50 == 49 {
+                idx.evict_to(20);
+                idx.evict_total_to(60);
+            }
+            let q = h(&texts[(next() % 30) as usize]);
+            let walk = idx.match_prefix(&q);
+            let best = walk.iter().map(|m| m.blocks).max().unwrap_or(0);
+            let (depth, owners) = idx.deepest(&q);
+            let mut owners: Vec<WorkerId> = owners.collect();
+            owners.sort_unstable();
+            let mut want: Vec<WorkerId> = walk.iter().filter(|m| m.blocks == best).map(|m| m.worker).collect();
+            want.sort_unstable();
+            assert_eq!((depth, owners), (best, want), "round {round}");
+            for w in 0..6 {
+                let by_walk = walk.iter().find(|m| m.worker == w).map_or(0, |m| m.blocks);
+                assert_eq!(idx.depth_of(w, &q), by_walk, "worker {w}, round {round}");
+            }
+        }
     }
 
     #[test]

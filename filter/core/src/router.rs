@@ -52,6 +52,10 @@ pub struct Decision {
     pub worker: WorkerId,
     /// Bytes of the routing text found in the chosen worker's index.
     pub matched_bytes: usize,
+    /// Leading blocks the index believes the chosen worker holds, whether or not the policy
+    /// chose it for them (what engine feedback judges its answer against; 0 for text-blind
+    /// policies that do not track prefixes).
+    pub held_blocks: usize,
     /// The request's blocks, indexed for the chosen worker when the decision commits (empty
     /// for text-blind policies): what other threads and gateways must apply to their copies
     /// of the index.
@@ -129,7 +133,7 @@ impl Router {
             let blocks = block_hashes(text.head, self.block_size);
             let c = self.cache_aware.pick(text.len, &blocks, self.block_size, cands, &self.index, rng)?;
             let worker = cands.get(c.pos)?.id;
-            return Some(Decision { worker, matched_bytes: c.matched_bytes, blocks });
+            return Some(Decision { worker, matched_bytes: c.matched_bytes, held_blocks: c.held_blocks, blocks });
         }
         if self.kind == PolicyKind::PrefixHash {
             let mut blocks = block_hashes(text.head, self.block_size);
@@ -142,19 +146,25 @@ impl Router {
             // Only the blocks that count are indexed (llm-d's scorer does the same).
             blocks.truncate(self.prefix_hash.considered(&blocks).len());
             let matched_bytes = covered_bytes(c.blocks, self.block_size, text.len);
-            return Some(Decision { worker, matched_bytes, blocks });
+            let held_blocks = self.index.depth_of(worker, &blocks);
+            return Some(Decision { worker, matched_bytes, held_blocks, blocks });
         }
         let worker = cands.get(self.pick_blind(text, cands, rng)?)?.id;
         if !self.track {
-            return Some(Decision { worker, matched_bytes: 0, blocks: Vec::new() });
+            return Some(Decision { worker, matched_bytes: 0, held_blocks: 0, blocks: Vec::new() });
         }
         Some(self.tracked(worker, text, block_hashes(text.head, self.block_size)))
     }
 
     /// A decision for `worker` that indexes every block and reports the whole prefix it holds.
     fn tracked(&self, worker: WorkerId, text: RoutingText<'_>, blocks: Vec<u64>) -> Decision {
-        let held = self.index.match_prefix(&blocks).iter().find(|m| m.worker == worker).map_or(0, |m| m.blocks);
-        Decision { worker, matched_bytes: covered_bytes(held, self.block_size, text.head.len()), blocks }
+        let held = self.index.depth_of(worker, &blocks);
+        Decision {
+            worker,
+            matched_bytes: covered_bytes(held, self.block_size, text.head.len()),
+            held_blocks: held,
+            blocks,
+        }
     }
 
     /// Records a decision that went through: the chosen worker now holds the prefix (and

@@ -330,6 +330,9 @@ pub struct Gateway {
     table_version: Option<u64>,
     /// The control plane's routing settings last applied.
     cp_settings: Option<RoutingSettings>,
+    /// The settings message `cp_settings` came from, as received (a republished table
+    /// carries the same one: compared before converting).
+    cp_settings_wire: Option<kvmesh_proto::v1::RoutingSettings>,
     /// What this VM has in flight, per worker (published by [`Gateway::heartbeat`]).
     mine: std::collections::BTreeMap<WorkerId, u32>,
     /// `mine` changed since it was last published.
@@ -365,6 +368,7 @@ impl Gateway {
             own_id: None,
             table_version: None,
             cp_settings: None,
+            cp_settings_wire: None,
             mine: std::collections::BTreeMap::new(),
             mine_changed: false,
             last_heartbeat_ms: 0,
@@ -620,14 +624,8 @@ impl Gateway {
         // match (a policy that chose by load reports none, though the worker may hold part of
         // the prompt). A partial last block counts whole (within the one-block tolerance).
         let prediction = match (&chosen, &self.mode) {
-            (Chosen::Regular(d), Mode::Regular(router)) if !batch && !d.blocks.is_empty() => {
-                let held = router
-                    .index()
-                    .match_prefix(&d.blocks)
-                    .iter()
-                    .find(|m| m.worker == d.worker)
-                    .map_or(0, |m| m.blocks);
-                let bytes = held.saturating_mul(self.config.block_size).max(d.matched_bytes);
+            (Chosen::Regular(d), Mode::Regular(_)) if !batch && !d.blocks.is_empty() => {
+                let bytes = d.held_blocks.saturating_mul(self.config.block_size).max(d.matched_bytes);
                 Some(Prediction::new(d.worker, bytes, &d.blocks, self.config.block_size))
             }
             _ => None,

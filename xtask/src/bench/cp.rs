@@ -26,7 +26,9 @@ fn mix(x: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-pub fn run() -> anyhow::Result<serde_json::Value> {
+/// The control plane at 10^6 entries, then the gateway on it (`gateway_at_scale`) once per
+/// round for this build and, with `--baseline-wasm`, for that one, interleaved.
+pub fn run(o: &super::Opts) -> anyhow::Result<serde_json::Value> {
     const ENTRIES: u64 = 1_000_000;
     const WORKERS: u64 = 64;
     let workers: Vec<String> =
@@ -98,9 +100,24 @@ pub fn run() -> anyhow::Result<serde_json::Value> {
     })?;
     let after = rss_kib(pid);
     let snapshot = cp.snapshot()?;
-    let gateway = gateway_at_scale(&cp, &args, ENTRIES)?;
+    let this = kvmesh_testkit::wasm_path();
+    let mut rounds: Vec<serde_json::Value> = Vec::new();
+    let mut baseline_rounds: Vec<serde_json::Value> = Vec::new();
+    for round in 0..o.rounds {
+        if o.rounds > 1 {
+            step(&format!("round {} of {}", round + 1, o.rounds));
+        }
+        rounds.push(gateway_at_scale(&cp, &args, ENTRIES, &this)?);
+        if let Some(wasm) = &o.baseline_wasm {
+            baseline_rounds.push(gateway_at_scale(&cp, &args, ENTRIES, wasm)?);
+        }
+    }
     Ok(serde_json::json!({
-        "gateway": gateway,
+        "gateway": median_round(&rounds),
+        "gateway_rounds": rounds,
+        "baseline_wasm": o.baseline_wasm.as_ref().map(|p| p.display().to_string()),
+        "baseline_gateway": if baseline_rounds.is_empty() { serde_json::Value::Null } else { median_round(&baseline_rounds) },
+        "baseline_gateway_rounds": baseline_rounds,
         "workers": WORKERS,
         "index_entries": snapshot["index_entries"],
         "rss_before_mib": before as f64 / 1024.0,
@@ -108,6 +125,21 @@ pub fn run() -> anyhow::Result<serde_json::Value> {
         "snapshot_mib": full_bytes as f64 / (1 << 20) as f64,
         "snapshot_ms": full_time.as_secs_f64() * 1e3,
     }))
+}
+
+/// The rounds' medians, field by field (numbers only; the rest from the first round).
+fn median_round(rounds: &[serde_json::Value]) -> serde_json::Value {
+    let mut out = rounds.first().cloned().unwrap_or(serde_json::Value::Null);
+    if let Some(obj) = out.as_object_mut() {
+        for (k, v) in obj.iter_mut() {
+            let mut xs: Vec<f64> = rounds.iter().filter_map(|r| r[k.as_str()].as_f64()).collect();
+            if xs.len() == rounds.len() && v.is_number() {
+                xs.sort_by(f64::total_cmp);
+                *v = serde_json::json!(xs.get(xs.len() / 2));
+            }
+        }
+    }
+    out
 }
 
 /// A wasm custom stat's computed quantiles (Envoy's `/stats?format=json`), cumulative, by
@@ -146,12 +178,19 @@ fn largest_vm(envoy: &Envoy) -> anyhow::Result<f64> {
 /// entries: its memory against the same gateway on an empty control plane, and the routing
 /// decision's time inside Envoy (the filter's `kvmesh_route_decision_ns` histogram) for
 /// 4 KiB prompts half of which is indexed, decided among the 64 workers.
-fn gateway_at_scale(cp: &ControlPlane, cp_args: &[String], entries: u64) -> anyhow::Result<serde_json::Value> {
-    const REQUESTS: usize = 2000;
-    step("a gateway on that control plane: memory and the decision inside Envoy");
+fn gateway_at_scale(
+    cp: &ControlPlane,
+    cp_args: &[String],
+    entries: u64,
+    wasm: &std::path::Path,
+) -> anyhow::Result<serde_json::Value> {
+    let requests: usize =
+        std::env::var("KVMESH_BENCH_SCALE_REQUESTS").ok().and_then(|v| v.parse().ok()).unwrap_or(2000);
+    step(&format!("a gateway on that control plane: memory and the decision inside Envoy ({})", wasm.display()));
     let start = |cp: &ControlPlane| -> anyhow::Result<Envoy> {
         let mut opts = EnvoyOptions::new(serde_json::json!({"worker_urls": [], "policy": "cache_aware"}))?;
         opts.concurrency = 1;
+        opts.wasm = wasm.to_path_buf();
         opts.use_control_plane(cp);
         Envoy::start(&opts)
     };
@@ -177,7 +216,9 @@ fn gateway_at_scale(cp: &ControlPlane, cp_args: &[String], entries: u64) -> anyh
     };
     let base_text: String = (0..241).map(|_| word()).collect();
     let url = envoy.url("/generate");
-    for i in 0..REQUESTS {
+    let version = |e: &Envoy| e.stat("wasmcustom.kvmesh_snapshot_version").ok().flatten().unwrap_or(0);
+    let version_before = version(&envoy);
+    for i in 0..requests {
         let text = if i == 0 {
             base_text.clone()
         } else {
@@ -197,8 +238,9 @@ fn gateway_at_scale(cp: &ControlPlane, cp_args: &[String], entries: u64) -> anyh
     };
     // Envoy merges histograms on its stats flush (every 5 s by default).
     wait_until("Envoy to merge the decision histogram", Duration::from_secs(30), || {
-        counted(&envoy) >= REQUESTS as u64
+        counted(&envoy) >= requests as u64
     })?;
+    let versions = version(&envoy).saturating_sub(version_before);
     let q = quantiles(&envoy, "kvmesh_route_decision_ns");
     let at = |p: f64| q.iter().find(|(k, _)| (k - p).abs() < 1e-9).and_then(|(_, v)| *v).map(|ns| ns / 1e3);
     Ok(serde_json::json!({
@@ -208,7 +250,8 @@ fn gateway_at_scale(cp: &ControlPlane, cp_args: &[String], entries: u64) -> anyh
         "rss_full_index_mib": rss_full as f64 / 1024.0,
         "largest_vm_empty_index_mib": vm_empty / (1 << 20) as f64,
         "largest_vm_full_index_mib": vm_full / (1 << 20) as f64,
-        "requests": REQUESTS,
+        "requests": requests,
+        "snapshot_versions_during_run": versions,
         "decision_p50_us": at(50.0),
         "decision_p99_us": at(99.0),
         "decision_max_us": at(100.0),

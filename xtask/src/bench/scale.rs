@@ -99,14 +99,18 @@ fn propagation(samples: usize) -> anyhow::Result<Value> {
 }
 
 pub fn run(o: &Opts) -> anyhow::Result<(Value, String)> {
-    let mut micro = criterion(o, "kvmesh-core", "routing")?;
-    micro.extend(criterion(o, "kvmesh-proto", "snapshot")?);
-    micro
-        .retain(|(id, _)| ["decision/", "decision_policies/", "index/", "snapshot/"].iter().any(|p| id.starts_with(p)));
-    micro.sort_by(|a, b| a.0.cmp(&b.0));
-    micro.dedup_by(|a, b| a.0 == b.0);
-    let cp = super::cp::run()?;
-    let prop = propagation(if o.quick { 30 } else { 300 })?;
+    let mut micro = Vec::new();
+    if o.wants("micro") {
+        micro = criterion(o, "kvmesh-core", "routing")?;
+        micro.extend(criterion(o, "kvmesh-proto", "snapshot")?);
+        micro.retain(|(id, _)| {
+            ["decision/", "decision_policies/", "index/", "snapshot/"].iter().any(|p| id.starts_with(p))
+        });
+        micro.sort_by(|a, b| a.0.cmp(&b.0));
+        micro.dedup_by(|a, b| a.0 == b.0);
+    }
+    let cp = if o.wants("control-plane") { super::cp::run(o)? } else { Value::Null };
+    let prop = if o.wants("propagation") { propagation(if o.quick { 30 } else { 300 })? } else { Value::Null };
     let doc = json!({
         "suite": "scale",
         "micro_ns_median": micro.iter().map(|(id, ns)| json!({"benchmark": id, "median_ns": ns})).collect::<Vec<_>>(),
@@ -114,67 +118,99 @@ pub fn run(o: &Opts) -> anyhow::Result<(Value, String)> {
         "propagation": prop,
         "targets": {"decision_p99_us_64_workers_1e6_blocks": 50, "cp_rss_mib_1e6_entries": 200, "propagation_p99_ms": 100, "filter_mib_per_vm_1e6_blocks": 64},
     });
-    let mut md = String::from("## Scale\n\n### Micro-benchmarks (criterion, median)\n\n");
-    let rows: Vec<Vec<String>> = micro
-        .iter()
-        .map(|(id, ns)| {
-            vec![
-                id.clone(),
-                if *ns < 1e6 { format!("{} µs", f(ns / 1e3, 2)) } else { format!("{} ms", f(ns / 1e6, 1)) },
-            ]
-        })
-        .collect();
-    md.push_str(&table(&["benchmark", "median"], &rows));
-    md.push_str("\n`decision/<blocks>_blocks/<workers>`: one cache-aware decision (a 4 KiB routing text, half of it indexed for one worker); `decision_policies/<policy>`: the same with 64 workers over 10^6 blocks for kvmesh's other policies.\n\n");
-    md.push_str("### kvmesh-cp at 10^6 index entries (64 workers)\n\n");
-    let c = &doc["control_plane"];
-    md.push_str(&table(
-        &["measure", "value"],
-        &[
-            vec!["index entries".into(), c["index_entries"].to_string()],
-            vec!["RSS before".into(), format!("{} MiB", f(c["rss_before_mib"].as_f64().unwrap_or(0.0), 1))],
-            vec![
-                "RSS after (target < 200 MiB)".into(),
-                format!("{} MiB", f(c["rss_after_mib"].as_f64().unwrap_or(0.0), 1)),
+    let mut md = String::from("## Scale\n\n");
+    if !micro.is_empty() {
+        md.push_str("### Micro-benchmarks (criterion, median)\n\n");
+        let rows: Vec<Vec<String>> = micro
+            .iter()
+            .map(|(id, ns)| {
+                vec![
+                    id.clone(),
+                    if *ns < 1e6 { format!("{} µs", f(ns / 1e3, 2)) } else { format!("{} ms", f(ns / 1e6, 1)) },
+                ]
+            })
+            .collect();
+        md.push_str(&table(&["benchmark", "median"], &rows));
+        md.push_str("\n`decision/<blocks>_blocks/<workers>`: one cache-aware decision (a 4 KiB routing text, half of it indexed for one worker); `decision_policies/<policy>`: the same with 64 workers over 10^6 blocks for kvmesh's other policies.\n\n");
+    }
+    if doc["control_plane"].is_object() {
+        md.push_str("### kvmesh-cp at 10^6 index entries (64 workers)\n\n");
+        let c = &doc["control_plane"];
+        md.push_str(&table(
+            &["measure", "value"],
+            &[
+                vec!["index entries".into(), c["index_entries"].to_string()],
+                vec!["RSS before".into(), format!("{} MiB", f(c["rss_before_mib"].as_f64().unwrap_or(0.0), 1))],
+                vec![
+                    "RSS after (target < 200 MiB)".into(),
+                    format!("{} MiB", f(c["rss_after_mib"].as_f64().unwrap_or(0.0), 1)),
+                ],
+                vec![
+                    "full snapshot on connect".into(),
+                    format!("{} MiB", f(c["snapshot_mib"].as_f64().unwrap_or(0.0), 1)),
+                ],
+                vec![
+                    "snapshot built and received".into(),
+                    format!("{} ms", f(c["snapshot_ms"].as_f64().unwrap_or(0.0), 0)),
+                ],
             ],
-            vec!["full snapshot on connect".into(), format!("{} MiB", f(c["snapshot_mib"].as_f64().unwrap_or(0.0), 1))],
-            vec![
-                "snapshot built and received".into(),
-                format!("{} ms", f(c["snapshot_ms"].as_f64().unwrap_or(0.0), 0)),
+        ));
+        let g = &c["gateway"];
+        let mib_of = |v: &Value, k: &str| v[k].as_f64().map_or("-".into(), |x| format!("{} MiB", f(x, 1)));
+        let mib = |k: &str| mib_of(g, k);
+        let us = |k: &str| g[k].as_f64().map_or("-".into(), |x| format!("{} µs", f(x, 1)));
+        md.push_str(&format!(
+            "\n### A gateway on that control plane (Envoy, {} worker thread)\n\n",
+            g["envoy_threads"].as_u64().unwrap_or(1)
+        ));
+        md.push_str(&table(
+            &["measure", "value"],
+            &[
+                vec!["blocks in the filter's index".into(), g["index_blocks"].to_string()],
+                vec!["Envoy RSS, the same gateway on an empty control plane".into(), mib("rss_empty_index_mib")],
+                vec!["Envoy RSS with the full index".into(), mib("rss_full_index_mib")],
+                vec!["largest Wasm VM, empty index".into(), mib("largest_vm_empty_index_mib")],
+                vec!["largest Wasm VM, full index (target < 64 MB)".into(), mib("largest_vm_full_index_mib")],
+                vec!["routing decision inside Envoy, p50".into(), us("decision_p50_us")],
+                vec!["routing decision inside Envoy, p99 (target ≤ 50 µs)".into(), us("decision_p99_us")],
+                vec!["routing decision inside Envoy, max".into(), us("decision_max_us")],
             ],
-        ],
-    ));
-    let g = &c["gateway"];
-    let mib = |k: &str| g[k].as_f64().map_or("-".into(), |x| format!("{} MiB", f(x, 1)));
-    let us = |k: &str| g[k].as_f64().map_or("-".into(), |x| format!("{} µs", f(x, 1)));
-    md.push_str(&format!(
-        "\n### A gateway on that control plane (Envoy, {} worker thread)\n\n",
-        g["envoy_threads"].as_u64().unwrap_or(1)
-    ));
-    md.push_str(&table(
-        &["measure", "value"],
-        &[
-            vec!["blocks in the filter's index".into(), g["index_blocks"].to_string()],
-            vec!["Envoy RSS, the same gateway on an empty control plane".into(), mib("rss_empty_index_mib")],
-            vec!["Envoy RSS with the full index".into(), mib("rss_full_index_mib")],
-            vec!["largest Wasm VM, empty index".into(), mib("largest_vm_empty_index_mib")],
-            vec!["largest Wasm VM, full index (target < 64 MB)".into(), mib("largest_vm_full_index_mib")],
-            vec!["routing decision inside Envoy, p50".into(), us("decision_p50_us")],
-            vec!["routing decision inside Envoy, p99 (target ≤ 50 µs)".into(), us("decision_p99_us")],
-            vec!["routing decision inside Envoy, max".into(), us("decision_max_us")],
-        ],
-    ));
-    md.push_str(&format!(
-        "\n{} requests of 4 KiB whose first half is indexed, each decided among the 64 workers; the filter's `kvmesh_route_decision_ns` histogram (parse, index look-up, policy; Envoy's computed quantiles). The workers are absent (their 502s come after the decision). A VM's memory is its Wasm linear memory (the filter's `kvmesh_vm_memory_bytes`, which each VM records once a second; Envoy runs one VM on its main thread and one per worker thread); the RSS growth also holds Envoy's shared data (the delta log's slots through which the snapshot reached the other VM) and V8's own structures.\n",
-        g["requests"]
-    ));
-    let p = &doc["propagation"];
-    md.push_str(&format!(
-        "\n### Prefix propagation, gateway A → kvmesh-cp → gateway B\n\n{} prefixes: p50 {} ms, p99 {} ms (target p99 ≤ 100 ms), {} not seen within 2 s. Measured from the client's request to A until B's `kvmesh_index_blocks` grows (B records it when it applies the control plane's delta).\n",
-        p["samples"],
-        p["p50_ms"].as_f64().map_or("-".into(), |x| f(x, 1)),
-        p["p99_ms"].as_f64().map_or("-".into(), |x| f(x, 1)),
-        p["not_seen_within_2s"]
-    ));
+        ));
+        let b = &c["baseline_gateway"];
+        if b.is_object() {
+            let us = |v: &Value, k: &str| v[k].as_f64().map_or("-".into(), |x| format!("{} µs", f(x, 1)));
+            let rows: Vec<Vec<String>> = [("this build", g), ("baseline .wasm", b)]
+                .iter()
+                .map(|(name, v)| {
+                    vec![
+                        name.to_string(),
+                        us(v, "decision_p50_us"),
+                        us(v, "decision_p99_us"),
+                        mib_of(v, "largest_vm_full_index_mib"),
+                    ]
+                })
+                .collect();
+            md.push_str(&format!(
+                "\nThe same against `{}`, medians of {} interleaved rounds:\n\n",
+                c["baseline_wasm"].as_str().unwrap_or("-"),
+                o.rounds
+            ));
+            md.push_str(&table(&["build", "decision p50", "decision p99", "largest VM, full index"], &rows));
+        }
+        md.push_str(&format!(
+            "\n{} requests of 4 KiB whose first half is indexed, each decided among the 64 workers; the filter's `kvmesh_route_decision_ns` histogram (parse, index look-up, policy; Envoy's computed quantiles). The workers are absent (their 502s come after the decision). A VM's memory is its Wasm linear memory (the filter's `kvmesh_vm_memory_bytes`, which each VM records once a second; Envoy runs one VM on its main thread and one per worker thread); the RSS growth also holds Envoy's shared data (the delta log's slots through which the snapshot reached the other VM) and V8's own structures.\n",
+            g["requests"]
+        ));
+    }
+    if doc["propagation"].is_object() {
+        let p = &doc["propagation"];
+        md.push_str(&format!(
+            "\n### Prefix propagation, gateway A → kvmesh-cp → gateway B\n\n{} prefixes: p50 {} ms, p99 {} ms (target p99 ≤ 100 ms), {} not seen within 2 s. Measured from the client's request to A until B's `kvmesh_index_blocks` grows (B records it when it applies the control plane's delta).\n",
+            p["samples"],
+            p["p50_ms"].as_f64().map_or("-".into(), |x| f(x, 1)),
+            p["p99_ms"].as_f64().map_or("-".into(), |x| f(x, 1)),
+            p["not_seen_within_2s"]
+        ));
+    }
     Ok((doc, md))
 }

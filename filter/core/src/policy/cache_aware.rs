@@ -32,6 +32,7 @@
 use super::{least_loaded, Candidate};
 use crate::blocks::covered_bytes;
 use crate::index::PrefixIndex;
+use crate::worker::WorkerId;
 use rand::RngCore;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -56,6 +57,9 @@ pub struct Choice {
     pub reason: Reason,
     /// Bytes of the routing text the chosen worker already holds (0 unless a cache hit).
     pub matched_bytes: usize,
+    /// Leading blocks the index believes the chosen worker holds, whatever the reason it was
+    /// chosen (what engine feedback judges the worker's answer against).
+    pub held_blocks: usize,
 }
 
 #[derive(Clone, Debug)]
@@ -90,22 +94,16 @@ impl CacheAware {
         }
         if self.imbalanced(cands) {
             let pos = least_loaded(cands, 0..cands.len(), rng)?;
-            return Some(Choice { pos, reason: Reason::Imbalanced, matched_bytes: 0 });
+            let held_blocks = held(index, cands, pos, hashes);
+            return Some(Choice { pos, reason: Reason::Imbalanced, matched_bytes: 0, held_blocks });
         }
 
-        // Deepest match per candidate (workers not among the candidates are ignored).
-        let mut best_blocks = 0usize;
-        let mut depth = vec![0usize; cands.len()];
-        for m in index.match_prefix(hashes) {
-            if let Some(slot) = cands.iter().position(|c| c.id == m.worker).and_then(|pos| depth.get_mut(pos)) {
-                *slot = m.blocks;
-                best_blocks = best_blocks.max(m.blocks);
-            }
-        }
+        // The deepest match among the candidates, and who holds it.
+        let (best_blocks, holders) = deepest(index, hashes, cands);
         let matched = covered_bytes(best_blocks, block_size, text_len);
         let ratio = if text_len == 0 { 0.0 } else { matched as f64 / text_len as f64 };
         if best_blocks > 0 && ratio > self.params.cache_threshold {
-            let deepest = (0..cands.len()).filter(|&p| depth.get(p) == Some(&best_blocks));
+            let deepest = holders.iter().copied();
             // Holders about as loaded as the least loaded one (within 2, or a third more):
             // a hot prompt's copies still share its traffic.
             let least = deepest.clone().filter_map(|p| cands.get(p).map(|c| c.load)).min()?;
@@ -113,11 +111,12 @@ impl CacheAware {
             let level = deepest.filter(|&p| cands.get(p).is_some_and(|c| c.load <= margin));
             let key = placement_key(hashes, text_len, block_size, self.params.cache_threshold);
             let pos = heaviest(cands, level, key, rng)?;
-            return Some(Choice { pos, reason: Reason::CacheHit, matched_bytes: matched });
+            return Some(Choice { pos, reason: Reason::CacheHit, matched_bytes: matched, held_blocks: best_blocks });
         }
 
         let pos = self.place(text_len, hashes, block_size, cands, index, rng)?;
-        Some(Choice { pos, reason: Reason::SmallestIndex, matched_bytes: 0 })
+        let held_blocks = held(index, cands, pos, hashes.get(..best_blocks).unwrap_or(hashes));
+        Some(Choice { pos, reason: Reason::SmallestIndex, matched_bytes: 0, held_blocks })
     }
 
     /// Where a new prefix goes: among the workers within half a prefix of the smallest index,
@@ -141,6 +140,36 @@ impl CacheAware {
         let near = (0..cands.len()).filter(|&p| cands.get(p).is_some_and(|c| index.size_of(c.id) < within));
         heaviest(cands, near, Some(key), rng)
     }
+}
+
+/// How deep the candidates' deepest match goes, and the positions of the candidates that
+/// hold it. The index finds its deepest block by binary search; only when no candidate holds
+/// it (its holders are unhealthy or unknown here) are the blocks walked one by one.
+fn deepest(index: &PrefixIndex, hashes: &[u64], cands: &[Candidate]) -> (usize, Vec<usize>) {
+    let (depth, owners) = index.deepest(hashes);
+    let at = |w: WorkerId| cands.iter().position(|c| c.id == w);
+    let holders: Vec<usize> = owners.filter_map(at).collect();
+    if depth == 0 || !holders.is_empty() {
+        return (depth, holders);
+    }
+    let mut depths = vec![0usize; cands.len()];
+    for m in index.match_prefix(hashes) {
+        if let Some(slot) = at(m.worker).and_then(|p| depths.get_mut(p)) {
+            *slot = m.blocks;
+        }
+    }
+    let best = depths.iter().copied().max().unwrap_or(0);
+    let holders = if best == 0 {
+        Vec::new()
+    } else {
+        depths.iter().enumerate().filter(|&(_, &d)| d == best).map(|(p, _)| p).collect()
+    };
+    (best, holders)
+}
+
+/// How many leading blocks of `hashes` the candidate at `pos` holds.
+fn held(index: &PrefixIndex, cands: &[Candidate], pos: usize, hashes: &[u64]) -> usize {
+    cands.get(pos).map_or(0, |c| index.depth_of(c.id, hashes))
 }
 
 /// Among `positions`, the candidate `key`'s rendezvous hash weighs most; equal weights (the
@@ -342,6 +371,36 @@ mod tests {
         assert_eq!(placement_key(&hashes, 1 << 30, 4, 0.3), Some(5), "a text longer than its head: the last block");
         assert_eq!(placement_key(&[], 20, 4, 0.3), None);
         assert_eq!(placement_key(&hashes, 20, 0, f64::NAN), Some(1), "hostile parameters stay in range");
+    }
+
+    #[test]
+    fn a_deeper_match_on_an_unavailable_worker_leaves_the_candidates_own_match() {
+        let p = policy();
+        let mut idx = PrefixIndex::new();
+        let text = "a prompt whose whole text one gone worker holds";
+        idx.insert(99, &block_hashes(text.as_bytes(), BS));
+        idx.insert(11, &block_hashes(&text.as_bytes()[..40], BS));
+        let mut rng = seeded(1);
+        let c = pick(&p, text, &cands(&[0, 0, 0]), &idx, &mut rng);
+        assert_eq!((c.pos, c.reason, c.matched_bytes, c.held_blocks), (1, Reason::CacheHit, 40, 10));
+    }
+
+    #[test]
+    fn the_chosen_workers_own_match_is_reported_whatever_chose_it() {
+        let p = policy();
+        let mut idx = PrefixIndex::new();
+        let text = "shared prefix that is long enough";
+        idx.insert(10, &block_hashes(text.as_bytes(), BS));
+        idx.insert(11, &block_hashes(&text.as_bytes()[..12], BS));
+        let mut rng = seeded(1);
+        // Imbalanced: the least loaded (worker 11) holds 3 blocks of it.
+        let c = pick(&p, text, &cands(&[9, 2, 3]), &idx, &mut rng);
+        assert_eq!((c.pos, c.reason, c.held_blocks), (1, Reason::Imbalanced, 3));
+        // Below the threshold (8 of 33 bytes held anywhere): placed as new, its 2 blocks reported.
+        idx.remove_worker(10);
+        let c = pick(&p, &format!("{}{}", &text[..8], "-then something else"), &cands(&[0, 0, 0]), &idx, &mut rng);
+        assert_eq!(c.reason, Reason::SmallestIndex);
+        assert_eq!(c.held_blocks, if c.pos == 1 { 2 } else { 0 });
     }
 
     #[test]

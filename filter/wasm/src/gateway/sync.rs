@@ -12,23 +12,44 @@ use kvmesh_core::{Router, WorkerId};
 
 /// The worker table of a control-plane snapshot (workers whose URL is not usable are left out
 /// and logged).
+/// Whether `table` lists the same workers as `snapshot` (ids, URLs, roles, bootstrap ports, in
+/// order): then only their polled state (health, load, queue, KV use, utility) can differ.
+fn same_workers(table: &WorkerTable, snapshot: &proto::Snapshot) -> bool {
+    table.workers.len() == snapshot.workers.len()
+        && table.workers.iter().zip(&snapshot.workers).all(|(w, p)| {
+            w.id == p.id
+                && w.url == p.url
+                && w.role == role_of(p.role)
+                && w.bootstrap_port == p.bootstrap_port.and_then(|b| u16::try_from(b).ok())
+        })
+}
+
+fn role_of(role: i32) -> Role {
+    match proto::Role::try_from(role) {
+        Ok(proto::Role::Prefill) => Role::Prefill,
+        Ok(proto::Role::Decode) => Role::Decode,
+        _ => Role::Regular,
+    }
+}
+
+/// Copies what the control plane polls into `worker`.
+fn set_polled(worker: &mut Worker, w: &proto::Worker) {
+    worker.healthy = w.healthy;
+    worker.load = w.load;
+    worker.waiting = w.waiting;
+    worker.kv_usage = w.kv_usage.filter(|u| u.is_finite());
+    worker.utility = w.utility.filter(|u| u.is_finite());
+}
+
 pub fn table_from(snapshot: &proto::Snapshot) -> WorkerTable {
     let workers = snapshot
         .workers
         .iter()
         .filter_map(|w| match Worker::from_url(w.id, &w.url) {
             Ok(mut worker) => {
-                worker.role = match proto::Role::try_from(w.role) {
-                    Ok(proto::Role::Prefill) => Role::Prefill,
-                    Ok(proto::Role::Decode) => Role::Decode,
-                    _ => Role::Regular,
-                };
+                worker.role = role_of(w.role);
                 worker.bootstrap_port = w.bootstrap_port.and_then(|p| u16::try_from(p).ok());
-                worker.healthy = w.healthy;
-                worker.load = w.load;
-                worker.waiting = w.waiting;
-                worker.kv_usage = w.kv_usage.filter(|u| u.is_finite());
-                worker.utility = w.utility.filter(|u| u.is_finite());
+                set_polled(&mut worker, w);
                 Some(worker)
             }
             Err(e) => {
@@ -70,6 +91,10 @@ impl Gateway {
     /// convert or validate are logged and the current configuration stays.
     fn set_settings(&mut self, from_cp: Option<&proto::RoutingSettings>) {
         let Some(message) = from_cp else { return };
+        if self.cp_settings_wire.as_ref() == Some(message) {
+            return; // What every table republished with new loads carries: nothing to convert.
+        }
+        self.cp_settings_wire = Some(message.clone());
         let cp = match RoutingSettings::try_from(message.clone()) {
             Ok(s) => s,
             Err(e) => {
@@ -116,7 +141,7 @@ impl Gateway {
                 ..Default::default()
             };
             self.set_settings(shared.settings.as_ref());
-            self.set_table(table_from(&shared));
+            self.adopt_table(&shared);
             SharedTable::publish(store, snapshot.version, &shared.encode_to_vec());
         }
         let mut deltas: Vec<Delta> = Vec::with_capacity(snapshot.inserts.len() + snapshot.evictions.len());
@@ -154,8 +179,23 @@ impl Gateway {
             return;
         };
         self.set_settings(snapshot.settings.as_ref());
-        self.set_table(table_from(&snapshot));
+        self.adopt_table(&snapshot);
         self.table_version = Some(version);
+    }
+
+    /// Takes `snapshot`'s worker table. Most tables the control plane sends carry new loads
+    /// or health for the same workers: those are updated in place, without parsing every URL
+    /// again (this runs on the request path, whenever a VM sees a new table).
+    fn adopt_table(&mut self, snapshot: &proto::Snapshot) {
+        if same_workers(&self.table, snapshot) {
+            for (worker, w) in self.table.workers.iter_mut().zip(&snapshot.workers) {
+                set_polled(worker, w);
+            }
+            self.table.version = snapshot.version;
+            self.table_version = Some(snapshot.version);
+        } else {
+            self.set_table(table_from(snapshot));
+        }
     }
 
     /// What the stream owner sends on its report tick (at `now`): inserts made on this
@@ -381,6 +421,46 @@ mod tests {
         assert_eq!(g.config().policy, kvmesh_core::policy::PolicyKind::RoundRobin);
         assert_eq!(g.config().block_size, 32);
         assert_eq!(g.table_version(), Some(3));
+    }
+
+    #[test]
+    fn a_table_with_new_loads_for_the_same_workers_is_adopted_in_place_and_a_new_role_is_not() {
+        let store = FakeStore::default();
+        let (mut owner, mut other) = (gateway(&store, 1), gateway(&store, 2));
+        let with = |version, loads: [u64; 2], healthy: bool| proto::Snapshot {
+            version,
+            full: version == 1,
+            workers: vec![
+                proto::Worker { load: loads[0], healthy, ..worker(0, 30) },
+                proto::Worker { load: loads[1], ..worker(1, 31) },
+            ],
+            workers_changed: true,
+            settings: cp_settings(r#"{"policy":"power_of_two"}"#),
+            ..Default::default()
+        };
+        owner.apply_snapshot(&store, &with(1, [0, 0], true));
+        route(&mut other, &store, "first");
+        let url_before = other.table.get(0).map(|w| w.url.as_ptr());
+        for (version, loads, want) in [(2, [50, 0], "127.0.0.1:31"), (3, [0, 50], "127.0.0.1:30")] {
+            owner.apply_snapshot(&store, &with(version, loads, true));
+            for _ in 0..4 {
+                let to = route(&mut other, &store, "q");
+                crate::shared::Inflight::finish(&store, if to.ends_with("31") { 1 } else { 0 }, false);
+                assert_eq!(to, want, "loads {loads:?}");
+            }
+            assert_eq!(other.table_version(), Some(version));
+            assert_eq!(other.table.get(0).map(|w| w.load), Some(loads[0]));
+        }
+        assert_eq!(other.table.get(0).map(|w| w.url.as_ptr()), url_before, "the same workers, updated in place");
+        owner.apply_snapshot(&store, &with(4, [0, 0], false));
+        route(&mut other, &store, "q");
+        assert_eq!(other.table.get(0).map(|w| w.healthy), Some(false));
+        // A new role for the same URL is a new worker: the table is rebuilt.
+        let mut pd = with(5, [0, 0], true);
+        pd.workers[1].role = proto::Role::Prefill as i32;
+        owner.apply_snapshot(&store, &pd);
+        route(&mut other, &store, "q");
+        assert_eq!(other.table.get(1).map(|w| w.role), Some(kvmesh_core::worker::Role::Prefill));
     }
 
     #[test]
