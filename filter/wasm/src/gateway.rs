@@ -328,6 +328,9 @@ pub struct Gateway {
     own_id: Option<String>,
     /// The control-plane table version this VM applied.
     table_version: Option<u64>,
+    /// The version of the shared table value this VM published or decoded last (the polled
+    /// records name the one they go with).
+    shared_table_version: Option<u64>,
     /// The control plane's routing settings last applied.
     cp_settings: Option<RoutingSettings>,
     /// The settings message `cp_settings` came from, as received (a republished table
@@ -367,6 +370,7 @@ impl Gateway {
             reporting: false,
             own_id: None,
             table_version: None,
+            shared_table_version: None,
             cp_settings: None,
             cp_settings_wire: None,
             mine: std::collections::BTreeMap::new(),

@@ -7,7 +7,7 @@ use kvmesh_proto::v1::{self as proto, IndexEvict, IndexInsert, ReportBatch, Work
 use kvmesh_proto::Message;
 
 use super::{build_mode, Gateway, Mode, Now};
-use crate::shared::{Delta, Inflight, SharedStore, SharedTable};
+use crate::shared::{Delta, Inflight, Polled, SharedStore, SharedTable};
 use kvmesh_core::{Router, WorkerId};
 
 /// The worker table of a control-plane snapshot (workers whose URL is not usable are left out
@@ -30,6 +30,11 @@ fn role_of(role: i32) -> Role {
         Ok(proto::Role::Decode) => Role::Decode,
         _ => Role::Regular,
     }
+}
+
+/// What is shared of `worker` on every table change (see [`SharedTable::publish`]).
+fn polled_of(w: &Worker) -> Polled {
+    Polled { id: w.id, healthy: w.healthy, load: w.load, waiting: w.waiting, kv_usage: w.kv_usage, utility: w.utility }
 }
 
 /// Copies what the control plane polls into `worker`.
@@ -140,9 +145,21 @@ impl Gateway {
                 settings,
                 ..Default::default()
             };
+            // The table value is shared again only when the workers or the settings changed
+            // (or this VM has published none yet); otherwise only the polled records.
+            let structure = snapshot.full
+                || snapshot.settings.is_some()
+                || self.shared_table_version.is_none()
+                || !same_workers(&self.table, &shared);
             self.set_settings(shared.settings.as_ref());
             self.adopt_table(&shared);
-            SharedTable::publish(store, snapshot.version, &shared.encode_to_vec());
+            let encoded = structure.then(|| shared.encode_to_vec());
+            if structure {
+                self.shared_table_version = Some(snapshot.version);
+            }
+            let polled: Vec<Polled> = self.table.workers.iter().map(polled_of).collect();
+            let table_version = self.shared_table_version.unwrap_or(snapshot.version);
+            SharedTable::publish(store, snapshot.version, encoded.as_deref(), table_version, &polled);
         }
         let mut deltas: Vec<Delta> = Vec::with_capacity(snapshot.inserts.len() + snapshot.evictions.len());
         // This Envoy's own inserts, echoed back by the control plane, are in its index already.
@@ -175,11 +192,35 @@ impl Gateway {
         if self.table_version == Some(version) {
             return;
         }
-        let Some(snapshot) = SharedTable::value(store).and_then(|b| proto::Snapshot::decode(b.as_slice()).ok()) else {
-            return;
-        };
-        self.set_settings(snapshot.settings.as_ref());
-        self.adopt_table(&snapshot);
+        // Most new versions carry new loads or health only: the polled records (a few hundred
+        // bytes) are read, and the table itself decoded only when it changed.
+        let polled = SharedTable::polled(store);
+        let table_at = polled.as_ref().map(|(v, _)| *v);
+        if table_at.is_none() || table_at != self.shared_table_version {
+            let value = SharedTable::value(store);
+            let Some(snapshot) = value.and_then(|b| proto::Snapshot::decode(b.as_slice()).ok()) else { return };
+            self.set_settings(snapshot.settings.as_ref());
+            self.adopt_table(&snapshot);
+            self.shared_table_version = Some(snapshot.version);
+        }
+        if let Some((_, records)) = polled {
+            let workers = &mut self.table.workers;
+            for (i, p) in records.iter().enumerate() {
+                // In the table's order, unless the table changed in between.
+                let at = match workers.get(i) {
+                    Some(w) if w.id == p.id => Some(i),
+                    _ => workers.iter().position(|w| w.id == p.id),
+                };
+                if let Some(w) = at.and_then(|i| workers.get_mut(i)) {
+                    w.healthy = p.healthy;
+                    w.load = p.load;
+                    w.waiting = p.waiting;
+                    w.kv_usage = p.kv_usage.filter(|u| u.is_finite());
+                    w.utility = p.utility.filter(|u| u.is_finite());
+                }
+            }
+        }
+        self.table.version = version;
         self.table_version = Some(version);
     }
 
@@ -435,11 +476,14 @@ mod tests {
                 proto::Worker { load: loads[1], ..worker(1, 31) },
             ],
             workers_changed: true,
-            settings: cp_settings(r#"{"policy":"power_of_two"}"#),
+            // As from kvmesh-cp: settings only in a full snapshot.
+            settings: if version == 1 { cp_settings(r#"{"policy":"power_of_two"}"#) } else { None },
             ..Default::default()
         };
         owner.apply_snapshot(&store, &with(1, [0, 0], true));
         route(&mut other, &store, "first");
+        let table_cas = store.get("kvmesh.cp.table").1;
+        assert!(table_cas.is_some());
         let url_before = other.table.get(0).map(|w| w.url.as_ptr());
         for (version, loads, want) in [(2, [50, 0], "127.0.0.1:31"), (3, [0, 50], "127.0.0.1:30")] {
             owner.apply_snapshot(&store, &with(version, loads, true));
@@ -455,6 +499,7 @@ mod tests {
         owner.apply_snapshot(&store, &with(4, [0, 0], false));
         route(&mut other, &store, "q");
         assert_eq!(other.table.get(0).map(|w| w.healthy), Some(false));
+        assert_eq!(store.get("kvmesh.cp.table").1, table_cas, "only the polled records were shared again");
         // A new role for the same URL is a new worker: the table is rebuilt.
         let mut pd = with(5, [0, 0], true);
         pd.workers[1].role = proto::Role::Prefill as i32;
