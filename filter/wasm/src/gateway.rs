@@ -840,6 +840,15 @@ impl Gateway {
         })
     }
 
+    /// The regular router's index (tests).
+    #[cfg(test)]
+    pub fn regular_index(&self) -> Option<&kvmesh_core::index::PrefixIndex> {
+        match &self.mode {
+            Mode::Regular(r) => Some(r.index()),
+            Mode::Pd(_) => None,
+        }
+    }
+
     pub fn index_len(&mut self) -> usize {
         match &mut self.mode {
             Mode::Regular(r) => r.index().len(),

@@ -139,6 +139,27 @@ mod tests {
     }
 
     #[test]
+    fn a_stale_prefix_is_dropped_with_the_rest_of_the_request_that_found_it() {
+        let host = MockHost::new();
+        let gw = Rc::new(RefCell::new(Gateway::new(Config::from_json(TWO.as_bytes()).unwrap(), &host, 9)));
+        let prompt = "s".repeat(640); // 20 blocks
+        let miss = r#"{"meta_info":{"cached_tokens":0}}"#;
+        // Questions longer than the prompt: a search over the request's blocks would start in them.
+        let question = "q".repeat(1000);
+        let first = exchange(&host, &gw, &format!("{prompt} question one: {question}"), &[miss]);
+        // The prefix was indexed for that worker, which no longer holds it when asked again.
+        let again = format!("{prompt} question two: {question}");
+        assert_eq!(exchange(&host, &gw, &again, &[miss]), first);
+        assert_eq!(host.metric_sum(Metric::PredictionsOver), 1);
+        // Every block of that request is gone for the worker, its question's too: what the
+        // worker holds stays a run of leading blocks, and the same text again is no cache hit.
+        let blocks = kvmesh_core::blocks::block_hashes(again.as_bytes(), 32);
+        assert_eq!(gw.borrow().regular_index().unwrap().deepest(&blocks).0, 0, "no block of it is indexed");
+        exchange(&host, &gw, &again, &[miss]);
+        assert_eq!(host.metric_sum(Metric::CacheHits), 1, "only the second request was a hit");
+    }
+
+    #[test]
     fn a_response_without_e2e_latency_is_timed_by_the_gateway() {
         let host = MockHost::new();
         let gw = Rc::new(RefCell::new(Gateway::new(

@@ -21,7 +21,10 @@ pub struct Prediction {
     pub worker: WorkerId,
     /// Bytes of the routing text the index matched for that worker.
     pub matched_bytes: u64,
-    /// The hashes of the matched blocks, in order.
+    /// How many leading blocks that is.
+    pub matched_blocks: usize,
+    /// The hashes of all the request's blocks, in order (indexed for the worker when the
+    /// request was routed).
     pub hashes: Vec<u64>,
 }
 
@@ -30,7 +33,7 @@ impl Prediction {
     /// text cut into `blocks` of `block_size` bytes.
     pub fn new(worker: WorkerId, matched_bytes: usize, blocks: &[u64], block_size: usize) -> Self {
         let n = matched_bytes.div_ceil(block_size.max(1)).min(blocks.len());
-        Self { worker, matched_bytes: matched_bytes as u64, hashes: blocks.get(..n).unwrap_or_default().to_vec() }
+        Self { worker, matched_bytes: matched_bytes as u64, matched_blocks: n, hashes: blocks.to_vec() }
     }
 }
 
@@ -42,10 +45,13 @@ impl Gateway {
         let (block_size, per_token) = (self.config.block_size as u64, self.config.bytes_per_token);
         let judged = usage
             .cached_tokens
-            .map(|cached| judge(prediction.matched_bytes, prediction.hashes.len(), cached, block_size, per_token));
+            .map(|cached| judge(prediction.matched_bytes, prediction.matched_blocks, cached, block_size, per_token));
         self.pending_feedback.add(prediction.worker, judged.as_ref(), usage);
+        // From the first block the worker did not hold to the request's last: the routing
+        // indexed the whole request for it, and a worker's blocks stay a run from the first
+        // (what the index's binary search relies on).
         let stale = match judged.as_ref().filter(|j| j.verdict == Verdict::Over) {
-            Some(j) => prediction.hashes.get(j.stale.clone()).unwrap_or_default().to_vec(),
+            Some(j) => prediction.hashes.get(j.stale.start..).unwrap_or_default().to_vec(),
             None => Vec::new(),
         };
         if let (false, Some(j)) = (stale.is_empty(), judged.as_ref()) {
