@@ -31,7 +31,9 @@ pub fn split_full(mut full: Snapshot, max_hashes: usize) -> Vec<Snapshot> {
             let (now, later) = hashes.split_at(room.min(hashes.len()));
             current.push(kvmesh_proto::v1::IndexInsert {
                 worker: insert.worker,
-                hashes: now.to_vec(),
+                // Pieces of an oldest-first list, each newest first: the gateway's inserts
+                // then keep the recency order (see `PrefixIndex::export`).
+                hashes: kvmesh_core::index::as_insert(now),
                 ..Default::default()
             });
             room -= now.len();
@@ -189,8 +191,15 @@ mod tests {
             parts.iter().flat_map(|p| &p.inserts).flat_map(|i| i.hashes.iter().map(move |&h| (i.worker, h))).collect();
         all.sort();
         assert_eq!(all, (0..5).map(|h| (0, h)).chain((5..8).map(|h| (1, h))).collect::<Vec<_>>());
+        // The lists are oldest first: pieces go in that order, each newest first (an insert
+        // stamps its first hash as the most recently used).
+        let pieces: Vec<(u32, Vec<u64>)> =
+            parts.iter().flat_map(|p| &p.inserts).map(|i| (i.worker, i.hashes.clone())).collect();
+        assert_eq!(pieces, [(0, vec![2, 1, 0]), (0, vec![4, 3]), (1, vec![5]), (1, vec![7, 6])]);
         // Small ones stay one message; an empty index is one full message.
-        assert_eq!(split_full(full.clone(), 100), vec![full]);
+        let one = split_full(full.clone(), 100);
+        assert_eq!(one.len(), 1);
+        assert_eq!(one[0].inserts[0].hashes, [4, 3, 2, 1, 0]);
         let empty = Snapshot { version: 1, full: true, ..Default::default() };
         assert_eq!(split_full(empty.clone(), 3), vec![empty]);
     }

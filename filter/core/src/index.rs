@@ -297,8 +297,10 @@ impl PrefixIndex {
         self.sizes.values().sum()
     }
 
-    /// Every `(worker, hashes)` the index holds, each worker's blocks oldest first, so that
-    /// inserting them in this order into an empty index reproduces the recency order.
+    /// Every `(worker, hashes)` the index holds, each worker's blocks oldest first. To send
+    /// them as inserts, cut each list into pieces in this order and turn each piece with
+    /// [`as_insert`]: inserted one after the other into an empty index, they reproduce the
+    /// recency order.
     pub fn export(&self) -> Vec<(WorkerId, Vec<u64>)> {
         let mut workers: Vec<WorkerId> = self.sizes.keys().copied().collect();
         workers.sort_unstable();
@@ -475,6 +477,14 @@ impl PrefixIndex {
     fn age(&self, tick: u32) -> u32 {
         self.clock.wrapping_sub(tick)
     }
+}
+
+/// A piece of an oldest-first list of a worker's blocks ([`PrefixIndex::export`]) as the
+/// hashes of one insert: newest first, since an insert stamps its first hash as the most
+/// recently used (a request's prefix is root first, and the root is used whenever any of it
+/// is). Pieces inserted in list order then keep the whole list's order.
+pub fn as_insert(oldest_first: &[u64]) -> Vec<u64> {
+    oldest_first.iter().rev().copied().collect()
 }
 
 /// The length of the run of `held` blocks from block 0, out of `len`, for a `held` that is
@@ -811,6 +821,41 @@ mod tests {
         let ab = h("aaaabbbb");
         assert_eq!(blocks, &vec![ab[1], ab[0], h("dddd")[0]]);
         assert_eq!(out[1], (2, h("cccc")));
+    }
+
+    #[test]
+    fn exported_pieces_inserted_elsewhere_keep_the_recency_order() {
+        let mut idx = PrefixIndex::new();
+        for i in 0..40 {
+            idx.insert(1, &h(&format!("prompt {:02} {}", i % 13, "x".repeat(i))));
+        }
+        let (_, blocks) = idx.export().remove(0);
+        for piece in [1, 7, 1000] {
+            let mut copy = PrefixIndex::new();
+            for chunk in blocks.chunks(piece) {
+                copy.insert(1, &as_insert(chunk));
+            }
+            let (mut a, mut b) = (PrefixIndex::new(), copy);
+            for chunk in blocks.chunks(1000) {
+                a.insert(1, &as_insert(chunk));
+            }
+            // The same blocks go first, leaves before their roots.
+            for keep in [60, 20, 5] {
+                let (mut x, mut y) = (a.evict_to(keep), b.evict_to(keep));
+                x.sort_unstable();
+                y.sort_unstable();
+                assert_eq!(x, y, "pieces of {piece}, down to {keep}");
+            }
+            assert_eq!(b.export(), a.export());
+        }
+        // And as the original's own eviction would.
+        let mut original = idx;
+        let mut copy = PrefixIndex::new();
+        copy.insert(1, &as_insert(&blocks));
+        let (mut x, mut y) = (original.evict_to(30), copy.evict_to(30));
+        x.sort_unstable();
+        y.sort_unstable();
+        assert_eq!(x, y);
     }
 
     #[test]

@@ -318,7 +318,9 @@ impl Gateway {
                     }
                     let Some((now, later)) = rest.split_at_checked(room.min(rest.len())) else { break };
                     if let Some(last) = out.last_mut() {
-                        last.inserts.push(IndexInsert { worker, hashes: now.to_vec(), ..Default::default() });
+                        // Newest first within the piece: see `PrefixIndex::export`.
+                        let hashes = kvmesh_core::index::as_insert(now);
+                        last.inserts.push(IndexInsert { worker, hashes, ..Default::default() });
                     }
                     room -= now.len();
                     rest = later;
