@@ -859,8 +859,10 @@ impl Gateway {
 
 /// Whether a client-sent request header could steer routing and must be dropped.
 pub fn is_routing_header(name: &str) -> bool {
-    let name = name.to_ascii_lowercase();
-    name == "x-envoy-original-dst-host" || name == "x-gateway-destination-endpoint" || name.starts_with("x-kvmesh-")
+    // Every request header passes here: no allocation.
+    name.eq_ignore_ascii_case("x-envoy-original-dst-host")
+        || name.eq_ignore_ascii_case("x-gateway-destination-endpoint")
+        || name.get(..9).is_some_and(|p| p.eq_ignore_ascii_case("x-kvmesh-"))
 }
 
 #[cfg(test)]
