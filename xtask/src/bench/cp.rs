@@ -145,7 +145,29 @@ fn median_round(rounds: &[serde_json::Value]) -> serde_json::Value {
 /// A wasm custom stat's computed quantiles (Envoy's `/stats?format=json`), cumulative, by
 /// quantile in percent.
 fn quantiles(envoy: &Envoy, name: &str) -> Vec<(f64, Option<f64>)> {
-    let url = envoy.admin_url(&format!("/stats?format=json&filter={name}"));
+    quantiles_at(&envoy.admin_url(""), name)
+}
+
+/// The filter's decision time inside the Envoy whose admin is at `admin` (its base URL), in
+/// µs, `(p50, p99)`, once Envoy's histogram holds at least `requests` decisions (it merges
+/// them on its stats flush, every 5 s; none after 8 s: what it holds then).
+pub fn decision_us(admin: &str, requests: u64) -> Option<(f64, f64)> {
+    let counted = || {
+        let text = http::get(&format!("{admin}/stats/prometheus")).map(|r| r.text()).unwrap_or_default();
+        text.lines()
+            .find_map(|l| {
+                l.strip_prefix("kvmesh_route_decision_ns_count")?.split_whitespace().last()?.parse::<u64>().ok()
+            })
+            .unwrap_or(0)
+    };
+    let _ = wait_until("Envoy to merge the decision histogram", Duration::from_secs(8), || counted() >= requests);
+    let q = quantiles_at(admin, "kvmesh_route_decision_ns");
+    let at = |p: f64| q.iter().find(|(k, _)| (k - p).abs() < 1e-9).and_then(|(_, v)| *v).map(|ns| ns / 1e3);
+    Some((at(50.0)?, at(99.0)?))
+}
+
+fn quantiles_at(admin: &str, name: &str) -> Vec<(f64, Option<f64>)> {
+    let url = format!("{admin}/stats?format=json&filter={name}");
     let Ok(doc) = http::get(&url).and_then(|r| Ok(serde_json::from_str::<serde_json::Value>(&r.text())?)) else {
         return Vec::new();
     };

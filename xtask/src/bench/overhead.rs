@@ -40,6 +40,9 @@ struct Row {
     steady: Vec<f64>,
     /// The first round's `(second, req/s)` windows.
     first_rates: Vec<(f64, f64)>,
+    /// kvmesh: each round's routing decision inside Envoy, µs `(p50, p99)` (the first
+    /// gateway's `kvmesh_route_decision_ns`, every request of the round).
+    decision: Vec<(f64, f64)>,
 }
 
 /// Rows of the same configuration from several rounds become one: requests, errors and
@@ -59,6 +62,7 @@ fn merge_rounds(rows: Vec<Row>) -> Vec<Row> {
                 let _ = o.load.ttft.add(&r.load.ttft);
                 o.steady.extend(r.steady);
                 o.cpu_rounds.extend(r.cpu_rounds);
+                o.decision.extend(r.decision);
             }
         }
     }
@@ -92,6 +96,8 @@ impl Row {
             "proxy_cpu_us_per_request_rounds": self.cpu_rounds,
             "steady_after_s": median(&self.steady),
             "steady_after_s_rounds": self.steady,
+            "decision_p50_us": median(&self.decision.iter().map(|d| d.0).collect::<Vec<_>>()),
+            "decision_p99_us": median(&self.decision.iter().map(|d| d.1).collect::<Vec<_>>()),
             // The first round's throughput per second, from the first request (warm-up included).
             "first_round_rps_per_second": self.first_rates.iter().map(|&(t, r)| json!([t, r.round()])).collect::<Vec<_>>(),
         })
@@ -138,6 +144,17 @@ fn config(
         Ok(running) => {
             let (load, cpu_us) = measure(o, name, &running, requests, router != "direct");
             let (cpu_rounds, steady) = (cpu_us.into_iter().collect(), load.steady_after().into_iter().collect());
+            let decision: Vec<(f64, f64)> = match (router.starts_with("kvmesh"), running.admin.first()) {
+                // Every gateway decides alike; the first one's requests: a share of them.
+                (true, Some(admin)) => {
+                    let share = load.sent / running.admin.len().max(1) as u64;
+                    super::cp::decision_us(admin.trim_end_matches('/'), share * 9 / 10).into_iter().collect()
+                }
+                _ => Vec::new(),
+            };
+            if let Some((p50, p99)) = decision.first() {
+                eprintln!("    {name}: routing decision inside Envoy p50 {p50:.1} us, p99 {p99:.1} us");
+            }
             let first_rates = loadgen::window_rates(&load.timeline, 1.0);
             rows.push(Row {
                 mode,
@@ -149,6 +166,7 @@ fn config(
                 cpu_rounds,
                 steady,
                 first_rates,
+                decision,
             });
         }
         Err(e) => {
@@ -367,6 +385,20 @@ fn markdown(rows: &[Row], floor: Option<f64>, doc: &Value, o: &Opts) -> String {
             &body,
         ));
         md.push('\n');
+        let decided: Vec<Vec<String>> = these
+            .iter()
+            .filter(|r| !r.decision.is_empty())
+            .map(|r| {
+                let p =
+                    |i: usize| median(&r.decision.iter().map(|d| if i == 0 { d.0 } else { d.1 }).collect::<Vec<_>>());
+                vec![r.config.clone(), p(0).map_or("-".into(), |v| f(v, 1)), p(1).map_or("-".into(), |v| f(v, 1))]
+            })
+            .collect();
+        if !decided.is_empty() {
+            md.push_str("Routing decision inside Envoy (the filter's `kvmesh_route_decision_ns`: parse, catching up with the table and the other VMs' inserts, the policy; µs, median round):\n\n");
+            md.push_str(&table(&["setup", "decision p50 µs", "decision p99 µs"], &decided));
+            md.push('\n');
+        }
     }
     md.push_str("### kvmesh / other, same run\n\n");
     let body: Vec<Vec<String>> = doc["ratios"]
