@@ -229,6 +229,9 @@ pub struct DeltaLog {
     /// The last sequence number this VM has applied or skipped.
     cursor: u64,
     vm: u32,
+    /// Sequence numbers past the cursor that this VM wrote itself, in order: skipped without
+    /// reading them back (with several VMs, a VM's own batch is often ahead of the cursor).
+    own: std::collections::VecDeque<u64>,
 }
 
 impl DeltaLog {
@@ -237,7 +240,7 @@ impl DeltaLog {
     /// A reader/writer for VM `vm` that starts with the batches still in the ring.
     pub fn new(store: &dyn SharedStore, vm: u32) -> Self {
         let head = Inflight::load(store).head();
-        Self { cursor: head.saturating_sub(Self::SLOTS), vm }
+        Self { cursor: head.saturating_sub(Self::SLOTS), vm, own: std::collections::VecDeque::new() }
     }
 
     pub fn vm(&self) -> u32 {
@@ -278,6 +281,8 @@ impl DeltaLog {
         // Read up to just before it: nothing to read back (a VM alone pays no read per write).
         if self.cursor + 1 == seq {
             self.cursor = seq;
+        } else if seq > self.cursor && self.own.len() < Self::SLOTS as usize {
+            self.own.push_back(seq);
         }
     }
 
@@ -289,7 +294,17 @@ impl DeltaLog {
         }
         let mut out = Vec::new();
         let mut seq = self.cursor.max(head.saturating_sub(Self::SLOTS)) + 1;
+        while self.own.front().is_some_and(|&o| o < seq) {
+            self.own.pop_front();
+        }
         while seq <= head {
+            if self.own.front() == Some(&seq) {
+                // Written here: nothing to apply.
+                self.own.pop_front();
+                self.cursor = seq;
+                seq += 1;
+                continue;
+            }
             let entry = store.get(&Self::slot_key(seq)).0.unwrap_or_default();
             let written = u64_at(&entry, 0).unwrap_or(0);
             if written < seq {
@@ -755,6 +770,17 @@ mod tests {
         b.append(&store, &[ins(2, &[9])]);
         a.append(&store, &[ins(1, &[10])]);
         assert_eq!(a.poll(&store, Inflight::load(&store).head()), vec![ins(2, &[9])], "another VM's slot is read");
+        // Interleaved with another VM: its own slots ahead of its cursor are not read either.
+        for i in 0..4 {
+            b.append(&store, &[ins(2, &[100 + i])]);
+            a.append(&store, &[ins(1, &[200 + i])]);
+        }
+        let head = Inflight::load(&store).head();
+        let before = store.gets();
+        let got = a.poll(&store, head);
+        assert_eq!(got.iter().map(|d| d.hashes[0]).collect::<Vec<_>>(), [100, 101, 102, 103]);
+        assert_eq!(store.gets() - before, 4, "the other VM's four slots, not its own");
+        assert!(a.poll(&store, Inflight::load(&store).head()).is_empty());
     }
 
     #[test]

@@ -177,7 +177,7 @@ fn config(
 }
 
 /// kvmesh's configurations in one mode: 1 and 2 Envoy threads with static workers, the
-/// baseline build (`--baseline-wasm`), and 2 threads with kvmesh-cp as deployed (its CPU counts
+/// baseline build (`--baseline-wasm`) at 1 and 2 threads, and 2 threads with kvmesh-cp as deployed (its CPU counts
 /// too). `tags`: what the names carry after "kvmesh" and after the threads.
 fn kvmesh_configs(
     o: &Opts,
@@ -195,10 +195,13 @@ fn kvmesh_configs(
         });
     }
     if let Some(wasm) = &o.baseline_wasm {
-        let name = format!("kvmesh{mode_tag} baseline .wasm (1 thread{policy_tag})");
-        config(o, rows, failures, mode, "kvmesh-baseline", &name, Some(1), requests, || {
-            stack::kvmesh_with(workers, 1, 1, "cache_aware", false, Some(wasm))
-        });
+        for t in [1u32, 2] {
+            let name =
+                format!("kvmesh{mode_tag} baseline .wasm ({t} thread{}{policy_tag})", if t > 1 { "s" } else { "" });
+            config(o, rows, failures, mode, "kvmesh-baseline", &name, Some(t), requests, || {
+                stack::kvmesh_with(workers, t, 1, "cache_aware", false, Some(wasm))
+            });
+        }
     }
     let name = format!("kvmesh{mode_tag} (2 threads{policy_tag}, with kvmesh-cp)");
     config(o, rows, failures, mode, "kvmesh", &name, Some(2), requests, || {
