@@ -134,6 +134,9 @@ impl Gateway {
     /// other VMs — the table through shared data, index changes through the delta log.
     pub fn apply_snapshot(&mut self, store: &dyn SharedStore, snapshot: &proto::Snapshot) {
         if snapshot.full || snapshot.workers_changed || snapshot.settings.is_some() {
+            // A VM that has just taken the streams over starts from what the last owner
+            // published (the records it shares name that table's version).
+            self.sync_table(store);
             // What the other VMs adopt: the table, with the settings in force (a delta without
             // settings keeps the last ones).
             let settings = snapshot.settings.clone().or_else(|| self.cp_settings.as_ref().map(Into::into));
@@ -508,6 +511,30 @@ mod tests {
         owner.apply_snapshot(&store, &pd);
         route(&mut other, &store, "q");
         assert_eq!(other.table.get(1).map(|w| w.role), Some(kvmesh_core::worker::Role::Prefill));
+    }
+
+    #[test]
+    fn a_new_owner_names_the_table_the_last_owner_published() {
+        let store = FakeStore::default();
+        let (mut a, mut b) = (gateway(&store, 1), gateway(&store, 2));
+        let snap = |version, full| proto::Snapshot {
+            version,
+            full,
+            workers: vec![worker(0, 30), worker(1, 31)],
+            workers_changed: true,
+            ..Default::default()
+        };
+        a.apply_snapshot(&store, &snap(1, true));
+        route(&mut b, &store, "q");
+        // A reconnects: the same workers, published again as a table of version 3.
+        a.apply_snapshot(&store, &snap(3, true));
+        // B takes the streams over without having routed since, and gets new loads.
+        b.apply_snapshot(&store, &snap(4, false));
+        let (table_at, _) = SharedTable::polled(&store).unwrap();
+        assert_eq!(table_at, 3, "the records name the table that is in shared data");
+        let decoded = a.shared_table_version;
+        route(&mut a, &store, "q");
+        assert_eq!(a.shared_table_version, decoded, "A decodes no table for new loads");
     }
 
     #[test]
