@@ -37,13 +37,26 @@ fn polled_of(w: &Worker) -> Polled {
     Polled { id: w.id, healthy: w.healthy, load: w.load, waiting: w.waiting, kv_usage: w.kv_usage, utility: w.utility }
 }
 
-/// Copies what the control plane polls into `worker`.
+/// Copies what the control plane polls into `worker` (scores that are not finite: none).
+fn apply_polled(worker: &mut Worker, p: &Polled) {
+    worker.healthy = p.healthy;
+    worker.load = p.load;
+    worker.waiting = p.waiting;
+    worker.kv_usage = p.kv_usage.filter(|u| u.is_finite());
+    worker.utility = p.utility.filter(|u| u.is_finite());
+}
+
+/// [`apply_polled`] from the control plane's message.
 fn set_polled(worker: &mut Worker, w: &proto::Worker) {
-    worker.healthy = w.healthy;
-    worker.load = w.load;
-    worker.waiting = w.waiting;
-    worker.kv_usage = w.kv_usage.filter(|u| u.is_finite());
-    worker.utility = w.utility.filter(|u| u.is_finite());
+    let p = Polled {
+        id: w.id,
+        healthy: w.healthy,
+        load: w.load,
+        waiting: w.waiting,
+        kv_usage: w.kv_usage,
+        utility: w.utility,
+    };
+    apply_polled(worker, &p);
 }
 
 pub fn table_from(snapshot: &proto::Snapshot) -> WorkerTable {
@@ -215,11 +228,7 @@ impl Gateway {
                     _ => workers.iter().position(|w| w.id == p.id),
                 };
                 if let Some(w) = at.and_then(|i| workers.get_mut(i)) {
-                    w.healthy = p.healthy;
-                    w.load = p.load;
-                    w.waiting = p.waiting;
-                    w.kv_usage = p.kv_usage.filter(|u| u.is_finite());
-                    w.utility = p.utility.filter(|u| u.is_finite());
+                    apply_polled(w, p);
                 }
             }
         }
