@@ -66,6 +66,13 @@ pub struct Opts {
     /// Overhead: another build of the filter measured beside this one (1 Envoy thread), for a
     /// before/after in one run.
     pub baseline_wasm: Option<PathBuf>,
+    /// Overhead: the proxies on a core of their own (the last one), the load generator and
+    /// the workers on the first: CPU per request without the other processes' cache traffic
+    /// and preemption in it (for 1-thread comparisons; 2-thread setups then share one core).
+    pub pin: bool,
+    /// Overhead: experiment builds of the filter, each measured beside this one (1 Envoy
+    /// thread), named by their file.
+    pub variant_wasm: Vec<PathBuf>,
 }
 
 impl Opts {
@@ -87,6 +94,8 @@ impl Opts {
             only: Vec::new(),
             rounds: 1,
             baseline_wasm: None,
+            pin: false,
+            variant_wasm: Vec::new(),
         }
     }
 
@@ -97,7 +106,7 @@ impl Opts {
 }
 
 const OPTIONS: &str =
-    "overhead | quality | scale (default: all), --quick, --seconds N, --connections N, --no-pd, --no-peers, --out DIR, --workload NAME (quality; repeatable), --only TEXT (overhead, quality: configurations named with it; scale: its parts micro, control-plane, propagation; repeatable), --rounds N (overhead, quality, scale's gateway at 10^6 blocks: each configuration N times, interleaved), --baseline-wasm FILE (overhead, scale's gateway at 10^6 blocks: that filter build beside this one)";
+    "overhead | quality | scale (default: all), --quick, --seconds N, --connections N, --no-pd, --no-peers, --out DIR, --workload NAME (quality; repeatable), --only TEXT (overhead, quality: configurations named with it; scale: its parts micro, control-plane, propagation; repeatable), --rounds N (overhead, quality, scale's gateway at 10^6 blocks: each configuration N times, interleaved), --baseline-wasm FILE (overhead, scale's gateway at 10^6 blocks: that filter build beside this one), --variant-wasm FILE (overhead, repeatable: an experiment build beside this one, 1 thread), --pin (overhead: the proxy on the last core, everything else on the first)";
 
 fn parse(args: &[String]) -> anyhow::Result<Opts> {
     let mut o = Opts::new(args.iter().any(|a| a == "--quick"));
@@ -133,6 +142,12 @@ fn parse(args: &[String]) -> anyhow::Result<Opts> {
             "--out" => o.out = PathBuf::from(value("--out")?),
             "--workload" => o.workloads.push(value("--workload")?),
             "--only" => o.only.push(value("--only")?),
+            "--pin" => o.pin = true,
+            "--variant-wasm" => {
+                let v = PathBuf::from(value("--variant-wasm")?);
+                anyhow::ensure!(v.is_file(), "--variant-wasm {}: no such file", v.display());
+                o.variant_wasm.push(v);
+            }
             "--baseline-wasm" => {
                 let v = PathBuf::from(value("--baseline-wasm")?);
                 anyhow::ensure!(v.is_file(), "--baseline-wasm {}: no such file", v.display());

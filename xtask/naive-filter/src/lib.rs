@@ -27,6 +27,15 @@ mod glue {
             let Some(bytes) = self.get_plugin_configuration() else { return false };
             self.workers = Rc::new(super::workers(&bytes));
             self.probe = super::Probe::from_config(&bytes);
+            use proxy_wasm::types::MetricType;
+            if self.probe.counter > 0 {
+                self.probe.counter_id =
+                    proxy_wasm::hostcalls::define_metric(MetricType::Counter, "naive_probe_total").unwrap_or(0);
+            }
+            if self.probe.histogram > 0 {
+                self.probe.histogram_id =
+                    proxy_wasm::hostcalls::define_metric(MetricType::Histogram, "naive_probe_ns").unwrap_or(0);
+            }
             !self.workers.is_empty()
         }
 
@@ -74,6 +83,28 @@ mod glue {
             }
             for _ in 0..self.time {
                 let _ = h::get_current_time();
+            }
+            if self.touch_kib > 0 {
+                thread_local!(static BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) });
+                BUF.with(|b| {
+                    let mut b = b.borrow_mut();
+                    let n = self.touch_kib as usize * 1024;
+                    if b.len() != n {
+                        b.resize(n, 1);
+                    }
+                    // One write per cache line: the working set a bigger filter would touch.
+                    let mut i = 0;
+                    while i < n {
+                        b[i] = b[i].wrapping_add(1);
+                        i += 64;
+                    }
+                });
+            }
+            for _ in 0..self.counter {
+                let _ = h::increment_metric(self.counter_id, 1);
+            }
+            for i in 0..self.histogram {
+                let _ = h::record_metric(self.histogram_id, u64::from(i) * 1000);
             }
         }
     }
@@ -136,6 +167,14 @@ pub struct Probe {
     pub property: u32,
     pub body_get: u32,
     pub time: u32,
+    /// Increments of a counter and values recorded in a histogram (the filter's stats).
+    pub counter: u32,
+    pub histogram: u32,
+    /// KiB of the VM's memory written (a cache line at a time) on every request.
+    pub touch_kib: u32,
+    /// The stats' ids (defined once, at configuration).
+    pub counter_id: u32,
+    pub histogram_id: u32,
 }
 
 impl Probe {
@@ -151,6 +190,11 @@ impl Probe {
             property: n("property"),
             body_get: n("body_get"),
             time: n("time"),
+            counter: n("counter"),
+            histogram: n("histogram"),
+            touch_kib: n("touch_kib"),
+            counter_id: 0,
+            histogram_id: 0,
         }
     }
 }

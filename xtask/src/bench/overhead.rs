@@ -122,6 +122,25 @@ fn measure(o: &Opts, name: &str, running: &Running, requests: &[Vec<u8>], proxy:
     (load, cpu)
 }
 
+/// Profiling only: with `KVMESH_BENCH_ENVOY_STATS=DIR`, every Envoy's `/stats` after its run
+/// goes to `DIR/<configuration>.<n>.txt` (connections opened, retries, upstream resets: what
+/// Envoy did around the filter).
+fn dump_envoy_stats(name: &str, running: &Running) {
+    let Some(dir) = std::env::var_os("KVMESH_BENCH_ENVOY_STATS") else { return };
+    let dir = std::path::PathBuf::from(dir);
+    let _ = std::fs::create_dir_all(&dir);
+    let file: String = name.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
+    for (i, admin) in running.admin.iter().enumerate() {
+        let url = format!("{}/stats", admin.trim_end_matches('/'));
+        match kvmesh_testkit::http::get(&url) {
+            Ok(r) => {
+                let _ = std::fs::write(dir.join(format!("{file}.{i}.txt")), r.text());
+            }
+            Err(e) => eprintln!("    cannot read {url}: {e:#}"),
+        }
+    }
+}
+
 /// Starts a configuration, measures it, stops it. A configuration that cannot start is
 /// reported as such, never left out silently.
 #[allow(clippy::too_many_arguments)]
@@ -140,9 +159,16 @@ fn config(
         return;
     }
     step(&format!("overhead {mode}: {name}"));
-    match start() {
+    let started = start().and_then(|running| {
+        if let Some(cpu) = o.pin.then(proxy_cpu) {
+            running.pin(&cpu.to_string())?;
+        }
+        Ok(running)
+    });
+    match started {
         Ok(running) => {
             let (load, cpu_us) = measure(o, name, &running, requests, router != "direct");
+            dump_envoy_stats(name, &running);
             let (cpu_rounds, steady) = (cpu_us.into_iter().collect(), load.steady_after().into_iter().collect());
             let decision: Vec<(f64, f64)> = match (router.starts_with("kvmesh"), running.admin.first()) {
                 // Every gateway decides alike; the first one's requests: a share of them.
@@ -203,13 +229,34 @@ fn kvmesh_configs(
             });
         }
     }
+    // Experiment builds (`--variant-wasm`), 1 thread: named by their file.
+    for wasm in &o.variant_wasm {
+        let stem = wasm.file_stem().map_or_else(|| wasm.display().to_string(), |s| s.to_string_lossy().into_owned());
+        let name = format!("kvmesh{mode_tag} variant {stem} (1 thread{policy_tag})");
+        config(o, rows, failures, mode, "kvmesh-baseline", &name, Some(1), requests, || {
+            stack::kvmesh_with(workers, 1, 1, "cache_aware", false, Some(wasm))
+        });
+    }
     let name = format!("kvmesh{mode_tag} (2 threads{policy_tag}, with kvmesh-cp)");
     config(o, rows, failures, mode, "kvmesh", &name, Some(2), requests, || {
         stack::kvmesh(workers, 2, 1, "cache_aware", true)
     });
 }
 
+/// `--pin`: the core the proxies get to themselves (the last one).
+fn proxy_cpu() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get()).saturating_sub(1)
+}
+
 pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
+    if o.pin {
+        let cpu = proxy_cpu();
+        anyhow::ensure!(cpu > 0, "--pin needs at least 2 CPUs");
+        // This process (the load generator) and every worker it starts stay off the proxy's core.
+        let others = (0..cpu).map(|c| c.to_string()).collect::<Vec<_>>().join(",");
+        stack::pin(std::process::id(), &others)?;
+        step(&format!("--pin: proxies on CPU {cpu}, the load generator and the workers on CPU {others}"));
+    }
     let requests = workload();
     let mut rows = Vec::new();
     let mut failures = Vec::new();
@@ -314,7 +361,7 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
     let ratios = ratios(&rows, floor);
     let doc = json!({
         "suite": "overhead",
-        "params": {"seconds": o.seconds, "rounds": o.rounds, "connections": o.connections, "workers": 4, "pd_workers": "2 prefill + 2 decode",
+        "params": {"seconds": o.seconds, "rounds": o.rounds, "connections": o.connections, "pinned": o.pin, "workers": 4, "pd_workers": "2 prefill + 2 decode",
                    "sim": "--time-scale 0 --max-running 4096", "requests": "16 shared ~1 KiB system prompts, 4096 distinct questions, /generate, max_new_tokens 1"},
         "results": results,
         "ratios": ratios,
@@ -353,11 +400,12 @@ fn ratios(rows: &[Row], floor: Option<f64>) -> Vec<Value> {
 
 fn markdown(rows: &[Row], floor: Option<f64>, doc: &Value, o: &Opts) -> String {
     let mut md = format!(
-        "## Overhead ({} s per configuration after a {:.1} s warm-up{}, {} connections, workers at --time-scale 0)\n\n",
+        "## Overhead ({} s per configuration after a {:.1} s warm-up{}, {} connections, workers at --time-scale 0{})\n\n",
         o.seconds,
         o.seconds / 10.0,
         if o.rounds > 1 { format!(", {} interleaved rounds (CPU: the median round)", o.rounds) } else { String::new() },
-        o.connections
+        o.connections,
+        if o.pin { "; proxies pinned to a core of their own (`--pin`)" } else { "" }
     );
     for mode in ["regular", "pd"] {
         let these: Vec<&Row> = rows.iter().filter(|r| r.mode == mode).collect();

@@ -88,12 +88,36 @@ impl Running {
         self.pids.iter().map(|&p| cpu_time(p)).sum()
     }
 
+    /// Moves every thread of the proxy processes to `cpus` (`--pin`; threads they start
+    /// later inherit it).
+    pub fn pin(&self, cpus: &str) -> anyhow::Result<()> {
+        for &pid in &self.pids {
+            pin(pid, cpus)?;
+        }
+        Ok(())
+    }
+
     /// Takes over another router's processes (the mesh path: Envoy in front of a peer).
     fn absorb(&mut self, other: Running) {
         self.pids.extend(other.pids);
         self._envoys.extend(other._envoys);
         self._procs.extend(other._procs);
     }
+}
+
+/// Moves every thread of process `pid` to the CPUs `cpus` (a list: `1`, `0,1`; util-linux
+/// `taskset`).
+pub fn pin(pid: u32, cpus: &str) -> anyhow::Result<()> {
+    let out = Command::new("taskset")
+        .args(["--all-tasks", "--cpu-list", "--pid", cpus, &pid.to_string()])
+        .output()
+        .context("--pin needs `taskset` (util-linux)")?;
+    anyhow::ensure!(
+        out.status.success(),
+        "taskset could not move process {pid} to CPU {cpus}: {}",
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    Ok(())
 }
 
 /// CPU time (user + system) a process has used so far, from `/proc`.
