@@ -20,7 +20,8 @@ pub struct EnvoyOptions {
     pub listener_port: u16,
     pub admin_port: u16,
     pub wasm: PathBuf,
-    /// Keys merged over the filter's JSON configuration (e.g. `worker_urls`, `policy`).
+    /// Keys merged over the filter's JSON configuration (e.g. `worker_urls`, `policy`); a null
+    /// value takes the template's key out.
     pub filter: Json,
     /// Envoy worker threads.
     pub concurrency: u32,
@@ -114,7 +115,12 @@ pub fn render(opts: &EnvoyOptions) -> anyhow::Result<String> {
         serde_json::from_str(value.as_str().unwrap_or("{}")).context("the filter configuration is not JSON")?;
     if let (Some(base), Some(extra)) = (filter.as_object_mut(), opts.filter.as_object()) {
         for (k, v) in extra {
-            base.insert(k.clone(), v.clone());
+            // null takes the template's key out (for builds that predate it).
+            if v.is_null() {
+                base.remove(k);
+            } else {
+                base.insert(k.clone(), v.clone());
+            }
         }
         if opts.control_plane.is_none() {
             base.insert("control_plane_cluster".into(), "".into());

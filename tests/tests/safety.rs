@@ -247,6 +247,30 @@ fn hostile_requests_never_disable_the_gateway() {
     assert_eq!(http::get(&envoy.url("/v1/models")).unwrap().status, 200, "read-only paths still pass");
     assert_still_serving(&envoy, "methods and paths", &mut served);
 
+    // Header values that are not UTF-8 (HTTP allows bytes above 0x7f): the SDK's own header
+    // decoder would panic on them and kill the VM. Routed like any request; a routing header
+    // with such a value is still removed (the worker answers, not the one it names).
+    let body = br#"{"text":"latin-1 headers","sampling_params":{"max_new_tokens":2}}"#;
+    for (path, extra) in [
+        ("/generate", &b"x-note: caf\xe9\r\nx-request-id: \xff\xfe\r\n"[..]),
+        ("/generate", b"x-gateway-destination-endpoint: 127.0.0.9:1\xff\r\nuser-agent: \xc3\x28\r\n"),
+        ("/v1/models", b"accept-language: d\xe9\r\n"),
+    ] {
+        let method = if path == "/generate" { "POST" } else { "GET" };
+        let length = if method == "POST" { body.len() } else { 0 };
+        let mut req = format!("{method} {path} HTTP/1.1\r\nhost: x\r\ncontent-length: {length}\r\n").into_bytes();
+        req.extend_from_slice(extra);
+        req.extend_from_slice(b"connection: close\r\n\r\n");
+        if method == "POST" {
+            req.extend_from_slice(body);
+        }
+        let answer = raw(&envoy, &req, false, Duration::from_secs(10));
+        assert_eq!(status_of(&answer), Some(200), "{path} with {:?}: {answer}", String::from_utf8_lossy(extra));
+        assert!(answer.to_ascii_lowercase().contains("x-kvmesh-worker: 127.0.0.1:"), "{answer}");
+        sent(1);
+    }
+    assert_still_serving(&envoy, "header values that are not UTF-8", &mut served);
+
     // Clients that reset mid-stream, trailers, and headers then silence.
     let body = br#"{"text":"reset me","sampling_params":{"max_new_tokens":64}}"#;
     for _ in 0..20 {

@@ -3,7 +3,7 @@
 //! control-plane snapshot) are checked and completed with defaults; [`Config::from_json`]
 //! reads the filter's plugin JSON: the routing settings plus the keys only the filter has
 //! (`worker_urls`, `prefill`, `decode`, `upstream_cluster`, `control_plane_cluster`,
-//! `report_interval_ms`).
+//! `report_interval_ms`, `control_plane_token`, `route_sets_worker_header`).
 
 use serde::Deserialize;
 use serde_json::{Map, Value};
@@ -92,6 +92,11 @@ pub struct Config {
     pub control_plane_token: Option<String>,
     /// Read-only worker paths that pass through (see [`crate::paths`]).
     pub passthrough_paths: Vec<String>,
+    /// The route adds `x-kvmesh-worker: %UPSTREAM_REMOTE_ADDRESS%` to every response
+    /// (overwriting any the worker sent): the filter reads which worker answered from the
+    /// response headers it reads anyway, instead of asking Envoy for the upstream address and
+    /// setting the header itself (two host calls, one of which copies into the VM).
+    pub route_sets_worker_header: bool,
     /// `prefix_hash`'s parameters (`max_blocks` already in blocks).
     pub prefix_hash: PrefixHashParams,
     /// `marginal_utility`'s parameters.
@@ -165,9 +170,11 @@ struct FilterKeys {
     control_plane_cluster: Option<String>,
     report_interval_ms: Option<u64>,
     control_plane_token: Option<String>,
+    #[serde(default)]
+    route_sets_worker_header: bool,
 }
 
-const FILTER_KEYS: [&str; 7] = [
+const FILTER_KEYS: [&str; 8] = [
     "worker_urls",
     "prefill",
     "decode",
@@ -175,6 +182,7 @@ const FILTER_KEYS: [&str; 7] = [
     "control_plane_cluster",
     "report_interval_ms",
     "control_plane_token",
+    "route_sets_worker_header",
 ];
 
 /// Deserialises `map` as `T`; when that fails, names the first key that fails on its own.
@@ -256,6 +264,7 @@ impl Default for Config {
             control_plane_cluster: None,
             report_interval_ms: DEFAULT_REPORT_INTERVAL_MS,
             control_plane_token: None,
+            route_sets_worker_header: false,
             passthrough_paths: crate::paths::DEFAULT_PASSTHROUGH.iter().map(|p| p.to_string()).collect(),
             prefix_hash: PrefixHashParams {
                 // 256 tokens of 4 bytes in blocks of 32 bytes: 32 blocks (SMG's count wins).
@@ -552,6 +561,7 @@ impl Config {
             control_plane_cluster: self.control_plane_cluster.clone(),
             report_interval_ms: self.report_interval_ms,
             control_plane_token: self.control_plane_token.clone(),
+            route_sets_worker_header: self.route_sets_worker_header,
             ..Self::from_settings(s)?
         })
     }
@@ -577,6 +587,7 @@ impl Config {
             config.upstream_cluster = cluster;
         }
         config.control_plane_cluster = keys.control_plane_cluster.filter(|c| !c.is_empty());
+        config.route_sets_worker_header = keys.route_sets_worker_header;
         config.report_interval_ms = positive("report_interval_ms", keys.report_interval_ms, config.report_interval_ms)?;
         config.control_plane_token = match keys.control_plane_token.filter(|t| !t.is_empty()) {
             Some(t) if t.len() > 4096 || !t.bytes().all(|b| b.is_ascii_graphic()) => {

@@ -10,6 +10,7 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action as WasmAction, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
 
+use crate::headers::Headers;
 use crate::host::{Action, Callout, Host, HostError, Metric};
 use crate::plugin::Plugin;
 use crate::request::RequestFilter;
@@ -17,6 +18,36 @@ use crate::shared::{SetError, SharedStore};
 
 fn err(status: Status) -> HostError {
     HostError(format!("{status:?}"))
+}
+
+#[link(wasm_import_module = "env")]
+extern "C" {
+    fn proxy_get_header_map_pairs(
+        map_type: MapType,
+        return_map_data: *mut *mut u8,
+        return_map_size: *mut usize,
+    ) -> Status;
+}
+
+/// A whole header map in one host call, kept as the host serialized it. The SDK's `get_map`
+/// would build two `String`s per header (a third of the filter's own work on a request) and
+/// unwrap values as UTF-8, which HTTP does not promise: a client's Latin-1 header would panic
+/// and kill the VM.
+#[allow(unsafe_code)]
+fn header_map(map: MapType) -> Headers {
+    let mut data: *mut u8 = std::ptr::null_mut();
+    let mut size: usize = 0;
+    // SAFETY: the host writes a pointer and a length to the two locals. On success the
+    // pointer is null or a buffer of `size` bytes that the host had this VM allocate through
+    // the SDK's `proxy_on_memory_allocate` (a boxed slice of exactly `size` bytes) and hands
+    // over: owning it as a `Vec` of that length and capacity is what the SDK's own `get_map`
+    // does, and frees it with the same layout.
+    let status = unsafe { proxy_get_header_map_pairs(map, &mut data, &mut size) };
+    if status != Status::Ok || data.is_null() {
+        return Headers::default();
+    }
+    // SAFETY: see above; ownership passes from the host to this Vec once.
+    Headers::from_raw(unsafe { Vec::from_raw_parts(data, size, size) })
 }
 
 /// Envoy, as seen from one VM: shared data, the current stream, and the VM's stats.
@@ -73,8 +104,8 @@ impl SharedStore for EnvoyHost {
 }
 
 impl Host for EnvoyHost {
-    fn request_headers(&self) -> Vec<(String, String)> {
-        hostcalls::get_map(MapType::HttpRequestHeaders).unwrap_or_default()
+    fn request_headers(&self) -> Headers {
+        header_map(MapType::HttpRequestHeaders)
     }
 
     fn set_request_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError> {
@@ -89,8 +120,8 @@ impl Host for EnvoyHost {
         hostcalls::set_buffer(BufferType::HttpRequestBody, 0, size, body).map_err(err)
     }
 
-    fn response_header(&self, name: &str) -> Option<String> {
-        hostcalls::get_map_value(MapType::HttpResponseHeaders, name).ok().flatten()
+    fn response_headers(&self) -> Headers {
+        header_map(MapType::HttpResponseHeaders)
     }
 
     fn set_response_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError> {

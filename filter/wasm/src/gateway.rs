@@ -13,8 +13,9 @@ use kvmesh_core::request::{self, RequestError, MAX_ROUTING_KEY};
 use kvmesh_core::rng::{random_u64, seeded, FastRng, RngCore};
 use kvmesh_core::{Config, Decision, Endpoint, Role, Router, RoutingSettings, RoutingText, WorkerId, WorkerTable};
 
+use crate::headers::Headers;
 use crate::health::Health;
-use crate::shared::{Delta, DeltaLog, Inflight, SharedStore, VmLedger};
+use crate::shared::{Delta, DeltaLog, EndedBy, Inflight, SharedStore, VmLedger};
 use crate::stall::Stalls;
 
 /// What the filter does with a request.
@@ -207,7 +208,7 @@ pub struct RequestInfo<'a> {
     /// Reads the request headers again, for a VM that learns only at the body that a key is
     /// needed (its first snapshot, or new settings, arrived in between); none when the headers
     /// were already looked up for a key (or cannot be read again).
-    pub headers: Option<&'a dyn Fn() -> Vec<(String, String)>>,
+    pub headers: Option<&'a dyn Fn() -> Headers>,
     /// When the request body was complete.
     pub now: Now,
 }
@@ -336,8 +337,16 @@ pub struct Gateway {
     /// The settings message `cp_settings` came from, as received (a republished table
     /// carries the same one: compared before converting).
     cp_settings_wire: Option<kvmesh_proto::v1::RoutingSettings>,
-    /// What this VM has in flight, per worker (published by [`Gateway::heartbeat`]).
+    /// What this VM has in flight, per worker, as counted in [`Inflight`] (published by
+    /// [`Gateway::heartbeat`]): requests that ended leave it when their end is written.
     mine: std::collections::BTreeMap<WorkerId, u32>,
+    /// Requests that ended here and are not written to [`Inflight`] yet (the next commit or
+    /// tick writes them). Only while this VM is the Envoy's only one (`alone`): another VM
+    /// would count them as load until then (a session's next turn, sent as the last one
+    /// ended, could be moved off its worker), so with others each end is written at once.
+    ended: EndedBy,
+    /// This VM is the only one registered (checked with the heartbeat, once a second).
+    alone: bool,
     /// `mine` changed since it was last published.
     mine_changed: bool,
     last_heartbeat_ms: u64,
@@ -374,6 +383,8 @@ impl Gateway {
             cp_settings: None,
             cp_settings_wire: None,
             mine: std::collections::BTreeMap::new(),
+            ended: EndedBy::new(),
+            alone: false,
             mine_changed: false,
             last_heartbeat_ms: 0,
             config,
@@ -515,15 +526,15 @@ impl Gateway {
     /// The routing key of a request with these headers: the first of the configured
     /// `routing_key_headers` present with a value of 1 to 1024 bytes, when a policy in force
     /// hashes on it (none otherwise: nothing is kept).
-    pub fn routing_key(&self, headers: &[(String, String)]) -> Option<String> {
+    pub fn routing_key(&self, headers: &Headers) -> Option<String> {
         if !self.uses(PolicyKind::ConsistentHashing) {
             return None;
         }
         self.config.routing_key.headers.iter().find_map(|name| {
             headers
-                .iter()
+                .pairs()
                 .find(|(n, v)| n.eq_ignore_ascii_case(name) && !v.is_empty() && v.len() <= MAX_ROUTING_KEY)
-                .map(|(_, v)| v.clone())
+                .map(|(_, v)| v.to_string())
         })
     }
 
@@ -544,7 +555,7 @@ impl Gateway {
             Err(e) => return Outcome::Reply(Reply::request(&e)),
         };
         self.sync_table(store);
-        let inflight = Inflight::load(store);
+        let inflight = Inflight::load(store).discount(&self.ended);
         self.catch_up(store, inflight.head());
         let now = info.now;
         self.health.sync_if_probing(store, now);
@@ -649,7 +660,10 @@ impl Gateway {
                 log::info!("worker {}: half-open, probing it with one request", d.worker);
             }
         }
-        let (counted, seq) = inflight.commit(store, &counts, !deltas.is_empty());
+        let (counted, seq) = inflight.commit(store, &counts, &self.ended, !deltas.is_empty());
+        if counted {
+            self.ended_written();
+        }
         if let Some(seq) = seq {
             self.log.write(store, seq, &deltas);
         }
@@ -702,7 +716,7 @@ impl Gateway {
     pub fn route_other(&mut self, store: &dyn SharedStore, now: Now) -> Result<(Routed, Vec<String>), Reply> {
         self.sync_table(store);
         let role = if matches!(self.mode, Mode::Pd(_)) { Role::Decode } else { Role::Regular };
-        let (cands, _) = candidates(self, &Inflight::load(store), role, now, Probes::Refused);
+        let (cands, _) = candidates(self, &Inflight::load(store).discount(&self.ended), role, now, Probes::Refused);
         let pos = match &mut self.mode {
             Mode::Regular(r) => r.route_any(&cands, &mut self.rng),
             Mode::Pd(pd) => pd.decode_router().route_any(&cands, &mut self.rng),
@@ -716,29 +730,50 @@ impl Gateway {
     }
 
     /// A counted leg that never ran to its end (a prefill callout cancelled with its stream):
-    /// off the in-flight table, not counted as finished.
+    /// off the in-flight table, not counted as finished (written with the next commit or tick).
     pub fn release(&mut self, store: &dyn SharedStore, routed: &Routed) {
         if routed.counted {
-            Inflight::add(store, routed.worker, -1);
-            self.forget_one(routed.worker);
+            self.ended.entry(routed.worker).or_default().left += 1;
+            self.write_ended_unless_alone(store);
         }
     }
 
-    /// The stream of a counted request ended (completed, failed or reset).
+    /// The stream of a counted request ended (completed, failed or reset): written with the
+    /// next commit or tick, discounted from this VM's decisions until then.
     pub fn finish(&mut self, store: &dyn SharedStore, routed: &Routed, ok: bool) {
         if routed.counted {
-            Inflight::finish(store, routed.worker, !ok);
-            self.forget_one(routed.worker);
+            let e = self.ended.entry(routed.worker).or_default();
+            e.left += 1;
+            e.finished += 1;
+            e.failed += u32::from(!ok);
+            self.write_ended_unless_alone(store);
         }
     }
 
-    fn forget_one(&mut self, worker: WorkerId) {
-        if let Some(n) = self.mine.get_mut(&worker) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                self.mine.remove(&worker);
+    fn write_ended_unless_alone(&mut self, store: &dyn SharedStore) {
+        if !self.alone {
+            self.write_ended(store);
+        }
+    }
+
+    /// Writes the requests that ended here since the last write (on the tick: when no request
+    /// was routed since, nothing else would).
+    pub fn write_ended(&mut self, store: &dyn SharedStore) {
+        if !self.ended.is_empty() && Inflight::end(store, &self.ended) {
+            self.ended_written();
+        }
+    }
+
+    /// The ended requests are in [`Inflight`] now: no longer this VM's there either.
+    fn ended_written(&mut self) {
+        for (worker, e) in std::mem::take(&mut self.ended) {
+            if let Some(n) = self.mine.get_mut(&worker) {
+                *n = n.saturating_sub(e.left);
+                if *n == 0 {
+                    self.mine.remove(&worker);
+                }
+                self.mine_changed = true;
             }
-            self.mine_changed = true;
         }
     }
 
@@ -748,6 +783,7 @@ impl Gateway {
         let due = now_ms.saturating_sub(self.last_heartbeat_ms) >= 1_000;
         if due {
             VmLedger::register(store, self.vm_id());
+            self.alone = VmLedger::registered(store) == [self.vm_id()];
         }
         if self.mine_changed || due {
             let counts: Vec<(WorkerId, u32)> = self.mine.iter().map(|(&w, &n)| (w, n)).collect();
@@ -922,7 +958,7 @@ mod tests {
     fn consistent_hashing_keys_come_from_the_headers_then_the_body_field() {
         let store = FakeStore::default();
         let mut g = gateway(&store, r#","policy":"consistent_hashing","routing_key_body_field":"user""#);
-        let hdr = |v: &str| vec![("X-Session-Id".to_string(), v.to_string())];
+        let hdr = |v: &str| Headers::from_pairs([("X-Session-Id", v.as_bytes())]);
         assert_eq!(g.routing_key(&hdr("s1")).as_deref(), Some("s1"), "a default header, any case");
         assert_eq!(g.routing_key(&hdr("")), None);
         assert_eq!(g.routing_key(&hdr(&"k".repeat(MAX_ROUTING_KEY + 1))), None, "too long");
@@ -945,7 +981,7 @@ mod tests {
         assert_eq!(spread.len(), 3, "keys spread over every worker");
         // No key captured at the headers (the VM did not know yet): the headers are read again.
         let first = owner(&mut g, Some("erin"), &body("p"));
-        let fetch = || vec![("x-smg-routing-key".to_string(), "erin".to_string())];
+        let fetch = || Headers::from_pairs([("x-smg-routing-key", &b"erin"[..])]);
         for _ in 0..5 {
             let info =
                 RequestInfo { request_id: None, routing_key: None, headers: Some(&fetch), now: Now::from_secs(1000) };
@@ -962,6 +998,7 @@ mod tests {
         let store = FakeStore::default();
         let mut g = gateway(&store, "");
         let prefix = "p".repeat(400);
+        g.heartbeat(&store, 1_000); // registered, and the Envoy's only VM
         let first = routed(&mut g, &store, &body(&format!("{prefix}a")));
         assert!(first.counted);
         let again = routed(&mut g, &store, &body(&format!("{prefix}b")));
@@ -969,8 +1006,36 @@ mod tests {
         assert!(again.matched_bytes >= 384);
         assert_eq!(Inflight::read(&store), vec![(first.worker, 2)]);
         g.finish(&store, &first, true);
-        g.finish(&store, &again, true);
+        g.finish(&store, &again, false);
+        // Ending touches no shared data: the next commit writes the ends with its own count.
+        assert_eq!(Inflight::read(&store), vec![(first.worker, 2)]);
+        let third = routed(&mut g, &store, &body(&format!("{prefix}c")));
+        assert_eq!(third.addr, first.addr);
+        let c = Inflight::counts(&store);
+        assert_eq!((c[0].in_flight, c[0].finished, c[0].failed), (1, 2, 1));
+        // With no request to carry them, the tick writes them.
+        g.finish(&store, &third, true);
+        g.write_ended(&store);
         assert_eq!(Inflight::read(&store), vec![(first.worker, 0)]);
+        // With another VM, an end is written at once: it would count it as load meanwhile.
+        let mut other = Gateway::new(g.config().clone(), &store, 7);
+        other.heartbeat(&store, 1_000);
+        g.heartbeat(&store, 2_000);
+        let fourth = routed(&mut g, &store, &body(&format!("{prefix}d")));
+        g.finish(&store, &fourth, true);
+        assert_eq!(Inflight::read(&store), vec![(first.worker, 0)]);
+    }
+
+    #[test]
+    fn a_vms_own_ended_requests_count_at_once_in_its_decisions() {
+        let store = FakeStore::default();
+        let mut g = gateway(&store, "");
+        g.heartbeat(&store, 1_000);
+        let held = routed(&mut g, &store, &body(&"x".repeat(400)));
+        g.finish(&store, &held, true);
+        let p = plan(req(&mut g, &store, Endpoint::Generate, &body(&"y".repeat(400))));
+        assert_eq!(p.inflight.count(held.worker), 0, "not written yet, but not counted as load");
+        assert_eq!(Inflight::read(&store), vec![(held.worker, 1)]);
     }
 
     #[test]
@@ -1003,16 +1068,24 @@ mod tests {
         b.heartbeat(&store, 1_000);
         let total = |s: &FakeStore| Inflight::counts(s).iter().map(|c| c.in_flight).sum::<u32>();
         assert_eq!(total(&store), 6);
+        assert!(a.alone && !b.alone);
+        // One of a's requests ended, not written when a dies (a still takes itself for the only
+        // VM: b registered after a's check): a's ledger still counts it.
+        let ended_on_a = routed(&mut a, &store, &body("on a, ended"));
+        a.finish(&store, &ended_on_a, true);
+        a.heartbeat(&store, 1_000);
+        assert_eq!(total(&store), 7);
         drop(a); // trapped: its streams never reach on_log
         for t in (2_000..=10_000).step_by(1_000) {
             b.heartbeat(&store, t);
-            assert_eq!(total(&store), 6, "not before the heartbeat is stale ({t} ms)");
+            assert_eq!(total(&store), 7, "not before the heartbeat is stale ({t} ms)");
         }
         b.heartbeat(&store, 12_000);
-        assert_eq!(total(&store), 3, "a's three are taken back, b's stay");
+        assert_eq!(total(&store), 3, "a's four are taken back, b's stay");
         for r in &on_b {
             b.finish(&store, r, true);
         }
+        b.write_ended(&store);
         assert_eq!(total(&store), 0);
     }
 

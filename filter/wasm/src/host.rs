@@ -4,6 +4,7 @@
 //! only); [`mock::MockHost`] implements it in memory for native tests, so the request, PD and
 //! control-plane logic runs under `cargo test`.
 
+use crate::headers::Headers;
 use std::time::Duration;
 
 use crate::shared::SharedStore;
@@ -114,7 +115,8 @@ pub struct Callout<'a> {
 /// the stream whose callback is running; callout and gRPC answers are read in their callbacks.
 pub trait Host: SharedStore {
     // The request.
-    fn request_headers(&self) -> Vec<(String, String)>;
+    /// All request headers, in one host call.
+    fn request_headers(&self) -> Headers;
     fn set_request_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError>;
     /// The first `size` bytes of the buffered request body.
     fn request_body(&self, size: usize) -> Vec<u8>;
@@ -122,7 +124,8 @@ pub trait Host: SharedStore {
     fn set_request_body(&self, size: usize, body: &[u8]) -> Result<(), HostError>;
 
     // The response.
-    fn response_header(&self, name: &str) -> Option<String>;
+    /// All response headers, in one host call.
+    fn response_headers(&self) -> Headers;
     fn set_response_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError>;
     fn response_body(&self, size: usize) -> Vec<u8>;
     /// Envoy's response code details: `via_upstream` when the worker answered, else why Envoy

@@ -18,6 +18,7 @@
 pub mod admission;
 pub mod feedback;
 pub mod gateway;
+pub mod headers;
 pub mod health;
 pub mod host;
 pub mod link;

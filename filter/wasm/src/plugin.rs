@@ -170,6 +170,7 @@ impl Plugin {
         let Ok(mut gateway) = gateway.try_borrow_mut() else { return };
         let now = now_ms(host);
         gateway.sync_table(host);
+        gateway.write_ended(host);
         gateway.flush_feedback(host);
         if let Some(cp) = self.control_plane.as_mut() {
             let holds = Lease::hold(host, gateway.vm_id(), now, LEASE_MS);

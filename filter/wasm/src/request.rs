@@ -195,10 +195,6 @@ fn callout_headers<'a>(path: &'a str, addr: &'a str) -> [(&'a str, &'a str); 6] 
     ]
 }
 
-fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
-    headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
-}
-
 impl RequestFilter {
     pub fn new(gateway: Option<Rc<RefCell<Gateway>>>) -> Self {
         Self {
@@ -276,11 +272,12 @@ impl RequestFilter {
 
     pub fn on_request_headers(&mut self, host: &dyn Host, end_of_stream: bool) -> Action {
         let headers = host.request_headers();
-        for (name, _) in headers.iter().filter(|(n, _)| is_routing_header(n)) {
+        // By name, whatever the value (one that is not UTF-8 is still a routing header).
+        for name in headers.names().filter(|n| is_routing_header(n)) {
             let _ = host.set_request_header(name, None);
         }
-        let method = header(&headers, ":method").unwrap_or("");
-        let path = header(&headers, ":path").unwrap_or("/");
+        let method = headers.get(":method").unwrap_or("");
+        let path = headers.get(":path").unwrap_or("/");
         let Some(class) = self.with_gateway(|g| g.classify(method, path)) else {
             return self.not_configured(host);
         };
@@ -290,7 +287,7 @@ impl RequestFilter {
             PathClass::NotFound => return self.reply(host, Reply::not_found(method, path)),
             PathClass::Passthrough => return self.route_other(host, Now::from_nanos(host.now_nanos())),
         };
-        let content_length = header(&headers, "content-length").and_then(|v| v.trim().parse().ok());
+        let content_length = headers.get("content-length").and_then(|v| v.trim().parse().ok());
         let Some(reply) =
             self.with_gateway(|g| g.check_length(content_length).or_else(|| end_of_stream.then(|| g.empty_body())))
         else {
@@ -300,7 +297,7 @@ impl RequestFilter {
             return self.reply(host, reply);
         }
         self.path = path.to_string();
-        self.request_id = Some(match header(&headers, "x-request-id").filter(|id| valid_request_id(id)) {
+        self.request_id = Some(match headers.get("x-request-id").filter(|id| valid_request_id(id)) {
             Some(id) => id.to_string(),
             None => {
                 // Absent, too long or not visible ASCII: both legs and the logs get ours.
@@ -462,7 +459,7 @@ impl RequestFilter {
             self.pd = Some(PdLeg::new(prefill, token, committed.stream, committed.merge_logprobs));
         }
         // PD too: the decode response's completion metrics count (no prediction is judged).
-        self.feedback = Some(ResponseFeedback::new(committed.prediction, now_ms));
+        self.feedback = Some(ResponseFeedback::new(committed.prediction, committed.main.worker, now_ms));
         self.routed = Some(committed.main);
         Action::Continue
     }
@@ -491,7 +488,7 @@ impl RequestFilter {
             headers.push(("x-request-id", id));
         }
         // The client's end-to-end headers (authorization, trace context, ...) go to both legs.
-        headers.extend(client.iter().filter(|(n, _)| forwarded_to_prefill(n)).map(|(n, v)| (n.as_str(), v.as_str())));
+        headers.extend(client.pairs().filter(|(n, _)| forwarded_to_prefill(n)));
         let callout = Callout {
             cluster: &cluster,
             headers: &headers,
@@ -560,10 +557,17 @@ impl RequestFilter {
             return Action::Continue;
         }
         let Some(routed) = self.routed.clone() else { return Action::Continue };
-        let status = host.response_header(":status").and_then(|s| s.parse::<u16>().ok()).unwrap_or(0);
+        let headers = host.response_headers();
+        let status = headers.get(":status").and_then(|s| s.parse::<u16>().ok()).unwrap_or(0);
         // Envoy says which worker answered: another than the chosen one means the chosen one
-        // failed and Envoy failed over (the ones in between failed too, unseen).
-        let upstream = host.upstream_address().filter(|a| !a.is_empty());
+        // failed and Envoy failed over (the ones in between failed too, unseen). A route that
+        // names it in the response saves asking (and the header needs no setting then).
+        let from_route = self.with_gateway(|g| g.config().route_sets_worker_header).unwrap_or(false);
+        let named = from_route.then(|| headers.get(WORKER_HEADER)).flatten().filter(|a| !a.is_empty() && *a != "-");
+        let upstream = match named {
+            Some(addr) => Some(addr.to_string()),
+            None => host.upstream_address().filter(|a| !a.is_empty()),
+        };
         // A response below 500 from a worker is the worker's own answer: Envoy's code details
         // (one more host call) are asked only when they can change the verdict.
         let verdict = match &upstream {
@@ -610,7 +614,9 @@ impl RequestFilter {
         if let Some(f) = self.feedback.as_mut() {
             f.headers(status, served == routed.addr);
         }
-        let _ = host.set_response_header(WORKER_HEADER, Some(&served));
+        if named != Some(served.as_str()) {
+            let _ = host.set_response_header(WORKER_HEADER, Some(&served));
+        }
         let Some(leg) = self.pd.as_mut() else { return Action::Continue };
         let _ = host.set_response_header(PREFILL_HEADER, Some(&leg.prefill().addr));
         let (action, drop_length) = leg.decode_headers(status);
@@ -660,7 +666,9 @@ impl RequestFilter {
         let routed = self.routed.take();
         let leg = self.pd.take();
         let awaiting = std::mem::take(&mut self.awaiting);
-        let now_ms = crate::host::now_ms(host);
+        // The clock only for a leg that got no answer (the stall window).
+        let prefill_out = leg.as_ref().is_some_and(PdLeg::pending);
+        let now_ms = if awaiting || prefill_out { crate::host::now_ms(host) } else { 0 };
         self.with_gateway(|g| {
             if let (true, Some(routed)) = (awaiting, &routed) {
                 g.ended(routed.worker, false, now_ms);
@@ -748,8 +756,14 @@ mod tests {
         (f, action)
     }
 
-    fn inflight(host: &MockHost) -> u32 {
-        Inflight::counts(host).iter().map(|c| c.in_flight).sum()
+    /// The shared counts once the gateway wrote what ended (as its next commit or tick does).
+    fn counts(host: &MockHost, gw: &Rc<RefCell<Gateway>>) -> Vec<crate::shared::Counts> {
+        gw.borrow_mut().write_ended(host);
+        Inflight::counts(host)
+    }
+
+    fn inflight(host: &MockHost, gw: &Rc<RefCell<Gateway>>) -> u32 {
+        counts(host, gw).iter().map(|c| c.in_flight).sum()
     }
 
     #[test]
@@ -760,15 +774,15 @@ mod tests {
         assert_eq!(action, Action::Continue);
         let dst = host.request_header(DST_HEADER).unwrap();
         assert!(dst == "127.0.0.1:30001" || dst == "127.0.0.1:30002");
-        assert_eq!(inflight(&host), 1);
+        assert_eq!(inflight(&host, &gw), 1);
         assert_eq!(host.metric_sum(Metric::Requests), 1);
         assert_eq!(host.metric_count(Metric::DecisionNs), 1);
         host.set_response(200, b"{}");
         assert_eq!(f.on_response_headers(&host), Action::Continue);
         assert_eq!(host.response_header(WORKER_HEADER).as_deref(), Some(dst.as_str()));
         f.on_log(&host);
-        assert_eq!(inflight(&host), 0);
-        assert_eq!(Inflight::counts(&host)[0].finished, 1);
+        assert_eq!(inflight(&host, &gw), 0);
+        assert_eq!(counts(&host, &gw)[0].finished, 1);
     }
 
     /// Every host call crosses the Wasm boundary in Envoy, and the ones that return bytes
@@ -778,6 +792,7 @@ mod tests {
     fn one_request_makes_only_the_host_calls_it_needs() {
         let host = MockHost::new();
         let gw = gateway(&host, REGULAR);
+        gw.borrow_mut().heartbeat(&host, 1_000); // the Envoy's only VM (else each end is one more CAS)
         for round in 0..3 {
             host.calls.borrow_mut().clear();
             let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"hello there {round}"}}]}}"#);
@@ -801,13 +816,15 @@ mod tests {
             let n = |name: &str| calls.iter().filter(|c| **c == name).count();
             // A 2xx from the chosen worker needs no code details from Envoy.
             assert_eq!(n("response_code_details"), 0, "round {round}: {calls:?}");
-            // Shared data: the counts read once to decide, written at commit (with the log
-            // slot of the new blocks) and at the end; nothing read back, feedback on the tick.
-            assert_eq!((n("get"), n("set")), (2, 3), "round {round}: {calls:?}");
+            // Shared data: the counts read once to decide and written at commit (with the log
+            // slot of the new blocks, and the requests that ended since); the end of the
+            // stream touches none (the next commit or the tick writes it), nothing is read
+            // back, feedback goes on the tick. A read costs more than a write: Envoy copies
+            // the value into the VM through a call of the VM's allocator.
+            assert_eq!((n("get"), n("set")), (1, 2), "round {round}: {calls:?}");
             // Decision, commit, response headers, the end of the body (to time an answer that
-            // carries no e2e_latency), the end of the stream: the clock is no host round trip
-            // worth saving.
-            assert_eq!(n("now_nanos"), 5, "round {round}: {calls:?}");
+            // carries no e2e_latency); not the end of the stream once the worker answered.
+            assert_eq!(n("now_nanos"), 4, "round {round}: {calls:?}");
             assert!(calls.len() <= 24, "round {round}: {} host calls: {calls:?}", calls.len());
         }
     }
@@ -860,6 +877,51 @@ mod tests {
         eprintln!("{n} requests: {:.2} us each", started.elapsed().as_secs_f64() * 1e6 / n as f64);
     }
 
+    /// A route that names the worker in the response (`route_sets_worker_header`): read from
+    /// the response headers, not asked of Envoy; trusted only when the configuration says so.
+    #[test]
+    fn the_worker_named_by_the_route_is_read_not_asked() {
+        let three = r#""worker_urls":["http://127.0.0.1:30001","http://127.0.0.1:30002","http://127.0.0.1:30003"]"#;
+        for from_route in [true, false] {
+            let host = MockHost::new();
+            let gw = gateway(&host, &format!(r#"{{{three},"route_sets_worker_header":{from_route}}}"#));
+            // Answered by the chosen worker.
+            let (mut f, _) = send(&host, &gw, "/generate", r#"{"text":"hello"}"#);
+            let dst = host.request_header(DST_HEADER).unwrap();
+            let fallback = host.request_header(ENDPOINTS_HEADER).unwrap().split(',').nth(1).unwrap().to_string();
+            host.set_response(200, b"{}");
+            *host.upstream.borrow_mut() = Some(dst.clone());
+            if from_route {
+                host.response_headers.borrow_mut().push((WORKER_HEADER.into(), dst.clone()));
+            } else {
+                // A worker's own header means nothing without the route's promise.
+                host.response_headers.borrow_mut().push((WORKER_HEADER.into(), fallback.clone()));
+            }
+            host.calls.borrow_mut().clear();
+            f.on_response_headers(&host);
+            let calls = host.calls.borrow().clone();
+            let n = |name: &str| calls.iter().filter(|c| **c == name).count();
+            assert_eq!(host.response_header(WORKER_HEADER), Some(dst.clone()), "from_route {from_route}");
+            assert_eq!(host.metric_sum(Metric::Failovers), 0, "from_route {from_route}");
+            let expected = if from_route { (0, 0) } else { (1, 1) };
+            assert_eq!((n("upstream_address"), n("set_response_header")), expected, "{calls:?}");
+            f.on_log(&host);
+            // Envoy failed over, and the route says so.
+            if from_route {
+                let (mut f, _) = send(&host, &gw, "/generate", r#"{"text":"hello again"}"#);
+                let dst = host.request_header(DST_HEADER).unwrap();
+                let other = host.request_header(ENDPOINTS_HEADER).unwrap().split(',').nth(1).unwrap().to_string();
+                host.set_response(200, b"{}");
+                *host.upstream.borrow_mut() = None;
+                host.response_headers.borrow_mut().push((WORKER_HEADER.into(), other.clone()));
+                f.on_response_headers(&host);
+                assert_ne!(dst, other);
+                assert_eq!(host.metric_sum(Metric::Failovers), 1);
+                assert_eq!(host.response_header(WORKER_HEADER), Some(other));
+            }
+        }
+    }
+
     #[test]
     fn envoy_gets_the_workers_to_fail_over_to_and_the_time_budget() {
         let host = MockHost::new();
@@ -883,9 +945,9 @@ mod tests {
         assert_eq!(host.response_header(WORKER_HEADER).as_deref(), Some(listed[1]));
         assert_eq!(host.metric_sum(Metric::Failovers), 1);
         f.on_log(&host);
-        let counts = Inflight::counts(&host);
+        let counts = counts(&host, &gw);
         assert_eq!(counts.iter().map(|c| c.failed).sum::<u32>(), 1, "the chosen worker's attempt failed");
-        assert_eq!(inflight(&host), 0);
+        assert_eq!(inflight(&host, &gw), 0);
         // Without retries: one worker, no failover.
         let host = MockHost::new();
         let gw = gateway(
@@ -931,7 +993,7 @@ mod tests {
             ],
             body.as_bytes(),
         );
-        let mut f = RequestFilter::new(Some(gw));
+        let mut f = RequestFilter::new(Some(Rc::clone(&gw)));
         assert_eq!(f.on_request_headers(&host, false), Action::Pause);
         assert!(host.request_header("x-kvmesh-worker").is_none());
         assert!(host.request_header("x-gateway-destination-endpoint").is_none());
@@ -949,10 +1011,10 @@ mod tests {
         let (mut f, action) = send(&host, &gw, "/generate", &text);
         assert_eq!(action, Action::Pause);
         assert_eq!(host.reply().unwrap().status, 500);
-        assert_eq!(inflight(&host), 0);
+        assert_eq!(inflight(&host, &gw), 0);
         assert_eq!(gw.borrow_mut().index_len(), 0, "the prefix was not indexed");
         f.on_log(&host);
-        assert!(Inflight::counts(&host).is_empty(), "nothing was counted, nothing finished");
+        assert!(counts(&host, &gw).is_empty(), "nothing was counted, nothing finished");
     }
 
     #[test]
@@ -977,11 +1039,11 @@ mod tests {
         assert_eq!(host.reply().unwrap().status, 413);
         // No body at all.
         host.request("POST", "/generate", &[], b"");
-        let mut f = RequestFilter::new(Some(gw));
+        let mut f = RequestFilter::new(Some(Rc::clone(&gw)));
         f.on_request_headers(&host, true);
         assert_eq!(host.reply().unwrap().status, 400);
         assert_eq!(host.metric_sum(Metric::LocalReplies), 4);
-        assert_eq!(inflight(&host), 0);
+        assert_eq!(inflight(&host, &gw), 0);
     }
 
     #[test]
@@ -995,7 +1057,7 @@ mod tests {
             assert!(host.request_header(DST_HEADER).is_some());
             f.on_log(&host);
         }
-        assert!(Inflight::counts(&host).is_empty());
+        assert!(counts(&host, &gw).is_empty());
     }
 
     #[test]
@@ -1087,7 +1149,7 @@ mod tests {
         let (mut f, _) = send(&host, &gw, "/generate", r#"{"text":"q"}"#);
         *host.code_details.borrow_mut() = Some("upstream_reset_before_response_started{remote_reset}".into());
         f.on_log(&host);
-        let counts = Inflight::counts(&host);
+        let counts = counts(&host, &gw);
         assert_eq!(counts.iter().map(|c| c.finished).sum::<u32>(), 2);
         assert_eq!(counts.iter().map(|c| c.failed).sum::<u32>(), 1, "only the reset counts");
     }
@@ -1142,14 +1204,14 @@ mod tests {
         assert!(c.headers.contains(&("x-request-id".into(), "rq-7".into())));
         assert_eq!(host.request_header(DST_HEADER).as_deref(), Some("127.0.0.1:30003"));
         assert_eq!(host.request_header("content-length"), Some(c.body.len().to_string()));
-        assert_eq!(inflight(&host), 2);
+        assert_eq!(inflight(&host, &gw), 2);
         answer_prefill(&host, &mut f, Some(200), "{}");
-        assert_eq!(inflight(&host), 1, "the prefill leg is finished when it answers");
+        assert_eq!(inflight(&host, &gw), 1, "the prefill leg is finished when it answers");
         host.set_response(200, b"{}");
         assert_eq!(f.on_response_headers(&host), Action::Continue);
         assert_eq!(host.response_header(PREFILL_HEADER).as_deref(), Some("127.0.0.1:30001"));
         f.on_log(&host);
-        assert_eq!(inflight(&host), 0);
+        assert_eq!(inflight(&host, &gw), 0);
     }
 
     #[test]
@@ -1195,7 +1257,7 @@ mod tests {
         assert_eq!(r.status, 502);
         assert!(r.json()["error"]["message"].as_str().unwrap().contains("bad sampling params"));
         f.on_log(&host);
-        assert_eq!(Inflight::counts(&host).iter().map(|c| c.failed).sum::<u32>(), 0);
+        assert_eq!(counts(&host, &gw).iter().map(|c| c.failed).sum::<u32>(), 0);
         // cb_failure_threshold is 1 in PD: the prefill worker still gets traffic.
         let _ = pd_send(&host, &gw, r#"{"text":"again"}"#);
     }
@@ -1224,10 +1286,10 @@ mod tests {
         let r = host.reply().unwrap();
         assert_eq!(r.status, 502);
         assert!(r.json()["error"]["message"].as_str().unwrap().contains("127.0.0.1:30001"));
-        assert_eq!(inflight(&host), 0);
+        assert_eq!(inflight(&host, &gw), 0);
         assert_eq!(gw.borrow_mut().index_len(), 0);
         f.on_log(&host);
-        assert!(Inflight::counts(&host).is_empty());
+        assert!(counts(&host, &gw).is_empty());
     }
 
     /// The orderings of the prefill answer and the decode response, with logprob merging.
@@ -1266,7 +1328,7 @@ mod tests {
         assert_eq!(host.resumed.get(), 1);
         assert_eq!(merged_ids(&host.response_body.borrow()), vec![1, 2, 3]);
         f.on_log(&host);
-        assert_eq!(inflight(&host), 0);
+        assert_eq!(inflight(&host, &gw), 0);
     }
 
     #[test]
@@ -1283,8 +1345,8 @@ mod tests {
             let msg = r.json()["error"]["message"].as_str().unwrap().to_string();
             assert!(msg.contains("127.0.0.1:30001") && msg.contains(why), "{msg}");
             f.on_log(&host);
-            assert_eq!(inflight(&host), 0);
-            let counts = Inflight::counts(&host);
+            assert_eq!(inflight(&host, &gw), 0);
+            let counts = counts(&host, &gw);
             let decode = counts.iter().find(|c| c.worker == 1).unwrap();
             assert_eq!(decode.failed, 0, "the cancelled decode leg is not the decode worker's failure");
         }
@@ -1334,11 +1396,11 @@ mod tests {
         let host = MockHost::new();
         let gw = gateway(&host, PD);
         let mut f = pd_send(&host, &gw, r#"{"text":"hi"}"#);
-        assert_eq!(inflight(&host), 2);
+        assert_eq!(inflight(&host, &gw), 2);
         let prefill = callout(&host);
         let rid = host.request_header("x-request-id").expect("the gateway's request id");
         f.on_log(&host); // the client went away
-        assert_eq!(inflight(&host), 0);
+        assert_eq!(inflight(&host, &gw), 0);
         // The prefill worker is told to stop, by the rid the gateway gave the request.
         let abort = callout(&host);
         assert_ne!(abort.token, prefill.token);
@@ -1351,7 +1413,7 @@ mod tests {
         assert_eq!(body, serde_json::json!({ "rid": rid }));
         // A late answer to the abandoned callout changes nothing.
         answer_prefill(&host, &mut f, Some(200), "{}");
-        assert_eq!(inflight(&host), 0);
+        assert_eq!(inflight(&host, &gw), 0);
     }
 
     #[test]

@@ -19,13 +19,15 @@ pub struct ResponseFeedback {
     scanner: UsageScanner,
     /// The worker answered 2xx itself (no failover): only then does the answer count.
     counts: bool,
+    /// The worker the request was routed to (the one whose answer counts).
+    worker: kvmesh_core::WorkerId,
     /// When the request was routed (the host's clock, ms).
     routed_ms: u64,
 }
 
 impl ResponseFeedback {
-    pub fn new(prediction: Option<Prediction>, routed_ms: u64) -> Self {
-        Self { prediction, routed_ms, ..Self::default() }
+    pub fn new(prediction: Option<Prediction>, worker: kvmesh_core::WorkerId, routed_ms: u64) -> Self {
+        Self { prediction, worker, routed_ms, ..Self::default() }
     }
 
     /// The response headers: a 2xx from the chosen worker is compared, anything else not.
@@ -52,10 +54,9 @@ impl ResponseFeedback {
         }
         let Some(prediction) = self.prediction else {
             if usage.completion_tokens.is_some() {
-                // No prediction (a batch, a blind policy): the completion metrics still count.
-                if let Some(w) = host_worker(gateway, host) {
-                    gateway.count_usage(w, &usage);
-                }
+                // No prediction (a batch, a blind policy): the completion metrics still count
+                // (only an answer of the chosen worker counts at all: no need to ask which).
+                gateway.count_usage(self.worker, &usage);
             }
             return;
         };
@@ -67,11 +68,6 @@ impl ResponseFeedback {
             Verdict::Under => Metric::PredictionsUnder,
         });
     }
-}
-
-/// The worker that answered, by Envoy's upstream address.
-fn host_worker(gateway: &Gateway, host: &dyn Host) -> Option<kvmesh_core::WorkerId> {
-    gateway.worker_at(&host.upstream_address()?)
 }
 
 #[cfg(test)]

@@ -53,7 +53,8 @@ fn u64_at(bytes: &[u8], at: usize) -> Option<u64> {
 /// Per-worker request counts of this Envoy, and the head of the [`DeltaLog`], in one value:
 /// `head u64` then 16-byte entries `(worker u32, in flight u32, finished u32, failed u32)`,
 /// updated by compare-and-swap. One read per routed request serves both the loads and the
-/// log; one CAS counts the request and takes a log sequence number.
+/// log; one CAS counts the request, takes a log sequence number and writes the requests that
+/// ended in this VM since (see [`Ended`]: an ending request touches no shared data).
 #[derive(Debug)]
 pub struct Inflight {
     value: Vec<u8>,
@@ -62,6 +63,23 @@ pub struct Inflight {
     /// scan of every entry (64 workers would make that 2,000 entry reads a request).
     loads: Vec<(WorkerId, u32)>,
 }
+
+/// Requests to one worker that ended in this VM and are not yet written to [`Inflight`]: kept
+/// in the VM and folded into its next write (the next routed request's CAS, or the tick's), so
+/// that the end of a stream costs no shared-data round trip. The VM's own decisions discount
+/// them at once; the other VMs see them at most one tick late.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Ended {
+    /// Leaves the in-flight count (finished, failed, or cancelled before it ran).
+    pub left: u32,
+    /// Ran to its end (counted finished).
+    pub finished: u32,
+    /// Of those, failed.
+    pub failed: u32,
+}
+
+/// [`Ended`] requests by worker.
+pub type EndedBy = std::collections::BTreeMap<WorkerId, Ended>;
 
 const ENTRY: usize = 16;
 const HEAD: usize = 8;
@@ -120,6 +138,18 @@ impl Inflight {
         head_of(&self.value)
     }
 
+    /// The loads as read, less the requests that ended in this VM and are not written yet.
+    pub fn discount(mut self, ended: &EndedBy) -> Self {
+        for (worker, e) in ended {
+            if let Ok(i) = self.loads.binary_search_by_key(worker, |&(w, _)| w) {
+                if let Some((_, n)) = self.loads.get_mut(i) {
+                    *n = n.saturating_sub(e.left);
+                }
+            }
+        }
+        self
+    }
+
     /// `worker`'s in-flight count.
     pub fn count(&self, worker: WorkerId) -> u32 {
         match self.loads.binary_search_by_key(&worker, |&(w, _)| w) {
@@ -138,20 +168,22 @@ impl Inflight {
         entries(&store.get(Self::KEY).0.unwrap_or_default()).collect()
     }
 
-    /// Applies in-flight `deltas` to the value loaded by [`load`](Self::load) and, with
-    /// `take_seq`, takes a log sequence number, in one CAS (falling back to a read-modify-
-    /// write loop if another VM wrote in between). Returns whether the counts were written
-    /// and the sequence number taken.
+    /// Applies in-flight `deltas` and the `ended` requests to the value loaded by
+    /// [`load`](Self::load) and, with `take_seq`, takes a log sequence number, in one CAS
+    /// (falling back to a read-modify-write loop if another VM wrote in between). Returns
+    /// whether the counts were written (`ended` with them) and the sequence number taken.
     pub fn commit(
         mut self,
         store: &dyn SharedStore,
         deltas: &[(WorkerId, i32)],
+        ended: &EndedBy,
         take_seq: bool,
     ) -> (bool, Option<u64>) {
         let change = |value: &mut Vec<u8>| {
             for &(worker, delta) in deltas {
                 apply(value, worker, delta, None);
             }
+            write_ended(value, ended);
             take_seq.then(|| next_seq(value))
         };
         let seq = change(&mut self.value);
@@ -176,6 +208,11 @@ impl Inflight {
         update(store, Self::KEY, |value| apply(value, worker, -1, Some(failed)))
     }
 
+    /// Writes the `ended` requests (one read-modify-write). Returns whether it went through.
+    pub fn end(store: &dyn SharedStore, ended: &EndedBy) -> bool {
+        update(store, Self::KEY, |value| write_ended(value, ended))
+    }
+
     /// Takes a log sequence number on its own.
     fn take_seq(store: &dyn SharedStore) -> Option<u64> {
         let mut seq = 0;
@@ -183,31 +220,44 @@ impl Inflight {
     }
 }
 
-fn apply(value: &mut Vec<u8>, worker: WorkerId, delta: i32, finished: Option<bool>) {
+fn write_ended(value: &mut Vec<u8>, ended: &EndedBy) {
+    for (&worker, e) in ended {
+        let at = entry_at(value, worker);
+        bump(value, at + 4, |n| n.saturating_sub(e.left));
+        bump(value, at + 8, |n| n.wrapping_add(e.finished));
+        bump(value, at + 12, |n| n.wrapping_add(e.failed));
+    }
+}
+
+/// The offset of `worker`'s entry in `value`, added (zeroed) if it has none.
+fn entry_at(value: &mut Vec<u8>, worker: WorkerId) -> usize {
     if value.len() < HEAD {
         value.resize(HEAD, 0);
     }
     let existing = value.get(HEAD..).unwrap_or_default().chunks_exact(ENTRY).position(|c| u32_at(c, 0) == Some(worker));
-    let at = match existing {
+    match existing {
         Some(i) => HEAD + i * ENTRY,
         None => {
             value.extend_from_slice(&worker.to_le_bytes());
             value.extend_from_slice(&[0; ENTRY - 4]);
             value.len() - ENTRY
         }
-    };
-    let mut bump = |offset: usize, f: &dyn Fn(u32) -> u32| {
-        let v = f(u32_at(value, at + offset).unwrap_or(0));
-        if let Some(slot) = value.get_mut(at + offset..at + offset + 4) {
-            slot.copy_from_slice(&v.to_le_bytes());
-        }
-    };
-    bump(4, &|n| n.saturating_add_signed(delta));
+    }
+}
+
+fn bump(value: &mut [u8], at: usize, f: impl Fn(u32) -> u32) {
+    let v = f(u32_at(value, at).unwrap_or(0));
+    if let Some(slot) = value.get_mut(at..at + 4) {
+        slot.copy_from_slice(&v.to_le_bytes());
+    }
+}
+
+fn apply(value: &mut Vec<u8>, worker: WorkerId, delta: i32, finished: Option<bool>) {
+    let at = entry_at(value, worker);
+    bump(value, at + 4, |n| n.saturating_add_signed(delta));
     if let Some(failed) = finished {
-        bump(8, &|n| n.wrapping_add(1));
-        if failed {
-            bump(12, &|n| n.wrapping_add(1));
-        }
+        bump(value, at + 8, |n| n.wrapping_add(1));
+        bump(value, at + 12, |n| n.wrapping_add(u32::from(failed)));
     }
 }
 
@@ -341,7 +391,7 @@ impl VmLedger {
         format!("kvmesh.vm.{vm:08x}")
     }
 
-    fn registered(store: &dyn SharedStore) -> Vec<u32> {
+    pub fn registered(store: &dyn SharedStore) -> Vec<u32> {
         let value = store.get(Self::REGISTRY).0.unwrap_or_default();
         value.chunks_exact(4).filter_map(|c| u32_at(c, 0)).collect()
     }
@@ -663,11 +713,26 @@ mod tests {
         Inflight::add(&store, 1, 2);
         let snap = Inflight::load(&store);
         assert_eq!((snap.count(1), snap.count(9)), (2, 0));
-        assert_eq!(snap.commit(&store, &[(1, 1)], false), (true, None));
+        assert_eq!(snap.commit(&store, &[(1, 1)], &EndedBy::new(), false), (true, None));
         let stale = Inflight::load(&store);
         Inflight::add(&store, 1, 1); // another VM
-        assert_eq!(stale.commit(&store, &[(1, 1)], true), (true, Some(1)), "retried after the conflict");
-        assert_eq!(Inflight::read(&store), vec![(1, 5)]);
+        let ended = EndedBy::from([(1, Ended { left: 2, finished: 1, failed: 1 })]);
+        assert_eq!(stale.commit(&store, &[(1, 1)], &ended, true), (true, Some(1)), "retried after the conflict");
+        assert_eq!(Inflight::counts(&store), vec![Counts { worker: 1, in_flight: 3, finished: 1, failed: 1 }]);
+    }
+
+    #[test]
+    fn ended_requests_are_discounted_then_written_once() {
+        let store = FakeStore::default();
+        Inflight::add(&store, 1, 3);
+        Inflight::add(&store, 2, 1);
+        let ended = EndedBy::from([(1, Ended { left: 2, finished: 2, failed: 0 }), (9, Ended::default())]);
+        let snap = Inflight::load(&store).discount(&ended);
+        assert_eq!((snap.count(1), snap.count(2), snap.count(9)), (1, 1, 0));
+        assert!(Inflight::end(&store, &ended));
+        let c = Inflight::counts(&store);
+        assert_eq!((c[0].worker, c[0].in_flight, c[0].finished), (1, 1, 2));
+        assert_eq!((c[1].worker, c[1].in_flight), (2, 1));
     }
 
     #[test]
@@ -723,7 +788,7 @@ mod tests {
         // `commit`: the value loaded for routing is stale by the time the request is counted.
         let racing = Racing::new(&store, |other| assert!(Inflight::finish(other, 1, false)));
         let loaded = Inflight::load(&racing);
-        assert_eq!(loaded.commit(&racing, &[(1, 1), (2, 1)], true), (true, Some(1)));
+        assert_eq!(loaded.commit(&racing, &[(1, 1), (2, 1)], &EndedBy::new(), true), (true, Some(1)));
         assert_eq!(racing.writes(), (2, 1), "the stale commit was refused, then redone on fresh data");
         assert_eq!(
             Inflight::counts(&store),

@@ -249,6 +249,12 @@ pub fn kvmesh_with(
                 "decode_policy": PD_DECODE_POLICY,
             }),
         };
+        let mut filter = filter;
+        if wasm.is_some() {
+            // Another build (a baseline from before the key existed would refuse it): the
+            // filter asks Envoy which worker answered, as it did before the key.
+            filter["route_sets_worker_header"] = serde_json::Value::Null;
+        }
         let mut opts = EnvoyOptions::new(filter)?;
         opts.concurrency = threads;
         if let Some(wasm) = wasm {

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::rc::Rc;
 
 use super::{Callout, Host, HostError, Metric};
+use crate::headers::Headers;
 use crate::shared::fake::FakeStore;
 use crate::shared::{SetError, SharedStore};
 
@@ -105,6 +106,11 @@ impl MockHost {
     }
 
     /// A response from the worker (`via_upstream`).
+    /// A response header as the filter left it (tests).
+    pub fn response_header(&self, name: &str) -> Option<String> {
+        self.response_headers.borrow().iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.clone())
+    }
+
     pub fn set_response(&self, status: u16, body: &[u8]) {
         *self.response_headers.borrow_mut() = vec![(":status".into(), status.to_string())];
         *self.response_body.borrow_mut() = body.to_vec();
@@ -170,9 +176,9 @@ impl SharedStore for MockHost {
 }
 
 impl Host for MockHost {
-    fn request_headers(&self) -> Vec<(String, String)> {
+    fn request_headers(&self) -> Headers {
         self.note("request_headers");
-        self.request_headers.borrow().clone()
+        Headers::from_pairs(self.request_headers.borrow().iter().map(|(n, v)| (n.as_str(), v.as_bytes())))
     }
 
     fn set_request_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError> {
@@ -196,9 +202,9 @@ impl Host for MockHost {
         Ok(())
     }
 
-    fn response_header(&self, name: &str) -> Option<String> {
-        self.note("response_header");
-        self.response_headers.borrow().iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.clone())
+    fn response_headers(&self) -> Headers {
+        self.note("response_headers");
+        Headers::from_pairs(self.response_headers.borrow().iter().map(|(n, v)| (n.as_str(), v.as_bytes())))
     }
 
     fn set_response_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError> {
