@@ -730,7 +730,7 @@ impl Gateway {
     }
 
     /// A counted leg that never ran to its end (a prefill callout cancelled with its stream):
-    /// off the in-flight table, not counted as finished (written with the next commit or tick).
+    /// off the in-flight table, not counted as finished (see [`Gateway::finish`] for when).
     pub fn release(&mut self, store: &dyn SharedStore, routed: &Routed) {
         if routed.counted {
             self.ended.entry(routed.worker).or_default().left += 1;
@@ -738,8 +738,9 @@ impl Gateway {
         }
     }
 
-    /// The stream of a counted request ended (completed, failed or reset): written with the
-    /// next commit or tick, discounted from this VM's decisions until then.
+    /// The stream of a counted request ended (completed, failed or reset): written at once
+    /// when other VMs route too; by a VM alone, with its next commit or tick (its own
+    /// decisions discount it until then).
     pub fn finish(&mut self, store: &dyn SharedStore, routed: &Routed, ok: bool) {
         if routed.counted {
             let e = self.ended.entry(routed.worker).or_default();
@@ -782,8 +783,7 @@ impl Gateway {
     pub fn heartbeat(&mut self, store: &dyn SharedStore, now_ms: u64) {
         let due = now_ms.saturating_sub(self.last_heartbeat_ms) >= 1_000;
         if due {
-            VmLedger::register(store, self.vm_id());
-            self.alone = VmLedger::registered(store) == [self.vm_id()];
+            self.alone = VmLedger::register(store, self.vm_id()) == [self.vm_id()];
         }
         if self.mine_changed || due {
             let counts: Vec<(WorkerId, u32)> = self.mine.iter().map(|(&w, &n)| (w, n)).collect();

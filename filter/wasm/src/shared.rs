@@ -64,10 +64,10 @@ pub struct Inflight {
     loads: Vec<(WorkerId, u32)>,
 }
 
-/// Requests to one worker that ended in this VM and are not yet written to [`Inflight`]: kept
-/// in the VM and folded into its next write (the next routed request's CAS, or the tick's), so
-/// that the end of a stream costs no shared-data round trip. The VM's own decisions discount
-/// them at once; the other VMs see them at most one tick late.
+/// Requests to one worker that ended in this VM and are not yet written to [`Inflight`]. A VM
+/// alone in its Envoy folds them into its next write (the next routed request's CAS, or the
+/// tick's), so that the end of a stream costs no shared-data round trip, and discounts them
+/// from its own decisions at once; with other VMs they are written as they end.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Ended {
     /// Leaves the in-flight count (finished, failed, or cancelled before it ran).
@@ -181,7 +181,7 @@ impl Inflight {
     ) -> (bool, Option<u64>) {
         let change = |value: &mut Vec<u8>| {
             for &(worker, delta) in deltas {
-                apply(value, worker, delta, None);
+                apply(value, worker, delta);
             }
             write_ended(value, ended);
             take_seq.then(|| next_seq(value))
@@ -200,12 +200,15 @@ impl Inflight {
 
     /// Adds `delta` to `worker`'s in-flight count (never below zero).
     pub fn add(store: &dyn SharedStore, worker: WorkerId, delta: i32) -> bool {
-        update(store, Self::KEY, |value| apply(value, worker, delta, None))
+        update(store, Self::KEY, |value| apply(value, worker, delta))
     }
 
     /// A request to `worker` finished: one less in flight, one more finished (and failed).
+    /// Tests only: the filter's requests end through [`Inflight::end`].
+    #[cfg(test)]
     pub fn finish(store: &dyn SharedStore, worker: WorkerId, failed: bool) -> bool {
-        update(store, Self::KEY, |value| apply(value, worker, -1, Some(failed)))
+        let ended = Ended { left: 1, finished: 1, failed: u32::from(failed) };
+        Self::end(store, &EndedBy::from([(worker, ended)]))
     }
 
     /// Writes the `ended` requests (one read-modify-write). Returns whether it went through.
@@ -252,13 +255,10 @@ fn bump(value: &mut [u8], at: usize, f: impl Fn(u32) -> u32) {
     }
 }
 
-fn apply(value: &mut Vec<u8>, worker: WorkerId, delta: i32, finished: Option<bool>) {
+/// Adds `delta` to `worker`'s in-flight count (never below zero).
+fn apply(value: &mut Vec<u8>, worker: WorkerId, delta: i32) {
     let at = entry_at(value, worker);
     bump(value, at + 4, |n| n.saturating_add_signed(delta));
-    if let Some(failed) = finished {
-        bump(value, at + 8, |n| n.wrapping_add(1));
-        bump(value, at + 12, |n| n.wrapping_add(u32::from(failed)));
-    }
 }
 
 /// One change to the prefix index, as passed between the VMs of one Envoy.
@@ -391,22 +391,25 @@ impl VmLedger {
         format!("kvmesh.vm.{vm:08x}")
     }
 
-    pub fn registered(store: &dyn SharedStore) -> Vec<u32> {
+    fn registered(store: &dyn SharedStore) -> Vec<u32> {
         let value = store.get(Self::REGISTRY).0.unwrap_or_default();
         value.chunks_exact(4).filter_map(|c| u32_at(c, 0)).collect()
     }
 
     /// Registers `vm` if it is not (yet, or any more: a VM that was merely slow comes back).
-    /// Checked once a second, not on every publish.
-    pub fn register(store: &dyn SharedStore, vm: u32) {
-        if !Self::registered(store).contains(&vm) {
+    /// Checked once a second, not on every publish. Returns the VMs registered then.
+    pub fn register(store: &dyn SharedStore, vm: u32) -> Vec<u32> {
+        let mut ids = Self::registered(store);
+        if !ids.contains(&vm) {
             update(store, Self::REGISTRY, |value| {
-                let ids: Vec<u32> = value.chunks_exact(4).filter_map(|c| u32_at(c, 0)).collect();
+                ids = value.chunks_exact(4).filter_map(|c| u32_at(c, 0)).collect();
                 if !ids.contains(&vm) {
                     value.extend_from_slice(&vm.to_le_bytes());
+                    ids.push(vm);
                 }
             });
         }
+        ids
     }
 
     /// Publishes `vm`'s in-flight counts with a heartbeat at `now_ms` (one write).
@@ -738,9 +741,10 @@ mod tests {
     #[test]
     fn a_dead_vms_counts_are_taken_back_once() {
         let store = FakeStore::default();
-        for vm in [1, 2, 3] {
-            VmLedger::register(&store, vm);
-        }
+        assert_eq!(VmLedger::register(&store, 1), vec![1], "alone");
+        assert_eq!(VmLedger::register(&store, 2), vec![1, 2]);
+        assert_eq!(VmLedger::register(&store, 3), vec![1, 2, 3]);
+        assert_eq!(VmLedger::register(&store, 1), vec![1, 2, 3], "once");
         VmLedger::publish(&store, 1, 1_000, &[(7, 3), (8, 1)]);
         VmLedger::publish(&store, 2, 1_000, &[]);
         VmLedger::publish(&store, 3, 1_000, &[]);
@@ -756,7 +760,7 @@ mod tests {
         assert!(VmLedger::reap(&store, 3, 11_600).is_empty(), "taken back once only");
         assert_eq!(VmLedger::registered(&store), vec![2, 3]);
         // A VM that was merely slow registers again on its next heartbeat.
-        VmLedger::register(&store, 1);
+        assert_eq!(VmLedger::register(&store, 1), vec![2, 3, 1]);
         VmLedger::publish(&store, 1, 12_000, &[(7, 1)]);
         assert_eq!(VmLedger::registered(&store), vec![2, 3, 1]);
     }

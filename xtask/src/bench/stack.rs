@@ -238,7 +238,7 @@ pub fn kvmesh_with(
         None
     };
     for _ in 0..gateways {
-        let filter = match (workers, &cp) {
+        let mut filter = match (workers, &cp) {
             (_, Some(_)) => json!({"worker_urls": [], "policy": policy}),
             (Workers::Regular(urls), None) => json!({"worker_urls": urls, "policy": policy}),
             (Workers::Pd { prefill, decode }, None) => json!({
@@ -249,7 +249,6 @@ pub fn kvmesh_with(
                 "decode_policy": PD_DECODE_POLICY,
             }),
         };
-        let mut filter = filter;
         if wasm.is_some() {
             // Another build (a baseline from before the key existed would refuse it): the
             // filter asks Envoy which worker answered, as it did before the key.
