@@ -345,8 +345,12 @@ pub struct Gateway {
     /// would count them as load until then (a session's next turn, sent as the last one
     /// ended, could be moved off its worker), so with others each end is written at once.
     ended: EndedBy,
-    /// This VM is the only one registered (checked with the heartbeat, once a second).
+    /// This VM was the only one registered at its last two heartbeats (a second apart): the
+    /// VMs of one Envoy start together, and one that registered a moment before the others
+    /// must not take itself for alone until they have registered.
     alone: bool,
+    /// The registry held only this VM at the last heartbeat.
+    only_me: bool,
     /// `mine` changed since it was last published.
     mine_changed: bool,
     last_heartbeat_ms: u64,
@@ -385,6 +389,7 @@ impl Gateway {
             mine: std::collections::BTreeMap::new(),
             ended: EndedBy::new(),
             alone: false,
+            only_me: false,
             mine_changed: false,
             last_heartbeat_ms: 0,
             config,
@@ -783,7 +788,9 @@ impl Gateway {
     pub fn heartbeat(&mut self, store: &dyn SharedStore, now_ms: u64) {
         let due = now_ms.saturating_sub(self.last_heartbeat_ms) >= 1_000;
         if due {
-            self.alone = VmLedger::register(store, self.vm_id()) == [self.vm_id()];
+            let only_me = VmLedger::register(store, self.vm_id()) == [self.vm_id()];
+            self.alone = only_me && self.only_me;
+            self.only_me = only_me;
         }
         if self.mine_changed || due {
             let counts: Vec<(WorkerId, u32)> = self.mine.iter().map(|(&w, &n)| (w, n)).collect();
@@ -998,7 +1005,8 @@ mod tests {
         let store = FakeStore::default();
         let mut g = gateway(&store, "");
         let prefix = "p".repeat(400);
-        g.heartbeat(&store, 1_000); // registered, and the Envoy's only VM
+        g.heartbeat(&store, 1_000); // registered, and the Envoy's only VM two heartbeats running
+        g.heartbeat(&store, 2_000);
         let first = routed(&mut g, &store, &body(&format!("{prefix}a")));
         assert!(first.counted);
         let again = routed(&mut g, &store, &body(&format!("{prefix}b")));
@@ -1020,7 +1028,7 @@ mod tests {
         // With another VM, an end is written at once: it would count it as load meanwhile.
         let mut other = Gateway::new(g.config().clone(), &store, 7);
         other.heartbeat(&store, 1_000);
-        g.heartbeat(&store, 2_000);
+        g.heartbeat(&store, 3_000);
         let fourth = routed(&mut g, &store, &body(&format!("{prefix}d")));
         g.finish(&store, &fourth, true);
         assert_eq!(Inflight::read(&store), vec![(first.worker, 0)]);
@@ -1031,6 +1039,7 @@ mod tests {
         let store = FakeStore::default();
         let mut g = gateway(&store, "");
         g.heartbeat(&store, 1_000);
+        g.heartbeat(&store, 2_000);
         let held = routed(&mut g, &store, &body(&"x".repeat(400)));
         g.finish(&store, &held, true);
         let p = plan(req(&mut g, &store, Endpoint::Generate, &body(&"y".repeat(400))));
@@ -1058,35 +1067,57 @@ mod tests {
     fn the_requests_of_a_vm_that_died_do_not_stay_in_flight() {
         let store = FakeStore::default();
         let mut a = gateway(&store, "");
+        // a has been the Envoy's only VM for two heartbeats: it keeps its ends.
+        a.heartbeat(&store, 1_000);
+        a.heartbeat(&store, 2_000);
         let mut b = Gateway::new(a.config().clone(), &store, 7);
+        b.heartbeat(&store, 2_000);
+        assert!(a.alone && !b.alone, "b just came: a learns of it at its next heartbeat");
         let mut on_b = Vec::new();
         for i in 0..3 {
             routed(&mut a, &store, &body(&format!("on a {i}")));
             on_b.push(routed(&mut b, &store, &body(&format!("on b {i}"))));
         }
-        a.heartbeat(&store, 1_000);
-        b.heartbeat(&store, 1_000);
         let total = |s: &FakeStore| Inflight::counts(s).iter().map(|c| c.in_flight).sum::<u32>();
         assert_eq!(total(&store), 6);
-        assert!(a.alone && !b.alone);
-        // One of a's requests ended, not written when a dies (a still takes itself for the only
-        // VM: b registered after a's check): a's ledger still counts it.
+        // One of a's requests ended, not written when a dies: a's ledger still counts it.
         let ended_on_a = routed(&mut a, &store, &body("on a, ended"));
         a.finish(&store, &ended_on_a, true);
-        a.heartbeat(&store, 1_000);
+        a.heartbeat(&store, 2_500); // publishes what a has in flight (not a registry check)
+        b.heartbeat(&store, 2_500);
         assert_eq!(total(&store), 7);
         drop(a); // trapped: its streams never reach on_log
-        for t in (2_000..=10_000).step_by(1_000) {
+        for t in (3_000..=12_000).step_by(1_000) {
             b.heartbeat(&store, t);
             assert_eq!(total(&store), 7, "not before the heartbeat is stale ({t} ms)");
         }
-        b.heartbeat(&store, 12_000);
+        b.heartbeat(&store, 13_000);
         assert_eq!(total(&store), 3, "a's four are taken back, b's stay");
         for r in &on_b {
             b.finish(&store, r, true);
         }
-        b.write_ended(&store);
-        assert_eq!(total(&store), 0);
+        assert_eq!(total(&store), 0, "b is not alone: its ends are written at once");
+    }
+
+    #[test]
+    fn vms_that_start_together_never_take_themselves_for_alone() {
+        let store = FakeStore::default();
+        let mut a = gateway(&store, "");
+        let mut b = Gateway::new(a.config().clone(), &store, 7);
+        // a registers a moment before b: alone at that check, but not at the next.
+        a.heartbeat(&store, 1_000);
+        b.heartbeat(&store, 1_001);
+        assert!(!a.alone && !b.alone);
+        a.heartbeat(&store, 2_000);
+        b.heartbeat(&store, 2_001);
+        assert!(!a.alone && !b.alone);
+        // A VM on its own is, from its second heartbeat.
+        let lone_store = FakeStore::default();
+        let mut c = gateway(&lone_store, "");
+        c.heartbeat(&lone_store, 1_000);
+        assert!(!c.alone);
+        c.heartbeat(&lone_store, 2_000);
+        assert!(c.alone);
     }
 
     #[test]

@@ -792,7 +792,9 @@ mod tests {
     fn one_request_makes_only_the_host_calls_it_needs() {
         let host = MockHost::new();
         let gw = gateway(&host, REGULAR);
-        gw.borrow_mut().heartbeat(&host, 1_000); // the Envoy's only VM (else each end is one more CAS)
+        // The Envoy's only VM, two heartbeats running (else each end is one more CAS).
+        gw.borrow_mut().heartbeat(&host, 1_000);
+        gw.borrow_mut().heartbeat(&host, 2_000);
         for round in 0..3 {
             host.calls.borrow_mut().clear();
             let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"hello there {round}"}}]}}"#);
