@@ -370,6 +370,14 @@ impl Envoy {
     }
 }
 
+impl Drop for Envoy {
+    /// The rendered configuration is this Envoy's alone: remove it with the process (the
+    /// process itself is stopped when `proc` drops, right after).
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.config_path);
+    }
+}
+
 /// Runs `envoy --mode validate` on a file.
 pub fn validate(config: &Path) -> anyhow::Result<String> {
     let out = Command::new(envoy_bin())

@@ -4,7 +4,7 @@
 //! install a real API server; kube-runtime's watcher runs against this unchanged.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -37,6 +37,8 @@ pub struct FakeKube {
     shared: Shared,
     stop: Option<oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// Holds the kubeconfig files written for clients; removed with the server.
+    dir: tempfile::TempDir,
 }
 
 #[derive(serde::Deserialize, Default)]
@@ -134,7 +136,7 @@ impl FakeKube {
                     .await;
             });
         });
-        Ok(FakeKube { port, shared, stop: Some(stop), thread: Some(thread) })
+        Ok(FakeKube { port, shared, stop: Some(stop), thread: Some(thread), dir: crate::scratch_dir("kube")? })
     }
 
     fn record(&self, kind: &'static str, mut pod: Pod) {
@@ -176,9 +178,8 @@ impl FakeKube {
     }
 
     /// A kubeconfig file pointing at this server.
-    pub fn kubeconfig(&self, dir: &Path) -> anyhow::Result<PathBuf> {
-        std::fs::create_dir_all(dir)?;
-        let path = dir.join(format!("kubeconfig-{}", self.port));
+    pub fn kubeconfig(&self) -> anyhow::Result<PathBuf> {
+        let path = self.dir.path().join("kubeconfig");
         let text = format!(
             "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: http://127.0.0.1:{}\nusers:\n- name: fake\n  user:\n    token: fake\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n    namespace: default\ncurrent-context: fake\n",
             self.port

@@ -16,6 +16,12 @@ use std::path::PathBuf;
 pub use envoy::{Envoy, EnvoyOptions};
 pub use proc::{free_port, wait_until, Proc};
 
+/// A fresh directory under the system's temporary directory, removed with everything in it
+/// when dropped: keep it alive as long as a process reads from it.
+pub fn scratch_dir(tag: &str) -> anyhow::Result<tempfile::TempDir> {
+    Ok(tempfile::Builder::new().prefix(&format!("kvmesh-{tag}-")).tempdir()?)
+}
+
 /// The repository root.
 pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().map(PathBuf::from).unwrap_or_default()

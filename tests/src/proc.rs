@@ -4,12 +4,13 @@ use std::fs::File;
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
-/// A child process, killed (and reaped) on drop. Its output goes to a log file.
+/// A child process, killed (and reaped) on drop. Its output goes to a log file in
+/// `$TMPDIR/kvmesh-logs`, removed when it stops unless [`keep_logs`] was called.
 pub struct Proc {
     pub name: String,
     child: Child,
@@ -62,9 +63,24 @@ impl Proc {
 }
 
 impl Drop for Proc {
+    /// Stops the process; its log goes with it unless the test is failing by a panic or logs
+    /// are kept ([`keep_logs`], `KVMESH_KEEP_LOGS`). A test that fails by returning an error
+    /// already carries the log's tail in its message.
     fn drop(&mut self) {
         self.kill();
+        let keep = KEEP_LOGS.load(Ordering::Relaxed) || std::env::var_os("KVMESH_KEEP_LOGS").is_some();
+        if !keep && !std::thread::panicking() {
+            let _ = std::fs::remove_file(&self.log);
+        }
     }
+}
+
+static KEEP_LOGS: AtomicBool = AtomicBool::new(false);
+
+/// Keeps every process's log after it stops (`cargo xtask up`: its console names the log
+/// of a process that exited).
+pub fn keep_logs() {
+    KEEP_LOGS.store(true, Ordering::Relaxed);
 }
 
 /// A port that was free on 127.0.0.1 a moment ago.

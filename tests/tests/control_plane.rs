@@ -100,9 +100,8 @@ fn a_prefix_routed_through_one_gateway_sticks_through_the_others() {
 #[test]
 fn routing_settings_from_the_control_plane_config_file_win_in_the_filter() {
     let workers = sims(3);
-    let dir = std::env::temp_dir().join(format!("kvmesh-cp-settings-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let file = dir.join("cp.yaml");
+    let dir = kvmesh_testkit::scratch_dir("cp-settings").unwrap();
+    let file = dir.path().join("cp.yaml");
     let urls: Vec<String> = workers.iter().map(Sim::url).collect();
     std::fs::write(&file, format!("worker_urls: [{}]\npolicy: round_robin\n", urls.join(", "))).unwrap();
     let cp = ControlPlane::start(&["--config", file.to_str().unwrap()]).unwrap();
@@ -328,9 +327,8 @@ fn bad_flags_and_config_are_one_line_errors_with_exit_code_2() {
     assert_eq!((code, err.trim().lines().count()), (Some(2), 1), "{err}");
     assert!(err.contains("not a loopback address") && err.contains("--allow-insecure"), "{err}");
 
-    let dir = std::env::temp_dir().join(format!("kvmesh-cp-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let file = dir.join("bad.yaml");
+    let dir = kvmesh_testkit::scratch_dir("cp-test").unwrap();
+    let file = dir.path().join("bad.yaml");
     std::fs::write(&file, "worker-urls: [http://127.0.0.1:1]\nbalance-abs-threshold: lots\n").unwrap();
     let (code, err) = run(&["--config", file.to_str().unwrap()]);
     assert_eq!(code, Some(2));
@@ -677,10 +675,8 @@ fn oversize_and_flood_reports_are_refused_or_throttled_and_rss_stays_flat() {
 #[test]
 fn a_restarted_control_plane_keeps_api_workers_and_their_ids_and_prefixes_stay_put() {
     let workers = sims(2);
-    let dir = std::env::temp_dir().join(format!("kvmesh-cp-state-e2e-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let file = dir.join("state.json");
-    let _ = std::fs::remove_file(&file);
+    let dir = kvmesh_testkit::scratch_dir("cp-state-e2e").unwrap();
+    let file = dir.path().join("state.json");
     let first = workers[0].url();
     let flags = ["--worker-urls", &first, "--state-file", file.to_str().unwrap(), "--health-check-interval-secs", "1"];
     let mut cp = ControlPlane::start(&flags).unwrap();

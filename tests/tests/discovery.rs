@@ -35,8 +35,7 @@ fn synced_gateway(cp: &ControlPlane, template: &str, filter: Value) -> Envoy {
 
 /// `kvmesh-cp` discovering `app=sglang` pods (workers on `port`) through `kube`, plus `extra` flags.
 fn watching(kube: &FakeKube, port: u16, extra: &[&str]) -> ControlPlane {
-    let dir = std::env::temp_dir().join(format!("kvmesh-discovery-{}-{}", std::process::id(), kube.port));
-    let kubeconfig = kube.kubeconfig(&dir).unwrap();
+    let kubeconfig = kube.kubeconfig().unwrap();
     let port_arg = port.to_string();
     let mut args = vec!["--service-discovery", "--selector", "app=sglang", "--service-discovery-port", &port_arg];
     args.extend_from_slice(extra);
@@ -148,10 +147,8 @@ fn a_restarted_control_plane_keeps_discovered_workers_ids_and_their_prefixes() {
     let ips = ["127.0.0.2", "127.0.0.3", "127.0.0.4"];
     let _sims: Vec<Sim> = ips.iter().map(|ip| Sim::start_at(ip, port, &["--time-scale", "0"]).unwrap()).collect();
     let app = [("app", "sglang")];
-    let dir = std::env::temp_dir().join(format!("kvmesh-discovery-state-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let file = dir.join("state.json");
-    let _ = std::fs::remove_file(&file);
+    let dir = kvmesh_testkit::scratch_dir("discovery-state").unwrap();
+    let file = dir.path().join("state.json");
     let file_arg = file.to_str().unwrap().to_string();
     let url = |ip: &str| format!("http://{ip}:{port}");
     // Ids 0, 1, then 2; the first pod leaves: the workers left have ids 1 and 2.

@@ -409,7 +409,7 @@ fn merge(into: &mut Value, from: &Value) {
 }
 
 struct Gateway {
-    dir: PathBuf,
+    dir: tempfile::TempDir,
     listener_port: u16,
     admin_port: u16,
     /// Where Envoy fetches a module itself (Istio 1.27's inline filter): URL and sha256.
@@ -419,13 +419,12 @@ struct Gateway {
 
 impl Gateway {
     fn new(tag: &str) -> Gateway {
-        let dir = std::env::temp_dir().join(format!("kvmesh-istio-{tag}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = kvmesh_testkit::scratch_dir(&format!("istio-{tag}")).unwrap();
         Gateway { dir, listener_port: free_port().unwrap(), admin_port: free_port().unwrap(), module_url: None }
     }
 
     fn write(&self, file: &str, value: &Value) -> PathBuf {
-        let path = self.dir.join(file);
+        let path = self.dir.path().join(file);
         std::fs::write(&path, serde_json::to_string_pretty(value).unwrap()).unwrap();
         path
     }
@@ -530,7 +529,7 @@ fn bootstrap(gw: &Gateway, envoy_filters: &[&Value], vs: &Value, mut clusters: V
                         let source = &mut filter["config_discovery"]["config_source"];
                         assert!(source.get("ads").is_some(), "ECDS from istiod");
                         *source = json!({
-                            "path_config_source": {"path": gw.dir.join("ecds.json").display().to_string()},
+                            "path_config_source": {"path": gw.dir.path().join("ecds.json").display().to_string()},
                             "initial_fetch_timeout": source["initial_fetch_timeout"],
                         });
                     }
@@ -601,7 +600,7 @@ fn start_envoy(gw: &Gateway, config: &Path) -> Proc {
     cmd.arg("-c")
         .arg(config)
         .args(["--concurrency", "2", "--disable-hot-restart", "--log-level", "warn"])
-        .current_dir(&gw.dir);
+        .current_dir(gw.dir.path());
     let mut envoy = Proc::spawn("envoy-istio", cmd).unwrap();
     let ready = format!("http://127.0.0.1:{}/ready", gw.admin_port);
     let waited = wait_until("envoy to become ready", Duration::from_secs(30), || {
@@ -631,9 +630,9 @@ fn the_gateway_envoyfilters_route_in_a_real_envoy_behind_kvmesh_cp_from_the_conf
     // kvmesh-cp with the ConfigMap's file; only what a test must change is overridden on the
     // command line (flags win): loopback, free ports, the sims' port, a token file here.
     let gw = Gateway::new("gateway");
-    let config = gw.dir.join("kvmesh-cp.yaml");
+    let config = gw.dir.path().join("kvmesh-cp.yaml");
     std::fs::write(&config, find(&objs, "ConfigMap", "kvmesh-cp")["data"]["kvmesh-cp.yaml"].as_str().unwrap()).unwrap();
-    let kubeconfig = kube.kubeconfig(&gw.dir).unwrap();
+    let kubeconfig = kube.kubeconfig().unwrap();
     let port_arg = port.to_string();
     let args = ["--config", config.to_str().unwrap(), "--service-discovery-port", &port_arg];
     let cp = ControlPlane::start_with_env(

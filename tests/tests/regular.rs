@@ -307,7 +307,8 @@ fn the_shipped_envoy_config_validates_and_enables_body_access() {
     assert!(rendered.contains("allow_on_headers_stop_iteration: true"));
     // Without the flag the harness refuses, rather than letting requests hang.
     let stripped = std::fs::read_to_string(&shipped).unwrap().replace("allow_on_headers_stop_iteration: true", "");
-    let path = std::env::temp_dir().join(format!("kvmesh-no-flag-{}.yaml", std::process::id()));
+    let dir = kvmesh_testkit::scratch_dir("no-flag").unwrap();
+    let path = dir.path().join("envoy.yaml");
     std::fs::write(&path, stripped).unwrap();
     let mut opts = EnvoyOptions::new(json!({})).unwrap();
     opts.template = path;

@@ -105,6 +105,7 @@ fn start_sims(pd: bool, sims: &mut Vec<Supervised<Sim>>) -> anyhow::Result<Vec<S
 
 pub fn run(args: &[String]) -> anyhow::Result<()> {
     let opts = parse(args)?;
+    kvmesh_testkit::proc::keep_logs();
     ensure_wasm_target()?;
     let envoy_bin = ensure_envoy()?;
     std::env::set_var("ENVOY_BIN", &envoy_bin);

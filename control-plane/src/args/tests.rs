@@ -1,4 +1,4 @@
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use super::*;
 use kvmesh_core::policy::PolicyKind;
@@ -15,16 +15,15 @@ fn args(args: &[&str]) -> Args {
     Args::parse_from(argv).map_err(|e| e.one_line()).unwrap()
 }
 
-fn config_file(name: &str, text: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kvmesh-cp-args-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(name);
-    std::fs::write(&path, text).unwrap();
-    path
+/// A file holding `text`, removed when dropped (`name` becomes the start of its name).
+fn config_file(name: &str, text: &str) -> tempfile::NamedTempFile {
+    let mut file = tempfile::Builder::new().prefix(&format!("kvmesh-cp-{name}-")).tempfile().unwrap();
+    std::io::Write::write_all(&mut file, text.as_bytes()).unwrap();
+    file
 }
 
-fn path_str(p: &Path) -> &str {
-    p.to_str().unwrap()
+fn path_str(p: &impl AsRef<Path>) -> &str {
+    p.as_ref().to_str().unwrap()
 }
 
 #[test]
