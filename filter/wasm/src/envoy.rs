@@ -167,7 +167,9 @@ impl Host for EnvoyHost {
     }
 
     fn callout_status(&self) -> Option<u16> {
-        hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status").ok().flatten()?.parse().ok()
+        // As bytes: the SDK's `get_map_value` unwraps the value as UTF-8 (a panic, were it not).
+        let bytes = hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status").ok().flatten()?;
+        std::str::from_utf8(&bytes).ok()?.parse().ok()
     }
 
     fn callout_body(&self, size: usize) -> Vec<u8> {
@@ -316,7 +318,7 @@ impl RootContext for Root {
 /// so the trigger uses its own name).
 #[cfg(feature = "test-crash")]
 fn crash_if_asked() {
-    let asked = hostcalls::get_map_value(MapType::HttpRequestHeaders, "x-test-crash-vm").ok().flatten().is_some();
+    let asked = hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, "x-test-crash-vm").ok().flatten().is_some();
     if asked {
         let _ = hostcalls::log(LogLevel::Warn, "test-crash: trapping this VM on request");
         core::arch::wasm32::unreachable();
@@ -333,7 +335,7 @@ const STOP_LEASE_OWNER_KEY: &str = "kvmesh.test.stop_lease_owner";
 #[cfg(feature = "test-crash")]
 fn stop_lease_owner_if_asked() -> Option<WasmAction> {
     let asked =
-        hostcalls::get_map_value(MapType::HttpRequestHeaders, "x-test-stop-lease-owner").ok().flatten().is_some();
+        hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, "x-test-stop-lease-owner").ok().flatten().is_some();
     if !asked {
         return None;
     }
