@@ -3,7 +3,8 @@
 //! control-plane snapshot) are checked and completed with defaults; [`Config::from_json`]
 //! reads the filter's plugin JSON: the routing settings plus the keys only the filter has
 //! (`worker_urls`, `prefill`, `decode`, `upstream_cluster`, `control_plane_cluster`,
-//! `report_interval_ms`, `control_plane_token`, `route_sets_worker_header`).
+//! `report_interval_ms`, `control_plane_token`, `route_sets_worker_header`,
+//! `original_dst_header`).
 
 use serde::Deserialize;
 use serde_json::{Map, Value};
@@ -97,6 +98,10 @@ pub struct Config {
     /// response headers it reads anyway, instead of asking Envoy for the upstream address and
     /// setting the header itself (two host calls, one of which copies into the VM).
     pub route_sets_worker_header: bool,
+    /// Also name the chosen worker alone in `x-envoy-original-dst-host`, for an ORIGINAL_DST
+    /// workers' cluster (`use_http_header`); off when the cluster reads only the list in
+    /// `x-gateway-destination-endpoint` (`override_host`): one header write less per request.
+    pub original_dst_header: bool,
     /// `prefix_hash`'s parameters (`max_blocks` already in blocks).
     pub prefix_hash: PrefixHashParams,
     /// `marginal_utility`'s parameters.
@@ -172,9 +177,10 @@ struct FilterKeys {
     control_plane_token: Option<String>,
     #[serde(default)]
     route_sets_worker_header: bool,
+    original_dst_header: Option<bool>,
 }
 
-const FILTER_KEYS: [&str; 8] = [
+const FILTER_KEYS: [&str; 9] = [
     "worker_urls",
     "prefill",
     "decode",
@@ -183,6 +189,7 @@ const FILTER_KEYS: [&str; 8] = [
     "report_interval_ms",
     "control_plane_token",
     "route_sets_worker_header",
+    "original_dst_header",
 ];
 
 /// Deserialises `map` as `T`; when that fails, names the first key that fails on its own.
@@ -265,6 +272,7 @@ impl Default for Config {
             report_interval_ms: DEFAULT_REPORT_INTERVAL_MS,
             control_plane_token: None,
             route_sets_worker_header: false,
+            original_dst_header: true,
             passthrough_paths: crate::paths::DEFAULT_PASSTHROUGH.iter().map(|p| p.to_string()).collect(),
             prefix_hash: PrefixHashParams {
                 // 256 tokens of 4 bytes in blocks of 32 bytes: 32 blocks (SMG's count wins).
@@ -562,6 +570,7 @@ impl Config {
             report_interval_ms: self.report_interval_ms,
             control_plane_token: self.control_plane_token.clone(),
             route_sets_worker_header: self.route_sets_worker_header,
+            original_dst_header: self.original_dst_header,
             ..Self::from_settings(s)?
         })
     }
@@ -588,6 +597,7 @@ impl Config {
         }
         config.control_plane_cluster = keys.control_plane_cluster.filter(|c| !c.is_empty());
         config.route_sets_worker_header = keys.route_sets_worker_header;
+        config.original_dst_header = keys.original_dst_header.unwrap_or(config.original_dst_header);
         config.report_interval_ms = positive("report_interval_ms", keys.report_interval_ms, config.report_interval_ms)?;
         config.control_plane_token = match keys.control_plane_token.filter(|t| !t.is_empty()) {
             Some(t) if t.len() > 4096 || !t.bytes().all(|b| b.is_ascii_graphic()) => {

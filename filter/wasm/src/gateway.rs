@@ -174,6 +174,22 @@ impl Reply {
     }
 }
 
+/// How a routed request's destination headers are written (from the configuration).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Destination {
+    /// The whole request's budget, for `x-envoy-upstream-rq-timeout-ms`.
+    pub timeout_secs: u64,
+    /// Also write `x-envoy-original-dst-host` (`original_dst_header`).
+    pub original_dst: bool,
+}
+
+impl Default for Destination {
+    /// As configured by default.
+    fn default() -> Self {
+        Self { timeout_secs: kvmesh_core::config::DEFAULT_REQUEST_TIMEOUT_SECS, original_dst: true }
+    }
+}
+
 /// A time from the host's clock, in milliseconds since the epoch: a type of its own, so that
 /// the circuit breakers (which time out to the millisecond) cannot be handed seconds.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
@@ -415,8 +431,9 @@ impl Gateway {
     }
 
     /// The upper bound of a request and of its prefill leg.
-    pub fn request_timeout_secs(&self) -> u64 {
-        self.config.request_timeout_secs
+    /// How a routed request's destination headers are written.
+    pub fn destination(&self) -> Destination {
+        Destination { timeout_secs: self.config.request_timeout_secs, original_dst: self.config.original_dst_header }
     }
 
     /// The Envoy cluster the prefill callouts go through.

@@ -19,7 +19,9 @@ use kvmesh_core::paths::{valid_request_id, PathClass};
 use kvmesh_core::{Endpoint, WorkerId};
 
 use crate::admission::{Entry, SharedBucket, WaitRoom};
-use crate::gateway::{endpoint_list, is_routing_header, Gateway, Now, Outcome, Plan, Reply, RequestInfo, Routed};
+use crate::gateway::{
+    endpoint_list, is_routing_header, Destination, Gateway, Now, Outcome, Plan, Reply, RequestInfo, Routed,
+};
 use crate::host::{Action, Callout, Host, Metric};
 use crate::pd_leg::{Effect, PdLeg, PrefillResult};
 use crate::response_feedback::ResponseFeedback;
@@ -170,17 +172,21 @@ fn new_request_id(host: &dyn Host) -> String {
 }
 
 /// Points the request at `addr`, with `fallbacks` for Envoy to fail over to, and bounds it by
-/// the request timeout (Envoy answers a JSON 504 past it).
+/// the request timeout (Envoy answers a JSON 504 past it). `addr` alone goes in
+/// [`DST_HEADER`] too unless the configuration says no cluster reads it (each header written
+/// is a host call on every request).
 fn set_destination(
     host: &dyn Host,
     addr: &str,
     fallbacks: &[String],
-    timeout_secs: u64,
+    how: Destination,
 ) -> Result<(), crate::host::HostError> {
-    host.set_request_header(DST_HEADER, Some(addr))?;
+    if how.original_dst {
+        host.set_request_header(DST_HEADER, Some(addr))?;
+    }
     host.set_request_header(ENDPOINTS_HEADER, Some(&endpoint_list(addr, fallbacks)))?;
     host.set_request_header(RETRIES_HEADER, Some(&fallbacks.len().to_string()))?;
-    host.set_request_header(TIMEOUT_HEADER, Some(&timeout_secs.saturating_mul(1000).to_string()))
+    host.set_request_header(TIMEOUT_HEADER, Some(&how.timeout_secs.saturating_mul(1000).to_string()))
 }
 
 /// A JSON POST of `path` to the worker at `addr`, through the workers' cluster.
@@ -315,13 +321,13 @@ impl RequestFilter {
 
     /// A read-only path on the allowlist: to one healthy worker, uncounted.
     fn route_other(&mut self, host: &dyn Host, now: Now) -> Action {
-        let Some(outcome) = self.with_gateway(|g| (g.route_other(host, now), g.request_timeout_secs())) else {
+        let Some(outcome) = self.with_gateway(|g| (g.route_other(host, now), g.destination())) else {
             return self.not_configured(host);
         };
         match outcome {
             (Err(reply), _) => self.reply(host, reply),
             // Nothing to commit but the destination.
-            (Ok((routed, fallbacks)), timeout) => match set_destination(host, &routed.addr, &fallbacks, timeout) {
+            (Ok((routed, fallbacks)), how) => match set_destination(host, &routed.addr, &fallbacks, how) {
                 Ok(()) => {
                     self.routed = Some(routed);
                     Action::Continue
@@ -468,19 +474,19 @@ impl RequestFilter {
     /// PD mode, the new body and the prefill callout (whose token is returned).
     fn prepare(&self, host: &dyn Host, plan: &Plan, body_size: usize) -> Result<Option<u32>, Reply> {
         let internal = |what: &str, e: crate::host::HostError| Reply::error(500, "internal", &format!("{what}: {e}"));
-        let (timeout_secs, cluster) = self
-            .with_gateway(|g| (g.request_timeout_secs(), g.upstream_cluster().to_string()))
-            .unwrap_or((60, "kvmesh_workers".to_string()));
+        let how = self.with_gateway(|g| g.destination()).unwrap_or_default();
         let Some(pd) = plan.pd() else {
-            set_destination(host, plan.addr(), plan.fallbacks(), timeout_secs)
+            set_destination(host, plan.addr(), plan.fallbacks(), how)
                 .map_err(|e| internal("cannot set the destination", e))?;
             return Ok(None);
         };
+        let cluster =
+            self.with_gateway(|g| g.upstream_cluster().to_string()).unwrap_or_else(|| "kvmesh_workers".to_string());
         let length = pd.body.len().to_string();
         host.set_request_body(body_size, &pd.body).map_err(|e| internal("cannot rewrite the request body", e))?;
         host.set_request_header("content-length", Some(&length))
             .map_err(|e| internal("cannot set content-length", e))?;
-        set_destination(host, plan.addr(), plan.fallbacks(), timeout_secs)
+        set_destination(host, plan.addr(), plan.fallbacks(), how)
             .map_err(|e| internal("cannot set the destination", e))?;
         let client = host.request_headers();
         let mut headers = callout_headers(&self.path, &pd.prefill.addr).to_vec();
@@ -493,7 +499,7 @@ impl RequestFilter {
             cluster: &cluster,
             headers: &headers,
             body: &pd.body,
-            timeout: Duration::from_secs(timeout_secs),
+            timeout: Duration::from_secs(how.timeout_secs),
         };
         let token = host.dispatch(callout).map_err(|e| {
             let msg = format!("cannot dispatch the prefill leg to {}: {e}", pd.prefill.addr);
@@ -959,6 +965,35 @@ mod tests {
         send(&host, &gw, "/generate", r#"{"text":"hello"}"#);
         assert_eq!(host.request_header(ENDPOINTS_HEADER), host.request_header(DST_HEADER));
         assert_eq!(host.request_header(RETRIES_HEADER).as_deref(), Some("0"));
+    }
+
+    /// `original_dst_header: false` (an `override_host` cluster reading the list alone): the
+    /// pick is written once, first in the list, and nothing else changes.
+    #[test]
+    fn the_pick_alone_is_written_only_for_clusters_that_read_it() {
+        let three = r#""worker_urls":["http://127.0.0.1:30001","http://127.0.0.1:30002","http://127.0.0.1:30003"]"#;
+        for original_dst in [true, false] {
+            let host = MockHost::new();
+            let gw = gateway(&host, &format!(r#"{{{three},"original_dst_header":{original_dst}}}"#));
+            host.calls.borrow_mut().clear();
+            let (mut f, action) = send(&host, &gw, "/generate", r#"{"text":"hello"}"#);
+            assert_eq!(action, Action::Continue);
+            let list = host.request_header(ENDPOINTS_HEADER).unwrap();
+            let first = list.split(',').next().map(str::to_string);
+            assert_eq!(list.split(',').count(), 3);
+            assert_eq!(host.request_header(DST_HEADER), first.filter(|_| original_dst), "original_dst {original_dst}");
+            let writes = host.calls.borrow().iter().filter(|c| **c == "set_request_header").count();
+            assert_eq!(writes, if original_dst { 4 } else { 3 }, "{:?}", host.calls.borrow());
+            assert_eq!(host.request_header(RETRIES_HEADER).as_deref(), Some("2"));
+            assert!(host.request_header(TIMEOUT_HEADER).is_some());
+            host.set_response(200, b"{}");
+            f.on_response_headers(&host);
+            f.on_log(&host);
+            assert_eq!(inflight(&host, &gw), 0);
+        }
+        let bad = format!(r#"{{{three},"original_dst_header":"no"}}"#);
+        let err = Config::from_json(bad.as_bytes()).unwrap_err().to_string();
+        assert!(err.contains("original_dst_header"), "{err}");
     }
 
     #[test]

@@ -250,9 +250,11 @@ pub fn kvmesh_with(
             }),
         };
         if wasm.is_some() {
-            // Another build (a baseline from before the key existed would refuse it): the
-            // filter asks Envoy which worker answered, as it did before the key.
+            // Another build (a baseline from before the keys existed would refuse them): the
+            // filter asks Envoy which worker answered and writes both destination headers,
+            // as it did before the keys.
             filter["route_sets_worker_header"] = serde_json::Value::Null;
+            filter["original_dst_header"] = serde_json::Value::Null;
         }
         let mut opts = EnvoyOptions::new(filter)?;
         opts.concurrency = threads;
