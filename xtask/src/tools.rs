@@ -227,11 +227,22 @@ pub fn lint() -> anyhow::Result<()> {
     }
     step("cargo fmt --check");
     run(cargo().args(["fmt", "--all", "--", "--check"])).context("code is not formatted: run `cargo fmt --all`")?;
-    step("cargo clippy (workspace, all targets; the filter for wasm32-wasip1, also with test-crash), warnings denied");
+    step("cargo clippy (workspace, all targets; the filter for wasm32-wasip1, also with test-crash and slow-tick), warnings denied");
     run(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
     run(cargo().args(["clippy", "-p", "kvmesh-filter", "--target", "wasm32-wasip1", "--", "-D", "warnings"]))?;
-    let crash = ["clippy", "-p", "kvmesh-filter", "--target", "wasm32-wasip1", "--features", "test-crash"];
-    run(cargo().args(crash).args(["--", "-D", "warnings"]))
+    for feature in ["test-crash", "slow-tick"] {
+        let args = ["clippy", "-p", "kvmesh-filter", "--target", "wasm32-wasip1", "--features", feature];
+        run(cargo().args(args).args(["--", "-D", "warnings"]))?;
+    }
+    Ok(())
+}
+
+/// The profiling build of the `.wasm` (feature `slow-tick`: the tick out of the requests'
+/// way under valgrind) into `target/slow-tick`, for `cargo xtask bench instructions`.
+pub fn build_slow_tick_wasm() -> anyhow::Result<()> {
+    step("building the profiling .wasm (feature slow-tick) into target/slow-tick");
+    let args = ["build", "--release", "-p", "kvmesh-filter", "--target", "wasm32-wasip1", "--features", "slow-tick"];
+    run(cargo().args(args).args(["--target-dir", "target/slow-tick"]))
 }
 
 /// The test build of the `.wasm` (feature `test-crash`: a request can trap the VM, so that the
@@ -268,6 +279,7 @@ pub fn test(args: &[String]) -> anyhow::Result<()> {
     build()?;
     build_naive_filter()?;
     build_crash_wasm()?;
+    build_slow_tick_wasm()?;
 
     step("native tests: core, filter logic, simulator, end to end with real Envoy");
     let mut totals = Totals::default();

@@ -138,7 +138,7 @@ fn host_port(url: &str) -> String {
 }
 
 /// Waits until `POST /generate` through `port` answers 200 (the router knows its workers).
-fn wait_serving(what: &str, port: u16, mut alive: impl FnMut() -> bool) -> anyhow::Result<()> {
+pub(super) fn wait_serving(what: &str, port: u16, mut alive: impl FnMut() -> bool) -> anyhow::Result<()> {
     let probe = format!("http://127.0.0.1:{port}/generate");
     let body = json!({"text": "warm up", "sampling_params": {"max_new_tokens": 1}});
     let mut dead = false;
