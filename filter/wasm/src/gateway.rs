@@ -430,8 +430,8 @@ impl Gateway {
         paths::classify(method, path, &self.config.passthrough_paths)
     }
 
-    /// The upper bound of a request and of its prefill leg.
-    /// How a routed request's destination headers are written.
+    /// How a routed request's destination headers are written (its timeout also bounds the
+    /// prefill leg).
     pub fn destination(&self) -> Destination {
         Destination { timeout_secs: self.config.request_timeout_secs, original_dst: self.config.original_dst_header }
     }
