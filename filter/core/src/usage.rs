@@ -83,6 +83,15 @@ impl UsageScanner {
                     Some(at) => rest = rest.get(at..).unwrap_or_default(),
                     None => return,
                 }
+                // A quote followed by a byte no key continues with (nor a quote, nor a
+                // backslash) leaves the scanner idle again: most strings of a response
+                // (`"text"`, `"id"`, a closing quote before `:` or `,`) take one step, not two.
+                if let [b'"', next, tail @ ..] = rest {
+                    if *next != b'"' && *next != b'\\' && !KEYS.iter().any(|k| k.get(1) == Some(next)) {
+                        rest = tail;
+                        continue;
+                    }
+                }
             }
             let Some((&b, tail)) = rest.split_first() else { return };
             self.byte(b);
@@ -284,7 +293,7 @@ mod tests {
 
     #[test]
     fn skipping_idle_bytes_reads_what_every_byte_reads() {
-        let pieces: [&[u8]; 12] = [
+        let pieces: [&[u8]; 17] = [
             b"\"cached_tokens\"",
             b"\"completion_tokens\"",
             b"\"e2e_latency\"",
@@ -297,6 +306,11 @@ mod tests {
             b"x",
             b"{",
             b"\"cached_",
+            b"\"text\"",
+            b"\"c",
+            b"\"e",
+            b"c",
+            b"e2e",
         ];
         let mut rng = crate::rng::seeded(0x2545_f491_4f6c_dd1d);
         let mut next = || rand::RngCore::next_u64(&mut rng);
