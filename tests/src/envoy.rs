@@ -47,6 +47,9 @@ pub struct EnvoyOptions {
     pub binary: Option<PathBuf>,
     /// How long [`Envoy::start`] waits for it to be ready (longer under a wrapper).
     pub ready_limit: Duration,
+    /// A native filter in place of the Wasm one: an Envoy dynamic module (`lib<name>.so`),
+    /// given the same JSON configuration (benchmarks only: `xtask/naive-filter`'s native build).
+    pub native_module: Option<PathBuf>,
 }
 
 impl EnvoyOptions {
@@ -65,6 +68,7 @@ impl EnvoyOptions {
             max_requests: None,
             hot_restart: None,
             remove_http_filters: Vec::new(),
+            native_module: None,
             wrapper: Vec::new(),
             binary: None,
             ready_limit: Duration::from_secs(30),
@@ -90,18 +94,21 @@ fn at<'a>(v: &'a mut Yaml, path: &[&str]) -> anyhow::Result<&'a mut Yaml> {
     Ok(cur)
 }
 
-/// The wasm filter's `config` block in the first listener.
-fn wasm_config(doc: &mut Yaml) -> anyhow::Result<&mut Yaml> {
+/// The wasm filter's entry in the first listener's HTTP filters.
+fn wasm_filter(doc: &mut Yaml) -> anyhow::Result<&mut Yaml> {
     let filters = at(
         doc,
         &["static_resources", "listeners", "0", "filter_chains", "0", "filters", "0", "typed_config", "http_filters"],
     )?;
     let seq = filters.as_sequence_mut().ok_or_else(|| anyhow!("http_filters is not a list"))?;
-    let wasm = seq
-        .iter_mut()
+    seq.iter_mut()
         .find(|f| f.get("name").and_then(Yaml::as_str) == Some("envoy.filters.http.wasm"))
-        .ok_or_else(|| anyhow!("no envoy.filters.http.wasm filter"))?;
-    at(wasm, &["typed_config", "config"])
+        .ok_or_else(|| anyhow!("no envoy.filters.http.wasm filter"))
+}
+
+/// The wasm filter's `config` block.
+fn wasm_config(doc: &mut Yaml) -> anyhow::Result<&mut Yaml> {
+    at(wasm_filter(doc)?, &["typed_config", "config"])
 }
 
 /// Renders the configuration text for `opts`.
@@ -167,6 +174,9 @@ pub fn render(opts: &EnvoyOptions) -> anyhow::Result<String> {
     if let Some(upstreams) = &opts.plain_upstreams {
         make_plain(&mut doc, upstreams)?;
     }
+    if let Some(module) = &opts.native_module {
+        native_filter(&mut doc, module, &filter)?;
+    }
     if !opts.remove_http_filters.is_empty() {
         let hcm = at(
             &mut doc,
@@ -183,6 +193,30 @@ pub fn render(opts: &EnvoyOptions) -> anyhow::Result<String> {
         }
     }
     Ok(serde_norway::to_string(&doc)?)
+}
+
+/// The Wasm filter's entry replaced by Envoy's dynamic-modules filter loading `module`
+/// (`lib<name>.so`, found through `ENVOY_DYNAMIC_MODULES_SEARCH_PATH`, which [`Envoy::launch`]
+/// sets to its folder), configured with the same JSON.
+fn native_filter(doc: &mut Yaml, module: &Path, filter: &Json) -> anyhow::Result<()> {
+    let name = module
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .and_then(|s| s.strip_prefix("lib"))
+        .ok_or_else(|| anyhow!("{}: a dynamic module is named lib<name>.so", module.display()))?;
+    *wasm_filter(doc)? = serde_norway::to_value(serde_json::json!({
+        "name": "envoy.filters.http.dynamic_modules",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
+            "dynamic_module_config": {"name": name},
+            "filter_name": name,
+            "filter_config": {
+                "@type": "type.googleapis.com/google.protobuf.StringValue",
+                "value": serde_json::to_string(filter)?,
+            },
+        },
+    }))?;
+    Ok(())
 }
 
 /// The workers' cluster: with a control plane, its EDS stream presents the filter's token;
@@ -330,6 +364,9 @@ impl Envoy {
         if !opts.wasm.exists() {
             bail!("{} is missing: run `cargo xtask test` (it builds the filter)", opts.wasm.display());
         }
+        if let Some(module) = opts.native_module.as_ref().filter(|m| !m.exists()) {
+            bail!("{} is missing: run `cargo xtask test` (it builds the native experiments)", module.display());
+        }
         let dir = std::env::temp_dir().join("kvmesh-envoy");
         std::fs::create_dir_all(&dir)?;
         let epoch = opts.hot_restart.map_or(0, |(_, e)| e);
@@ -361,6 +398,9 @@ impl Envoy {
                 .args(["--drain-time-s", "2", "--parent-shutdown-time-s", "6"]),
         };
         cmd.args(["--component-log-level", "wasm:info"]);
+        if let Some(dir) = opts.native_module.as_deref().and_then(Path::parent) {
+            cmd.env("ENVOY_DYNAMIC_MODULES_SEARCH_PATH", dir);
+        }
         Proc::spawn("envoy", cmd).with_context(|| format!("is Envoy installed at {}?", envoy_bin().display()))
     }
 

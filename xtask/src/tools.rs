@@ -212,7 +212,10 @@ pub fn build() -> anyhow::Result<()> {
 
 /// The benchmark's reference filter (`xtask/naive-filter`, for `cargo xtask bench` and its test).
 pub fn build_naive_filter() -> anyhow::Result<()> {
-    run(cargo().args(["build", "--release", "-p", "kvmesh-naive-filter", "--target", "wasm32-wasip1"]))
+    run(cargo().args(["build", "--release", "-p", "kvmesh-naive-filter", "--target", "wasm32-wasip1"]))?;
+    // The same filter as a native Envoy dynamic module (target/release/libkvmesh_naive_filter.so),
+    // and kvmesh's native experiment (target/release/libkvmesh_native.so).
+    run(cargo().args(["build", "--release", "-p", "kvmesh-naive-filter", "-p", "kvmesh-native"]))
 }
 
 /// `cargo fmt --check` and clippy with warnings denied, natively and for the `.wasm` (whose

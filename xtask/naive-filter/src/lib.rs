@@ -2,7 +2,11 @@
 //! proxy-wasm filter that routes by the request body costs at least. It pauses the headers,
 //! buffers the body, parses it whole into a JSON DOM, hashes the prompt to pick one of the
 //! configured workers, and sets the header the workers' cluster routes by. No index, no
-//! shared data, no stats, no response callbacks: a floor, not a router.
+//! shared data, no stats, no response callbacks: a floor, not a router. Built for the host,
+//! the same filter is a native Envoy dynamic module (`native.rs`): the floor without the VM.
+
+#[cfg(not(target_arch = "wasm32"))]
+mod native;
 
 #[cfg(target_arch = "wasm32")]
 mod glue {

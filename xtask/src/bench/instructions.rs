@@ -27,11 +27,13 @@ use super::Opts;
 use crate::loadgen::{self, Stop};
 use crate::tools::step;
 
-/// One Envoy to count: its name, the filter's configuration and build (None: plain Envoy).
+/// One Envoy to count: its name, the filter's configuration and build (None: plain Envoy),
+/// or a native filter (an Envoy dynamic module) in the Wasm filter's place.
 struct Config {
     name: String,
     filter: Value,
     wasm: Option<PathBuf>,
+    native: Option<PathBuf>,
 }
 
 /// The slow-tick build of the filter (`cargo xtask bench` builds it).
@@ -47,9 +49,26 @@ fn configs(o: &Opts, urls: &[String]) -> Vec<Config> {
     other["route_sets_worker_header"] = Value::Null;
     other["original_dst_header"] = Value::Null;
     let mut list = vec![
-        Config { name: "plain Envoy".into(), filter: json!({"worker_urls": []}), wasm: None },
-        Config { name: "naive body filter".into(), filter: json!({"worker_urls": urls}), wasm: Some(naive) },
-        Config { name: "kvmesh".into(), filter: kvmesh, wasm: Some(slow_tick_wasm()) },
+        Config { name: "plain Envoy".into(), filter: json!({"worker_urls": []}), wasm: None, native: None },
+        Config {
+            name: "naive body filter".into(),
+            filter: json!({"worker_urls": urls}),
+            wasm: Some(naive),
+            native: None,
+        },
+        Config {
+            name: "naive filter, native".into(),
+            filter: json!({"worker_urls": urls}),
+            wasm: None,
+            native: Some(super::stack::naive_module_path()),
+        },
+        Config { name: "kvmesh".into(), filter: kvmesh.clone(), wasm: Some(slow_tick_wasm()), native: None },
+        Config {
+            name: "kvmesh, native (experiment)".into(),
+            filter: kvmesh,
+            wasm: None,
+            native: Some(super::stack::kvmesh_module_path()),
+        },
     ];
     let named =
         |label: &str, w: &Path| format!("kvmesh {label} {}", w.file_name().unwrap_or_default().to_string_lossy());
@@ -59,13 +78,14 @@ fn configs(o: &Opts, urls: &[String]) -> Vec<Config> {
             name: "kvmesh without the newer keys".into(),
             filter: other.clone(),
             wasm: Some(slow_tick_wasm()),
+            native: None,
         });
     }
     if let Some(w) = &o.baseline_wasm {
-        list.push(Config { name: named("baseline", w), filter: other.clone(), wasm: Some(w.clone()) });
+        list.push(Config { name: named("baseline", w), filter: other.clone(), wasm: Some(w.clone()), native: None });
     }
     for w in &o.variant_wasm {
-        list.push(Config { name: named("variant", w), filter: other.clone(), wasm: Some(w.clone()) });
+        list.push(Config { name: named("variant", w), filter: other.clone(), wasm: Some(w.clone()), native: None });
     }
     list.retain(|c| o.wants(&c.name));
     list
@@ -106,9 +126,10 @@ fn count(o: &Opts, c: &Config, upstreams: &[String], stream: &[Vec<u8>], dir: &P
     let out_file = dir.join(format!("callgrind.{slug}"));
     let mut opts = EnvoyOptions::new(c.filter.clone())?;
     opts.concurrency = o.threads;
-    match &c.wasm {
-        Some(w) => opts.wasm = w.clone(),
-        None => opts.plain_upstreams = Some(upstreams.to_vec()),
+    match (&c.wasm, &c.native) {
+        (Some(w), _) => opts.wasm = w.clone(),
+        (None, Some(module)) => opts.native_module = Some(module.clone()),
+        (None, None) => opts.plain_upstreams = Some(upstreams.to_vec()),
     }
     opts.wrapper =
         vec!["valgrind".into(), "--tool=callgrind".into(), format!("--callgrind-out-file={}.%p", out_file.display())];

@@ -296,7 +296,20 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
                     stack::naive_filter(&urls, t)
                 });
             }
+            for t in threads {
+                let name = format!("naive filter, native ({t} thread{})", if t > 1 { "s" } else { "" });
+                config(o, &mut rows, &mut failures, m, "naive-module", &name, Some(t), &requests, || {
+                    stack::naive_module(&urls, t)
+                });
+            }
             kvmesh_configs(o, &mut rows, &mut failures, m, &workers, &requests, ("", ", cache_aware"));
+            for t in threads {
+                let name =
+                    format!("kvmesh, native experiment ({t} thread{}, cache_aware)", if t > 1 { "s" } else { "" });
+                config(o, &mut rows, &mut failures, m, "kvmesh-native", &name, Some(t), &requests, || {
+                    stack::kvmesh_native(&urls, t)
+                });
+            }
             for &p in &peers {
                 let name = format!("{} (cache_aware)", p.label());
                 config(o, &mut rows, &mut failures, m, p.name(), &name, None, &requests, || {
@@ -378,7 +391,9 @@ fn ratios(rows: &[Row], floor: Option<f64>) -> Vec<Value> {
     for k in rows.iter().filter(|r| r.router == "kvmesh") {
         for p in rows.iter().filter(|r| r.mode == k.mode && r.router != "kvmesh" && r.router != "direct") {
             // Envoy-based floors compare at equal worker threads.
-            if matches!(p.router, "plain-envoy" | "naive-filter" | "kvmesh-baseline") && p.threads != k.threads {
+            if matches!(p.router, "plain-envoy" | "naive-filter" | "naive-module" | "kvmesh-native" | "kvmesh-baseline")
+                && p.threads != k.threads
+            {
                 continue;
             }
             let added = |r: &Row| floor.filter(|_| r.mode == "regular").map(|f| (r.load.ms(0.5) - f).max(1e-3));

@@ -187,6 +187,43 @@ pub fn naive_filter(urls: &[String], threads: u32) -> anyhow::Result<Running> {
     Ok(r)
 }
 
+/// The same reference filter built natively, as an Envoy dynamic module
+/// (`target/release/libkvmesh_naive_filter.so`): what the filter costs without the Wasm VM.
+pub fn naive_module(urls: &[String], threads: u32) -> anyhow::Result<Running> {
+    native(naive_module_path(), json!({"worker_urls": urls}), threads)
+}
+
+/// Envoy with a native filter (`module`, a dynamic module) in the Wasm filter's place.
+fn native(module: PathBuf, filter: Value, threads: u32) -> anyhow::Result<Running> {
+    let what = module.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let mut opts = EnvoyOptions::new(filter)?;
+    opts.concurrency = threads;
+    opts.native_module = Some(module);
+    let mut envoy = Envoy::start(&opts)?;
+    let port = envoy.port;
+    wait_serving(&what, port, || envoy.proc().exited().is_none())?;
+    let mut r = Running::new(vec![addr(port)]);
+    r.envoy(envoy);
+    Ok(r)
+}
+
+/// Where `cargo xtask bench` builds the native naive filter.
+pub fn naive_module_path() -> PathBuf {
+    repo_root().join("target/release/libkvmesh_naive_filter.so")
+}
+
+/// kvmesh's native experiment (`kvmesh_module_path`) on static workers, cache_aware: the
+/// same filter and configuration as [`kvmesh`] without a control plane, with no Wasm VM.
+pub fn kvmesh_native(urls: &[String], threads: u32) -> anyhow::Result<Running> {
+    native(kvmesh_module_path(), json!({"worker_urls": urls, "policy": "cache_aware"}), threads)
+}
+
+/// Where `cargo xtask bench` builds kvmesh's native experiment (`filter/native`): the filter
+/// as an Envoy dynamic module, regular mode on static workers.
+pub fn kvmesh_module_path() -> PathBuf {
+    repo_root().join("target/release/libkvmesh_native.so")
+}
+
 /// kvmesh: `gateways` Envoys with the filter. With a control plane (always when more than one
 /// gateway) they share one kvmesh-cp, whose CPU counts too; without, static workers.
 pub fn kvmesh(

