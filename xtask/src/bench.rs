@@ -284,8 +284,9 @@ mod tests {
                 assert!(row["requests_ok"].as_u64().unwrap() > 0, "{row}");
             }
         }
-        for router in ["direct", "plain-envoy", "naive-filter"] {
-            assert!(results.iter().any(|r| r["router"] == router), "no {router}");
+        for router in ["direct", "plain-envoy", "naive-filter", "naive-module", "kvmesh-native"] {
+            let row = results.iter().find(|r| r["router"] == router);
+            assert!(row.unwrap_or_else(|| panic!("no {router}"))["requests_ok"].as_u64().unwrap() > 0, "{router}");
         }
         // The floors' ratios carry the CPU kvmesh adds over them.
         assert!(ratios_of(&doc).iter().any(|r| r["versus_router"] == "naive-filter" && r["cpu_added_us"].is_number()));
