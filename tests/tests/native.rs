@@ -1,7 +1,8 @@
 //! The native experiments end to end (`filter/native`, `xtask/naive-filter`'s native build):
 //! real Envoy loading each as a dynamic module in place of the `.wasm`, real simulated
 //! workers. They exist to measure the Wasm boundary (`cargo xtask bench instructions`), so
-//! what they measure must be the same work: kvmesh's native build routes as the filter does.
+//! what they measure must be the same work: kvmesh's native build routes as the filter does
+//! and keeps the same stats.
 
 use std::collections::HashSet;
 
@@ -51,6 +52,10 @@ fn kvmesh_native_routes_shared_prefixes_to_one_worker_and_spreads_the_rest() {
     }
     assert_eq!(spread.len(), 3, "distinct prefixes go to the three other workers: {spread:?}");
     assert!(spread.is_disjoint(&sticky));
+    // The filter's stats, under the dynamic modules' namespace: 14 routed, 7 of them hits.
+    let stat = |name: &str| envoy.stat(&format!("dynamicmodulescustom.{name}")).unwrap();
+    assert_eq!(stat("kvmesh_requests_total"), Some(14));
+    assert_eq!(stat("kvmesh_cache_hits_total"), Some(7));
 }
 
 #[test]

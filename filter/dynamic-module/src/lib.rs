@@ -105,7 +105,80 @@ extern "C" {
         details: Buffer,
     );
     fn envoy_dynamic_module_callback_http_filter_continue_decoding(f: *mut c_void);
+    fn envoy_dynamic_module_callback_http_filter_config_define_counter(
+        config: *mut c_void,
+        name: Buffer,
+        tag_keys: *const Buffer,
+        tags: usize,
+        id: *mut usize,
+    ) -> u32;
+    fn envoy_dynamic_module_callback_http_filter_config_define_gauge(
+        config: *mut c_void,
+        name: Buffer,
+        tag_keys: *const Buffer,
+        tags: usize,
+        id: *mut usize,
+    ) -> u32;
+    fn envoy_dynamic_module_callback_http_filter_config_define_histogram(
+        config: *mut c_void,
+        name: Buffer,
+        tag_keys: *const Buffer,
+        tags: usize,
+        id: *mut usize,
+    ) -> u32;
+    fn envoy_dynamic_module_callback_http_filter_increment_counter(
+        f: *mut c_void,
+        id: usize,
+        tag_values: *const Buffer,
+        tags: usize,
+        value: u64,
+    ) -> u32;
+    fn envoy_dynamic_module_callback_http_filter_set_gauge(
+        f: *mut c_void,
+        id: usize,
+        tag_values: *const Buffer,
+        tags: usize,
+        value: u64,
+    ) -> u32;
+    fn envoy_dynamic_module_callback_http_filter_record_histogram_value(
+        f: *mut c_void,
+        id: usize,
+        tag_values: *const Buffer,
+        tags: usize,
+        value: u64,
+    ) -> u32;
     fn envoy_dynamic_module_callback_http_filter_continue_encoding(f: *mut c_void);
+}
+
+/// A kind of stat (`envoy_dynamic_module_callback_http_filter_config_define_*`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StatKind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+/// Defines a stat without tags (Envoy allows it only while a configuration is created, in
+/// `envoy_dynamic_module_on_http_filter_config_new`); its id, or None if Envoy refused.
+///
+/// # Safety
+/// `config` is the `filter_config_envoy_ptr` that hook was given, during that hook.
+pub unsafe fn define_stat(config: *mut c_void, kind: StatKind, name: &str) -> Option<usize> {
+    let mut id = 0usize;
+    let name = Buffer::of(name.as_bytes());
+    let null = std::ptr::null();
+    let result = match kind {
+        StatKind::Counter => {
+            envoy_dynamic_module_callback_http_filter_config_define_counter(config, name, null, 0, &mut id)
+        }
+        StatKind::Gauge => {
+            envoy_dynamic_module_callback_http_filter_config_define_gauge(config, name, null, 0, &mut id)
+        }
+        StatKind::Histogram => {
+            envoy_dynamic_module_callback_http_filter_config_define_histogram(config, name, null, 0, &mut id)
+        }
+    };
+    (result == 0).then_some(id)
 }
 
 /// More entries than this in one header map or body is taken for a broken answer.
@@ -218,6 +291,24 @@ impl<'a> Stream<'a> {
                 Buffer::of(body),
                 Buffer::of(details.as_bytes()),
             );
+        }
+    }
+
+    /// Adds to a counter, sets a gauge or records a histogram value (a stat `define_stat`
+    /// gave `id` for this stream's configuration).
+    pub fn stat(self, kind: StatKind, id: usize, value: u64) {
+        let null = std::ptr::null();
+        // SAFETY: the running hook's stream; no tags.
+        unsafe {
+            match kind {
+                StatKind::Counter => {
+                    envoy_dynamic_module_callback_http_filter_increment_counter(self.0, id, null, 0, value)
+                }
+                StatKind::Gauge => envoy_dynamic_module_callback_http_filter_set_gauge(self.0, id, null, 0, value),
+                StatKind::Histogram => {
+                    envoy_dynamic_module_callback_http_filter_record_histogram_value(self.0, id, null, 0, value)
+                }
+            };
         }
     }
 

@@ -4,10 +4,11 @@
 //!
 //! [`NativeHost`] implements the filter's [`Host`] over the dynamic-modules ABI for the
 //! request path of regular mode: headers, bodies, local replies, resuming, time, and shared
-//! data (kept in this process, with Envoy's compare-and-swap). Each Envoy worker thread gets
-//! its own [`Plugin`], as each gets its own VM under Wasm, so the same code decides. Not here:
-//! the tick (like the `slow-tick` build it is compared with), stats, HTTP callouts (PD) and
-//! the control plane's gRPC streams — static workers only. A panic is caught at each hook
+//! data (kept in this process, with Envoy's compare-and-swap), stats (Envoy names them
+//! `dynamicmodulescustom.<name>`). Each Envoy worker thread gets its own [`Plugin`], as each
+//! gets its own VM under Wasm, so the same code decides. Not here: the tick (like the
+//! `slow-tick` build it is compared with), HTTP callouts (PD) and the control plane's gRPC
+//! streams — static workers only. A panic is caught at each hook
 //! (it would otherwise abort Envoy) and the stream goes on unrouted.
 
 #![allow(unsafe_code)]
@@ -18,14 +19,15 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use envoy_dynamic_module::{
-    borrow_from_envoy, drop_from_envoy, empty_hooks, into_envoy, Attribute, BodyKind, Buffer, HeaderKind, Stream,
-    CONTINUE, STOP,
+    borrow_from_envoy, define_stat, drop_from_envoy, empty_hooks, into_envoy, Attribute, BodyKind, Buffer, HeaderKind,
+    StatKind, Stream, CONTINUE, STOP,
 };
 use kvmesh_filter::headers::Headers;
-use kvmesh_filter::host::{Action, Callout, Host, HostError, Metric};
+use kvmesh_filter::host::{Action, Callout, Host, HostError, Metric, MetricKind};
 use kvmesh_filter::plugin::Plugin;
 use kvmesh_filter::request::RequestFilter;
 use kvmesh_filter::shared::{SetError, SharedStore};
@@ -42,6 +44,8 @@ static SHARED: Mutex<Option<Values>> = Mutex::new(None);
 #[derive(Default)]
 pub struct NativeHost {
     stream: Cell<usize>,
+    /// Stat ids, in [`Metric::ALL`] order (None: Envoy refused to define it).
+    stats: Vec<Option<usize>>,
 }
 
 impl NativeHost {
@@ -84,6 +88,14 @@ impl NativeHost {
     fn body_size(&self, kinds: &[BodyKind]) -> usize {
         let stream = self.stream();
         kinds.iter().flat_map(|&k| stream.body(k)).map(<[u8]>::len).sum()
+    }
+}
+
+fn stat_kind(kind: MetricKind) -> StatKind {
+    match kind {
+        MetricKind::Counter => StatKind::Counter,
+        MetricKind::Gauge => StatKind::Gauge,
+        MetricKind::Histogram => StatKind::Histogram,
     }
 }
 
@@ -187,14 +199,27 @@ impl Host for NativeHost {
     fn vm_memory_bytes(&self) -> u64 {
         0
     }
-    fn increment(&self, _metric: Metric) {}
-    fn record(&self, _metric: Metric, _value: u64) {}
+    fn increment(&self, metric: Metric) {
+        self.record(metric, 1);
+    }
+    fn record(&self, metric: Metric, value: u64) {
+        let pos = Metric::ALL.iter().position(|m| *m == metric);
+        if let Some(id) = pos.and_then(|p| self.stats.get(p).copied().flatten()) {
+            self.stream().stat(stat_kind(metric.kind()), id, value);
+        }
+    }
 }
 
-/// The configuration Envoy gave the filter (parsed per worker thread, as each VM does).
+/// The configuration Envoy gave the filter (parsed per worker thread, as each VM does), and
+/// the stats defined for it.
 struct Config {
+    /// Tells this configuration's per-thread plugins from an earlier one's.
+    id: u64,
     bytes: Vec<u8>,
+    stats: Vec<Option<usize>>,
 }
+
+static CONFIGS: AtomicU64 = AtomicU64::new(0);
 
 /// One worker thread's plugin: what one VM holds under Wasm.
 struct Thread {
@@ -204,24 +229,28 @@ struct Thread {
 }
 
 thread_local! {
-    static THREAD: RefCell<Option<Rc<Thread>>> = const { RefCell::new(None) };
+    /// This thread's plugin for each configuration it served (a new configuration from Envoy
+    /// gets new ones; the old ones stay, unused).
+    static THREAD: RefCell<Vec<(u64, Rc<Thread>)>> = const { RefCell::new(Vec::new()) };
 }
 
-/// This worker thread's plugin, configured on its first stream.
+/// This worker thread's plugin for `config`, configured on its first stream.
 fn thread(config: &Config) -> Option<Rc<Thread>> {
     THREAD.with(|t| {
         let mut t = t.borrow_mut();
-        if t.is_none() {
-            let host = NativeHost::default();
-            let mut plugin = Plugin::default();
-            let seed = kvmesh_core::rng::random_u64().unwrap_or_else(|_| host.now_nanos());
-            if let Err(e) = plugin.configure(&host, &config.bytes, seed) {
-                log::error!("{e}");
-                return None;
-            }
-            *t = Some(Rc::new(Thread { host, plugin, next_context: Cell::new(1) }));
+        if let Some((_, thread)) = t.iter().find(|(id, _)| *id == config.id) {
+            return Some(Rc::clone(thread));
         }
-        t.clone()
+        let host = NativeHost { stream: Cell::new(0), stats: config.stats.clone() };
+        let mut plugin = Plugin::default();
+        let seed = kvmesh_core::rng::random_u64().unwrap_or_else(|_| host.now_nanos());
+        if let Err(e) = plugin.configure(&host, &config.bytes, seed) {
+            log::error!("{e}");
+            return None;
+        }
+        let thread = Rc::new(Thread { host, plugin, next_context: Cell::new(1) });
+        t.push((config.id, Rc::clone(&thread)));
+        Some(thread)
     })
 }
 
@@ -258,13 +287,19 @@ fn status(a: Action) -> u32 {
 /// Envoy passes its buffers, valid during the call.
 #[no_mangle]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
-    _envoy: *mut c_void,
+    envoy: *mut c_void,
     _name: Buffer,
     config: Buffer,
 ) -> *const c_void {
     let bytes = config.bytes().to_vec();
     // Validated here once, so that a bad configuration is refused at load.
-    into_envoy(kvmesh_core::Config::from_json(&bytes).is_ok().then_some(Config { bytes }))
+    if kvmesh_core::Config::from_json(&bytes).is_err() {
+        return std::ptr::null();
+    }
+    // Stats can only be defined now.
+    let stats = Metric::ALL.iter().map(|m| define_stat(envoy, stat_kind(m.kind()), m.name())).collect();
+    let id = CONFIGS.fetch_add(1, Ordering::Relaxed);
+    into_envoy(Some(Config { id, bytes, stats }))
 }
 
 /// # Safety

@@ -11,7 +11,7 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action as WasmAction, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
 
 use crate::headers::Headers;
-use crate::host::{Action, Callout, Host, HostError, Metric};
+use crate::host::{Action, Callout, Host, HostError, Metric, MetricKind};
 use crate::plugin::Plugin;
 use crate::request::RequestFilter;
 use crate::shared::{SetError, SharedStore};
@@ -62,20 +62,10 @@ impl EnvoyHost {
         let metrics = Metric::ALL
             .iter()
             .map(|m| {
-                let kind = match m {
-                    Metric::Requests
-                    | Metric::LocalReplies
-                    | Metric::CacheHits
-                    | Metric::Failovers
-                    | Metric::PrefillAborts
-                    | Metric::Predictions
-                    | Metric::PredictionsAccurate
-                    | Metric::PredictionsOver
-                    | Metric::PredictionsUnder => MetricType::Counter,
-                    Metric::DecisionNs | Metric::VmMemory => MetricType::Histogram,
-                    Metric::IndexBlocks | Metric::SnapshotVersion | Metric::InFlight | Metric::Queued => {
-                        MetricType::Gauge
-                    }
+                let kind = match m.kind() {
+                    MetricKind::Counter => MetricType::Counter,
+                    MetricKind::Gauge => MetricType::Gauge,
+                    MetricKind::Histogram => MetricType::Histogram,
                 };
                 hostcalls::define_metric(kind, m.name()).ok()
             })

@@ -52,7 +52,31 @@ pub enum Metric {
     VmMemory,
 }
 
+/// How Envoy keeps a metric.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MetricKind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
 impl Metric {
+    pub fn kind(self) -> MetricKind {
+        match self {
+            Metric::Requests
+            | Metric::LocalReplies
+            | Metric::CacheHits
+            | Metric::Failovers
+            | Metric::PrefillAborts
+            | Metric::Predictions
+            | Metric::PredictionsAccurate
+            | Metric::PredictionsOver
+            | Metric::PredictionsUnder => MetricKind::Counter,
+            Metric::DecisionNs | Metric::VmMemory => MetricKind::Histogram,
+            Metric::IndexBlocks | Metric::SnapshotVersion | Metric::InFlight | Metric::Queued => MetricKind::Gauge,
+        }
+    }
+
     pub const ALL: [Metric; 15] = [
         Metric::Requests,
         Metric::LocalReplies,
