@@ -48,7 +48,7 @@ pub struct EnvoyOptions {
     /// How long [`Envoy::start`] waits for it to be ready (longer under a wrapper).
     pub ready_limit: Duration,
     /// A native filter in place of the Wasm one: an Envoy dynamic module (`lib<name>.so`),
-    /// given the same JSON configuration (benchmarks only: `xtask/naive-filter`'s native build).
+    /// given the same JSON configuration (with a control plane, plus `control_plane_address`).
     pub native_module: Option<PathBuf>,
 }
 
@@ -175,6 +175,11 @@ pub fn render(opts: &EnvoyOptions) -> anyhow::Result<String> {
         make_plain(&mut doc, upstreams)?;
     }
     if let Some(module) = &opts.native_module {
+        let mut filter = filter.clone();
+        if let (Some(port), Some(keys)) = (opts.control_plane, filter.as_object_mut()) {
+            // The native build opens its control-plane streams itself.
+            keys.insert("control_plane_address".into(), format!("http://127.0.0.1:{port}").into());
+        }
         native_filter(&mut doc, module, &filter)?;
     }
     if !opts.remove_http_filters.is_empty() {

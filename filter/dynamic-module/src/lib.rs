@@ -148,6 +148,32 @@ extern "C" {
         value: u64,
     ) -> u32;
     fn envoy_dynamic_module_callback_http_filter_continue_encoding(f: *mut c_void);
+    fn envoy_dynamic_module_callback_http_filter_config_increment_counter(
+        config: *mut c_void,
+        id: usize,
+        tag_values: *const Buffer,
+        tags: usize,
+        value: u64,
+    ) -> u32;
+    fn envoy_dynamic_module_callback_http_filter_config_set_gauge(
+        config: *mut c_void,
+        id: usize,
+        tag_values: *const Buffer,
+        tags: usize,
+        value: u64,
+    ) -> u32;
+    fn envoy_dynamic_module_callback_http_filter_config_record_histogram_value(
+        config: *mut c_void,
+        id: usize,
+        tag_values: *const Buffer,
+        tags: usize,
+        value: u64,
+    ) -> u32;
+    fn envoy_dynamic_module_callback_log_enabled(level: u32) -> bool;
+    fn envoy_dynamic_module_callback_log(level: u32, message: Buffer);
+    fn envoy_dynamic_module_callback_http_filter_scheduler_new(f: *mut c_void) -> *mut c_void;
+    fn envoy_dynamic_module_callback_http_filter_scheduler_commit(scheduler: *mut c_void, event: u64);
+    fn envoy_dynamic_module_callback_http_filter_scheduler_delete(scheduler: *mut c_void);
 }
 
 /// A kind of stat (`envoy_dynamic_module_callback_http_filter_config_define_*`).
@@ -182,6 +208,102 @@ pub unsafe fn define_stat(config: *mut c_void, kind: StatKind, name: &str) -> Op
 }
 
 /// More entries than this in one header map or body is taken for a broken answer.
+/// Records `value` on a stat [`define_stat`] defined for `config` (a counter is incremented by
+/// it, a gauge set to it): from any thread, as Envoy's stats are, while the configuration lives.
+/// Unlike [`Stream::stat`], no stream is needed, so a tick or a background thread can record.
+///
+/// # Safety
+/// `config` is the configuration pointer Envoy gave `on_http_filter_config_new`, not yet
+/// destroyed.
+pub unsafe fn config_stat(config: *mut c_void, kind: StatKind, id: usize, value: u64) {
+    let null = std::ptr::null();
+    match kind {
+        StatKind::Counter => {
+            envoy_dynamic_module_callback_http_filter_config_increment_counter(config, id, null, 0, value)
+        }
+        StatKind::Gauge => envoy_dynamic_module_callback_http_filter_config_set_gauge(config, id, null, 0, value),
+        StatKind::Histogram => {
+            envoy_dynamic_module_callback_http_filter_config_record_histogram_value(config, id, null, 0, value)
+        }
+    };
+}
+
+/// A stream's scheduler: an event committed to it, from any thread, runs the module's
+/// `on_http_filter_scheduled` hook for that stream on the worker thread that owns it (nothing
+/// runs once the stream is gone). Envoy's only way to wake a stream that waits without I/O.
+#[derive(Debug)]
+pub struct Scheduler(*mut c_void);
+
+// SAFETY: Envoy's scheduler posts to its worker thread's dispatcher, which is thread-safe;
+// creating and deleting it stay with the owner (see `new` and `Drop`).
+unsafe impl Send for Scheduler {}
+
+impl Scheduler {
+    /// # Safety
+    /// `stream` is the running hook's stream, on its worker thread. The scheduler must be
+    /// dropped before the stream's module filter is destroyed, and never while another thread
+    /// commits to it.
+    pub unsafe fn new(stream: *mut c_void) -> Option<Self> {
+        let ptr = envoy_dynamic_module_callback_http_filter_scheduler_new(stream);
+        (!ptr.is_null()).then_some(Self(ptr))
+    }
+
+    /// Runs the stream's `on_http_filter_scheduled` hook with `event` on its worker thread.
+    pub fn commit(&self, event: u64) {
+        // SAFETY: alive until dropped (see `new`).
+        unsafe { envoy_dynamic_module_callback_http_filter_scheduler_commit(self.0, event) }
+    }
+}
+
+impl Drop for Scheduler {
+    fn drop(&mut self) {
+        // SAFETY: created by `scheduler_new`, deleted once.
+        unsafe { envoy_dynamic_module_callback_http_filter_scheduler_delete(self.0) }
+    }
+}
+
+/// The `log` crate's records, written to Envoy's log under its `dynamic_modules` id (at
+/// the level Envoy runs that id at: `--component-log-level dynamic_modules:debug`).
+struct EnvoyLog;
+
+fn spdlog_level(level: log::Level) -> u32 {
+    match level {
+        log::Level::Trace => 0,
+        log::Level::Debug => 1,
+        log::Level::Info => 2,
+        log::Level::Warn => 3,
+        log::Level::Error => 4,
+    }
+}
+
+impl log::Log for EnvoyLog {
+    fn enabled(&self, metadata: &log::Metadata<'_>) -> bool {
+        // SAFETY: a plain query of Envoy's logger registry, from any thread.
+        unsafe { envoy_dynamic_module_callback_log_enabled(spdlog_level(metadata.level())) }
+    }
+
+    fn log(&self, record: &log::Record<'_>) {
+        if !self.enabled(record.metadata()) {
+            return;
+        }
+        let message = record.args().to_string();
+        // SAFETY: Envoy copies the message; safe from any thread (spdlog is).
+        unsafe { envoy_dynamic_module_callback_log(spdlog_level(record.level()), Buffer::of(message.as_bytes())) }
+    }
+
+    fn flush(&self) {}
+}
+
+/// Sends the `log` crate's records to Envoy's log (once per process; later calls do nothing).
+/// Debug and trace records are left out before they reach Envoy: a request's hooks log at
+/// those levels, and asking Envoy each time would cost a call across the ABI.
+pub fn init_logging() {
+    static LOGGER: EnvoyLog = EnvoyLog;
+    if log::set_logger(&LOGGER).is_ok() {
+        log::set_max_level(log::LevelFilter::Info);
+    }
+}
+
 const MAX_ENTRIES: usize = 1 << 20;
 
 /// A count the ABI gives: older versions write it through a pointer and return a bool, newer
@@ -353,7 +475,8 @@ pub unsafe fn drop_from_envoy<T>(ptr: *mut c_void) {
 /// empty (each does nothing and answers "continue" where an answer is expected): invoke once
 /// in the module's crate, which defines the hooks it uses itself (`config_new`,
 /// `config_destroy`, `filter_new`, `filter_destroy`, `request_headers`, `request_body`,
-/// `response_headers`, `response_body`, `stream_complete`).
+/// `response_headers`, `response_body`, `stream_complete`) and `scheduled` (or invokes
+/// [`empty_scheduled_hook!`]).
 #[macro_export]
 macro_rules! empty_hooks {
     () => {
@@ -372,7 +495,6 @@ macro_rules! empty_hooks {
             envoy_dynamic_module_on_http_filter_request_trailers,
             envoy_dynamic_module_on_http_filter_response_trailers,
             envoy_dynamic_module_on_http_filter_local_reply,
-            envoy_dynamic_module_on_http_filter_scheduled,
             envoy_dynamic_module_on_http_filter_http_callout_done,
             envoy_dynamic_module_on_http_filter_http_stream_headers,
             envoy_dynamic_module_on_http_filter_http_stream_data,
@@ -397,4 +519,12 @@ macro_rules! empty_hooks {
             $crate::CONTINUE
         }
     )*};
+}
+
+/// An empty `on_http_filter_scheduled` hook, for a module that commits no scheduler events.
+#[macro_export]
+macro_rules! empty_scheduled_hook {
+    () => {
+        $crate::empty_hooks!(@each envoy_dynamic_module_on_http_filter_scheduled);
+    };
 }

@@ -1,263 +1,187 @@
-//! Experiment, not shipped: kvmesh's filter as a native Envoy dynamic module
-//! (`envoy.filters.http.dynamic_modules`, `libkvmesh_native.so`), to measure what the Wasm
-//! boundary costs (`cargo xtask bench instructions` and `overhead` run it beside the `.wasm`).
+//! kvmesh's filter as a native Envoy dynamic module (`envoy.filters.http.dynamic_modules`,
+//! `libkvmesh_native.so`): the same `RequestFilter`, `Gateway` and core as the `.wasm`, without
+//! the Wasm boundary (`cargo xtask bench instructions` and `overhead` run it beside the
+//! `.wasm`). Regular mode, with static workers or with kvmesh-cp.
 //!
-//! [`NativeHost`] implements the filter's [`Host`] over the dynamic-modules ABI for the
-//! request path of regular mode: headers, bodies, local replies, resuming, time, and shared
-//! data (kept in this process, with Envoy's compare-and-swap), stats (Envoy names them
-//! `dynamicmodulescustom.<name>`). Each Envoy worker thread gets its own [`Plugin`], as each
-//! gets its own VM under Wasm, so the same code decides. Not here: the tick (like the
-//! `slow-tick` build it is compared with), HTTP callouts (PD) and the control plane's gRPC
-//! streams — static workers only. A panic is caught at each hook
-//! (it would otherwise abort Envoy) and the stream goes on unrouted.
+//! - [`host::NativeHost`] implements the filter's `Host` over the ABI on each Envoy worker
+//!   thread; each thread has its own `Plugin` (as each has its own VM under Wasm), made on its
+//!   first stream and dropped once Envoy replaces the configuration.
+//! - Shared data and stats: [`store`] (in-process, with Envoy's compare-and-swap semantics;
+//!   stats recorded through the configuration).
+//! - The tick: Envoy gives HTTP-filter modules no timer on worker threads, so each thread ticks
+//!   its plugin on its own streams' hooks once [`ticker::TICK`] has passed, and the
+//!   [`ticker`] thread wakes the threads holding requests in an admission queue through a
+//!   stream scheduler ([`waiting`]).
+//! - The control plane: the ticker thread's own plugin holds the streams ([`grpc`], tonic,
+//!   to `control_plane_address`), applies snapshots and shares them with the worker threads'
+//!   plugins through shared data, as the lease holder's VM does under Wasm.
+//!
+//! Not here yet: PD mode (HTTP callouts), `set_request_body`/`set_response_body`. Every hook is
+//! under `catch_unwind` (a panic across the C ABI would abort Envoy); a stream whose hook
+//! panicked goes on unrouted, which the configuration answers with its 503.
 
 #![allow(unsafe_code)]
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing))]
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
 use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::rc::Rc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 
 use envoy_dynamic_module::{
-    borrow_from_envoy, define_stat, drop_from_envoy, empty_hooks, into_envoy, Attribute, BodyKind, Buffer, HeaderKind,
-    StatKind, Stream, CONTINUE, STOP,
+    borrow_from_envoy, drop_from_envoy, empty_hooks, into_envoy, BodyKind, Buffer, Scheduler, CONTINUE, STOP,
 };
-use kvmesh_filter::headers::Headers;
-use kvmesh_filter::host::{Action, Callout, Host, HostError, Metric, MetricKind};
+use kvmesh_filter::host::Action;
 use kvmesh_filter::plugin::Plugin;
 use kvmesh_filter::request::RequestFilter;
-use kvmesh_filter::shared::{SetError, SharedStore};
+
+mod grpc;
+mod host;
+mod store;
+mod ticker;
+mod waiting;
+
+use host::NativeHost;
+use store::Stats;
+use ticker::{Link, Ticker, TICK};
+use waiting::Waiting;
 
 empty_hooks!();
 
-/// A shared-data value and its compare-and-swap version, by key.
-type Values = HashMap<String, (Vec<u8>, u32)>;
-
-/// Shared data across the process's threads, as Envoy keeps it across VMs.
-static SHARED: Mutex<Option<Values>> = Mutex::new(None);
-
-/// Envoy, as seen from one worker thread; "the" stream is the one whose hook is running.
-#[derive(Default)]
-pub struct NativeHost {
-    stream: Cell<usize>,
-    /// Stat ids, in [`Metric::ALL`] order (None: Envoy refused to define it).
-    stats: Vec<Option<usize>>,
-}
-
-impl NativeHost {
-    fn stream(&self) -> Stream<'_> {
-        // SAFETY: set by the running hook to the stream it was given (see `Streamed::with`).
-        unsafe { Stream::new(self.stream.get() as *mut c_void) }
-    }
-
-    /// A header map, copied (names that are not UTF-8 left out: HTTP names are tokens).
-    fn headers(&self, kind: HeaderKind) -> Headers {
-        let pairs = self.stream().headers(kind);
-        Headers::from_pairs(pairs.into_iter().filter_map(|(k, v)| Some((std::str::from_utf8(k).ok()?, v))))
-    }
-
-    fn set_header(&self, kind: HeaderKind, name: &str, value: Option<&str>) -> Result<(), HostError> {
-        let stream = self.stream();
-        let ok = stream.set_header(kind, name, value.map(str::as_bytes));
-        if kind == HeaderKind::Request {
-            // As proxy-wasm's header writes do: the route is matched again.
-            stream.clear_route_cache();
-        }
-        if ok {
-            Ok(())
-        } else {
-            Err(HostError(format!("Envoy refused to set {name}")))
-        }
-    }
-
-    /// What Envoy buffered of a body, then the chunk just received, up to `size` bytes.
-    fn body(&self, kinds: [BodyKind; 2], size: usize) -> Vec<u8> {
-        let stream = self.stream();
-        let mut out = Vec::with_capacity(size.min(1 << 20));
-        for chunk in kinds.into_iter().flat_map(|k| stream.body(k)) {
-            let room = size.saturating_sub(out.len());
-            out.extend_from_slice(chunk.get(..room.min(chunk.len())).unwrap_or_default());
-        }
-        out
-    }
-
-    fn body_size(&self, kinds: &[BodyKind]) -> usize {
-        let stream = self.stream();
-        kinds.iter().flat_map(|&k| stream.body(k)).map(<[u8]>::len).sum()
-    }
-}
-
-fn stat_kind(kind: MetricKind) -> StatKind {
-    match kind {
-        MetricKind::Counter => StatKind::Counter,
-        MetricKind::Gauge => StatKind::Gauge,
-        MetricKind::Histogram => StatKind::Histogram,
-    }
-}
-
-fn unsupported<T>(what: &str) -> Result<T, HostError> {
-    Err(HostError(format!("{what}: not in the native experiment")))
-}
-
-impl SharedStore for NativeHost {
-    fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
-        let Ok(guard) = SHARED.lock() else { return (None, None) };
-        match guard.as_ref().and_then(|m| m.get(key)) {
-            Some((v, cas)) => (Some(v.clone()), Some(*cas)),
-            None => (None, None),
-        }
-    }
-
-    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
-        let Ok(mut guard) = SHARED.lock() else { return Err(SetError::Other) };
-        let entry = guard.get_or_insert_with(HashMap::new).entry(key.to_string()).or_insert((Vec::new(), 0));
-        if matches!(cas, Some(c) if c != 0 && c != entry.1) {
-            return Err(SetError::CasMismatch);
-        }
-        *entry = (value.to_vec(), entry.1.wrapping_add(1));
-        Ok(())
-    }
-}
-
-impl Host for NativeHost {
-    fn request_headers(&self) -> Headers {
-        self.headers(HeaderKind::Request)
-    }
-    fn set_request_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError> {
-        self.set_header(HeaderKind::Request, name, value)
-    }
-    fn request_body(&self, size: usize) -> Vec<u8> {
-        self.body([BodyKind::BufferedRequest, BodyKind::ReceivedRequest], size)
-    }
-    fn set_request_body(&self, _size: usize, _body: &[u8]) -> Result<(), HostError> {
-        unsupported("set_request_body")
-    }
-    fn response_headers(&self) -> Headers {
-        self.headers(HeaderKind::Response)
-    }
-    fn set_response_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError> {
-        self.set_header(HeaderKind::Response, name, value)
-    }
-    fn response_body(&self, size: usize) -> Vec<u8> {
-        self.body([BodyKind::BufferedResponse, BodyKind::ReceivedResponse], size)
-    }
-    fn response_code_details(&self) -> Option<String> {
-        self.stream().attribute(Attribute::ResponseCodeDetails)
-    }
-    fn set_response_body(&self, _size: usize, _body: &[u8]) -> Result<(), HostError> {
-        unsupported("set_response_body")
-    }
-    fn upstream_address(&self) -> Option<String> {
-        self.stream().attribute(Attribute::UpstreamAddress)
-    }
-    fn send_reply(&self, status: u16, headers: &[(&str, &str)], body: &[u8]) -> Result<(), HostError> {
-        self.stream().send_response(status, headers, body, "kvmesh");
-        Ok(())
-    }
-    fn resume_response(&self) -> Result<(), HostError> {
-        self.stream().continue_encoding();
-        Ok(())
-    }
-    fn resume_request(&self) -> Result<(), HostError> {
-        self.stream().continue_decoding();
-        Ok(())
-    }
-    fn enter_context(&self, _context_id: u32) -> Result<(), HostError> {
-        unsupported("enter_context")
-    }
-    fn dispatch(&self, _callout: Callout<'_>) -> Result<u32, HostError> {
-        unsupported("HTTP callouts")
-    }
-    fn callout_status(&self) -> Option<u16> {
-        None
-    }
-    fn callout_body(&self, _size: usize) -> Vec<u8> {
-        Vec::new()
-    }
-    fn open_grpc_stream(&self, _: &str, _: &str, _: &str, _: &[(&str, &[u8])]) -> Result<u32, HostError> {
-        unsupported("gRPC streams")
-    }
-    fn send_grpc(&self, _token: u32, _message: &[u8], _end: bool) -> Result<(), HostError> {
-        unsupported("gRPC streams")
-    }
-    fn cancel_grpc(&self, _token: u32) {}
-    fn grpc_message(&self, _size: usize) -> Vec<u8> {
-        Vec::new()
-    }
-    fn now_nanos(&self) -> u64 {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
-    }
-    fn node_id(&self) -> Option<String> {
-        None
-    }
-    fn vm_memory_bytes(&self) -> u64 {
-        0
-    }
-    fn increment(&self, metric: Metric) {
-        self.record(metric, 1);
-    }
-    fn record(&self, metric: Metric, value: u64) {
-        let pos = Metric::ALL.iter().position(|m| *m == metric);
-        if let Some(id) = pos.and_then(|p| self.stats.get(p).copied().flatten()) {
-            self.stream().stat(stat_kind(metric.kind()), id, value);
-        }
-    }
-}
-
-/// The configuration Envoy gave the filter (parsed per worker thread, as each VM does), and
-/// the stats defined for it.
+/// The configuration Envoy gave the filter, and what belongs to it: its stats, its ticker,
+/// its queue of paused streams.
 struct Config {
     /// Tells this configuration's per-thread plugins from an earlier one's.
     id: u64,
+    /// The plugin configuration the worker threads' plugins are made from.
     bytes: Vec<u8>,
-    stats: Vec<Option<usize>>,
+    /// With a control plane, the worker threads' plugins follow the ticker's.
+    follow: bool,
+    stats: Arc<Stats>,
+    waiting: Arc<Waiting>,
+    /// False once Envoy destroyed the configuration: the threads drop their plugins for it.
+    alive: Arc<AtomicBool>,
+    /// Stopped (and joined) first when the configuration is dropped.
+    _ticker: Ticker,
+}
+
+impl Drop for Config {
+    fn drop(&mut self) {
+        self.alive.store(false, Ordering::Release);
+    }
 }
 
 static CONFIGS: AtomicU64 = AtomicU64::new(0);
 
-/// One worker thread's plugin: what one VM holds under Wasm.
+/// The key only the native build reads: where kvmesh-cp's gRPC port is (`http://host:port`).
+/// Envoy's `control_plane_cluster` is a cluster name the module cannot open streams on.
+const ADDRESS_KEY: &str = "control_plane_address";
+
+/// Splits the native build's key off the plugin configuration and validates the rest once.
+fn parse(bytes: &[u8]) -> Result<(Vec<u8>, Option<String>, kvmesh_core::Config), String> {
+    let mut json: serde_json::Value =
+        serde_json::from_slice(bytes).map_err(|e| format!("invalid configuration: {e}"))?;
+    let address = match json.as_object_mut().and_then(|o| o.remove(ADDRESS_KEY)) {
+        None | Some(serde_json::Value::Null) => None,
+        Some(serde_json::Value::String(a)) => Some(a),
+        Some(other) => return Err(format!("invalid configuration: {ADDRESS_KEY} must be a string, not {other}")),
+    };
+    let rest = serde_json::to_vec(&json).map_err(|e| e.to_string())?;
+    let config = kvmesh_core::Config::from_json(&rest).map_err(|e| format!("invalid configuration: {e}"))?;
+    match (&config.control_plane_cluster, &address) {
+        (Some(_), None) => {
+            return Err(format!(
+                "invalid configuration: the native build needs `{ADDRESS_KEY}` (http://host:port of kvmesh-cp's gRPC \
+                 port) beside control_plane_cluster"
+            ))
+        }
+        (None, Some(_)) => return Err(format!("invalid configuration: `{ADDRESS_KEY}` without control_plane_cluster")),
+        (_, Some(a)) if !a.starts_with("http://") => {
+            return Err(format!("invalid configuration: `{ADDRESS_KEY}` `{a}` must be http://host:port"))
+        }
+        _ => {}
+    }
+    Ok((rest, address, config))
+}
+
+/// One worker thread's plugin for one configuration: what one VM holds under Wasm.
 struct Thread {
+    config: u64,
+    alive: Arc<AtomicBool>,
     host: NativeHost,
-    plugin: Plugin,
+    plugin: RefCell<Plugin>,
+    waiting: Arc<Waiting>,
+    /// Queued requests are possible (`max_concurrent_requests`).
+    admission: bool,
     next_context: Cell<u32>,
+    last_tick_ms: Cell<u64>,
 }
 
 thread_local! {
-    /// This thread's plugin for each configuration it served (a new configuration from Envoy
-    /// gets new ones; the old ones stay, unused).
-    static THREAD: RefCell<Vec<(u64, Rc<Thread>)>> = const { RefCell::new(Vec::new()) };
+    /// This thread's plugins, one for each live configuration it served.
+    static THREADS: RefCell<Vec<Rc<Thread>>> = const { RefCell::new(Vec::new()) };
 }
 
 /// This worker thread's plugin for `config`, configured on its first stream.
 fn thread(config: &Config) -> Option<Rc<Thread>> {
-    THREAD.with(|t| {
+    THREADS.with(|t| {
         let mut t = t.borrow_mut();
-        if let Some((_, thread)) = t.iter().find(|(id, _)| *id == config.id) {
+        t.retain(|thread| thread.alive.load(Ordering::Acquire));
+        if let Some(thread) = t.iter().find(|thread| thread.config == config.id) {
             return Some(Rc::clone(thread));
         }
-        let host = NativeHost { stream: Cell::new(0), stats: config.stats.clone() };
+        let host = NativeHost::new(Arc::clone(&config.stats));
         let mut plugin = Plugin::default();
-        let seed = kvmesh_core::rng::random_u64().unwrap_or_else(|_| host.now_nanos());
+        let seed = kvmesh_core::rng::random_u64().unwrap_or_else(|_| host::now_nanos());
         if let Err(e) = plugin.configure(&host, &config.bytes, seed) {
             log::error!("{e}");
             return None;
         }
-        let thread = Rc::new(Thread { host, plugin, next_context: Cell::new(1) });
-        t.push((config.id, Rc::clone(&thread)));
+        if config.follow {
+            plugin.follow();
+        }
+        let admission = plugin.gateway().and_then(|g| g.try_borrow().ok().map(|g| g.config().admission.is_some()));
+        let thread = Rc::new(Thread {
+            config: config.id,
+            alive: Arc::clone(&config.alive),
+            host,
+            plugin: RefCell::new(plugin),
+            waiting: Arc::clone(&config.waiting),
+            admission: admission.unwrap_or(false),
+            next_context: Cell::new(1),
+            last_tick_ms: Cell::new(0),
+        });
+        t.push(Rc::clone(&thread));
         Some(thread)
     })
+}
+
+impl Thread {
+    /// The plugin's tick, from the hook of stream `envoy`, when [`TICK`] has passed (or
+    /// `always`): the table and index the ticker shared, ended requests, eviction, and the
+    /// admission queue (requests admitted or expired in their own streams, then back).
+    fn tick(&self, envoy: *mut c_void, always: bool) {
+        let now = host::now_nanos() / 1_000_000;
+        if !always && now.saturating_sub(self.last_tick_ms.get()) < TICK.as_millis() as u64 {
+            return;
+        }
+        self.last_tick_ms.set(now);
+        let Ok(mut plugin) = self.plugin.try_borrow_mut() else { return };
+        self.host.run_for(envoy);
+        if catch_unwind(AssertUnwindSafe(|| plugin.on_tick(&self.host))).is_err() {
+            log::error!("kvmesh: the tick panicked");
+        }
+    }
 }
 
 /// One stream's filter.
 struct Streamed {
     thread: Rc<Thread>,
     filter: Rc<RefCell<RequestFilter>>,
+    context: u32,
+    envoy: *mut c_void,
 }
 
 impl Streamed {
@@ -270,9 +194,16 @@ impl Streamed {
     /// Runs `f` as the hook of Envoy's stream `envoy`; a panic (or a re-entered filter)
     /// answers `otherwise`.
     fn with<T>(&self, envoy: *mut c_void, otherwise: T, f: impl FnOnce(&mut RequestFilter, &NativeHost) -> T) -> T {
-        self.thread.host.stream.set(envoy as usize);
+        self.thread.host.run_for(envoy);
         let Ok(mut filter) = self.filter.try_borrow_mut() else { return otherwise };
         catch_unwind(AssertUnwindSafe(|| f(&mut filter, &self.thread.host))).unwrap_or(otherwise)
+    }
+}
+
+impl Drop for Streamed {
+    fn drop(&mut self) {
+        self.thread.waiting.remove(self.envoy as usize);
+        self.thread.host.forget(self.context);
     }
 }
 
@@ -291,15 +222,27 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
     _name: Buffer,
     config: Buffer,
 ) -> *const c_void {
-    let bytes = config.bytes().to_vec();
-    // Validated here once, so that a bad configuration is refused at load.
-    if kvmesh_core::Config::from_json(&bytes).is_err() {
-        return std::ptr::null();
+    envoy_dynamic_module::init_logging();
+    let made = catch_unwind(AssertUnwindSafe(|| -> Result<Config, String> {
+        // Validated here once, so that a bad configuration is refused at load.
+        let (bytes, address, parsed) = parse(config.bytes())?;
+        // Stats can only be defined now.
+        let stats = Arc::new(Stats::define(envoy));
+        let waiting = Arc::new(Waiting::default());
+        let follow = parsed.control_plane_cluster.is_some();
+        let link = address.map(|address| Link { address, config: bytes.clone() });
+        let ticker = Ticker::start(link, Arc::clone(&stats), Arc::clone(&waiting))?;
+        let id = CONFIGS.fetch_add(1, Ordering::Relaxed);
+        Ok(Config { id, bytes, follow, stats, waiting, alive: Arc::new(AtomicBool::new(true)), _ticker: ticker })
+    }));
+    match made {
+        Ok(Ok(config)) => into_envoy(Some(config)),
+        Ok(Err(e)) => {
+            log::error!("kvmesh: {e}");
+            std::ptr::null()
+        }
+        Err(_) => std::ptr::null(),
     }
-    // Stats can only be defined now.
-    let stats = Metric::ALL.iter().map(|m| define_stat(envoy, stat_kind(m.kind()), m.name())).collect();
-    let id = CONFIGS.fetch_add(1, Ordering::Relaxed);
-    into_envoy(Some(Config { id, bytes, stats }))
 }
 
 /// # Safety
@@ -314,15 +257,16 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(conf
 #[no_mangle]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
     config: *mut c_void,
-    _envoy: *mut c_void,
+    envoy: *mut c_void,
 ) -> *mut c_void {
     let Some(config) = borrow_from_envoy::<Config>(config) else { return std::ptr::null_mut() };
     let made = catch_unwind(AssertUnwindSafe(|| {
         let thread = thread(config)?;
-        let id = thread.next_context.get();
-        thread.next_context.set(id.wrapping_add(1).max(1));
-        let filter = thread.plugin.new_request(id);
-        Some(Streamed { thread, filter })
+        let context = thread.next_context.get();
+        thread.next_context.set(context.wrapping_add(1).max(1));
+        let filter = thread.plugin.try_borrow().ok()?.new_request(context);
+        thread.host.register(context, envoy);
+        Some(Streamed { thread, filter, context, envoy })
     }));
     into_envoy(made.ok().flatten())
 }
@@ -331,7 +275,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
 /// `m` came from `filter_new`.
 #[no_mangle]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_destroy(m: *mut c_void) {
-    drop_from_envoy::<Streamed>(m);
+    let _ = catch_unwind(|| drop_from_envoy::<Streamed>(m));
 }
 
 /// # Safety
@@ -343,6 +287,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
     end_of_stream: bool,
 ) -> u32 {
     let Some(s) = Streamed::of(m) else { return CONTINUE };
+    s.thread.tick(f, false);
     status(s.with(f, Action::Continue, |filter, host| filter.on_request_headers(host, end_of_stream)))
 }
 
@@ -355,10 +300,29 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
     end_of_stream: bool,
 ) -> u32 {
     let Some(s) = Streamed::of(m) else { return CONTINUE };
-    status(s.with(f, Action::Continue, |filter, host| {
+    let action = s.with(f, Action::Continue, |filter, host| {
         let size = host.body_size(&[BodyKind::BufferedRequest, BodyKind::ReceivedRequest]);
         filter.on_request_body(host, size, end_of_stream)
-    }))
+    });
+    if action == Action::Pause && end_of_stream && s.thread.admission {
+        // Waiting in the queue, perhaps: the ticker wakes this thread while it is there.
+        s.thread.waiting.add(f as usize, || {
+            // SAFETY: this hook's stream, on its thread; deleted in `Streamed::drop`.
+            unsafe { Scheduler::new(f) }
+        });
+    }
+    status(action)
+}
+
+/// The ticker woke this stream's thread (it holds requests in the admission queue).
+///
+/// # Safety
+/// See [`Streamed::of`].
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(f: *mut c_void, m: *mut c_void, _event: u64) {
+    if let Some(s) = Streamed::of(m) {
+        s.thread.tick(f, true);
+    }
 }
 
 /// # Safety

@@ -49,6 +49,9 @@ pub struct Plugin {
     callouts: HashMap<u32, (u32, Weak<RefCell<RequestFilter>>)>,
     /// When this VM last recorded its memory (ms).
     memory_recorded_ms: u64,
+    /// Never holds the control-plane streams: another plugin in this Envoy does (see
+    /// [`Plugin::follow`]).
+    follower: bool,
 }
 
 impl Plugin {
@@ -85,6 +88,14 @@ impl Plugin {
         Ok(())
     }
 
+    /// Leaves the control-plane streams to another plugin of this Envoy for good (the native
+    /// build's background thread holds them): this one only follows the table and index the
+    /// stream owner shares, as a VM without the lease does, and keeps its stats to itself.
+    pub fn follow(&mut self) {
+        self.control_plane = None;
+        self.follower = true;
+    }
+
     /// The gateway every request context of this VM shares.
     pub fn gateway(&self) -> Option<Rc<RefCell<Gateway>>> {
         self.gateway.clone()
@@ -105,7 +116,11 @@ impl Plugin {
         let now = now_ms(host);
         if now.saturating_sub(self.memory_recorded_ms) >= 1_000 {
             self.memory_recorded_ms = now;
-            host.record(Metric::VmMemory, host.vm_memory_bytes());
+            // Native builds have no VM memory to speak of (0).
+            let bytes = host.vm_memory_bytes();
+            if bytes > 0 {
+                host.record(Metric::VmMemory, bytes);
+            }
         }
     }
 
@@ -222,7 +237,7 @@ impl Plugin {
         }
         // One gauge for the whole Envoy: with a control plane, the stream owner's index (it
         // applies every snapshot at once) is the one to show; idle VMs catch up lazily.
-        let owner = self.control_plane.as_ref().is_none_or(|cp| cp.link.is_connected());
+        let owner = !self.follower && self.control_plane.as_ref().is_none_or(|cp| cp.link.is_connected());
         if owner {
             host.record(Metric::IndexBlocks, gateway.index_len() as u64);
         }
@@ -428,6 +443,32 @@ mod tests {
         let host = MockHost::new();
         let e = Plugin::default().configure(&host, br#"{"cache_threshold":2}"#, 1).unwrap_err();
         assert!(e.contains("`cache_threshold`"), "{e}");
+    }
+
+    /// The native build's worker threads: never the lease holder, never a stream, no index
+    /// gauge of their own; they route on the table the stream owner shares.
+    #[test]
+    fn a_follower_routes_on_the_owners_table_and_never_holds_the_streams() {
+        let owner_host = MockHost::new();
+        let mut owner = plugin(&owner_host, 1);
+        owner.on_tick(&owner_host);
+        let watch = owner_host.grpc_opened.borrow()[0].0;
+        deliver(&owner_host, &mut owner, watch, &snapshot(4, &[30001]));
+        let host = owner_host.vm();
+        let mut follower = plugin(&host, 2);
+        follower.follow();
+        for _ in 0..200 {
+            host.advance_ms(20); // 4 s: past the owner's lease, which nobody renews meanwhile
+            follower.on_tick(&host);
+        }
+        assert!(host.grpc_opened.borrow().is_empty() && host.grpc_attempts.get() == 0, "no stream");
+        assert_eq!(crate::shared::Lease::owner(host.store.as_ref()), Some(owner_vm(&owner)), "the lease untouched");
+        assert_eq!(route(&host, &follower, &"r".repeat(100)).as_deref(), Some("127.0.0.1:30001"));
+        assert!(!host.metrics.borrow().contains_key(&Metric::IndexBlocks), "the owner's gauge alone");
+    }
+
+    fn owner_vm(p: &Plugin) -> u32 {
+        p.gateway().unwrap().borrow().vm_id()
     }
 
     #[test]

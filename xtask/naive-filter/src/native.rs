@@ -11,6 +11,7 @@ use envoy_dynamic_module::{
 };
 
 empty_hooks!();
+envoy_dynamic_module::empty_scheduled_hook!();
 
 struct Config {
     workers: Vec<String>,

@@ -1,0 +1,203 @@
+//! [`NativeHost`]: the filter's [`Host`] on an Envoy worker thread, over the dynamic-modules
+//! ABI. "The" stream is the one whose hook is running, or the one the tick entered.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use envoy_dynamic_module::{Attribute, BodyKind, HeaderKind, Stream};
+use kvmesh_filter::headers::Headers;
+use kvmesh_filter::host::{Callout, Host, HostError, Metric};
+use kvmesh_filter::shared::{SetError, SharedStore};
+
+use crate::store::{self, Stats};
+
+/// Envoy, as seen from one worker thread.
+pub struct NativeHost {
+    /// The stream calls act on (0: none).
+    stream: Cell<usize>,
+    /// The stream whose hook is running: where [`Host::enter_context`] comes back to.
+    home: Cell<usize>,
+    /// This thread's live streams of the configuration, by context id.
+    contexts: RefCell<HashMap<u32, usize>>,
+    stats: Arc<Stats>,
+}
+
+impl NativeHost {
+    pub fn new(stats: Arc<Stats>) -> Self {
+        Self { stream: Cell::new(0), home: Cell::new(0), contexts: RefCell::default(), stats }
+    }
+
+    /// Makes `envoy` (the running hook's stream) "the" stream.
+    pub fn run_for(&self, envoy: *mut c_void) {
+        self.stream.set(envoy as usize);
+        self.home.set(envoy as usize);
+    }
+
+    pub fn register(&self, context: u32, envoy: *mut c_void) {
+        self.contexts.borrow_mut().insert(context, envoy as usize);
+    }
+
+    pub fn forget(&self, context: u32) {
+        self.contexts.borrow_mut().remove(&context);
+    }
+
+    fn stream(&self) -> Option<Stream<'_>> {
+        let ptr = self.stream.get();
+        // SAFETY: set by the running hook to its stream, or by `enter_context` to a stream of
+        // this thread that Envoy has not destroyed (streams leave `contexts` when destroyed).
+        (ptr != 0).then(|| unsafe { Stream::new(ptr as *mut c_void) })
+    }
+
+    /// A header map, copied (names that are not UTF-8 left out: HTTP names are tokens).
+    fn headers(&self, kind: HeaderKind) -> Headers {
+        let pairs = self.stream().map(|s| s.headers(kind)).unwrap_or_default();
+        Headers::from_pairs(pairs.into_iter().filter_map(|(k, v)| Some((std::str::from_utf8(k).ok()?, v))))
+    }
+
+    fn set_header(&self, kind: HeaderKind, name: &str, value: Option<&str>) -> Result<(), HostError> {
+        let stream = self.stream().ok_or_else(no_stream)?;
+        let ok = stream.set_header(kind, name, value.map(str::as_bytes));
+        if kind == HeaderKind::Request {
+            // As proxy-wasm's header writes do: the route is matched again.
+            stream.clear_route_cache();
+        }
+        if ok {
+            Ok(())
+        } else {
+            Err(HostError(format!("Envoy refused to set {name}")))
+        }
+    }
+
+    /// What Envoy buffered of a body, then the chunk just received, up to `size` bytes.
+    fn body(&self, kinds: [BodyKind; 2], size: usize) -> Vec<u8> {
+        let Some(stream) = self.stream() else { return Vec::new() };
+        let mut out = Vec::with_capacity(size.min(1 << 20));
+        for chunk in kinds.into_iter().flat_map(|k| stream.body(k)) {
+            let room = size.saturating_sub(out.len());
+            out.extend_from_slice(chunk.get(..room.min(chunk.len())).unwrap_or_default());
+        }
+        out
+    }
+
+    pub fn body_size(&self, kinds: &[BodyKind]) -> usize {
+        let Some(stream) = self.stream() else { return 0 };
+        kinds.iter().flat_map(|&k| stream.body(k)).map(<[u8]>::len).sum()
+    }
+}
+
+fn no_stream() -> HostError {
+    HostError("no stream to act on".into())
+}
+
+pub fn unsupported<T>(what: &str) -> Result<T, HostError> {
+    Err(HostError(format!("{what}: not in the native build")))
+}
+
+pub fn now_nanos() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+}
+
+impl SharedStore for NativeHost {
+    fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+        store::get(key)
+    }
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
+        store::set(key, value, cas)
+    }
+}
+
+impl Host for NativeHost {
+    fn request_headers(&self) -> Headers {
+        self.headers(HeaderKind::Request)
+    }
+    fn set_request_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError> {
+        self.set_header(HeaderKind::Request, name, value)
+    }
+    fn request_body(&self, size: usize) -> Vec<u8> {
+        self.body([BodyKind::BufferedRequest, BodyKind::ReceivedRequest], size)
+    }
+    fn set_request_body(&self, _size: usize, _body: &[u8]) -> Result<(), HostError> {
+        unsupported("set_request_body")
+    }
+    fn response_headers(&self) -> Headers {
+        self.headers(HeaderKind::Response)
+    }
+    fn set_response_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError> {
+        self.set_header(HeaderKind::Response, name, value)
+    }
+    fn response_body(&self, size: usize) -> Vec<u8> {
+        self.body([BodyKind::BufferedResponse, BodyKind::ReceivedResponse], size)
+    }
+    fn response_code_details(&self) -> Option<String> {
+        self.stream()?.attribute(Attribute::ResponseCodeDetails)
+    }
+    fn set_response_body(&self, _size: usize, _body: &[u8]) -> Result<(), HostError> {
+        unsupported("set_response_body")
+    }
+    fn upstream_address(&self) -> Option<String> {
+        self.stream()?.attribute(Attribute::UpstreamAddress)
+    }
+    /// With `kvmesh` as the reply's code details: Envoy fills in `dynamic_module` for empty
+    /// ones, and the shipped configurations wrap local replies that carry details, except
+    /// these (JSON already).
+    fn send_reply(&self, status: u16, headers: &[(&str, &str)], body: &[u8]) -> Result<(), HostError> {
+        self.stream().ok_or_else(no_stream)?.send_response(status, headers, body, "kvmesh");
+        Ok(())
+    }
+    fn resume_response(&self) -> Result<(), HostError> {
+        self.stream().ok_or_else(no_stream)?.continue_encoding();
+        Ok(())
+    }
+    fn resume_request(&self) -> Result<(), HostError> {
+        self.stream().ok_or_else(no_stream)?.continue_decoding();
+        Ok(())
+    }
+    /// Context 0 is the plugin's own (the tick's): back to the running hook's stream.
+    fn enter_context(&self, context_id: u32) -> Result<(), HostError> {
+        let ptr = if context_id == 0 {
+            self.home.get()
+        } else {
+            *self.contexts.borrow().get(&context_id).ok_or_else(|| HostError("the stream is gone".into()))?
+        };
+        self.stream.set(ptr);
+        Ok(())
+    }
+    fn dispatch(&self, _callout: Callout<'_>) -> Result<u32, HostError> {
+        unsupported("HTTP callouts")
+    }
+    fn callout_status(&self) -> Option<u16> {
+        None
+    }
+    fn callout_body(&self, _size: usize) -> Vec<u8> {
+        Vec::new()
+    }
+    fn open_grpc_stream(&self, _: &str, _: &str, _: &str, _: &[(&str, &[u8])]) -> Result<u32, HostError> {
+        unsupported("gRPC streams on worker threads")
+    }
+    fn send_grpc(&self, _token: u32, _message: &[u8], _end: bool) -> Result<(), HostError> {
+        unsupported("gRPC streams on worker threads")
+    }
+    fn cancel_grpc(&self, _token: u32) {}
+    fn grpc_message(&self, _size: usize) -> Vec<u8> {
+        Vec::new()
+    }
+    fn now_nanos(&self) -> u64 {
+        now_nanos()
+    }
+    fn node_id(&self) -> Option<String> {
+        None
+    }
+    fn vm_memory_bytes(&self) -> u64 {
+        0
+    }
+    fn increment(&self, metric: Metric) {
+        self.stats.record(metric, 1);
+    }
+    fn record(&self, metric: Metric, value: u64) {
+        self.stats.record(metric, value);
+    }
+}

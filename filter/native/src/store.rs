@@ -1,0 +1,73 @@
+//! What the plugins of one Envoy share: shared data (in this process, with the
+//! compare-and-swap Envoy's shared data has, since every plugin here is in one address space)
+//! and the configuration's stats (recorded through the configuration, from any thread).
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Mutex;
+
+use envoy_dynamic_module::{config_stat, define_stat, StatKind};
+use kvmesh_filter::host::{Metric, MetricKind};
+use kvmesh_filter::shared::SetError;
+
+/// A shared-data value and its compare-and-swap version, by key.
+type Values = HashMap<String, (Vec<u8>, u32)>;
+
+static SHARED: Mutex<Option<Values>> = Mutex::new(None);
+
+/// The value under `key` and its version.
+pub fn get(key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+    let Ok(guard) = SHARED.lock() else { return (None, None) };
+    match guard.as_ref().and_then(|m| m.get(key)) {
+        Some((v, cas)) => (Some(v.clone()), Some(*cas)),
+        None => (None, None),
+    }
+}
+
+/// Writes `value` under `key` if its version is still `cas` (none or 0: unconditionally).
+pub fn set(key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
+    let Ok(mut guard) = SHARED.lock() else { return Err(SetError::Other) };
+    let entry = guard.get_or_insert_with(HashMap::new).entry(key.to_string()).or_insert((Vec::new(), 0));
+    if matches!(cas, Some(c) if c != 0 && c != entry.1) {
+        return Err(SetError::CasMismatch);
+    }
+    *entry = (value.to_vec(), entry.1.wrapping_add(1));
+    Ok(())
+}
+
+/// The filter's stats as defined for one configuration.
+pub struct Stats {
+    /// Envoy's configuration pointer (stats are recorded through it).
+    config: usize,
+    /// Stat ids, in [`Metric::ALL`] order (None: Envoy refused to define it).
+    ids: Vec<Option<usize>>,
+}
+
+fn stat_kind(kind: MetricKind) -> StatKind {
+    match kind {
+        MetricKind::Counter => StatKind::Counter,
+        MetricKind::Gauge => StatKind::Gauge,
+        MetricKind::Histogram => StatKind::Histogram,
+    }
+}
+
+impl Stats {
+    /// Defines every metric (Envoy only allows it while it creates the configuration).
+    ///
+    /// # Safety
+    /// `config` is the pointer `on_http_filter_config_new` was given, and the `Stats` are
+    /// dropped before Envoy destroys the configuration... or never used after (see
+    /// `Config::alive`).
+    pub unsafe fn define(config: *mut c_void) -> Self {
+        let ids = Metric::ALL.iter().map(|m| define_stat(config, stat_kind(m.kind()), m.name())).collect();
+        Self { config: config as usize, ids }
+    }
+
+    pub fn record(&self, metric: Metric, value: u64) {
+        let pos = Metric::ALL.iter().position(|m| *m == metric);
+        if let Some(id) = pos.and_then(|p| self.ids.get(p).copied().flatten()) {
+            // SAFETY: the configuration is alive (see `define`).
+            unsafe { config_stat(self.config as *mut c_void, stat_kind(metric.kind()), id, value) }
+        }
+    }
+}
