@@ -50,6 +50,8 @@ pub struct EnvoyOptions {
     /// A native filter in place of the Wasm one: an Envoy dynamic module (`lib<name>.so`),
     /// given the same JSON configuration (with a control plane, plus `control_plane_address`).
     pub native_module: Option<PathBuf>,
+    /// Environment variables for Envoy (e.g. `KVMESH_NATIVE_TICK_MS` for the native build).
+    pub env: Vec<(String, String)>,
 }
 
 impl EnvoyOptions {
@@ -69,6 +71,7 @@ impl EnvoyOptions {
             hot_restart: None,
             remove_http_filters: Vec::new(),
             native_module: None,
+            env: Vec::new(),
             wrapper: Vec::new(),
             binary: None,
             ready_limit: Duration::from_secs(30),
@@ -402,10 +405,11 @@ impl Envoy {
                 .args(["--base-id", &base_id.to_string(), "--restart-epoch", &epoch.to_string()])
                 .args(["--drain-time-s", "2", "--parent-shutdown-time-s", "6"]),
         };
-        cmd.args(["--component-log-level", "wasm:info"]);
+        cmd.args(["--component-log-level", "wasm:info,dynamic_modules:info"]);
         if let Some(dir) = opts.native_module.as_deref().and_then(Path::parent) {
             cmd.env("ENVOY_DYNAMIC_MODULES_SEARCH_PATH", dir);
         }
+        cmd.envs(opts.env.iter().map(|(k, v)| (k, v)));
         Proc::spawn("envoy", cmd).with_context(|| format!("is Envoy installed at {}?", envoy_bin().display()))
     }
 

@@ -9,7 +9,7 @@
 //! - Shared data and stats: [`store`] (in-process, with Envoy's compare-and-swap semantics;
 //!   stats recorded through the configuration).
 //! - The tick: Envoy gives HTTP-filter modules no timer on worker threads, so each thread ticks
-//!   its plugin on its own streams' hooks once [`ticker::TICK`] has passed, and the
+//!   its plugin on its own streams' hooks once [`ticker::tick`] has passed, and the
 //!   [`ticker`] thread wakes the threads holding requests in an admission queue through a
 //!   stream scheduler ([`waiting`]).
 //! - The control plane: the ticker thread's own plugin holds the streams ([`grpc`], tonic,
@@ -45,7 +45,7 @@ mod waiting;
 
 use host::NativeHost;
 use store::Stats;
-use ticker::{Link, Ticker, TICK};
+use ticker::{tick, Link, Ticker};
 use waiting::Waiting;
 
 empty_hooks!();
@@ -113,8 +113,6 @@ struct Thread {
     host: NativeHost,
     plugin: RefCell<Plugin>,
     waiting: Arc<Waiting>,
-    /// Queued requests are possible (`max_concurrent_requests`).
-    admission: bool,
     next_context: Cell<u32>,
     last_tick_ms: Cell<u64>,
 }
@@ -142,14 +140,12 @@ fn thread(config: &Config) -> Option<Rc<Thread>> {
         if config.follow {
             plugin.follow();
         }
-        let admission = plugin.gateway().and_then(|g| g.try_borrow().ok().map(|g| g.config().admission.is_some()));
         let thread = Rc::new(Thread {
             config: config.id,
             alive: Arc::clone(&config.alive),
             host,
             plugin: RefCell::new(plugin),
             waiting: Arc::clone(&config.waiting),
-            admission: admission.unwrap_or(false),
             next_context: Cell::new(1),
             last_tick_ms: Cell::new(0),
         });
@@ -159,12 +155,12 @@ fn thread(config: &Config) -> Option<Rc<Thread>> {
 }
 
 impl Thread {
-    /// The plugin's tick, from the hook of stream `envoy`, when [`TICK`] has passed (or
+    /// The plugin's tick, from the hook of stream `envoy`, when [`tick`] has passed (or
     /// `always`): the table and index the ticker shared, ended requests, eviction, and the
     /// admission queue (requests admitted or expired in their own streams, then back).
     fn tick(&self, envoy: *mut c_void, always: bool) {
         let now = host::now_nanos() / 1_000_000;
-        if !always && now.saturating_sub(self.last_tick_ms.get()) < TICK.as_millis() as u64 {
+        if !always && u128::from(now.saturating_sub(self.last_tick_ms.get())) < tick().as_millis() {
             return;
         }
         self.last_tick_ms.set(now);
@@ -300,12 +296,12 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
     end_of_stream: bool,
 ) -> u32 {
     let Some(s) = Streamed::of(m) else { return CONTINUE };
-    let action = s.with(f, Action::Continue, |filter, host| {
+    let (action, waiting) = s.with(f, (Action::Continue, false), |filter, host| {
         let size = host.body_size(&[BodyKind::BufferedRequest, BodyKind::ReceivedRequest]);
-        filter.on_request_body(host, size, end_of_stream)
+        (filter.on_request_body(host, size, end_of_stream), filter.is_waiting())
     });
-    if action == Action::Pause && end_of_stream && s.thread.admission {
-        // Waiting in the queue, perhaps: the ticker wakes this thread while it is there.
+    if waiting {
+        // In the admission queue: the ticker wakes this thread while it is there.
         s.thread.waiting.add(f as usize, || {
             // SAFETY: this hook's stream, on its thread; deleted in `Streamed::drop`.
             unsafe { Scheduler::new(f) }
@@ -322,6 +318,10 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(f: *mut c_void, m: *mut c_void, _event: u64) {
     if let Some(s) = Streamed::of(m) {
         s.thread.tick(f, true);
+        // Admitted or answered meanwhile: the thread needs no more waking for this stream.
+        if s.filter.try_borrow().is_ok_and(|filter| !filter.is_waiting()) {
+            s.thread.waiting.remove(f as usize);
+        }
     }
 }
 

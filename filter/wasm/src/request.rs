@@ -410,6 +410,11 @@ impl RequestFilter {
         self.reply(host, Reply::error(408, "queue_timeout", &msg));
     }
 
+    /// Whether this request waits in its VM's admission queue (only a tick moves it on).
+    pub fn is_waiting(&self) -> bool {
+        self.admission == Admission::Waiting
+    }
+
     /// The prefill callout this request has out, if any (one dispatched from the tick is
     /// answered to the root context, which hands it on by this token).
     pub fn callout_token(&self) -> Option<u32> {

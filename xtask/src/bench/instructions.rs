@@ -9,7 +9,8 @@
 //! `--threads` keep-alive connections, and the counts are dumped (`callgrind_control -d`).
 //! kvmesh runs its `slow-tick` build (built into `target/slow-tick`): under valgrind a 20 ms
 //! tick would fall on every request; a `--baseline-wasm` or `--variant-wasm` should be built
-//! the same way (`--features slow-tick`) to compare like with like. Other builds run without
+//! the same way (`--features slow-tick`) to compare like with like; kvmesh's native build gets
+//! `KVMESH_NATIVE_TICK_MS=100000` for the same reason. Other builds run without
 //! the configuration keys newer than some of them (`route_sets_worker_header`,
 //! `original_dst_header`), and so does a row of this build beside them.
 
@@ -129,7 +130,11 @@ fn count(o: &Opts, c: &Config, upstreams: &[String], stream: &[Vec<u8>], dir: &P
     opts.concurrency = o.threads;
     match (&c.wasm, &c.native) {
         (Some(w), _) => opts.wasm = w.clone(),
-        (None, Some(module)) => opts.native_module = Some(module.clone()),
+        (None, Some(module)) => {
+            opts.native_module = Some(module.clone());
+            // The native build's tick out of the way, as the `.wasm`'s slow-tick build has it.
+            opts.env.push(("KVMESH_NATIVE_TICK_MS".into(), "100000".into()));
+        }
         (None, None) => opts.plain_upstreams = Some(upstreams.to_vec()),
     }
     opts.wrapper =
