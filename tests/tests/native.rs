@@ -9,7 +9,7 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use kvmesh_testkit::http::{self, Response};
-use kvmesh_testkit::{repo_root, wait_until, ControlPlane, Envoy, EnvoyOptions, Sim};
+use kvmesh_testkit::{free_port, repo_root, wait_until, ControlPlane, Envoy, EnvoyOptions, Sim};
 use serde_json::{json, Value};
 
 const FAST: &[&str] = &["--time-scale", "0"];
@@ -59,7 +59,7 @@ fn kvmesh_native_routes_shared_prefixes_to_one_worker_and_spreads_the_rest() {
     assert_eq!(spread.len(), 3, "distinct prefixes go to the three other workers: {spread:?}");
     assert!(spread.is_disjoint(&sticky));
     // The filter's stats, under the dynamic modules' namespace: 14 routed, 7 of them hits.
-    let stat = |name: &str| envoy.stat(&format!("dynamicmodulescustom.{name}")).unwrap();
+    let stat = |name: &str| envoy.stat(&format!("wasmcustom.{name}")).unwrap();
     assert_eq!(stat("kvmesh_requests_total"), Some(14));
     assert_eq!(stat("kvmesh_cache_hits_total"), Some(7));
 }
@@ -143,7 +143,7 @@ fn native_gateway(cp: &ControlPlane) -> Envoy {
 }
 
 fn version(envoy: &Envoy) -> u64 {
-    envoy.stat("dynamicmodulescustom.kvmesh_snapshot_version").unwrap().unwrap_or(0)
+    envoy.stat("wasmcustom.kvmesh_snapshot_version").unwrap().unwrap_or(0)
 }
 
 fn generate(envoy: &Envoy, text: &str) -> Response {
@@ -178,7 +178,7 @@ fn native_gateways_follow_the_control_plane_and_share_prefixes_through_it() {
         assert_eq!(served_by(&generate(&b, &format!("{prefix}Second question?"))), first, "gateway B, prefix {i}");
     }
     assert!(used.len() >= 2, "distinct prefixes spread over the control plane's workers: {used:?}");
-    let stat = |e: &Envoy, name: &str| e.stat(&format!("dynamicmodulescustom.{name}")).unwrap().unwrap_or(0);
+    let stat = |e: &Envoy, name: &str| e.stat(&format!("wasmcustom.{name}")).unwrap().unwrap_or(0);
     assert_eq!(stat(&a, "kvmesh_requests_total") + stat(&b, "kvmesh_requests_total"), 12);
     assert!(stat(&b, "kvmesh_cache_hits_total") >= 6, "gateway B's routes were cache hits");
 }
@@ -251,4 +251,44 @@ fn kvmesh_native_wakes_queued_requests_to_admit_or_expire_them() {
     assert_eq!(r.status, 200, "{}", r.text());
     assert!(took >= Duration::from_millis(500), "it waited for a token, only {took:?}");
     assert_eq!(long.join().unwrap().0.status, 200);
+}
+
+/// PD with a concurrency limit: a request admitted from the queue sends its prefill leg from
+/// the tick, on its own stream (entered by the tick), and the answer comes back to it.
+#[test]
+fn kvmesh_native_pd_requests_admitted_from_the_queue_complete_both_legs() {
+    let boot = free_port().unwrap();
+    let prefill =
+        Sim::start(&["--role", "prefill", "--bootstrap-port", &boot.to_string(), "--time-scale", "0"]).unwrap();
+    let decode_args = ["--role", "decode", "--time-scale", "1", "--decode-ms-per-token", "20", "--batch-slowdown", "0"];
+    let decode = Sim::start(&[&decode_args[..], &["--default-bootstrap-port", &boot.to_string()]].concat()).unwrap();
+    let mut opts = EnvoyOptions::new(json!({
+        "prefill": [[prefill.url(), null]],
+        "decode": [decode.url()],
+        "max_concurrent_requests": 1,
+        "rate_limit_tokens_per_second": 1,
+        "queue_size": 8,
+        "queue_timeout_secs": 30,
+    }))
+    .unwrap();
+    opts.template = repo_root().join("envoy/envoy-pd.yaml");
+    opts.native_module = Some(native("libkvmesh_native.so"));
+    let envoy = Envoy::start(&opts).unwrap();
+    let url = envoy.url("/generate");
+    let body = |text: &str, tokens: u32| json!({"text": text, "sampling_params": {"max_new_tokens": tokens}});
+    let long = spawn(&url, body("the long one", 60));
+    wait_until("the long request at the decode worker", Duration::from_secs(10), || {
+        decode.stats().unwrap()["requests"].as_u64().unwrap() > 0
+    })
+    .unwrap();
+    let waiting: Vec<_> = (0..2).map(|i| spawn(&url, body(&format!("queued pd {i}"), 1))).collect();
+    for h in waiting {
+        let (r, took) = h.join().unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.header("x-kvmesh-prefill"), Some(prefill.addr().as_str()));
+        assert!(took >= Duration::from_millis(700), "it waited in the queue: {took:?}");
+        assert!(took < Duration::from_secs(10), "took {took:?}");
+    }
+    assert_eq!(long.join().unwrap().0.status, 200);
+    assert_eq!(prefill.stats().unwrap()["requests"].as_u64(), Some(3), "one prefill leg each");
 }

@@ -19,6 +19,11 @@ struct Pd {
 /// it listens on the decode workers' default bootstrap port (as SGLang's default 8998 would
 /// be); the others announce their own port.
 fn pd_stack(prefills: usize, decodes: usize, filter: Value) -> Pd {
+    pd_stack_on(prefills, decodes, filter, false)
+}
+
+/// The same, on kvmesh's native build (`libkvmesh_native.so`) when `native`.
+fn pd_stack_on(prefills: usize, decodes: usize, filter: Value, native: bool) -> Pd {
     let boot0 = free_port().unwrap();
     let mut prefill = Vec::new();
     for i in 0..prefills {
@@ -49,6 +54,9 @@ fn pd_stack(prefills: usize, decodes: usize, filter: Value) -> Pd {
     filter["decode"] = json!(decode.iter().map(Sim::url).collect::<Vec<_>>());
     let mut opts = EnvoyOptions::new(filter).unwrap();
     opts.template = repo_root().join("envoy/envoy-pd.yaml");
+    if native {
+        opts.native_module = Some(repo_root().join("target/release/libkvmesh_native.so"));
+    }
     let envoy = Envoy::start(&opts).unwrap();
     Pd { prefill, decode, envoy }
 }
@@ -109,7 +117,18 @@ fn assert_same_bootstrap(pd: &Pd, prefill: &str, decode: &str, id: &str, batch: 
 
 #[test]
 fn every_endpoint_streaming_or_not_single_or_batch_pairs_correctly() {
-    let pd = pd_stack(2, 2, json!({}));
+    every_endpoint_pairs_correctly(false);
+}
+
+/// The native build sends the prefill leg as a per-stream callout and rewrites the body
+/// through Envoy's buffers: the same pairs, bodies and answers.
+#[test]
+fn the_native_build_pairs_every_endpoint_correctly() {
+    every_endpoint_pairs_correctly(true);
+}
+
+fn every_endpoint_pairs_correctly(native: bool) {
+    let pd = pd_stack_on(2, 2, json!({}), native);
     let mut ports_seen = HashSet::new();
     let mut n = 0;
     for stream in [false, true] {
@@ -178,7 +197,18 @@ fn assert_merged(logprobs: &Value) {
 
 #[test]
 fn input_logprobs_of_the_prefill_come_first_in_json_and_sse() {
-    let pd = pd_stack(1, 1, json!({}));
+    logprobs_merge(false);
+}
+
+/// The native build holds the decode response until the prefill's callout answers, then
+/// rewrites it (JSON at its end, SSE event by event).
+#[test]
+fn the_native_build_merges_the_prefill_logprobs_in_json_and_sse() {
+    logprobs_merge(true);
+}
+
+fn logprobs_merge(native: bool) {
+    let pd = pd_stack_on(1, 1, json!({}), native);
     let single =
         json!({"text": "The quick brown fox jumps", "return_logprob": true, "sampling_params": {"max_new_tokens": 2}});
     let r = send(&pd, "/generate", &single, "lp-1");
@@ -249,6 +279,17 @@ fn assert_prefill_error(r: &Response, prefill: &str) {
 
 #[test]
 fn a_dead_prefill_worker_gives_502_then_is_avoided() {
+    dead_prefill_worker(false);
+}
+
+/// The native build's callout to a dead prefill worker fails in its `http_callout_done` hook:
+/// the same 502, the same breaker.
+#[test]
+fn the_native_build_answers_a_dead_prefill_worker_with_502_then_avoids_it() {
+    dead_prefill_worker(true);
+}
+
+fn dead_prefill_worker(native: bool) {
     let live_boot = free_port().unwrap();
     let live =
         Sim::start(&["--role", "prefill", "--bootstrap-port", &live_boot.to_string(), "--time-scale", "0"]).unwrap();
@@ -263,6 +304,9 @@ fn a_dead_prefill_worker_gives_502_then_is_avoided() {
     let mut opts = EnvoyOptions::new(filter).unwrap();
     opts.template = repo_root().join("envoy/envoy-pd.yaml");
     opts.concurrency = 1;
+    if native {
+        opts.native_module = Some(repo_root().join("target/release/libkvmesh_native.so"));
+    }
     let envoy = Envoy::start(&opts).unwrap();
 
     let mut failures = 0;

@@ -169,6 +169,18 @@ extern "C" {
         tags: usize,
         value: u64,
     ) -> u32;
+    fn envoy_dynamic_module_callback_http_get_body_size(f: *mut c_void, kind: u32, out: *mut usize) -> usize;
+    fn envoy_dynamic_module_callback_http_drain_body(f: *mut c_void, kind: u32, bytes: usize) -> bool;
+    fn envoy_dynamic_module_callback_http_append_body(f: *mut c_void, kind: u32, data: Buffer) -> bool;
+    fn envoy_dynamic_module_callback_http_filter_http_callout(
+        f: *mut c_void,
+        id: *mut u64,
+        cluster: Buffer,
+        headers: *const HeaderPair,
+        count: usize,
+        body: Buffer,
+        timeout_ms: u64,
+    ) -> u32;
     fn envoy_dynamic_module_callback_log_enabled(level: u32) -> bool;
     fn envoy_dynamic_module_callback_log(level: u32, message: Buffer);
     fn envoy_dynamic_module_callback_http_filter_scheduler_new(f: *mut c_void) -> *mut c_void;
@@ -386,6 +398,19 @@ impl<'a> Stream<'a> {
     }
 
     /// A string attribute (`response.code_details`, `upstream.address`), copied.
+    /// A body's size in bytes, in one call (0 when Envoy holds none of that kind).
+    pub fn body_size(self, kind: BodyKind) -> usize {
+        let mut through = usize::MAX;
+        // SAFETY: as in `headers`. Envoy returns the size, or (older ABIs) a success flag with
+        // the size written through the pointer.
+        let returned = unsafe { envoy_dynamic_module_callback_http_get_body_size(self.0, kind as u32, &mut through) };
+        if through == usize::MAX {
+            returned
+        } else {
+            through
+        }
+    }
+
     pub fn attribute(self, id: Attribute) -> Option<String> {
         let mut out = Buffer::EMPTY;
         // SAFETY: Envoy points `out` at bytes valid during the hook; copied at once.
@@ -435,6 +460,48 @@ impl<'a> Stream<'a> {
     }
 
     /// Lets a held request go on.
+    /// Replaces a body with `data`: what Envoy buffered and the chunk of the running hook
+    /// (if any) are drained, and `data` goes where the stream's data goes on from: the running
+    /// hook's chunk, else the buffer. False when Envoy has neither.
+    pub fn replace_body(self, buffered: BodyKind, received: BodyKind, data: &[u8]) -> bool {
+        // SAFETY: the running hook's stream, or one of its thread's paused streams.
+        unsafe {
+            let in_hook = envoy_dynamic_module_callback_http_drain_body(self.0, received as u32, usize::MAX);
+            let had_buffer = envoy_dynamic_module_callback_http_drain_body(self.0, buffered as u32, usize::MAX);
+            let into = if in_hook { received } else { buffered };
+            (in_hook || had_buffer)
+                && envoy_dynamic_module_callback_http_append_body(self.0, into as u32, Buffer::of(data))
+        }
+    }
+
+    /// Sends an HTTP callout on this stream (its answer comes to the module's
+    /// `on_http_filter_http_callout_done` hook for this stream; Envoy cancels it if the stream
+    /// ends first). Its id, or Envoy's refusal code.
+    pub fn callout(self, cluster: &str, headers: &[(&str, &str)], body: &[u8], timeout_ms: u64) -> Result<u64, u32> {
+        let pairs: Vec<HeaderPair> = headers
+            .iter()
+            .map(|(k, v)| HeaderPair { key: k.as_ptr(), key_len: k.len(), value: v.as_ptr(), value_len: v.len() })
+            .collect();
+        let mut id = 0u64;
+        // SAFETY: every buffer outlives the call; Envoy copies them.
+        let result = unsafe {
+            envoy_dynamic_module_callback_http_filter_http_callout(
+                self.0,
+                &mut id,
+                Buffer::of(cluster.as_bytes()),
+                pairs.as_ptr(),
+                pairs.len(),
+                Buffer::of(body),
+                timeout_ms,
+            )
+        };
+        if result == 0 {
+            Ok(id)
+        } else {
+            Err(result)
+        }
+    }
+
     pub fn continue_decoding(self) {
         // SAFETY: the running hook's stream.
         unsafe { envoy_dynamic_module_callback_http_filter_continue_decoding(self.0) }
@@ -475,8 +542,8 @@ pub unsafe fn drop_from_envoy<T>(ptr: *mut c_void) {
 /// empty (each does nothing and answers "continue" where an answer is expected): invoke once
 /// in the module's crate, which defines the hooks it uses itself (`config_new`,
 /// `config_destroy`, `filter_new`, `filter_destroy`, `request_headers`, `request_body`,
-/// `response_headers`, `response_body`, `stream_complete`) and `scheduled` (or invokes
-/// [`empty_scheduled_hook!`]).
+/// `response_headers`, `response_body`, `stream_complete`) and `scheduled` and
+/// `http_callout_done` (or invokes [`empty_scheduled_and_callout_hooks!`]).
 #[macro_export]
 macro_rules! empty_hooks {
     () => {
@@ -495,7 +562,6 @@ macro_rules! empty_hooks {
             envoy_dynamic_module_on_http_filter_request_trailers,
             envoy_dynamic_module_on_http_filter_response_trailers,
             envoy_dynamic_module_on_http_filter_local_reply,
-            envoy_dynamic_module_on_http_filter_http_callout_done,
             envoy_dynamic_module_on_http_filter_http_stream_headers,
             envoy_dynamic_module_on_http_filter_http_stream_data,
             envoy_dynamic_module_on_http_filter_http_stream_trailers,
@@ -521,10 +587,14 @@ macro_rules! empty_hooks {
     )*};
 }
 
-/// An empty `on_http_filter_scheduled` hook, for a module that commits no scheduler events.
+/// Empty `on_http_filter_scheduled` and `on_http_filter_http_callout_done` hooks, for a module
+/// that commits no scheduler events and sends no callouts.
 #[macro_export]
-macro_rules! empty_scheduled_hook {
+macro_rules! empty_scheduled_and_callout_hooks {
     () => {
-        $crate::empty_hooks!(@each envoy_dynamic_module_on_http_filter_scheduled);
+        $crate::empty_hooks!(@each
+            envoy_dynamic_module_on_http_filter_scheduled,
+            envoy_dynamic_module_on_http_filter_http_callout_done,
+        );
     };
 }

@@ -22,11 +22,32 @@ pub struct NativeHost {
     /// This thread's live streams of the configuration, by context id.
     contexts: RefCell<HashMap<u32, usize>>,
     stats: Arc<Stats>,
+    /// The answer of the callout whose hook is running: `:status` (None: no response) and body.
+    callout: RefCell<(Option<u16>, Vec<u8>)>,
 }
 
 impl NativeHost {
     pub fn new(stats: Arc<Stats>) -> Self {
-        Self { stream: Cell::new(0), home: Cell::new(0), contexts: RefCell::default(), stats }
+        Self {
+            stream: Cell::new(0),
+            home: Cell::new(0),
+            contexts: RefCell::default(),
+            stats,
+            callout: RefCell::default(),
+        }
+    }
+
+    /// Holds a callout's answer for the hook that hands it to the filter.
+    pub fn set_callout_answer(&self, status: Option<u16>, body: Vec<u8>) {
+        *self.callout.borrow_mut() = (status, body);
+    }
+
+    fn replace_body(&self, buffered: BodyKind, received: BodyKind, body: &[u8]) -> Result<(), HostError> {
+        if self.stream().ok_or_else(no_stream)?.replace_body(buffered, received, body) {
+            Ok(())
+        } else {
+            Err(HostError("Envoy holds no body to replace".into()))
+        }
     }
 
     /// Makes `envoy` (the running hook's stream) "the" stream.
@@ -83,7 +104,7 @@ impl NativeHost {
 
     pub fn body_size(&self, kinds: &[BodyKind]) -> usize {
         let Some(stream) = self.stream() else { return 0 };
-        kinds.iter().flat_map(|&k| stream.body(k)).map(<[u8]>::len).sum()
+        kinds.iter().map(|&k| stream.body_size(k)).sum()
     }
 }
 
@@ -120,8 +141,9 @@ impl Host for NativeHost {
     fn request_body(&self, size: usize) -> Vec<u8> {
         self.body([BodyKind::BufferedRequest, BodyKind::ReceivedRequest], size)
     }
-    fn set_request_body(&self, _size: usize, _body: &[u8]) -> Result<(), HostError> {
-        unsupported("set_request_body")
+    /// The whole body (the filter replaces nothing less).
+    fn set_request_body(&self, _size: usize, body: &[u8]) -> Result<(), HostError> {
+        self.replace_body(BodyKind::BufferedRequest, BodyKind::ReceivedRequest, body)
     }
     fn response_headers(&self) -> Headers {
         self.headers(HeaderKind::Response)
@@ -135,8 +157,9 @@ impl Host for NativeHost {
     fn response_code_details(&self) -> Option<String> {
         self.stream()?.attribute(Attribute::ResponseCodeDetails)
     }
-    fn set_response_body(&self, _size: usize, _body: &[u8]) -> Result<(), HostError> {
-        unsupported("set_response_body")
+    /// What Envoy holds of the response and the chunk of the running hook, as a whole.
+    fn set_response_body(&self, _size: usize, body: &[u8]) -> Result<(), HostError> {
+        self.replace_body(BodyKind::BufferedResponse, BodyKind::ReceivedResponse, body)
     }
     fn upstream_address(&self) -> Option<String> {
         self.stream()?.attribute(Attribute::UpstreamAddress)
@@ -166,14 +189,24 @@ impl Host for NativeHost {
         self.stream.set(ptr);
         Ok(())
     }
-    fn dispatch(&self, _callout: Callout<'_>) -> Result<u32, HostError> {
-        unsupported("HTTP callouts")
+    /// On "the" stream: the answer comes to its `http_callout_done` hook, and Envoy cancels
+    /// it when the stream ends.
+    fn dispatch(&self, c: Callout<'_>) -> Result<u32, HostError> {
+        let timeout_ms = u64::try_from(c.timeout.as_millis()).unwrap_or(u64::MAX);
+        let id = self
+            .stream()
+            .ok_or_else(no_stream)?
+            .callout(c.cluster, c.headers, c.body, timeout_ms)
+            .map_err(|code| HostError(format!("Envoy refused the callout (code {code})")))?;
+        // Envoy numbers callouts per stream from 1; the filter knows them as u32.
+        u32::try_from(id).map_err(|_| HostError(format!("callout id {id} out of range")))
     }
     fn callout_status(&self) -> Option<u16> {
-        None
+        self.callout.borrow().0
     }
-    fn callout_body(&self, _size: usize) -> Vec<u8> {
-        Vec::new()
+    fn callout_body(&self, size: usize) -> Vec<u8> {
+        let answer = self.callout.borrow();
+        answer.1.get(..size.min(answer.1.len())).unwrap_or_default().to_vec()
     }
     fn open_grpc_stream(&self, _: &str, _: &str, _: &str, _: &[(&str, &[u8])]) -> Result<u32, HostError> {
         unsupported("gRPC streams on worker threads")

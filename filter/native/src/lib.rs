@@ -1,7 +1,7 @@
 //! kvmesh's filter as a native Envoy dynamic module (`envoy.filters.http.dynamic_modules`,
 //! `libkvmesh_native.so`): the same `RequestFilter`, `Gateway` and core as the `.wasm`, without
 //! the Wasm boundary (`cargo xtask bench instructions` and `overhead` run it beside the
-//! `.wasm`). Regular mode, with static workers or with kvmesh-cp.
+//! `.wasm`). Regular and PD mode, with static workers or with kvmesh-cp.
 //!
 //! - [`host::NativeHost`] implements the filter's `Host` over the ABI on each Envoy worker
 //!   thread; each thread has its own `Plugin` (as each has its own VM under Wasm), made on its
@@ -16,7 +16,7 @@
 //!   to `control_plane_address`), applies snapshots and shares them with the worker threads'
 //!   plugins through shared data, as the lease holder's VM does under Wasm.
 //!
-//! Not here yet: PD mode (HTTP callouts), `set_request_body`/`set_response_body`. Every hook is
+//! PD mode: the prefill leg is a per-stream HTTP callout. Every hook is
 //! under `catch_unwind` (a panic across the C ABI would abort Envoy); a stream whose hook
 //! panicked goes on unrouted, which the configuration answers with its 503.
 
@@ -31,7 +31,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use envoy_dynamic_module::{
-    borrow_from_envoy, drop_from_envoy, empty_hooks, into_envoy, BodyKind, Buffer, Scheduler, CONTINUE, STOP,
+    borrow_from_envoy, drop_from_envoy, empty_hooks, into_envoy, BodyKind, Buffer, HeaderPair, Scheduler, CONTINUE,
+    STOP,
 };
 use kvmesh_filter::host::Action;
 use kvmesh_filter::plugin::Plugin;
@@ -310,6 +311,43 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
     status(action)
 }
 
+/// A callout this stream sent (a PD prefill leg) answered, failed or timed out.
+///
+/// # Safety
+/// See [`Streamed::of`]; the headers and body chunks are Envoy's, valid during the call.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
+    f: *mut c_void,
+    m: *mut c_void,
+    callout_id: u64,
+    result: u32,
+    headers: *const HeaderPair,
+    header_count: usize,
+    chunks: *const Buffer,
+    chunk_count: usize,
+) {
+    let Some(s) = Streamed::of(m) else { return };
+    // Only a completed exchange has an answer (the others: reset, or over the buffer limit).
+    let answered = result == 0 && !headers.is_null() && header_count < (1 << 16);
+    let status = answered.then(|| std::slice::from_raw_parts(headers, header_count)).and_then(|pairs| {
+        pairs.iter().find(|p| Buffer { ptr: p.key, len: p.key_len }.bytes() == b":status").and_then(|p| {
+            std::str::from_utf8(Buffer { ptr: p.value, len: p.value_len }.bytes()).ok()?.parse::<u16>().ok()
+        })
+    });
+    let mut body = Vec::new();
+    if answered && !chunks.is_null() && chunk_count < (1 << 20) {
+        for chunk in std::slice::from_raw_parts(chunks, chunk_count) {
+            body.extend_from_slice(chunk.bytes());
+        }
+    }
+    let size = body.len();
+    s.thread.host.set_callout_answer(status, body);
+    // The filter knows callouts by the low 32 bits (Envoy numbers them from 1).
+    let token = callout_id as u32;
+    s.with(f, (), |filter, host| filter.on_callout_response(host, token, size));
+    s.thread.host.set_callout_answer(None, Vec::new());
+}
+
 /// The ticker woke this stream's thread (it holds requests in the admission queue).
 ///
 /// # Safety
@@ -347,8 +385,9 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
 ) -> u32 {
     let Some(s) = Streamed::of(m) else { return CONTINUE };
     status(s.with(f, Action::Continue, |filter, host| {
-        // proxy-wasm passes the chunk's size (the filter never holds a response to buffer it).
-        let size = host.body_size(&[BodyKind::ReceivedResponse]);
+        // As proxy-wasm counts it: what Envoy holds (a response the filter paused, PD's
+        // logprob merge) and the chunk just received.
+        let size = host.body_size(&[BodyKind::BufferedResponse, BodyKind::ReceivedResponse]);
         filter.on_response_body(host, size, end_of_stream)
     }))
 }

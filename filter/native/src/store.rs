@@ -8,7 +8,7 @@ use std::sync::Mutex;
 
 use envoy_dynamic_module::{config_stat, define_stat, StatKind};
 use kvmesh_filter::host::{Metric, MetricKind};
-use kvmesh_filter::shared::SetError;
+use kvmesh_filter::shared::{SetError, SharedStore};
 
 /// A shared-data value and its compare-and-swap version, by key.
 type Values = HashMap<String, (Vec<u8>, u32)>;
@@ -33,6 +33,18 @@ pub fn set(key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
     }
     *entry = (value.to_vec(), entry.1.wrapping_add(1));
     Ok(())
+}
+
+/// The process's shared data as a [`SharedStore`].
+pub struct Process;
+
+impl SharedStore for Process {
+    fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+        get(key)
+    }
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
+        set(key, value, cas)
+    }
 }
 
 /// The filter's stats as defined for one configuration.

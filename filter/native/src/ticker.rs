@@ -11,15 +11,16 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use kvmesh_filter::admission::SharedBucket;
 use kvmesh_filter::headers::Headers;
 use kvmesh_filter::host::{Callout, Host, HostError, Metric, MetricKind};
 use kvmesh_filter::plugin::Plugin;
-use kvmesh_filter::shared::{SetError, SharedStore};
+use kvmesh_filter::shared::{Inflight, SetError, SharedStore, VmLedger};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::grpc::{Event, Streams, INBOX};
 use crate::host::{now_nanos, unsupported};
-use crate::store::{self, Stats};
+use crate::store::{self, Process, Stats};
 use crate::waiting::Waiting;
 
 /// How often plugins tick: as often as a Wasm VM's (20 ms), unless `KVMESH_NATIVE_TICK_MS`
@@ -84,6 +85,8 @@ async fn run(link: Option<Link>, stats: Arc<Stats>, waiting: Arc<Waiting>, mut s
     });
     let mut interval = tokio::time::interval(tick());
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let me = kvmesh_core::rng::random_u64().map_or(0x6b76_6d73, |r| r as u32);
+    let mut last_beat = 0;
     loop {
         tokio::select! {
             _ = &mut stopped => break,
@@ -92,6 +95,15 @@ async fn run(link: Option<Link>, stats: Arc<Stats>, waiting: Arc<Waiting>, mut s
                 if let Some(o) = owner.as_mut() {
                     o.guarded(|plugin, host| plugin.on_tick(host));
                 }
+                let now = now_nanos() / 1_000_000;
+                if now.saturating_sub(last_beat) >= 1_000 {
+                    last_beat = now;
+                    keep_threads_alive(me, now);
+                }
+                // Envoy-wide gauges, fresh while the worker threads are idle.
+                let in_flight: u64 = Inflight::counts(&Process).iter().map(|c| u64::from(c.in_flight)).sum();
+                stats.record(Metric::InFlight, in_flight);
+                stats.record(Metric::Queued, SharedBucket::queued(&Process, now));
             }
             Some(event) = inbox.recv(), if owner.is_some() => {
                 if let Some(o) = owner.as_mut() {
@@ -100,6 +112,17 @@ async fn run(link: Option<Link>, stats: Arc<Stats>, waiting: Arc<Waiting>, mut s
             }
         }
     }
+}
+
+/// The worker threads' plugins tick only when their streams run, so their heartbeats in the
+/// shared VM ledger would age while they hold long requests and idle: the ticker keeps them
+/// fresh (a thread cannot die apart from Envoy, so none is ever taken for dead and its
+/// requests subtracted). It also registers itself, so that no thread takes itself for its
+/// Envoy's only plugin and holds back its ended requests until its next request.
+fn keep_threads_alive(me: u32, now_ms: u64) {
+    VmLedger::register(&Process, me);
+    VmLedger::publish(&Process, me, now_ms, &[]);
+    VmLedger::keep_alive(&Process, now_ms);
 }
 
 /// The plugin that holds the control-plane streams, and its host.

@@ -422,6 +422,25 @@ impl VmLedger {
         let _ = store.set(&Self::key(vm), &value, None);
     }
 
+    /// Refreshes the heartbeat of every registered VM, keeping its counts (by CAS: a VM that
+    /// publishes meanwhile is alive anyway). For a host whose plugins cannot die apart from
+    /// their process — the native build, whose idle threads do not tick — so that none is
+    /// taken for dead, its requests in flight subtracted, while it holds them.
+    pub fn keep_alive(store: &dyn SharedStore, now_ms: u64) {
+        for vm in Self::registered(store) {
+            let key = Self::key(vm);
+            let (value, cas) = store.get(&key);
+            let mut value = value.unwrap_or_default();
+            if value.len() < 8 {
+                value = vec![0; 8];
+            }
+            if let Some(heartbeat) = value.get_mut(..8) {
+                heartbeat.copy_from_slice(&now_ms.to_le_bytes());
+            }
+            let _ = store.set(&key, &value, cas);
+        }
+    }
+
     /// Takes every VM silent since `now_ms - STALE_MS` (other than `me`) off the registry;
     /// returns the in-flight counts of those this call took off (to be subtracted).
     pub fn reap(store: &dyn SharedStore, me: u32, now_ms: u64) -> Vec<(WorkerId, u32)> {
@@ -736,6 +755,23 @@ mod tests {
         let c = Inflight::counts(&store);
         assert_eq!((c[0].worker, c[0].in_flight, c[0].finished), (1, 1, 2));
         assert_eq!((c[1].worker, c[1].in_flight), (2, 1));
+    }
+
+    /// The native build: a thread that does not tick keeps its counts while kept alive.
+    #[test]
+    fn a_vm_kept_alive_is_never_reaped_and_keeps_its_counts() {
+        let store = FakeStore::default();
+        VmLedger::register(&store, 1);
+        VmLedger::register(&store, 2);
+        VmLedger::publish(&store, 1, 1_000, &[(7, 2)]);
+        VmLedger::publish(&store, 2, 1_000, &[]);
+        for t in (2_000..=60_000).step_by(1_000) {
+            VmLedger::keep_alive(&store, t);
+            assert!(VmLedger::reap(&store, 2, t).is_empty(), "VM 1 is idle, not dead, at {t}");
+        }
+        assert_eq!(VmLedger::registered(&store), vec![1, 2]);
+        let value = store.get(&VmLedger::key(1)).0.unwrap();
+        assert_eq!((u64_at(&value, 0), u32_at(&value, 8), u32_at(&value, 12)), (Some(60_000), Some(7), Some(2)));
     }
 
     #[test]

@@ -11,7 +11,7 @@ use envoy_dynamic_module::{
 };
 
 empty_hooks!();
-envoy_dynamic_module::empty_scheduled_hook!();
+envoy_dynamic_module::empty_scheduled_and_callout_hooks!();
 
 struct Config {
     workers: Vec<String>,
