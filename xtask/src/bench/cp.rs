@@ -148,17 +148,20 @@ fn quantiles(envoy: &Envoy, name: &str) -> Vec<(f64, Option<f64>)> {
     quantiles_at(&envoy.admin_url(""), name)
 }
 
+/// The decision count on a `/stats/prometheus` line: `kvmesh_route_decision_ns_count` (the
+/// `.wasm`'s) or with Envoy's `envoy_wasmcustom_` prefix (the native build's).
+fn decision_count(line: &str) -> Option<u64> {
+    let rest = line.strip_prefix("envoy_wasmcustom_").unwrap_or(line);
+    rest.strip_prefix("kvmesh_route_decision_ns_count")?.split_whitespace().last()?.parse::<u64>().ok()
+}
+
 /// The filter's decision time inside the Envoy whose admin is at `admin` (its base URL), in
 /// µs, `(p50, p99)`, once Envoy's histogram holds at least `requests` decisions (it merges
 /// them on its stats flush, every 5 s; none after 8 s: what it holds then).
 pub fn decision_us(admin: &str, requests: u64) -> Option<(f64, f64)> {
     let counted = || {
         let text = http::get(&format!("{admin}/stats/prometheus")).map(|r| r.text()).unwrap_or_default();
-        text.lines()
-            .find_map(|l| {
-                l.strip_prefix("kvmesh_route_decision_ns_count")?.split_whitespace().last()?.parse::<u64>().ok()
-            })
-            .unwrap_or(0)
+        text.lines().find_map(decision_count).unwrap_or(0)
     };
     let _ = wait_until("Envoy to merge the decision histogram", Duration::from_secs(8), || counted() >= requests);
     let q = quantiles_at(admin, "kvmesh_route_decision_ns");
@@ -252,11 +255,7 @@ fn gateway_at_scale(
     }
     let counted = |e: &Envoy| {
         let text = http::get(&e.admin_url("/stats/prometheus")).map(|r| r.text()).unwrap_or_default();
-        text.lines()
-            .find_map(|l| {
-                l.strip_prefix("kvmesh_route_decision_ns_count")?.split_whitespace().last()?.parse::<u64>().ok()
-            })
-            .unwrap_or(0)
+        text.lines().find_map(decision_count).unwrap_or(0)
     };
     // Envoy merges histograms on its stats flush (every 5 s by default).
     wait_until("Envoy to merge the decision histogram", Duration::from_secs(30), || {
