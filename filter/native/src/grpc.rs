@@ -18,12 +18,15 @@ use tonic::metadata::{AsciiMetadataValue, MetadataKey};
 use tonic::transport::Channel;
 use tonic::Status;
 
-/// Largest message accepted from the control plane (a full snapshot at 10^6 index blocks is
-/// tens of MiB; Envoy's own gRPC client sets no limit).
-const MAX_MESSAGE: usize = 256 << 20;
+/// Largest message accepted from the control plane: a full snapshot at 10^6 index blocks is
+/// about 16 MiB, so this leaves room for several times that (Envoy's own gRPC client, which
+/// the `.wasm` uses, sets no limit). A larger one ends the stream with an error, logged, and
+/// the link reconnects.
+const MAX_MESSAGE: usize = 128 << 20;
 
-/// Events queued towards the plugin at most.
-pub const INBOX: usize = 16;
+/// Events queued towards the plugin at most: with [`MAX_MESSAGE`], what a control plane can
+/// make this thread hold at once is bounded (4 × 128 MiB), however fast it sends.
+pub const INBOX: usize = 4;
 
 /// What happened on a stream.
 #[derive(Debug)]
@@ -77,9 +80,14 @@ pub struct Streams {
     next: std::cell::Cell<u32>,
 }
 
+/// Messages queued towards the control plane at most, per stream: past it the control plane is
+/// not reading (HTTP/2 flow control holds them), and the send fails, which makes the link
+/// reconnect rather than hold reports without bound.
+const OUTBOX: usize = 64;
+
 struct Open {
     /// Dropped to end the request side (half-close).
-    outbound: Option<mpsc::UnboundedSender<Vec<u8>>>,
+    outbound: Option<mpsc::Sender<Vec<u8>>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -103,7 +111,7 @@ impl Streams {
         }
         let token = self.next.get();
         self.next.set(token.wrapping_add(1).max(1));
-        let (tx, rx) = mpsc::unbounded_channel::<Vec<u8>>();
+        let (tx, rx) = mpsc::channel::<Vec<u8>>(OUTBOX);
         let (channel, events) = (self.channel.clone(), self.events.clone());
         let task = tokio::spawn(async move {
             let status = run(channel, path, headers, rx, token, &events).await;
@@ -117,7 +125,10 @@ impl Streams {
         let mut open = self.open.borrow_mut();
         let stream = open.get_mut(&token).ok_or("no such stream")?;
         let sender = stream.outbound.as_ref().ok_or("the stream's request side is closed")?;
-        sender.send(message.to_vec()).map_err(|_| "the stream has ended".to_string())?;
+        sender.try_send(message.to_vec()).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => format!("the control plane has not read the last {OUTBOX} messages"),
+            mpsc::error::TrySendError::Closed(_) => "the stream has ended".to_string(),
+        })?;
         if end_of_stream {
             stream.outbound = None;
         }
@@ -150,7 +161,7 @@ async fn run(
     channel: Channel,
     path: PathAndQuery,
     headers: tonic::metadata::MetadataMap,
-    outbound: mpsc::UnboundedReceiver<Vec<u8>>,
+    outbound: mpsc::Receiver<Vec<u8>>,
     token: u32,
     events: &mpsc::Sender<Event>,
 ) -> u32 {
@@ -159,11 +170,15 @@ async fn run(
         log::warn!("control plane unreachable: {e}");
         return tonic::Code::Unavailable as u32;
     }
-    let mut request = tonic::Request::new(tokio_stream::wrappers::UnboundedReceiverStream::new(outbound));
+    let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(outbound));
     *request.metadata_mut() = headers;
+    let name = path.to_string();
     let mut inbound = match grpc.streaming(request, path, Raw).await {
         Ok(response) => response.into_inner(),
-        Err(status) => return status.code() as u32,
+        Err(status) => {
+            log::warn!("control-plane stream {name} refused: {status}");
+            return status.code() as u32;
+        }
     };
     loop {
         match inbound.message().await {
@@ -173,7 +188,10 @@ async fn run(
                 }
             }
             Ok(None) => return 0,
-            Err(status) => return status.code() as u32,
+            Err(status) => {
+                log::warn!("control-plane stream {name} ended: {status}");
+                return status.code() as u32;
+            }
         }
     }
 }
