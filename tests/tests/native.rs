@@ -181,6 +181,15 @@ fn native_gateways_follow_the_control_plane_and_share_prefixes_through_it() {
     let stat = |e: &Envoy, name: &str| e.stat(&format!("wasmcustom.{name}")).unwrap().unwrap_or(0);
     assert_eq!(stat(&a, "kvmesh_requests_total") + stat(&b, "kvmesh_requests_total"), 12);
     assert!(stat(&b, "kvmesh_cache_hits_total") >= 6, "gateway B's routes were cache hits");
+    // Engine feedback (each response's cached tokens against the prediction) reaches
+    // kvmesh-cp although both gateways are idle now: a thread flushes it as its last stream
+    // ends, since no timer would reach it afterwards.
+    let predictions = || -> u64 {
+        let workers = http::get(&cp.url("/workers")).unwrap().json().unwrap();
+        workers.as_array().unwrap().iter().filter_map(|w| w["prediction"]["predictions"].as_u64()).sum()
+    };
+    wait_until("kvmesh-cp to learn the 12 predictions' outcomes", Duration::from_secs(10), || predictions() == 12)
+        .unwrap_or_else(|e| panic!("{e}: {}", predictions()));
 }
 
 /// A 20 ms-per-token worker, so that `max_new_tokens` sets how long a request holds its token.

@@ -64,6 +64,11 @@ impl NativeHost {
         self.contexts.borrow_mut().remove(&context);
     }
 
+    /// This thread's streams of the configuration that Envoy has not destroyed yet.
+    pub fn live_streams(&self) -> usize {
+        self.contexts.borrow().len()
+    }
+
     fn stream(&self) -> Option<Stream<'_>> {
         let ptr = self.stream.get();
         // SAFETY: set by the running hook to its stream, or by `enter_context` to a stream of

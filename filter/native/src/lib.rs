@@ -173,6 +173,18 @@ impl Thread {
     }
 }
 
+impl Thread {
+    /// Writes what the tick would: this thread's ended requests and engine-feedback counts.
+    fn flush(&self) {
+        let Some(gateway) = self.plugin.try_borrow().ok().and_then(|p| p.gateway()) else { return };
+        let Ok(mut gateway) = gateway.try_borrow_mut() else { return };
+        let _ = catch_unwind(AssertUnwindSafe(|| {
+            gateway.write_ended(&self.host);
+            gateway.flush_feedback(&self.host);
+        }));
+    }
+}
+
 /// One stream's filter.
 struct Streamed {
     thread: Rc<Thread>,
@@ -398,5 +410,10 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(f: *mut c_void, m: *mut c_void) {
     if let Some(s) = Streamed::of(m) {
         s.with(f, (), |filter, host| filter.on_log(host));
+        // The thread's last stream: nothing may run on this thread for a long while (no timer
+        // reaches it), so what its plugin keeps for the tick goes to shared data now.
+        if s.thread.host.live_streams() <= 1 {
+            s.thread.flush();
+        }
     }
 }
