@@ -385,7 +385,7 @@ impl Envoy {
             bail!("{} is missing: run `cargo xtask test` (it builds the filter)", opts.wasm.display());
         }
         if let Some(module) = opts.native_module.as_ref().filter(|m| !m.exists()) {
-            bail!("{} is missing: run `cargo xtask test` (it builds the native experiments)", module.display());
+            bail!("{} is missing: run `cargo xtask test` (it builds the native modules)", module.display());
         }
         let dir = std::env::temp_dir().join("kvmesh-envoy");
         std::fs::create_dir_all(&dir)?;

@@ -214,7 +214,7 @@ pub fn build() -> anyhow::Result<()> {
 pub fn build_naive_filter() -> anyhow::Result<()> {
     run(cargo().args(["build", "--release", "-p", "kvmesh-naive-filter", "--target", "wasm32-wasip1"]))?;
     // The same filter as a native Envoy dynamic module (target/release/libkvmesh_naive_filter.so),
-    // and kvmesh's native experiment (target/release/libkvmesh_native.so).
+    // and kvmesh's native build (target/release/libkvmesh_native.so).
     run(cargo().args(["build", "--release", "-p", "kvmesh-naive-filter", "-p", "kvmesh-native"]))
 }
 

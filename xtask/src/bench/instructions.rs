@@ -66,7 +66,7 @@ fn configs(o: &Opts, urls: &[String]) -> Vec<Config> {
         Config { name: "kvmesh".into(), filter: kvmesh.clone(), wasm: Some(slow_tick_wasm()), native: None },
         Config {
             // Not "kvmesh…": `--only kvmesh` (the test's) picks the shipped filter alone.
-            name: "native experiment (the filter as a dynamic module)".into(),
+            name: "native build (the filter as a dynamic module)".into(),
             filter: kvmesh,
             wasm: None,
             native: Some(super::stack::kvmesh_module_path()),

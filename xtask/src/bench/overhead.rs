@@ -304,8 +304,7 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
             }
             kvmesh_configs(o, &mut rows, &mut failures, m, &workers, &requests, ("", ", cache_aware"));
             for t in threads {
-                let name =
-                    format!("kvmesh, native experiment ({t} thread{}, cache_aware)", if t > 1 { "s" } else { "" });
+                let name = format!("kvmesh, native build ({t} thread{}, cache_aware)", if t > 1 { "s" } else { "" });
                 config(o, &mut rows, &mut failures, m, "kvmesh-native", &name, Some(t), &requests, || {
                     stack::kvmesh_native(&urls, t)
                 });

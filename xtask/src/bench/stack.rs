@@ -212,13 +212,13 @@ pub fn naive_module_path() -> PathBuf {
     repo_root().join("target/release/libkvmesh_naive_filter.so")
 }
 
-/// kvmesh's native experiment (`kvmesh_module_path`) on static workers, cache_aware: the
+/// kvmesh's native build (`kvmesh_module_path`) on static workers, cache_aware: the
 /// same filter and configuration as [`kvmesh`] without a control plane, with no Wasm VM.
 pub fn kvmesh_native(urls: &[String], threads: u32) -> anyhow::Result<Running> {
     native(kvmesh_module_path(), json!({"worker_urls": urls, "policy": "cache_aware"}), threads)
 }
 
-/// Where `cargo xtask bench` builds kvmesh's native experiment (`filter/native`): the filter
+/// Where `cargo xtask bench` builds kvmesh's native module (`filter/native`): the filter
 /// as an Envoy dynamic module, regular mode on static workers.
 pub fn kvmesh_module_path() -> PathBuf {
     repo_root().join("target/release/libkvmesh_native.so")
