@@ -83,9 +83,44 @@ pub fn keep_logs() {
     KEEP_LOGS.store(true, Ordering::Relaxed);
 }
 
-/// A port that was free on 127.0.0.1 a moment ago.
+/// A port that is free on 127.0.0.1 now, for a child process to listen on.
+///
+/// Ports come from below the kernel's ephemeral range (`ip_local_port_range`), never from
+/// it: a port the kernel hands out for `bind(0)` is also what it hands out as the local
+/// port of outgoing connections, so between this function releasing such a port and the
+/// child binding it, any client, Envoy upstream connection or other test could take it
+/// (CI failed on `cannot bind ...: Address already in use` that way). Below the range only
+/// explicit binds compete: a process-wide cursor keeps this process's tests apart, its
+/// start depends on the pid so consecutive test binaries start apart, and each candidate
+/// is checked by binding it. Falls back to `bind(0)` when the ephemeral range leaves no
+/// room below it.
 pub fn free_port() -> anyhow::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    let (low, high) = fixed_port_range();
+    if high <= low {
+        return Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port());
+    }
+    let span = usize::from(high - low);
+    let start = CURSOR.get_or_init(|| AtomicUsize::new((std::process::id() as usize).wrapping_mul(7919) % span));
+    for _ in 0..span {
+        let offset = start.fetch_add(1, Ordering::Relaxed) % span;
+        let port = low + offset as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    bail!("no free port on 127.0.0.1 in {low}..{high}")
+}
+
+static CURSOR: std::sync::OnceLock<AtomicUsize> = std::sync::OnceLock::new();
+
+/// `[low, high)`: from 10000 up to the start of the ephemeral range (Linux default 32768).
+fn fixed_port_range() -> (u16, u16) {
+    const LOW: u16 = 10_000;
+    let ephemeral_start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse::<u16>().ok()))
+        .unwrap_or(32_768);
+    (LOW, ephemeral_start)
 }
 
 /// Polls `cond` every 20 ms until it holds, for at most `limit`.
@@ -99,5 +134,24 @@ pub fn wait_until(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) -
             bail!("timed out after {limit:?} waiting for {what}");
         }
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn free_ports_are_distinct_bindable_and_outside_the_ephemeral_range() {
+        let (low, high) = fixed_port_range();
+        let ports: Vec<u16> = (0..64).map(|_| free_port().unwrap()).collect();
+        let distinct: std::collections::HashSet<_> = ports.iter().collect();
+        assert_eq!(distinct.len(), ports.len(), "{ports:?}");
+        for port in ports {
+            if high > low {
+                assert!((low..high).contains(&port), "{port} is not in {low}..{high}");
+            }
+            TcpListener::bind(("127.0.0.1", port)).unwrap();
+        }
     }
 }
