@@ -229,6 +229,7 @@ async fn serve(e: Arc<Engine>, endpoint: Endpoint, headers: &HeaderMap, body: By
 /// not stopped.
 async fn abort_request(State(e): Shared, body: Bytes) -> Response {
     let rid = serde_json::from_slice::<Value>(&body).ok().and_then(|v| v["rid"].as_str().map(String::from));
+    e.counters.abort_requests.fetch_add(1, Relaxed);
     let Some(rid) = rid else { return error(StatusCode::BAD_REQUEST, "`rid` (a string) is required") };
     Json(json!({"rid": rid, "aborted": e.abort(&rid)})).into_response()
 }
@@ -498,6 +499,7 @@ async fn stats(State(e): Shared) -> Json<Value> {
         "running": c.running.load(Relaxed),
         "waiting": c.waiting.load(Relaxed),
         "in_progress": c.in_progress.load(Relaxed),
+        "abort_requests": c.abort_requests.load(Relaxed),
         "cache_tokens": e.cache_usage().0,
         "cache_hit_rate": e.hit_rate(),
         "sessions": e.sessions(),

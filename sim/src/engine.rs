@@ -34,6 +34,8 @@ pub struct Counters {
     /// Requests being handled (a PD decode waiting for its KV included); a client that goes
     /// away takes its request out.
     pub in_progress: AtomicU64,
+    /// `/abort_request` calls received (whether or not they found their request).
+    pub abort_requests: AtomicU64,
 }
 
 /// The most distinct sessions a worker remembers between two cache flushes.

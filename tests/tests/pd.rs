@@ -541,6 +541,17 @@ fn settles(sim: &Sim, within: Duration) -> Result<(), String> {
 /// a Wasm callout when its stream ends) — long before either worker's own timeout.
 #[test]
 fn a_failed_leg_leaves_nothing_behind_on_the_other_side() {
+    failed_leg(false);
+}
+
+/// The native build's `/abort_request` goes out from the main thread: a stream's own callout
+/// would be cancelled as the request ends, before it reached the prefill worker.
+#[test]
+fn the_native_build_aborts_the_prefill_leg_of_a_failed_request() {
+    failed_leg(true);
+}
+
+fn failed_leg(native: bool) {
     let start = |prefill: &[&str], decode: &[&str]| {
         let boot = free_port().unwrap().to_string();
         let mut p = vec!["--role", "prefill", "--bootstrap-port", boot.as_str()];
@@ -550,6 +561,9 @@ fn a_failed_leg_leaves_nothing_behind_on_the_other_side() {
         let (p, d) = (Sim::start(&p).unwrap(), Sim::start(&d).unwrap());
         let mut opts = EnvoyOptions::new(json!({"prefill": [[p.url(), null]], "decode": [d.url()]})).unwrap();
         opts.template = repo_root().join("envoy/envoy-pd.yaml");
+        if native {
+            opts.native_module = Some(repo_root().join("target/release/libkvmesh_native.so"));
+        }
         let envoy = Envoy::start(&opts).unwrap();
         (p, d, envoy)
     };
@@ -594,6 +608,11 @@ fn a_failed_leg_leaves_nothing_behind_on_the_other_side() {
     settles(&prefill, Duration::from_secs(5)).unwrap();
     assert!(started.elapsed() < Duration::from_secs(10), "the prefill stopped after {:?}", started.elapsed());
     assert_eq!(envoy.stat("wasmcustom.kvmesh_prefill_aborts_total").unwrap(), Some(1));
+    // Stopping is not enough (the worker may have noticed its client go): the abort arrived.
+    kvmesh_testkit::wait_until("the prefill worker to receive /abort_request", Duration::from_secs(5), || {
+        prefill.stats().ok().and_then(|s| s["abort_requests"].as_u64()) == Some(1)
+    })
+    .unwrap();
 }
 
 /// The seeds' other policies on the PD legs: `prefix_hash` keeps each session's prefill worker,

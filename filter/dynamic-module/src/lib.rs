@@ -186,6 +186,94 @@ extern "C" {
     fn envoy_dynamic_module_callback_http_filter_scheduler_new(f: *mut c_void) -> *mut c_void;
     fn envoy_dynamic_module_callback_http_filter_scheduler_commit(scheduler: *mut c_void, event: u64);
     fn envoy_dynamic_module_callback_http_filter_scheduler_delete(scheduler: *mut c_void);
+    fn envoy_dynamic_module_callback_http_filter_config_scheduler_new(config: *mut c_void) -> *mut c_void;
+    fn envoy_dynamic_module_callback_http_filter_config_scheduler_commit(scheduler: *mut c_void, event: u64);
+    fn envoy_dynamic_module_callback_http_filter_config_scheduler_delete(scheduler: *mut c_void);
+    fn envoy_dynamic_module_callback_http_filter_config_http_callout(
+        config: *mut c_void,
+        id: *mut u64,
+        cluster: Buffer,
+        headers: *const HeaderPair,
+        count: usize,
+        body: Buffer,
+        timeout_ms: u64,
+    ) -> u32;
+}
+
+/// The ABI's view of `headers`, borrowing them (valid while they are).
+fn header_pairs(headers: &[(&str, &str)]) -> Vec<HeaderPair> {
+    headers
+        .iter()
+        .map(|(k, v)| HeaderPair { key: k.as_ptr(), key_len: k.len(), value: v.as_ptr(), value_len: v.len() })
+        .collect()
+}
+
+/// A configuration's scheduler: an event committed to it, from any thread, runs the module's
+/// `on_http_filter_config_scheduled` hook on Envoy's main thread (nothing runs once the
+/// configuration is gone). What lets a worker thread hand the main thread work that must
+/// outlive a stream.
+#[derive(Debug)]
+pub struct ConfigScheduler(*mut c_void);
+
+// SAFETY: Envoy's scheduler posts to the main thread's dispatcher, which is thread-safe;
+// creating and deleting it stay on the main thread (see `new` and `Drop`).
+unsafe impl Send for ConfigScheduler {}
+
+impl ConfigScheduler {
+    /// # Safety
+    /// On the main thread, with the configuration pointer Envoy gave a configuration hook.
+    /// Dropped on the main thread, never while another thread commits to it.
+    pub unsafe fn new(config: *mut c_void) -> Option<Self> {
+        let ptr = envoy_dynamic_module_callback_http_filter_config_scheduler_new(config);
+        (!ptr.is_null()).then_some(Self(ptr))
+    }
+
+    /// Runs the configuration's `on_http_filter_config_scheduled` hook with `event` on the
+    /// main thread.
+    pub fn commit(&self, event: u64) {
+        // SAFETY: alive until dropped (see `new`).
+        unsafe { envoy_dynamic_module_callback_http_filter_config_scheduler_commit(self.0, event) }
+    }
+}
+
+impl Drop for ConfigScheduler {
+    fn drop(&mut self) {
+        // SAFETY: created by `config_scheduler_new`, deleted once.
+        unsafe { envoy_dynamic_module_callback_http_filter_config_scheduler_delete(self.0) }
+    }
+}
+
+/// Sends an HTTP callout owned by the configuration, not by a stream: it lives until it is
+/// answered or times out (its answer comes to the module's
+/// `on_http_filter_config_http_callout_done` hook). Its id, or Envoy's refusal code.
+///
+/// # Safety
+/// On the main thread, with the configuration pointer Envoy gave a configuration hook that is
+/// running.
+pub unsafe fn config_callout(
+    config: *mut c_void,
+    cluster: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+    timeout_ms: u64,
+) -> Result<u64, u32> {
+    let pairs = header_pairs(headers);
+    let mut id = 0u64;
+    // Every buffer outlives the call; Envoy copies them.
+    let result = envoy_dynamic_module_callback_http_filter_config_http_callout(
+        config,
+        &mut id,
+        Buffer::of(cluster.as_bytes()),
+        pairs.as_ptr(),
+        pairs.len(),
+        Buffer::of(body),
+        timeout_ms,
+    );
+    if result == 0 {
+        Ok(id)
+    } else {
+        Err(result)
+    }
 }
 
 /// A kind of stat (`envoy_dynamic_module_callback_http_filter_config_define_*`).
@@ -478,10 +566,7 @@ impl<'a> Stream<'a> {
     /// `on_http_filter_http_callout_done` hook for this stream; Envoy cancels it if the stream
     /// ends first). Its id, or Envoy's refusal code.
     pub fn callout(self, cluster: &str, headers: &[(&str, &str)], body: &[u8], timeout_ms: u64) -> Result<u64, u32> {
-        let pairs: Vec<HeaderPair> = headers
-            .iter()
-            .map(|(k, v)| HeaderPair { key: k.as_ptr(), key_len: k.len(), value: v.as_ptr(), value_len: v.len() })
-            .collect();
+        let pairs = header_pairs(headers);
         let mut id = 0u64;
         // SAFETY: every buffer outlives the call; Envoy copies them.
         let result = unsafe {
@@ -542,8 +627,9 @@ pub unsafe fn drop_from_envoy<T>(ptr: *mut c_void) {
 /// empty (each does nothing and answers "continue" where an answer is expected): invoke once
 /// in the module's crate, which defines the hooks it uses itself (`config_new`,
 /// `config_destroy`, `filter_new`, `filter_destroy`, `request_headers`, `request_body`,
-/// `response_headers`, `response_body`, `stream_complete`) and `scheduled` and
-/// `http_callout_done` (or invokes [`empty_scheduled_and_callout_hooks!`]).
+/// `response_headers`, `response_body`, `stream_complete`) and the `scheduled` and
+/// `http_callout_done` hooks of streams and configurations (or invokes
+/// [`empty_scheduled_and_callout_hooks!`]).
 #[macro_export]
 macro_rules! empty_hooks {
     () => {
@@ -569,8 +655,6 @@ macro_rules! empty_hooks {
             envoy_dynamic_module_on_http_filter_http_stream_reset,
             envoy_dynamic_module_on_http_filter_downstream_above_write_buffer_high_watermark,
             envoy_dynamic_module_on_http_filter_downstream_below_write_buffer_low_watermark,
-            envoy_dynamic_module_on_http_filter_config_scheduled,
-            envoy_dynamic_module_on_http_filter_config_http_callout_done,
             envoy_dynamic_module_on_http_filter_config_http_stream_headers,
             envoy_dynamic_module_on_http_filter_config_http_stream_data,
             envoy_dynamic_module_on_http_filter_config_http_stream_trailers,
@@ -587,14 +671,16 @@ macro_rules! empty_hooks {
     )*};
 }
 
-/// Empty `on_http_filter_scheduled` and `on_http_filter_http_callout_done` hooks, for a module
-/// that commits no scheduler events and sends no callouts.
+/// Empty scheduled and callout-done hooks, of streams and of configurations, for a module that
+/// commits no scheduler events and sends no callouts.
 #[macro_export]
 macro_rules! empty_scheduled_and_callout_hooks {
     () => {
         $crate::empty_hooks!(@each
             envoy_dynamic_module_on_http_filter_scheduled,
             envoy_dynamic_module_on_http_filter_http_callout_done,
+            envoy_dynamic_module_on_http_filter_config_scheduled,
+            envoy_dynamic_module_on_http_filter_config_http_callout_done,
         );
     };
 }

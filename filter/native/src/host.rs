@@ -11,6 +11,7 @@ use kvmesh_filter::headers::Headers;
 use kvmesh_filter::host::{Callout, Host, HostError, Metric};
 use kvmesh_filter::shared::{SetError, SharedStore};
 
+use crate::outbox::Outbox;
 use crate::store::{self, Stats};
 
 /// Envoy, as seen from one worker thread.
@@ -22,17 +23,20 @@ pub struct NativeHost {
     /// This thread's live streams of the configuration, by context id.
     contexts: RefCell<HashMap<u32, usize>>,
     stats: Arc<Stats>,
+    /// Callouts the main thread sends for this thread's streams (they outlive the stream).
+    outbox: Arc<Outbox>,
     /// The answer of the callout whose hook is running: `:status` (None: no response) and body.
     callout: RefCell<(Option<u16>, Vec<u8>)>,
 }
 
 impl NativeHost {
-    pub fn new(stats: Arc<Stats>) -> Self {
+    pub fn new(stats: Arc<Stats>, outbox: Arc<Outbox>) -> Self {
         Self {
             stream: Cell::new(0),
             home: Cell::new(0),
             contexts: RefCell::default(),
             stats,
+            outbox,
             callout: RefCell::default(),
         }
     }
@@ -205,6 +209,10 @@ impl Host for NativeHost {
             .map_err(|code| HostError(format!("Envoy refused the callout (code {code})")))?;
         // Envoy numbers callouts per stream from 1; the filter knows them as u32.
         u32::try_from(id).map_err(|_| HostError(format!("callout id {id} out of range")))
+    }
+    /// Through the main thread: a stream's own callout would be cancelled as the stream ends.
+    fn dispatch_detached(&self, c: Callout<'_>) -> Result<(), HostError> {
+        self.outbox.push(c)
     }
     fn callout_status(&self) -> Option<u16> {
         self.callout.borrow().0

@@ -40,11 +40,13 @@ use kvmesh_filter::request::RequestFilter;
 
 mod grpc;
 mod host;
+mod outbox;
 mod store;
 mod ticker;
 mod waiting;
 
 use host::NativeHost;
+use outbox::Outbox;
 use store::Stats;
 use ticker::{tick, Link, Ticker};
 use waiting::Waiting;
@@ -62,6 +64,8 @@ struct Config {
     follow: bool,
     stats: Arc<Stats>,
     waiting: Arc<Waiting>,
+    /// Callouts that outlive their stream, sent by the main thread.
+    outbox: Arc<Outbox>,
     /// False once Envoy destroyed the configuration: the threads drop their plugins for it.
     alive: Arc<AtomicBool>,
     /// Stopped (and joined) first when the configuration is dropped.
@@ -71,6 +75,8 @@ struct Config {
 impl Drop for Config {
     fn drop(&mut self) {
         self.alive.store(false, Ordering::Release);
+        // On the main thread, where the configuration's scheduler was made.
+        self.outbox.close();
     }
 }
 
@@ -131,7 +137,7 @@ fn thread(config: &Config) -> Option<Rc<Thread>> {
         if let Some(thread) = t.iter().find(|thread| thread.config == config.id) {
             return Some(Rc::clone(thread));
         }
-        let host = NativeHost::new(Arc::clone(&config.stats));
+        let host = NativeHost::new(Arc::clone(&config.stats), Arc::clone(&config.outbox));
         let mut plugin = Plugin::default();
         let seed = kvmesh_core::rng::random_u64().unwrap_or_else(|_| host::now_nanos());
         if let Err(e) = plugin.configure(&host, &config.bytes, seed) {
@@ -242,7 +248,9 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
         let link = address.map(|address| Link { address, config: bytes.clone() });
         let ticker = Ticker::start(link, Arc::clone(&stats), Arc::clone(&waiting))?;
         let id = CONFIGS.fetch_add(1, Ordering::Relaxed);
-        Ok(Config { id, bytes, follow, stats, waiting, alive: Arc::new(AtomicBool::new(true)), _ticker: ticker })
+        let outbox = Arc::new(Outbox::new(envoy));
+        let alive = Arc::new(AtomicBool::new(true));
+        Ok(Config { id, bytes, follow, stats, waiting, outbox, alive, _ticker: ticker })
     }));
     match made {
         Ok(Ok(config)) => into_envoy(Some(config)),
@@ -359,6 +367,25 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
     s.with(f, (), |filter, host| filter.on_callout_response(host, token, size));
     s.thread.host.set_callout_answer(None, Vec::new());
 }
+
+/// A worker thread queued callouts for the main thread ([`outbox`]): they are sent now.
+///
+/// # Safety
+/// `config` came from `config_new`; `envoy` is its Envoy pointer, on the main thread.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(
+    envoy: *mut c_void,
+    config: *mut c_void,
+    _event: u64,
+) {
+    if let Some(config) = borrow_from_envoy::<Config>(config) {
+        let _ = catch_unwind(AssertUnwindSafe(|| config.outbox.send(envoy)));
+    }
+}
+
+/// A callout of the configuration's answered: nobody awaits it ([`outbox`]).
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done() {}
 
 /// The ticker woke this stream's thread (it holds requests in the admission queue).
 ///

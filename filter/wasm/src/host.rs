@@ -171,6 +171,12 @@ pub trait Host: SharedStore {
 
     // HTTP callouts: the answer arrives in `on_http_call_response`.
     fn dispatch(&self, callout: Callout<'_>) -> Result<u32, HostError>;
+    /// Sends a callout whose answer nobody awaits and that must run to its end even when the
+    /// running stream ends first. A proxy-wasm callout belongs to the VM, not to a stream, so
+    /// this is [`Host::dispatch`] there; the native build hands it to the main thread.
+    fn dispatch_detached(&self, callout: Callout<'_>) -> Result<(), HostError> {
+        self.dispatch(callout).map(|_| ())
+    }
     /// The `:status` of the callout that answered (None: no response at all).
     fn callout_status(&self) -> Option<u16>;
     fn callout_body(&self, size: usize) -> Vec<u8>;

@@ -728,8 +728,8 @@ impl RequestFilter {
                 body: body.as_bytes(),
                 timeout: Duration::from_secs(5),
             };
-            match host.dispatch(callout) {
-                Ok(_) => host.increment(Metric::PrefillAborts),
+            match host.dispatch_detached(callout) {
+                Ok(()) => host.increment(Metric::PrefillAborts),
                 Err(e) => log::warn!("cannot abort the prefill leg {rid} on {addr}: {e}"),
             }
         }
