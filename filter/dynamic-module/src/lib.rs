@@ -87,6 +87,14 @@ pub enum Attribute {
 extern "C" {
     fn envoy_dynamic_module_callback_http_get_headers_size(f: *mut c_void, kind: u32, out: *mut usize) -> usize;
     fn envoy_dynamic_module_callback_http_get_headers(f: *mut c_void, kind: u32, out: *mut HeaderPair) -> bool;
+    fn envoy_dynamic_module_callback_http_get_header(
+        f: *mut c_void,
+        kind: u32,
+        key: Buffer,
+        out: *mut Buffer,
+        index: usize,
+        count: *mut usize,
+    ) -> bool;
     fn envoy_dynamic_module_callback_http_set_header(f: *mut c_void, kind: u32, key: Buffer, value: Buffer) -> bool;
     fn envoy_dynamic_module_callback_http_get_body_chunks_size(f: *mut c_void, kind: u32, out: *mut usize) -> usize;
     fn envoy_dynamic_module_callback_http_get_body_chunks(f: *mut c_void, kind: u32, out: *mut Buffer) -> bool;
@@ -451,6 +459,24 @@ impl<'a> Stream<'a> {
                     (Buffer { ptr: p.key, len: p.key_len }.bytes(), Buffer { ptr: p.value, len: p.value_len }.bytes())
                 })
                 .collect()
+        }
+    }
+
+    /// The first value of the header `name` (lower case, as Envoy keeps names), borrowed
+    /// from Envoy's map: one lookup instead of listing the map.
+    pub fn header(self, kind: HeaderKind, name: &str) -> Option<&'a [u8]> {
+        let mut out = Buffer::EMPTY;
+        // SAFETY: as in `headers`; Envoy writes one buffer pointing at its map, or none.
+        unsafe {
+            let found = envoy_dynamic_module_callback_http_get_header(
+                self.0,
+                kind as u32,
+                Buffer::of(name.as_bytes()),
+                &mut out,
+                0,
+                std::ptr::null_mut(),
+            );
+            (found && !out.ptr.is_null()).then(|| out.bytes())
         }
     }
 

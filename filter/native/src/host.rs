@@ -147,6 +147,18 @@ impl Host for NativeHost {
     fn set_request_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError> {
         self.set_header(HeaderKind::Request, name, value)
     }
+    /// Every write, then one route-cache clear (not one per write).
+    fn set_request_headers(&self, headers: &[(&str, Option<&str>)]) -> Result<(), HostError> {
+        let stream = self.stream().ok_or_else(no_stream)?;
+        let refused = headers
+            .iter()
+            .find(|(name, value)| !stream.set_header(HeaderKind::Request, name, value.map(str::as_bytes)));
+        stream.clear_route_cache();
+        match refused {
+            Some((name, _)) => Err(HostError(format!("Envoy refused to set {name}"))),
+            None => Ok(()),
+        }
+    }
     fn request_body(&self, size: usize) -> Vec<u8> {
         self.body([BodyKind::BufferedRequest, BodyKind::ReceivedRequest], size)
     }
@@ -156,6 +168,17 @@ impl Host for NativeHost {
     }
     fn response_headers(&self) -> Headers {
         self.headers(HeaderKind::Response)
+    }
+    /// One lookup in Envoy's map for each name, nothing else copied.
+    fn response_header_values(&self, names: &[&str]) -> Vec<Option<String>> {
+        let stream = self.stream();
+        names
+            .iter()
+            .map(|name| {
+                let value = stream?.header(HeaderKind::Response, name)?;
+                std::str::from_utf8(value).ok().map(str::to_string)
+            })
+            .collect()
     }
     fn set_response_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError> {
         self.set_header(HeaderKind::Response, name, value)

@@ -197,6 +197,8 @@ struct Streamed {
     filter: Rc<RefCell<RequestFilter>>,
     context: u32,
     envoy: *mut c_void,
+    /// Whether this stream ever waited in the admission queue (its scheduler may be there).
+    queued: Cell<bool>,
 }
 
 impl Streamed {
@@ -217,7 +219,9 @@ impl Streamed {
 
 impl Drop for Streamed {
     fn drop(&mut self) {
-        self.thread.waiting.remove(self.envoy as usize);
+        if self.queued.get() {
+            self.thread.waiting.remove(self.envoy as usize);
+        }
         self.thread.host.forget(self.context);
     }
 }
@@ -283,7 +287,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
         thread.next_context.set(context.wrapping_add(1).max(1));
         let filter = thread.plugin.try_borrow().ok()?.new_request(context);
         thread.host.register(context, envoy);
-        Some(Streamed { thread, filter, context, envoy })
+        Some(Streamed { thread, filter, context, envoy, queued: Cell::new(false) })
     }));
     into_envoy(made.ok().flatten())
 }
@@ -323,6 +327,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
     });
     if waiting {
         // In the admission queue: the ticker wakes this thread while it is there.
+        s.queued.set(true);
         s.thread.waiting.add(f as usize, || {
             // SAFETY: this hook's stream, on its thread; deleted in `Streamed::drop`.
             unsafe { Scheduler::new(f) }

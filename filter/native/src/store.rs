@@ -27,11 +27,18 @@ pub fn get(key: &str) -> (Option<Vec<u8>>, Option<u32>) {
 /// Writes `value` under `key` if its version is still `cas` (none or 0: unconditionally).
 pub fn set(key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
     let Ok(mut guard) = SHARED.lock() else { return Err(SetError::Other) };
-    let entry = guard.get_or_insert_with(HashMap::new).entry(key.to_string()).or_insert((Vec::new(), 0));
+    let values = guard.get_or_insert_with(HashMap::new);
+    // Every request writes a few keys that exist: no key allocated, the value's buffer reused.
+    let entry = match values.get_mut(key) {
+        Some(entry) => entry,
+        None => values.entry(key.to_string()).or_insert((Vec::new(), 0)),
+    };
     if matches!(cas, Some(c) if c != 0 && c != entry.1) {
         return Err(SetError::CasMismatch);
     }
-    *entry = (value.to_vec(), entry.1.wrapping_add(1));
+    entry.0.clear();
+    entry.0.extend_from_slice(value);
+    entry.1 = entry.1.wrapping_add(1);
     Ok(())
 }
 

@@ -21,10 +21,12 @@ impl Headers {
         Self { raw }
     }
 
-    /// Serializes `pairs` as the host would (tests, the mock host).
+    /// Serializes `pairs` as the host would (the native build's host, tests, the mock host).
     pub fn from_pairs<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a [u8])>) -> Self {
         let pairs: Vec<(&str, &[u8])> = pairs.into_iter().collect();
-        let mut raw = Vec::new();
+        // One allocation: a count, two lengths and two NULs per header, then the bytes.
+        let size = pairs.iter().fold(4usize, |n, (k, v)| n.saturating_add(10 + k.len() + v.len()));
+        let mut raw = Vec::with_capacity(size);
         raw.extend_from_slice(&(pairs.len() as u32).to_le_bytes());
         for (name, value) in &pairs {
             raw.extend_from_slice(&(name.len() as u32).to_le_bytes());

@@ -142,6 +142,10 @@ pub trait Host: SharedStore {
     /// All request headers, in one host call.
     fn request_headers(&self) -> Headers;
     fn set_request_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError>;
+    /// Several writes at once (the route is matched again once, after the last).
+    fn set_request_headers(&self, headers: &[(&str, Option<&str>)]) -> Result<(), HostError> {
+        headers.iter().try_for_each(|(name, value)| self.set_request_header(name, *value))
+    }
     /// The first `size` bytes of the buffered request body.
     fn request_body(&self, size: usize) -> Vec<u8>;
     /// Replaces the first `size` bytes of the buffered request body.
@@ -150,6 +154,14 @@ pub trait Host: SharedStore {
     // The response.
     /// All response headers, in one host call.
     fn response_headers(&self) -> Headers;
+    /// The first value of each of `names` (lower case) among the response headers, if UTF-8,
+    /// in order. By default one read of the whole map: under Wasm every host call that returns
+    /// bytes is costly, so two lookups would cost more than one listing. A host that looks
+    /// headers up in place (the native build) does one lookup each.
+    fn response_header_values(&self, names: &[&str]) -> Vec<Option<String>> {
+        let headers = self.response_headers();
+        names.iter().map(|name| headers.get(name).map(str::to_string)).collect()
+    }
     fn set_response_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError>;
     fn response_body(&self, size: usize) -> Vec<u8>;
     /// Envoy's response code details: `via_upstream` when the worker answered, else why Envoy

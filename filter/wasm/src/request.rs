@@ -181,12 +181,16 @@ fn set_destination(
     fallbacks: &[String],
     how: Destination,
 ) -> Result<(), crate::host::HostError> {
-    if how.original_dst {
-        host.set_request_header(DST_HEADER, Some(addr))?;
-    }
-    host.set_request_header(ENDPOINTS_HEADER, Some(&endpoint_list(addr, fallbacks)))?;
-    host.set_request_header(RETRIES_HEADER, Some(&fallbacks.len().to_string()))?;
-    host.set_request_header(TIMEOUT_HEADER, Some(&how.timeout_secs.saturating_mul(1000).to_string()))
+    let (endpoints, retries) = (endpoint_list(addr, fallbacks), fallbacks.len().to_string());
+    let timeout = how.timeout_secs.saturating_mul(1000).to_string();
+    let all = [
+        (DST_HEADER, Some(addr)),
+        (ENDPOINTS_HEADER, Some(endpoints.as_str())),
+        (RETRIES_HEADER, Some(retries.as_str())),
+        (TIMEOUT_HEADER, Some(timeout.as_str())),
+    ];
+    // Without the original_dst header, the first write is left out.
+    host.set_request_headers(all.get(usize::from(!how.original_dst)..).unwrap_or_default())
 }
 
 /// A JSON POST of `path` to the worker at `addr`, through the workers' cluster.
@@ -568,15 +572,16 @@ impl RequestFilter {
             return Action::Continue;
         }
         let Some(routed) = self.routed.clone() else { return Action::Continue };
-        let headers = host.response_headers();
-        let status = headers.get(":status").and_then(|s| s.parse::<u16>().ok()).unwrap_or(0);
         // Envoy says which worker answered: another than the chosen one means the chosen one
         // failed and Envoy failed over (the ones in between failed too, unseen). A route that
         // names it in the response saves asking (and the header needs no setting then).
         let from_route = self.with_gateway(|g| g.config().route_sets_worker_header).unwrap_or(false);
-        let named = from_route.then(|| headers.get(WORKER_HEADER)).flatten().filter(|a| !a.is_empty() && *a != "-");
-        let upstream = match named {
-            Some(addr) => Some(addr.to_string()),
+        let names: &[&str] = if from_route { &[":status", WORKER_HEADER] } else { &[":status"] };
+        let mut values = host.response_header_values(names).into_iter();
+        let status = values.next().flatten().and_then(|s| s.parse::<u16>().ok()).unwrap_or(0);
+        let named = values.next().flatten().filter(|a| !a.is_empty() && a != "-");
+        let upstream = match &named {
+            Some(addr) => Some(addr.clone()),
             None => host.upstream_address().filter(|a| !a.is_empty()),
         };
         // A response below 500 from a worker is the worker's own answer: Envoy's code details
@@ -625,7 +630,7 @@ impl RequestFilter {
         if let Some(f) = self.feedback.as_mut() {
             f.headers(status, served == routed.addr);
         }
-        if named != Some(served.as_str()) {
+        if named.as_deref() != Some(served.as_str()) {
             let _ = host.set_response_header(WORKER_HEADER, Some(&served));
         }
         let Some(leg) = self.pd.as_mut() else { return Action::Continue };
