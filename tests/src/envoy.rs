@@ -239,6 +239,41 @@ fn native_filter(doc: &mut Yaml, module: &Path, filter: &Json) -> anyhow::Result
     Ok(())
 }
 
+/// A shipped Wasm configuration (`envoy/envoy.yaml`, `envoy/envoy-pd.yaml`) with the Wasm
+/// filter replaced by the native build `module` (`lib<name>.so`), configured with the same
+/// JSON — plus `control_plane_address`, the address of the template's `kvmesh_control_plane`
+/// cluster, where the template names that cluster (the module opens its own streams). What
+/// `cargo xtask package` writes for users; the same swap the tests make (`native_module`).
+pub fn native_template(template: &Path, module: &Path) -> anyhow::Result<String> {
+    let text = std::fs::read_to_string(template).with_context(|| format!("reading {}", template.display()))?;
+    let mut doc: Yaml = serde_norway::from_str(&text)?;
+    let value = at(wasm_config(&mut doc)?, &["configuration", "value"])?;
+    let mut filter: Json =
+        serde_json::from_str(value.as_str().unwrap_or("{}")).context("the filter configuration is not JSON")?;
+    let cluster = filter.get("control_plane_cluster").and_then(Json::as_str).unwrap_or_default().to_string();
+    if !cluster.is_empty() {
+        let clusters = at(&mut doc, &["static_resources", "clusters"])?;
+        let cp = clusters
+            .as_sequence_mut()
+            .and_then(|c| c.iter_mut().find(|c| c.get("name").and_then(Yaml::as_str) == Some(cluster.as_str())))
+            .ok_or_else(|| anyhow!("{}: no cluster {cluster}", template.display()))?;
+        let socket = at(
+            cp,
+            &["load_assignment", "endpoints", "0", "lb_endpoints", "0", "endpoint", "address", "socket_address"],
+        )?;
+        let host = socket.get("address").and_then(Yaml::as_str).unwrap_or_default().to_string();
+        let port = socket.get("port_value").and_then(Yaml::as_u64).unwrap_or_default();
+        if host.is_empty() || port == 0 {
+            bail!("{}: cluster {cluster} has no address and port", template.display());
+        }
+        if let Some(keys) = filter.as_object_mut() {
+            keys.insert("control_plane_address".into(), format!("http://{host}:{port}").into());
+        }
+    }
+    native_filter(&mut doc, module, &filter)?;
+    Ok(serde_norway::to_string(&doc)?)
+}
+
 /// The workers' cluster: with a control plane, its EDS stream presents the filter's token;
 /// without one, static endpoints: the filter's own workers (as a user without kvmesh-cp
 /// writes them).
@@ -460,7 +495,17 @@ impl Drop for Envoy {
 
 /// Runs `envoy --mode validate` on a file.
 pub fn validate(config: &Path) -> anyhow::Result<String> {
-    let out = Command::new(envoy_bin())
+    validate_with_modules(config, None)
+}
+
+/// Runs `envoy --mode validate` on a file that loads dynamic modules from `modules` (Envoy
+/// loads them while validating).
+pub fn validate_with_modules(config: &Path, modules: Option<&Path>) -> anyhow::Result<String> {
+    let mut cmd = Command::new(envoy_bin());
+    if let Some(dir) = modules {
+        cmd.env("ENVOY_DYNAMIC_MODULES_SEARCH_PATH", dir);
+    }
+    let out = cmd
         .arg("--mode")
         .arg("validate")
         .arg("-c")

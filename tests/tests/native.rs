@@ -301,3 +301,36 @@ fn kvmesh_native_pd_requests_admitted_from_the_queue_complete_both_legs() {
     assert_eq!(long.join().unwrap().0.status, 200);
     assert_eq!(prefill.stats().unwrap()["requests"].as_u64(), Some(3), "one prefill leg each");
 }
+
+/// What `cargo xtask package` writes for users (`envoy-native.yaml`, `envoy-pd-native.yaml`):
+/// each shipped configuration with only its Wasm filter entry replaced — by the dynamic-modules
+/// filter loading the native build with the same JSON plus the template's control-plane
+/// address — and Envoy accepts each with the module and refuses it without.
+#[test]
+fn the_shipped_configurations_rendered_for_the_native_build_differ_only_in_the_filter() {
+    let module = native("libkvmesh_native.so");
+    let scratch = kvmesh_testkit::scratch_dir("native-configs").unwrap();
+    for template in ["envoy/envoy.yaml", "envoy/envoy-pd.yaml"] {
+        let path = repo_root().join(template);
+        let rendered = kvmesh_testkit::envoy::native_template(&path, &module).unwrap();
+        let mut shipped: Value = serde_norway::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let mut native: Value = serde_norway::from_str(&rendered).unwrap();
+        let filters = "/static_resources/listeners/0/filter_chains/0/filters/0/typed_config/http_filters";
+        let wasm = shipped.pointer_mut(filters).unwrap().as_array_mut().unwrap().remove(0);
+        let dm = native.pointer_mut(filters).unwrap().as_array_mut().unwrap().remove(0);
+        assert_eq!(shipped, native, "{template}: nothing but the filter entry changes");
+        assert_eq!(wasm["name"], "envoy.filters.http.wasm");
+        assert_eq!(dm["name"], "envoy.filters.http.dynamic_modules");
+        assert_eq!(dm["typed_config"]["dynamic_module_config"]["name"], "kvmesh_native");
+        let settings = |v: &Value| -> Value { serde_json::from_str(v.as_str().unwrap()).unwrap() };
+        let mut want = settings(&wasm["typed_config"]["config"]["configuration"]["value"]);
+        want["control_plane_address"] = json!("http://127.0.0.1:18000");
+        assert_eq!(settings(&dm["typed_config"]["filter_config"]["value"]), want, "{template}: the same settings");
+
+        let file = scratch.path().join(path.file_name().unwrap());
+        std::fs::write(&file, &rendered).unwrap();
+        kvmesh_testkit::envoy::validate_with_modules(&file, module.parent()).unwrap();
+        let refused = kvmesh_testkit::envoy::validate_with_modules(&file, Some(scratch.path()));
+        assert!(refused.is_err(), "{template}: Envoy loads the module while validating, so it must be found");
+    }
+}

@@ -13,9 +13,10 @@ const USAGE: &str = "\
 usage: cargo xtask <task> [options]
 
 tasks:
-  up [--gateways N] [--pd] [-- <kvmesh-cp flags>]
+  up [--gateways N] [--pd] [--native] [-- <kvmesh-cp flags>]
         build, then start 4 simulated workers and Envoy with the kvmesh filter
-        (gateway http://127.0.0.1:10000, admin :9901); Ctrl-C stops everything
+        (gateway http://127.0.0.1:10000, admin :9901); Ctrl-C stops everything;
+        --native: Envoy runs the native build (libkvmesh_native.so) instead of the .wasm
   test  install what is missing, build, and run every test (unit, wasm32, real Envoy)
   bench [overhead | quality | scale] [--quick] [--seconds N] [--connections N] [--no-pd]
         [--no-peers] [--out DIR]
@@ -23,7 +24,8 @@ tasks:
         floors and the mesh path; JSON, markdown and charts in target/bench/ (docs/benchmarks.md)
   package [--out DIR] [--tag TAG]
         the filter as users install it: a size-optimised .wasm, its sha256, and an OCI
-        image layout for istio-agent (dist/; docs/istio.md)
+        image layout for istio-agent (dist/; docs/istio.md); the native build
+        (libkvmesh_native.so) with envoy/*.yaml rendered to load it, validated by Envoy
 ";
 
 fn main() -> ExitCode {

@@ -14,7 +14,7 @@ use kvmesh_testkit::repo_root;
 use serde_json::json;
 use sha2::{Digest, Sha256};
 
-use crate::tools::{ensure_wasm_target, run, step};
+use crate::tools::{ensure_envoy, ensure_wasm_target, run, step};
 
 /// The cargo profile the packaged `.wasm` is built with (`Cargo.toml`).
 const PROFILE: &str = "wasm-package";
@@ -27,7 +27,17 @@ const PLUGIN_FILE: &str = "plugin.wasm";
 const USAGE: &str = "usage: cargo xtask package [--out DIR] [--tag TAG]
   builds the filter (.wasm, size-optimised), prints its sha256, and writes DIR (default dist/):
     kvmesh_filter.wasm   the module (for http:// URLs and Istio 1.27's own fetch)
-    oci/                 an OCI image layout of it, tagged TAG (default: the crate version)";
+    oci/                 an OCI image layout of it, tagged TAG (default: the crate version)
+  and the native build, for a standalone Envoy of the release it is built against (1.40):
+    libkvmesh_native.so  the filter as an Envoy dynamic module
+    envoy-native.yaml, envoy-pd-native.yaml
+                         envoy/envoy.yaml and envoy-pd.yaml loading it in the .wasm's place
+                         (each checked with `envoy --mode validate`)";
+
+/// The native build's file name, and the shipped configurations rendered for it.
+const NATIVE_MODULE: &str = "libkvmesh_native.so";
+const NATIVE_CONFIGS: [(&str, &str); 2] =
+    [("envoy/envoy.yaml", "envoy-native.yaml"), ("envoy/envoy-pd.yaml", "envoy-pd-native.yaml")];
 
 pub fn run_package(args: &[String]) -> anyhow::Result<()> {
     let mut out = repo_root().join("dist");
@@ -73,7 +83,57 @@ pub fn run_package(args: &[String]) -> anyhow::Result<()> {
     println!("  sha256: \"{}\"   # oci://: the manifest digest", image.manifest_digest);
     println!("For an http(s):// URL, or Istio 1.27 (istio/istio-1.27/), the module's own digest:");
     println!("  sha256: \"{wasm_sha}\"");
+    package_native(&out)
+}
+
+/// The native build and the shipped configurations that load it, each validated by Envoy.
+fn package_native(out: &Path) -> anyhow::Result<()> {
+    step(&format!("building the native build ({NATIVE_MODULE}, release)"));
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    run(Command::new(cargo).args(["build", "--release", "-p", "kvmesh-native"]))?;
+    let built = repo_root().join("target/release").join(NATIVE_MODULE);
+    let module = out.join(NATIVE_MODULE);
+    std::fs::copy(&built, &module).with_context(|| format!("copying {} to {}", built.display(), module.display()))?;
+    let bytes = std::fs::read(&module).with_context(|| format!("reading {}", module.display()))?;
+    let envoy = ensure_envoy()?;
+    std::env::set_var("ENVOY_BIN", &envoy);
+    let mut written = Vec::new();
+    for (template, name) in NATIVE_CONFIGS {
+        let body = kvmesh_testkit::envoy::native_template(&repo_root().join(template), &module)?;
+        let path = out.join(name);
+        std::fs::write(&path, native_header(template, name) + &body)
+            .with_context(|| format!("writing {}", path.display()))?;
+        step(&format!("envoy --mode validate -c {}", path.display()));
+        kvmesh_testkit::envoy::validate_with_modules(&path, Some(out))?;
+        written.push(path);
+    }
+    println!();
+    println!("{}  ({} bytes, native: Envoy 1.40 on this platform only)", module.display(), bytes.len());
+    println!("  sha256 {}", hex(&Sha256::digest(&bytes)));
+    for path in &written {
+        println!("{}", path.display());
+    }
+    println!("Run it (from where the configurations' relative paths hold, as for envoy/envoy.yaml):");
+    println!(
+        "  ENVOY_DYNAMIC_MODULES_SEARCH_PATH={} envoy -c {}",
+        out.display(),
+        out.join(NATIVE_CONFIGS[0].1).display()
+    );
     Ok(())
+}
+
+/// The comment at the top of a rendered native configuration.
+fn native_header(template: &str, name: &str) -> String {
+    format!(
+        "# kvmesh's native build in a standalone Envoy, written by `cargo xtask package` from\n\
+         # {template} (read that file for what each part does; regenerate this one instead of\n\
+         # editing it): the same configuration with the Wasm filter replaced by Envoy's\n\
+         # dynamic-modules filter loading {NATIVE_MODULE}, configured with the same JSON plus\n\
+         # control_plane_address (the module opens its control-plane streams itself).\n\
+         #   ENVOY_DYNAMIC_MODULES_SEARCH_PATH=$PWD/dist envoy -c dist/{name}\n\
+         # The module runs only in the Envoy release it was built against (1.40): Envoy only\n\
+         # warns when the ABI versions differ.\n"
+    )
 }
 
 /// A tag as OCI references allow it.

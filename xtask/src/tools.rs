@@ -210,6 +210,12 @@ pub fn build() -> anyhow::Result<()> {
     run(cargo().args(["build", "--release", "-p", "kvmesh-sim", "-p", "kvmesh-cp"]))
 }
 
+/// kvmesh's native build (`target/release/libkvmesh_native.so`), for `cargo xtask up --native`.
+pub fn build_native() -> anyhow::Result<()> {
+    step("building the native build (libkvmesh_native.so)");
+    run(cargo().args(["build", "--release", "-p", "kvmesh-native"]))
+}
+
 /// The benchmark's reference filter (`xtask/naive-filter`, for `cargo xtask bench` and its test).
 pub fn build_naive_filter() -> anyhow::Result<()> {
     run(cargo().args(["build", "--release", "-p", "kvmesh-naive-filter", "--target", "wasm32-wasip1"]))?;

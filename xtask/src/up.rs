@@ -11,7 +11,7 @@ use kvmesh_testkit::{repo_root, wait_until, ControlPlane, Envoy, EnvoyOptions, S
 use serde_json::json;
 
 use crate::supervise::Supervised;
-use crate::tools::{build, ensure_envoy, ensure_wasm_target, step};
+use crate::tools::{build, build_native, ensure_envoy, ensure_wasm_target, step};
 
 const GATEWAY_PORT: u16 = 10000;
 const ADMIN_PORT: u16 = 9901;
@@ -22,12 +22,14 @@ const FIRST_SIM_PORT: u16 = 30001;
 struct Options {
     gateways: u16,
     pd: bool,
+    /// Envoy runs the native build (`libkvmesh_native.so`) in place of the `.wasm`.
+    native: bool,
     /// Flags for kvmesh-cp (after `--`).
     cp_args: Vec<String>,
 }
 
 fn parse(args: &[String]) -> anyhow::Result<Options> {
-    let mut opts = Options { gateways: 1, pd: false, cp_args: Vec::new() };
+    let mut opts = Options { gateways: 1, pd: false, native: false, cp_args: Vec::new() };
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -40,6 +42,7 @@ fn parse(args: &[String]) -> anyhow::Result<Options> {
                     .with_context(|| format!("--gateways {n}: not a number from 1 to 50"))?;
             }
             "--pd" => opts.pd = true,
+            "--native" => opts.native = true,
             "--" => {
                 opts.cp_args = it.by_ref().cloned().collect();
             }
@@ -110,6 +113,10 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     let envoy_bin = ensure_envoy()?;
     std::env::set_var("ENVOY_BIN", &envoy_bin);
     build()?;
+    let native = opts.native.then(|| repo_root().join("target/release/libkvmesh_native.so"));
+    if native.is_some() {
+        build_native()?;
+    }
 
     let mut sims = Vec::new();
     let own_workers =
@@ -136,8 +143,10 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     for i in 0..opts.gateways {
         let (port, admin) = (GATEWAY_PORT + i, ADMIN_PORT + i);
         claim(&[port, admin])?;
-        step(&format!("starting Envoy with the kvmesh filter on :{port} (admin :{admin})"));
+        let what = if native.is_some() { "native build" } else { "filter" };
+        step(&format!("starting Envoy with the kvmesh {what} on :{port} (admin :{admin})"));
         let mut o = EnvoyOptions::new(filter.clone())?;
+        o.native_module = native.clone();
         o.template = repo_root().join(template);
         o.listener_port = port;
         o.admin_port = admin;
