@@ -232,7 +232,7 @@ fn native_filter(doc: &mut Yaml, module: &Path, filter: &Json) -> anyhow::Result
             "filter_name": name,
             "filter_config": {
                 "@type": "type.googleapis.com/google.protobuf.StringValue",
-                "value": serde_json::to_string(filter)?,
+                "value": serde_json::to_string_pretty(filter)?,
             },
         },
     }))?;

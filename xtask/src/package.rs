@@ -113,7 +113,7 @@ fn package_native(out: &Path) -> anyhow::Result<()> {
     for path in &written {
         println!("{}", path.display());
     }
-    println!("Run it (from where the configurations' relative paths hold, as for envoy/envoy.yaml):");
+    println!("Run it (kvmesh-cp on :18000, or edit worker_urls and control_plane_cluster as in envoy/envoy.yaml):");
     println!(
         "  ENVOY_DYNAMIC_MODULES_SEARCH_PATH={} envoy -c {}",
         out.display(),
