@@ -454,8 +454,22 @@ fn string_or_list<'a>(field: &str, raw: &'a RawValue, expected: &'static str) ->
         let first = first.ok_or_else(|| RequestError::EmptyList { field: field.into() })?;
         return Ok(Routing::new(cow_bytes(first), batch));
     }
-    let text: BorrowedStr<'a> = serde_json::from_str(raw.get()).map_err(|_| wrong_type(field, expected))?;
-    Ok(Routing::new(cow_bytes(text.0), None))
+    let text = json_str(raw).ok_or_else(|| wrong_type(field, expected))?;
+    Ok(Routing::new(cow_bytes(text), None))
+}
+
+/// A JSON value as a string (`None`: it is not one). `serde_json` checked the token when it
+/// cut it out of the body (quotes, escapes, no control characters, UTF-8), so a string with
+/// no backslash is exactly the text between its quotes: borrowed without a second scan (the
+/// prompt is most of a body). One with escapes is decoded.
+fn json_str(raw: &RawValue) -> Option<Cow<'_, str>> {
+    let token = raw.get();
+    if let Some(inner) = token.strip_prefix('"').and_then(|t| t.strip_suffix('"')) {
+        if !inner.as_bytes().contains(&b'\\') {
+            return Some(Cow::Borrowed(inner));
+        }
+    }
+    serde_json::from_str::<BorrowedStr<'_>>(token).ok().map(|s| s.0)
 }
 
 #[derive(Deserialize)]
@@ -589,9 +603,9 @@ impl<'de> Visitor<'de> for Messages<'_> {
 fn append_message(text: &mut Text, i: usize, m: &RawValue) -> Result<(), MessageError> {
     let msg: Message<'_> = serde_json::from_str(m.get()).map_err(|_| MessageError::Json)?;
     if let Some(role) = present(msg.role) {
-        let role: BorrowedStr<'_> = serde_json::from_str(role.get())
-            .map_err(|_| MessageError::Field(wrong_type(format!("messages[{i}].role"), "a string")))?;
-        text.push(role.0.as_bytes());
+        let role =
+            json_str(role).ok_or_else(|| MessageError::Field(wrong_type(format!("messages[{i}].role"), "a string")))?;
+        text.push(role.as_bytes());
     }
     text.push(b": ");
     if let Some(content) = present(msg.content) {
@@ -643,8 +657,8 @@ fn append_content(text: &mut Text, i: usize, content: &RawValue) -> Result<(), R
     const EXPECTED: &str = "a string or a list of content parts";
     let bad = || wrong_type(format!("messages[{i}].content"), EXPECTED);
     if content.get().starts_with('"') {
-        let s: BorrowedStr<'_> = serde_json::from_str(content.get()).map_err(|_| bad())?;
-        text.push(s.0.as_bytes());
+        let s = json_str(content).ok_or_else(bad)?;
+        text.push(s.as_bytes());
         return Ok(());
     }
     let mut de = serde_json::Deserializer::from_str(content.get());
@@ -684,6 +698,36 @@ mod tests {
     #[test]
     fn escaped_text_is_decoded() {
         assert_eq!(text_of(Endpoint::Generate, r#"{"text":"a\nb\u00e9"}"#), "a\nbé".as_bytes());
+    }
+
+    /// Strings are read once: without a backslash, the text between the quotes as it stands;
+    /// with one, decoded — the same texts as decoding every string, for every field read so.
+    #[test]
+    fn strings_with_and_without_escapes_give_the_decoded_text() {
+        for (json, text) in [
+            (r#""""#, ""),
+            (r#""plain é text""#, "plain é text"),
+            (r#""a\"b""#, "a\"b"),
+            (r#""\\""#, "\\"),
+            (r#""tail\\""#, "tail\\"),
+            (r#""\u0041\/""#, "A/"),
+        ] {
+            let expect = text.as_bytes();
+            assert_eq!(text_of(Endpoint::Generate, &format!(r#"{{"text":{json}}}"#)), expect, "text {json}");
+            assert_eq!(text_of(Endpoint::Completions, &format!(r#"{{"prompt":{json}}}"#)), expect, "prompt {json}");
+            let chat =
+                text_of(Endpoint::ChatCompletions, &format!(r#"{{"messages":[{{"role":{json},"content":{json}}}]}}"#));
+            assert_eq!(chat, [expect, b": ", expect, b"\n"].concat(), "message {json}");
+        }
+        let borrowed = parse(Endpoint::Completions, br#"{"prompt":"no escapes here"}"#).unwrap();
+        assert!(matches!(borrowed.text, Cow::Borrowed(b"no escapes here")));
+        // What serde_json refuses stays refused: a raw control character, a bad escape.
+        for bad in ["{\"text\":\"a\u{1}b\"}", r#"{"text":"a\qb"}"#] {
+            assert!(
+                matches!(parse(Endpoint::Generate, bad.as_bytes()), Err(RequestError::MalformedJson(_))),
+                "{bad:?}"
+            );
+        }
     }
 
     #[test]
