@@ -20,8 +20,9 @@ pub struct NativeHost {
     stream: Cell<usize>,
     /// The stream whose hook is running: where [`Host::enter_context`] comes back to.
     home: Cell<usize>,
-    /// This thread's live streams of the configuration, by context id.
-    contexts: RefCell<HashMap<u32, usize>>,
+    /// This thread's live streams of the configuration: Envoy's stream pointer by context id
+    /// (ids are ours: a fast hash fits).
+    contexts: RefCell<HashMap<u32, usize, foldhash::fast::RandomState>>,
     stats: Arc<Stats>,
     /// Callouts the main thread sends for this thread's streams (they outlive the stream).
     outbox: Arc<Outbox>,

@@ -10,8 +10,9 @@ use envoy_dynamic_module::{config_stat, define_stat, StatKind};
 use kvmesh_filter::host::{Metric, MetricKind};
 use kvmesh_filter::shared::{SetError, SharedStore};
 
-/// A shared-data value and its compare-and-swap version, by key.
-type Values = HashMap<String, (Vec<u8>, u32)>;
+/// A shared-data value and its compare-and-swap version, by key. The keys are the filter's own
+/// (no client picks one), so a fast hash without flood resistance fits.
+type Values = HashMap<String, (Vec<u8>, u32), foldhash::fast::RandomState>;
 
 static SHARED: Mutex<Option<Values>> = Mutex::new(None);
 
@@ -27,7 +28,7 @@ pub fn get(key: &str) -> (Option<Vec<u8>>, Option<u32>) {
 /// Writes `value` under `key` if its version is still `cas` (none or 0: unconditionally).
 pub fn set(key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
     let Ok(mut guard) = SHARED.lock() else { return Err(SetError::Other) };
-    let values = guard.get_or_insert_with(HashMap::new);
+    let values = guard.get_or_insert_with(Values::default);
     // Every request writes a few keys that exist: no key allocated, the value's buffer reused.
     let entry = match values.get_mut(key) {
         Some(entry) => entry,
