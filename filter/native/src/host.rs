@@ -81,10 +81,10 @@ impl NativeHost {
         (ptr != 0).then(|| unsafe { Stream::new(ptr as *mut c_void) })
     }
 
-    /// A header map, copied (names that are not UTF-8 left out: HTTP names are tokens).
+    /// A header map, copied once (names that are not UTF-8 are left out when read).
     fn headers(&self, kind: HeaderKind) -> Headers {
         let pairs = self.stream().map(|s| s.headers(kind)).unwrap_or_default();
-        Headers::from_pairs(pairs.into_iter().filter_map(|(k, v)| Some((std::str::from_utf8(k).ok()?, v))))
+        Headers::from_byte_pairs(&pairs)
     }
 
     fn set_header(&self, kind: HeaderKind, name: &str, value: Option<&str>) -> Result<(), HostError> {

@@ -21,19 +21,26 @@ impl Headers {
         Self { raw }
     }
 
-    /// Serializes `pairs` as the host would (the native build's host, tests, the mock host).
+    /// Serializes `pairs` as the host would (tests, the mock host).
     pub fn from_pairs<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a [u8])>) -> Self {
-        let pairs: Vec<(&str, &[u8])> = pairs.into_iter().collect();
+        let pairs: Vec<(&[u8], &[u8])> = pairs.into_iter().map(|(k, v)| (k.as_bytes(), v)).collect();
+        Self::from_byte_pairs(&pairs)
+    }
+
+    /// Serializes `pairs` as the host would, names as bytes (the native build's host: what
+    /// Envoy lends, copied once). A name that is not UTF-8 is kept here and left out when read,
+    /// as from a map the host serialized.
+    pub fn from_byte_pairs(pairs: &[(&[u8], &[u8])]) -> Self {
         // One allocation: a count, two lengths and two NULs per header, then the bytes.
         let size = pairs.iter().fold(4usize, |n, (k, v)| n.saturating_add(10 + k.len() + v.len()));
         let mut raw = Vec::with_capacity(size);
         raw.extend_from_slice(&(pairs.len() as u32).to_le_bytes());
-        for (name, value) in &pairs {
+        for (name, value) in pairs {
             raw.extend_from_slice(&(name.len() as u32).to_le_bytes());
             raw.extend_from_slice(&(value.len() as u32).to_le_bytes());
         }
-        for (name, value) in &pairs {
-            raw.extend_from_slice(name.as_bytes());
+        for (name, value) in pairs {
+            raw.extend_from_slice(name);
             raw.push(0);
             raw.extend_from_slice(value);
             raw.push(0);
@@ -99,6 +106,18 @@ mod tests {
         assert_eq!(h.get("x-latin1"), None);
         assert_eq!(h.pairs().collect::<Vec<_>>(), vec![("x-request-id", "r1")]);
         assert_eq!(h.names().collect::<Vec<_>>(), vec!["x-latin1", "x-request-id"]);
+    }
+
+    /// The native build copies Envoy's map with names as bytes: a name that is not UTF-8 is
+    /// neither a name nor found, and the headers after it read as usual.
+    #[test]
+    fn a_name_that_is_not_utf8_is_left_out_when_read() {
+        let h = Headers::from_byte_pairs(&[(b"x-\xff", b"v"), (b":path", b"/generate"), (b"x-kvmesh-worker", b"w")]);
+        assert_eq!(h.names().collect::<Vec<_>>(), vec![":path", "x-kvmesh-worker"]);
+        assert_eq!(h.get(":path"), Some("/generate"));
+        assert_eq!(h.pairs().count(), 2);
+        assert_eq!(h.raw_pairs().count(), 3);
+        assert_eq!(Headers::from_byte_pairs(&[(b"a", b"1")]), Headers::from_pairs([("a", &b"1"[..])]));
     }
 
     #[test]
