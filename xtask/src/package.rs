@@ -55,6 +55,8 @@ pub fn run_package(args: &[String]) -> anyhow::Result<()> {
         }
     }
     check_tag(&tag)?;
+    // Absolute: Envoy validates the native configurations from the repository root.
+    let out = std::path::absolute(&out).with_context(|| format!("--out {}", out.display()))?;
     ensure_wasm_target()?;
     step(&format!("building the filter (wasm32-wasip1, profile {PROFILE})"));
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
