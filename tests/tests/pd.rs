@@ -604,7 +604,16 @@ fn failed_leg(native: bool) {
     let started = Instant::now();
     let r = http::post_json(&envoy.url("/generate"), &body).unwrap();
     assert!(r.status >= 500, "{} {}", r.status, r.text());
-    assert_eq!(prefill.stats().unwrap()["requests"], 1, "the prefill leg was sent");
+    let legs = || prefill.stats().ok().and_then(|s| s["requests"].as_u64());
+    if native {
+        // Envoy cancels a stream's own callouts when the stream ends: a decode that fails at
+        // once can end the request before the prefill leg reached its worker (seen on a cold
+        // CI run). Sent or not, nothing may be left computing there, and the abort still goes.
+        assert!(legs().is_some_and(|n| n <= 1), "at most the one prefill leg: {:?}", legs());
+    } else {
+        // A Wasm callout outlives its stream: the prefill leg always arrives.
+        kvmesh_testkit::wait_until("the prefill leg to arrive", Duration::from_secs(5), || legs() == Some(1)).unwrap();
+    }
     settles(&prefill, Duration::from_secs(5)).unwrap();
     assert!(started.elapsed() < Duration::from_secs(10), "the prefill stopped after {:?}", started.elapsed());
     assert_eq!(envoy.stat("wasmcustom.kvmesh_prefill_aborts_total").unwrap(), Some(1));
