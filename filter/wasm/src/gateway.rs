@@ -345,6 +345,12 @@ pub struct Gateway {
     own_id: Option<String>,
     /// The control-plane table version this VM applied.
     table_version: Option<u64>,
+    /// The publication epoch that version belongs to (see [`SharedTable::publish`]): versions
+    /// start again when kvmesh-cp restarts, so a version alone can repeat with another table.
+    table_epoch: Option<u64>,
+    /// The epoch this VM publishes under while it holds the streams: new with every full
+    /// snapshot (a connection, so a control plane that may have restarted).
+    publish_epoch: u64,
     /// The version of the shared table value this VM published or decoded last (the polled
     /// records name the one they go with).
     shared_table_version: Option<u64>,
@@ -399,6 +405,8 @@ impl Gateway {
             reporting: false,
             own_id: None,
             table_version: None,
+            table_epoch: None,
+            publish_epoch: 0,
             shared_table_version: None,
             cp_settings: None,
             cp_settings_wire: None,

@@ -530,8 +530,17 @@ impl SharedTable {
     /// `table u64` (the version of the table value the records go with) then per worker
     /// `id u32, flags u32, load u64, waiting u64, kv_usage f64, utility f64` (flags: 1
     /// healthy, 2 waiting known, 4 KV use known, 8 utility known). The version goes last, so a
-    /// VM that sees it finds everything it names.
-    pub fn publish(store: &dyn SharedStore, version: u64, table: Option<&[u8]>, table_version: u64, polled: &[Polled]) {
+    /// VM that sees it finds everything it names, as `version u64, epoch u64`: the epoch
+    /// changes with each connection's first snapshot, so that a restarted control plane's
+    /// version 2 is not taken for the last one's.
+    pub fn publish(
+        store: &dyn SharedStore,
+        version: u64,
+        epoch: u64,
+        table: Option<&[u8]>,
+        table_version: u64,
+        polled: &[Polled],
+    ) {
         if let Some(encoded) = table {
             let _ = store.set(Self::VALUE, encoded, None);
         }
@@ -550,11 +559,16 @@ impl SharedTable {
             bytes.extend_from_slice(&p.utility.unwrap_or(0.0).to_le_bytes());
         }
         let _ = store.set(Self::POLLED, &bytes, None);
-        let _ = store.set(Self::VERSION, &version.to_le_bytes(), None);
+        let mut stamp = [0u8; 16];
+        stamp[..8].copy_from_slice(&version.to_le_bytes());
+        stamp[8..].copy_from_slice(&epoch.to_le_bytes());
+        let _ = store.set(Self::VERSION, &stamp, None);
     }
 
-    pub fn version(store: &dyn SharedStore) -> Option<u64> {
-        store.get(Self::VERSION).0.and_then(|v| u64_at(&v, 0))
+    /// The version last published and its epoch (0 when a value has none).
+    pub fn version(store: &dyn SharedStore) -> Option<(u64, u64)> {
+        let v = store.get(Self::VERSION).0?;
+        Some((u64_at(&v, 0)?, u64_at(&v, 8).unwrap_or(0)))
     }
 
     pub fn value(store: &dyn SharedStore) -> Option<Vec<u8>> {
@@ -688,12 +702,12 @@ mod tests {
         let store = fake::FakeStore::default();
         let a = Polled { id: 3, healthy: true, load: 7, waiting: Some(2), kv_usage: Some(0.5), utility: None };
         let b = Polled { id: 9, healthy: false, load: 0, waiting: None, kv_usage: None, utility: Some(-1.25) };
-        SharedTable::publish(&store, 12, Some(b"table"), 10, &[a, b]);
-        assert_eq!(SharedTable::version(&store), Some(12));
+        SharedTable::publish(&store, 12, 77, Some(b"table"), 10, &[a, b]);
+        assert_eq!(SharedTable::version(&store), Some((12, 77)));
         assert_eq!(SharedTable::value(&store).as_deref(), Some(&b"table"[..]));
         assert_eq!(SharedTable::polled(&store), Some((10, vec![a, b])));
         // No table value this time: the last one stays.
-        SharedTable::publish(&store, 13, None, 10, &[b]);
+        SharedTable::publish(&store, 13, 77, None, 10, &[b]);
         assert_eq!(SharedTable::value(&store).as_deref(), Some(&b"table"[..]));
         assert_eq!(SharedTable::polled(&store), Some((10, vec![b])));
         let (bytes, _) = store.get(SharedTable::POLLED);

@@ -8,6 +8,7 @@ use kvmesh_proto::Message;
 
 use super::{build_mode, Gateway, Mode, Now};
 use crate::shared::{Delta, Inflight, Polled, SharedStore, SharedTable};
+use kvmesh_core::rng::RngCore;
 use kvmesh_core::{Router, WorkerId};
 
 /// The worker table of a control-plane snapshot (workers whose URL is not usable are left out
@@ -150,6 +151,11 @@ impl Gateway {
             // A VM that has just taken the streams over starts from what the last owner
             // published (the records it shares name that table's version).
             self.sync_table(store);
+            if snapshot.full {
+                // A connection's first snapshot: its versions may repeat ones already
+                // published (a restarted kvmesh-cp counts from the start again).
+                self.publish_epoch = self.rng.next_u64();
+            }
             // What the other VMs adopt: the table, with the settings in force (a delta without
             // settings keeps the last ones).
             let settings = snapshot.settings.clone().or_else(|| self.cp_settings.as_ref().map(Into::into));
@@ -175,7 +181,15 @@ impl Gateway {
             }
             let polled: Vec<Polled> = self.table.workers.iter().map(polled_of).collect();
             let table_version = self.shared_table_version.unwrap_or(snapshot.version);
-            SharedTable::publish(store, snapshot.version, encoded.as_deref(), table_version, &polled);
+            SharedTable::publish(
+                store,
+                snapshot.version,
+                self.publish_epoch,
+                encoded.as_deref(),
+                table_version,
+                &polled,
+            );
+            self.table_epoch = Some(self.publish_epoch);
         }
         let mut deltas: Vec<Delta> = Vec::with_capacity(snapshot.inserts.len() + snapshot.evictions.len());
         // This Envoy's own inserts, echoed back by the control plane, are in its index already.
@@ -204,15 +218,16 @@ impl Gateway {
         if self.config.control_plane_cluster.is_none() {
             return; // Static workers only: nothing to read.
         }
-        let Some(version) = SharedTable::version(store) else { return };
-        if self.table_version == Some(version) {
+        let Some((version, epoch)) = SharedTable::version(store) else { return };
+        if self.table_version == Some(version) && self.table_epoch == Some(epoch) {
             return;
         }
         // Most new versions carry new loads or health only: the polled records (a few hundred
-        // bytes) are read, and the table itself decoded only when it changed.
+        // bytes) are read, and the table itself decoded only when it changed — or when a new
+        // epoch began, whose versions say nothing about the last one's.
         let polled = SharedTable::polled(store);
         let table_at = polled.as_ref().map(|(v, _)| *v);
-        if table_at.is_none() || table_at != self.shared_table_version {
+        if self.table_epoch != Some(epoch) || table_at.is_none() || table_at != self.shared_table_version {
             let value = SharedTable::value(store);
             let Some(snapshot) = value.and_then(|b| proto::Snapshot::decode(b.as_slice()).ok()) else { return };
             self.set_settings(snapshot.settings.as_ref());
@@ -234,6 +249,7 @@ impl Gateway {
         }
         self.table.version = version;
         self.table_version = Some(version);
+        self.table_epoch = Some(epoch);
     }
 
     /// Takes `snapshot`'s worker table. Most tables the control plane sends carry new loads
@@ -410,6 +426,37 @@ mod tests {
             assert_eq!(route(&mut other, &store, &format!("q{i}")), "127.0.0.1:21");
             crate::shared::Inflight::finish(&store, 11, false);
         }
+    }
+
+    /// A restarted control plane counts its versions from the start again: a VM that last
+    /// saw the old one's version 2 (and has been idle since, as a native build's thread can
+    /// be) still adopts the new one's version 2, which lists another table.
+    #[test]
+    fn a_restarted_control_planes_repeated_version_is_still_adopted() {
+        let store = FakeStore::default();
+        let (mut owner, mut other) = (gateway(&store, 1), gateway(&store, 2));
+        let snap = |version, workers: Vec<proto::Worker>| proto::Snapshot {
+            version,
+            full: version == 1,
+            workers,
+            workers_changed: true,
+            ..Default::default()
+        };
+        owner.apply_snapshot(&store, &snap(1, vec![worker(10, 20)]));
+        owner.apply_snapshot(&store, &snap(2, vec![worker(10, 20)]));
+        route(&mut other, &store, "a");
+        assert_eq!(other.table_version(), Some(2));
+        owner.apply_snapshot(&store, &snap(3, vec![worker(10, 20), worker(11, 21)]));
+        // The control plane restarts before `other` routes again; its first snapshot is a
+        // full one numbered 2 again, with both workers.
+        let mut again = snap(2, vec![worker(10, 20), worker(11, 21)]);
+        again.full = true;
+        owner.apply_snapshot(&store, &again);
+        route(&mut other, &store, "b");
+        assert_eq!(other.table.workers.len(), 2, "the new table, though its version is the one seen last");
+        let served: std::collections::HashSet<String> =
+            (0..8).map(|i| route(&mut other, &store, &format!("distinct prompt {i} ").repeat(20))).collect();
+        assert!(served.contains("127.0.0.1:21"), "the added worker gets traffic: {served:?}");
     }
 
     #[test]
