@@ -7,9 +7,9 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use envoy_dynamic_module::{Attribute, BodyKind, HeaderKind, Stream};
-use kvmesh_filter::headers::Headers;
-use kvmesh_filter::host::{Callout, Host, HostError, Metric};
-use kvmesh_filter::shared::{SetError, SharedStore};
+use kvmesh_gateway::headers::Headers;
+use kvmesh_gateway::host::{Callout, Host, HostError, Metric};
+use kvmesh_gateway::shared::{SetError, SharedStore};
 
 use crate::outbox::Outbox;
 use crate::store::{self, Stats};

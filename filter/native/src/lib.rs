@@ -34,9 +34,9 @@ use envoy_dynamic_module::{
     borrow_from_envoy, drop_from_envoy, empty_hooks, into_envoy, BodyKind, Buffer, HeaderPair, Scheduler, CONTINUE,
     STOP,
 };
-use kvmesh_filter::host::Action;
-use kvmesh_filter::plugin::Plugin;
-use kvmesh_filter::request::RequestFilter;
+use kvmesh_gateway::host::Action;
+use kvmesh_gateway::plugin::Plugin;
+use kvmesh_gateway::request::RequestFilter;
 
 mod grpc;
 mod host;

@@ -7,8 +7,8 @@ use std::ffi::c_void;
 use std::sync::Mutex;
 
 use envoy_dynamic_module::{config_stat, define_stat, StatKind};
-use kvmesh_filter::host::{Metric, MetricKind};
-use kvmesh_filter::shared::{SetError, SharedStore};
+use kvmesh_gateway::host::{Metric, MetricKind};
+use kvmesh_gateway::shared::{SetError, SharedStore};
 
 /// A shared-data value and its compare-and-swap version, by key. The keys are the filter's own
 /// (no client picks one), so a fast hash without flood resistance fits.

@@ -11,11 +11,11 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use kvmesh_filter::admission::SharedBucket;
-use kvmesh_filter::headers::Headers;
-use kvmesh_filter::host::{Callout, Host, HostError, Metric, MetricKind};
-use kvmesh_filter::plugin::Plugin;
-use kvmesh_filter::shared::{Inflight, SetError, SharedStore, VmLedger};
+use kvmesh_gateway::headers::Headers;
+use kvmesh_gateway::host::{Callout, Host, HostError, Metric, MetricKind};
+use kvmesh_gateway::plugin::Plugin;
+use kvmesh_gateway::shared::admission::SharedBucket;
+use kvmesh_gateway::shared::{Inflight, SetError, SharedStore, VmLedger};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::grpc::{Event, Streams, INBOX};

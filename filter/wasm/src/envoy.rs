@@ -10,11 +10,11 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action as WasmAction, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
 
-use crate::headers::Headers;
-use crate::host::{Action, Callout, Host, HostError, Metric, MetricKind};
-use crate::plugin::Plugin;
-use crate::request::RequestFilter;
-use crate::shared::{SetError, SharedStore};
+use kvmesh_gateway::headers::Headers;
+use kvmesh_gateway::host::{Action, Callout, Host, HostError, Metric, MetricKind};
+use kvmesh_gateway::plugin::Plugin;
+use kvmesh_gateway::request::RequestFilter;
+use kvmesh_gateway::shared::{SetError, SharedStore};
 
 fn err(status: Status) -> HostError {
     HostError(format!("{status:?}"))
@@ -346,7 +346,7 @@ fn stop_lease_owner_if_asked() -> Option<WasmAction> {
 #[cfg(feature = "test-crash")]
 fn stop_if_lease_owner(host: &EnvoyHost, vm: Option<u32>) {
     let (flag, cas) = host.get(STOP_LEASE_OWNER_KEY);
-    if flag.as_deref() != Some(b"1".as_slice()) || vm.is_none() || crate::shared::Lease::owner(host) != vm {
+    if flag.as_deref() != Some(b"1".as_slice()) || vm.is_none() || kvmesh_gateway::shared::Lease::owner(host) != vm {
         return;
     }
     if host.set(STOP_LEASE_OWNER_KEY, b"", cas).is_ok() {

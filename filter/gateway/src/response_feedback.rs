@@ -126,9 +126,9 @@ mod tests {
         );
         assert_eq!(host.metric_sum(Metric::CacheHits), 1, "the stale prefix attracts no traffic");
         assert_eq!(host.metric_sum(Metric::Predictions), 3);
-        assert!(crate::feedback::read(&host).is_empty(), "counted on the tick, not per response");
+        assert!(crate::shared::feedback::read(&host).is_empty(), "counted on the tick, not per response");
         gw.borrow_mut().flush_feedback(&host);
-        let counts = crate::feedback::read(&host);
+        let counts = crate::shared::feedback::read(&host);
         let total: u32 = counts.iter().map(|(_, f)| f.predictions).sum();
         let completions: u64 = counts.iter().map(|(_, f)| f.completion_tokens).sum();
         assert_eq!((total, completions), (3, 3));
@@ -178,7 +178,7 @@ mod tests {
         f.on_response_body(&host, chunk.len(), true);
         f.on_log(&host);
         gw.borrow_mut().flush_feedback(&host); // the tick's part
-        let counts = crate::feedback::read(&host);
+        let counts = crate::shared::feedback::read(&host);
         let f = counts[0].1;
         assert_eq!((f.completions, f.completion_tokens, f.e2e_latency_ms), (1, 7, 250));
     }

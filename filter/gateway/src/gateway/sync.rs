@@ -302,7 +302,8 @@ impl Gateway {
             });
             entry.failovers = b.failovers;
         }
-        for (worker, feedback) in crate::feedback::read(store).into_iter().filter(|(w, _)| self.table.get(*w).is_some())
+        for (worker, feedback) in
+            crate::shared::feedback::read(store).into_iter().filter(|(w, _)| self.table.get(*w).is_some())
         {
             counts.entry(worker).or_insert_with(|| WorkerCounts { worker, ..Default::default() }).feedback =
                 Some(feedback);

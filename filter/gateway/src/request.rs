@@ -18,13 +18,14 @@ use std::time::Duration;
 use kvmesh_core::paths::{valid_request_id, PathClass};
 use kvmesh_core::{Endpoint, WorkerId};
 
-use crate::admission::{Entry, SharedBucket, WaitRoom};
+use crate::admission::{Entry, WaitRoom};
 use crate::gateway::{
     endpoint_list, is_routing_header, Destination, Gateway, Now, Outcome, Plan, Reply, RequestInfo, Routed,
 };
 use crate::host::{Action, Callout, Host, Metric};
 use crate::pd_leg::{Effect, PdLeg, PrefillResult};
 use crate::response_feedback::ResponseFeedback;
+use crate::shared::admission::SharedBucket;
 
 /// The header Envoy's ORIGINAL_DST cluster (`use_http_header`) connects to: the chosen
 /// worker (for clusters that pin one host; no failover there).

@@ -338,7 +338,7 @@ pub struct Gateway {
     stale: std::collections::VecDeque<(WorkerId, Vec<u64>)>,
     /// Engine feedback of this VM's responses since the last tick (merged into shared data
     /// on the tick, not per response).
-    pending_feedback: crate::feedback::Pending,
+    pending_feedback: crate::shared::feedback::Pending,
     /// This VM holds the control-plane streams (the plugin says so on every tick).
     reporting: bool,
     /// This Envoy's gateway id: inserts a delta says it reported itself are not applied again.
@@ -401,7 +401,7 @@ impl Gateway {
             last_eviction_secs: 0,
             unreported: ReportQueue::default(),
             stale: std::collections::VecDeque::new(),
-            pending_feedback: crate::feedback::Pending::default(),
+            pending_feedback: crate::shared::feedback::Pending::default(),
             reporting: false,
             own_id: None,
             table_version: None,

@@ -10,11 +10,12 @@ use kvmesh_core::Config;
 use kvmesh_proto::v1::{Snapshot, WatchRequest};
 use kvmesh_proto::{Message, REPORT, SERVICE, WATCH};
 
-use crate::admission::{SharedBucket, Wake};
+use crate::admission::Wake;
 use crate::gateway::{Gateway, Now};
 use crate::host::{now_ms, Host, HostError, Metric};
 use crate::link::{Link, Step, LEASE_MS};
 use crate::request::{RequestFilter, Room};
+use crate::shared::admission::SharedBucket;
 use crate::shared::{Inflight, Lease};
 
 /// The control-plane side of the plugin: where to connect, as whom, and the link's state.
@@ -295,30 +296,6 @@ impl Plugin {
     }
 }
 
-/// Where the Envoy's id lives in shared data.
-const GATEWAY_ID_KEY: &str = "kvmesh.gateway.id";
-
-/// This Envoy's id in the control plane: one per Envoy, whichever of its VMs holds the
-/// streams, so that the cumulative counts it reports are never counted twice when the stream
-/// moves. The first VM that needs it makes it (the node id, if set, and 64 random bits) and
-/// stores it in shared data; the others read it.
-pub fn gateway_id(host: &dyn Host, seed: u64) -> String {
-    if let Some(id) = host.get(GATEWAY_ID_KEY).0.and_then(|v| String::from_utf8(v).ok()).filter(|id| !id.is_empty()) {
-        return id;
-    }
-    let mut node: String = host.node_id().unwrap_or_default().chars().filter(char::is_ascii_graphic).take(64).collect();
-    if node.is_empty() {
-        node = "envoy".into();
-    }
-    let id = format!("{node}/{seed:016x}");
-    // Only a missing key is written (a VM that lost a race reads the winner's id back).
-    let (existing, cas) = host.get(GATEWAY_ID_KEY);
-    if existing.is_none() {
-        let _ = host.set(GATEWAY_ID_KEY, id.as_bytes(), cas);
-    }
-    host.get(GATEWAY_ID_KEY).0.and_then(|v| String::from_utf8(v).ok()).filter(|id| !id.is_empty()).unwrap_or(id)
-}
-
 /// What the streams are opened on. Envoy takes a bare cluster name as the streams'
 /// `:authority` too, and Istio's cluster names (`outbound|PORT|SUBSET|HOST`) are not valid
 /// authorities: the HTTP/2 stream would be refused as a protocol error. For those, the filter
@@ -352,7 +329,7 @@ fn grpc_target(cluster: &str) -> Result<String, String> {
 /// the gateways already know) follows the first snapshot. On failure, whatever was opened is
 /// cancelled.
 fn connect(host: &dyn Host, cp: &mut ControlPlane) -> Result<(u32, u32), HostError> {
-    cp.gateway_id = gateway_id(host, cp.id_seed);
+    cp.gateway_id = crate::shared::gateway_id(host, host.node_id(), cp.id_seed);
     let authorization = cp.token.as_ref().map(|t| format!("Bearer {t}"));
     let metadata: Vec<(&str, &[u8])> =
         authorization.as_ref().map(|a| ("authorization", a.as_bytes())).into_iter().collect();
