@@ -15,7 +15,7 @@
 use kvmesh_core::breaker::{BreakerParams, BreakerState, BreakerTable};
 use kvmesh_core::WorkerId;
 
-use crate::gateway::Now;
+use crate::now::Now;
 use crate::shared::{SharedBreakers, SharedStore};
 
 /// A state change of one worker's breaker.

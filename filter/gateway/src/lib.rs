@@ -22,6 +22,7 @@ pub mod headers;
 pub mod health;
 pub mod host;
 pub mod link;
+pub mod now;
 pub mod pd_leg;
 pub mod plugin;
 pub mod request;

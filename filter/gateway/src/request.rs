@@ -346,8 +346,7 @@ impl RequestFilter {
         if self.endpoint.is_none() || self.routed.is_some() || self.replied {
             return Action::Continue;
         }
-        let Some(too_large) = self.with_gateway(|g| (body_size as u64 > g.max_payload_size()).then(|| g.too_large()))
-        else {
+        let Some(too_large) = self.with_gateway(|g| g.over_limit(body_size).then(|| g.too_large())) else {
             return self.not_configured(host);
         };
         if let Some(reply) = too_large {
