@@ -6,7 +6,7 @@
 //! root context: configuration, tick) and [`link`] (the control-plane link's state machine),
 //! over [`gateway`] (one VM's routing state, decide-then-commit), [`shared`] (state shared by
 //! the VMs of one Envoy), [`health`] (passive health) and [`stall`] (the stall window), [`admission`] (the concurrency limit and its queue). Everything they ask of Envoy goes
-//! through the [`host::Host`] trait; `envoy.rs`, compiled for wasm32 only, implements it over
+//! through the [`host::StreamHost`] trait; `envoy.rs`, compiled for wasm32 only, implements it over
 //! `proxy_wasm::hostcalls` and translates Envoy's callbacks into calls on that logic.
 //!
 //! A panic would abort the VM and fail every request on its Envoy thread, so `unwrap`,

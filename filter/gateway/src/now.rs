@@ -6,7 +6,7 @@
 pub struct Now(u64);
 
 impl Now {
-    /// From the host's clock (`Host::now_nanos`).
+    /// From the host's clock (`StreamHost::now_nanos`).
     pub fn from_nanos(nanos: u64) -> Self {
         Self(nanos / 1_000_000)
     }

@@ -10,7 +10,7 @@ use kvmesh_core::feedback::Verdict;
 use kvmesh_core::usage::UsageScanner;
 
 use crate::gateway::{Gateway, Prediction};
-use crate::host::{Host, Metric};
+use crate::host::{Metric, StreamHost};
 
 /// One request's feedback in progress.
 #[derive(Debug, Default)]
@@ -36,14 +36,14 @@ impl ResponseFeedback {
     }
 
     /// A chunk of the response body (`body_size` bytes, as Envoy passes it on).
-    pub fn body(&mut self, host: &dyn Host, body_size: usize) {
+    pub fn body(&mut self, host: &dyn StreamHost, body_size: usize) {
         if self.counts && body_size > 0 {
             self.scanner.feed(&host.response_body(body_size));
         }
     }
 
     /// The stream ended (`complete`: the worker's answer arrived whole).
-    pub fn finish(self, gateway: &mut Gateway, host: &dyn Host, complete: bool) {
+    pub fn finish(self, gateway: &mut Gateway, host: &dyn StreamHost, complete: bool) {
         if !self.counts || !complete {
             return;
         }
@@ -79,7 +79,7 @@ mod tests {
 
     use crate::gateway::Gateway;
     use crate::host::mock::MockHost;
-    use crate::host::{Action, Host, Metric};
+    use crate::host::{Action, Metric, StreamHost};
     use crate::request::{RequestFilter, DST_HEADER};
 
     const TWO: &str = r#"{"worker_urls":["http://127.0.0.1:30001","http://127.0.0.1:30002"]}"#;

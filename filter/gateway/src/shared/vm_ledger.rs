@@ -100,6 +100,17 @@ impl VmLedger {
         }
         out
     }
+
+    /// For a host whose plugins tick only while their streams run (the native build's worker
+    /// threads), a stand-in `me` keeps every registered VM's heartbeat fresh, so that a thread
+    /// idle under a long request is never taken for dead and its counts subtracted (a thread
+    /// cannot die apart from Envoy); registered itself, it also keeps every thread from taking
+    /// itself for its Envoy's only VM. Once a second.
+    pub fn stand_in(store: &dyn SharedStore, me: u32, now_ms: u64) {
+        Self::register(store, me);
+        Self::publish(store, me, now_ms, &[]);
+        Self::keep_alive(store, now_ms);
+    }
 }
 
 #[cfg(test)]
