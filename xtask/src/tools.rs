@@ -238,9 +238,20 @@ pub fn lint() -> anyhow::Result<()> {
     run(cargo().args(["fmt", "--all", "--", "--check"])).context("code is not formatted: run `cargo fmt --all`")?;
     step("cargo clippy (workspace, all targets; the filter for wasm32-wasip1, also with test-crash and slow-tick), warnings denied");
     run(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
-    run(cargo().args(["clippy", "-p", "kvmesh-filter", "--target", "wasm32-wasip1", "--", "-D", "warnings"]))?;
-    for feature in ["test-crash", "slow-tick"] {
-        let args = ["clippy", "-p", "kvmesh-filter", "--target", "wasm32-wasip1", "--features", feature];
+    let wasm = ["clippy", "-p", "kvmesh-filter", "-p", "kvmesh-gateway", "--target", "wasm32-wasip1"];
+    run(cargo().args(wasm).args(["--", "-D", "warnings"]))?;
+    for feature in ["kvmesh-filter/test-crash", "kvmesh-filter/slow-tick"] {
+        let args = [
+            "clippy",
+            "-p",
+            "kvmesh-filter",
+            "-p",
+            "kvmesh-gateway",
+            "--target",
+            "wasm32-wasip1",
+            "--features",
+            feature,
+        ];
         run(cargo().args(args).args(["--", "-D", "warnings"]))?;
     }
     Ok(())

@@ -3,8 +3,8 @@
 //! control-plane snapshot) are checked and completed with defaults; [`Config::from_json`]
 //! reads the filter's plugin JSON: the routing settings plus the keys only the filter has
 //! (`worker_urls`, `prefill`, `decode`, `upstream_cluster`, `control_plane_cluster`,
-//! `report_interval_ms`, `control_plane_token`, `route_sets_worker_header`,
-//! `original_dst_header`).
+//! `control_plane_address`, `report_interval_ms`, `control_plane_token`,
+//! `route_sets_worker_header`, `original_dst_header`).
 
 use serde::Deserialize;
 use serde_json::{Map, Value};
@@ -86,6 +86,10 @@ pub struct Config {
     pub upstream_cluster: String,
     /// The Envoy cluster (HTTP/2) of `kvmesh-cp`; none means static workers only.
     pub control_plane_cluster: Option<String>,
+    /// `http://host:port` of `kvmesh-cp`'s gRPC port, for a build that opens the streams
+    /// itself instead of through an Envoy cluster (the native build needs it beside
+    /// `control_plane_cluster`; the `.wasm` reads only the cluster).
+    pub control_plane_address: Option<String>,
     /// How often the stream owner reports to the control plane.
     pub report_interval_ms: u64,
     /// The bearer token presented to the control plane on both streams (its
@@ -173,6 +177,7 @@ struct FilterKeys {
     decode: Vec<String>,
     upstream_cluster: Option<String>,
     control_plane_cluster: Option<String>,
+    control_plane_address: Option<String>,
     report_interval_ms: Option<u64>,
     control_plane_token: Option<String>,
     #[serde(default)]
@@ -180,12 +185,13 @@ struct FilterKeys {
     original_dst_header: Option<bool>,
 }
 
-const FILTER_KEYS: [&str; 9] = [
+const FILTER_KEYS: [&str; 10] = [
     "worker_urls",
     "prefill",
     "decode",
     "upstream_cluster",
     "control_plane_cluster",
+    "control_plane_address",
     "report_interval_ms",
     "control_plane_token",
     "route_sets_worker_header",
@@ -269,6 +275,7 @@ impl Default for Config {
             breaker: BreakerParams::default(),
             upstream_cluster: DEFAULT_UPSTREAM_CLUSTER.to_string(),
             control_plane_cluster: None,
+            control_plane_address: None,
             report_interval_ms: DEFAULT_REPORT_INTERVAL_MS,
             control_plane_token: None,
             route_sets_worker_header: false,
@@ -567,6 +574,7 @@ impl Config {
             workers: self.workers.clone(),
             upstream_cluster: self.upstream_cluster.clone(),
             control_plane_cluster: self.control_plane_cluster.clone(),
+            control_plane_address: self.control_plane_address.clone(),
             report_interval_ms: self.report_interval_ms,
             control_plane_token: self.control_plane_token.clone(),
             route_sets_worker_header: self.route_sets_worker_header,
@@ -596,6 +604,15 @@ impl Config {
             config.upstream_cluster = cluster;
         }
         config.control_plane_cluster = keys.control_plane_cluster.filter(|c| !c.is_empty());
+        config.control_plane_address = match keys.control_plane_address.filter(|a| !a.is_empty()) {
+            Some(_) if config.control_plane_cluster.is_none() => {
+                return Err(invalid("control_plane_address", "is set without control_plane_cluster"))
+            }
+            Some(a) if !a.starts_with("http://") || a.len() <= "http://".len() => {
+                return Err(invalid("control_plane_address", "must be http://host:port (kvmesh-cp's gRPC port)"))
+            }
+            a => a,
+        };
         config.route_sets_worker_header = keys.route_sets_worker_header;
         config.original_dst_header = keys.original_dst_header.unwrap_or(config.original_dst_header);
         config.report_interval_ms = positive("report_interval_ms", keys.report_interval_ms, config.report_interval_ms)?;
@@ -776,6 +793,18 @@ mod tests {
         assert!(err(r#"{"retry_jitter_factor":2}"#).contains("`retry_jitter_factor`"));
         assert!(err(r#"{"control_plane_token":"two words"}"#).contains("`control_plane_token`"));
         assert!(err(r#"{"control_plane_token":7}"#).contains("`control_plane_token`"));
+        assert!(err(r#"{"control_plane_address":"http://127.0.0.1:18000"}"#).contains("without control_plane_cluster"));
+        let no_scheme = r#"{"control_plane_cluster":"cp","control_plane_address":"127.0.0.1:18000"}"#;
+        assert!(err(no_scheme).contains("`control_plane_address`"));
+        assert!(err(r#"{"control_plane_cluster":"cp","control_plane_address":7}"#).contains("`control_plane_address`"));
+        let ok = r#"{"control_plane_cluster":"cp","control_plane_address":"http://127.0.0.1:18000"}"#;
+        let config = Config::from_json(ok.as_bytes()).unwrap();
+        assert_eq!(config.control_plane_address.as_deref(), Some("http://127.0.0.1:18000"));
+        let again = config.with_settings(&config.settings).unwrap();
+        assert_eq!(
+            again.control_plane_address, config.control_plane_address,
+            "a filter-only key survives new settings"
+        );
         assert!(err("[1]").contains("JSON object"));
         assert!(err("{").contains("not valid JSON"));
     }

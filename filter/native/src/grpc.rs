@@ -1,6 +1,6 @@
 //! The control plane's gRPC streams for the native build, opened by this module itself (tonic
 //! over one HTTP/2 connection) rather than through Envoy, whose dynamic-modules ABI has no gRPC
-//! streams. Messages are opaque bytes, as the filter's `Host` hands them over: the filter
+//! streams. Messages are opaque bytes, as the filter's `StreamHost` hands them over: the filter
 //! encodes and decodes them, this only frames them.
 //!
 //! Each stream is a task: what the plugin sends goes through a channel to the request side;

@@ -1,4 +1,4 @@
-//! [`NativeHost`]: the filter's [`Host`] on an Envoy worker thread, over the dynamic-modules
+//! [`NativeHost`]: the filter's [`StreamHost`] on an Envoy worker thread, over the dynamic-modules
 //! ABI. "The" stream is the one whose hook is running, or the one the tick entered.
 
 use std::cell::{Cell, RefCell};
@@ -7,9 +7,9 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use envoy_dynamic_module::{Attribute, BodyKind, HeaderKind, Stream};
-use kvmesh_filter::headers::Headers;
-use kvmesh_filter::host::{Callout, Host, HostError, Metric};
-use kvmesh_filter::shared::{SetError, SharedStore};
+use kvmesh_gateway::headers::Headers;
+use kvmesh_gateway::host::{Callout, HostError, Metric, StreamHost, VmHost};
+use kvmesh_gateway::shared::{SetError, SharedStore};
 
 use crate::outbox::Outbox;
 use crate::store::{self, Stats};
@@ -18,7 +18,7 @@ use crate::store::{self, Stats};
 pub struct NativeHost {
     /// The stream calls act on (0: none).
     stream: Cell<usize>,
-    /// The stream whose hook is running: where [`Host::enter_context`] comes back to.
+    /// The stream whose hook is running: where [`StreamHost::enter_context`] comes back to.
     home: Cell<usize>,
     /// This thread's live streams of the configuration: Envoy's stream pointer by context id
     /// (ids are ours: a fast hash fits).
@@ -122,10 +122,6 @@ fn no_stream() -> HostError {
     HostError("no stream to act on".into())
 }
 
-pub fn unsupported<T>(what: &str) -> Result<T, HostError> {
-    Err(HostError(format!("{what}: not in the native build")))
-}
-
 pub fn now_nanos() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -141,7 +137,25 @@ impl SharedStore for NativeHost {
     }
 }
 
-impl Host for NativeHost {
+impl VmHost for NativeHost {
+    fn now_nanos(&self) -> u64 {
+        now_nanos()
+    }
+    fn node_id(&self) -> Option<String> {
+        None
+    }
+    fn vm_memory_bytes(&self) -> u64 {
+        0
+    }
+    fn increment(&self, metric: Metric) {
+        self.stats.record(metric, 1);
+    }
+    fn record(&self, metric: Metric, value: u64) {
+        self.stats.record(metric, value);
+    }
+}
+
+impl StreamHost for NativeHost {
     fn request_headers(&self) -> Headers {
         self.headers(HeaderKind::Request)
     }
@@ -244,30 +258,5 @@ impl Host for NativeHost {
     fn callout_body(&self, size: usize) -> Vec<u8> {
         let answer = self.callout.borrow();
         answer.1.get(..size.min(answer.1.len())).unwrap_or_default().to_vec()
-    }
-    fn open_grpc_stream(&self, _: &str, _: &str, _: &str, _: &[(&str, &[u8])]) -> Result<u32, HostError> {
-        unsupported("gRPC streams on worker threads")
-    }
-    fn send_grpc(&self, _token: u32, _message: &[u8], _end: bool) -> Result<(), HostError> {
-        unsupported("gRPC streams on worker threads")
-    }
-    fn cancel_grpc(&self, _token: u32) {}
-    fn grpc_message(&self, _size: usize) -> Vec<u8> {
-        Vec::new()
-    }
-    fn now_nanos(&self) -> u64 {
-        now_nanos()
-    }
-    fn node_id(&self) -> Option<String> {
-        None
-    }
-    fn vm_memory_bytes(&self) -> u64 {
-        0
-    }
-    fn increment(&self, metric: Metric) {
-        self.stats.record(metric, 1);
-    }
-    fn record(&self, metric: Metric, value: u64) {
-        self.stats.record(metric, value);
     }
 }

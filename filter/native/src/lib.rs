@@ -3,7 +3,7 @@
 //! the Wasm boundary (`cargo xtask bench instructions` and `overhead` run it beside the
 //! `.wasm`). Regular and PD mode, with static workers or with kvmesh-cp.
 //!
-//! - [`host::NativeHost`] implements the filter's `Host` over the ABI on each Envoy worker
+//! - [`host::NativeHost`] implements the filter's `StreamHost` over the ABI on each Envoy worker
 //!   thread; each thread has its own `Plugin` (as each has its own VM under Wasm), made on its
 //!   first stream and dropped once Envoy replaces the configuration.
 //! - Shared data and stats: [`store`] (in-process, with Envoy's compare-and-swap semantics;
@@ -34,9 +34,9 @@ use envoy_dynamic_module::{
     borrow_from_envoy, drop_from_envoy, empty_hooks, into_envoy, BodyKind, Buffer, HeaderPair, Scheduler, CONTINUE,
     STOP,
 };
-use kvmesh_filter::host::Action;
-use kvmesh_filter::plugin::Plugin;
-use kvmesh_filter::request::RequestFilter;
+use kvmesh_gateway::host::Action;
+use kvmesh_gateway::plugin::{own_link_address, Pacer, Plugin};
+use kvmesh_gateway::request::RequestFilter;
 
 mod grpc;
 mod host;
@@ -82,35 +82,12 @@ impl Drop for Config {
 
 static CONFIGS: AtomicU64 = AtomicU64::new(0);
 
-/// The key only the native build reads: where kvmesh-cp's gRPC port is (`http://host:port`).
-/// Envoy's `control_plane_cluster` is a cluster name the module cannot open streams on.
-const ADDRESS_KEY: &str = "control_plane_address";
-
-/// Splits the native build's key off the plugin configuration and validates the rest once.
-fn parse(bytes: &[u8]) -> Result<(Vec<u8>, Option<String>, kvmesh_core::Config), String> {
-    let mut json: serde_json::Value =
-        serde_json::from_slice(bytes).map_err(|e| format!("invalid configuration: {e}"))?;
-    let address = match json.as_object_mut().and_then(|o| o.remove(ADDRESS_KEY)) {
-        None | Some(serde_json::Value::Null) => None,
-        Some(serde_json::Value::String(a)) => Some(a),
-        Some(other) => return Err(format!("invalid configuration: {ADDRESS_KEY} must be a string, not {other}")),
-    };
-    let rest = serde_json::to_vec(&json).map_err(|e| e.to_string())?;
-    let config = kvmesh_core::Config::from_json(&rest).map_err(|e| format!("invalid configuration: {e}"))?;
-    match (&config.control_plane_cluster, &address) {
-        (Some(_), None) => {
-            return Err(format!(
-                "invalid configuration: the native build needs `{ADDRESS_KEY}` (http://host:port of kvmesh-cp's gRPC \
-                 port) beside control_plane_cluster"
-            ))
-        }
-        (None, Some(_)) => return Err(format!("invalid configuration: `{ADDRESS_KEY}` without control_plane_cluster")),
-        (_, Some(a)) if !a.starts_with("http://") => {
-            return Err(format!("invalid configuration: `{ADDRESS_KEY}` `{a}` must be http://host:port"))
-        }
-        _ => {}
-    }
-    Ok((rest, address, config))
+/// Validates the plugin configuration once (a bad one is refused at load) and says where the
+/// control plane is, if anywhere.
+fn parse(bytes: &[u8]) -> Result<(kvmesh_core::Config, Option<String>), String> {
+    let config = kvmesh_core::Config::from_json(bytes).map_err(|e| format!("invalid configuration: {e}"))?;
+    let address = own_link_address(&config)?.map(str::to_string);
+    Ok((config, address))
 }
 
 /// One worker thread's plugin for one configuration: what one VM holds under Wasm.
@@ -121,7 +98,7 @@ struct Thread {
     plugin: RefCell<Plugin>,
     waiting: Arc<Waiting>,
     next_context: Cell<u32>,
-    last_tick_ms: Cell<u64>,
+    pacer: RefCell<Pacer>,
 }
 
 thread_local! {
@@ -154,7 +131,7 @@ fn thread(config: &Config) -> Option<Rc<Thread>> {
             plugin: RefCell::new(plugin),
             waiting: Arc::clone(&config.waiting),
             next_context: Cell::new(1),
-            last_tick_ms: Cell::new(0),
+            pacer: RefCell::default(),
         });
         t.push(Rc::clone(&thread));
         Some(thread)
@@ -167,27 +144,28 @@ impl Thread {
     /// admission queue (requests admitted or expired in their own streams, then back).
     fn tick(&self, envoy: *mut c_void, always: bool) {
         let now = host::now_nanos() / 1_000_000;
-        if !always && u128::from(now.saturating_sub(self.last_tick_ms.get())) < tick().as_millis() {
+        let period = u64::try_from(tick().as_millis()).unwrap_or(u64::MAX);
+        if !self.pacer.try_borrow_mut().is_ok_and(|mut p| p.due(now, period, always)) {
             return;
         }
-        self.last_tick_ms.set(now);
         let Ok(mut plugin) = self.plugin.try_borrow_mut() else { return };
         self.host.run_for(envoy);
-        if catch_unwind(AssertUnwindSafe(|| plugin.on_tick(&self.host))).is_err() {
+        let ticked = catch_unwind(AssertUnwindSafe(|| {
+            plugin.tick(&self.host, None);
+            plugin.wake_waiting(&self.host);
+        }));
+        if ticked.is_err() {
             log::error!("kvmesh: the tick panicked");
         }
     }
-}
 
-impl Thread {
-    /// Writes what the tick would: this thread's ended requests and engine-feedback counts.
-    fn flush(&self) {
-        let Some(gateway) = self.plugin.try_borrow().ok().and_then(|p| p.gateway()) else { return };
-        let Ok(mut gateway) = gateway.try_borrow_mut() else { return };
-        let _ = catch_unwind(AssertUnwindSafe(|| {
-            gateway.write_ended(&self.host);
-            gateway.flush_feedback(&self.host);
-        }));
+    /// A stream of this thread's ended: see [`Plugin::on_stream_end`] (no timer reaches this
+    /// thread while it has no streams).
+    fn stream_ended(&self) {
+        let others = self.host.live_streams().saturating_sub(1);
+        if let Ok(plugin) = self.plugin.try_borrow() {
+            let _ = catch_unwind(AssertUnwindSafe(|| plugin.on_stream_end(&self.host, others)));
+        }
     }
 }
 
@@ -244,7 +222,8 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
     envoy_dynamic_module::init_logging();
     let made = catch_unwind(AssertUnwindSafe(|| -> Result<Config, String> {
         // Validated here once, so that a bad configuration is refused at load.
-        let (bytes, address, parsed) = parse(config.bytes())?;
+        let bytes = config.bytes().to_vec();
+        let (parsed, address) = parse(&bytes)?;
         // Stats can only be defined now.
         let stats = Arc::new(Stats::define(envoy));
         let waiting = Arc::new(Waiting::default());
@@ -442,10 +421,6 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(f: *mut c_void, m: *mut c_void) {
     if let Some(s) = Streamed::of(m) {
         s.with(f, (), |filter, host| filter.on_log(host));
-        // The thread's last stream: nothing may run on this thread for a long while (no timer
-        // reaches it), so what its plugin keeps for the tick goes to shared data now.
-        if s.thread.host.live_streams() <= 1 {
-            s.thread.flush();
-        }
+        s.thread.stream_ended();
     }
 }

@@ -9,7 +9,7 @@ use std::ffi::c_void;
 use std::sync::Mutex;
 
 use envoy_dynamic_module::{config_callout, ConfigScheduler};
-use kvmesh_filter::host::{Callout, HostError};
+use kvmesh_gateway::host::{Callout, HostError};
 
 /// Callouts queued and not yet sent past which more are refused (the main thread sends them
 /// all on its next turn, so only a stalled main thread reaches this).

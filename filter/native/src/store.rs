@@ -7,8 +7,8 @@ use std::ffi::c_void;
 use std::sync::Mutex;
 
 use envoy_dynamic_module::{config_stat, define_stat, StatKind};
-use kvmesh_filter::host::{Metric, MetricKind};
-use kvmesh_filter::shared::{SetError, SharedStore};
+use kvmesh_gateway::host::{Metric, MetricKind};
+use kvmesh_gateway::shared::{SetError, SharedStore};
 
 /// A shared-data value and its compare-and-swap version, by key. The keys are the filter's own
 /// (no client picks one), so a fast hash without flood resistance fits.
@@ -89,5 +89,49 @@ impl Stats {
             // SAFETY: the configuration is alive (see `define`).
             unsafe { config_stat(self.config as *mut c_void, stat_kind(metric.kind()), id, value) }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvmesh_gateway::shared::update;
+
+    #[test]
+    fn a_stale_version_is_refused_and_none_writes_unconditionally() {
+        let key = "test.store.cas";
+        set(key, b"a", None).unwrap();
+        let (value, cas) = get(key);
+        assert_eq!(value.as_deref(), Some(&b"a"[..]));
+        set(key, b"b", cas).unwrap();
+        assert_eq!(set(key, b"c", cas), Err(SetError::CasMismatch), "the version moved on");
+        assert_eq!(get(key).0.as_deref(), Some(&b"b"[..]));
+        set(key, b"d", None).unwrap();
+        set(key, b"e", Some(0)).unwrap();
+        assert_eq!(get(key).0.as_deref(), Some(&b"e"[..]));
+    }
+
+    /// Envoy's worker threads share one process here: compare-and-swap must lose no update
+    /// when they race.
+    #[test]
+    fn threads_that_race_lose_no_update() {
+        let key = "test.store.race";
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                std::thread::spawn(move || {
+                    for _ in 0..500 {
+                        assert!(update(&Process, key, |v| {
+                            let count = v.get(..8).and_then(|b| b.try_into().ok()).map_or(0, u64::from_le_bytes);
+                            *v = (count + 1).to_le_bytes().to_vec();
+                        }));
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let value = get(key).0.unwrap();
+        assert_eq!(u64::from_le_bytes(value.try_into().unwrap()), 2_000);
     }
 }

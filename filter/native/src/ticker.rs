@@ -11,15 +11,14 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use kvmesh_filter::admission::SharedBucket;
-use kvmesh_filter::headers::Headers;
-use kvmesh_filter::host::{Callout, Host, HostError, Metric, MetricKind};
-use kvmesh_filter::plugin::Plugin;
-use kvmesh_filter::shared::{Inflight, SetError, SharedStore, VmLedger};
+use kvmesh_gateway::host::{HostError, LinkHost, Metric, MetricKind, VmHost};
+use kvmesh_gateway::plugin::{self, Plugin};
+use kvmesh_gateway::shared::admission::SharedBucket;
+use kvmesh_gateway::shared::{SetError, SharedStore, VmLedger};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::grpc::{Event, Streams, INBOX};
-use crate::host::{now_nanos, unsupported};
+use crate::host::now_nanos;
 use crate::store::{self, Process, Stats};
 use crate::waiting::Waiting;
 
@@ -93,16 +92,15 @@ async fn run(link: Option<Link>, stats: Arc<Stats>, waiting: Arc<Waiting>, mut s
             _ = interval.tick() => {
                 waiting.wake();
                 if let Some(o) = owner.as_mut() {
-                    o.guarded(|plugin, host| plugin.on_tick(host));
+                    o.guarded(|plugin, host| plugin.tick(host, Some(host)));
                 }
                 let now = now_nanos() / 1_000_000;
                 if now.saturating_sub(last_beat) >= 1_000 {
                     last_beat = now;
-                    keep_threads_alive(me, now);
+                    VmLedger::stand_in(&Process, me, now);
                 }
                 // Envoy-wide gauges, fresh while the worker threads are idle.
-                let in_flight: u64 = Inflight::counts(&Process).iter().map(|c| u64::from(c.in_flight)).sum();
-                stats.record(Metric::InFlight, in_flight);
+                stats.record(Metric::InFlight, plugin::in_flight(&Process));
                 stats.record(Metric::Queued, SharedBucket::queued(&Process, now));
             }
             Some(event) = inbox.recv(), if owner.is_some() => {
@@ -112,17 +110,6 @@ async fn run(link: Option<Link>, stats: Arc<Stats>, waiting: Arc<Waiting>, mut s
             }
         }
     }
-}
-
-/// The worker threads' plugins tick only when their streams run, so their heartbeats in the
-/// shared VM ledger would age while they hold long requests and idle: the ticker keeps them
-/// fresh (a thread cannot die apart from Envoy, so none is ever taken for dead and its
-/// requests subtracted). It also registers itself, so that no thread takes itself for its
-/// Envoy's only plugin and holds back its ended requests until its next request.
-fn keep_threads_alive(me: u32, now_ms: u64) {
-    VmLedger::register(&Process, me);
-    VmLedger::publish(&Process, me, now_ms, &[]);
-    VmLedger::keep_alive(&Process, now_ms);
 }
 
 /// The plugin that holds the control-plane streams, and its host.
@@ -182,66 +169,29 @@ impl SharedStore for TickerHost {
     }
 }
 
-fn no_request<T>() -> Result<T, HostError> {
-    unsupported("a request from the ticker")
-}
-
-impl Host for TickerHost {
-    fn request_headers(&self) -> Headers {
-        Headers::default()
+impl VmHost for TickerHost {
+    fn now_nanos(&self) -> u64 {
+        now_nanos()
     }
-    fn set_request_header(&self, _: &str, _: Option<&str>) -> Result<(), HostError> {
-        no_request()
-    }
-    fn request_body(&self, _: usize) -> Vec<u8> {
-        Vec::new()
-    }
-    fn set_request_body(&self, _: usize, _: &[u8]) -> Result<(), HostError> {
-        no_request()
-    }
-    fn response_headers(&self) -> Headers {
-        Headers::default()
-    }
-    fn set_response_header(&self, _: &str, _: Option<&str>) -> Result<(), HostError> {
-        no_request()
-    }
-    fn response_body(&self, _: usize) -> Vec<u8> {
-        Vec::new()
-    }
-    fn response_code_details(&self) -> Option<String> {
+    fn node_id(&self) -> Option<String> {
         None
     }
-    fn set_response_body(&self, _: usize, _: &[u8]) -> Result<(), HostError> {
-        no_request()
+    fn vm_memory_bytes(&self) -> u64 {
+        0
     }
-    fn upstream_address(&self) -> Option<String> {
-        None
+    fn increment(&self, metric: Metric) {
+        self.record(metric, 1);
     }
-    fn send_reply(&self, _: u16, _: &[(&str, &str)], _: &[u8]) -> Result<(), HostError> {
-        no_request()
-    }
-    fn resume_response(&self) -> Result<(), HostError> {
-        no_request()
-    }
-    fn resume_request(&self) -> Result<(), HostError> {
-        no_request()
-    }
-    fn enter_context(&self, context_id: u32) -> Result<(), HostError> {
-        if context_id == 0 {
-            Ok(())
-        } else {
-            no_request()
+    /// Counters and gauges only: Envoy records histograms through its worker threads' storage,
+    /// which this thread has not (Envoy crashes).
+    fn record(&self, metric: Metric, value: u64) {
+        if metric.kind() != MetricKind::Histogram {
+            self.stats.record(metric, value);
         }
     }
-    fn dispatch(&self, _: Callout<'_>) -> Result<u32, HostError> {
-        no_request()
-    }
-    fn callout_status(&self) -> Option<u16> {
-        None
-    }
-    fn callout_body(&self, _: usize) -> Vec<u8> {
-        Vec::new()
-    }
+}
+
+impl LinkHost for TickerHost {
     /// The cluster is Envoy's name for the control plane; this build connects to
     /// `control_plane_address` itself.
     fn open_grpc_stream(
@@ -262,24 +212,5 @@ impl Host for TickerHost {
     fn grpc_message(&self, size: usize) -> Vec<u8> {
         let inbox = self.inbox.borrow();
         inbox.get(..size.min(inbox.len())).unwrap_or_default().to_vec()
-    }
-    fn now_nanos(&self) -> u64 {
-        now_nanos()
-    }
-    fn node_id(&self) -> Option<String> {
-        None
-    }
-    fn vm_memory_bytes(&self) -> u64 {
-        0
-    }
-    fn increment(&self, metric: Metric) {
-        self.record(metric, 1);
-    }
-    /// Counters and gauges only: Envoy records histograms through its worker threads' storage,
-    /// which this thread has not (Envoy crashes).
-    fn record(&self, metric: Metric, value: u64) {
-        if metric.kind() != MetricKind::Histogram {
-            self.stats.record(metric, value);
-        }
     }
 }

@@ -1,4 +1,4 @@
-//! The proxy-wasm glue, compiled for wasm32 only: [`EnvoyHost`] implements [`Host`] over
+//! The proxy-wasm glue, compiled for wasm32 only: [`EnvoyHost`] implements [`StreamHost`] over
 //! `proxy_wasm::hostcalls` (every `Status` handled: the SDK's trait helpers unwrap, and a
 //! panic kills the VM), and the contexts translate Envoy's callbacks into calls on
 //! [`Plugin`] and [`RequestFilter`] — nothing else.
@@ -10,11 +10,11 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action as WasmAction, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
 
-use crate::headers::Headers;
-use crate::host::{Action, Callout, Host, HostError, Metric, MetricKind};
-use crate::plugin::Plugin;
-use crate::request::RequestFilter;
-use crate::shared::{SetError, SharedStore};
+use kvmesh_gateway::headers::Headers;
+use kvmesh_gateway::host::{Action, Callout, HostError, LinkHost, Metric, MetricKind, StreamHost, VmHost};
+use kvmesh_gateway::plugin::Plugin;
+use kvmesh_gateway::request::RequestFilter;
+use kvmesh_gateway::shared::{SetError, SharedStore};
 
 fn err(status: Status) -> HostError {
     HostError(format!("{status:?}"))
@@ -93,79 +93,34 @@ impl SharedStore for EnvoyHost {
     }
 }
 
-impl Host for EnvoyHost {
-    fn request_headers(&self) -> Headers {
-        header_map(MapType::HttpRequestHeaders)
+impl VmHost for EnvoyHost {
+    fn now_nanos(&self) -> u64 {
+        hostcalls::get_current_time()
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
     }
-
-    fn set_request_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError> {
-        hostcalls::set_map_value(MapType::HttpRequestHeaders, name, value).map_err(err)
-    }
-
-    fn request_body(&self, size: usize) -> Vec<u8> {
-        hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size).ok().flatten().unwrap_or_default()
-    }
-
-    fn set_request_body(&self, size: usize, body: &[u8]) -> Result<(), HostError> {
-        hostcalls::set_buffer(BufferType::HttpRequestBody, 0, size, body).map_err(err)
-    }
-
-    fn response_headers(&self) -> Headers {
-        header_map(MapType::HttpResponseHeaders)
-    }
-
-    fn set_response_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError> {
-        hostcalls::set_map_value(MapType::HttpResponseHeaders, name, value).map_err(err)
-    }
-
-    fn response_body(&self, size: usize) -> Vec<u8> {
-        hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size).ok().flatten().unwrap_or_default()
-    }
-
-    fn response_code_details(&self) -> Option<String> {
-        let bytes = hostcalls::get_property(vec!["response", "code_details"]).ok().flatten()?;
+    fn node_id(&self) -> Option<String> {
+        let bytes = hostcalls::get_property(vec!["node", "id"]).ok().flatten()?;
         Some(String::from_utf8_lossy(&bytes).into_owned())
     }
-
-    fn upstream_address(&self) -> Option<String> {
-        let bytes = hostcalls::get_property(vec!["upstream", "address"]).ok().flatten()?;
-        Some(String::from_utf8_lossy(&bytes).into_owned())
+    fn vm_memory_bytes(&self) -> u64 {
+        // Pages of 64 KiB.
+        (core::arch::wasm32::memory_size::<0>() as u64).saturating_mul(65_536)
     }
-
-    fn set_response_body(&self, size: usize, body: &[u8]) -> Result<(), HostError> {
-        hostcalls::set_buffer(BufferType::HttpResponseBody, 0, size, body).map_err(err)
+    fn increment(&self, metric: Metric) {
+        if let Some(id) = self.metric_id(metric) {
+            let _ = hostcalls::increment_metric(id, 1);
+        }
     }
-
-    fn send_reply(&self, status: u16, headers: &[(&str, &str)], body: &[u8]) -> Result<(), HostError> {
-        hostcalls::send_http_response(u32::from(status), headers.to_vec(), Some(body)).map_err(err)
+    fn record(&self, metric: Metric, value: u64) {
+        if let Some(id) = self.metric_id(metric) {
+            let _ = hostcalls::record_metric(id, value);
+        }
     }
+}
 
-    fn resume_response(&self) -> Result<(), HostError> {
-        hostcalls::resume_http_response().map_err(err)
-    }
-
-    fn resume_request(&self) -> Result<(), HostError> {
-        hostcalls::resume_http_request().map_err(err)
-    }
-
-    fn enter_context(&self, context_id: u32) -> Result<(), HostError> {
-        hostcalls::set_effective_context(context_id).map_err(err)
-    }
-
-    fn dispatch(&self, c: Callout<'_>) -> Result<u32, HostError> {
-        hostcalls::dispatch_http_call(c.cluster, c.headers.to_vec(), Some(c.body), vec![], c.timeout).map_err(err)
-    }
-
-    fn callout_status(&self) -> Option<u16> {
-        // As bytes: the SDK's `get_map_value` unwraps the value as UTF-8 (a panic, were it not).
-        let bytes = hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status").ok().flatten()?;
-        std::str::from_utf8(&bytes).ok()?.parse().ok()
-    }
-
-    fn callout_body(&self, size: usize) -> Vec<u8> {
-        hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size).ok().flatten().unwrap_or_default()
-    }
-
+impl LinkHost for EnvoyHost {
     fn open_grpc_stream(
         &self,
         cluster: &str,
@@ -175,46 +130,72 @@ impl Host for EnvoyHost {
     ) -> Result<u32, HostError> {
         hostcalls::open_grpc_stream(cluster, service, method, metadata.to_vec()).map_err(err)
     }
-
     fn send_grpc(&self, token: u32, message: &[u8], end_of_stream: bool) -> Result<(), HostError> {
         hostcalls::send_grpc_stream_message(token, Some(message), end_of_stream).map_err(err)
     }
-
     fn cancel_grpc(&self, token: u32) {
         let _ = hostcalls::cancel_grpc_stream(token);
     }
-
     fn grpc_message(&self, size: usize) -> Vec<u8> {
         hostcalls::get_buffer(BufferType::GrpcReceiveBuffer, 0, size).ok().flatten().unwrap_or_default()
     }
+}
 
-    fn now_nanos(&self) -> u64 {
-        hostcalls::get_current_time()
-            .ok()
-            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+impl StreamHost for EnvoyHost {
+    fn request_headers(&self) -> Headers {
+        header_map(MapType::HttpRequestHeaders)
     }
-
-    fn node_id(&self) -> Option<String> {
-        let bytes = hostcalls::get_property(vec!["node", "id"]).ok().flatten()?;
+    fn set_request_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError> {
+        hostcalls::set_map_value(MapType::HttpRequestHeaders, name, value).map_err(err)
+    }
+    fn request_body(&self, size: usize) -> Vec<u8> {
+        hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size).ok().flatten().unwrap_or_default()
+    }
+    fn set_request_body(&self, size: usize, body: &[u8]) -> Result<(), HostError> {
+        hostcalls::set_buffer(BufferType::HttpRequestBody, 0, size, body).map_err(err)
+    }
+    fn response_headers(&self) -> Headers {
+        header_map(MapType::HttpResponseHeaders)
+    }
+    fn set_response_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError> {
+        hostcalls::set_map_value(MapType::HttpResponseHeaders, name, value).map_err(err)
+    }
+    fn response_body(&self, size: usize) -> Vec<u8> {
+        hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size).ok().flatten().unwrap_or_default()
+    }
+    fn response_code_details(&self) -> Option<String> {
+        let bytes = hostcalls::get_property(vec!["response", "code_details"]).ok().flatten()?;
         Some(String::from_utf8_lossy(&bytes).into_owned())
     }
-
-    fn vm_memory_bytes(&self) -> u64 {
-        // Pages of 64 KiB.
-        (core::arch::wasm32::memory_size::<0>() as u64).saturating_mul(65_536)
+    fn upstream_address(&self) -> Option<String> {
+        let bytes = hostcalls::get_property(vec!["upstream", "address"]).ok().flatten()?;
+        Some(String::from_utf8_lossy(&bytes).into_owned())
     }
-
-    fn increment(&self, metric: Metric) {
-        if let Some(id) = self.metric_id(metric) {
-            let _ = hostcalls::increment_metric(id, 1);
-        }
+    fn set_response_body(&self, size: usize, body: &[u8]) -> Result<(), HostError> {
+        hostcalls::set_buffer(BufferType::HttpResponseBody, 0, size, body).map_err(err)
     }
-
-    fn record(&self, metric: Metric, value: u64) {
-        if let Some(id) = self.metric_id(metric) {
-            let _ = hostcalls::record_metric(id, value);
-        }
+    fn send_reply(&self, status: u16, headers: &[(&str, &str)], body: &[u8]) -> Result<(), HostError> {
+        hostcalls::send_http_response(u32::from(status), headers.to_vec(), Some(body)).map_err(err)
+    }
+    fn resume_response(&self) -> Result<(), HostError> {
+        hostcalls::resume_http_response().map_err(err)
+    }
+    fn resume_request(&self) -> Result<(), HostError> {
+        hostcalls::resume_http_request().map_err(err)
+    }
+    fn enter_context(&self, context_id: u32) -> Result<(), HostError> {
+        hostcalls::set_effective_context(context_id).map_err(err)
+    }
+    fn dispatch(&self, c: Callout<'_>) -> Result<u32, HostError> {
+        hostcalls::dispatch_http_call(c.cluster, c.headers.to_vec(), Some(c.body), vec![], c.timeout).map_err(err)
+    }
+    fn callout_status(&self) -> Option<u16> {
+        // As bytes: the SDK's `get_map_value` unwraps the value as UTF-8 (a panic, were it not).
+        let bytes = hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status").ok().flatten()?;
+        std::str::from_utf8(&bytes).ok()?.parse().ok()
+    }
+    fn callout_body(&self, size: usize) -> Vec<u8> {
+        hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size).ok().flatten().unwrap_or_default()
     }
 }
 
@@ -346,7 +327,7 @@ fn stop_lease_owner_if_asked() -> Option<WasmAction> {
 #[cfg(feature = "test-crash")]
 fn stop_if_lease_owner(host: &EnvoyHost, vm: Option<u32>) {
     let (flag, cas) = host.get(STOP_LEASE_OWNER_KEY);
-    if flag.as_deref() != Some(b"1".as_slice()) || vm.is_none() || crate::shared::Lease::owner(host) != vm {
+    if flag.as_deref() != Some(b"1".as_slice()) || vm.is_none() || kvmesh_gateway::shared::Lease::owner(host) != vm {
         return;
     }
     if host.set(STOP_LEASE_OWNER_KEY, b"", cas).is_ok() {

@@ -1,7 +1,9 @@
-//! The seam between the filter's logic and Envoy: everything the filter asks of its host —
-//! headers, bodies, local replies, resuming, HTTP callouts, gRPC streams, shared data, time and
-//! stats — behind one trait. `envoy.rs` implements it over `proxy_wasm::hostcalls` (wasm32
-//! only); [`mock::MockHost`] implements it in memory for native tests, so the request, PD and
+//! The seam between the filter's logic and Envoy, in three traits by who asks: [`VmHost`]
+//! (shared data, clock, stats: every plugin), [`LinkHost`] (the control-plane gRPC streams: the
+//! plugin holding them) and [`StreamHost`] (one HTTP stream: headers, bodies, local replies,
+//! resuming, callouts). The `.wasm`'s glue implements all three over `proxy_wasm::hostcalls`;
+//! the native build's worker threads [`StreamHost`], its ticker [`LinkHost`];
+//! [`mock::MockHost`] all three in memory for native tests, so the request, PD and
 //! control-plane logic runs under `cargo test`.
 
 use crate::headers::Headers;
@@ -135,9 +137,42 @@ pub struct Callout<'a> {
     pub timeout: Duration,
 }
 
-/// Everything the filter asks of Envoy. Calls that concern "the" request or response act on
-/// the stream whose callback is running; callout and gRPC answers are read in their callbacks.
-pub trait Host: SharedStore {
+/// What a VM asks of Envoy whatever it is running for: shared data (the supertrait), the
+/// clock, stats, and facts about the process. A plugin's tick needs no more (the native build's
+/// worker threads and its ticker implement this and no request calls).
+pub trait VmHost: SharedStore {
+    /// Nanoseconds since the epoch (0 if the host cannot say).
+    fn now_nanos(&self) -> u64;
+    /// Envoy's node id, if set.
+    fn node_id(&self) -> Option<String>;
+    /// The size of this VM's linear memory in bytes (not a host call; 0 for a native build).
+    fn vm_memory_bytes(&self) -> u64;
+    fn increment(&self, metric: Metric);
+    fn record(&self, metric: Metric, value: u64);
+}
+
+/// The control-plane streams, for the plugin that holds them: gRPC streams opened, written and
+/// cancelled, and the message that arrived read in its callback.
+pub trait LinkHost: VmHost {
+    /// Opens a gRPC stream with `metadata` as its initial metadata (e.g. `authorization`).
+    fn open_grpc_stream(
+        &self,
+        cluster: &str,
+        service: &str,
+        method: &str,
+        metadata: &[(&str, &[u8])],
+    ) -> Result<u32, HostError>;
+    fn send_grpc(&self, token: u32, message: &[u8], end_of_stream: bool) -> Result<(), HostError>;
+    fn cancel_grpc(&self, token: u32);
+    /// The message that arrived on a stream (in `on_grpc_stream_message`).
+    fn grpc_message(&self, size: usize) -> Vec<u8>;
+}
+
+/// What one HTTP stream asks of Envoy: its request and response, local replies, resuming,
+/// and HTTP callouts. Calls that concern "the" request or response act on the stream whose
+/// callback is running (or the one a tick entered); callout answers are read in their
+/// callbacks.
+pub trait StreamHost: VmHost {
     // The request.
     /// All request headers, in one host call.
     fn request_headers(&self) -> Headers;
@@ -185,41 +220,17 @@ pub trait Host: SharedStore {
     fn dispatch(&self, callout: Callout<'_>) -> Result<u32, HostError>;
     /// Sends a callout whose answer nobody awaits and that must run to its end even when the
     /// running stream ends first. A proxy-wasm callout belongs to the VM, not to a stream, so
-    /// this is [`Host::dispatch`] there; the native build hands it to the main thread.
+    /// this is [`StreamHost::dispatch`] there; the native build hands it to the main thread.
     fn dispatch_detached(&self, callout: Callout<'_>) -> Result<(), HostError> {
         self.dispatch(callout).map(|_| ())
     }
     /// The `:status` of the callout that answered (None: no response at all).
     fn callout_status(&self) -> Option<u16>;
     fn callout_body(&self, size: usize) -> Vec<u8>;
-
-    // gRPC streams to the control plane.
-    /// Opens a gRPC stream with `metadata` as its initial metadata (e.g. `authorization`).
-    fn open_grpc_stream(
-        &self,
-        cluster: &str,
-        service: &str,
-        method: &str,
-        metadata: &[(&str, &[u8])],
-    ) -> Result<u32, HostError>;
-    fn send_grpc(&self, token: u32, message: &[u8], end_of_stream: bool) -> Result<(), HostError>;
-    fn cancel_grpc(&self, token: u32);
-    /// The message that arrived on a stream (in `on_grpc_stream_message`).
-    fn grpc_message(&self, size: usize) -> Vec<u8>;
-
-    // The rest.
-    /// Nanoseconds since the epoch (0 if the host cannot say).
-    fn now_nanos(&self) -> u64;
-    /// Envoy's node id, if set.
-    fn node_id(&self) -> Option<String>;
-    /// The size of this VM's linear memory in bytes (not a host call).
-    fn vm_memory_bytes(&self) -> u64;
-    fn increment(&self, metric: Metric);
-    fn record(&self, metric: Metric, value: u64);
 }
 
 /// Milliseconds since the epoch.
-pub fn now_ms(host: &dyn Host) -> u64 {
+pub fn now_ms(host: &dyn VmHost) -> u64 {
     host.now_nanos() / 1_000_000
 }
 

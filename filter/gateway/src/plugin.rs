@@ -10,12 +10,13 @@ use kvmesh_core::Config;
 use kvmesh_proto::v1::{Snapshot, WatchRequest};
 use kvmesh_proto::{Message, REPORT, SERVICE, WATCH};
 
-use crate::admission::{SharedBucket, Wake};
+use crate::admission::Wake;
 use crate::gateway::{Gateway, Now};
-use crate::host::{now_ms, Host, HostError, Metric};
+use crate::host::{now_ms, HostError, LinkHost, Metric, StreamHost, VmHost};
 use crate::link::{Link, Step, LEASE_MS};
 use crate::request::{RequestFilter, Room};
-use crate::shared::{Inflight, Lease};
+use crate::shared::admission::SharedBucket;
+use crate::shared::{Inflight, Lease, SharedStore};
 
 /// The control-plane side of the plugin: where to connect, as whom, and the link's state.
 struct ControlPlane {
@@ -56,7 +57,7 @@ pub struct Plugin {
 
 impl Plugin {
     /// Parses and validates the plugin configuration; `seed` seeds this VM's randomness.
-    pub fn configure(&mut self, host: &dyn Host, bytes: &[u8], seed: u64) -> Result<(), String> {
+    pub fn configure(&mut self, host: &dyn VmHost, bytes: &[u8], seed: u64) -> Result<(), String> {
         let config = Config::from_json(bytes).map_err(|e| format!("invalid configuration: {e}"))?;
         match &config.pd {
             Some(pd) => log::info!(
@@ -110,9 +111,18 @@ impl Plugin {
         RequestFilter::seated(self.gateway(), Rc::clone(&self.room), context_id)
     }
 
-    pub fn on_tick(&mut self, host: &dyn Host) {
-        self.tick_gateway(host);
+    /// The whole tick of a VM that holds requests and may hold the control-plane streams (a
+    /// `.wasm` VM's root context): [`Plugin::tick`], then [`Plugin::wake_waiting`].
+    pub fn on_tick<H: StreamHost + LinkHost>(&mut self, host: &H) {
+        self.tick(host, Some(host));
         self.wake_waiting(host);
+    }
+
+    /// The plugin's periodic work: the gateway's (the shared table, ended requests, engine
+    /// feedback, heartbeat, eviction) and, given `link`, the control-plane link's (lease,
+    /// connect, reports); then its memory, once a second.
+    pub fn tick(&mut self, host: &dyn VmHost, link: Option<&dyn LinkHost>) {
+        self.tick_gateway(host, link);
         let now = now_ms(host);
         if now.saturating_sub(self.memory_recorded_ms) >= 1_000 {
             self.memory_recorded_ms = now;
@@ -127,7 +137,7 @@ impl Plugin {
     /// The admission queue's turn, after the gateway's (admitted requests borrow it): the
     /// requests waiting too long get a 408, the oldest get the tokens left; each in its own
     /// context, then back to the root's.
-    fn wake_waiting(&mut self, host: &dyn Host) {
+    pub fn wake_waiting(&mut self, host: &dyn StreamHost) {
         let Some((params, vm)) =
             self.gateway.as_ref().and_then(|g| g.try_borrow().ok()).map(|g| (g.config().admission, g.vm_id()))
         else {
@@ -169,7 +179,7 @@ impl Plugin {
     }
 
     /// An HTTP callout answered to the root context: a prefill leg dispatched from the tick.
-    pub fn on_callout_response(&mut self, host: &dyn Host, token: u32, body_size: usize) {
+    pub fn on_callout_response(&mut self, host: &dyn StreamHost, token: u32, body_size: usize) {
         let Some((ctx, waiter)) = self.callouts.remove(&token) else { return };
         let Some(filter) = waiter.upgrade() else { return };
         if host.enter_context(ctx).is_ok() {
@@ -180,18 +190,18 @@ impl Plugin {
         let _ = host.enter_context(self.context_id);
     }
 
-    fn tick_gateway(&mut self, host: &dyn Host) {
+    fn tick_gateway(&mut self, host: &dyn VmHost, link: Option<&dyn LinkHost>) {
         let Some(gateway) = &self.gateway else { return };
         let Ok(mut gateway) = gateway.try_borrow_mut() else { return };
         let now = now_ms(host);
         gateway.sync_table(host);
         gateway.write_ended(host);
         gateway.flush_feedback(host);
-        if let Some(cp) = self.control_plane.as_mut() {
+        if let (Some(cp), Some(link)) = (self.control_plane.as_mut(), link) {
             let holds = Lease::hold(host, gateway.vm_id(), now, LEASE_MS);
             match cp.link.tick(now, holds) {
                 Step::Nothing => {}
-                Step::Connect => match connect(host, cp) {
+                Step::Connect => match connect(link, cp) {
                     Ok((watch, report)) => {
                         gateway.set_own_id(&cp.gateway_id);
                         cp.link.connected(watch, report, now);
@@ -204,19 +214,19 @@ impl Plugin {
                 },
                 Step::Close { watch, report } => {
                     log::info!("control-plane stream handed over to another VM");
-                    host.cancel_grpc(watch);
-                    host.cancel_grpc(report);
+                    link.cancel_grpc(watch);
+                    link.cancel_grpc(report);
                 }
                 Step::Report { .. } if cp.awaiting_table => {}
                 Step::Report { report, counts_due } => {
                     let batch = gateway.take_report(host, &cp.gateway_id, Now::from_ms(now));
                     if !batch.inserts.is_empty() || counts_due {
-                        match host.send_grpc(report, &batch.encode_to_vec(), false) {
+                        match link.send_grpc(report, &batch.encode_to_vec(), false) {
                             Ok(()) => cp.link.reported(now),
                             Err(e) => {
                                 log::warn!("report to the control plane failed: {e}; reconnecting");
                                 for token in cp.link.send_failed(now).into_iter().flat_map(|(w, r)| [w, r]) {
-                                    host.cancel_grpc(token);
+                                    link.cancel_grpc(token);
                                 }
                             }
                         }
@@ -228,8 +238,7 @@ impl Plugin {
         if let Some(cp) = &self.control_plane {
             gateway.set_reporting(cp.link.is_connected());
         }
-        let in_flight: u64 = Inflight::counts(host).iter().map(|c| u64::from(c.in_flight)).sum();
-        host.record(Metric::InFlight, in_flight);
+        host.record(Metric::InFlight, in_flight(host));
         if let Some(evicted) = gateway.tick(host, now / 1_000) {
             if evicted > 0 {
                 log::info!("evicted {evicted} index blocks, {} left", gateway.index_len());
@@ -243,8 +252,25 @@ impl Plugin {
         }
     }
 
+    /// Writes what the tick would: this VM's ended requests and engine-feedback counts.
+    pub fn flush(&self, host: &dyn VmHost) {
+        let Some(gateway) = &self.gateway else { return };
+        let Ok(mut gateway) = gateway.try_borrow_mut() else { return };
+        gateway.write_ended(host);
+        gateway.flush_feedback(host);
+    }
+
+    /// A stream of this plugin ended, `others` of its streams still live. For a host without
+    /// a timer, the last one's end may be the last chance to run for a long while: what the
+    /// tick keeps goes to shared data now.
+    pub fn on_stream_end(&self, host: &dyn VmHost, others: usize) {
+        if others == 0 {
+            self.flush(host);
+        }
+    }
+
     /// A message on a control-plane stream: a snapshot, on the watch stream.
-    pub fn on_grpc_message(&mut self, host: &dyn Host, token: u32, size: usize) {
+    pub fn on_grpc_message(&mut self, host: &dyn LinkHost, token: u32, size: usize) {
         let (Some(cp), Some(gateway)) = (self.control_plane.as_mut(), &self.gateway) else { return };
         if !cp.link.is_watch(token) {
             return;
@@ -284,7 +310,7 @@ impl Plugin {
     }
 
     /// A control-plane stream closed: both go, and the link reconnects after its backoff.
-    pub fn on_grpc_close(&mut self, host: &dyn Host, token: u32, status: u32) {
+    pub fn on_grpc_close(&mut self, host: &dyn LinkHost, token: u32, status: u32) {
         let Some(cp) = self.control_plane.as_mut() else { return };
         if let Some(other) = cp.link.stream_closed(token, now_ms(host)) {
             log::warn!("control-plane stream closed (grpc status {status}); reconnecting with backoff");
@@ -295,28 +321,42 @@ impl Plugin {
     }
 }
 
-/// Where the Envoy's id lives in shared data.
-const GATEWAY_ID_KEY: &str = "kvmesh.gateway.id";
+/// For a host that opens the control-plane streams itself instead of through an Envoy cluster
+/// (the native build): where to — `control_plane_address`, which it needs beside
+/// `control_plane_cluster` (none: static workers only).
+pub fn own_link_address(config: &Config) -> Result<Option<&str>, String> {
+    match (&config.control_plane_cluster, &config.control_plane_address) {
+        (Some(_), None) => {
+            Err("invalid configuration: the native build needs `control_plane_address` (http://host:port \
+             of kvmesh-cp's gRPC port) beside control_plane_cluster"
+                .into())
+        }
+        (_, address) => Ok(address.as_deref()),
+    }
+}
 
-/// This Envoy's id in the control plane: one per Envoy, whichever of its VMs holds the
-/// streams, so that the cumulative counts it reports are never counted twice when the stream
-/// moves. The first VM that needs it makes it (the node id, if set, and 64 random bits) and
-/// stores it in shared data; the others read it.
-pub fn gateway_id(host: &dyn Host, seed: u64) -> String {
-    if let Some(id) = host.get(GATEWAY_ID_KEY).0.and_then(|v| String::from_utf8(v).ok()).filter(|id| !id.is_empty()) {
-        return id;
+/// Requests in flight through this Envoy (all its VMs): the `kvmesh_in_flight` gauge.
+pub fn in_flight(store: &dyn SharedStore) -> u64 {
+    Inflight::counts(store).iter().map(|c| u64::from(c.in_flight)).sum()
+}
+
+/// When a plugin's host gives it no timer (the native build's worker threads tick on their
+/// streams' hooks): whether a tick is due.
+#[derive(Default)]
+pub struct Pacer {
+    last_ms: u64,
+}
+
+impl Pacer {
+    /// Whether `period_ms` has passed since the last tick it allowed (or `always`); if so, the
+    /// tick is taken now.
+    pub fn due(&mut self, now_ms: u64, period_ms: u64, always: bool) -> bool {
+        if !always && now_ms.saturating_sub(self.last_ms) < period_ms {
+            return false;
+        }
+        self.last_ms = now_ms;
+        true
     }
-    let mut node: String = host.node_id().unwrap_or_default().chars().filter(char::is_ascii_graphic).take(64).collect();
-    if node.is_empty() {
-        node = "envoy".into();
-    }
-    let id = format!("{node}/{seed:016x}");
-    // Only a missing key is written (a VM that lost a race reads the winner's id back).
-    let (existing, cas) = host.get(GATEWAY_ID_KEY);
-    if existing.is_none() {
-        let _ = host.set(GATEWAY_ID_KEY, id.as_bytes(), cas);
-    }
-    host.get(GATEWAY_ID_KEY).0.and_then(|v| String::from_utf8(v).ok()).filter(|id| !id.is_empty()).unwrap_or(id)
 }
 
 /// What the streams are opened on. Envoy takes a bare cluster name as the streams'
@@ -351,8 +391,8 @@ fn grpc_target(cluster: &str) -> Result<String, String> {
 /// request. The full report of this VM's index (so that a restarted control plane learns what
 /// the gateways already know) follows the first snapshot. On failure, whatever was opened is
 /// cancelled.
-fn connect(host: &dyn Host, cp: &mut ControlPlane) -> Result<(u32, u32), HostError> {
-    cp.gateway_id = gateway_id(host, cp.id_seed);
+fn connect(host: &dyn LinkHost, cp: &mut ControlPlane) -> Result<(u32, u32), HostError> {
+    cp.gateway_id = crate::shared::gateway_id(host, host.node_id(), cp.id_seed);
     let authorization = cp.token.as_ref().map(|t| format!("Bearer {t}"));
     let metadata: Vec<(&str, &[u8])> =
         authorization.as_ref().map(|a| ("authorization", a.as_bytes())).into_iter().collect();
@@ -798,5 +838,42 @@ mod tests {
         first.borrow_mut().on_log(&host);
         p.on_tick(&host);
         assert_eq!(*host.entered.borrow(), vec![12, 1], "the one that left is not woken");
+    }
+
+    #[test]
+    fn a_pacer_allows_one_tick_per_period_unless_told_to() {
+        let mut pacer = Pacer::default();
+        assert!(pacer.due(1_000, 20, false), "the first tick is due");
+        assert!(!pacer.due(1_019, 20, false));
+        assert!(pacer.due(1_019, 20, true), "a wake-up ticks at once");
+        assert!(!pacer.due(1_038, 20, false), "and counts as the period's tick");
+        assert!(pacer.due(1_039, 20, false));
+        assert!(!pacer.due(0, 20, false), "a clock that went back waits");
+    }
+
+    #[test]
+    fn a_host_with_its_own_link_needs_the_address_beside_the_cluster() {
+        let config = |json: &str| Config::from_json(json.as_bytes()).unwrap();
+        assert_eq!(own_link_address(&config("{}")), Ok(None));
+        let both = config(r#"{"control_plane_cluster":"cp","control_plane_address":"http://127.0.0.1:1"}"#);
+        assert_eq!(own_link_address(&both), Ok(Some("http://127.0.0.1:1")));
+        let err = own_link_address(&config(r#"{"control_plane_cluster":"cp"}"#)).unwrap_err();
+        assert!(err.contains("control_plane_address"), "{err}");
+    }
+
+    #[test]
+    fn the_last_streams_end_flushes_what_the_tick_keeps() {
+        let host = MockHost::new();
+        let mut p = Plugin::default();
+        p.configure(&host, br#"{"worker_urls":["http://127.0.0.1:1"]}"#, 1).unwrap();
+        let gateway = p.gateway().unwrap();
+        let worker = gateway.borrow().worker_at("127.0.0.1:1").unwrap();
+        gateway
+            .borrow_mut()
+            .count_usage(worker, &kvmesh_core::usage::Usage { completion_tokens: Some(3), ..Default::default() });
+        p.on_stream_end(&host, 1);
+        assert!(crate::shared::feedback::read(&host).is_empty(), "another stream is live: the tick will write it");
+        p.on_stream_end(&host, 0);
+        assert_eq!(crate::shared::feedback::read(&host).len(), 1, "the last stream's end wrote it");
     }
 }

@@ -18,13 +18,14 @@ use std::time::Duration;
 use kvmesh_core::paths::{valid_request_id, PathClass};
 use kvmesh_core::{Endpoint, WorkerId};
 
-use crate::admission::{Entry, SharedBucket, WaitRoom};
+use crate::admission::{Entry, WaitRoom};
 use crate::gateway::{
     endpoint_list, is_routing_header, Destination, Gateway, Now, Outcome, Plan, Reply, RequestInfo, Routed,
 };
-use crate::host::{Action, Callout, Host, Metric};
+use crate::host::{Action, Callout, Metric, StreamHost};
 use crate::pd_leg::{Effect, PdLeg, PrefillResult};
 use crate::response_feedback::ResponseFeedback;
+use crate::shared::admission::SharedBucket;
 
 /// The header Envoy's ORIGINAL_DST cluster (`use_http_header`) connects to: the chosen
 /// worker (for clusters that pin one host; no failover there).
@@ -165,7 +166,7 @@ fn forwarded_to_prefill(name: &str) -> bool {
 }
 
 /// A fresh request id: 32 hex digits.
-fn new_request_id(host: &dyn Host) -> String {
+fn new_request_id(host: &dyn StreamHost) -> String {
     let a = kvmesh_core::rng::random_u64().unwrap_or_else(|_| host.now_nanos());
     let b = kvmesh_core::rng::random_u64().unwrap_or_else(|_| a.rotate_left(17) ^ 0x9e37_79b9_7f4a_7c15);
     format!("{a:016x}{b:016x}")
@@ -176,7 +177,7 @@ fn new_request_id(host: &dyn Host) -> String {
 /// [`DST_HEADER`] too unless the configuration says no cluster reads it (each header written
 /// is a host call on every request).
 fn set_destination(
-    host: &dyn Host,
+    host: &dyn StreamHost,
     addr: &str,
     fallbacks: &[String],
     how: Destination,
@@ -240,7 +241,7 @@ impl RequestFilter {
         })
     }
 
-    fn reply(&mut self, host: &dyn Host, reply: Reply) -> Action {
+    fn reply(&mut self, host: &dyn StreamHost, reply: Reply) -> Action {
         host.increment(Metric::LocalReplies);
         self.replied = true;
         let retry_after = reply.retry_after.map(|s| s.to_string());
@@ -257,7 +258,7 @@ impl RequestFilter {
         Action::Pause
     }
 
-    fn not_configured(&mut self, host: &dyn Host) -> Action {
+    fn not_configured(&mut self, host: &dyn StreamHost) -> Action {
         self.reply(
             host,
             Reply {
@@ -273,14 +274,14 @@ impl RequestFilter {
         Some(f(&mut g))
     }
 
-    fn count_route(host: &dyn Host, routed: &Routed) {
+    fn count_route(host: &dyn StreamHost, routed: &Routed) {
         host.increment(Metric::Requests);
         if routed.matched_bytes > 0 {
             host.increment(Metric::CacheHits);
         }
     }
 
-    pub fn on_request_headers(&mut self, host: &dyn Host, end_of_stream: bool) -> Action {
+    pub fn on_request_headers(&mut self, host: &dyn StreamHost, end_of_stream: bool) -> Action {
         let headers = host.request_headers();
         // By name, whatever the value (one that is not UTF-8 is still a routing header).
         for name in headers.names().filter(|n| is_routing_header(n)) {
@@ -324,7 +325,7 @@ impl RequestFilter {
     }
 
     /// A read-only path on the allowlist: to one healthy worker, uncounted.
-    fn route_other(&mut self, host: &dyn Host, now: Now) -> Action {
+    fn route_other(&mut self, host: &dyn StreamHost, now: Now) -> Action {
         let Some(outcome) = self.with_gateway(|g| (g.route_other(host, now), g.destination())) else {
             return self.not_configured(host);
         };
@@ -341,12 +342,11 @@ impl RequestFilter {
         }
     }
 
-    pub fn on_request_body(&mut self, host: &dyn Host, body_size: usize, end_of_stream: bool) -> Action {
+    pub fn on_request_body(&mut self, host: &dyn StreamHost, body_size: usize, end_of_stream: bool) -> Action {
         if self.endpoint.is_none() || self.routed.is_some() || self.replied {
             return Action::Continue;
         }
-        let Some(too_large) = self.with_gateway(|g| (body_size as u64 > g.max_payload_size()).then(|| g.too_large()))
-        else {
+        let Some(too_large) = self.with_gateway(|g| g.over_limit(body_size).then(|| g.too_large())) else {
             return self.not_configured(host);
         };
         if let Some(reply) = too_large {
@@ -371,7 +371,7 @@ impl RequestFilter {
 
     /// Admission, when a concurrency limit is configured: a token, a place in the VM's queue,
     /// or a 429. Without a seat (no queue to wait in), a request that would wait is admitted.
-    fn enter(&mut self, host: &dyn Host) -> Entry {
+    fn enter(&mut self, host: &dyn StreamHost) -> Entry {
         let Some((Some(params), vm)) = self.with_gateway(|g| (g.config().admission, g.vm_id())) else {
             return Entry::Admitted;
         };
@@ -391,7 +391,7 @@ impl RequestFilter {
     }
 
     /// The tick admitted this waiting request (its context entered): route it and let it go.
-    pub fn admitted(&mut self, host: &dyn Host) {
+    pub fn admitted(&mut self, host: &dyn StreamHost) {
         if self.admission != Admission::Waiting {
             return;
         }
@@ -404,7 +404,7 @@ impl RequestFilter {
     }
 
     /// The tick found this request waiting past the queue timeout (its context entered).
-    pub fn expired(&mut self, host: &dyn Host) {
+    pub fn expired(&mut self, host: &dyn StreamHost) {
         if self.admission != Admission::Waiting {
             return;
         }
@@ -426,7 +426,7 @@ impl RequestFilter {
     }
 
     /// The whole body is here and admitted: decide, apply, commit.
-    fn route_body(&mut self, host: &dyn Host) -> Action {
+    fn route_body(&mut self, host: &dyn StreamHost) -> Action {
         let Some(endpoint) = self.endpoint else { return Action::Continue };
         let body = host.request_body(self.body_size);
         let body_size = self.body_size;
@@ -451,7 +451,7 @@ impl RequestFilter {
 
     /// Applies a decision (made at `decided`) to the request; commits it only when
     /// everything worked.
-    fn apply(&mut self, host: &dyn Host, plan: Plan, body_size: usize, decided: Now) -> Action {
+    fn apply(&mut self, host: &dyn StreamHost, plan: Plan, body_size: usize, decided: Now) -> Action {
         self.abort_rids = plan.pd().map(|pd| pd.abort_rids.clone()).unwrap_or_default();
         let token = match self.prepare(host, &plan, body_size) {
             Ok(token) => token,
@@ -481,7 +481,7 @@ impl RequestFilter {
 
     /// Everything that can fail before a decision commits: the destination header and, in
     /// PD mode, the new body and the prefill callout (whose token is returned).
-    fn prepare(&self, host: &dyn Host, plan: &Plan, body_size: usize) -> Result<Option<u32>, Reply> {
+    fn prepare(&self, host: &dyn StreamHost, plan: &Plan, body_size: usize) -> Result<Option<u32>, Reply> {
         let internal = |what: &str, e: crate::host::HostError| Reply::error(500, "internal", &format!("{what}: {e}"));
         let how = self.with_gateway(|g| g.destination()).unwrap_or_default();
         let Some(pd) = plan.pd() else {
@@ -518,7 +518,7 @@ impl RequestFilter {
     }
 
     /// The prefill callout answered (or failed).
-    pub fn on_callout_response(&mut self, host: &dyn Host, token: u32, body_size: usize) {
+    pub fn on_callout_response(&mut self, host: &dyn StreamHost, token: u32, body_size: usize) {
         let Some(leg) = self.pd.as_mut().filter(|leg| leg.awaits(token)) else { return };
         let status = host.callout_status();
         let ok = status.is_some_and(|s| (200..300).contains(&s));
@@ -567,7 +567,7 @@ impl RequestFilter {
         }
     }
 
-    pub fn on_response_headers(&mut self, host: &dyn Host) -> Action {
+    pub fn on_response_headers(&mut self, host: &dyn StreamHost) -> Action {
         if self.replied {
             return Action::Continue;
         }
@@ -642,7 +642,7 @@ impl RequestFilter {
         action
     }
 
-    pub fn on_response_body(&mut self, host: &dyn Host, body_size: usize, end_of_stream: bool) -> Action {
+    pub fn on_response_body(&mut self, host: &dyn StreamHost, body_size: usize, end_of_stream: bool) -> Action {
         if let Some(f) = self.feedback.as_mut() {
             f.body(host, body_size);
             if end_of_stream {
@@ -659,7 +659,7 @@ impl RequestFilter {
         step.action
     }
 
-    pub fn on_log(&mut self, host: &dyn Host) {
+    pub fn on_log(&mut self, host: &dyn StreamHost) {
         match std::mem::replace(&mut self.admission, Admission::Free) {
             Admission::Free => {}
             Admission::Waiting => {
@@ -721,7 +721,7 @@ impl RequestFilter {
     /// the prefill worker would go on computing, and publishing, a KV no decode will fetch. It
     /// is told to stop instead, with SGLang's `/abort_request` for each rid the gateway gave
     /// the request (answers are not awaited: the stream is gone).
-    fn abort_prefill(&self, host: &dyn Host, leg: &PdLeg) {
+    fn abort_prefill(&self, host: &dyn StreamHost, leg: &PdLeg) {
         let cluster = self.with_gateway(|g| g.upstream_cluster().to_string()).unwrap_or_default();
         let addr = leg.prefill().addr.as_str();
         for rid in &self.abort_rids {
@@ -745,6 +745,7 @@ impl RequestFilter {
 mod tests {
     use super::*;
     use crate::host::mock::MockHost;
+    use crate::host::VmHost;
     use crate::shared::Inflight;
     use kvmesh_core::Config;
     use std::collections::HashSet;

@@ -12,9 +12,6 @@ use kvmesh_core::WorkerId;
 use super::Gateway;
 use crate::shared::{Delta, SharedStore};
 
-/// Most stale block hashes held for the next report (the oldest go first past it).
-const STALE_QUEUE_HASHES: usize = 1 << 16;
-
 /// What the gateway believed a worker held when it routed a request there.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Prediction {
@@ -42,7 +39,8 @@ impl Gateway {
     /// stale blocks dropped. Returns the judgement (None: the response said no
     /// `cached_tokens`).
     pub fn feedback(&mut self, store: &dyn SharedStore, prediction: &Prediction, usage: &Usage) -> Option<Judged> {
-        let (block_size, per_token) = (self.config.block_size as u64, self.config.bytes_per_token);
+        let config = &self.view.config;
+        let (block_size, per_token) = (config.block_size as u64, config.bytes_per_token);
         let judged = usage
             .cached_tokens
             .map(|cached| judge(prediction.matched_bytes, prediction.matched_blocks, cached, block_size, per_token));
@@ -63,9 +61,10 @@ impl Gateway {
                 stale.len()
             );
             let delta = Delta { worker: prediction.worker, evict: true, from_cp: false, hashes: stale };
-            self.apply_delta(&delta);
+            self.view.apply_delta(&delta);
             self.log.append(store, std::slice::from_ref(&delta));
-            self.queue_stale(delta.worker, delta.hashes);
+            let cp = self.has_control_plane();
+            self.publisher.queue_stale(cp, delta.worker, delta.hashes);
         }
         judged
     }
@@ -78,16 +77,5 @@ impl Gateway {
     /// On the tick: this VM's feedback since the last tick into the shared counts.
     pub fn flush_feedback(&mut self, store: &dyn SharedStore) {
         self.pending_feedback.flush(store);
-    }
-
-    /// Stale blocks for the next report (only on the VM holding the streams).
-    pub(super) fn queue_stale(&mut self, worker: WorkerId, hashes: Vec<u64>) {
-        if self.config.control_plane_cluster.is_none() || !self.reporting {
-            return;
-        }
-        self.stale.push_back((worker, hashes));
-        while self.stale.iter().map(|(_, h)| h.len()).sum::<usize>() > STALE_QUEUE_HASHES {
-            self.stale.pop_front();
-        }
     }
 }

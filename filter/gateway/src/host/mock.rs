@@ -1,4 +1,4 @@
-//! An in-memory [`Host`] for native tests: one request's headers and bodies, the callouts and
+//! An in-memory [`StreamHost`] for native tests: one request's headers and bodies, the callouts and
 //! gRPC messages sent, the replies given, a clock, stats, and shared data with Envoy's CAS
 //! semantics (shared between the mocks of several "VMs" when cloned with [`MockHost::vm`]).
 
@@ -6,7 +6,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
 
-use super::{Callout, Host, HostError, Metric};
+use super::{Callout, HostError, LinkHost, Metric, StreamHost, VmHost};
 use crate::headers::Headers;
 use crate::shared::fake::FakeStore;
 use crate::shared::{SetError, SharedStore};
@@ -175,120 +175,29 @@ impl SharedStore for MockHost {
     }
 }
 
-impl Host for MockHost {
-    fn request_headers(&self) -> Headers {
-        self.note("request_headers");
-        Headers::from_pairs(self.request_headers.borrow().iter().map(|(n, v)| (n.as_str(), v.as_bytes())))
+impl VmHost for MockHost {
+    fn now_nanos(&self) -> u64 {
+        self.note("now_nanos");
+        self.now_ms.get() * 1_000_000
     }
-
-    fn set_request_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError> {
-        self.note("set_request_header");
-        if self.refuse_headers.get() {
-            return Err(HostError("refused".into()));
-        }
-        set(&self.request_headers, name, value);
-        Ok(())
+    fn node_id(&self) -> Option<String> {
+        self.note("node_id");
+        Some("test-node".into())
     }
-
-    fn request_body(&self, size: usize) -> Vec<u8> {
-        self.note("request_body");
-        let b = self.request_body.borrow();
-        b[..size.min(b.len())].to_vec()
+    fn vm_memory_bytes(&self) -> u64 {
+        1 << 20
     }
-
-    fn set_request_body(&self, size: usize, body: &[u8]) -> Result<(), HostError> {
-        self.note("set_request_body");
-        replace(&self.request_body, size, body);
-        Ok(())
+    fn increment(&self, metric: Metric) {
+        self.note("increment");
+        self.metrics.borrow_mut().entry(metric).or_default().push(1);
     }
-
-    fn response_headers(&self) -> Headers {
-        self.note("response_headers");
-        Headers::from_pairs(self.response_headers.borrow().iter().map(|(n, v)| (n.as_str(), v.as_bytes())))
+    fn record(&self, metric: Metric, value: u64) {
+        self.note("record");
+        self.metrics.borrow_mut().entry(metric).or_default().push(value);
     }
+}
 
-    fn set_response_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError> {
-        self.note("set_response_header");
-        set(&self.response_headers, name, value);
-        Ok(())
-    }
-
-    fn response_body(&self, size: usize) -> Vec<u8> {
-        self.note("response_body");
-        let b = self.response_body.borrow();
-        b[..size.min(b.len())].to_vec()
-    }
-
-    fn response_code_details(&self) -> Option<String> {
-        self.note("response_code_details");
-        self.code_details.borrow().clone()
-    }
-
-    fn upstream_address(&self) -> Option<String> {
-        self.note("upstream_address");
-        self.upstream.borrow().clone()
-    }
-
-    fn set_response_body(&self, size: usize, body: &[u8]) -> Result<(), HostError> {
-        self.note("set_response_body");
-        replace(&self.response_body, size, body);
-        Ok(())
-    }
-
-    fn send_reply(&self, status: u16, headers: &[(&str, &str)], body: &[u8]) -> Result<(), HostError> {
-        self.note("send_reply");
-        self.replies.borrow_mut().push(SentReply {
-            status,
-            headers: headers.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
-            body: body.to_vec(),
-        });
-        Ok(())
-    }
-
-    fn resume_response(&self) -> Result<(), HostError> {
-        self.note("resume_response");
-        self.resumed.set(self.resumed.get() + 1);
-        Ok(())
-    }
-
-    fn resume_request(&self) -> Result<(), HostError> {
-        self.note("resume_request");
-        self.resumed_requests.set(self.resumed_requests.get() + 1);
-        Ok(())
-    }
-
-    fn enter_context(&self, context_id: u32) -> Result<(), HostError> {
-        self.note("enter_context");
-        self.entered.borrow_mut().push(context_id);
-        Ok(())
-    }
-
-    fn dispatch(&self, callout: Callout<'_>) -> Result<u32, HostError> {
-        self.note("dispatch");
-        if self.refuse_dispatch.get() {
-            return Err(HostError("BadArgument".into()));
-        }
-        let token = self.token();
-        self.callouts.borrow_mut().push(SentCallout {
-            token,
-            cluster: callout.cluster.to_string(),
-            headers: callout.headers.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
-            body: callout.body.to_vec(),
-        });
-        Ok(token)
-    }
-
-    fn callout_status(&self) -> Option<u16> {
-        self.note("callout_status");
-        self.callout_answer.borrow().0
-    }
-
-    fn callout_body(&self, size: usize) -> Vec<u8> {
-        self.note("callout_body");
-        let a = self.callout_answer.borrow();
-        a.1[..size.min(a.1.len())].to_vec()
-    }
-
+impl LinkHost for MockHost {
     fn open_grpc_stream(
         &self,
         cluster: &str,
@@ -307,7 +216,6 @@ impl Host for MockHost {
             .push((token, metadata.iter().map(|(k, v)| (k.to_string(), v.to_vec())).collect()));
         Ok(token)
     }
-
     fn send_grpc(&self, token: u32, message: &[u8], _end_of_stream: bool) -> Result<(), HostError> {
         self.note("send_grpc");
         if self.refuse_grpc.get() {
@@ -316,39 +224,112 @@ impl Host for MockHost {
         self.grpc_sent.borrow_mut().push((token, message.to_vec()));
         Ok(())
     }
-
     fn cancel_grpc(&self, token: u32) {
         self.note("cancel_grpc");
         self.grpc_cancelled.borrow_mut().push(token);
     }
-
     fn grpc_message(&self, size: usize) -> Vec<u8> {
         self.note("grpc_message");
         let m = self.grpc_inbox.borrow();
         m[..size.min(m.len())].to_vec()
     }
+}
 
-    fn now_nanos(&self) -> u64 {
-        self.note("now_nanos");
-        self.now_ms.get() * 1_000_000
+impl StreamHost for MockHost {
+    fn request_headers(&self) -> Headers {
+        self.note("request_headers");
+        Headers::from_pairs(self.request_headers.borrow().iter().map(|(n, v)| (n.as_str(), v.as_bytes())))
     }
-
-    fn node_id(&self) -> Option<String> {
-        self.note("node_id");
-        Some("test-node".into())
+    fn set_request_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError> {
+        self.note("set_request_header");
+        if self.refuse_headers.get() {
+            return Err(HostError("refused".into()));
+        }
+        set(&self.request_headers, name, value);
+        Ok(())
     }
-
-    fn vm_memory_bytes(&self) -> u64 {
-        1 << 20
+    fn request_body(&self, size: usize) -> Vec<u8> {
+        self.note("request_body");
+        let b = self.request_body.borrow();
+        b[..size.min(b.len())].to_vec()
     }
-
-    fn increment(&self, metric: Metric) {
-        self.note("increment");
-        self.metrics.borrow_mut().entry(metric).or_default().push(1);
+    fn set_request_body(&self, size: usize, body: &[u8]) -> Result<(), HostError> {
+        self.note("set_request_body");
+        replace(&self.request_body, size, body);
+        Ok(())
     }
-
-    fn record(&self, metric: Metric, value: u64) {
-        self.note("record");
-        self.metrics.borrow_mut().entry(metric).or_default().push(value);
+    fn response_headers(&self) -> Headers {
+        self.note("response_headers");
+        Headers::from_pairs(self.response_headers.borrow().iter().map(|(n, v)| (n.as_str(), v.as_bytes())))
+    }
+    fn set_response_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError> {
+        self.note("set_response_header");
+        set(&self.response_headers, name, value);
+        Ok(())
+    }
+    fn response_body(&self, size: usize) -> Vec<u8> {
+        self.note("response_body");
+        let b = self.response_body.borrow();
+        b[..size.min(b.len())].to_vec()
+    }
+    fn response_code_details(&self) -> Option<String> {
+        self.note("response_code_details");
+        self.code_details.borrow().clone()
+    }
+    fn upstream_address(&self) -> Option<String> {
+        self.note("upstream_address");
+        self.upstream.borrow().clone()
+    }
+    fn set_response_body(&self, size: usize, body: &[u8]) -> Result<(), HostError> {
+        self.note("set_response_body");
+        replace(&self.response_body, size, body);
+        Ok(())
+    }
+    fn send_reply(&self, status: u16, headers: &[(&str, &str)], body: &[u8]) -> Result<(), HostError> {
+        self.note("send_reply");
+        self.replies.borrow_mut().push(SentReply {
+            status,
+            headers: headers.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            body: body.to_vec(),
+        });
+        Ok(())
+    }
+    fn resume_response(&self) -> Result<(), HostError> {
+        self.note("resume_response");
+        self.resumed.set(self.resumed.get() + 1);
+        Ok(())
+    }
+    fn resume_request(&self) -> Result<(), HostError> {
+        self.note("resume_request");
+        self.resumed_requests.set(self.resumed_requests.get() + 1);
+        Ok(())
+    }
+    fn enter_context(&self, context_id: u32) -> Result<(), HostError> {
+        self.note("enter_context");
+        self.entered.borrow_mut().push(context_id);
+        Ok(())
+    }
+    fn dispatch(&self, callout: Callout<'_>) -> Result<u32, HostError> {
+        self.note("dispatch");
+        if self.refuse_dispatch.get() {
+            return Err(HostError("BadArgument".into()));
+        }
+        let token = self.token();
+        self.callouts.borrow_mut().push(SentCallout {
+            token,
+            cluster: callout.cluster.to_string(),
+            headers: callout.headers.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            body: callout.body.to_vec(),
+        });
+        Ok(token)
+    }
+    fn callout_status(&self) -> Option<u16> {
+        self.note("callout_status");
+        self.callout_answer.borrow().0
+    }
+    fn callout_body(&self, size: usize) -> Vec<u8> {
+        self.note("callout_body");
+        let a = self.callout_answer.borrow();
+        a.1[..size.min(a.1.len())].to_vec()
     }
 }

@@ -1,6 +1,7 @@
 //! Passive health: one circuit breaker per worker ([`kvmesh_core::breaker`]: sliding failure
 //! window, open for a timeout, then one half-open probe at a time), shared by every VM (Envoy
-//! worker thread) of the Envoy through one shared-data value, `kvmesh.breakers`, changed by
+//! worker thread) of the Envoy through one shared-data value, `kvmesh.breakers`
+//! ([`SharedBreakers`]), changed by
 //! compare-and-swap: a failure seen on any thread counts for all, and the probe slot of a
 //! half-open worker is taken by one of them.
 //!
@@ -14,10 +15,8 @@
 use kvmesh_core::breaker::{BreakerParams, BreakerState, BreakerTable};
 use kvmesh_core::WorkerId;
 
-use crate::gateway::Now;
-use crate::shared::{update, SharedStore};
-
-const KEY: &str = "kvmesh.breakers";
+use crate::now::Now;
+use crate::shared::{SharedBreakers, SharedStore};
 
 /// A state change of one worker's breaker.
 pub type Transition = (BreakerState, BreakerState);
@@ -135,26 +134,16 @@ impl Health {
         &mut self,
         store: &dyn SharedStore,
         now_ms: Option<u64>,
-        mut change: impl FnMut(&mut BreakerTable) -> T,
+        change: impl FnMut(&mut BreakerTable) -> T,
     ) -> Option<T> {
-        let mut last = None;
-        let written = update(store, KEY, |value| {
-            let mut table = BreakerTable::decode(value);
-            let out = change(&mut table);
-            if let Some(now) = now_ms {
-                table.prune(now);
-            }
-            *value = table.encode();
-            last = Some((out, table));
-        });
-        let (out, table) = last.filter(|_| written)?;
+        let (out, table) = SharedBreakers::update(store, now_ms, change)?;
         self.view = table;
         Some(out)
     }
 }
 
 fn read(store: &dyn SharedStore) -> BreakerTable {
-    BreakerTable::decode(&store.get(KEY).0.unwrap_or_default())
+    SharedBreakers::read(store)
 }
 
 #[cfg(test)]
@@ -162,6 +151,7 @@ mod tests {
     use super::*;
     use crate::shared::fake::{FakeStore, Racing};
     use BreakerState::{Closed, HalfOpen, Open};
+    const KEY: &str = SharedBreakers::KEY;
 
     fn ms(t: u64) -> Now {
         Now::from_ms(t)

@@ -10,7 +10,7 @@ use kvmesh_core::feedback::Verdict;
 use kvmesh_core::usage::UsageScanner;
 
 use crate::gateway::{Gateway, Prediction};
-use crate::host::{Host, Metric};
+use crate::host::{Metric, StreamHost};
 
 /// One request's feedback in progress.
 #[derive(Debug, Default)]
@@ -36,14 +36,14 @@ impl ResponseFeedback {
     }
 
     /// A chunk of the response body (`body_size` bytes, as Envoy passes it on).
-    pub fn body(&mut self, host: &dyn Host, body_size: usize) {
+    pub fn body(&mut self, host: &dyn StreamHost, body_size: usize) {
         if self.counts && body_size > 0 {
             self.scanner.feed(&host.response_body(body_size));
         }
     }
 
     /// The stream ended (`complete`: the worker's answer arrived whole).
-    pub fn finish(self, gateway: &mut Gateway, host: &dyn Host, complete: bool) {
+    pub fn finish(self, gateway: &mut Gateway, host: &dyn StreamHost, complete: bool) {
         if !self.counts || !complete {
             return;
         }
@@ -79,7 +79,7 @@ mod tests {
 
     use crate::gateway::Gateway;
     use crate::host::mock::MockHost;
-    use crate::host::{Action, Host, Metric};
+    use crate::host::{Action, Metric, StreamHost};
     use crate::request::{RequestFilter, DST_HEADER};
 
     const TWO: &str = r#"{"worker_urls":["http://127.0.0.1:30001","http://127.0.0.1:30002"]}"#;
@@ -126,9 +126,9 @@ mod tests {
         );
         assert_eq!(host.metric_sum(Metric::CacheHits), 1, "the stale prefix attracts no traffic");
         assert_eq!(host.metric_sum(Metric::Predictions), 3);
-        assert!(crate::feedback::read(&host).is_empty(), "counted on the tick, not per response");
+        assert!(crate::shared::feedback::read(&host).is_empty(), "counted on the tick, not per response");
         gw.borrow_mut().flush_feedback(&host);
-        let counts = crate::feedback::read(&host);
+        let counts = crate::shared::feedback::read(&host);
         let total: u32 = counts.iter().map(|(_, f)| f.predictions).sum();
         let completions: u64 = counts.iter().map(|(_, f)| f.completion_tokens).sum();
         assert_eq!((total, completions), (3, 3));
@@ -178,7 +178,7 @@ mod tests {
         f.on_response_body(&host, chunk.len(), true);
         f.on_log(&host);
         gw.borrow_mut().flush_feedback(&host); // the tick's part
-        let counts = crate::feedback::read(&host);
+        let counts = crate::shared::feedback::read(&host);
         let f = counts[0].1;
         assert_eq!((f.completions, f.completion_tokens, f.e2e_latency_ms), (1, 7, 250));
     }

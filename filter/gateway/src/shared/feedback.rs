@@ -12,7 +12,7 @@ use kvmesh_core::usage::Usage;
 use kvmesh_core::WorkerId;
 use kvmesh_proto::v1::Feedback;
 
-use crate::shared::{update, SharedStore};
+use super::{update, SharedStore};
 
 const KEY: &str = "kvmesh.feedback";
 const ENTRY: usize = 56;
@@ -149,8 +149,8 @@ pub fn read(store: &dyn SharedStore) -> Vec<(WorkerId, Feedback)> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::fake::FakeStore;
     use super::*;
-    use crate::shared::fake::FakeStore;
     use kvmesh_core::feedback::judge;
 
     #[test]

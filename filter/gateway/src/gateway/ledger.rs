@@ -1,0 +1,131 @@
+//! The in-flight ledger: this VM's share of the Envoy-wide counts in [`Inflight`] — what it
+//! has in flight (published with its heartbeat, so that the counts of a VM that dies are taken
+//! back by a survivor, see [`VmLedger`]) and the requests that ended here and are not written
+//! yet.
+
+use std::collections::BTreeMap;
+
+use kvmesh_core::WorkerId;
+
+use super::plan::Routed;
+use crate::shared::{EndedBy, Inflight, SharedStore, VmLedger};
+
+/// One VM's in-flight bookkeeping.
+pub(super) struct Ledger {
+    /// What this VM has in flight, per worker, as counted in [`Inflight`] (published by
+    /// [`Ledger::heartbeat`]): requests that ended leave it when their end is written.
+    mine: BTreeMap<WorkerId, u32>,
+    /// Requests that ended here and are not written to [`Inflight`] yet (the next commit or
+    /// tick writes them). Only while this VM is the Envoy's only one (`alone`): another VM
+    /// would count them as load until then (a session's next turn, sent as the last one
+    /// ended, could be moved off its worker), so with others each end is written at once.
+    ended: EndedBy,
+    /// This VM was the only one registered at its last two heartbeats (a second apart): the
+    /// VMs of one Envoy start together, and one that registered a moment before the others
+    /// must not take itself for alone until they have registered.
+    pub(super) alone: bool,
+    /// The registry held only this VM at the last heartbeat.
+    only_me: bool,
+    /// `mine` changed since it was last published.
+    mine_changed: bool,
+    last_heartbeat_ms: u64,
+}
+
+impl Ledger {
+    pub(super) fn new() -> Self {
+        Self {
+            mine: BTreeMap::new(),
+            ended: EndedBy::new(),
+            alone: false,
+            only_me: false,
+            mine_changed: false,
+            last_heartbeat_ms: 0,
+        }
+    }
+
+    /// The requests that ended here and are not written yet (discounted from the loads this
+    /// VM reads, and folded into its next write).
+    pub(super) fn ended(&self) -> &EndedBy {
+        &self.ended
+    }
+
+    /// Requests to `workers` were counted in [`Inflight`] by this VM.
+    pub(super) fn counted(&mut self, workers: impl IntoIterator<Item = WorkerId>) {
+        for worker in workers {
+            *self.mine.entry(worker).or_default() += 1;
+        }
+        self.mine_changed = true;
+    }
+
+    /// A counted leg that never ran to its end (a prefill callout cancelled with its stream):
+    /// off the in-flight table, not counted as finished.
+    pub(super) fn release(&mut self, store: &dyn SharedStore, routed: &Routed) {
+        if routed.counted {
+            self.ended.entry(routed.worker).or_default().left += 1;
+            self.write_unless_alone(store);
+        }
+    }
+
+    /// The stream of a counted request ended (completed, failed or reset): written at once
+    /// when other VMs route too; by a VM alone, with its next commit or tick (its own
+    /// decisions discount it until then).
+    pub(super) fn finish(&mut self, store: &dyn SharedStore, routed: &Routed, ok: bool) {
+        if routed.counted {
+            let e = self.ended.entry(routed.worker).or_default();
+            e.left += 1;
+            e.finished += 1;
+            e.failed += u32::from(!ok);
+            self.write_unless_alone(store);
+        }
+    }
+
+    fn write_unless_alone(&mut self, store: &dyn SharedStore) {
+        if !self.alone {
+            self.write_ended(store);
+        }
+    }
+
+    /// Writes the requests that ended here since the last write (on the tick: when no request
+    /// was routed since, nothing else would).
+    pub(super) fn write_ended(&mut self, store: &dyn SharedStore) {
+        if !self.ended.is_empty() && Inflight::end(store, &self.ended) {
+            self.written();
+        }
+    }
+
+    /// The ended requests are in [`Inflight`] now: no longer this VM's there either.
+    pub(super) fn written(&mut self) {
+        for (worker, e) in std::mem::take(&mut self.ended) {
+            if let Some(n) = self.mine.get_mut(&worker) {
+                *n = n.saturating_sub(e.left);
+                if *n == 0 {
+                    self.mine.remove(&worker);
+                }
+                self.mine_changed = true;
+            }
+        }
+    }
+
+    /// On the tick: publishes what VM `vm` has in flight (when it changed, and at least once a
+    /// second as a heartbeat), and takes back the counts of VMs that died (see [`VmLedger`]).
+    pub(super) fn heartbeat(&mut self, store: &dyn SharedStore, vm: u32, now_ms: u64) {
+        let due = now_ms.saturating_sub(self.last_heartbeat_ms) >= 1_000;
+        if due {
+            let only_me = VmLedger::register(store, vm) == [vm];
+            self.alone = only_me && self.only_me;
+            self.only_me = only_me;
+        }
+        if self.mine_changed || due {
+            let counts: Vec<(WorkerId, u32)> = self.mine.iter().map(|(&w, &n)| (w, n)).collect();
+            VmLedger::publish(store, vm, now_ms, &counts);
+            self.mine_changed = false;
+        }
+        if due {
+            self.last_heartbeat_ms = now_ms;
+            for (worker, n) in VmLedger::reap(store, vm, now_ms) {
+                log::warn!("a VM that died had {n} requests in flight to worker {worker}: taken back");
+                Inflight::add(store, worker, -i32::try_from(n).unwrap_or(i32::MAX));
+            }
+        }
+    }
+}

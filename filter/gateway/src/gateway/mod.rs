@@ -1,0 +1,415 @@
+//! One VM's routing state, independent of the host: what to do with a request given its
+//! path, its body and the shared state. Deciding ([`Gateway::route_request`]) changes nothing
+//! that outlives the call; [`Gateway::commit`] records a decision once everything that could
+//! fail in applying it (headers, body, callout) has succeeded. `request.rs` drives both.
+//!
+//! A [`Gateway`] is four parts, each with one job, and the delta log they share:
+//! - [`view::RoutingView`]: configuration, worker table, routers, health — and the decision;
+//! - [`follower::TableFollower`]: which control-plane table and settings the view is on;
+//! - [`publisher::Publisher`]: the stream owner's reports (and its publication epoch);
+//! - [`ledger::Ledger`]: this VM's share of the in-flight counts.
+
+mod feedback;
+mod follower;
+mod ledger;
+mod plan;
+mod publisher;
+mod reply;
+mod view;
+
+use kvmesh_core::breaker::BreakerState;
+use kvmesh_core::paths::{self, PathClass};
+use kvmesh_core::pd::PdDecision;
+use kvmesh_core::policy::PolicyKind;
+use kvmesh_core::request::{self, RequestError};
+use kvmesh_core::rng::RngCore;
+use kvmesh_core::{Config, Decision, Endpoint, WorkerId};
+use kvmesh_proto::v1::{self as proto, IndexInsert, ReportBatch};
+
+pub use self::feedback::Prediction;
+pub use self::follower::table_from;
+pub use self::plan::{endpoint_list, Committed, Destination, Outcome, PdPlan, Plan, RequestInfo, Routed, MAX_ABORTS};
+pub use self::publisher::REPORT_QUEUE_HASHES;
+pub use self::reply::Reply;
+pub use self::view::CONTROL_PLANE_EVICTION_CAP;
+pub use crate::now::Now;
+
+use self::follower::TableFollower;
+use self::ledger::Ledger;
+use self::plan::Chosen;
+use self::publisher::Publisher;
+use self::view::RoutingView;
+use crate::headers::Headers;
+use crate::shared::feedback::Pending;
+use crate::shared::{Delta, DeltaLog, Inflight, SharedStore};
+
+/// One VM's routing state.
+pub struct Gateway {
+    view: RoutingView,
+    follower: TableFollower,
+    publisher: Publisher,
+    ledger: Ledger,
+    /// Index changes shared with the other VMs of this Envoy.
+    log: DeltaLog,
+    /// Engine feedback of this VM's responses since the last tick (merged into shared data
+    /// on the tick, not per response).
+    pending_feedback: Pending,
+}
+
+impl Gateway {
+    /// A gateway routing with `config`, whose routing settings stay the base the control
+    /// plane's settings are overlaid on.
+    pub fn new(config: Config, store: &dyn SharedStore, seed: u64) -> Self {
+        Self {
+            follower: TableFollower::new(config.settings.clone()),
+            view: RoutingView::new(config, seed),
+            publisher: Publisher::default(),
+            ledger: Ledger::new(),
+            log: DeltaLog::new(store, seed as u32 ^ (seed >> 32) as u32),
+            pending_feedback: Pending::default(),
+        }
+    }
+
+    /// This VM's id in shared data (lease owner, log writer).
+    pub fn vm_id(&self) -> u32 {
+        self.log.vm()
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.view.config
+    }
+
+    /// Whether a control plane is configured (inserts and stale blocks are then reported).
+    fn has_control_plane(&self) -> bool {
+        self.view.config.control_plane_cluster.is_some()
+    }
+
+    /// What the gateway does with `method` on `path`.
+    pub fn classify(&self, method: &str, path: &str) -> PathClass {
+        paths::classify(method, path, &self.view.config.passthrough_paths)
+    }
+
+    /// How a routed request's destination headers are written (its timeout also bounds the
+    /// prefill leg).
+    pub fn destination(&self) -> Destination {
+        let config = &self.view.config;
+        Destination { timeout_secs: config.request_timeout_secs, original_dst: config.original_dst_header }
+    }
+
+    /// The Envoy cluster the prefill callouts go through.
+    pub fn upstream_cluster(&self) -> &str {
+        &self.view.config.upstream_cluster
+    }
+
+    /// The body size limit (`max_payload_size`), the one place it is read: a request whose
+    /// declared `content-length` exceeds it is refused before its body is read.
+    pub fn check_length(&self, content_length: Option<u64>) -> Option<Reply> {
+        let limit = self.view.config.max_payload_size;
+        content_length.filter(|&len| len > limit).map(|_| Reply::request(&RequestError::TooLarge { limit }))
+    }
+
+    /// Whether a body of `len` bytes is over the limit (a body that grows past it while
+    /// buffering is refused with [`Gateway::too_large`]).
+    pub fn over_limit(&self, len: usize) -> bool {
+        len as u64 > self.view.config.max_payload_size
+    }
+
+    /// A body that grew past the limit while buffering.
+    pub fn too_large(&self) -> Reply {
+        Reply::request(&RequestError::TooLarge { limit: self.view.config.max_payload_size })
+    }
+
+    /// An LLM request that arrived with no body at all.
+    pub fn empty_body(&self) -> Reply {
+        Reply::request(&RequestError::EmptyBody)
+    }
+
+    /// Whether this VM holds the control-plane streams: only then are inserts queued for
+    /// reports (a VM that stops holding them drops its queue).
+    pub fn set_reporting(&mut self, on: bool) {
+        self.publisher.set_reporting(on);
+    }
+
+    /// The gateway id this Envoy reports under (see [`Self::apply_snapshot`]).
+    pub fn set_own_id(&mut self, id: &str) {
+        self.publisher.own_id = Some(id.to_string());
+    }
+
+    /// Hashes queued for the next report.
+    #[cfg(test)]
+    pub fn unreported_hashes(&self) -> usize {
+        self.publisher.unreported_hashes()
+    }
+
+    /// Whether a policy in force hashes on a routing key (its headers are then looked up).
+    pub fn wants_key(&self) -> bool {
+        self.view.uses(PolicyKind::ConsistentHashing)
+    }
+
+    /// See [`view::RoutingView::routing_key`].
+    pub fn routing_key(&self, headers: &Headers) -> Option<String> {
+        self.view.routing_key(headers)
+    }
+
+    /// Brings this VM's view up to date with shared data before a decision: the table the
+    /// stream owner published, the index changes other VMs logged, and — while a breaker is
+    /// half-open — the breakers. Returns the in-flight counts read for the decision (less this
+    /// VM's ended requests not written yet).
+    fn refresh(&mut self, store: &dyn SharedStore, now: Now) -> Inflight {
+        self.follower.sync(store, &mut self.view);
+        let inflight = Inflight::load(store).discount(self.ledger.ended());
+        self.catch_up(store, inflight.head());
+        self.view.health.sync_if_probing(store, now);
+        inflight
+    }
+
+    /// Applies the prefix inserts other VMs made (and queues them for the report, on the
+    /// stream owner).
+    fn catch_up(&mut self, store: &dyn SharedStore, head: u64) {
+        if !self.view.uses_text() {
+            return;
+        }
+        let cp = self.has_control_plane();
+        for delta in self.log.poll(store, head) {
+            self.view.apply_delta(&delta);
+            match (delta.evict, delta.from_cp) {
+                (false, false) => self.publisher.queue_insert(cp, delta.worker, delta.hashes),
+                // Engine feedback on another VM of this Envoy.
+                (true, false) => self.publisher.queue_stale(cp, delta.worker, delta.hashes),
+                _ => {}
+            }
+        }
+    }
+
+    /// Decides where an LLM request goes, by its body: the view is refreshed from shared data,
+    /// then decides. Changes nothing that outlives the call.
+    pub fn route_request(
+        &mut self,
+        store: &dyn SharedStore,
+        endpoint: Endpoint,
+        body: &[u8],
+        info: &RequestInfo<'_>,
+    ) -> Outcome {
+        if self.over_limit(body.len()) {
+            return Outcome::Reply(self.too_large());
+        }
+        let parsed = match request::parse(endpoint, body) {
+            Ok(p) => p,
+            Err(e) => return Outcome::Reply(Reply::request(&e)),
+        };
+        let inflight = self.refresh(store, info.now);
+        self.view.decide(endpoint, body, &parsed, info, inflight)
+    }
+
+    /// Records a plan that was applied: the index learns the prefix, the legs are counted in
+    /// flight, and the new blocks go to the other VMs (one CAS for counts and log sequence,
+    /// plus the log slot) and into the next report.
+    pub fn commit(&mut self, store: &dyn SharedStore, plan: Plan) -> Committed {
+        let Plan { chosen, mut main, pd, inflight, now, fallbacks: _, batch } = plan;
+        let prediction = self.view.prediction(&chosen, batch);
+        let decisions: Vec<&Decision> = match &chosen {
+            Chosen::Regular(d) | Chosen::Pd(PdDecision::DecodeOnly(d)) => vec![d],
+            Chosen::Pd(PdDecision::Split { prefill, decode }) => vec![decode, prefill],
+        };
+        let deltas: Vec<Delta> = decisions
+            .iter()
+            .filter(|d| !d.blocks.is_empty())
+            .map(|d| Delta { worker: d.worker, evict: false, from_cp: false, hashes: d.blocks.clone() })
+            .collect();
+        let counts: Vec<(WorkerId, i32)> = decisions.iter().map(|d| (d.worker, 1)).collect();
+        for d in &decisions {
+            if self.view.health.take_probe(store, d.worker, now) {
+                log::info!("worker {}: half-open, probing it with one request", d.worker);
+            }
+        }
+        let (counted, seq) = inflight.commit(store, &counts, self.ledger.ended(), !deltas.is_empty());
+        if counted {
+            self.ledger.written();
+        }
+        if let Some(seq) = seq {
+            self.log.write(store, seq, &deltas);
+        }
+        if counted {
+            self.ledger.counted(decisions.iter().map(|d| d.worker));
+        }
+        self.view.commit(&chosen);
+        let cp = self.has_control_plane();
+        for d in deltas {
+            self.publisher.queue_insert(cp, d.worker, d.hashes);
+        }
+        main.counted = counted;
+        let (prefill, merge_logprobs, stream) = match pd {
+            Some(p) => (Some(Routed { counted, ..p.prefill }), p.merge_logprobs, p.stream),
+            None => (None, false, false),
+        };
+        Committed { main, prediction, prefill, merge_logprobs, stream }
+    }
+
+    /// The worker at `addr` (`ip:port`, as Envoy reports the upstream it used).
+    pub fn worker_at(&self, addr: &str) -> Option<WorkerId> {
+        self.view.worker_at(addr)
+    }
+
+    /// Routes a request on another path (models, health, info) to any available worker (a
+    /// decode worker in PD mode). Not counted, nothing to commit.
+    pub fn route_other(&mut self, store: &dyn SharedStore, now: Now) -> Result<(Routed, Vec<String>), Reply> {
+        self.follower.sync(store, &mut self.view);
+        self.view.route_other(&Inflight::load(store).discount(self.ledger.ended()), now)
+    }
+
+    /// A counted leg that never ran to its end (a prefill callout cancelled with its stream):
+    /// off the in-flight table, not counted as finished (see [`Gateway::finish`] for when).
+    pub fn release(&mut self, store: &dyn SharedStore, routed: &Routed) {
+        self.ledger.release(store, routed);
+    }
+
+    /// The stream of a counted request ended (completed, failed or reset): written at once
+    /// when other VMs route too; by a VM alone, with its next commit or tick (its own
+    /// decisions discount it until then).
+    pub fn finish(&mut self, store: &dyn SharedStore, routed: &Routed, ok: bool) {
+        self.ledger.finish(store, routed, ok);
+    }
+
+    /// Writes the requests that ended here since the last write (on the tick: when no request
+    /// was routed since, nothing else would).
+    pub fn write_ended(&mut self, store: &dyn SharedStore) {
+        self.ledger.write_ended(store);
+    }
+
+    /// On the tick: publishes what this VM has in flight and takes back the counts of VMs
+    /// that died (see [`ledger::Ledger::heartbeat`]).
+    pub fn heartbeat(&mut self, store: &dyn SharedStore, now_ms: u64) {
+        let vm = self.vm_id();
+        self.ledger.heartbeat(store, vm, now_ms);
+    }
+
+    /// A request went to `worker` (the stall window starts if it held none).
+    pub fn sent(&mut self, worker: WorkerId, now_ms: u64) {
+        self.view.stalls.sent(worker, now_ms);
+    }
+
+    /// A request to `worker` ended; `answered`: the worker itself answered.
+    pub fn ended(&mut self, worker: WorkerId, answered: bool, now_ms: u64) {
+        self.view.stalls.ended(worker, answered, now_ms);
+    }
+
+    /// A request to `routed`'s worker succeeded or failed (at `now`): its circuit breaker
+    /// learns it. Only what the worker did counts (see `request.rs`'s `Verdict`): a
+    /// 4xx is a success, Envoy's own refusals and clients that went away are not reported.
+    pub fn outcome(&mut self, store: &dyn SharedStore, routed: &Routed, ok: bool, now: Now) {
+        self.view.record_outcome(store, routed.worker, ok, now);
+    }
+
+    /// What a request did to `worker` (`ok`: not a failure of the worker's), at `now`.
+    pub fn record(&mut self, store: &dyn SharedStore, worker: WorkerId, ok: bool, now: Now) {
+        self.view.record_outcome(store, worker, ok, now);
+    }
+
+    /// A failure of `worker` learned without a [`Routed`] (an attempt Envoy retried on
+    /// another worker, say), at `now`: counts against its circuit breaker.
+    pub fn worker_failed(&mut self, store: &dyn SharedStore, worker: WorkerId, now: Now) {
+        self.view.record_outcome(store, worker, false, now);
+    }
+
+    /// A request that `from` failed was sent again to another worker: counted per worker
+    /// (cumulative, reported to the control plane as `WorkerCounts.failovers`).
+    pub fn failover(&mut self, store: &dyn SharedStore, from: WorkerId) {
+        self.view.health.count_failover(store, from);
+    }
+
+    /// `worker`'s circuit breaker at `now`, as this VM sees it.
+    pub fn breaker_state(&self, worker: WorkerId, now: Now) -> BreakerState {
+        self.view.health.state(worker, now)
+    }
+
+    /// Periodic work: the circuit breakers as the other VMs left them, and LRU eviction every
+    /// `eviction_interval_secs` (see [`view::RoutingView::evict_when_due`]). Returns the
+    /// number of blocks evicted when that ran.
+    pub fn tick(&mut self, store: &dyn SharedStore, now_secs: u64) -> Option<usize> {
+        self.view.health.sync(store);
+        self.view.evict_when_due(now_secs)
+    }
+
+    /// The regular router's index (tests).
+    #[cfg(test)]
+    pub fn regular_index(&self) -> Option<&kvmesh_core::index::PrefixIndex> {
+        match &self.view.mode {
+            view::Mode::Regular(r) => Some(r.index()),
+            view::Mode::Pd(_) => None,
+        }
+    }
+
+    pub fn index_len(&mut self) -> usize {
+        self.view.index_len()
+    }
+
+    /// A snapshot from the stream (on the VM that owns it): applied here, and shared with the
+    /// other VMs — the table through shared data, index changes through the delta log.
+    pub fn apply_snapshot(&mut self, store: &dyn SharedStore, snapshot: &proto::Snapshot) {
+        if snapshot.full || snapshot.workers_changed || snapshot.settings.is_some() {
+            // A VM that has just taken the streams over starts from what the last owner
+            // published (the records it shares name that table's version).
+            self.follower.sync(store, &mut self.view);
+            if snapshot.full {
+                // A connection's first snapshot: its versions may repeat ones already
+                // published (a restarted kvmesh-cp counts from the start again).
+                self.publisher.epoch = self.view.rng.next_u64();
+            }
+            self.follower.publish(store, &mut self.view, snapshot, self.publisher.epoch);
+        }
+        let mut deltas: Vec<Delta> = Vec::with_capacity(snapshot.inserts.len() + snapshot.evictions.len());
+        // This Envoy's own inserts, echoed back by the control plane, are in its index already.
+        let own_id = self.publisher.own_id.as_deref();
+        let own = |i: &&IndexInsert| !i.origin.is_empty() && own_id == Some(i.origin.as_str());
+        deltas.extend(snapshot.inserts.iter().filter(|i| !own(i)).map(|i| Delta {
+            worker: i.worker,
+            evict: false,
+            from_cp: true,
+            hashes: i.hashes.clone(),
+        }));
+        deltas.extend(snapshot.evictions.iter().map(|e| Delta {
+            worker: e.worker,
+            evict: true,
+            from_cp: true,
+            hashes: e.hashes.clone(),
+        }));
+        for d in &deltas {
+            self.view.apply_delta(d);
+        }
+        self.log.append(store, &deltas);
+    }
+
+    /// Adopts the table the stream owner published, when it changed (every VM, on its tick
+    /// and before each request: one small shared-data read).
+    pub fn sync_table(&mut self, store: &dyn SharedStore) {
+        self.follower.sync(store, &mut self.view);
+    }
+
+    /// What the stream owner sends on its report tick (at `now`): see
+    /// [`publisher::Publisher::report`]; the other VMs' inserts are caught up with first.
+    pub fn take_report(&mut self, store: &dyn SharedStore, gateway_id: &str, now: Now) -> ReportBatch {
+        self.catch_up(store, Inflight::load(store).head());
+        self.publisher.report(store, &self.view, gateway_id, now)
+    }
+
+    /// Everything this VM's index holds, for a control plane that just (re)connected: report
+    /// batches of at most `max_hashes` hashes each (at least one batch, possibly empty).
+    pub fn full_report(&mut self, gateway_id: &str, max_hashes: usize) -> Vec<ReportBatch> {
+        self.publisher.full_report(&mut self.view, gateway_id, max_hashes)
+    }
+
+    pub fn table_version(&self) -> Option<u64> {
+        self.follower.table_version
+    }
+}
+
+/// Whether a client-sent request header could steer routing and must be dropped.
+pub fn is_routing_header(name: &str) -> bool {
+    // Every request header passes here: no allocation.
+    name.eq_ignore_ascii_case("x-envoy-original-dst-host")
+        || name.eq_ignore_ascii_case("x-gateway-destination-endpoint")
+        || name.get(..9).is_some_and(|p| p.eq_ignore_ascii_case("x-kvmesh-"))
+}
+
+#[cfg(test)]
+mod tests;

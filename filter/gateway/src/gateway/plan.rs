@@ -1,0 +1,139 @@
+//! What a decision is made of: the plan a decision returns (not recorded anywhere yet), what
+//! committing it gives the glue, and the per-request facts a decision takes.
+
+use kvmesh_core::pd::PdDecision;
+use kvmesh_core::{Decision, WorkerId};
+
+use super::feedback::Prediction;
+use super::reply::Reply;
+use crate::headers::Headers;
+use crate::now::Now;
+use crate::shared::Inflight;
+
+/// What the filter does with a request.
+#[derive(Debug)]
+pub enum Outcome {
+    /// Send it where the plan says, then [`Gateway::commit`] the plan.
+    Route(Plan),
+    /// Answer locally with a JSON error.
+    Reply(Reply),
+}
+
+/// A worker as the glue needs it: id, address, and what it was believed to hold.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Routed {
+    pub worker: WorkerId,
+    pub addr: String,
+    /// Whether it was added to the in-flight table (and must be taken off when done).
+    pub counted: bool,
+    /// Bytes of the routing text the worker was believed to hold already.
+    pub matched_bytes: usize,
+}
+
+/// A decision not yet recorded anywhere: where to send the request and, in PD mode, what to
+/// send the prefill worker.
+#[derive(Debug)]
+pub struct Plan {
+    pub(super) chosen: Chosen,
+    pub(super) main: Routed,
+    /// Where Envoy fails the main leg over to, in order (other available workers of its
+    /// role, least loaded first; at most `max_attempts - 1`).
+    pub(super) fallbacks: Vec<String>,
+    /// Boxed: `Outcome` stays small for the regular requests.
+    pub(super) pd: Option<Box<PdPlan>>,
+    /// The shared counts as read for this decision (the commit's CAS starts from them).
+    pub(super) inflight: Inflight,
+    /// When the decision was made: a half-open worker's probe slot is taken at that time.
+    pub(super) now: Now,
+    /// A batch: no prediction is judged (its items' reports cannot be told apart).
+    pub(super) batch: bool,
+}
+
+#[derive(Debug)]
+pub(super) enum Chosen {
+    Regular(Decision),
+    Pd(PdDecision),
+}
+
+/// Most `/abort_request` calls for one request's prefill leg (one per batch item).
+pub const MAX_ABORTS: usize = 16;
+
+/// The PD part of a plan.
+#[derive(Debug, PartialEq)]
+pub struct PdPlan {
+    pub prefill: Routed,
+    /// The body both legs receive (bootstrap fields and `rid` injected).
+    pub body: Vec<u8>,
+    /// Whether the prefill's input logprobs must be merged into the decode response.
+    pub merge_logprobs: bool,
+    pub stream: bool,
+    /// The rids the prefill leg can be aborted by, should the request end before it answers.
+    pub abort_rids: Vec<String>,
+}
+
+impl Plan {
+    /// Where the request itself goes (the decode worker in PD mode).
+    pub fn addr(&self) -> &str {
+        &self.main.addr
+    }
+
+    pub fn pd(&self) -> Option<&PdPlan> {
+        self.pd.as_deref()
+    }
+
+    /// Where Envoy fails the main leg over to, in order.
+    pub fn fallbacks(&self) -> &[String] {
+        &self.fallbacks
+    }
+}
+
+/// `first,then,...`: the value `override_host` reads, in the order it tries them.
+pub fn endpoint_list(first: &str, then: &[String]) -> String {
+    let mut out = String::with_capacity(first.len() + then.iter().map(|a| a.len() + 1).sum::<usize>());
+    out.push_str(first);
+    for addr in then {
+        out.push(',');
+        out.push_str(addr);
+    }
+    out
+}
+
+/// A committed plan: the legs, counted in flight.
+#[derive(Debug)]
+pub struct Committed {
+    pub main: Routed,
+    pub prediction: Option<Prediction>,
+    pub prefill: Option<Routed>,
+    pub merge_logprobs: bool,
+    pub stream: bool,
+}
+
+/// How a routed request's destination headers are written (from the configuration).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Destination {
+    /// The whole request's budget, for `x-envoy-upstream-rq-timeout-ms`.
+    pub timeout_secs: u64,
+    /// Also write `x-envoy-original-dst-host` (`original_dst_header`).
+    pub original_dst: bool,
+}
+
+impl Default for Destination {
+    /// As configured by default.
+    fn default() -> Self {
+        Self { timeout_secs: kvmesh_core::config::DEFAULT_REQUEST_TIMEOUT_SECS, original_dst: true }
+    }
+}
+/// Per-request facts from the host.
+#[derive(Clone, Copy, Default)]
+pub struct RequestInfo<'a> {
+    /// The request id (`x-request-id`), used as `rid` in PD bodies when the client set none.
+    pub request_id: Option<&'a str>,
+    /// The routing key a request header gave (`consistent_hashing`; see [`Gateway::routing_key`]).
+    pub routing_key: Option<&'a str>,
+    /// Reads the request headers again, for a VM that learns only at the body that a key is
+    /// needed (its first snapshot, or new settings, arrived in between); none when the headers
+    /// were already looked up for a key (or cannot be read again).
+    pub headers: Option<&'a dyn Fn() -> Headers>,
+    /// When the request body was complete.
+    pub now: Now,
+}

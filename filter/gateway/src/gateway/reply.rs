@@ -1,0 +1,62 @@
+//! The gateway's own answers: JSON errors in the SPEC's shape.
+
+use kvmesh_core::errors::error_json;
+use kvmesh_core::request::RequestError;
+
+#[derive(Debug, PartialEq)]
+pub struct Reply {
+    pub status: u16,
+    pub body: Vec<u8>,
+    /// Seconds for a `retry-after` header.
+    pub retry_after: Option<u32>,
+    /// The methods an `allow` header lists (405).
+    pub allow: Option<&'static str>,
+}
+
+impl Reply {
+    pub fn error(status: u16, code: &str, message: &str) -> Self {
+        Self { status, body: error_json(status, code, message), retry_after: None, allow: None }
+    }
+
+    /// 405 for an LLM endpoint asked with another method than POST.
+    pub fn method_not_allowed(method: &str, path: &str) -> Self {
+        let msg = format!("{method} is not allowed on {path}: use POST");
+        Self { allow: Some("POST"), ..Self::error(405, "method_not_allowed", &msg) }
+    }
+
+    /// 404 for a path the gateway does not serve (worker admin operations among them).
+    pub fn not_found(method: &str, path: &str) -> Self {
+        let msg = format!(
+            "{method} {path} is not served by the gateway (LLM endpoints: POST /generate, /v1/chat/completions, \
+             /v1/completions; read-only worker endpoints such as GET /v1/models; worker administration goes \
+             through kvmesh-cp)"
+        );
+        Self::error(404, "not_found", &msg)
+    }
+
+    pub fn request(e: &RequestError) -> Self {
+        Self::error(e.status(), e.code(), &e.to_string())
+    }
+
+    /// 503 with retry-after: none available, or (`full`) all of them overloaded.
+    pub(super) fn no_worker_or_full(what: &str, full: bool) -> Self {
+        if !full {
+            return Self::no_worker(what);
+        }
+        Self {
+            retry_after: Some(1),
+            ..Self::error(
+                503,
+                "overloaded",
+                &format!("every {what} is overloaded (queue or KV cache full); retry later"),
+            )
+        }
+    }
+
+    pub(super) fn no_worker(what: &str) -> Self {
+        Self {
+            retry_after: Some(1),
+            ..Self::error(503, "no_healthy_worker", &format!("no healthy {what} is available"))
+        }
+    }
+}

@@ -1,0 +1,410 @@
+//! The routing view: what one VM decides on — its configuration, the worker table, the routers
+//! (policy and prefix index), passive health and stalls — and the decision itself. Deciding
+//! changes nothing but the RNG; the routers learn a decision only when it is committed.
+
+use kvmesh_core::bootstrap::{random_rooms, Bootstrap};
+use kvmesh_core::breaker::BreakerState;
+use kvmesh_core::pd::{PdDecision, PdRouter};
+use kvmesh_core::policy::{Candidate, PolicyKind};
+use kvmesh_core::request::{self, ParsedRequest, MAX_ROUTING_KEY};
+use kvmesh_core::rng::{random_u64, seeded, FastRng, RngCore};
+use kvmesh_core::{Config, Decision, Endpoint, Role, Router, RoutingText, WorkerId, WorkerTable};
+
+use super::feedback::Prediction;
+use super::plan::{Chosen, Outcome, PdPlan, Plan, RequestInfo, Routed, MAX_ABORTS};
+use super::reply::Reply;
+use crate::headers::Headers;
+use crate::health::Health;
+use crate::now::Now;
+use crate::shared::{Delta, Inflight, SharedStore};
+use crate::stall::Stalls;
+
+/// With a control plane, a filter's own eviction only keeps its index under this many times
+/// `max_tree_size` (the control plane's evictions do the real work).
+pub const CONTROL_PLANE_EVICTION_CAP: u64 = 2;
+
+// One per VM, built once: the size difference between a router and a PD pair of them costs
+// nothing.
+#[allow(clippy::large_enum_variant)]
+pub(super) enum Mode {
+    Regular(Router),
+    Pd(PdRouter),
+}
+
+fn build_mode(config: &Config) -> Mode {
+    let params = config.router_params();
+    match &config.pd {
+        Some(pd) => Mode::Pd(PdRouter::new(params, pd.prefill_policy, pd.decode_policy, pd.decider)),
+        None => Mode::Regular(Router::new(params, config.policy)),
+    }
+}
+
+/// Whether a worker whose breaker is half-open may be chosen (its probe slot free): yes for
+/// requests that are committed (the commit takes the slot), no for the uncounted other paths.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Probes {
+    Allowed,
+    Refused,
+}
+
+/// What one VM routes on.
+pub(super) struct RoutingView {
+    pub(super) config: Config,
+    pub(super) table: WorkerTable,
+    pub(super) mode: Mode,
+    pub(super) rng: FastRng,
+    pub(super) health: Health,
+    /// Workers holding this VM's requests without answering (see [`Stalls`]).
+    pub(super) stalls: Stalls,
+    last_eviction_secs: u64,
+}
+
+impl RoutingView {
+    pub(super) fn new(config: Config, seed: u64) -> Self {
+        Self {
+            table: config.workers.clone(),
+            mode: build_mode(&config),
+            rng: seeded(seed),
+            health: Health::new(config.breaker),
+            stalls: Stalls::new(config.worker_stall_ms),
+            last_eviction_secs: 0,
+            config,
+        }
+    }
+
+    /// Routes with `config` from now on (new settings from the control plane): the routers
+    /// are rebuilt only when the routing changed, so the index survives a new load threshold.
+    pub(super) fn reconfigure(&mut self, mut config: Config) {
+        config.workers = self.table.clone();
+        if config.router_params() != self.config.router_params()
+            || config.policy != self.config.policy
+            || config.pd != self.config.pd
+        {
+            self.mode = build_mode(&config);
+        }
+        self.health.set_params(config.breaker);
+        self.stalls.set_window(config.worker_stall_ms);
+        self.config = config;
+    }
+
+    /// Replaces the worker table. Index entries of ids that now name another worker (or none)
+    /// are forgotten, so that no prefix is attributed to the wrong worker.
+    pub(super) fn set_table(&mut self, table: WorkerTable) {
+        let stale: Vec<WorkerId> = self
+            .table
+            .workers
+            .iter()
+            .filter(|old| table.get(old.id).is_none_or(|new| new.url != old.url || new.role != old.role))
+            .map(|w| w.id)
+            .collect();
+        for id in stale {
+            match &mut self.mode {
+                Mode::Regular(r) => r.forget_worker(id),
+                Mode::Pd(pd) => {
+                    pd.prefill_router().forget_worker(id);
+                    pd.decode_router().forget_worker(id);
+                }
+            }
+        }
+        self.table = table;
+    }
+
+    /// The router whose index holds `worker`'s prefixes.
+    fn router_of(&mut self, worker: WorkerId) -> Option<&mut Router> {
+        let role = self.table.get(worker)?.role;
+        match (&mut self.mode, role) {
+            (Mode::Regular(r), Role::Regular) => Some(r),
+            (Mode::Pd(pd), Role::Prefill) => Some(pd.prefill_router()),
+            (Mode::Pd(pd), Role::Decode) => Some(pd.decode_router()),
+            _ => None,
+        }
+    }
+
+    /// Whether a policy in force reads the routing text (only then do index changes matter).
+    pub(super) fn uses_text(&mut self) -> bool {
+        match &mut self.mode {
+            Mode::Regular(r) => r.uses_text(),
+            Mode::Pd(pd) => pd.prefill_router().uses_text() || pd.decode_router().uses_text(),
+        }
+    }
+
+    /// An index change made elsewhere (another VM, the control plane, engine feedback).
+    pub(super) fn apply_delta(&mut self, delta: &Delta) {
+        if let Some(router) = self.router_of(delta.worker) {
+            if delta.evict {
+                router.apply_evictions(delta.worker, &delta.hashes);
+            } else {
+                router.apply_insert(delta.worker, &delta.hashes);
+            }
+        }
+    }
+
+    fn routed(&self, worker: WorkerId, matched_bytes: usize) -> Option<Routed> {
+        let w = self.table.get(worker)?;
+        Some(Routed { worker, addr: w.addr.clone(), counted: false, matched_bytes })
+    }
+
+    /// Whether the main policy or a PD leg's is `kind`.
+    pub(super) fn uses(&self, kind: PolicyKind) -> bool {
+        match &self.config.pd {
+            Some(pd) => pd.prefill_policy == kind || pd.decode_policy == kind,
+            None => self.config.policy == kind,
+        }
+    }
+
+    /// The routing key of a request with these headers: the first of the configured
+    /// `routing_key_headers` present with a value of 1 to 1024 bytes, when a policy in force
+    /// hashes on it (none otherwise: nothing is kept).
+    pub(super) fn routing_key(&self, headers: &Headers) -> Option<String> {
+        if !self.uses(PolicyKind::ConsistentHashing) {
+            return None;
+        }
+        self.config.routing_key.headers.iter().find_map(|name| {
+            headers
+                .pairs()
+                .find(|(n, v)| n.eq_ignore_ascii_case(name) && !v.is_empty() && v.len() <= MAX_ROUTING_KEY)
+                .map(|(_, v)| v.to_string())
+        })
+    }
+
+    fn main_role(&self) -> Role {
+        if matches!(self.mode, Mode::Pd(_)) {
+            Role::Decode
+        } else {
+            Role::Regular
+        }
+    }
+
+    /// The available workers of `role` with their loads: the table's plus this Envoy's
+    /// in-flight counts. A worker is available when healthy and its circuit breaker admits a
+    /// request (with `Probes::Refused`, only a closed breaker does). Stalled workers are left
+    /// out while others are available, then overloaded ones; `.1` says that some were
+    /// available but every one of them was overloaded.
+    fn candidates(&self, inflight: &Inflight, role: Role, now: Now, probes: Probes) -> (Vec<Candidate>, bool) {
+        let available: Vec<&kvmesh_core::Worker> = self
+            .table
+            .healthy_with(role)
+            .filter(|w| match probes {
+                Probes::Allowed => self.health.available(w.id, now),
+                Probes::Refused => self.health.state(w.id, now) == BreakerState::Closed,
+            })
+            .collect();
+        let moving: Vec<&kvmesh_core::Worker> =
+            available.iter().copied().filter(|w| !self.stalls.stalled(w.id, now.ms())).collect();
+        let pool = if moving.is_empty() { available } else { moving };
+        let (max_waiting, max_kv) = (self.config.overload_waiting, self.config.overload_kv_usage);
+        let candidate = |w: &&kvmesh_core::Worker| Candidate {
+            id: w.id,
+            load: w.load + u64::from(inflight.count(w.id)),
+            affinity: w.affinity,
+            utility: w.utility,
+        };
+        let room: Vec<Candidate> = pool.iter().filter(|w| !w.overloaded(max_waiting, max_kv)).map(candidate).collect();
+        if room.is_empty() && !pool.is_empty() {
+            if probes == Probes::Refused {
+                // Read-only paths (health, models) cost a worker nothing: not shed.
+                return (pool.iter().map(candidate).collect(), false);
+            }
+            return (room, true);
+        }
+        (room, false)
+    }
+
+    /// Decides where an LLM request goes, on this view as it stands (refreshed by the
+    /// caller) and `inflight`, the shared counts read for it.
+    pub(super) fn decide(
+        &mut self,
+        endpoint: Endpoint,
+        body: &[u8],
+        parsed: &ParsedRequest<'_>,
+        info: &RequestInfo<'_>,
+        inflight: Inflight,
+    ) -> Outcome {
+        let now = info.now;
+        // The key the headers gave; when none did and this VM has only now learned (in the
+        // refresh) that consistent hashing is in force, the headers are read again.
+        let late_key = match (info.routing_key, info.headers) {
+            (None, Some(fetch)) if self.uses(PolicyKind::ConsistentHashing) => self.routing_key(&fetch()),
+            _ => None,
+        };
+        let header_key = info.routing_key.or(late_key.as_deref());
+        let body_key = match (&self.config.routing_key.body_field, header_key) {
+            (Some(field), None) if self.uses(PolicyKind::ConsistentHashing) => request::top_level_key(body, field),
+            _ => None,
+        };
+        let key = header_key.or(body_key.as_deref()).map(str::as_bytes);
+        let (main_cands, main_full) = self.candidates(&inflight, self.main_role(), now, Probes::Allowed);
+        let chosen = match &self.mode {
+            Mode::Regular(router) => {
+                match router.decide(RoutingText::from(parsed).with_key(key), &main_cands, &mut self.rng) {
+                    Some(d) => Chosen::Regular(d),
+                    None => return Outcome::Reply(Reply::no_worker_or_full("worker", main_full)),
+                }
+            }
+            Mode::Pd(pd) => {
+                let (prefill, prefill_full) = self.candidates(&inflight, Role::Prefill, now, Probes::Allowed);
+                match pd.decide(RoutingText::from(parsed).with_key(key), &prefill, &main_cands, &mut self.rng) {
+                    Some(d) => Chosen::Pd(d),
+                    None if main_cands.is_empty() => {
+                        return Outcome::Reply(Reply::no_worker_or_full("decode worker", main_full))
+                    }
+                    None => return Outcome::Reply(Reply::no_worker_or_full("prefill worker", prefill_full)),
+                }
+            }
+        };
+        let (main, prefill) = match &chosen {
+            Chosen::Regular(d) | Chosen::Pd(PdDecision::DecodeOnly(d)) => (d, None),
+            Chosen::Pd(PdDecision::Split { prefill, decode }) => (decode, Some(prefill)),
+        };
+        let Some(main_routed) = self.routed(main.worker, main.matched_bytes) else {
+            return Outcome::Reply(Reply::no_worker("worker"));
+        };
+        let fallbacks = self.fallbacks(main_cands, main.worker, now);
+        let pd = match prefill {
+            None => None,
+            Some(p) => match self.pd_plan(endpoint, body, parsed, info, p) {
+                Ok(plan) => Some(plan),
+                Err(reply) => return Outcome::Reply(reply),
+            },
+        };
+        let batch = parsed.batch.is_some();
+        Outcome::Route(Plan { chosen, main: main_routed, fallbacks, pd, inflight, now, batch })
+    }
+
+    /// The prefill leg of a split: its worker and the body both legs get (bootstrap fields
+    /// and `rid` injected).
+    fn pd_plan(
+        &mut self,
+        endpoint: Endpoint,
+        body: &[u8],
+        parsed: &ParsedRequest<'_>,
+        info: &RequestInfo<'_>,
+        prefill: &Decision,
+    ) -> Result<Box<PdPlan>, Reply> {
+        let (Some(worker), Some(routed)) =
+            (self.table.get(prefill.worker), self.routed(prefill.worker, prefill.matched_bytes))
+        else {
+            return Err(Reply::no_worker("prefill worker"));
+        };
+        let rng = &mut self.rng;
+        let boot = Bootstrap {
+            host: worker.host.clone(),
+            port: worker.bootstrap_port,
+            rooms: random_rooms(parsed.batch.unwrap_or(1), || random_u64().unwrap_or_else(|_| rng.next_u64())),
+            request_id: info.request_id.map(String::from),
+        };
+        let body = boot.inject(body, parsed).map_err(|e| Reply::request(&e))?;
+        Ok(Box::new(PdPlan {
+            prefill: routed,
+            abort_rids: boot.injected_rids(parsed, MAX_ABORTS),
+            body,
+            merge_logprobs: parsed.return_logprob && endpoint == Endpoint::Generate,
+            stream: parsed.stream,
+        }))
+    }
+
+    /// Where Envoy fails over to when `chosen` fails: the other candidates, least loaded
+    /// first (ties in random order), at most `max_attempts - 1` of them.
+    fn fallbacks(&mut self, mut cands: Vec<Candidate>, chosen: WorkerId, now: Now) -> Vec<String> {
+        let room = (self.config.max_attempts as usize).saturating_sub(1);
+        // Only workers whose breaker is closed: Envoy's attempts are not probes the breaker
+        // could account for.
+        cands.retain(|c| c.id != chosen && self.health.state(c.id, now) == BreakerState::Closed);
+        if room == 0 || cands.is_empty() {
+            return Vec::new();
+        }
+        let start = (self.rng.next_u32() as usize) % cands.len();
+        cands.rotate_left(start);
+        cands.sort_by_key(|c| c.load);
+        cands.iter().take(room).filter_map(|c| self.table.get(c.id)).map(|w| w.addr.clone()).collect()
+    }
+
+    /// A request on another path (models, health, info) to any available worker (a decode
+    /// worker in PD mode), and where Envoy fails it over to.
+    pub(super) fn route_other(&mut self, inflight: &Inflight, now: Now) -> Result<(Routed, Vec<String>), Reply> {
+        let (cands, _) = self.candidates(inflight, self.main_role(), now, Probes::Refused);
+        let pos = match &mut self.mode {
+            Mode::Regular(r) => r.route_any(&cands, &mut self.rng),
+            Mode::Pd(pd) => pd.decode_router().route_any(&cands, &mut self.rng),
+        };
+        let routed = pos
+            .and_then(|p| cands.get(p))
+            .and_then(|c| self.routed(c.id, 0))
+            .ok_or_else(|| Reply::no_worker("worker"))?;
+        let fallbacks = self.fallbacks(cands, routed.worker, now);
+        Ok((routed, fallbacks))
+    }
+
+    /// What the index believed the chosen worker held, read before the decision's insert: its
+    /// own match (a policy that chose by load reports none, though the worker may hold part
+    /// of the prompt). A partial last block counts whole (within the one-block tolerance).
+    pub(super) fn prediction(&self, chosen: &Chosen, batch: bool) -> Option<Prediction> {
+        match (chosen, &self.mode) {
+            (Chosen::Regular(d), Mode::Regular(_)) if !batch && !d.blocks.is_empty() => {
+                let bytes = d.held_blocks.saturating_mul(self.config.block_size).max(d.matched_bytes);
+                Some(Prediction::new(d.worker, bytes, &d.blocks, self.config.block_size))
+            }
+            _ => None,
+        }
+    }
+
+    /// The routers learn a committed decision (its prefix is indexed for its workers).
+    pub(super) fn commit(&mut self, chosen: &Chosen) {
+        match (&mut self.mode, chosen) {
+            (Mode::Regular(router), Chosen::Regular(d)) => router.commit(d),
+            (Mode::Pd(pd), Chosen::Pd(d)) => pd.commit(d),
+            // The mode cannot change between deciding and committing (same callback).
+            _ => {}
+        }
+    }
+
+    /// The worker at `addr` (`ip:port`, as Envoy reports the upstream it used).
+    pub(super) fn worker_at(&self, addr: &str) -> Option<WorkerId> {
+        self.table.iter().find(|w| w.addr == addr).map(|w| w.id)
+    }
+
+    /// What a request did to `worker` (`ok`: not a failure of the worker's), at `now`: its
+    /// circuit breaker learns it, and a change of state is logged.
+    pub(super) fn record_outcome(&mut self, store: &dyn SharedStore, worker: WorkerId, ok: bool, now: Now) {
+        let Some((from, to)) = self.health.record(store, worker, ok, now) else { return };
+        let addr = self.table.get(worker).map_or("?", |w| w.addr.as_str());
+        match to {
+            BreakerState::Open => log::warn!(
+                "worker {addr}: circuit breaker open ({} from {}); out of rotation for {} s",
+                if from == BreakerState::HalfOpen { "its probe failed" } else { "failures" },
+                from.name(),
+                self.health.params().timeout_ms / 1000
+            ),
+            _ => log::info!("worker {addr}: circuit breaker {} (was {})", to.name(), from.name()),
+        }
+    }
+
+    /// LRU eviction every `eviction_interval_secs`; returns the number of blocks evicted when
+    /// it ran. With a control plane, evictions come from it (its global LRU, as deltas), so
+    /// that every gateway forgets the same blocks; locally the index is only capped, at
+    /// [`CONTROL_PLANE_EVICTION_CAP`] times `max_tree_size`, in case the control plane is away.
+    pub(super) fn evict_when_due(&mut self, now_secs: u64) -> Option<usize> {
+        if self.last_eviction_secs == 0 {
+            self.last_eviction_secs = now_secs;
+        }
+        if now_secs.saturating_sub(self.last_eviction_secs) < self.config.eviction_interval_secs {
+            return None;
+        }
+        self.last_eviction_secs = now_secs;
+        let factor = if self.config.control_plane_cluster.is_some() { CONTROL_PLANE_EVICTION_CAP } else { 1 };
+        Some(match &mut self.mode {
+            Mode::Regular(r) => r.evict_to_multiple(factor).len(),
+            Mode::Pd(pd) => {
+                pd.prefill_router().evict_to_multiple(factor).len() + pd.decode_router().evict_to_multiple(factor).len()
+            }
+        })
+    }
+
+    /// Blocks in this VM's prefix index (both legs' in PD mode).
+    pub(super) fn index_len(&mut self) -> usize {
+        match &mut self.mode {
+            Mode::Regular(r) => r.index().len(),
+            Mode::Pd(pd) => pd.prefill_router().index().len() + pd.decode_router().index().len(),
+        }
+    }
+}

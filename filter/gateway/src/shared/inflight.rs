@@ -1,0 +1,300 @@
+//! `kvmesh.state`: in-flight, finished and failed requests per worker of this Envoy, and the
+//! head of the delta log, in one value updated by compare-and-swap.
+
+use kvmesh_core::WorkerId;
+
+use super::{u32_at, u64_at, update, SetError, SharedStore};
+
+/// Per-worker request counts of this Envoy, and the head of the [`DeltaLog`], in one value:
+/// `head u64` then 16-byte entries `(worker u32, in flight u32, finished u32, failed u32)`,
+/// updated by compare-and-swap. One read per routed request serves both the loads and the
+/// log; one CAS counts the request, takes a log sequence number and writes the requests that
+/// ended in this VM since (see [`Ended`]: an ending request touches no shared data).
+#[derive(Debug)]
+pub struct Inflight {
+    value: Vec<u8>,
+    cas: Option<u32>,
+    /// `(worker, in flight)` as read, by worker: a candidate's load is a binary search, not a
+    /// scan of every entry (64 workers would make that 2,000 entry reads a request).
+    loads: Vec<(WorkerId, u32)>,
+}
+
+/// Requests to one worker that ended in this VM and are not yet written to [`Inflight`]. A VM
+/// alone in its Envoy folds them into its next write (the next routed request's CAS, or the
+/// tick's), so that the end of a stream costs no shared-data round trip, and discounts them
+/// from its own decisions at once; with other VMs they are written as they end.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Ended {
+    /// Leaves the in-flight count (finished, failed, or cancelled before it ran).
+    pub left: u32,
+    /// Ran to its end (counted finished).
+    pub finished: u32,
+    /// Of those, failed.
+    pub failed: u32,
+}
+
+/// [`Ended`] requests by worker.
+pub type EndedBy = std::collections::BTreeMap<WorkerId, Ended>;
+
+const ENTRY: usize = 16;
+const HEAD: usize = 8;
+
+/// One worker's counts (finished and failed wrap at 2^32).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counts {
+    pub worker: WorkerId,
+    pub in_flight: u32,
+    pub finished: u32,
+    pub failed: u32,
+}
+
+fn entries(value: &[u8]) -> impl Iterator<Item = Counts> + '_ {
+    value.get(HEAD..).unwrap_or_default().chunks_exact(ENTRY).filter_map(|c| {
+        Some(Counts {
+            worker: u32_at(c, 0)?,
+            in_flight: u32_at(c, 4)?,
+            finished: u32_at(c, 8)?,
+            failed: u32_at(c, 12)?,
+        })
+    })
+}
+
+fn head_of(value: &[u8]) -> u64 {
+    u64_at(value, 0).unwrap_or(0)
+}
+
+/// Takes the next log sequence number in `value`.
+fn next_seq(value: &mut Vec<u8>) -> u64 {
+    if value.len() < HEAD {
+        value.resize(HEAD, 0);
+    }
+    let seq = head_of(value) + 1;
+    if let Some(head) = value.get_mut(..HEAD) {
+        head.copy_from_slice(&seq.to_le_bytes());
+    }
+    seq
+}
+
+impl Inflight {
+    pub(crate) const KEY: &'static str = "kvmesh.state";
+
+    /// Reads the current counts and log head (one host call), keeping the version for a
+    /// later update.
+    pub fn load(store: &dyn SharedStore) -> Self {
+        let (value, cas) = store.get(Self::KEY);
+        let value = value.unwrap_or_default();
+        let mut loads: Vec<(WorkerId, u32)> = entries(&value).map(|c| (c.worker, c.in_flight)).collect();
+        loads.sort_unstable();
+        Self { value, cas, loads }
+    }
+
+    /// The delta log's head as read.
+    pub fn head(&self) -> u64 {
+        head_of(&self.value)
+    }
+
+    /// The loads as read, less the requests that ended in this VM and are not written yet.
+    pub fn discount(mut self, ended: &EndedBy) -> Self {
+        for (worker, e) in ended {
+            if let Ok(i) = self.loads.binary_search_by_key(worker, |&(w, _)| w) {
+                if let Some((_, n)) = self.loads.get_mut(i) {
+                    *n = n.saturating_sub(e.left);
+                }
+            }
+        }
+        self
+    }
+
+    /// `worker`'s in-flight count.
+    pub fn count(&self, worker: WorkerId) -> u32 {
+        match self.loads.binary_search_by_key(&worker, |&(w, _)| w) {
+            Ok(i) => self.loads.get(i).map_or(0, |&(_, n)| n),
+            Err(_) => 0,
+        }
+    }
+
+    /// In-flight counts as `(worker, count)` pairs.
+    pub fn read(store: &dyn SharedStore) -> Vec<(WorkerId, u32)> {
+        Self::counts(store).into_iter().map(|c| (c.worker, c.in_flight)).collect()
+    }
+
+    /// Every worker's counts.
+    pub fn counts(store: &dyn SharedStore) -> Vec<Counts> {
+        entries(&store.get(Self::KEY).0.unwrap_or_default()).collect()
+    }
+
+    /// Applies in-flight `deltas` and the `ended` requests to the value loaded by
+    /// [`load`](Self::load) and, with `take_seq`, takes a log sequence number, in one CAS
+    /// (falling back to a read-modify-write loop if another VM wrote in between). Returns
+    /// whether the counts were written (`ended` with them) and the sequence number taken.
+    pub fn commit(
+        mut self,
+        store: &dyn SharedStore,
+        deltas: &[(WorkerId, i32)],
+        ended: &EndedBy,
+        take_seq: bool,
+    ) -> (bool, Option<u64>) {
+        let change = |value: &mut Vec<u8>| {
+            for &(worker, delta) in deltas {
+                apply(value, worker, delta);
+            }
+            write_ended(value, ended);
+            take_seq.then(|| next_seq(value))
+        };
+        let seq = change(&mut self.value);
+        match store.set(Self::KEY, &self.value, self.cas) {
+            Ok(()) => (true, seq),
+            Err(SetError::CasMismatch) => {
+                let mut seq = None;
+                let ok = update(store, Self::KEY, |value| seq = change(value));
+                (ok, seq.filter(|_| ok))
+            }
+            Err(SetError::Other) => (false, None),
+        }
+    }
+
+    /// Adds `delta` to `worker`'s in-flight count (never below zero).
+    pub fn add(store: &dyn SharedStore, worker: WorkerId, delta: i32) -> bool {
+        update(store, Self::KEY, |value| apply(value, worker, delta))
+    }
+
+    /// A request to `worker` finished: one less in flight, one more finished (and failed).
+    /// Tests only: the filter's requests end through [`Inflight::end`].
+    #[cfg(test)]
+    pub fn finish(store: &dyn SharedStore, worker: WorkerId, failed: bool) -> bool {
+        let ended = Ended { left: 1, finished: 1, failed: u32::from(failed) };
+        Self::end(store, &EndedBy::from([(worker, ended)]))
+    }
+
+    /// Writes the `ended` requests (one read-modify-write). Returns whether it went through.
+    pub fn end(store: &dyn SharedStore, ended: &EndedBy) -> bool {
+        update(store, Self::KEY, |value| write_ended(value, ended))
+    }
+
+    /// Takes a log sequence number on its own.
+    pub(crate) fn take_seq(store: &dyn SharedStore) -> Option<u64> {
+        let mut seq = 0;
+        update(store, Self::KEY, |value| seq = next_seq(value)).then_some(seq)
+    }
+}
+
+fn write_ended(value: &mut Vec<u8>, ended: &EndedBy) {
+    for (&worker, e) in ended {
+        let at = entry_at(value, worker);
+        bump(value, at + 4, |n| n.saturating_sub(e.left));
+        bump(value, at + 8, |n| n.wrapping_add(e.finished));
+        bump(value, at + 12, |n| n.wrapping_add(e.failed));
+    }
+}
+
+/// The offset of `worker`'s entry in `value`, added (zeroed) if it has none.
+fn entry_at(value: &mut Vec<u8>, worker: WorkerId) -> usize {
+    if value.len() < HEAD {
+        value.resize(HEAD, 0);
+    }
+    let existing = value.get(HEAD..).unwrap_or_default().chunks_exact(ENTRY).position(|c| u32_at(c, 0) == Some(worker));
+    match existing {
+        Some(i) => HEAD + i * ENTRY,
+        None => {
+            value.extend_from_slice(&worker.to_le_bytes());
+            value.extend_from_slice(&[0; ENTRY - 4]);
+            value.len() - ENTRY
+        }
+    }
+}
+
+fn bump(value: &mut [u8], at: usize, f: impl Fn(u32) -> u32) {
+    let v = f(u32_at(value, at).unwrap_or(0));
+    if let Some(slot) = value.get_mut(at..at + 4) {
+        slot.copy_from_slice(&v.to_le_bytes());
+    }
+}
+
+/// Adds `delta` to `worker`'s in-flight count (never below zero).
+fn apply(value: &mut Vec<u8>, worker: WorkerId, delta: i32) {
+    let at = entry_at(value, worker);
+    bump(value, at + 4, |n| n.saturating_add_signed(delta));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::fake::FakeStore;
+    use super::*;
+
+    #[test]
+    fn inflight_counts_per_worker_and_never_negative() {
+        let store = FakeStore::default();
+        assert!(Inflight::add(&store, 3, 1));
+        assert!(Inflight::add(&store, 3, 1));
+        assert!(Inflight::add(&store, 7, 1));
+        assert!(Inflight::add(&store, 3, -1));
+        assert_eq!(Inflight::read(&store), vec![(3, 1), (7, 1)]);
+        assert!(Inflight::add(&store, 7, -5));
+        assert_eq!(Inflight::read(&store), vec![(3, 1), (7, 0)]);
+    }
+
+    #[test]
+    fn finishing_counts_requests_and_failures() {
+        let store = FakeStore::default();
+        Inflight::add(&store, 4, 1);
+        Inflight::add(&store, 4, 1);
+        Inflight::finish(&store, 4, false);
+        Inflight::finish(&store, 4, true);
+        assert_eq!(Inflight::counts(&store), vec![Counts { worker: 4, in_flight: 0, finished: 2, failed: 1 }]);
+    }
+
+    #[test]
+    fn a_loaded_snapshot_updates_once_or_retries() {
+        let store = FakeStore::default();
+        Inflight::add(&store, 1, 2);
+        let snap = Inflight::load(&store);
+        assert_eq!((snap.count(1), snap.count(9)), (2, 0));
+        assert_eq!(snap.commit(&store, &[(1, 1)], &EndedBy::new(), false), (true, None));
+        let stale = Inflight::load(&store);
+        Inflight::add(&store, 1, 1); // another VM
+        let ended = EndedBy::from([(1, Ended { left: 2, finished: 1, failed: 1 })]);
+        assert_eq!(stale.commit(&store, &[(1, 1)], &ended, true), (true, Some(1)), "retried after the conflict");
+        assert_eq!(Inflight::counts(&store), vec![Counts { worker: 1, in_flight: 3, finished: 1, failed: 1 }]);
+    }
+
+    #[test]
+    fn ended_requests_are_discounted_then_written_once() {
+        let store = FakeStore::default();
+        Inflight::add(&store, 1, 3);
+        Inflight::add(&store, 2, 1);
+        let ended = EndedBy::from([(1, Ended { left: 2, finished: 2, failed: 0 }), (9, Ended::default())]);
+        let snap = Inflight::load(&store).discount(&ended);
+        assert_eq!((snap.count(1), snap.count(2), snap.count(9)), (1, 1, 0));
+        assert!(Inflight::end(&store, &ended));
+        let c = Inflight::counts(&store);
+        assert_eq!((c[0].worker, c[0].in_flight, c[0].finished), (1, 1, 2));
+        assert_eq!((c[1].worker, c[1].in_flight), (2, 1));
+    }
+
+    #[test]
+    fn a_stale_cas_is_retried() {
+        use super::super::fake::Racing;
+        let store = FakeStore::default();
+        assert!(Inflight::add(&store, 1, 1));
+
+        // `update`: another VM counts a request between our read and our write.
+        let racing = Racing::new(&store, |other| assert!(Inflight::add(other, 1, 1)));
+        assert!(Inflight::add(&racing, 1, 1));
+        assert_eq!(racing.writes(), (2, 1), "the stale write was refused, then retried once");
+        assert_eq!(Inflight::read(&store), vec![(1, 3)], "neither VM's count was lost");
+
+        // `commit`: the value loaded for routing is stale by the time the request is counted.
+        let racing = Racing::new(&store, |other| assert!(Inflight::finish(other, 1, false)));
+        let loaded = Inflight::load(&racing);
+        assert_eq!(loaded.commit(&racing, &[(1, 1), (2, 1)], &EndedBy::new(), true), (true, Some(1)));
+        assert_eq!(racing.writes(), (2, 1), "the stale commit was refused, then redone on fresh data");
+        assert_eq!(
+            Inflight::counts(&store),
+            vec![
+                Counts { worker: 1, in_flight: 3, finished: 1, failed: 0 },
+                Counts { worker: 2, in_flight: 1, finished: 0, failed: 0 },
+            ]
+        );
+        assert_eq!(Inflight::load(&store).head(), 1, "one sequence number taken, once");
+    }
+}
