@@ -622,7 +622,7 @@ impl State {
             let max = self.settings.limits.max_index_entries;
             if inner.index.entries() > max.saturating_add(max / 8) {
                 let out = inner.index.evict_total_to(max);
-                evicted = out.len();
+                evicted += out.len();
                 let mut per_worker: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
                 for (hash, worker) in out {
                     per_worker.entry(worker).or_default().push(hash);
@@ -1114,6 +1114,38 @@ pub(crate) mod tests {
         assert!(d.evictions.iter().map(|e| e.hashes.len()).sum::<usize>() >= 110, "the filters forget them too");
         // The newest survive: the last round is still there.
         assert!(s.index_size_of(1) > 0);
+    }
+
+    #[test]
+    fn every_eviction_of_a_report_is_counted() {
+        // Worker 0 holds at most 8 blocks (64 tokens); the index at most 16 entries (and 2 slack).
+        let s = state(&[
+            "--worker-urls",
+            "http://127.0.0.1:1",
+            "http://127.0.0.1:2",
+            "--worker-kv-capacity",
+            "http://127.0.0.1:1=64",
+            "--max-index-entries",
+            "16",
+        ]);
+        s.publish();
+        let mut rx = s.subscribe();
+        // One report: 4 blocks over worker 0's capacity, 2 stale, then 21 entries bounded to 16.
+        s.report(ReportBatch {
+            gateway_id: "gw".into(),
+            inserts: vec![
+                IndexInsert { worker: 0, hashes: (0..12).collect(), ..Default::default() },
+                IndexInsert { worker: 1, hashes: (100..115).collect(), ..Default::default() },
+            ],
+            stale: vec![IndexEvict { worker: 1, hashes: vec![100, 101] }],
+            ..Default::default()
+        });
+        assert_eq!(s.index_stats().1, 16);
+        s.publish();
+        let told: usize = rx.try_recv().unwrap().evictions.iter().map(|e| e.hashes.len()).sum();
+        assert_eq!(told, 4 + 2 + 5);
+        assert_eq!(s.counters.evicted_blocks.get(), 4 + 2 + 5, "capacity, stale and total evictions all count");
+        assert_eq!(s.counters.stale_blocks.get(), 2);
     }
 
     #[test]
