@@ -8,7 +8,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kvmesh_core::index::PrefixIndex;
 use kvmesh_core::policy::{utility_scores, UtilityWindow};
-use kvmesh_proto::v1::{BreakerState, Feedback, IndexEvict, IndexInsert, ReportBatch, Role, Snapshot, Worker};
+use kvmesh_proto::v1::{
+    BreakerState, Feedback, IndexEvict, IndexInsert, ReportBatch, Role, Snapshot, Worker, WorkerCounts,
+};
 use prometheus_client::metrics::counter::Counter;
 use serde_json::{json, Value};
 use tokio::sync::broadcast;
@@ -542,157 +544,155 @@ impl State {
         self.report_at(batch, now_ms());
     }
 
-    /// [`report`](Self::report) arriving at `at_ms` (ms since the epoch).
+    /// [`report`](Self::report) arriving at `at_ms` (ms since the epoch): its inserts within
+    /// the gateway's budget, each worker it named bounded to its KV capacity, its stale blocks
+    /// forgotten, the whole index bounded, then its counts; counted once the lock is released.
     fn report_at(&self, batch: ReportBatch, at_ms: u64) {
-        let mut bad = 0u64;
-        let mut dropped = 0u64;
-        let mut evicted = 0usize;
+        let ReportBatch { gateway_id, inserts, counts, stale } = batch;
+        let gateway = if gateway_id.is_empty() { "unknown".to_string() } else { gateway_id };
+        let mut tally = Tally::default();
         {
             let mut inner = self.lock();
-            let gateway = if batch.gateway_id.is_empty() { "unknown".to_string() } else { batch.gateway_id };
-            let now = Instant::now();
-            let (rate, burst) = (self.settings.limits.max_inserts_per_sec as f64, self.burst());
-            let mut allowed = match inner.gateways.get_mut(&gateway) {
-                Some(g) => {
-                    g.seen = now;
-                    g.budget = (g.budget + now.saturating_duration_since(g.budget_at).as_secs_f64() * rate).min(burst);
-                    g.budget_at = now;
-                    (g.budget as usize).min(self.settings.limits.max_inserts_per_report)
-                }
-                // Reports outside a tracked stream (tests): the per-report limit only.
-                None => self.settings.limits.max_inserts_per_report,
-            };
-            let mut taken = 0usize;
-            let mut touched: Vec<u32> = Vec::new();
-            for insert in batch.inserts {
-                if !inner.workers.contains_key(&insert.worker) {
-                    bad += 1;
-                    continue;
-                }
-                let n = insert.hashes.len().min(allowed);
-                dropped += (insert.hashes.len() - n) as u64;
-                allowed -= n;
-                taken += n;
-                let Some(hashes) = insert.hashes.get(..n) else { continue };
-                let mut added = Vec::new();
-                inner.index.insert_reporting(insert.worker, hashes, |h| added.push(h));
-                if !touched.contains(&insert.worker) {
-                    touched.push(insert.worker);
-                }
-                if !added.is_empty() {
-                    inner.pending_inserts.push(IndexInsert {
-                        worker: insert.worker,
-                        hashes: added,
-                        origin: gateway.clone(),
-                    });
-                }
-            }
-            if let Some(g) = inner.gateways.get_mut(&gateway) {
-                g.budget = (g.budget - taken as f64).max(0.0);
-            }
-            // Each worker with a known KV capacity stays within it: its least recently used
-            // blocks go at once (--max-tree-size waits for the periodic eviction, as in
-            // sglang-router, whether the capacity is known or not).
-            for worker in touched {
-                let Some(capacity) = inner.workers.get(&worker).and_then(|w| self.kv_capacity(w)) else { continue };
-                let bound = capacity::capacity_blocks(&self.settings, capacity);
-                let out = inner.index.evict_worker_to(worker, bound);
-                if !out.is_empty() {
-                    evicted += out.len();
-                    inner.pending_evictions.push(IndexEvict { worker, hashes: out });
-                }
-            }
-            // Blocks a worker's response showed it no longer held: every gateway forgets them.
-            for stale in batch.stale {
-                if !inner.workers.contains_key(&stale.worker) {
-                    bad += 1;
-                    continue;
-                }
-                let n = stale.hashes.len().min(self.settings.limits.max_inserts_per_report);
-                let Some(hashes) = stale.hashes.get(..n) else { continue };
-                let before = inner.index.size_of(stale.worker);
-                for &h in hashes {
-                    inner.index.remove(h, stale.worker);
-                }
-                let gone = before.saturating_sub(inner.index.size_of(stale.worker));
-                self.counters.stale_blocks.inc_by(gone);
-                evicted += gone as usize;
-                inner.pending_evictions.push(IndexEvict { worker: stale.worker, hashes: hashes.to_vec() });
-            }
-            let max = self.settings.limits.max_index_entries;
-            if inner.index.entries() > max.saturating_add(max / 8) {
-                let out = inner.index.evict_total_to(max);
-                evicted += out.len();
-                let mut per_worker: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
-                for (hash, worker) in out {
-                    per_worker.entry(worker).or_default().push(hash);
-                }
-                inner
-                    .pending_evictions
-                    .extend(per_worker.into_iter().map(|(worker, hashes)| IndexEvict { worker, hashes }));
-            }
-            // A batch without counts (a chunk of the full report on connect) leaves them be.
-            let mut changed = false;
-            let window = self.settings.utility.map(|u| u.window_size);
-            if !batch.counts.is_empty() {
-                for w in inner.workers.values_mut() {
-                    let Some(c) = batch.counts.iter().find(|c| c.worker == w.id) else {
-                        changed |= w.inflight.insert(gateway.clone(), 0).is_some_and(|old| old != 0)
-                            && w.polled_load.is_none();
-                        w.breakers.remove(&gateway);
-                        continue;
-                    };
-                    // An unknown state number (a newer gateway) reads as closed.
-                    match c.breaker() {
-                        BreakerState::Closed => w.breakers.remove(&gateway),
-                        state => w.breakers.insert(gateway.clone(), state),
-                    };
-                    let old = w.inflight.insert(gateway.clone(), c.in_flight).unwrap_or(0);
-                    changed |= old != c.in_flight && w.polled_load.is_none();
-                    // The first report of a gateway counts from zero; the same gateway (one id
-                    // per Envoy, whichever VM holds its stream) is counted by differences.
-                    let feedback = c.feedback.unwrap_or_default();
-                    let now =
-                        LastCounts { requests: c.requests, errors: c.errors, failovers: c.failovers, feedback, at_ms };
-                    let last = w.last_counts.get(&gateway).cloned().unwrap_or_default();
-                    if let Some(size) = window {
-                        if w.window.capacity() != size {
-                            w.window = UtilityWindow::new(size);
-                        }
-                        // The completions since this gateway's last report, spread over the time
-                        // between the two (a first report: over the last second).
-                        let from = if last.at_ms == 0 { at_ms.saturating_sub(1000) } else { last.at_ms };
-                        w.window.push_batch(
-                            from.min(at_ms),
-                            at_ms,
-                            u64::from(now.feedback.completions.wrapping_sub(last.feedback.completions)),
-                            now.feedback.completion_tokens.saturating_sub(last.feedback.completion_tokens),
-                            now.feedback.e2e_latency_ms.saturating_sub(last.feedback.e2e_latency_ms),
-                        );
-                    }
-                    w.requests += u64::from(c.requests.wrapping_sub(last.requests));
-                    w.errors += u64::from(c.errors.wrapping_sub(last.errors));
-                    w.failovers += u64::from(c.failovers.wrapping_sub(last.failovers));
-                    w.feedback.add(&last.feedback, &now.feedback);
-                    w.last_counts.insert(gateway.clone(), now);
-                }
-            }
-            bad += batch.counts.iter().filter(|c| !inner.workers.contains_key(&c.worker)).count() as u64;
-            if !batch.counts.is_empty() {
-                changed |= self.score_utility(&mut inner, at_ms);
-            }
-            inner.workers_dirty |= changed;
+            let touched = self.merge_inserts(&mut inner, &gateway, inserts, &mut tally);
+            self.bound_to_capacity(&mut inner, touched, &mut tally);
+            self.forget_stale(&mut inner, stale, &mut tally);
+            self.bound_total(&mut inner, &mut tally);
+            self.merge_counts(&mut inner, &gateway, &counts, at_ms, &mut tally);
         }
-        if bad > 0 {
-            tracing::warn!(bad, "report names unknown workers; entries dropped");
+        if tally.bad > 0 {
+            tracing::warn!(bad = tally.bad, "report names unknown workers; entries dropped");
         }
-        if dropped > 0 {
-            tracing::debug!(dropped, "report over its limits; hashes dropped");
+        if tally.dropped > 0 {
+            tracing::debug!(dropped = tally.dropped, "report over its limits; hashes dropped");
         }
         self.counters.reports.inc();
-        self.counters.bad_reports.inc_by(bad);
-        self.counters.dropped_inserts.inc_by(dropped);
-        self.counters.evicted_blocks.inc_by(evicted as u64);
+        self.counters.bad_reports.inc_by(tally.bad);
+        self.counters.dropped_inserts.inc_by(tally.dropped);
+        self.counters.evicted_blocks.inc_by(tally.evicted);
+    }
+
+    /// How many hashes `gateway` may report now: its budget refilled for the time since it
+    /// last reported, within the per-report limit.
+    fn insert_allowance(&self, inner: &mut Inner, gateway: &str) -> usize {
+        let now = Instant::now();
+        let (rate, burst) = (self.settings.limits.max_inserts_per_sec as f64, self.burst());
+        match inner.gateways.get_mut(gateway) {
+            Some(g) => {
+                g.seen = now;
+                g.budget = (g.budget + now.saturating_duration_since(g.budget_at).as_secs_f64() * rate).min(burst);
+                g.budget_at = now;
+                (g.budget as usize).min(self.settings.limits.max_inserts_per_report)
+            }
+            // Reports outside a tracked stream (tests): the per-report limit only.
+            None => self.settings.limits.max_inserts_per_report,
+        }
+    }
+
+    /// Adds the reported blocks within the gateway's allowance (the news go out as inserts
+    /// naming the gateway); returns the workers they named.
+    fn merge_inserts(
+        &self,
+        inner: &mut Inner,
+        gateway: &str,
+        inserts: Vec<IndexInsert>,
+        tally: &mut Tally,
+    ) -> Vec<u32> {
+        let mut allowed = self.insert_allowance(inner, gateway);
+        let mut taken = 0usize;
+        let mut touched: Vec<u32> = Vec::new();
+        for insert in inserts {
+            if !inner.workers.contains_key(&insert.worker) {
+                tally.bad += 1;
+                continue;
+            }
+            let n = insert.hashes.len().min(allowed);
+            tally.dropped += (insert.hashes.len() - n) as u64;
+            allowed -= n;
+            taken += n;
+            let Some(hashes) = insert.hashes.get(..n) else { continue };
+            let mut added = Vec::new();
+            inner.index.insert_reporting(insert.worker, hashes, |h| added.push(h));
+            if !touched.contains(&insert.worker) {
+                touched.push(insert.worker);
+            }
+            if !added.is_empty() {
+                inner.pending_inserts.push(IndexInsert {
+                    worker: insert.worker,
+                    hashes: added,
+                    origin: gateway.to_string(),
+                });
+            }
+        }
+        if let Some(g) = inner.gateways.get_mut(gateway) {
+            g.budget = (g.budget - taken as f64).max(0.0);
+        }
+        touched
+    }
+
+    /// Each worker with a known KV capacity stays within it: its least recently used blocks
+    /// go at once (--max-tree-size waits for the periodic eviction, as in sglang-router,
+    /// whether the capacity is known or not).
+    fn bound_to_capacity(&self, inner: &mut Inner, touched: Vec<u32>, tally: &mut Tally) {
+        for worker in touched {
+            let Some(capacity) = inner.workers.get(&worker).and_then(|w| self.kv_capacity(w)) else { continue };
+            let bound = capacity::capacity_blocks(&self.settings, capacity);
+            let out = inner.index.evict_worker_to(worker, bound);
+            if !out.is_empty() {
+                tally.evicted += out.len() as u64;
+                inner.pending_evictions.push(IndexEvict { worker, hashes: out });
+            }
+        }
+    }
+
+    /// Blocks a worker's response showed it no longer held: every gateway forgets them.
+    fn forget_stale(&self, inner: &mut Inner, stale: Vec<IndexEvict>, tally: &mut Tally) {
+        for stale in stale {
+            if !inner.workers.contains_key(&stale.worker) {
+                tally.bad += 1;
+                continue;
+            }
+            let n = stale.hashes.len().min(self.settings.limits.max_inserts_per_report);
+            let Some(hashes) = stale.hashes.get(..n) else { continue };
+            let before = inner.index.size_of(stale.worker);
+            for &h in hashes {
+                inner.index.remove(h, stale.worker);
+            }
+            let gone = before.saturating_sub(inner.index.size_of(stale.worker));
+            self.counters.stale_blocks.inc_by(gone);
+            tally.evicted += gone;
+            inner.pending_evictions.push(IndexEvict { worker: stale.worker, hashes: hashes.to_vec() });
+        }
+    }
+
+    /// The global index stays within `max_index_entries`: past it and 1/8 slack, the least
+    /// recently used entries go at once.
+    fn bound_total(&self, inner: &mut Inner, tally: &mut Tally) {
+        let max = self.settings.limits.max_index_entries;
+        if inner.index.entries() > max.saturating_add(max / 8) {
+            let out = inner.index.evict_total_to(max);
+            tally.evicted += out.len() as u64;
+            push_evictions(inner, out);
+        }
+    }
+
+    /// The gateway's counts: every worker's in-flight and breaker as this gateway sees them,
+    /// its cumulative counts by difference, and the utility scores they give. A batch without
+    /// counts (a chunk of the full report on connect) leaves them be.
+    fn merge_counts(&self, inner: &mut Inner, gateway: &str, counts: &[WorkerCounts], at_ms: u64, tally: &mut Tally) {
+        if counts.is_empty() {
+            return;
+        }
+        let window = self.settings.utility.map(|u| u.window_size);
+        let mut changed = false;
+        for w in inner.workers.values_mut() {
+            changed |= match counts.iter().find(|c| c.worker == w.id) {
+                Some(c) => merge_worker_counts(w, gateway, c, window, at_ms),
+                None => not_counted(w, gateway),
+            };
+        }
+        tally.bad += counts.iter().filter(|c| !inner.workers.contains_key(&c.worker)).count() as u64;
+        changed |= self.score_utility(inner, at_ms);
+        inner.workers_dirty |= changed;
     }
 
     /// marginal_utility: every worker's score from its window at `now_ms`, z-scored among the
@@ -787,11 +787,7 @@ impl State {
         let mut inner = self.lock();
         let evicted = evict(&mut inner.index);
         let n = evicted.len();
-        let mut per_worker: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
-        for (hash, worker) in evicted {
-            per_worker.entry(worker).or_default().push(hash);
-        }
-        inner.pending_evictions.extend(per_worker.into_iter().map(|(worker, hashes)| IndexEvict { worker, hashes }));
+        push_evictions(&mut inner, evicted);
         drop(inner);
         self.counters.evicted_blocks.inc_by(n as u64);
         n
@@ -909,6 +905,83 @@ impl State {
     }
 }
 
+/// What merging one report found: entries naming unknown workers, hashes over the limits,
+/// blocks evicted from the global index.
+#[derive(Default)]
+struct Tally {
+    bad: u64,
+    dropped: u64,
+    evicted: u64,
+}
+
+/// One worker's counts from `gateway`: its breaker there, its in-flight requests, the
+/// cumulative counts added by difference, the completions pushed into its utility window
+/// (`window`: its size, when marginal_utility is in force). Says whether the load filters
+/// see changed.
+fn merge_worker_counts(
+    w: &mut WorkerEntry,
+    gateway: &str,
+    c: &WorkerCounts,
+    window: Option<usize>,
+    at_ms: u64,
+) -> bool {
+    // An unknown state number (a newer gateway) reads as closed.
+    match c.breaker() {
+        BreakerState::Closed => w.breakers.remove(gateway),
+        state => w.breakers.insert(gateway.to_string(), state),
+    };
+    let old = w.inflight.insert(gateway.to_string(), c.in_flight).unwrap_or(0);
+    let changed = old != c.in_flight && w.polled_load.is_none();
+    // The first report of a gateway counts from zero; the same gateway (one id per Envoy,
+    // whichever VM holds its stream) is counted by differences.
+    let feedback = c.feedback.unwrap_or_default();
+    let now = LastCounts { requests: c.requests, errors: c.errors, failovers: c.failovers, feedback, at_ms };
+    let last = w.last_counts.get(gateway).cloned().unwrap_or_default();
+    if let Some(size) = window {
+        push_completions(w, size, &last, &now);
+    }
+    w.requests += u64::from(c.requests.wrapping_sub(last.requests));
+    w.errors += u64::from(c.errors.wrapping_sub(last.errors));
+    w.failovers += u64::from(c.failovers.wrapping_sub(last.failovers));
+    w.feedback.add(&last.feedback, &now.feedback);
+    w.last_counts.insert(gateway.to_string(), now);
+    changed
+}
+
+/// The completions since the gateway's `last` counts, spread over the time between the two
+/// reports (a first report: over the last second), into the worker's window of `size`.
+fn push_completions(w: &mut WorkerEntry, size: usize, last: &LastCounts, now: &LastCounts) {
+    if w.window.capacity() != size {
+        w.window = UtilityWindow::new(size);
+    }
+    let at_ms = now.at_ms;
+    let from = if last.at_ms == 0 { at_ms.saturating_sub(1000) } else { last.at_ms };
+    w.window.push_batch(
+        from.min(at_ms),
+        at_ms,
+        u64::from(now.feedback.completions.wrapping_sub(last.feedback.completions)),
+        now.feedback.completion_tokens.saturating_sub(last.feedback.completion_tokens),
+        now.feedback.e2e_latency_ms.saturating_sub(last.feedback.e2e_latency_ms),
+    );
+}
+
+/// A worker missing from the gateway's counts: nothing in flight there, breaker closed. Says
+/// whether the load filters see changed.
+fn not_counted(w: &mut WorkerEntry, gateway: &str) -> bool {
+    let changed = w.inflight.insert(gateway.to_string(), 0).is_some_and(|old| old != 0) && w.polled_load.is_none();
+    w.breakers.remove(gateway);
+    changed
+}
+
+/// Evicted `(hash, worker)` entries, grouped by worker, to go out in the next delta.
+fn push_evictions(inner: &mut Inner, evicted: Vec<(u64, u32)>) {
+    let mut per_worker: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
+    for (hash, worker) in evicted {
+        per_worker.entry(worker).or_default().push(hash);
+    }
+    inner.pending_evictions.extend(per_worker.into_iter().map(|(worker, hashes)| IndexEvict { worker, hashes }));
+}
+
 pub fn role_name(role: Role) -> &'static str {
     match role {
         Role::Regular => "regular",
@@ -920,7 +993,6 @@ pub fn role_name(role: Role) -> &'static str {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use kvmesh_proto::v1::WorkerCounts;
 
     /// A state from kvmesh-cp's command line (shared with the admin API's tests).
     pub(crate) fn state(args: &[&str]) -> Arc<State> {
