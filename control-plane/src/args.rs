@@ -548,8 +548,7 @@ impl Args {
         }
         let mut kv_capacity = BTreeMap::new();
         for entry in &self.worker_kv_capacity {
-            let (url, tokens) =
-                crate::capacity::parse_override(entry).map_err(|e| self.bad("worker_kv_capacity", e))?;
+            let (url, tokens) = kv_capacity_entry(entry).map_err(|e| self.bad("worker_kv_capacity", e))?;
             kv_capacity.insert(url, tokens);
         }
         let defaults = Limits::default();
@@ -623,6 +622,16 @@ fn roles_of(config: &kvmesh_core::Config, kind: PolicyKind) -> Vec<Role> {
             .map(|(_, r)| r)
             .collect(),
     }
+}
+
+/// One `--worker-kv-capacity` entry: `URL=TOKENS`.
+fn kv_capacity_entry(entry: &str) -> Result<(String, u64), String> {
+    let (url, tokens) = entry.rsplit_once('=').ok_or_else(|| format!("`{entry}` is not URL=TOKENS"))?;
+    let tokens: u64 = tokens.trim().parse().map_err(|_| format!("`{tokens}` is not a number of tokens"))?;
+    if tokens == 0 {
+        return Err(format!("`{entry}`: the capacity must be at least 1 token"));
+    }
+    Ok((url.trim().trim_end_matches('/').to_string(), tokens))
 }
 
 /// A token or key as it goes into an `authorization` header: visible ASCII, no spaces.

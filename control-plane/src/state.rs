@@ -1438,4 +1438,85 @@ pub(crate) mod tests {
         s.load_result(1, Some(9), None);
         assert_eq!(s.workers()[0].load(), 9);
     }
+
+    fn insert(s: &State, worker: u32, hashes: &[u64]) {
+        let inserts = vec![IndexInsert { worker, hashes: hashes.to_vec(), ..Default::default() }];
+        s.report(ReportBatch { gateway_id: "g".into(), inserts, ..Default::default() });
+    }
+
+    fn held(s: &State, worker: u32, hashes: &[u64]) -> Vec<u64> {
+        let snap = s.full_snapshot();
+        let all: Vec<u64> = snap.inserts.iter().filter(|i| i.worker == worker).flat_map(|i| i.hashes.clone()).collect();
+        hashes.iter().copied().filter(|h| all.contains(h)).collect()
+    }
+
+    #[test]
+    fn each_worker_is_bounded_to_its_capacity_evicting_by_last_use() {
+        // Worker 0: 64 tokens = 256 bytes = 8 blocks of 32 bytes. Worker 1: no capacity known.
+        let s = state(&[
+            "--worker-urls",
+            "http://127.0.0.1:1",
+            "http://127.0.0.1:2",
+            "--worker-kv-capacity",
+            "http://127.0.0.1:1=64",
+        ]);
+        let mut rx = s.subscribe();
+        s.publish();
+        let _ = rx.try_recv();
+        insert(&s, 0, &[1, 2, 3, 4, 5, 6]); // prefix A
+        insert(&s, 0, &[11, 12, 13, 14]); // prefix B: 10 blocks, A's two deepest go
+        assert_eq!(s.index_size_of(0), 8);
+        assert_eq!(held(&s, 0, &[1, 2, 3, 4, 5, 6]), vec![1, 2, 3, 4]);
+        insert(&s, 0, &[1, 2, 3]); // a request on A's first blocks: used again
+        insert(&s, 0, &[21, 22, 23]); // prefix C: the three least recently used go
+        assert_eq!(held(&s, 0, &[1, 2, 3, 4, 11, 12, 13, 14, 21, 22, 23]), vec![1, 2, 3, 11, 12, 21, 22, 23]);
+        assert_eq!(s.index_tokens_of(0), 64, "within the capacity");
+        for i in 0..100u64 {
+            insert(&s, 1, &[1000 + i]);
+        }
+        assert_eq!(s.index_size_of(1), 100, "unbounded but for --max-tree-size");
+        // The filters are told.
+        s.publish();
+        let d = rx.try_recv().unwrap();
+        let mut evicted: Vec<u64> =
+            d.evictions.iter().filter(|e| e.worker == 0).flat_map(|e| e.hashes.clone()).collect();
+        evicted.sort_unstable();
+        assert_eq!(evicted, vec![4, 5, 6, 13, 14]);
+        // A capacity reported later (16 tokens: 2 blocks) applies at once.
+        s.capacity_result(1, Some(16));
+        assert_eq!(s.index_size_of(1), 2);
+        assert_eq!(held(&s, 1, &[1098, 1099]), vec![1098, 1099], "the most recent stay");
+        // The override wins over what the worker says.
+        s.capacity_result(0, Some(1 << 20));
+        insert(&s, 0, &[31, 32]);
+        assert_eq!(s.index_size_of(0), 8);
+    }
+
+    #[test]
+    fn stale_blocks_and_feedback_from_reports() {
+        let s = state(&["--worker-urls", "http://127.0.0.1:1"]);
+        insert(&s, 0, &[1, 2, 3, 4]);
+        let mut rx = s.subscribe();
+        let feedback = Feedback {
+            predictions: 3,
+            accurate: 2,
+            over: 1,
+            predicted_tokens: 40,
+            cached_tokens: 8,
+            ..Default::default()
+        };
+        s.report(ReportBatch {
+            gateway_id: "g".into(),
+            stale: vec![IndexEvict { worker: 0, hashes: vec![3, 4] }, IndexEvict { worker: 9, hashes: vec![1] }],
+            counts: vec![WorkerCounts { worker: 0, feedback: Some(feedback), ..Default::default() }],
+            ..Default::default()
+        });
+        assert_eq!(held(&s, 0, &[1, 2, 3, 4]), vec![1, 2]);
+        assert_eq!((s.counters.stale_blocks.get(), s.counters.bad_reports.get()), (2, 1));
+        s.publish();
+        let d = rx.try_recv().unwrap();
+        assert_eq!(d.evictions, vec![IndexEvict { worker: 0, hashes: vec![3, 4] }], "every gateway forgets them");
+        let w = s.workers().into_iter().next().unwrap();
+        assert_eq!((w.feedback.predictions, w.feedback.over, w.feedback.accuracy()), (3, 1, Some(2.0 / 3.0)));
+    }
 }
