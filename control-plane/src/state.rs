@@ -27,6 +27,14 @@ pub enum Source {
     Discovery,
 }
 
+/// How full a worker is: requests waiting in its queue, fraction of its KV cache in use (as
+/// the load poll reads them).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Pressure {
+    pub waiting: Option<u64>,
+    pub kv_usage: Option<f64>,
+}
+
 #[derive(Clone, Debug)]
 pub struct WorkerEntry {
     pub id: u32,
@@ -45,7 +53,7 @@ pub struct WorkerEntry {
     /// The worker's own cache hit rate, when its `/metrics` says.
     pub cache_hit_rate: Option<f64>,
     /// Its queue and KV cache, when it says (`/get_load`, `/metrics`).
-    pub pressure: crate::probe::Pressure,
+    pub pressure: Pressure,
     /// In-flight requests per gateway, as reported.
     pub inflight: HashMap<String, u32>,
     /// Finished and failed requests, summed over gateways.
@@ -448,7 +456,7 @@ impl State {
     }
 
     /// How full worker `id` is, as just polled.
-    pub fn pressure_result(&self, id: u32, pressure: crate::probe::Pressure) {
+    pub fn pressure_result(&self, id: u32, pressure: Pressure) {
         let mut inner = self.lock();
         let Some(w) = inner.workers.get_mut(&id) else { return };
         if w.pressure != pressure {
