@@ -436,142 +436,21 @@ impl Args {
         })
     }
 
-    /// Validates everything into [`Settings`].
+    /// Validates everything into [`Settings`], in this order (the first bad value is the
+    /// error): the flags given, the workers, the routing settings, discovery, authentication,
+    /// the worker URL policy, KV capacities, limits, then health checks and intervals.
     pub fn load(self) -> Result<Settings, BadArgs> {
-        let cmd = Self::command();
-        let mut warnings = Vec::new();
-        for id in &self.given {
-            let help = help_of(&cmd, id);
-            let flag = long_of(&cmd, id).unwrap_or_else(|| id.clone());
-            if let Some(why) = help.strip_prefix(REFUSED) {
-                return Err(self.bad(id, why.trim()));
-            }
-            if help.starts_with(NO_EFFECT) || help.starts_with(NOT_YET) {
-                warnings.push(format!("--{flag}: {help}"));
-            }
-        }
-        if self.peer.backend.as_deref() == Some("openai") {
-            return Err(self.bad("backend", "`openai` is refused in kvmesh: kvmesh routes to SGLang and vLLM workers; route OpenAI-hosted models with a separate Envoy route"));
-        }
-        let pd = self.routing.pd_disaggregation.unwrap_or(false) || !self.prefill.is_empty() || !self.decode.is_empty();
-        if pd && !self.worker_urls.is_empty() {
-            return Err(self.bad("worker_urls", "not with --pd-disaggregation (use --prefill and --decode)"));
-        }
-        for url in &self.worker_urls {
-            kvmesh_core::worker::socket_addr(url).map_err(|e| self.bad("worker_urls", e))?;
-        }
-        for url in &self.decode {
-            kvmesh_core::worker::socket_addr(url).map_err(|e| self.bad("decode", e))?;
-        }
-        let mut prefill = Vec::new();
-        for entry in &self.prefill {
-            let (url, port) =
-                match entry.as_slice() {
-                    [url] => (url.clone(), None),
-                    [url, p] if p.eq_ignore_ascii_case("none") => (url.clone(), None),
-                    [url, p] => (
-                        url.clone(),
-                        Some(p.parse::<u16>().map_err(|_| {
-                            self.bad("prefill", format!("bootstrap port `{p}` is not a port or `none`"))
-                        })?),
-                    ),
-                    _ => return Err(self.bad("prefill", "takes URL [BOOTSTRAP_PORT|none]")),
-                };
-            kvmesh_core::worker::socket_addr(&url).map_err(|e| self.bad("prefill", e))?;
-            prefill.push((url, port));
-        }
-        // What the filters get; the core validates it exactly as the filters will.
-        let mut routing = self.routing.clone();
-        routing.pd_disaggregation = Some(pd);
-        if pd {
-            // `--policy` is both legs' default (as in sglang-router): said explicitly, so that it
-            // also wins over leg policies in a filter's plugin configuration.
-            routing.prefill_policy = routing.prefill_policy.or(routing.policy);
-            routing.decode_policy = routing.decode_policy.or(routing.policy);
-        }
-        let checked = kvmesh_core::Config::from_settings(&routing).map_err(|e| match e {
-            kvmesh_core::ConfigError::Invalid { field, reason } => self.bad(field, reason),
-            other => BadArgs(other.to_string()),
-        })?;
-        let selector = |flag: &str, pairs: &[String]| {
-            pairs
-                .iter()
-                .map(|p| match p.split_once('=') {
-                    Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
-                    _ => Err(self.bad(flag, format!("`{p}` is not a label key=value"))),
-                })
-                .collect::<Result<std::collections::BTreeMap<_, _>, _>>()
-        };
-        let discovery = if self.service_discovery {
-            Some(DiscoveryConfig {
-                namespace: self.service_discovery_namespace.clone(),
-                selector: selector("selector", &self.selector)?,
-                prefill_selector: selector("prefill_selector", &self.prefill_selector)?,
-                decode_selector: selector("decode_selector", &self.decode_selector)?,
-                port: self.service_discovery_port.unwrap_or(80),
-                bootstrap_annotation: self
-                    .bootstrap_port_annotation
-                    .clone()
-                    .unwrap_or_else(|| "sglang.ai/bootstrap-port".into()),
-                role_label: self.role_label.clone().unwrap_or_else(|| "llm-d.ai/role".into()),
-                pd,
-            })
-        } else {
-            None
-        };
-        let positive = |flag: &str, v: Option<u64>, default: u64| match v {
-            Some(0) => Err(self.bad(flag, "must be greater than 0")),
-            Some(v) => Ok(v),
-            None => Ok(default),
-        };
-        let threshold = |flag: &str, v: Option<u32>, default: u32| {
-            positive(flag, v.map(u64::from), u64::from(default)).map(|n| u32::try_from(n).unwrap_or(u32::MAX))
-        };
+        let mut warnings = self.flags_given()?;
+        let pd = self.pd()?;
+        let prefill = self.prefill()?;
+        let (routing, checked) = self.routing(pd)?;
+        let discovery = self.discovery(pd)?;
         let host = self.host.clone().unwrap_or_else(|| "127.0.0.1".into());
         let http_host = self.http_host.clone().unwrap_or_else(|| host.clone());
         let auth = self.auth(&host, &http_host, &mut warnings)?;
-        let worker_policy = WorkerPolicy {
-            cidrs: self
-                .worker_cidrs
-                .iter()
-                .map(|c| Cidr::parse(c).map_err(|e| self.bad("worker_cidrs", e)))
-                .collect::<Result<_, _>>()?,
-        };
-        for (flag, urls) in [
-            ("worker_urls", &self.worker_urls),
-            ("decode", &self.decode),
-            ("prefill", &prefill.iter().map(|(u, _)| u.clone()).collect()),
-        ] {
-            for url in urls {
-                crate::urls::check(url, &worker_policy).map_err(|e| self.bad(flag, e))?;
-            }
-        }
-        let mut kv_capacity = BTreeMap::new();
-        for entry in &self.worker_kv_capacity {
-            let (url, tokens) = kv_capacity_entry(entry).map_err(|e| self.bad("worker_kv_capacity", e))?;
-            kv_capacity.insert(url, tokens);
-        }
-        let defaults = Limits::default();
-        let limits = Limits {
-            max_message_bytes: usize::try_from(positive(
-                "max_message_bytes",
-                self.max_message_bytes.map(|n| n as u64),
-                defaults.max_message_bytes as u64,
-            )?)
-            .unwrap_or(usize::MAX),
-            max_inserts_per_report: usize::try_from(positive(
-                "max_inserts_per_report",
-                self.max_inserts_per_report.map(|n| n as u64),
-                defaults.max_inserts_per_report as u64,
-            )?)
-            .unwrap_or(usize::MAX),
-            max_inserts_per_sec: positive(
-                "max_inserts_per_sec",
-                self.max_inserts_per_sec,
-                defaults.max_inserts_per_sec,
-            )?,
-            max_index_entries: positive("max_index_entries", self.max_index_entries, defaults.max_index_entries)?,
-        };
+        let worker_policy = self.worker_policy(&prefill)?;
+        let kv_capacity = self.kv_capacity()?;
+        let limits = self.limits()?;
         Ok(Settings {
             state_file: self.state_file.clone(),
             auth,
@@ -595,19 +474,201 @@ impl Args {
             utility: (!roles_of(&checked, PolicyKind::MarginalUtility).is_empty()).then_some(checked.utility),
             eviction_interval_secs: checked.eviction_interval_secs,
             health_checks: !self.disable_health_check,
-            health_interval_secs: positive("health_check_interval_secs", self.health_check_interval_secs, 60)?,
-            health_timeout_secs: positive("health_check_timeout_secs", self.health_check_timeout_secs, 5)?,
-            health_failure_threshold: threshold("health_failure_threshold", self.health_failure_threshold, 3)?,
-            health_success_threshold: threshold("health_success_threshold", self.health_success_threshold, 2)?,
+            health_interval_secs: self.positive("health_check_interval_secs", self.health_check_interval_secs, 60)?,
+            health_timeout_secs: self.positive("health_check_timeout_secs", self.health_check_timeout_secs, 5)?,
+            health_failure_threshold: self.threshold("health_failure_threshold", self.health_failure_threshold, 3)?,
+            health_success_threshold: self.threshold("health_success_threshold", self.health_success_threshold, 2)?,
             health_endpoint: self.health_check_endpoint.clone().unwrap_or_else(|| "/health".into()),
-            load_poll_interval_ms: positive("load_poll_interval_ms", self.load_poll_interval_ms, 1000)?,
-            push_interval_ms: positive("push_interval_ms", self.push_interval_ms, 10)?,
+            load_poll_interval_ms: self.positive("load_poll_interval_ms", self.load_poll_interval_ms, 1000)?,
+            push_interval_ms: self.positive("push_interval_ms", self.push_interval_ms, 10)?,
             discovery,
             log_level: self.log_level.clone().unwrap_or_else(|| "info".into()),
             warnings,
             workers: self.worker_urls,
             decode: self.decode,
         })
+    }
+
+    /// The flags given that kvmesh refuses (an error), and those with no effect (yet): the
+    /// warnings to log at startup.
+    fn flags_given(&self) -> Result<Vec<String>, BadArgs> {
+        let cmd = Self::command();
+        let mut warnings = Vec::new();
+        for id in &self.given {
+            let help = help_of(&cmd, id);
+            let flag = long_of(&cmd, id).unwrap_or_else(|| id.clone());
+            if let Some(why) = help.strip_prefix(REFUSED) {
+                return Err(self.bad(id, why.trim()));
+            }
+            if help.starts_with(NO_EFFECT) || help.starts_with(NOT_YET) {
+                warnings.push(format!("--{flag}: {help}"));
+            }
+        }
+        if self.peer.backend.as_deref() == Some("openai") {
+            return Err(self.bad("backend", "`openai` is refused in kvmesh: kvmesh routes to SGLang and vLLM workers; route OpenAI-hosted models with a separate Envoy route"));
+        }
+        Ok(warnings)
+    }
+
+    /// Whether prefill and decode are disaggregated (then no regular workers); the regular
+    /// and decode workers' URLs are checked to be ones.
+    fn pd(&self) -> Result<bool, BadArgs> {
+        let pd = self.routing.pd_disaggregation.unwrap_or(false) || !self.prefill.is_empty() || !self.decode.is_empty();
+        if pd && !self.worker_urls.is_empty() {
+            return Err(self.bad("worker_urls", "not with --pd-disaggregation (use --prefill and --decode)"));
+        }
+        for url in &self.worker_urls {
+            kvmesh_core::worker::socket_addr(url).map_err(|e| self.bad("worker_urls", e))?;
+        }
+        for url in &self.decode {
+            kvmesh_core::worker::socket_addr(url).map_err(|e| self.bad("decode", e))?;
+        }
+        Ok(pd)
+    }
+
+    /// The prefill workers (`--prefill URL [BOOTSTRAP_PORT|none]`) with their bootstrap ports.
+    fn prefill(&self) -> Result<Vec<(String, Option<u16>)>, BadArgs> {
+        let mut prefill = Vec::new();
+        for entry in &self.prefill {
+            let (url, port) =
+                match entry.as_slice() {
+                    [url] => (url.clone(), None),
+                    [url, p] if p.eq_ignore_ascii_case("none") => (url.clone(), None),
+                    [url, p] => (
+                        url.clone(),
+                        Some(p.parse::<u16>().map_err(|_| {
+                            self.bad("prefill", format!("bootstrap port `{p}` is not a port or `none`"))
+                        })?),
+                    ),
+                    _ => return Err(self.bad("prefill", "takes URL [BOOTSTRAP_PORT|none]")),
+                };
+            kvmesh_core::worker::socket_addr(&url).map_err(|e| self.bad("prefill", e))?;
+            prefill.push((url, port));
+        }
+        Ok(prefill)
+    }
+
+    /// What the filters get, and the configuration the core validates from it exactly as the
+    /// filters will.
+    fn routing(&self, pd: bool) -> Result<(RoutingSettings, kvmesh_core::Config), BadArgs> {
+        let mut routing = self.routing.clone();
+        routing.pd_disaggregation = Some(pd);
+        if pd {
+            // `--policy` is both legs' default (as in sglang-router): said explicitly, so that it
+            // also wins over leg policies in a filter's plugin configuration.
+            routing.prefill_policy = routing.prefill_policy.or(routing.policy);
+            routing.decode_policy = routing.decode_policy.or(routing.policy);
+        }
+        let checked = kvmesh_core::Config::from_settings(&routing).map_err(|e| match e {
+            kvmesh_core::ConfigError::Invalid { field, reason } => self.bad(field, reason),
+            other => BadArgs(other.to_string()),
+        })?;
+        Ok((routing, checked))
+    }
+
+    /// Kubernetes discovery, when `--service-discovery`.
+    fn discovery(&self, pd: bool) -> Result<Option<DiscoveryConfig>, BadArgs> {
+        if !self.service_discovery {
+            return Ok(None);
+        }
+        Ok(Some(DiscoveryConfig {
+            namespace: self.service_discovery_namespace.clone(),
+            selector: self.labels("selector", &self.selector)?,
+            prefill_selector: self.labels("prefill_selector", &self.prefill_selector)?,
+            decode_selector: self.labels("decode_selector", &self.decode_selector)?,
+            port: self.service_discovery_port.unwrap_or(80),
+            bootstrap_annotation: self
+                .bootstrap_port_annotation
+                .clone()
+                .unwrap_or_else(|| "sglang.ai/bootstrap-port".into()),
+            role_label: self.role_label.clone().unwrap_or_else(|| "llm-d.ai/role".into()),
+            pd,
+        }))
+    }
+
+    /// A pod label selector: `key=value` pairs.
+    fn labels(&self, flag: &str, pairs: &[String]) -> Result<BTreeMap<String, String>, BadArgs> {
+        pairs
+            .iter()
+            .map(|p| match p.split_once('=') {
+                Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+                _ => Err(self.bad(flag, format!("`{p}` is not a label key=value"))),
+            })
+            .collect()
+    }
+
+    /// `--worker-cidrs`, which every worker given on the command line must already pass.
+    fn worker_policy(&self, prefill: &[(String, Option<u16>)]) -> Result<WorkerPolicy, BadArgs> {
+        let worker_policy = WorkerPolicy {
+            cidrs: self
+                .worker_cidrs
+                .iter()
+                .map(|c| Cidr::parse(c).map_err(|e| self.bad("worker_cidrs", e)))
+                .collect::<Result<_, _>>()?,
+        };
+        for (flag, urls) in [
+            ("worker_urls", &self.worker_urls),
+            ("decode", &self.decode),
+            ("prefill", &prefill.iter().map(|(u, _)| u.clone()).collect()),
+        ] {
+            for url in urls {
+                crate::urls::check(url, &worker_policy).map_err(|e| self.bad(flag, e))?;
+            }
+        }
+        Ok(worker_policy)
+    }
+
+    /// `--worker-kv-capacity`: tokens by worker URL.
+    fn kv_capacity(&self) -> Result<BTreeMap<String, u64>, BadArgs> {
+        let mut kv_capacity = BTreeMap::new();
+        for entry in &self.worker_kv_capacity {
+            let (url, tokens) = kv_capacity_entry(entry).map_err(|e| self.bad("worker_kv_capacity", e))?;
+            kv_capacity.insert(url, tokens);
+        }
+        Ok(kv_capacity)
+    }
+
+    /// The bounds on messages, reports and the global index.
+    fn limits(&self) -> Result<Limits, BadArgs> {
+        let defaults = Limits::default();
+        Ok(Limits {
+            max_message_bytes: usize::try_from(self.positive(
+                "max_message_bytes",
+                self.max_message_bytes.map(|n| n as u64),
+                defaults.max_message_bytes as u64,
+            )?)
+            .unwrap_or(usize::MAX),
+            max_inserts_per_report: usize::try_from(self.positive(
+                "max_inserts_per_report",
+                self.max_inserts_per_report.map(|n| n as u64),
+                defaults.max_inserts_per_report as u64,
+            )?)
+            .unwrap_or(usize::MAX),
+            max_inserts_per_sec: self.positive(
+                "max_inserts_per_sec",
+                self.max_inserts_per_sec,
+                defaults.max_inserts_per_sec,
+            )?,
+            max_index_entries: self.positive(
+                "max_index_entries",
+                self.max_index_entries,
+                defaults.max_index_entries,
+            )?,
+        })
+    }
+
+    /// `v` (0 is refused), else `default`.
+    fn positive(&self, flag: &str, v: Option<u64>, default: u64) -> Result<u64, BadArgs> {
+        match v {
+            Some(0) => Err(self.bad(flag, "must be greater than 0")),
+            Some(v) => Ok(v),
+            None => Ok(default),
+        }
+    }
+
+    /// A number of health checks: [`positive`](Self::positive), within `u32`.
+    fn threshold(&self, flag: &str, v: Option<u32>, default: u32) -> Result<u32, BadArgs> {
+        self.positive(flag, v.map(u64::from), u64::from(default)).map(|n| u32::try_from(n).unwrap_or(u32::MAX))
     }
 }
 
