@@ -325,7 +325,7 @@ async fn metrics(Axum(metrics): Axum<Arc<Metrics>>) -> impl IntoResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::tests::state;
+    use crate::state::test_state as state;
 
     fn value(text: &str, series: &str) -> Option<f64> {
         text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())

@@ -1,18 +1,19 @@
 //! `kvmesh-cp` flags, mirroring `python -m sglang_router.launch_router`, and `--config FILE`.
 //!
 //! The routing flags are [`RoutingSettings`] (declared once in the core), flattened here. The
-//! YAML file is translated into command-line arguments for the same clap command — a key
-//! `worker-urls`/`worker_urls` becomes `--worker-urls a b`, `true` the bare flag, `prefill:
-//! [[url, port], [url]]` repeated `--prefill` — leaving out the keys whose flag is on the real
-//! command line (flags win), and the whole is parsed once. So the file accepts exactly what
-//! the flags accept. A bad flag, key or value is one line naming it, and exit code 2.
+//! YAML file is translated (`args/config_file.rs`) into command-line arguments for the same
+//! clap command — a key `worker-urls`/`worker_urls` becomes `--worker-urls a b`, `true` the
+//! bare flag, `prefill: [[url, port], [url]]` repeated `--prefill` — leaving out the keys
+//! whose flag is on the real command line (flags win), and the whole is parsed once. So the
+//! file accepts exactly what the flags accept. A bad flag, key or value is one line naming
+//! it, and exit code 2.
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::path::PathBuf;
 
 use clap::parser::ValueSource;
-use clap::{ArgAction, ArgMatches, Command, CommandFactory, FromArgMatches, Parser};
+use clap::{ArgAction, Command, CommandFactory, FromArgMatches, Parser};
 use kvmesh_core::policy::PolicyKind;
 use kvmesh_core::RoutingSettings;
 use kvmesh_proto::v1::Role;
@@ -20,6 +21,8 @@ use kvmesh_proto::v1::Role;
 use crate::peer_flags::{PeerFlags, NOT_YET, NO_EFFECT, REFUSED};
 use crate::settings::{ApiKey, AuthSettings, DiscoveryConfig, Limits, Settings, WorkerPolicy};
 use crate::urls::Cidr;
+
+mod config_file;
 
 /// kvmesh control plane: one place to configure kvmesh (sglang-router's flags); streams
 /// workers, load, the routing settings and the shared prefix index to every Envoy running
@@ -223,77 +226,6 @@ fn help_of(cmd: &Command, id: &str) -> String {
     cmd.get_arguments().find(|a| a.get_id() == id).and_then(|a| a.get_help()).map(|h| h.to_string()).unwrap_or_default()
 }
 
-/// A YAML scalar as a command-line value.
-fn scalar(key: &str, v: &serde_norway::Value) -> Result<String, String> {
-    match v {
-        serde_norway::Value::String(s) => Ok(s.clone()),
-        serde_norway::Value::Number(n) => Ok(n.to_string()),
-        serde_norway::Value::Bool(b) => Ok(b.to_string()),
-        _ => Err(format!("`{key}` takes a single value here, not a list or a mapping")),
-    }
-}
-
-fn items(v: &serde_norway::Value) -> Vec<serde_norway::Value> {
-    match v {
-        serde_norway::Value::Sequence(s) => s.clone(),
-        other => vec![other.clone()],
-    }
-}
-
-/// The `--config` file as command-line arguments for `cmd`, leaving out what `cli` (the real
-/// command line) gives. Returns the arguments and the ids they set.
-fn file_args(cmd: &Command, cli: &ArgMatches, text: &str) -> Result<(Vec<OsString>, Vec<String>), String> {
-    let doc: serde_norway::Value = serde_norway::from_str(text).map_err(|e| e.to_string().replace('\n', " "))?;
-    let map = match doc {
-        serde_norway::Value::Mapping(m) => m,
-        serde_norway::Value::Null => serde_norway::Mapping::new(),
-        _ => return Err("the configuration must be a mapping of flag names to values".into()),
-    };
-    let mut out: Vec<OsString> = Vec::new();
-    let mut ids = Vec::new();
-    for (k, v) in &map {
-        let key = k.as_str().ok_or("keys must be strings")?;
-        let flag = key.replace('_', "-");
-        let arg = cmd
-            .get_arguments()
-            .find(|a| a.get_long() == Some(flag.as_str()) && !matches!(flag.as_str(), "config" | "help" | "version"))
-            .ok_or_else(|| format!("unknown key `{key}`"))?;
-        let id = arg.get_id().as_str();
-        if cli.value_source(id) == Some(ValueSource::CommandLine) || v.is_null() {
-            continue;
-        }
-        ids.push(id.to_string());
-        let long = format!("--{flag}");
-        let range = arg.get_num_args().unwrap_or_default();
-        if range.max_values() == 0 {
-            match v {
-                serde_norway::Value::Bool(true) => out.push(long.into()),
-                serde_norway::Value::Bool(false) => {}
-                _ => return Err(format!("`{key}` takes true or false")),
-            }
-        } else if id == "prefill" {
-            for item in items(v) {
-                out.push(long.clone().into());
-                for part in items(&item) {
-                    out.push(scalar(key, &part)?.into());
-                }
-            }
-        } else if range.max_values() > 1 {
-            out.push(long.into());
-            for item in items(v) {
-                out.push(scalar(key, &item)?.into());
-            }
-        } else if matches!(arg.get_action(), ArgAction::Append) {
-            for item in items(v) {
-                out.push(format!("{long}={}", scalar(key, &item)?).into());
-            }
-        } else {
-            out.push(format!("{long}={}", scalar(key, v)?).into());
-        }
-    }
-    Ok((out, ids))
-}
-
 /// The command with every argument's settings resolved (the number of values a bare
 /// `bool` flag takes is known only then).
 pub fn built() -> Command {
@@ -317,7 +249,7 @@ impl Args {
         if let Some(path) = matches.get_one::<PathBuf>("config").cloned() {
             let file_error = |why: String| BadArgs(format!("--config {}: {why}", path.display()));
             let text = std::fs::read_to_string(&path).map_err(|e| file_error(e.to_string()))?;
-            let (extra, ids) = file_args(&cmd, &matches, &text).map_err(file_error)?;
+            let (extra, ids) = config_file::file_args(&cmd, &matches, &text).map_err(file_error)?;
             from_file = ids;
             matches =
                 cmd.try_get_matches_from(argv.into_iter().chain(extra)).map_err(|e| file_error(first_line(&e)))?;
@@ -436,143 +368,21 @@ impl Args {
         })
     }
 
-    /// Validates everything into [`Settings`].
+    /// Validates everything into [`Settings`], in this order (the first bad value is the
+    /// error): the flags given, the workers, the routing settings, discovery, authentication,
+    /// the worker URL policy, KV capacities, limits, then health checks and intervals.
     pub fn load(self) -> Result<Settings, BadArgs> {
-        let cmd = Self::command();
-        let mut warnings = Vec::new();
-        for id in &self.given {
-            let help = help_of(&cmd, id);
-            let flag = long_of(&cmd, id).unwrap_or_else(|| id.clone());
-            if let Some(why) = help.strip_prefix(REFUSED) {
-                return Err(self.bad(id, why.trim()));
-            }
-            if help.starts_with(NO_EFFECT) || help.starts_with(NOT_YET) {
-                warnings.push(format!("--{flag}: {help}"));
-            }
-        }
-        if self.peer.backend.as_deref() == Some("openai") {
-            return Err(self.bad("backend", "`openai` is refused in kvmesh: kvmesh routes to SGLang and vLLM workers; route OpenAI-hosted models with a separate Envoy route"));
-        }
-        let pd = self.routing.pd_disaggregation.unwrap_or(false) || !self.prefill.is_empty() || !self.decode.is_empty();
-        if pd && !self.worker_urls.is_empty() {
-            return Err(self.bad("worker_urls", "not with --pd-disaggregation (use --prefill and --decode)"));
-        }
-        for url in &self.worker_urls {
-            kvmesh_core::worker::socket_addr(url).map_err(|e| self.bad("worker_urls", e))?;
-        }
-        for url in &self.decode {
-            kvmesh_core::worker::socket_addr(url).map_err(|e| self.bad("decode", e))?;
-        }
-        let mut prefill = Vec::new();
-        for entry in &self.prefill {
-            let (url, port) =
-                match entry.as_slice() {
-                    [url] => (url.clone(), None),
-                    [url, p] if p.eq_ignore_ascii_case("none") => (url.clone(), None),
-                    [url, p] => (
-                        url.clone(),
-                        Some(p.parse::<u16>().map_err(|_| {
-                            self.bad("prefill", format!("bootstrap port `{p}` is not a port or `none`"))
-                        })?),
-                    ),
-                    _ => return Err(self.bad("prefill", "takes URL [BOOTSTRAP_PORT|none]")),
-                };
-            kvmesh_core::worker::socket_addr(&url).map_err(|e| self.bad("prefill", e))?;
-            prefill.push((url, port));
-        }
-        // What the filters get; the core validates it exactly as the filters will.
-        let mut routing = self.routing.clone();
-        routing.pd_disaggregation = Some(pd);
-        if pd {
-            // `--policy` is both legs' default (as in sglang-router): said explicitly, so that it
-            // also wins over leg policies in a filter's plugin configuration.
-            routing.prefill_policy = routing.prefill_policy.or(routing.policy);
-            routing.decode_policy = routing.decode_policy.or(routing.policy);
-        }
-        let checked = kvmesh_core::Config::from_settings(&routing).map_err(|e| match e {
-            kvmesh_core::ConfigError::Invalid { field, reason } => self.bad(field, reason),
-            other => BadArgs(other.to_string()),
-        })?;
-        let selector = |flag: &str, pairs: &[String]| {
-            pairs
-                .iter()
-                .map(|p| match p.split_once('=') {
-                    Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
-                    _ => Err(self.bad(flag, format!("`{p}` is not a label key=value"))),
-                })
-                .collect::<Result<std::collections::BTreeMap<_, _>, _>>()
-        };
-        let discovery = if self.service_discovery {
-            Some(DiscoveryConfig {
-                namespace: self.service_discovery_namespace.clone(),
-                selector: selector("selector", &self.selector)?,
-                prefill_selector: selector("prefill_selector", &self.prefill_selector)?,
-                decode_selector: selector("decode_selector", &self.decode_selector)?,
-                port: self.service_discovery_port.unwrap_or(80),
-                bootstrap_annotation: self
-                    .bootstrap_port_annotation
-                    .clone()
-                    .unwrap_or_else(|| "sglang.ai/bootstrap-port".into()),
-                role_label: self.role_label.clone().unwrap_or_else(|| "llm-d.ai/role".into()),
-                pd,
-            })
-        } else {
-            None
-        };
-        let positive = |flag: &str, v: Option<u64>, default: u64| match v {
-            Some(0) => Err(self.bad(flag, "must be greater than 0")),
-            Some(v) => Ok(v),
-            None => Ok(default),
-        };
-        let threshold = |flag: &str, v: Option<u32>, default: u32| {
-            positive(flag, v.map(u64::from), u64::from(default)).map(|n| u32::try_from(n).unwrap_or(u32::MAX))
-        };
+        let mut warnings = self.flags_given()?;
+        let pd = self.pd()?;
+        let prefill = self.prefill()?;
+        let (routing, checked) = self.routing(pd)?;
+        let discovery = self.discovery(pd)?;
         let host = self.host.clone().unwrap_or_else(|| "127.0.0.1".into());
         let http_host = self.http_host.clone().unwrap_or_else(|| host.clone());
         let auth = self.auth(&host, &http_host, &mut warnings)?;
-        let worker_policy = WorkerPolicy {
-            cidrs: self
-                .worker_cidrs
-                .iter()
-                .map(|c| Cidr::parse(c).map_err(|e| self.bad("worker_cidrs", e)))
-                .collect::<Result<_, _>>()?,
-        };
-        for (flag, urls) in [
-            ("worker_urls", &self.worker_urls),
-            ("decode", &self.decode),
-            ("prefill", &prefill.iter().map(|(u, _)| u.clone()).collect()),
-        ] {
-            for url in urls {
-                crate::urls::check(url, &worker_policy).map_err(|e| self.bad(flag, e))?;
-            }
-        }
-        let mut kv_capacity = BTreeMap::new();
-        for entry in &self.worker_kv_capacity {
-            let (url, tokens) =
-                crate::capacity::parse_override(entry).map_err(|e| self.bad("worker_kv_capacity", e))?;
-            kv_capacity.insert(url, tokens);
-        }
-        let defaults = Limits::default();
-        let limits = Limits {
-            max_message_bytes: usize::try_from(positive(
-                "max_message_bytes",
-                self.max_message_bytes.map(|n| n as u64),
-                defaults.max_message_bytes as u64,
-            )?)
-            .unwrap_or(usize::MAX),
-            max_inserts_per_report: usize::try_from(positive(
-                "max_inserts_per_report",
-                self.max_inserts_per_report.map(|n| n as u64),
-                defaults.max_inserts_per_report as u64,
-            )?)
-            .unwrap_or(usize::MAX),
-            max_inserts_per_sec: positive(
-                "max_inserts_per_sec",
-                self.max_inserts_per_sec,
-                defaults.max_inserts_per_sec,
-            )?,
-            max_index_entries: positive("max_index_entries", self.max_index_entries, defaults.max_index_entries)?,
-        };
+        let worker_policy = self.worker_policy(&prefill)?;
+        let kv_capacity = self.kv_capacity()?;
+        let limits = self.limits()?;
         Ok(Settings {
             state_file: self.state_file.clone(),
             auth,
@@ -596,19 +406,201 @@ impl Args {
             utility: (!roles_of(&checked, PolicyKind::MarginalUtility).is_empty()).then_some(checked.utility),
             eviction_interval_secs: checked.eviction_interval_secs,
             health_checks: !self.disable_health_check,
-            health_interval_secs: positive("health_check_interval_secs", self.health_check_interval_secs, 60)?,
-            health_timeout_secs: positive("health_check_timeout_secs", self.health_check_timeout_secs, 5)?,
-            health_failure_threshold: threshold("health_failure_threshold", self.health_failure_threshold, 3)?,
-            health_success_threshold: threshold("health_success_threshold", self.health_success_threshold, 2)?,
+            health_interval_secs: self.positive("health_check_interval_secs", self.health_check_interval_secs, 60)?,
+            health_timeout_secs: self.positive("health_check_timeout_secs", self.health_check_timeout_secs, 5)?,
+            health_failure_threshold: self.threshold("health_failure_threshold", self.health_failure_threshold, 3)?,
+            health_success_threshold: self.threshold("health_success_threshold", self.health_success_threshold, 2)?,
             health_endpoint: self.health_check_endpoint.clone().unwrap_or_else(|| "/health".into()),
-            load_poll_interval_ms: positive("load_poll_interval_ms", self.load_poll_interval_ms, 1000)?,
-            push_interval_ms: positive("push_interval_ms", self.push_interval_ms, 10)?,
+            load_poll_interval_ms: self.positive("load_poll_interval_ms", self.load_poll_interval_ms, 1000)?,
+            push_interval_ms: self.positive("push_interval_ms", self.push_interval_ms, 10)?,
             discovery,
             log_level: self.log_level.clone().unwrap_or_else(|| "info".into()),
             warnings,
             workers: self.worker_urls,
             decode: self.decode,
         })
+    }
+
+    /// The flags given that kvmesh refuses (an error), and those with no effect (yet): the
+    /// warnings to log at startup.
+    fn flags_given(&self) -> Result<Vec<String>, BadArgs> {
+        let cmd = Self::command();
+        let mut warnings = Vec::new();
+        for id in &self.given {
+            let help = help_of(&cmd, id);
+            let flag = long_of(&cmd, id).unwrap_or_else(|| id.clone());
+            if let Some(why) = help.strip_prefix(REFUSED) {
+                return Err(self.bad(id, why.trim()));
+            }
+            if help.starts_with(NO_EFFECT) || help.starts_with(NOT_YET) {
+                warnings.push(format!("--{flag}: {help}"));
+            }
+        }
+        if self.peer.backend.as_deref() == Some("openai") {
+            return Err(self.bad("backend", "`openai` is refused in kvmesh: kvmesh routes to SGLang and vLLM workers; route OpenAI-hosted models with a separate Envoy route"));
+        }
+        Ok(warnings)
+    }
+
+    /// Whether prefill and decode are disaggregated (then no regular workers); the regular
+    /// and decode workers' URLs are checked to be ones.
+    fn pd(&self) -> Result<bool, BadArgs> {
+        let pd = self.routing.pd_disaggregation.unwrap_or(false) || !self.prefill.is_empty() || !self.decode.is_empty();
+        if pd && !self.worker_urls.is_empty() {
+            return Err(self.bad("worker_urls", "not with --pd-disaggregation (use --prefill and --decode)"));
+        }
+        for url in &self.worker_urls {
+            kvmesh_core::worker::socket_addr(url).map_err(|e| self.bad("worker_urls", e))?;
+        }
+        for url in &self.decode {
+            kvmesh_core::worker::socket_addr(url).map_err(|e| self.bad("decode", e))?;
+        }
+        Ok(pd)
+    }
+
+    /// The prefill workers (`--prefill URL [BOOTSTRAP_PORT|none]`) with their bootstrap ports.
+    fn prefill(&self) -> Result<Vec<(String, Option<u16>)>, BadArgs> {
+        let mut prefill = Vec::new();
+        for entry in &self.prefill {
+            let (url, port) =
+                match entry.as_slice() {
+                    [url] => (url.clone(), None),
+                    [url, p] if p.eq_ignore_ascii_case("none") => (url.clone(), None),
+                    [url, p] => (
+                        url.clone(),
+                        Some(p.parse::<u16>().map_err(|_| {
+                            self.bad("prefill", format!("bootstrap port `{p}` is not a port or `none`"))
+                        })?),
+                    ),
+                    _ => return Err(self.bad("prefill", "takes URL [BOOTSTRAP_PORT|none]")),
+                };
+            kvmesh_core::worker::socket_addr(&url).map_err(|e| self.bad("prefill", e))?;
+            prefill.push((url, port));
+        }
+        Ok(prefill)
+    }
+
+    /// What the filters get, and the configuration the core validates from it exactly as the
+    /// filters will.
+    fn routing(&self, pd: bool) -> Result<(RoutingSettings, kvmesh_core::Config), BadArgs> {
+        let mut routing = self.routing.clone();
+        routing.pd_disaggregation = Some(pd);
+        if pd {
+            // `--policy` is both legs' default (as in sglang-router): said explicitly, so that it
+            // also wins over leg policies in a filter's plugin configuration.
+            routing.prefill_policy = routing.prefill_policy.or(routing.policy);
+            routing.decode_policy = routing.decode_policy.or(routing.policy);
+        }
+        let checked = kvmesh_core::Config::from_settings(&routing).map_err(|e| match e {
+            kvmesh_core::ConfigError::Invalid { field, reason } => self.bad(field, reason),
+            other => BadArgs(other.to_string()),
+        })?;
+        Ok((routing, checked))
+    }
+
+    /// Kubernetes discovery, when `--service-discovery`.
+    fn discovery(&self, pd: bool) -> Result<Option<DiscoveryConfig>, BadArgs> {
+        if !self.service_discovery {
+            return Ok(None);
+        }
+        Ok(Some(DiscoveryConfig {
+            namespace: self.service_discovery_namespace.clone(),
+            selector: self.labels("selector", &self.selector)?,
+            prefill_selector: self.labels("prefill_selector", &self.prefill_selector)?,
+            decode_selector: self.labels("decode_selector", &self.decode_selector)?,
+            port: self.service_discovery_port.unwrap_or(80),
+            bootstrap_annotation: self
+                .bootstrap_port_annotation
+                .clone()
+                .unwrap_or_else(|| "sglang.ai/bootstrap-port".into()),
+            role_label: self.role_label.clone().unwrap_or_else(|| "llm-d.ai/role".into()),
+            pd,
+        }))
+    }
+
+    /// A pod label selector: `key=value` pairs.
+    fn labels(&self, flag: &str, pairs: &[String]) -> Result<BTreeMap<String, String>, BadArgs> {
+        pairs
+            .iter()
+            .map(|p| match p.split_once('=') {
+                Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+                _ => Err(self.bad(flag, format!("`{p}` is not a label key=value"))),
+            })
+            .collect()
+    }
+
+    /// `--worker-cidrs`, which every worker given on the command line must already pass.
+    fn worker_policy(&self, prefill: &[(String, Option<u16>)]) -> Result<WorkerPolicy, BadArgs> {
+        let worker_policy = WorkerPolicy {
+            cidrs: self
+                .worker_cidrs
+                .iter()
+                .map(|c| Cidr::parse(c).map_err(|e| self.bad("worker_cidrs", e)))
+                .collect::<Result<_, _>>()?,
+        };
+        for (flag, urls) in [
+            ("worker_urls", &self.worker_urls),
+            ("decode", &self.decode),
+            ("prefill", &prefill.iter().map(|(u, _)| u.clone()).collect()),
+        ] {
+            for url in urls {
+                crate::urls::check(url, &worker_policy).map_err(|e| self.bad(flag, e))?;
+            }
+        }
+        Ok(worker_policy)
+    }
+
+    /// `--worker-kv-capacity`: tokens by worker URL.
+    fn kv_capacity(&self) -> Result<BTreeMap<String, u64>, BadArgs> {
+        let mut kv_capacity = BTreeMap::new();
+        for entry in &self.worker_kv_capacity {
+            let (url, tokens) = kv_capacity_entry(entry).map_err(|e| self.bad("worker_kv_capacity", e))?;
+            kv_capacity.insert(url, tokens);
+        }
+        Ok(kv_capacity)
+    }
+
+    /// The bounds on messages, reports and the global index.
+    fn limits(&self) -> Result<Limits, BadArgs> {
+        let defaults = Limits::default();
+        Ok(Limits {
+            max_message_bytes: usize::try_from(self.positive(
+                "max_message_bytes",
+                self.max_message_bytes.map(|n| n as u64),
+                defaults.max_message_bytes as u64,
+            )?)
+            .unwrap_or(usize::MAX),
+            max_inserts_per_report: usize::try_from(self.positive(
+                "max_inserts_per_report",
+                self.max_inserts_per_report.map(|n| n as u64),
+                defaults.max_inserts_per_report as u64,
+            )?)
+            .unwrap_or(usize::MAX),
+            max_inserts_per_sec: self.positive(
+                "max_inserts_per_sec",
+                self.max_inserts_per_sec,
+                defaults.max_inserts_per_sec,
+            )?,
+            max_index_entries: self.positive(
+                "max_index_entries",
+                self.max_index_entries,
+                defaults.max_index_entries,
+            )?,
+        })
+    }
+
+    /// `v` (0 is refused), else `default`.
+    fn positive(&self, flag: &str, v: Option<u64>, default: u64) -> Result<u64, BadArgs> {
+        match v {
+            Some(0) => Err(self.bad(flag, "must be greater than 0")),
+            Some(v) => Ok(v),
+            None => Ok(default),
+        }
+    }
+
+    /// A number of health checks: [`positive`](Self::positive), within `u32`.
+    fn threshold(&self, flag: &str, v: Option<u32>, default: u32) -> Result<u32, BadArgs> {
+        self.positive(flag, v.map(u64::from), u64::from(default)).map(|n| u32::try_from(n).unwrap_or(u32::MAX))
     }
 }
 
@@ -623,6 +615,16 @@ fn roles_of(config: &kvmesh_core::Config, kind: PolicyKind) -> Vec<Role> {
             .map(|(_, r)| r)
             .collect(),
     }
+}
+
+/// One `--worker-kv-capacity` entry: `URL=TOKENS`.
+fn kv_capacity_entry(entry: &str) -> Result<(String, u64), String> {
+    let (url, tokens) = entry.rsplit_once('=').ok_or_else(|| format!("`{entry}` is not URL=TOKENS"))?;
+    let tokens: u64 = tokens.trim().parse().map_err(|_| format!("`{tokens}` is not a number of tokens"))?;
+    if tokens == 0 {
+        return Err(format!("`{entry}`: the capacity must be at least 1 token"));
+    }
+    Ok((url.trim().trim_end_matches('/').to_string(), tokens))
 }
 
 /// A token or key as it goes into an `authorization` header: visible ASCII, no spaces.

@@ -6,7 +6,7 @@
 
 use clap::ArgAction;
 
-/// Help text prefixes: the status of a flag (see [`crate::args`]).
+/// Help text prefixes: the status of a flag (`Args::load` warns about or refuses what is given).
 pub const NO_EFFECT: &str = "No effect in kvmesh:";
 pub const NOT_YET: &str = "Accepted, not yet enforced:";
 pub const REFUSED: &str = "Refused in kvmesh:";

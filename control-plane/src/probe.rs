@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::state::State;
+use crate::state::{Pressure, State};
 
 /// The most of a worker's answer kvmesh-cp reads (a health, load or metrics page; a hostile or
 /// broken worker cannot make it hold more).
@@ -44,13 +44,6 @@ pub fn parse_get_load(body: &str) -> Option<u64> {
     }
     let ranks = v.as_array()?;
     Some(ranks.iter().filter_map(|r| r.get("num_reqs").and_then(serde_json::Value::as_u64)).sum())
-}
-
-/// How full a worker is: requests waiting in its queue, fraction of its KV cache in use.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct Pressure {
-    pub waiting: Option<u64>,
-    pub kv_usage: Option<f64>,
 }
 
 /// Waiting requests from SGLang's `/get_load` (one object per DP rank: `num_waiting_reqs`).

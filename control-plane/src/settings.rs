@@ -1,5 +1,6 @@
-//! The control plane's validated settings: plain data that [`crate::args`] fills from the
-//! flags and `--config`, and that every other module reads (none of them imports `args`).
+//! The control plane's validated settings: plain data that the flags and `--config` fill
+//! (`args.rs`), and that every other module reads (none of them imports `args`; this module
+//! imports nothing from it either).
 
 use std::collections::BTreeMap;
 

@@ -546,3 +546,14 @@ fn every_sglang_router_flag_is_in_the_migration_guide() {
         assert!(row.contains(&format!("| {status}")), "{flag}: the migration guide should say `{status}`: {row}");
     }
 }
+
+#[test]
+fn kv_capacity_entries() {
+    assert_eq!(kv_capacity_entry("http://10.0.0.1:8000/=4096"), Ok(("http://10.0.0.1:8000".into(), 4096)));
+    assert!(kv_capacity_entry("http://10.0.0.1:8000").is_err());
+    assert!(kv_capacity_entry("http://10.0.0.1:8000=0").is_err());
+    assert!(kv_capacity_entry("http://10.0.0.1:8000=lots").is_err());
+    let s = parse(&["--worker-kv-capacity", "http://10.0.0.1:8000/=4096"]).unwrap();
+    assert_eq!(s.kv_capacity.get("http://10.0.0.1:8000"), Some(&4096));
+    assert!(parse(&["--worker-kv-capacity", "x"]).unwrap_err().starts_with("--worker-kv-capacity:"));
+}

@@ -1,0 +1,57 @@
+//! The global prefix index as read: how much of it each worker holds (in blocks and in
+//! tokens), which workers hold a text's leading blocks, and the bound each worker is held to
+//! there (its KV capacity within `--max-tree-size`; prefix_hash's LRU capacity per server).
+
+use super::store::{Inner, State};
+use super::worker::WorkerEntry;
+use crate::capacity;
+
+impl State {
+    /// Blocks worker `id` holds in the index.
+    pub fn index_size_of(&self, id: u32) -> u64 {
+        self.lock().index.size_of(id)
+    }
+
+    /// Tokens' worth of the blocks worker `id` holds in the index.
+    pub fn index_tokens_of(&self, id: u32) -> u64 {
+        capacity::tokens_of_blocks(&self.settings, self.index_size_of(id))
+    }
+
+    /// The index's blocks, and its (worker, block) entries.
+    pub fn index_stats(&self) -> (usize, u64) {
+        let inner = self.lock();
+        (inner.index.len(), inner.index.entries())
+    }
+
+    /// Which workers hold leading blocks of `text` (the routing text), deepest first.
+    pub fn match_text(&self, text: &[u8]) -> Vec<(String, usize)> {
+        let hashes = kvmesh_core::blocks::block_hashes(text, self.settings.block_size);
+        let inner = self.lock();
+        let mut out: Vec<(String, usize)> = inner
+            .index
+            .match_prefix(&hashes)
+            .into_iter()
+            .filter_map(|m| Some((inner.workers.get(&m.worker)?.url.clone(), m.blocks)))
+            .collect();
+        out.sort_by_key(|m| std::cmp::Reverse(m.1));
+        out
+    }
+
+    /// A worker's KV capacity in tokens: `--worker-kv-capacity`, else what it reported.
+    pub fn kv_capacity(&self, w: &WorkerEntry) -> Option<u64> {
+        self.settings.kv_capacity.get(w.url.trim_end_matches('/')).copied().or(w.kv_capacity_reported)
+    }
+
+    /// The most blocks `worker`'s part of the index may hold.
+    pub(super) fn bound_of(&self, inner: &Inner, worker: u32) -> u64 {
+        let entry = inner.workers.get(&worker);
+        let bound = capacity::bound_blocks(&self.settings, entry.and_then(|w| self.kv_capacity(w)));
+        match entry {
+            // prefix_hash keeps llm-d's per-server LRU capacity.
+            Some(w) if self.settings.prefix_hash_roles.contains(&w.role) => {
+                bound.min(self.settings.lru_capacity_per_server.max(1))
+            }
+            _ => bound,
+        }
+    }
+}

@@ -1,0 +1,255 @@
+//! The worker registry: the workers from the flags, the state file, the admin API and
+//! discovery, each URL through the worker URL policy and each with an id never reused (so
+//! that the filters' index entries stay unambiguous); and what probing finds out about them:
+//! health (with the failure and success thresholds), load, queue and KV pressure.
+
+use std::sync::Arc;
+
+use kvmesh_proto::v1::Role;
+
+use super::persist::{self, Persisted};
+use super::store::State;
+use super::worker::{Pressure, Source, WorkerEntry};
+use crate::settings::Settings;
+
+impl State {
+    /// The state without a state file (tests).
+    #[cfg(test)]
+    pub fn new(settings: Settings) -> Arc<Self> {
+        Self::build(settings, Persisted::default())
+    }
+
+    /// The state, with what `--state-file` kept (a missing file is a first start).
+    pub fn open(settings: Settings) -> Result<Arc<Self>, String> {
+        let persisted = persist::read(settings.state_file.as_deref())?;
+        Ok(Self::build(settings, persisted))
+    }
+
+    /// Registers the workers from the flags, then those the state file kept.
+    fn build(settings: Settings, persisted: Persisted) -> Arc<Self> {
+        let state = Self::empty(settings, persisted.next_id, persisted.ids.into_iter().collect());
+        let s = &state.settings;
+        for url in &s.workers {
+            let _ = state.add_worker(url, Role::Regular, None, Source::Static);
+        }
+        for (url, port) in &s.prefill {
+            let _ = state.add_worker(url, Role::Prefill, *port, Source::Static);
+        }
+        for url in &s.decode {
+            let _ = state.add_worker(url, Role::Decode, None, Source::Static);
+        }
+        for w in persisted.api_workers {
+            if let Err(e) = state.add_worker(&w.url, w.role(), w.bootstrap_port, Source::Api) {
+                tracing::warn!(url = %w.url, "worker from the state file not restored: {e}");
+            }
+        }
+        state.persist();
+        state
+    }
+
+    /// Adds a worker (ids are never reused, so filters' index entries stay unambiguous).
+    pub fn add_worker(
+        &self,
+        url: &str,
+        role: Role,
+        bootstrap_port: Option<u16>,
+        source: Source,
+    ) -> Result<u32, String> {
+        crate::urls::check(url, &self.settings.worker_policy)?;
+        let mut inner = self.lock();
+        if let Some(&id) = inner.ids.get(url) {
+            return Err(format!("worker {url} is already registered (id {id})"));
+        }
+        // The id this URL had before a restart, if the state file says and it is free.
+        let id = match inner.remembered.remove(url) {
+            Some(id) if !inner.workers.contains_key(&id) => id,
+            _ => inner.next_id,
+        };
+        inner.next_id = inner.next_id.max(id.saturating_add(1));
+        inner.ids.insert(url.to_string(), id);
+        // A worker someone named at runtime gets traffic only once it answered a health check.
+        let awaiting_probe = source == Source::Api && self.settings.health_checks;
+        let entry = WorkerEntry::new(id, url, role, bootstrap_port, source, awaiting_probe);
+        inner.workers.insert(id, entry);
+        inner.workers_dirty = true;
+        drop(inner);
+        tracing::info!(url, ?role, id, ?source, "worker added");
+        self.persist();
+        Ok(id)
+    }
+
+    pub fn remove_worker(&self, url: &str) -> bool {
+        let mut inner = self.lock();
+        let Some(id) = inner.ids.remove(url) else { return false };
+        inner.workers.remove(&id);
+        inner.index.remove_worker(id);
+        inner.workers_dirty = true;
+        drop(inner);
+        tracing::info!(url, id, "worker removed");
+        self.persist();
+        true
+    }
+
+    pub fn workers(&self) -> Vec<WorkerEntry> {
+        self.lock().workers.values().cloned().collect()
+    }
+
+    /// Applies one health-check result with the failure/success thresholds.
+    pub fn health_result(&self, id: u32, ok: bool) {
+        let (fail_at, ok_at) = (self.settings.health_failure_threshold, self.settings.health_success_threshold);
+        let mut inner = self.lock();
+        let Some(w) = inner.workers.get_mut(&id) else { return };
+        let was = w.healthy;
+        if ok {
+            w.fails = 0;
+            w.oks += 1;
+            if !w.healthy && (w.oks >= ok_at || w.awaiting_probe) {
+                w.healthy = true;
+            }
+            w.awaiting_probe = false;
+        } else {
+            w.oks = 0;
+            w.fails += 1;
+            if w.healthy && w.fails >= fail_at {
+                w.healthy = false;
+            }
+        }
+        if was != w.healthy {
+            tracing::warn!(url = %w.url, healthy = w.healthy, "worker health changed");
+            inner.workers_dirty = true;
+        }
+    }
+
+    pub fn load_result(&self, id: u32, load: Option<u64>, cache_hit_rate: Option<f64>) {
+        let mut inner = self.lock();
+        let Some(w) = inner.workers.get_mut(&id) else { return };
+        if cache_hit_rate.is_some() {
+            w.cache_hit_rate = cache_hit_rate;
+        }
+        if w.polled_load != load {
+            w.polled_load = load;
+            inner.workers_dirty = true;
+        }
+    }
+
+    /// How full worker `id` is, as just polled.
+    pub fn pressure_result(&self, id: u32, pressure: Pressure) {
+        let mut inner = self.lock();
+        let Some(w) = inner.workers.get_mut(&id) else { return };
+        if w.pressure != pressure {
+            w.pressure = pressure;
+            inner.workers_dirty = true;
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// A state from kvmesh-cp's command line (shared with the admin API's tests).
+    pub(crate) fn state(args: &[&str]) -> Arc<State> {
+        let mut argv = vec!["kvmesh-cp"];
+        argv.extend(args);
+        State::new(crate::args::Args::parse_from(argv).map_err(|e| e.one_line()).unwrap().load().unwrap())
+    }
+
+    #[test]
+    fn health_thresholds() {
+        let s = state(&[
+            "--worker-urls",
+            "http://127.0.0.1:1",
+            "--health-failure-threshold",
+            "2",
+            "--health-success-threshold",
+            "2",
+        ]);
+        s.publish();
+        s.health_result(0, false);
+        assert!(s.workers()[0].healthy);
+        s.health_result(0, false);
+        assert!(!s.workers()[0].healthy);
+        s.health_result(0, true);
+        assert!(!s.workers()[0].healthy);
+        s.health_result(0, true);
+        assert!(s.workers()[0].healthy);
+    }
+
+    #[test]
+    fn an_api_worker_is_unhealthy_until_its_first_health_check_passes() {
+        let s = state(&["--worker-urls", "http://127.0.0.1:1", "--health-success-threshold", "3"]);
+        let id = s.add_worker("http://127.0.0.1:2", Role::Regular, None, Source::Api).unwrap();
+        let health = |s: &State| s.workers().iter().find(|w| w.id == id).unwrap().healthy;
+        assert!(!health(&s), "no traffic before it is probed");
+        assert!(s.workers()[0].healthy, "static workers start healthy");
+        s.health_result(id, false);
+        assert!(!health(&s));
+        s.health_result(id, true);
+        assert!(health(&s), "the first passed check is enough, whatever the success threshold");
+        // Without health checks nothing would ever probe it: it starts healthy.
+        let s = state(&["--disable-health-check"]);
+        s.add_worker("http://127.0.0.1:2", Role::Regular, None, Source::Api).unwrap();
+        assert!(s.workers()[0].healthy);
+    }
+
+    #[test]
+    fn the_url_policy_applies_to_every_source() {
+        let s = state(&["--worker-cidrs", "127.0.0.0/8"]);
+        for source in [Source::Api, Source::Discovery, Source::Static] {
+            assert!(s
+                .add_worker("http://169.254.169.254:80", Role::Regular, None, source)
+                .unwrap_err()
+                .contains("link-local"));
+            assert!(s.add_worker("http://0.0.0.0:9901", Role::Regular, None, source).is_err());
+            assert!(s.add_worker("http://[::]:9901", Role::Regular, None, source).is_err());
+            assert!(s
+                .add_worker("http://10.0.0.1:80", Role::Regular, None, source)
+                .unwrap_err()
+                .contains("--worker-cidrs"));
+        }
+        assert!(s.add_worker("http://127.0.0.5:80", Role::Regular, None, Source::Api).is_ok());
+        assert_eq!(s.workers().len(), 1);
+    }
+
+    #[test]
+    fn the_state_file_keeps_api_workers_and_every_id_across_a_restart() {
+        let dir = std::env::temp_dir().join(format!("kvmesh-cp-state-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("state.json");
+        let _ = std::fs::remove_file(&file);
+        let flags = |extra: &[&str]| {
+            let mut f = vec!["--state-file", file.to_str().unwrap(), "--worker-urls", "http://127.0.0.1:1"];
+            f.extend(extra);
+            f.into_iter().map(String::from).collect::<Vec<_>>()
+        };
+        let start = |extra: &[&str]| {
+            let argv: Vec<String> = std::iter::once("kvmesh-cp".to_string()).chain(flags(extra)).collect();
+            State::open(crate::args::Args::parse_from(argv).unwrap().load().unwrap()).unwrap()
+        };
+        let s = start(&[]);
+        assert_eq!(s.add_worker("http://127.0.0.1:2", Role::Regular, None, Source::Api), Ok(1));
+        assert_eq!(s.add_worker("http://127.0.0.1:3", Role::Regular, None, Source::Discovery), Ok(2));
+        assert_eq!(s.add_worker("http://127.0.0.1:4", Role::Regular, None, Source::Api), Ok(3));
+        assert!(s.remove_worker("http://127.0.0.1:4"));
+        drop(s);
+        // Restarted, with one more static worker: everyone keeps their id, the discovered
+        // worker gets its id back when it is discovered again, new ids are never old ones.
+        let s = start(&["http://127.0.0.1:5"]);
+        let ids: Vec<(String, u32, bool)> = s.workers().iter().map(|w| (w.url.clone(), w.id, w.healthy)).collect();
+        assert_eq!(
+            ids,
+            [
+                ("http://127.0.0.1:1".to_string(), 0, true),
+                ("http://127.0.0.1:2".to_string(), 1, false),
+                ("http://127.0.0.1:5".to_string(), 4, true)
+            ],
+            "the API worker is back, unhealthy until probed"
+        );
+        assert_eq!(s.add_worker("http://127.0.0.1:3", Role::Regular, None, Source::Discovery), Ok(2));
+        assert_eq!(s.add_worker("http://127.0.0.1:4", Role::Regular, None, Source::Api), Ok(5));
+        std::fs::write(&file, "not json").unwrap();
+        let argv: Vec<String> = std::iter::once("kvmesh-cp".to_string()).chain(flags(&[])).collect();
+        let e = State::open(crate::args::Args::parse_from(argv).unwrap().load().unwrap()).err().unwrap();
+        assert!(e.starts_with("--state-file"), "{e}");
+    }
+}

@@ -1,0 +1,158 @@
+//! One worker as the registry keeps it: where it came from, its health and load as probed,
+//! what the gateways report about it, and the views of it that the admin API and the
+//! filters read.
+
+use std::collections::HashMap;
+
+use kvmesh_core::policy::UtilityWindow;
+use kvmesh_proto::v1::{BreakerState, Feedback, Role};
+
+use crate::feedback::FeedbackTotals;
+
+/// Where a worker came from (discovery only removes what it added).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    Static,
+    Api,
+    Discovery,
+}
+
+/// How full a worker is: requests waiting in its queue, fraction of its KV cache in use (as
+/// the load poll reads them).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Pressure {
+    pub waiting: Option<u64>,
+    pub kv_usage: Option<f64>,
+}
+
+/// One registered worker.
+#[derive(Clone, Debug)]
+pub struct WorkerEntry {
+    pub id: u32,
+    pub url: String,
+    pub role: Role,
+    pub bootstrap_port: Option<u16>,
+    pub source: Source,
+    pub healthy: bool,
+    /// Added through the API and not yet probed: unhealthy (no traffic) until its first
+    /// health check passes.
+    pub(super) awaiting_probe: bool,
+    pub(super) fails: u32,
+    pub(super) oks: u32,
+    /// Load the worker reports (`/get_load` or `/metrics`).
+    pub polled_load: Option<u64>,
+    /// The worker's own cache hit rate, when its `/metrics` says.
+    pub cache_hit_rate: Option<f64>,
+    /// Its queue and KV cache, when it says (`/get_load`, `/metrics`).
+    pub pressure: Pressure,
+    /// In-flight requests per gateway, as reported.
+    pub inflight: HashMap<String, u32>,
+    /// Finished and failed requests, summed over gateways.
+    pub requests: u64,
+    pub errors: u64,
+    /// Requests the gateways moved from this worker to another, summed over gateways.
+    pub failovers: u64,
+    /// Each gateway's last cumulative (wrapping) counts, to add the differences.
+    pub(super) last_counts: HashMap<String, LastCounts>,
+    /// The circuit breaker of each gateway with a live report stream, where it is not closed.
+    pub breakers: HashMap<String, BreakerState>,
+    /// The KV capacity in tokens the worker reported (`/get_server_info`).
+    pub kv_capacity_reported: Option<u64>,
+    /// Engine feedback summed over the gateways.
+    pub feedback: FeedbackTotals,
+    /// marginal_utility: the last completed requests (from the gateways' completion metrics)
+    /// and the score they give, shipped to the filters.
+    pub window: UtilityWindow,
+    pub utility: Option<f64>,
+}
+
+/// One gateway's last cumulative counts for one worker.
+#[derive(Clone, Debug, Default)]
+pub(super) struct LastCounts {
+    pub(super) requests: u32,
+    pub(super) errors: u32,
+    pub(super) failovers: u32,
+    pub(super) feedback: Feedback,
+    /// When these counts arrived (ms since the epoch; 0: never).
+    pub(super) at_ms: u64,
+}
+
+impl WorkerEntry {
+    pub fn inflight_total(&self) -> u64 {
+        self.inflight.values().map(|&n| u64::from(n)).sum()
+    }
+
+    /// The worker's circuit breaker over the gateways: `open` when any gateway has it open,
+    /// else `half_open` when any is probing it, else `closed`.
+    pub fn circuit_breaker(&self) -> &'static str {
+        let any = |state| self.breakers.values().any(|&b| b == state);
+        if any(BreakerState::Open) {
+            "open"
+        } else if any(BreakerState::HalfOpen) {
+            "half_open"
+        } else {
+            "closed"
+        }
+    }
+
+    /// How many gateways have the worker's circuit breaker open.
+    pub fn breakers_open(&self) -> usize {
+        self.breakers.values().filter(|&&b| b == BreakerState::Open).count()
+    }
+
+    /// The load filters see: the worker's own report, else the gateways' in-flight sum.
+    pub fn load(&self) -> u64 {
+        self.polled_load.unwrap_or_else(|| self.inflight_total())
+    }
+
+    /// A worker just registered: no probes, loads or counts yet. `awaiting_probe`: unhealthy
+    /// (no traffic) until its first health check passes.
+    pub(super) fn new(
+        id: u32,
+        url: &str,
+        role: Role,
+        bootstrap_port: Option<u16>,
+        source: Source,
+        awaiting_probe: bool,
+    ) -> Self {
+        Self {
+            id,
+            url: url.to_string(),
+            role,
+            bootstrap_port,
+            source,
+            healthy: !awaiting_probe,
+            awaiting_probe,
+            fails: 0,
+            oks: 0,
+            polled_load: None,
+            cache_hit_rate: None,
+            pressure: Default::default(),
+            inflight: HashMap::new(),
+            requests: 0,
+            errors: 0,
+            failovers: 0,
+            breakers: HashMap::new(),
+            last_counts: HashMap::new(),
+            kv_capacity_reported: None,
+            feedback: FeedbackTotals::default(),
+            window: UtilityWindow::default(),
+            utility: None,
+        }
+    }
+
+    /// A bare entry (tests of modules that read the table).
+    #[cfg(test)]
+    pub fn for_test(url: &str, healthy: bool) -> Self {
+        Self { healthy, ..Self::new(0, url, Role::Regular, None, Source::Static, false) }
+    }
+}
+
+/// A role as the admin API and the state file name it.
+pub fn role_name(role: Role) -> &'static str {
+    match role {
+        Role::Regular => "regular",
+        Role::Prefill => "prefill",
+        Role::Decode => "decode",
+    }
+}
