@@ -1,12 +1,14 @@
 //! Conversions between the `RoutingSettings` message and
-//! [`kvmesh_core::settings::RoutingSettings`] (the one declaration of the routing settings).
-//! Both directions destructure their source exhaustively, so a field added on one side and
-//! not here does not compile.
+//! [`kvmesh_core::settings::RoutingSettings`] (the one declaration of the routing settings),
+//! generated from the message's fields: a setting on one side and not on the other does not
+//! compile (see `conversions!`).
 
 use kvmesh_core::policy::PolicyKind;
 use kvmesh_core::settings::{PdDecider, RoutingSettings};
 
 use crate::v1;
+
+include!(concat!(env!("OUT_DIR"), "/routing_settings_fields.rs"));
 
 /// A message the core settings cannot represent (a newer control plane's enum value).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -15,297 +17,207 @@ pub enum SettingsError {
     UnknownValue { field: &'static str, value: i32 },
 }
 
-fn policy_to(p: PolicyKind) -> i32 {
-    let p = match p {
-        PolicyKind::Random => v1::Policy::Random,
-        PolicyKind::RoundRobin => v1::Policy::RoundRobin,
-        PolicyKind::PowerOfTwo => v1::Policy::PowerOfTwo,
-        PolicyKind::CacheAware => v1::Policy::CacheAware,
-        PolicyKind::PrefixHash => v1::Policy::PrefixHash,
-        PolicyKind::MarginalUtility => v1::Policy::MarginalUtility,
-        PolicyKind::ConsistentHashing => v1::Policy::ConsistentHashing,
-    };
-    p as i32
+/// How a setting's core type travels in the message: itself, an enum's number, or a list in
+/// a message (as `optional` cannot wrap `repeated`).
+trait Wire<W>: Sized {
+    fn to_wire(self) -> W;
+    fn from_wire(w: W, field: &'static str) -> Result<Self, SettingsError>;
 }
 
-fn policy_from(field: &'static str, value: Option<i32>) -> Result<Option<PolicyKind>, SettingsError> {
-    let Some(value) = value else { return Ok(None) };
-    let p = match v1::Policy::try_from(value) {
-        Ok(v1::Policy::Random) => PolicyKind::Random,
-        Ok(v1::Policy::RoundRobin) => PolicyKind::RoundRobin,
-        Ok(v1::Policy::PowerOfTwo) => PolicyKind::PowerOfTwo,
-        Ok(v1::Policy::CacheAware) => PolicyKind::CacheAware,
-        Ok(v1::Policy::PrefixHash) => PolicyKind::PrefixHash,
-        Ok(v1::Policy::MarginalUtility) => PolicyKind::MarginalUtility,
-        Ok(v1::Policy::ConsistentHashing) => PolicyKind::ConsistentHashing,
-        Ok(v1::Policy::Unspecified) | Err(_) => return Err(SettingsError::UnknownValue { field, value }),
-    };
-    Ok(Some(p))
-}
-
-fn decider_to(d: PdDecider) -> i32 {
-    let d = match d {
-        PdDecider::Always => v1::PdDecider::Always,
-        PdDecider::Prefix => v1::PdDecider::Prefix,
-    };
-    d as i32
-}
-
-fn decider_from(value: Option<i32>) -> Result<Option<PdDecider>, SettingsError> {
-    let Some(value) = value else { return Ok(None) };
-    match v1::PdDecider::try_from(value) {
-        Ok(v1::PdDecider::Always) => Ok(Some(PdDecider::Always)),
-        Ok(v1::PdDecider::Prefix) => Ok(Some(PdDecider::Prefix)),
-        Ok(v1::PdDecider::Unspecified) | Err(_) => Err(SettingsError::UnknownValue { field: "pd_decider", value }),
+impl<T> Wire<T> for T {
+    fn to_wire(self) -> T {
+        self
+    }
+    fn from_wire(w: T, _: &'static str) -> Result<T, SettingsError> {
+        Ok(w)
     }
 }
 
-impl From<&RoutingSettings> for v1::RoutingSettings {
-    fn from(s: &RoutingSettings) -> Self {
-        let RoutingSettings {
-            policy,
-            prefill_policy,
-            decode_policy,
-            cache_threshold,
-            balance_abs_threshold,
-            balance_rel_threshold,
-            eviction_interval_secs,
-            max_tree_size,
-            block_size,
-            max_payload_size,
-            request_timeout_secs,
-            worker_stall_secs,
-            overload_waiting_requests,
-            overload_kv_usage,
-            pd_disaggregation,
-            pd_decider,
-            non_cached_tokens,
-            cb_failure_threshold,
-            cb_timeout_duration_secs,
-            cb_success_threshold,
-            cb_window_duration_secs,
-            disable_circuit_breaker,
-            retry_max_retries,
-            retry_initial_backoff_ms,
-            retry_max_backoff_ms,
-            retry_backoff_multiplier,
-            retry_jitter_factor,
-            disable_retries,
-            max_concurrent_requests,
-            queue_size,
-            queue_timeout_secs,
-            rate_limit_tokens_per_second,
-            passthrough_paths,
-            bytes_per_token,
-            max_prefix_blocks_to_match,
-            prefix_token_count,
-            lru_capacity_per_server,
-            prefix_hash_load_factor,
-            prefix_cache_weight,
-            prefix_load_weight,
-            routing_key_headers,
-            routing_key_body_field,
-            utility_window_size,
-            utility_min_history,
-            utility_throughput_weight,
-            utility_latency_weight,
-            utility_load_weight,
-        } = s.clone();
-        Self {
-            policy: policy.map(policy_to),
-            prefill_policy: prefill_policy.map(policy_to),
-            decode_policy: decode_policy.map(policy_to),
-            cache_threshold,
-            balance_abs_threshold,
-            balance_rel_threshold,
-            eviction_interval_secs,
-            max_tree_size,
-            block_size,
-            max_payload_size,
-            request_timeout_secs,
-            worker_stall_secs,
-            overload_waiting_requests,
-            overload_kv_usage,
-            pd_disaggregation,
-            pd_decider: pd_decider.map(decider_to),
-            non_cached_tokens,
-            cb_failure_threshold,
-            cb_timeout_duration_secs,
-            cb_success_threshold,
-            cb_window_duration_secs,
-            disable_circuit_breaker,
-            retry_max_retries,
-            retry_initial_backoff_ms,
-            retry_max_backoff_ms,
-            retry_backoff_multiplier,
-            retry_jitter_factor,
-            disable_retries,
-            max_concurrent_requests,
-            queue_size,
-            queue_timeout_secs,
-            rate_limit_tokens_per_second,
-            passthrough_paths: passthrough_paths.map(|paths| v1::PathList { paths }),
-            bytes_per_token,
-            max_prefix_blocks_to_match,
-            prefix_token_count,
-            lru_capacity_per_server,
-            prefix_hash_load_factor,
-            prefix_cache_weight,
-            prefix_load_weight,
-            routing_key_headers: routing_key_headers.map(|values| v1::StringList { values }),
-            routing_key_body_field,
-            utility_window_size,
-            utility_min_history,
-            utility_throughput_weight,
-            utility_latency_weight,
-            utility_load_weight,
+impl Wire<i32> for PolicyKind {
+    fn to_wire(self) -> i32 {
+        let p = match self {
+            PolicyKind::Random => v1::Policy::Random,
+            PolicyKind::RoundRobin => v1::Policy::RoundRobin,
+            PolicyKind::PowerOfTwo => v1::Policy::PowerOfTwo,
+            PolicyKind::CacheAware => v1::Policy::CacheAware,
+            PolicyKind::PrefixHash => v1::Policy::PrefixHash,
+            PolicyKind::MarginalUtility => v1::Policy::MarginalUtility,
+            PolicyKind::ConsistentHashing => v1::Policy::ConsistentHashing,
+        };
+        p as i32
+    }
+    fn from_wire(value: i32, field: &'static str) -> Result<Self, SettingsError> {
+        match v1::Policy::try_from(value) {
+            Ok(v1::Policy::Random) => Ok(PolicyKind::Random),
+            Ok(v1::Policy::RoundRobin) => Ok(PolicyKind::RoundRobin),
+            Ok(v1::Policy::PowerOfTwo) => Ok(PolicyKind::PowerOfTwo),
+            Ok(v1::Policy::CacheAware) => Ok(PolicyKind::CacheAware),
+            Ok(v1::Policy::PrefixHash) => Ok(PolicyKind::PrefixHash),
+            Ok(v1::Policy::MarginalUtility) => Ok(PolicyKind::MarginalUtility),
+            Ok(v1::Policy::ConsistentHashing) => Ok(PolicyKind::ConsistentHashing),
+            Ok(v1::Policy::Unspecified) | Err(_) => Err(SettingsError::UnknownValue { field, value }),
         }
     }
 }
 
-impl TryFrom<v1::RoutingSettings> for RoutingSettings {
-    type Error = SettingsError;
-
-    fn try_from(m: v1::RoutingSettings) -> Result<Self, SettingsError> {
-        let v1::RoutingSettings {
-            policy,
-            prefill_policy,
-            decode_policy,
-            cache_threshold,
-            balance_abs_threshold,
-            balance_rel_threshold,
-            eviction_interval_secs,
-            max_tree_size,
-            block_size,
-            max_payload_size,
-            request_timeout_secs,
-            worker_stall_secs,
-            overload_waiting_requests,
-            overload_kv_usage,
-            pd_disaggregation,
-            pd_decider,
-            non_cached_tokens,
-            cb_failure_threshold,
-            cb_timeout_duration_secs,
-            cb_success_threshold,
-            cb_window_duration_secs,
-            disable_circuit_breaker,
-            retry_max_retries,
-            retry_initial_backoff_ms,
-            retry_max_backoff_ms,
-            retry_backoff_multiplier,
-            retry_jitter_factor,
-            disable_retries,
-            max_concurrent_requests,
-            queue_size,
-            queue_timeout_secs,
-            rate_limit_tokens_per_second,
-            passthrough_paths,
-            bytes_per_token,
-            max_prefix_blocks_to_match,
-            prefix_token_count,
-            lru_capacity_per_server,
-            prefix_hash_load_factor,
-            prefix_cache_weight,
-            prefix_load_weight,
-            routing_key_headers,
-            routing_key_body_field,
-            utility_window_size,
-            utility_min_history,
-            utility_throughput_weight,
-            utility_latency_weight,
-            utility_load_weight,
-        } = m;
-        Ok(Self {
-            policy: policy_from("policy", policy)?,
-            prefill_policy: policy_from("prefill_policy", prefill_policy)?,
-            decode_policy: policy_from("decode_policy", decode_policy)?,
-            cache_threshold,
-            balance_abs_threshold,
-            balance_rel_threshold,
-            eviction_interval_secs,
-            max_tree_size,
-            block_size,
-            max_payload_size,
-            request_timeout_secs,
-            worker_stall_secs,
-            overload_waiting_requests,
-            overload_kv_usage,
-            pd_disaggregation,
-            pd_decider: decider_from(pd_decider)?,
-            non_cached_tokens,
-            cb_failure_threshold,
-            cb_timeout_duration_secs,
-            cb_success_threshold,
-            cb_window_duration_secs,
-            disable_circuit_breaker,
-            retry_max_retries,
-            retry_initial_backoff_ms,
-            retry_max_backoff_ms,
-            retry_backoff_multiplier,
-            retry_jitter_factor,
-            disable_retries,
-            max_concurrent_requests,
-            queue_size,
-            queue_timeout_secs,
-            rate_limit_tokens_per_second,
-            passthrough_paths: passthrough_paths.map(|l| l.paths),
-            bytes_per_token,
-            max_prefix_blocks_to_match,
-            prefix_token_count,
-            lru_capacity_per_server,
-            prefix_hash_load_factor,
-            prefix_cache_weight,
-            prefix_load_weight,
-            routing_key_headers: routing_key_headers.map(|l| l.values),
-            routing_key_body_field,
-            utility_window_size,
-            utility_min_history,
-            utility_throughput_weight,
-            utility_latency_weight,
-            utility_load_weight,
-        })
+impl Wire<i32> for PdDecider {
+    fn to_wire(self) -> i32 {
+        let d = match self {
+            PdDecider::Always => v1::PdDecider::Always,
+            PdDecider::Prefix => v1::PdDecider::Prefix,
+        };
+        d as i32
+    }
+    fn from_wire(value: i32, field: &'static str) -> Result<Self, SettingsError> {
+        match v1::PdDecider::try_from(value) {
+            Ok(v1::PdDecider::Always) => Ok(PdDecider::Always),
+            Ok(v1::PdDecider::Prefix) => Ok(PdDecider::Prefix),
+            Ok(v1::PdDecider::Unspecified) | Err(_) => Err(SettingsError::UnknownValue { field, value }),
+        }
     }
 }
+
+impl Wire<v1::PathList> for Vec<String> {
+    fn to_wire(self) -> v1::PathList {
+        v1::PathList { paths: self }
+    }
+    fn from_wire(w: v1::PathList, _: &'static str) -> Result<Self, SettingsError> {
+        Ok(w.paths)
+    }
+}
+
+impl Wire<v1::StringList> for Vec<String> {
+    fn to_wire(self) -> v1::StringList {
+        v1::StringList { values: self }
+    }
+    fn from_wire(w: v1::StringList, _: &'static str) -> Result<Self, SettingsError> {
+        Ok(w.values)
+    }
+}
+
+/// Both conversions, field for field, from the message's field list (`build.rs`). Each names
+/// every field of the struct it builds (no `..`), so a setting in the core struct and not in
+/// the message ("missing field `x` in initializer of `RoutingSettings`"), or the reverse ("no
+/// field `x` on type `&RoutingSettings`"), or of another type ("`Wire<..>` is not
+/// implemented"), does not compile.
+macro_rules! conversions {
+    ($($field:ident = $number:literal,)*) => {
+        impl From<&RoutingSettings> for v1::RoutingSettings {
+            fn from(s: &RoutingSettings) -> Self {
+                Self { $($field: s.$field.clone().map(Wire::to_wire),)* }
+            }
+        }
+
+        impl TryFrom<v1::RoutingSettings> for RoutingSettings {
+            type Error = SettingsError;
+
+            fn try_from(m: v1::RoutingSettings) -> Result<Self, SettingsError> {
+                Ok(Self { $($field: m.$field.map(|w| Wire::from_wire(w, stringify!($field))).transpose()?,)* })
+            }
+        }
+    };
+}
+
+routing_settings_fields!(conversions);
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// Every field set, none to its type's default.
-    fn everything() -> RoutingSettings {
-        let s: RoutingSettings = serde_json::from_str(
-            r#"{"policy":"round_robin","prefill_policy":"random","decode_policy":"cache_aware",
-                "cache_threshold":0.4,"balance_abs_threshold":3,"balance_rel_threshold":1.25,
-                "eviction_interval_secs":5,"max_tree_size":1000,"block_size":16,"max_payload_size":77,
-                "request_timeout_secs":9,"worker_stall_secs":3,"overload_waiting_requests":5,"overload_kv_usage":0.5,"pd_disaggregation":true,"pd_decider":"prefix","non_cached_tokens":12,
-                "cb_failure_threshold":4,"cb_timeout_duration_secs":6,"cb_success_threshold":2,
-                "cb_window_duration_secs":30,"disable_circuit_breaker":true,"retry_max_retries":3,
-                "retry_initial_backoff_ms":10,"retry_max_backoff_ms":100,"retry_backoff_multiplier":2.0,
-                "retry_jitter_factor":0.1,"disable_retries":true,"max_concurrent_requests":-1,"queue_size":8,
-                "queue_timeout_secs":11,"rate_limit_tokens_per_second":50,
-                "passthrough_paths":["/health","/v1/models/*"],"bytes_per_token":3,
-                "max_prefix_blocks_to_match":64,"prefix_token_count":128,"lru_capacity_per_server":99,
-                "prefix_hash_load_factor":1.5,"prefix_cache_weight":3.0,"prefix_load_weight":0.5,
-                "routing_key_headers":["x-user"],"routing_key_body_field":"user","utility_window_size":30,
-                "utility_min_history":12,"utility_throughput_weight":0.7,"utility_latency_weight":0.3,
-                "utility_load_weight":2.0}"#,
-        )
-        .unwrap();
-        let keys = serde_json::to_value(&s).unwrap().as_object().unwrap().len();
-        assert_eq!(keys, RoutingSettings::FIELDS.len(), "the sample sets every field");
-        s
+    /// A value for a setting of this type, from its field number: distinct where the type allows.
+    trait Sample {
+        fn sample(n: u32) -> Self;
     }
+    impl Sample for u64 {
+        fn sample(n: u32) -> Self {
+            1000 + u64::from(n)
+        }
+    }
+    impl Sample for u32 {
+        fn sample(n: u32) -> Self {
+            2000 + n
+        }
+    }
+    impl Sample for i64 {
+        fn sample(n: u32) -> Self {
+            -i64::from(n)
+        }
+    }
+    impl Sample for f64 {
+        fn sample(n: u32) -> Self {
+            f64::from(n) + 0.25
+        }
+    }
+    impl Sample for bool {
+        fn sample(n: u32) -> Self {
+            n % 2 == 1
+        }
+    }
+    impl Sample for String {
+        fn sample(n: u32) -> Self {
+            format!("s{n}")
+        }
+    }
+    impl Sample for Vec<String> {
+        fn sample(n: u32) -> Self {
+            vec![format!("/a{n}"), format!("/b{n}/*")]
+        }
+    }
+    impl Sample for PolicyKind {
+        fn sample(n: u32) -> Self {
+            PolicyKind::ALL[n as usize % PolicyKind::ALL.len()]
+        }
+    }
+    impl Sample for PdDecider {
+        fn sample(n: u32) -> Self {
+            PdDecider::ALL[n as usize % PdDecider::ALL.len()]
+        }
+    }
+
+    macro_rules! from_the_message {
+        ($($field:ident = $number:literal,)*) => {
+            /// Every setting set, each to a value of its own.
+            fn everything() -> RoutingSettings {
+                RoutingSettings { $($field: Some(Sample::sample($number)),)* }
+            }
+
+            /// The message's fields, `(name, number)`, in kvmesh.proto's order.
+            const MESSAGE_FIELDS: &[(&str, u32)] = &[$((stringify!($field), $number),)*];
+        };
+    }
+    routing_settings_fields!(from_the_message);
 
     #[test]
     fn every_field_survives_the_round_trip_through_bytes() {
         use prost::Message;
         let s = everything();
+        let keys = serde_json::to_value(&s).unwrap().as_object().unwrap().len();
+        assert_eq!(keys, RoutingSettings::FIELDS.len(), "the sample sets every field");
         let bytes = v1::RoutingSettings::from(&s).encode_to_vec();
         let back = RoutingSettings::try_from(v1::RoutingSettings::decode(bytes.as_slice()).unwrap()).unwrap();
+        let (sent, got) = (serde_json::to_value(&s).unwrap(), serde_json::to_value(&back).unwrap());
+        for field in RoutingSettings::FIELDS {
+            assert_eq!(sent.get(field), got.get(field), "routing setting `{field}` does not survive the message");
+        }
         assert_eq!(back, s);
         let empty = RoutingSettings::default();
         assert_eq!(RoutingSettings::try_from(v1::RoutingSettings::from(&empty)).unwrap(), empty);
+    }
+
+    #[test]
+    fn every_enum_value_has_its_own_number() {
+        let mut numbers = std::collections::BTreeSet::new();
+        for p in PolicyKind::ALL {
+            let n: i32 = p.to_wire();
+            assert!(numbers.insert(n), "{p} shares {n}");
+            assert_eq!(PolicyKind::from_wire(n, "policy"), Ok(p));
+        }
+        numbers.clear();
+        for d in PdDecider::ALL {
+            let n: i32 = d.to_wire();
+            assert!(numbers.insert(n), "{d} shares {n}");
+            assert_eq!(PdDecider::from_wire(n, "pd_decider"), Ok(d));
+        }
     }
 
     #[test]
@@ -319,16 +231,14 @@ mod tests {
         assert!(RoutingSettings::try_from(m).unwrap_err().to_string().contains("`pd_decider`"));
     }
 
+    /// Wire numbers never change: setting i of `routing_settings!` is field i + 1 of the
+    /// message, so a new setting goes last in both.
     #[test]
-    fn the_message_declares_the_core_fields_under_the_same_names() {
-        let proto = include_str!("../kvmesh.proto");
-        let body = proto.split("message RoutingSettings {").nth(1).unwrap().split('}').next().unwrap();
-        let names: Vec<&str> = body
-            .lines()
-            .map(str::trim)
-            .filter(|l| l.starts_with("optional "))
-            .filter_map(|l| l.split_whitespace().nth(2))
-            .collect();
-        assert_eq!(names, RoutingSettings::FIELDS);
+    fn the_message_numbers_the_core_fields_in_their_order() {
+        let names: Vec<&str> = MESSAGE_FIELDS.iter().map(|&(name, _)| name).collect();
+        assert_eq!(names, RoutingSettings::FIELDS, "the same settings in the same order");
+        for (i, &(name, number)) in MESSAGE_FIELDS.iter().enumerate() {
+            assert_eq!(number, i as u32 + 1, "`{name}`'s field number");
+        }
     }
 }

@@ -8,7 +8,9 @@
 //!   same flags also make its `--config` YAML keys;
 //! - the routing part of the filter's plugin JSON (snake_case keys, unknown keys refused);
 //! - the `RoutingSettings` protobuf message the control plane ships in snapshots
-//!   (`kvmesh-proto` converts both ways).
+//!   (`kvmesh-proto` converts both ways, generated from the message's fields). A new setting
+//!   goes last here and, numbered next, last in the message: `kvmesh-proto` does not compile
+//!   while the two differ, and its tests check the order and numbers.
 //!
 //! Validation into a [`crate::Config`] happens in one place, [`crate::Config::from_settings`].
 
