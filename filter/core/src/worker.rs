@@ -4,9 +4,15 @@
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 use thiserror::Error;
+use xxhash_rust::xxh3::xxh3_64;
 
 /// A worker's stable identity within one worker table lineage (index keys refer to it).
 pub type WorkerId = u32;
+
+/// A worker's identity for consistent hashing: its URL (without a trailing `/`), hashed.
+pub fn affinity_of(url: &str) -> u64 {
+    xxh3_64(url.trim_end_matches('/').as_bytes())
+}
 
 #[derive(Debug, Error, PartialEq)]
 pub enum AddrError {
@@ -65,7 +71,7 @@ impl Worker {
             load: 0,
             waiting: None,
             kv_usage: None,
-            affinity: crate::policy::affinity_of(url),
+            affinity: affinity_of(url),
             utility: None,
         })
     }

@@ -11,12 +11,7 @@
 
 use super::{Candidate, PowerOfTwo};
 use rand::RngCore;
-use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
-
-/// A worker's identity for consistent hashing: its URL (without a trailing `/`), hashed.
-pub fn affinity_of(url: &str) -> u64 {
-    xxh3_64(url.trim_end_matches('/').as_bytes())
-}
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ConsistentHash;
@@ -35,6 +30,7 @@ impl ConsistentHash {
 mod tests {
     use super::*;
     use crate::rng::seeded;
+    use crate::worker::affinity_of;
 
     fn cands(n: u32) -> Vec<Candidate> {
         (0..n)

@@ -13,7 +13,7 @@ use std::fmt;
 use std::str::FromStr;
 
 pub use cache_aware::{CacheAware, CacheAwareParams, Choice, Reason};
-pub use consistent_hash::{affinity_of, ConsistentHash};
+pub use consistent_hash::ConsistentHash;
 pub use marginal_utility::{utility_scores, MarginalUtility, Sample, Trend, UtilityParams, UtilityWindow, MAX_WINDOW};
 pub use power_of_two::PowerOfTwo;
 pub use prefix_hash::{PrefixChoice, PrefixHash, PrefixHashParams};
@@ -22,6 +22,8 @@ pub use round_robin::RoundRobin;
 
 use rand::{Rng, RngCore};
 
+// `affinity_of` lives with the worker (the lower module), re-exported here where it was.
+pub use crate::worker::affinity_of;
 use crate::worker::WorkerId;
 
 /// A worker a policy may pick, with its load: the control plane's load table plus this
