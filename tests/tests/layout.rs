@@ -578,7 +578,6 @@ fn no_import_circles() {
 }
 
 #[test]
-#[ignore = "until issue 28's splits land"]
 fn no_file_over_800_lines() {
     let root = workspace_root();
     let mut long = Vec::new();

@@ -9,7 +9,6 @@
 //! - [`publisher::Publisher`]: the stream owner's reports (and its publication epoch);
 //! - [`ledger::Ledger`]: this VM's share of the in-flight counts.
 
-mod feedback;
 mod follower;
 mod ledger;
 mod plan;
@@ -18,17 +17,20 @@ mod reply;
 mod view;
 
 use kvmesh_core::breaker::BreakerState;
+use kvmesh_core::feedback::{judge, Judged, Verdict};
 use kvmesh_core::paths::{self, PathClass};
 use kvmesh_core::pd::PdDecision;
 use kvmesh_core::policy::PolicyKind;
 use kvmesh_core::request::{self, RequestError};
 use kvmesh_core::rng::RngCore;
+use kvmesh_core::usage::Usage;
 use kvmesh_core::{Config, Decision, Endpoint, WorkerId};
 use kvmesh_proto::v1::{self as proto, IndexInsert, ReportBatch};
 
-pub use self::feedback::Prediction;
 pub use self::follower::table_from;
-pub use self::plan::{endpoint_list, Committed, Destination, Outcome, PdPlan, Plan, RequestInfo, Routed, MAX_ABORTS};
+pub use self::plan::{
+    endpoint_list, Committed, Destination, Outcome, PdPlan, Plan, Prediction, RequestInfo, Routed, MAX_ABORTS,
+};
 pub use self::publisher::REPORT_QUEUE_HASHES;
 pub use self::reply::Reply;
 pub use self::view::CONTROL_PLANE_EVICTION_CAP;
@@ -396,6 +398,57 @@ impl Gateway {
     /// batches of at most `max_hashes` hashes each (at least one batch, possibly empty).
     pub fn full_report(&mut self, gateway_id: &str, max_hashes: usize) -> Vec<ReportBatch> {
         self.publisher.full_report(&mut self.view, gateway_id, max_hashes)
+    }
+
+    // Engine feedback: what a worker's response said it had cached (`cached_tokens`)
+    // against the prefix this gateway's index matched for it when the request was routed.
+    // The comparison is counted per worker (`kvmesh.feedback`, reported to the control
+    // plane); when the worker held less, the blocks it did not hold are dropped for it — here,
+    // in the other VMs (through the delta log) and, through the report, in the control plane
+    // and so in every gateway.
+
+    /// A response of `prediction`'s worker ended, carrying `usage`: judged, counted, and the
+    /// stale blocks dropped. Returns the judgement (None: the response said no
+    /// `cached_tokens`).
+    pub fn feedback(&mut self, store: &dyn SharedStore, prediction: &Prediction, usage: &Usage) -> Option<Judged> {
+        let config = &self.view.config;
+        let (block_size, per_token) = (config.block_size as u64, config.bytes_per_token);
+        let judged = usage
+            .cached_tokens
+            .map(|cached| judge(prediction.matched_bytes, prediction.matched_blocks, cached, block_size, per_token));
+        self.pending_feedback.add(prediction.worker, judged.as_ref(), usage);
+        // From the first block the worker did not hold to the request's last: the routing
+        // indexed the whole request for it, and a worker's blocks stay a run from the first
+        // (what the index's binary search relies on).
+        let stale = match judged.as_ref().filter(|j| j.verdict == Verdict::Over) {
+            Some(j) => prediction.hashes.get(j.stale.start..).unwrap_or_default().to_vec(),
+            None => Vec::new(),
+        };
+        if let (false, Some(j)) = (stale.is_empty(), judged.as_ref()) {
+            log::debug!(
+                "worker {}: {} cached tokens where {} were predicted; {} blocks dropped",
+                prediction.worker,
+                j.cached_tokens,
+                j.predicted_tokens,
+                stale.len()
+            );
+            let delta = Delta { worker: prediction.worker, evict: true, from_cp: false, hashes: stale };
+            self.view.apply_delta(&delta);
+            self.log.append(store, std::slice::from_ref(&delta));
+            let cp = self.has_control_plane();
+            self.publisher.queue_stale(cp, delta.worker, delta.hashes);
+        }
+        judged
+    }
+
+    /// A response of `worker` that carried completion metrics but had no prediction to judge.
+    pub fn count_usage(&mut self, worker: WorkerId, usage: &Usage) {
+        self.pending_feedback.add(worker, None, usage);
+    }
+
+    /// On the tick: this VM's feedback since the last tick into the shared counts.
+    pub fn flush_feedback(&mut self, store: &dyn SharedStore) {
+        self.pending_feedback.flush(store);
     }
 
     pub fn table_version(&self) -> Option<u64> {

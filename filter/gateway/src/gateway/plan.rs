@@ -4,7 +4,6 @@
 use kvmesh_core::pd::PdDecision;
 use kvmesh_core::{Decision, WorkerId};
 
-use super::feedback::Prediction;
 use super::reply::Reply;
 use crate::headers::Headers;
 use crate::now::Now;
@@ -136,4 +135,26 @@ pub struct RequestInfo<'a> {
     pub headers: Option<&'a dyn Fn() -> Headers>,
     /// When the request body was complete.
     pub now: Now,
+}
+
+/// What the gateway believed a worker held when it routed a request there.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Prediction {
+    pub worker: WorkerId,
+    /// Bytes of the routing text the index matched for that worker.
+    pub matched_bytes: u64,
+    /// How many leading blocks that is.
+    pub matched_blocks: usize,
+    /// The hashes of all the request's blocks, in order (indexed for the worker when the
+    /// request was routed).
+    pub hashes: Vec<u64>,
+}
+
+impl Prediction {
+    /// The prediction of a decision for `worker` that matched `matched_bytes` of a routing
+    /// text cut into `blocks` of `block_size` bytes.
+    pub fn new(worker: WorkerId, matched_bytes: usize, blocks: &[u64], block_size: usize) -> Self {
+        let n = matched_bytes.div_ceil(block_size.max(1)).min(blocks.len());
+        Self { worker, matched_bytes: matched_bytes as u64, matched_blocks: n, hashes: blocks.to_vec() }
+    }
 }

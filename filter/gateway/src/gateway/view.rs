@@ -10,8 +10,7 @@ use kvmesh_core::request::{self, ParsedRequest, MAX_ROUTING_KEY};
 use kvmesh_core::rng::{random_u64, seeded, FastRng, RngCore};
 use kvmesh_core::{Config, Decision, Endpoint, Role, Router, RoutingText, WorkerId, WorkerTable};
 
-use super::feedback::Prediction;
-use super::plan::{Chosen, Outcome, PdPlan, Plan, RequestInfo, Routed, MAX_ABORTS};
+use super::plan::{Chosen, Outcome, PdPlan, Plan, Prediction, RequestInfo, Routed, MAX_ABORTS};
 use super::reply::Reply;
 use crate::headers::Headers;
 use crate::health::Health;
