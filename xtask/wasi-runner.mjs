@@ -8,5 +8,8 @@ import process from "node:process";
 const [file, ...args] = process.argv.slice(2);
 const wasi = new WASI({ version: "preview1", args: [file, ...args], env: process.env, returnOnExit: true });
 const module = await WebAssembly.compile(await readFile(file));
-const instance = await WebAssembly.instantiate(module, wasi.getImportObject());
+// getImportObject came with Node 19.8 (and 18.17); older releases expose the imports directly.
+const imports =
+  typeof wasi.getImportObject === "function" ? wasi.getImportObject() : { wasi_snapshot_preview1: wasi.wasiImport };
+const instance = await WebAssembly.instantiate(module, imports);
 process.exitCode = wasi.start(instance);

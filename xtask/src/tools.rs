@@ -159,12 +159,51 @@ pub fn ensure_kubectl() -> anyhow::Result<PathBuf> {
     Ok(kubectl)
 }
 
-/// Node runs the wasm32 test binaries (WASI preview1).
-fn ensure_node() -> anyhow::Result<()> {
-    match Command::new("node").arg("--version").output() {
-        Ok(o) if o.status.success() => Ok(()),
-        _ => bail!("node (18 or newer) is needed to run the wasm32 tests: apt-get install nodejs"),
+/// Installs a Debian package when `tool` is missing and this is a root shell with apt-get (the
+/// development machines and CI); otherwise says what to install.
+fn ensure_apt(tool: &str, package: &str, why: &str) -> anyhow::Result<()> {
+    let present = |tool: &str| Command::new(tool).arg("--version").output().is_ok_and(|o| o.status.success());
+    if present(tool) {
+        return Ok(());
     }
+    let root = Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout.trim_ascii() == b"0");
+    let apt = Command::new("apt-get").arg("--version").output().is_ok_and(|o| o.status.success());
+    if root && apt {
+        step(&format!("installing {package} with apt-get ({why})"));
+        let install = || {
+            Command::new("apt-get")
+                .args(["install", "-y", "-qq", "--no-install-recommends", package])
+                .env("DEBIAN_FRONTEND", "noninteractive")
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        if !install() {
+            // A fresh machine has no package lists yet.
+            let _ = Command::new("apt-get").args(["update", "-qq"]).status();
+            install();
+        }
+        if present(tool) {
+            return Ok(());
+        }
+    }
+    bail!("`{tool}` is needed {why}: install it (Debian: apt-get install {package})")
+}
+
+/// Node runs the wasm32 test binaries (WASI preview1; Node 18 or newer).
+fn ensure_node() -> anyhow::Result<()> {
+    ensure_apt("node", "nodejs", "to run the wasm32 tests (xtask/wasi-runner.mjs)")?;
+    let out = Command::new("node").arg("--version").output()?;
+    let version = String::from_utf8_lossy(&out.stdout);
+    let major: u32 = version.trim().trim_start_matches('v').split('.').next().and_then(|m| m.parse().ok()).unwrap_or(0);
+    if major < 18 {
+        bail!("node {} is too old to run the wasm32 tests: 18 or newer is needed", version.trim());
+    }
+    Ok(())
+}
+
+/// Valgrind counts instructions for `cargo xtask bench instructions` (and its test).
+pub fn ensure_valgrind() -> anyhow::Result<()> {
+    ensure_apt("valgrind", "valgrind", "to count instructions per request (callgrind)")
 }
 
 /// Test totals summed over `cargo test` runs.
@@ -291,6 +330,7 @@ pub fn test(args: &[String]) -> anyhow::Result<()> {
     }
     ensure_wasm_target()?;
     ensure_node()?;
+    ensure_valgrind()?;
     let envoy = ensure_envoy()?;
     let sglang_router = ensure_sglang_router()?;
     let smg = ensure_smg()?;

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use kvmesh_testkit::{repo_root, Envoy, EnvoyOptions, Sim};
 use serde_json::{json, Value};
 
@@ -170,9 +170,7 @@ fn count(o: &Opts, c: &Config, upstreams: &[String], stream: &[Vec<u8>], dir: &P
 }
 
 pub fn run(o: &Opts) -> anyhow::Result<(Value, String)> {
-    if Command::new("valgrind").arg("--version").output().is_err() {
-        bail!("the instructions suite needs valgrind (apt-get install valgrind)");
-    }
+    crate::tools::ensure_valgrind()?;
     anyhow::ensure!(
         slow_tick_wasm().is_file(),
         "{} is missing (cargo xtask bench builds it)",
