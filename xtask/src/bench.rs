@@ -70,6 +70,8 @@ pub struct Opts {
     /// Overhead: another build of the filter measured beside this one (1 Envoy thread), for a
     /// before/after in one run.
     pub baseline_wasm: Option<PathBuf>,
+    /// Instructions: another build of the native module counted beside this one.
+    pub baseline_native: Option<PathBuf>,
     /// Overhead: the proxies on a core of their own (the last one), the load generator and
     /// the workers on the first: CPU per request without the other processes' cache traffic
     /// and preemption in it (for 1-thread comparisons; 2-thread setups then share one core).
@@ -104,6 +106,7 @@ impl Opts {
             only: Vec::new(),
             rounds: 1,
             baseline_wasm: None,
+            baseline_native: None,
             pin: false,
             variant_wasm: Vec::new(),
             threads: 1,
@@ -119,7 +122,7 @@ impl Opts {
 }
 
 const OPTIONS: &str =
-    "overhead | quality | scale (default: all) | instructions (only when named; needs valgrind), --quick, --seconds N, --connections N, --no-pd, --no-peers, --out DIR, --workload NAME (quality; repeatable), --only TEXT (overhead, quality: configurations named with it; scale: its parts micro, control-plane, propagation; repeatable), --rounds N (overhead, quality, scale's gateway at 10^6 blocks: each configuration N times, interleaved), --baseline-wasm FILE (overhead, scale's gateway at 10^6 blocks: that filter build beside this one), --variant-wasm FILE (overhead, repeatable: an experiment build beside this one, 1 thread), --pin (overhead: the proxy on the last core, everything else on the first), --threads N, --warmup N, --requests N (instructions: Envoy threads, requests before and while counting)";
+    "overhead | quality | scale (default: all) | instructions (only when named; needs valgrind), --quick, --seconds N, --connections N, --no-pd, --no-peers, --out DIR, --workload NAME (quality; repeatable), --only TEXT (overhead, quality: configurations named with it; scale: its parts micro, control-plane, propagation; repeatable), --rounds N (overhead, quality, scale's gateway at 10^6 blocks: each configuration N times, interleaved), --baseline-wasm FILE (overhead, instructions, scale's gateway at 10^6 blocks: that filter build beside this one), --baseline-native FILE (instructions: that native module beside this one), --variant-wasm FILE (overhead, repeatable: an experiment build beside this one, 1 thread), --pin (overhead: the proxy on the last core, everything else on the first), --threads N, --warmup N, --requests N (instructions: Envoy threads, requests before and while counting)";
 
 fn parse(args: &[String]) -> anyhow::Result<Opts> {
     let mut o = Opts::new(args.iter().any(|a| a == "--quick"));
@@ -161,6 +164,11 @@ fn parse(args: &[String]) -> anyhow::Result<Opts> {
                 let v = PathBuf::from(value("--variant-wasm")?);
                 anyhow::ensure!(v.is_file(), "--variant-wasm {}: no such file", v.display());
                 o.variant_wasm.push(v);
+            }
+            "--baseline-native" => {
+                let v = PathBuf::from(value("--baseline-native")?);
+                anyhow::ensure!(v.is_file(), "--baseline-native {}: no such file", v.display());
+                o.baseline_native = Some(v);
             }
             "--baseline-wasm" => {
                 let v = PathBuf::from(value("--baseline-wasm")?);

@@ -323,6 +323,35 @@ pub fn stack_env(cmd: &mut Command, envoy: &Path) {
         .env("KVMESH_CRASH_WASM", root.join("target/crash/wasm32-wasip1/release/kvmesh_filter.wasm"));
 }
 
+/// The control-plane tests that go through a gateway's link (snapshots, reports, restarts,
+/// eviction, worker changes): the native build's ticker holds that link itself.
+const NATIVE_CONTROL_PLANE_TESTS: [&str; 7] = [
+    "a_prefix_routed_through_one_gateway_sticks_through_the_others",
+    "remove_worker_and_add_worker_change_where_traffic_goes",
+    "an_unhealthy_worker_leaves_the_snapshot_and_returns",
+    "routing_survives_a_control_plane_restart_and_reconverges",
+    "eviction_bounds_the_index_in_the_control_plane_and_the_filters",
+    "a_restarted_control_plane_keeps_api_workers_and_their_ids_and_prefixes_stay_put",
+    "flush_cache_fans_out_to_every_worker_and_empties_every_index",
+];
+
+/// Runs the end-to-end suites whose host side differs between the `.wasm` and the native
+/// build again with every Envoy on the native build (`KVMESH_TEST_NATIVE=1`): PD (per-stream
+/// callouts, aborts through the main thread), admission (the ticker's wake-ups), breakers
+/// (shared data in the process), and the control plane's link. The rest is the same code on
+/// the same Envoy path, or checks what only a Wasm VM has (trapped VMs, the lease moving).
+fn native_conformance(envoy: &Path, totals: &mut Totals) -> anyhow::Result<()> {
+    let mut suites = cargo();
+    suites.args(["test", "-p", "kvmesh-testkit", "--test", "pd", "--test", "admission", "--test", "breaker"]);
+    stack_env(&mut suites, envoy);
+    run_tests(suites.env("KVMESH_TEST_NATIVE", "1"), totals)?;
+    let mut control_plane = cargo();
+    control_plane.args(["test", "-p", "kvmesh-testkit", "--test", "control_plane", "--", "--exact"]);
+    control_plane.args(NATIVE_CONTROL_PLANE_TESTS);
+    stack_env(&mut control_plane, envoy);
+    run_tests(control_plane.env("KVMESH_TEST_NATIVE", "1"), totals)
+}
+
 /// `cargo xtask test`.
 pub fn test(args: &[String]) -> anyhow::Result<()> {
     if let Some(a) = args.first() {
@@ -348,6 +377,9 @@ pub fn test(args: &[String]) -> anyhow::Result<()> {
     stack_env(&mut native, &envoy);
     native.env("SGLANG_ROUTER_PYTHON", &sglang_router).env("KVMESH_KUBECTL", &kubectl).env("KVMESH_SMG_BIN", &smg);
     run_tests(&mut native, &mut totals)?;
+
+    step("the native build's conformance: the end-to-end suites where its host differs from the .wasm's");
+    native_conformance(&envoy, &mut totals)?;
 
     step("routing core tests compiled to wasm32-wasip1 (run under Node's WASI)");
     run_tests(cargo().args(["test", "-p", "kvmesh-core", "--lib", "--target", "wasm32-wasip1"]), &mut totals)?;

@@ -17,6 +17,7 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing))]
 
 pub mod admission;
+pub mod cp_client;
 pub mod gateway;
 pub mod headers;
 pub mod health;

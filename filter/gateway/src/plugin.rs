@@ -1,46 +1,26 @@
 //! The plugin (root context) logic of one VM, host-independent: the configuration, parsed and
-//! validated once; the VM's [`Gateway`]; and the tick — adopt the control plane's worker
-//! table, drive the control-plane [`Link`] (lease, streams, reports), run eviction.
+//! validated once; the VM's [`Gateway`]; the tick — adopt the control plane's worker table,
+//! let the [`ControlPlaneClient`] drive the link (lease, streams, reports), run eviction —
+//! and the admission queue's wake-ups.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::{Rc, Weak};
 
 use kvmesh_core::Config;
-use kvmesh_proto::v1::{Snapshot, WatchRequest};
-use kvmesh_proto::{Message, REPORT, SERVICE, WATCH};
 
 use crate::admission::Wake;
-use crate::gateway::{Gateway, Now};
-use crate::host::{now_ms, HostError, LinkHost, Metric, StreamHost, VmHost};
-use crate::link::{Link, Step, LEASE_MS};
+use crate::cp_client::ControlPlaneClient;
+use crate::gateway::Gateway;
+use crate::host::{now_ms, LinkHost, Metric, StreamHost, VmHost};
 use crate::request::{RequestFilter, Room};
 use crate::shared::admission::SharedBucket;
-use crate::shared::{Inflight, Lease, SharedStore};
-
-/// The control-plane side of the plugin: where to connect, as whom, and the link's state.
-struct ControlPlane {
-    cluster: String,
-    /// The bearer token sent as initial metadata on both streams.
-    token: Option<String>,
-    /// This Envoy's id (shared by its VMs), read or made on connect.
-    gateway_id: String,
-    /// Randomness for making that id, should this VM be the first to need it.
-    id_seed: u64,
-    /// Connected, but the first snapshot of this connection has not been applied: nothing is
-    /// reported until it is, so that the index goes out under the new table's ids.
-    awaiting_table: bool,
-    link: Link,
-}
-
-/// Most index hashes per report message (512 KiB of hashes; the control plane decodes at
-/// most 16 MiB per message by default).
-pub const MAX_HASHES_PER_REPORT: usize = 1 << 16;
+use crate::shared::{Inflight, SharedStore};
 
 #[derive(Default)]
 pub struct Plugin {
     gateway: Option<Rc<RefCell<Gateway>>>,
-    control_plane: Option<ControlPlane>,
+    control_plane: Option<ControlPlaneClient>,
     /// This root context's id: the tick enters requests' contexts and comes back to it.
     context_id: u32,
     /// The VM's admission queue.
@@ -73,18 +53,8 @@ impl Plugin {
                 config.max_payload_size
             ),
         }
-        let cluster = config.control_plane_cluster.as_deref().map(grpc_target).transpose()?;
-        let token = config.control_plane_token.clone();
-        let report_interval_ms = config.report_interval_ms;
+        self.control_plane = ControlPlaneClient::new(&config, seed)?;
         let gateway = Gateway::new(config, host, seed);
-        self.control_plane = cluster.map(|cluster| ControlPlane {
-            cluster,
-            token,
-            gateway_id: String::new(),
-            id_seed: seed.rotate_left(17) ^ 0x9e37_79b9_7f4a_7c15,
-            awaiting_table: false,
-            link: Link::new(report_interval_ms),
-        });
         self.gateway = Some(Rc::new(RefCell::new(gateway)));
         Ok(())
     }
@@ -198,45 +168,11 @@ impl Plugin {
         gateway.write_ended(host);
         gateway.flush_feedback(host);
         if let (Some(cp), Some(link)) = (self.control_plane.as_mut(), link) {
-            let holds = Lease::hold(host, gateway.vm_id(), now, LEASE_MS);
-            match cp.link.tick(now, holds) {
-                Step::Nothing => {}
-                Step::Connect => match connect(link, cp) {
-                    Ok((watch, report)) => {
-                        gateway.set_own_id(&cp.gateway_id);
-                        cp.link.connected(watch, report, now);
-                        cp.awaiting_table = true;
-                    }
-                    Err(e) => {
-                        log::warn!("cannot open the control-plane streams on cluster {}: {e}", cp.cluster);
-                        cp.link.connect_failed(now);
-                    }
-                },
-                Step::Close { watch, report } => {
-                    log::info!("control-plane stream handed over to another VM");
-                    link.cancel_grpc(watch);
-                    link.cancel_grpc(report);
-                }
-                Step::Report { .. } if cp.awaiting_table => {}
-                Step::Report { report, counts_due } => {
-                    let batch = gateway.take_report(host, &cp.gateway_id, Now::from_ms(now));
-                    if !batch.inserts.is_empty() || counts_due {
-                        match link.send_grpc(report, &batch.encode_to_vec(), false) {
-                            Ok(()) => cp.link.reported(now),
-                            Err(e) => {
-                                log::warn!("report to the control plane failed: {e}; reconnecting");
-                                for token in cp.link.send_failed(now).into_iter().flat_map(|(w, r)| [w, r]) {
-                                    link.cancel_grpc(token);
-                                }
-                            }
-                        }
-                    }
-                }
-            }
+            cp.tick(host, link, &mut gateway, now);
         }
         gateway.heartbeat(host, now);
         if let Some(cp) = &self.control_plane {
-            gateway.set_reporting(cp.link.is_connected());
+            gateway.set_reporting(cp.is_connected());
         }
         host.record(Metric::InFlight, in_flight(host));
         if let Some(evicted) = gateway.tick(host, now / 1_000) {
@@ -246,7 +182,7 @@ impl Plugin {
         }
         // One gauge for the whole Envoy: with a control plane, the stream owner's index (it
         // applies every snapshot at once) is the one to show; idle VMs catch up lazily.
-        let owner = !self.follower && self.control_plane.as_ref().is_none_or(|cp| cp.link.is_connected());
+        let owner = !self.follower && self.control_plane.as_ref().is_none_or(ControlPlaneClient::is_connected);
         if owner {
             host.record(Metric::IndexBlocks, gateway.index_len() as u64);
         }
@@ -272,51 +208,14 @@ impl Plugin {
     /// A message on a control-plane stream: a snapshot, on the watch stream.
     pub fn on_grpc_message(&mut self, host: &dyn LinkHost, token: u32, size: usize) {
         let (Some(cp), Some(gateway)) = (self.control_plane.as_mut(), &self.gateway) else { return };
-        if !cp.link.is_watch(token) {
-            return;
-        }
-        let bytes = host.grpc_message(size);
-        let snapshot = match Snapshot::decode(bytes.as_slice()) {
-            Ok(s) => s,
-            Err(e) => {
-                log::warn!("undecodable snapshot from the control plane: {e}");
-                return;
-            }
-        };
-        cp.link.snapshot_received();
-        let Ok(mut g) = gateway.try_borrow_mut() else { return };
-        if snapshot.full {
-            log::info!("control plane snapshot {} with {} workers", snapshot.version, snapshot.workers.len());
-        }
-        g.apply_snapshot(host, &snapshot);
-        host.record(Metric::SnapshotVersion, snapshot.version);
-        host.record(Metric::IndexBlocks, g.index_len() as u64);
-        // The first snapshot of a connection is full and its table now applied (ids that name
-        // another worker forgotten): the index goes out under the ids the control plane uses.
-        if cp.awaiting_table && snapshot.full {
-            cp.awaiting_table = false;
-            let Some((_, report)) = cp.link.streams() else { return };
-            for chunk in g.full_report(&cp.gateway_id, MAX_HASHES_PER_REPORT) {
-                if let Err(e) = host.send_grpc(report, &chunk.encode_to_vec(), false) {
-                    log::warn!("full report to the control plane failed: {e}; reconnecting");
-                    for token in cp.link.send_failed(now_ms(host)).into_iter().flat_map(|(w, r)| [w, r]) {
-                        host.cancel_grpc(token);
-                    }
-                    return;
-                }
-            }
-            cp.link.reported(now_ms(host));
-        }
+        let Ok(mut gateway) = gateway.try_borrow_mut() else { return };
+        cp.on_message(host, &mut gateway, token, size);
     }
 
     /// A control-plane stream closed: both go, and the link reconnects after its backoff.
     pub fn on_grpc_close(&mut self, host: &dyn LinkHost, token: u32, status: u32) {
-        let Some(cp) = self.control_plane.as_mut() else { return };
-        if let Some(other) = cp.link.stream_closed(token, now_ms(host)) {
-            log::warn!("control-plane stream closed (grpc status {status}); reconnecting with backoff");
-            if let Some(other) = other {
-                host.cancel_grpc(other);
-            }
+        if let Some(cp) = self.control_plane.as_mut() {
+            cp.on_close(host, token, status);
         }
     }
 }
@@ -357,59 +256,6 @@ impl Pacer {
         self.last_ms = now_ms;
         true
     }
-}
-
-/// What the streams are opened on. Envoy takes a bare cluster name as the streams'
-/// `:authority` too, and Istio's cluster names (`outbound|PORT|SUBSET|HOST`) are not valid
-/// authorities: the HTTP/2 stream would be refused as a protocol error. For those, the filter
-/// hands Envoy a serialized `envoy.config.core.v3.GrpcService` instead (Envoy's Wasm host
-/// accepts either): `envoy_grpc { cluster_name: <the cluster>, authority: "HOST:PORT" }`, the
-/// authority Istio itself gives gRPC calls to that Service.
-fn grpc_target(cluster: &str) -> Result<String, String> {
-    let mut parts = cluster.split('|');
-    let (Some("outbound"), Some(port), Some(_subset), Some(host), None) =
-        (parts.next(), parts.next(), parts.next(), parts.next(), parts.next())
-    else {
-        return Ok(cluster.to_string());
-    };
-    let authority = format!("{host}:{port}");
-    // Protobuf fields: tag, length (one byte while under 128, which keeps the text ASCII), bytes.
-    let field = |tag: u8, value: &str| -> Option<String> {
-        let len = u8::try_from(value.len()).ok().filter(|l| *l < 128)?;
-        Some(format!("{}{}{value}", char::from(tag), char::from(len)))
-    };
-    let envoy_grpc = field(0x0a, cluster).zip(field(0x12, &authority)).map(|(c, a)| c + &a);
-    envoy_grpc.and_then(|inner| field(0x0a, &inner)).ok_or_else(|| {
-        format!(
-            "invalid configuration: control_plane_cluster `{cluster}` is too long to open gRPC streams on \
-             (the cluster name and `{authority}` must fit in 123 bytes)"
-        )
-    })
-}
-
-/// Opens both streams (with the token as `authorization` metadata) and sends the watch
-/// request. The full report of this VM's index (so that a restarted control plane learns what
-/// the gateways already know) follows the first snapshot. On failure, whatever was opened is
-/// cancelled.
-fn connect(host: &dyn LinkHost, cp: &mut ControlPlane) -> Result<(u32, u32), HostError> {
-    cp.gateway_id = crate::shared::gateway_id(host, host.node_id(), cp.id_seed);
-    let authorization = cp.token.as_ref().map(|t| format!("Bearer {t}"));
-    let metadata: Vec<(&str, &[u8])> =
-        authorization.as_ref().map(|a| ("authorization", a.as_bytes())).into_iter().collect();
-    let watch = host.open_grpc_stream(&cp.cluster, SERVICE, WATCH, &metadata)?;
-    let request = WatchRequest { gateway_id: cp.gateway_id.clone() }.encode_to_vec();
-    if let Err(e) = host.send_grpc(watch, &request, true) {
-        host.cancel_grpc(watch);
-        return Err(e);
-    }
-    let report = match host.open_grpc_stream(&cp.cluster, SERVICE, REPORT, &metadata) {
-        Ok(r) => r,
-        Err(e) => {
-            host.cancel_grpc(watch);
-            return Err(e);
-        }
-    };
-    Ok((watch, report))
 }
 
 #[cfg(test)]

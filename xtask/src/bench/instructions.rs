@@ -89,6 +89,20 @@ fn configs(o: &Opts, urls: &[String]) -> Vec<Config> {
     for w in &o.variant_wasm {
         list.push(Config { name: named("variant", w), filter: other.clone(), wasm: Some(w.clone()), native: None });
     }
+    if let Some(module) = &o.baseline_native {
+        list.push(Config {
+            name: "native build without the newer keys".into(),
+            filter: other.clone(),
+            wasm: None,
+            native: Some(super::stack::kvmesh_module_path()),
+        });
+        list.push(Config {
+            name: format!("native baseline {}", module.display()),
+            filter: other.clone(),
+            wasm: None,
+            native: Some(module.clone()),
+        });
+    }
     list.retain(|c| o.wants(&c.name));
     list
 }

@@ -1,7 +1,9 @@
 use super::*;
 use crate::host::mock::MockHost;
+use crate::link::LEASE_MS;
 use crate::request::RequestFilter;
 use kvmesh_proto::v1::{self as proto, ReportBatch};
+use kvmesh_proto::Message;
 
 const CONFIG: &str = r#"{"control_plane_cluster":"kvmesh_cp","report_interval_ms":20}"#;
 
@@ -196,37 +198,6 @@ fn one_vm_holds_the_streams_and_another_takes_over_when_it_stops_ticking() {
     a_host.advance_ms(LEASE_MS + 20);
     a.on_tick(&a_host);
     assert_eq!(a_host.grpc_cancelled.borrow().len(), 2);
-}
-
-#[test]
-fn istio_cluster_names_get_a_valid_authority() {
-    // A plain cluster name is passed as it is: Envoy makes it the authority too.
-    assert_eq!(grpc_target("kvmesh_control_plane").unwrap(), "kvmesh_control_plane");
-    // Istio's: a GrpcService { envoy_grpc { cluster_name, authority } }, byte for byte.
-    let cluster = "outbound|18000||kvmesh-cp.kvmesh.svc.cluster.local";
-    let authority = "kvmesh-cp.kvmesh.svc.cluster.local:18000";
-    let mut inner = vec![0x0a, cluster.len() as u8];
-    inner.extend_from_slice(cluster.as_bytes());
-    inner.extend_from_slice(&[0x12, authority.len() as u8]);
-    inner.extend_from_slice(authority.as_bytes());
-    let mut want = vec![0x0a, inner.len() as u8];
-    want.extend_from_slice(&inner);
-    assert_eq!(grpc_target(cluster).unwrap().into_bytes(), want);
-    // What the streams open on.
-    let host = MockHost::new();
-    let mut p = Plugin::default();
-    let config = format!(r#"{{"control_plane_cluster":"{}"}}"#, cluster);
-    p.configure(&host, config.as_bytes(), 1).unwrap();
-    p.on_tick(&host);
-    let opened = host.grpc_opened.borrow().clone();
-    assert_eq!(opened.len(), 2);
-    assert!(opened.iter().all(|(_, c)| c.as_bytes().starts_with(&want)), "{opened:?}");
-    // Too long for one-byte lengths: refused with a message, never a stream Envoy rejects.
-    let long = format!("outbound|8000||{}.svc.cluster.local", "x".repeat(60));
-    let e = Plugin::default().configure(&host, format!(r#"{{"control_plane_cluster":"{long}"}}"#).as_bytes(), 1);
-    assert!(e.unwrap_err().contains("too long"));
-    // Not Istio's shape (five parts): passed as it is.
-    assert_eq!(grpc_target("outbound|1|a|b|c").unwrap(), "outbound|1|a|b|c");
 }
 
 #[test]
