@@ -72,7 +72,7 @@ impl State {
 pub struct SharedBucket;
 
 impl SharedBucket {
-    pub const KEY: &'static str = "kvmesh.admission";
+    pub const KEY: &'static str = "kvmesh.admission.v1";
 
     /// A request of VM `vm` wants in. It takes a token only when nobody waits (the queue is
     /// first come, first served); else it queues if there is room. `queued_here` is what this

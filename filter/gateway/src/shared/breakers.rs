@@ -10,7 +10,7 @@ use super::{update, SharedStore};
 pub struct SharedBreakers;
 
 impl SharedBreakers {
-    pub const KEY: &'static str = "kvmesh.breakers";
+    pub const KEY: &'static str = "kvmesh.breakers.v1";
 
     /// The table as stored (empty when there is none).
     pub fn read(store: &dyn SharedStore) -> BreakerTable {

@@ -43,7 +43,7 @@ impl DeltaLog {
     }
 
     fn slot_key(seq: u64) -> String {
-        format!("kvmesh.log.{}", seq % Self::SLOTS)
+        format!("kvmesh.log.v1.{}", seq % Self::SLOTS)
     }
 
     /// Appends a batch made by this VM (taking a sequence number on its own).
@@ -206,7 +206,7 @@ mod tests {
             entry.extend_from_slice(&v.to_le_bytes());
         }
         entry.extend_from_slice(&77u64.to_le_bytes());
-        store.set("kvmesh.log.1", &entry, None).unwrap();
+        store.set("kvmesh.log.v1.1", &entry, None).unwrap();
         assert_eq!(b.poll(&store, Inflight::load(&store).head()), vec![ins(4, &[77])]);
     }
 }

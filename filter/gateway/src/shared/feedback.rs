@@ -14,7 +14,7 @@ use kvmesh_proto::v1::Feedback;
 
 use super::{update, SharedStore};
 
-const KEY: &str = "kvmesh.feedback";
+const KEY: &str = "kvmesh.feedback.v1";
 const ENTRY: usize = 56;
 /// Workers tracked at once (a worker past it is not counted).
 pub const MAX_WORKERS: usize = 1024;

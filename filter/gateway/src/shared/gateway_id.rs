@@ -3,7 +3,7 @@
 use super::SharedStore;
 
 /// Where the Envoy's id lives in shared data.
-pub const GATEWAY_ID_KEY: &str = "kvmesh.gateway.id";
+pub const GATEWAY_ID_KEY: &str = "kvmesh.gateway.id.v1";
 
 /// This Envoy's id in the control plane: one per Envoy, whichever of its VMs holds the
 /// streams, so that the cumulative counts it reports are never counted twice when the stream

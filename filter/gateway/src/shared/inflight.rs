@@ -76,7 +76,7 @@ fn next_seq(value: &mut Vec<u8>) -> u64 {
 }
 
 impl Inflight {
-    pub(crate) const KEY: &'static str = "kvmesh.state";
+    pub(crate) const KEY: &'static str = "kvmesh.state.v1";
 
     /// Reads the current counts and log head (one host call), keeping the version for a
     /// later update.

@@ -7,7 +7,7 @@ use super::{u32_at, u64_at, SharedStore};
 pub struct Lease;
 
 impl Lease {
-    const KEY: &'static str = "kvmesh.cp.lease";
+    const KEY: &'static str = "kvmesh.cp.lease.v1";
 
     /// Takes or renews the lease for `vm` until `now_ms + ttl_ms` when it is free, lapsed or
     /// already `vm`'s. True when `vm` holds it afterwards.

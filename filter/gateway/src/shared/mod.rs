@@ -2,7 +2,10 @@
 //! behind the small [`SharedStore`] trait so that the logic is testable natively. One file per
 //! key or family of keys, each with its value's format; [`KEYS`] lists them all.
 //!
-//! Values are small byte strings (the host copies a value in and out on every access).
+//! Values are small byte strings (the host copies a value in and out on every access). Each
+//! key names the version of its value's format (`.v1`): a change of format bumps it, so that
+//! the VMs of an older and a newer build sharing one Envoy (a rolling upgrade with the same
+//! `vm_id`) never read each other's values.
 
 pub mod admission;
 mod breakers;
@@ -66,18 +69,18 @@ pub(crate) fn u64_at(bytes: &[u8], at: usize) -> Option<u64> {
 /// Every key (a pattern where the key names a VM or a slot) and the file that owns it.
 /// `docs/ARCHITECTURE.md` lists the same keys; a test checks that both agree.
 pub const KEYS: &[(&str, &str)] = &[
-    ("kvmesh.state", "inflight.rs"),
-    ("kvmesh.log.<slot>", "delta_log.rs"),
-    ("kvmesh.vms", "vm_ledger.rs"),
-    ("kvmesh.vm.<vm>", "vm_ledger.rs"),
-    ("kvmesh.cp.lease", "lease.rs"),
-    ("kvmesh.cp.version", "table.rs"),
-    ("kvmesh.cp.table", "table.rs"),
-    ("kvmesh.cp.polled", "table.rs"),
-    ("kvmesh.breakers", "breakers.rs"),
-    ("kvmesh.feedback", "feedback.rs"),
-    ("kvmesh.admission", "admission.rs"),
-    ("kvmesh.gateway.id", "gateway_id.rs"),
+    ("kvmesh.state.v1", "inflight.rs"),
+    ("kvmesh.log.v1.<slot>", "delta_log.rs"),
+    ("kvmesh.vms.v1", "vm_ledger.rs"),
+    ("kvmesh.vm.v1.<vm>", "vm_ledger.rs"),
+    ("kvmesh.cp.lease.v1", "lease.rs"),
+    ("kvmesh.cp.version.v1", "table.rs"),
+    ("kvmesh.cp.table.v1", "table.rs"),
+    ("kvmesh.cp.polled.v1", "table.rs"),
+    ("kvmesh.breakers.v1", "breakers.rs"),
+    ("kvmesh.feedback.v1", "feedback.rs"),
+    ("kvmesh.admission.v1", "admission.rs"),
+    ("kvmesh.gateway.id.v1", "gateway_id.rs"),
 ];
 
 #[cfg(test)]

@@ -25,9 +25,9 @@ pub struct Polled {
 const POLLED_RECORD: usize = 40;
 
 impl SharedTable {
-    const VERSION: &'static str = "kvmesh.cp.version";
-    const VALUE: &'static str = "kvmesh.cp.table";
-    const POLLED: &'static str = "kvmesh.cp.polled";
+    const VERSION: &'static str = "kvmesh.cp.version.v1";
+    const VALUE: &'static str = "kvmesh.cp.table.v1";
+    const POLLED: &'static str = "kvmesh.cp.polled.v1";
 
     /// Publishes version `version`: the table itself (protobuf: workers and settings) only
     /// when the workers or the settings changed, and always what is polled of each worker,

@@ -18,12 +18,12 @@ use super::{u32_at, u64_at, update, SharedStore};
 pub struct VmLedger;
 
 impl VmLedger {
-    const REGISTRY: &'static str = "kvmesh.vms";
+    const REGISTRY: &'static str = "kvmesh.vms.v1";
     /// Far above any single callback (a 256 MiB body is parsed in about 3 s).
     pub const STALE_MS: u64 = 10_000;
 
     fn key(vm: u32) -> String {
-        format!("kvmesh.vm.{vm:08x}")
+        format!("kvmesh.vm.v1.{vm:08x}")
     }
 
     fn registered(store: &dyn SharedStore) -> Vec<u32> {

@@ -164,7 +164,7 @@ fn a_table_with_new_loads_for_the_same_workers_is_adopted_in_place_and_a_new_rol
     };
     owner.apply_snapshot(&store, &with(1, [0, 0], true));
     route(&mut other, &store, "first");
-    let table_cas = store.get("kvmesh.cp.table").1;
+    let table_cas = store.get("kvmesh.cp.table.v1").1;
     assert!(table_cas.is_some());
     let url_before = other.view.table.get(0).map(|w| w.url.as_ptr());
     for (version, loads, want) in [(2, [50, 0], "127.0.0.1:31"), (3, [0, 50], "127.0.0.1:30")] {
@@ -181,7 +181,7 @@ fn a_table_with_new_loads_for_the_same_workers_is_adopted_in_place_and_a_new_rol
     owner.apply_snapshot(&store, &with(4, [0, 0], false));
     route(&mut other, &store, "q");
     assert_eq!(other.view.table.get(0).map(|w| w.healthy), Some(false));
-    assert_eq!(store.get("kvmesh.cp.table").1, table_cas, "only the polled records were shared again");
+    assert_eq!(store.get("kvmesh.cp.table.v1").1, table_cas, "only the polled records were shared again");
     // A new role for the same URL is a new worker: the table is rebuilt.
     let mut pd = with(5, [0, 0], true);
     pd.workers[1].role = proto::Role::Prefill as i32;
