@@ -203,7 +203,9 @@ fn consistent_hashing_keeps_a_key_on_one_worker_and_moves_only_a_removed_workers
             assert_eq!(now, owner[k], "{k} moved although its worker stayed");
         }
     }
+    // Exactly the removed worker's keys moved (how many it had is the hash's draw: 10 of 40
+    // on average, 20 or more in about 1 run in 2,000).
     let had = owner.values().filter(|w| **w == gone).count();
+    assert!(had > 0, "the removed worker owned keys");
     assert_eq!(moved, had);
-    assert!(moved < keys.len() / 2, "few keys move: {moved} of {}", keys.len());
 }
