@@ -8,7 +8,7 @@
 //! request only `instructions` (the proxy's instructions per request under valgrind). Each
 //! writes `target/bench/<suite>.json`, a markdown table and PNG charts.
 
-mod charts;
+pub(crate) mod charts;
 mod cp;
 mod instructions;
 mod overhead;

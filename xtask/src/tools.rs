@@ -162,8 +162,13 @@ pub fn ensure_kubectl() -> anyhow::Result<PathBuf> {
 /// Installs a Debian package when `tool` is missing and this is a root shell with apt-get (the
 /// development machines and CI); otherwise says what to install.
 fn ensure_apt(tool: &str, package: &str, why: &str) -> anyhow::Result<()> {
-    let present = |tool: &str| Command::new(tool).arg("--version").output().is_ok_and(|o| o.status.success());
-    if present(tool) {
+    let present = || Command::new(tool).arg("--version").output().is_ok_and(|o| o.status.success());
+    ensure_apt_for(&format!("`{tool}`"), present, package, why)
+}
+
+/// [`ensure_apt`] for anything `present` can check: `what` names it in the messages.
+fn ensure_apt_for(what: &str, present: impl Fn() -> bool, package: &str, why: &str) -> anyhow::Result<()> {
+    if present() {
         return Ok(());
     }
     let root = Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout.trim_ascii() == b"0");
@@ -182,11 +187,11 @@ fn ensure_apt(tool: &str, package: &str, why: &str) -> anyhow::Result<()> {
             let _ = Command::new("apt-get").args(["update", "-qq"]).status();
             install();
         }
-        if present(tool) {
+        if present() {
             return Ok(());
         }
     }
-    bail!("`{tool}` is needed {why}: install it (Debian: apt-get install {package})")
+    bail!("{what} is needed {why}: install it (Debian: apt-get install {package})")
 }
 
 /// Node runs the wasm32 test binaries (WASI preview1; Node 18 or newer).
@@ -204,6 +209,16 @@ fn ensure_node() -> anyhow::Result<()> {
 /// Valgrind counts instructions for `cargo xtask bench instructions` (and its test).
 pub fn ensure_valgrind() -> anyhow::Result<()> {
     ensure_apt("valgrind", "valgrind", "to count instructions per request (callgrind)")
+}
+
+/// A TrueType font for the benchmark charts (and the test that draws one).
+fn ensure_font() -> anyhow::Result<()> {
+    ensure_apt_for(
+        "a TrueType font under /usr/share/fonts",
+        || crate::bench::charts::font_path().is_some(),
+        "fonts-dejavu-core",
+        "to draw the benchmark charts (xtask/src/bench/charts.rs)",
+    )
 }
 
 /// Test totals summed over `cargo test` runs.
@@ -360,6 +375,7 @@ pub fn test(args: &[String]) -> anyhow::Result<()> {
     ensure_wasm_target()?;
     ensure_node()?;
     ensure_valgrind()?;
+    ensure_font()?;
     let envoy = ensure_envoy()?;
     let sglang_router = ensure_sglang_router()?;
     let smg = ensure_smg()?;

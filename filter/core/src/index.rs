@@ -529,37 +529,3 @@ fn current(
 
 #[cfg(test)]
 mod tests;
-
-/// The index's memory on the target it ships to (wasm32: 16 bytes an entry with its key):
-/// 10^6 indexed blocks over 64 workers, with the total bound's eviction, stay well under the
-/// filter's 64 MB per VM.
-#[cfg(all(test, target_arch = "wasm32"))]
-mod memory {
-    // Ignored: Node 20's WASI runner segfaults at exit (after every test passed) once a test
-    // has grown the memory this far. Run it with `--ignored` to see the figure; `cargo xtask
-    // bench scale` measures the same inside Envoy (the filter's `kvmesh_vm_memory_bytes`), and
-    // `the_index_grows_to_its_expected_size_in_one_step` checks the growth natively.
-    #[test]
-    #[ignore]
-    fn a_million_blocks_fit_in_a_vm() {
-        let mib = || core::arch::wasm32::memory_size::<0>() as u64 * 65_536 / (1 << 20);
-        let before = mib();
-        let mut idx = super::PrefixIndex::new();
-        idx.expect_blocks((1 << 20) + (1 << 17));
-        let mut x = 1u64;
-        for p in 0..22_600u64 {
-            let hashes: Vec<u64> = (0..50)
-                .map(|_| {
-                    x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
-                    x
-                })
-                .collect();
-            idx.insert((p % 64) as u32, &hashes);
-        }
-        assert_eq!(idx.len(), 1_130_000);
-        let evicted = idx.evict_total_to(1 << 20);
-        assert_eq!(evicted.len(), 1_130_000 - (1 << 20));
-        let grown = mib() - before;
-        assert!(grown < 56, "the index of 10^6 blocks took {grown} MiB of linear memory");
-    }
-}

@@ -1,6 +1,7 @@
 //! PNG charts of a suite's JSON (`plotters`): horizontal bars, one per router/config. Text is
 //! drawn with a TrueType font found on the system at run time (DejaVu or any `.ttf` under
-//! /usr/share/fonts); without one, no chart is drawn and the run says so.
+//! /usr/share/fonts; `cargo xtask test` installs fonts-dejavu-core when there is none);
+//! without one, no chart is drawn and the run says so.
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -23,13 +24,22 @@ fn font_file(dir: &Path, depth: usize) -> Option<PathBuf> {
     dirs.into_iter().filter(|_| depth > 0).find_map(|d| font_file(&d, depth - 1))
 }
 
+/// The font charts are drawn with: DejaVu Sans (Debian's `fonts-dejavu-core`, which `cargo
+/// xtask test` installs when no font is found), else any `.ttf` under /usr/share/fonts.
+pub(crate) fn font_path() -> Option<PathBuf> {
+    let preferred = PathBuf::from("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf");
+    if preferred.exists() {
+        Some(preferred)
+    } else {
+        font_file(Path::new("/usr/share/fonts"), 4)
+    }
+}
+
 /// Registers a system font as "sans-serif" once; false when there is none.
 fn font() -> bool {
     static OK: OnceLock<bool> = OnceLock::new();
     *OK.get_or_init(|| {
-        let preferred = PathBuf::from("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf");
-        let path = if preferred.exists() { Some(preferred) } else { font_file(Path::new("/usr/share/fonts"), 4) };
-        let Some(bytes) = path.and_then(|p| std::fs::read(p).ok()) else { return false };
+        let Some(bytes) = font_path().and_then(|p| std::fs::read(p).ok()) else { return false };
         let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
         plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_ok()
     })
@@ -126,8 +136,15 @@ pub fn draw(dir: &Path, suite: &str, doc: &Value) -> Vec<String> {
 mod tests {
     use super::*;
 
+    /// Needs a TrueType font, as the benchmarks do: `cargo xtask test` installs
+    /// fonts-dejavu-core when none is found.
     #[test]
-    fn an_overhead_chart_is_a_png_when_a_font_exists() {
+    fn an_overhead_chart_is_a_png() {
+        assert!(
+            font(),
+            "no TrueType font under /usr/share/fonts to draw charts with: `cargo xtask test` installs one \
+             (apt-get install fonts-dejavu-core)"
+        );
         let dir = std::env::temp_dir().join(format!("kvmesh-charts-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let doc = serde_json::json!({"results": [
@@ -135,10 +152,13 @@ mod tests {
             {"mode": "regular", "router": "smg", "config": "SMG 1.13.0", "rps": 3000.0, "proxy_cpu_us_per_request": 250.0},
         ]});
         let files = draw(&dir, "overhead", &doc);
-        if font() {
-            assert_eq!(files, ["overhead-regular-rps.png", "overhead-regular-cpu.png"]);
-            let png = std::fs::read(dir.join(&files[0])).unwrap();
-            assert_eq!(&png[1..4], b"PNG");
+        assert_eq!(files, ["overhead-regular-rps.png", "overhead-regular-cpu.png"]);
+        for file in &files {
+            let png = std::fs::read(dir.join(file)).unwrap();
+            assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n", "{file}");
+            // The IHDR chunk's size: 1100 pixels wide, one 26-pixel row per bar under the title.
+            let be = |at: usize| u32::from_be_bytes(png[at..at + 4].try_into().unwrap());
+            assert_eq!((&png[12..16], be(16), be(20)), (&b"IHDR"[..], 1100, 70 + 26 * 2 + 20), "{file}");
         }
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -216,7 +216,12 @@ fn another_vm_sees_the_prefix() {
     let mut b = Gateway::new(a.config().clone(), &store, 7);
     let prefix = "q".repeat(400);
     let on_a = routed(&mut a, &store, &body(&format!("{prefix}1")));
+    assert_eq!(on_a.matched_bytes, 0, "new to a");
+    assert_eq!(b.index_len(), 0, "b has not seen it");
+    // Both VMs place a new prefix by the same hash, so the worker alone proves nothing: b
+    // must know the prefix, from a's insert in the delta log.
     let on_b = routed(&mut b, &store, &body(&format!("{prefix}2")));
+    assert!(on_b.matched_bytes >= 384, "b matched {} bytes of a's 400-byte prefix", on_b.matched_bytes);
     assert_eq!(on_a.addr, on_b.addr);
 }
 
