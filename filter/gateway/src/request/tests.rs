@@ -104,7 +104,7 @@ fn one_request_makes_only_the_host_calls_it_needs() {
 }
 
 /// Not a test: the whole request path in a loop, for a native profile
-/// (`perf record` on `cargo test -p kvmesh-filter --release --lib profile_ -- --ignored`),
+/// (`perf record` on `cargo test -p kvmesh-gateway --release --lib profile_ -- --ignored`),
 /// with the overhead benchmark's request stream and four workers.
 #[test]
 #[ignore]
