@@ -326,6 +326,40 @@ async fn metrics(Axum(metrics): Axum<Arc<Metrics>>) -> impl IntoResponse {
 mod tests {
     use super::*;
     use crate::state::test_state as state;
+    use kvmesh_testkit::http;
+
+    /// Serves `s`'s admin API on a free loopback port, for as long as the runtime lives.
+    fn serve(s: Arc<State>) -> (tokio::runtime::Runtime, String) {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let app = router(s.clone(), Metrics::new(s));
+        rt.spawn(async move { axum::serve(listener, app).await });
+        (rt, base)
+    }
+
+    #[test]
+    fn a_worker_is_one_worker_under_every_spelling_of_its_url() {
+        let (_rt, base) = serve(state(&["--disable-health-check"]));
+        let post = |path: &str| http::post(&format!("{base}{path}"), b"", &[]).unwrap();
+        let urls = || http::get(&format!("{base}/list_workers")).unwrap().json().unwrap()["urls"].clone();
+        assert_eq!(post("/add_worker?url=http://127.0.0.1:30001").status, 200);
+        for other in ["http://127.0.0.1:030001/", "http://LOCALHOST:30001", "HTTP://localhost:30001/"] {
+            let r = post(&format!("/add_worker?url={other}"));
+            assert_eq!(r.status, 400, "{other}: {}", r.text());
+            assert!(r.text().contains("already registered"), "{other}: {}", r.text());
+        }
+        assert_eq!(urls(), json!(["http://127.0.0.1:30001"]));
+        let r = post("/remove_worker?url=http://localhost:030001/");
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(urls(), json!([]));
+        // A path, a query, a fragment or user info is no spelling of a worker.
+        for bad in ["http://127.0.0.1:30001/v1", "http://127.0.0.1:30001/?a=b", "http://u@127.0.0.1:30001"] {
+            let r = post(&format!("/add_worker?url={}", bad.replace('?', "%3F").replace('&', "%26")));
+            assert_eq!(r.status, 400, "{bad}: {}", r.text());
+        }
+        assert_eq!(urls(), json!([]));
+    }
 
     fn value(text: &str, series: &str) -> Option<f64> {
         text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
