@@ -136,8 +136,9 @@ pub struct Args {
     /// (refused off loopback, see --allow-insecure).
     #[arg(long, help_heading = "Logging and authentication")]
     pub grpc_token_file: Option<PathBuf>,
-    /// Read-only admin endpoints (/list_workers, /workers, /snapshot, /match, /metrics) need an
-    /// API key too; /health stays open (kvmesh). Default: open.
+    /// Read-only admin endpoints (/list_workers, /workers, /snapshot, /metrics) need an API key
+    /// too; /health stays open (kvmesh). Default: open (POST /match, which tells which worker
+    /// holds a text, needs a key whenever keys are configured).
     #[arg(long, help_heading = "Logging and authentication")]
     pub protect_read_endpoints: bool,
     /// Listen on a non-loopback --host without a gRPC token and API keys: anyone who reaches
@@ -365,6 +366,7 @@ impl Args {
             api_keys,
             protect_reads: self.protect_read_endpoints,
             insecure: !open.is_empty(),
+            keyless_cache_reads: loopback(http_host) || self.allow_insecure,
         })
     }
 

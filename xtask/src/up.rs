@@ -178,7 +178,7 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     );
     println!("  curl -sN {url}/generate -d '{{\"text\": \"Once upon a time\", \"stream\": true}}'");
     if let Some(key) = &cp_now.api_key {
-        println!("\nThe admin API takes the key (reads are open):");
+        println!("\nThe admin API takes the key (reads are open, but for POST /match):");
         println!(
             "  curl -s -X POST -H 'authorization: Bearer {key}' '{}'",
             cp_now.url("/remove_worker?url=http://127.0.0.1:30004")
