@@ -106,6 +106,19 @@ fn start_sims(pd: bool, sims: &mut Vec<Supervised<Sim>>) -> anyhow::Result<Vec<S
     Ok(flags)
 }
 
+/// Whether the flags after `--` name the workers (then no simulated ones are started).
+fn names_workers(cp_args: &[String]) -> bool {
+    cp_args.iter().any(|a| ["--worker-urls", "--prefill", "--decode", "--config"].contains(&a.as_str()))
+}
+
+/// The flags kvmesh-cp runs with: the user's (after `--`), then `sim_flags`, the simulated
+/// workers'.
+fn cp_flags(opts: &Options, sim_flags: Vec<String>) -> Vec<String> {
+    let mut flags = opts.cp_args.clone();
+    flags.extend(sim_flags);
+    flags
+}
+
 pub fn run(args: &[String]) -> anyhow::Result<()> {
     let opts = parse(args)?;
     kvmesh_testkit::proc::keep_logs();
@@ -119,12 +132,8 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     }
 
     let mut sims = Vec::new();
-    let own_workers =
-        opts.cp_args.iter().any(|a| ["--worker-urls", "--prefill", "--decode", "--config"].contains(&a.as_str()));
-    let mut cp_args = opts.cp_args.clone();
-    if !own_workers {
-        cp_args.extend(start_sims(opts.pd, &mut sims)?);
-    }
+    let sim_flags = if names_workers(&opts.cp_args) { Vec::new() } else { start_sims(opts.pd, &mut sims)? };
+    let cp_args = cp_flags(&opts, sim_flags);
     claim(&[CP_GRPC_PORT, CP_HTTP_PORT])?;
     step(&format!("starting kvmesh-cp (gRPC :{CP_GRPC_PORT}, HTTP :{CP_HTTP_PORT}) {}", cp_args.join(" ")));
     let first =
