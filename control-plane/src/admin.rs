@@ -24,7 +24,8 @@ use axum::middleware::from_fn_with_state;
 type Shared = Axum<Arc<State>>;
 
 /// The admin API: endpoints that change workers need an admin API key (when keys are
-/// configured), read-only ones any key under `--protect-read-endpoints`; `/health` is open.
+/// configured), `/match` (it tells which worker holds a text) any key, the other read-only
+/// ones any key under `--protect-read-endpoints`; `/health` is open.
 pub fn router(state: Arc<State>, metrics: Arc<Metrics>) -> Router {
     let admin = Router::new()
         .route("/add_worker", post(add_worker))
@@ -35,10 +36,13 @@ pub fn router(state: Arc<State>, metrics: Arc<Metrics>) -> Router {
         .route("/list_workers", get(list_workers))
         .route("/workers", get(workers))
         .route("/snapshot", get(snapshot))
-        .route("/match", post(match_text))
         .route_layer(from_fn_with_state(state.clone(), auth::read));
+    let cache = Router::new()
+        .route("/match", post(match_text))
+        .route_layer(from_fn_with_state(state.clone(), auth::cache_contents));
     admin
         .merge(read)
+        .merge(cache)
         .route("/health", get(|| async { "OK" }))
         .with_state(state.clone())
         .merge(metrics_router(metrics, state))
@@ -156,7 +160,8 @@ async fn workers(Axum(state): Shared) -> Json<Value> {
 }
 
 /// `POST /match` with a routing text as the body: which workers hold how many of its
-/// leading blocks (a debugging view of the global index).
+/// leading blocks (a debugging view of the global index). Whoever may ask learns whether
+/// someone sent a text (a cache side channel), so it always needs a key when there are keys.
 async fn match_text(Axum(state): Shared, body: axum::body::Bytes) -> Json<Value> {
     let matches: Vec<Value> =
         state.match_text(&body).into_iter().map(|(url, blocks)| json!({"url": url, "blocks": blocks})).collect();
@@ -326,6 +331,54 @@ async fn metrics(Axum(metrics): Axum<Arc<Metrics>>) -> impl IntoResponse {
 mod tests {
     use super::*;
     use crate::state::test_state as state;
+    use kvmesh_testkit::http;
+
+    /// Serves `s`'s admin API on a free loopback port, for as long as the runtime lives.
+    fn serve(s: Arc<State>) -> (tokio::runtime::Runtime, String) {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let app = router(s.clone(), Metrics::new(s));
+        rt.spawn(async move { axum::serve(listener, app).await });
+        (rt, base)
+    }
+
+    #[test]
+    fn a_worker_is_one_worker_under_every_spelling_of_its_url() {
+        let (_rt, base) = serve(state(&["--disable-health-check"]));
+        let post = |path: &str| http::post(&format!("{base}{path}"), b"", &[]).unwrap();
+        let urls = || http::get(&format!("{base}/list_workers")).unwrap().json().unwrap()["urls"].clone();
+        assert_eq!(post("/add_worker?url=http://127.0.0.1:30001").status, 200);
+        for other in ["http://127.0.0.1:030001/", "http://LOCALHOST:30001", "HTTP://localhost:30001/"] {
+            let r = post(&format!("/add_worker?url={other}"));
+            assert_eq!(r.status, 400, "{other}: {}", r.text());
+            assert!(r.text().contains("already registered"), "{other}: {}", r.text());
+        }
+        assert_eq!(urls(), json!(["http://127.0.0.1:30001"]));
+        let r = post("/remove_worker?url=http://localhost:030001/");
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(urls(), json!([]));
+        // A path, a query, a fragment or user info is no spelling of a worker.
+        for bad in ["http://127.0.0.1:30001/v1", "http://127.0.0.1:30001/?a=b", "http://u@127.0.0.1:30001"] {
+            let r = post(&format!("/add_worker?url={}", bad.replace('?', "%3F").replace('&', "%26")));
+            assert_eq!(r.status, 400, "{bad}: {}", r.text());
+        }
+        assert_eq!(urls(), json!([]));
+    }
+
+    #[test]
+    fn match_needs_a_key_once_keys_are_configured() {
+        let s = state(&["--control-plane-api-keys", "ops:o:admin:admin-secret", "dash:d:reader:reader-secret"]);
+        let (_rt, base) = serve(s);
+        let post = |auth: &[(&str, &str)]| http::post(&format!("{base}/match"), b"a prompt", auth).unwrap().status;
+        assert_eq!(post(&[]), 401, "the global index is no open prompt-prefix oracle");
+        assert_eq!(post(&[("authorization", "Bearer wrong")]), 401);
+        assert_eq!(post(&[("authorization", "Bearer reader-secret")]), 200, "a read key will do");
+        assert_eq!(post(&[("authorization", "Bearer admin-secret")]), 200);
+        for path in ["/health", "/metrics", "/list_workers", "/workers", "/snapshot"] {
+            assert_eq!(http::get(&format!("{base}{path}")).unwrap().status, 200, "{path} stays open");
+        }
+    }
 
     fn value(text: &str, series: &str) -> Option<f64> {
         text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())

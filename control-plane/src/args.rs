@@ -136,8 +136,9 @@ pub struct Args {
     /// (refused off loopback, see --allow-insecure).
     #[arg(long, help_heading = "Logging and authentication")]
     pub grpc_token_file: Option<PathBuf>,
-    /// Read-only admin endpoints (/list_workers, /workers, /snapshot, /match, /metrics) need an
-    /// API key too; /health stays open (kvmesh). Default: open.
+    /// Read-only admin endpoints (/list_workers, /workers, /snapshot, /metrics) need an API key
+    /// too; /health stays open (kvmesh). Default: open (POST /match, which tells which worker
+    /// holds a text, needs a key whenever keys are configured).
     #[arg(long, help_heading = "Logging and authentication")]
     pub protect_read_endpoints: bool,
     /// Listen on a non-loopback --host without a gRPC token and API keys: anyone who reaches
@@ -365,6 +366,7 @@ impl Args {
             api_keys,
             protect_reads: self.protect_read_endpoints,
             insecure: !open.is_empty(),
+            keyless_cache_reads: loopback(http_host) || self.allow_insecure,
         })
     }
 
@@ -380,7 +382,7 @@ impl Args {
         let host = self.host.clone().unwrap_or_else(|| "127.0.0.1".into());
         let http_host = self.http_host.clone().unwrap_or_else(|| host.clone());
         let auth = self.auth(&host, &http_host, &mut warnings)?;
-        let worker_policy = self.worker_policy(&prefill)?;
+        let (worker_policy, workers) = self.worker_policy(prefill, &mut warnings)?;
         let kv_capacity = self.kv_capacity()?;
         let limits = self.limits()?;
         Ok(Settings {
@@ -395,7 +397,7 @@ impl Args {
             http_port: self.http_port.unwrap_or(18001),
             prometheus_port: self.prometheus_port,
             pd,
-            prefill,
+            prefill: workers.prefill,
             routing,
             block_size: checked.block_size,
             bytes_per_token: checked.bytes_per_token,
@@ -416,8 +418,8 @@ impl Args {
             discovery,
             log_level: self.log_level.clone().unwrap_or_else(|| "info".into()),
             warnings,
-            workers: self.worker_urls,
-            decode: self.decode,
+            workers: workers.regular,
+            decode: workers.decode,
         })
     }
 
@@ -450,10 +452,10 @@ impl Args {
             return Err(self.bad("worker_urls", "not with --pd-disaggregation (use --prefill and --decode)"));
         }
         for url in &self.worker_urls {
-            kvmesh_core::worker::socket_addr(url).map_err(|e| self.bad("worker_urls", e))?;
+            crate::urls::canonical(url).map_err(|e| self.bad("worker_urls", e))?;
         }
         for url in &self.decode {
-            kvmesh_core::worker::socket_addr(url).map_err(|e| self.bad("decode", e))?;
+            crate::urls::canonical(url).map_err(|e| self.bad("decode", e))?;
         }
         Ok(pd)
     }
@@ -474,7 +476,7 @@ impl Args {
                     ),
                     _ => return Err(self.bad("prefill", "takes URL [BOOTSTRAP_PORT|none]")),
                 };
-            kvmesh_core::worker::socket_addr(&url).map_err(|e| self.bad("prefill", e))?;
+            crate::urls::canonical(&url).map_err(|e| self.bad("prefill", e))?;
             prefill.push((url, port));
         }
         Ok(prefill)
@@ -529,8 +531,14 @@ impl Args {
             .collect()
     }
 
-    /// `--worker-cidrs`, which every worker given on the command line must already pass.
-    fn worker_policy(&self, prefill: &[(String, Option<u16>)]) -> Result<WorkerPolicy, BadArgs> {
+    /// `--worker-cidrs`, which every worker given on the command line must already pass; and
+    /// those workers under their canonical URLs (regular, prefill, decode), each once (a
+    /// warning names a second spelling of one).
+    fn worker_policy(
+        &self,
+        prefill: Vec<(String, Option<u16>)>,
+        warnings: &mut Vec<String>,
+    ) -> Result<(WorkerPolicy, Workers), BadArgs> {
         let worker_policy = WorkerPolicy {
             cidrs: self
                 .worker_cidrs
@@ -538,16 +546,36 @@ impl Args {
                 .map(|c| Cidr::parse(c).map_err(|e| self.bad("worker_cidrs", e)))
                 .collect::<Result<_, _>>()?,
         };
-        for (flag, urls) in [
-            ("worker_urls", &self.worker_urls),
-            ("decode", &self.decode),
-            ("prefill", &prefill.iter().map(|(u, _)| u.clone()).collect()),
-        ] {
-            for url in urls {
-                crate::urls::check(url, &worker_policy).map_err(|e| self.bad(flag, e))?;
+        let mut seen = BTreeMap::new();
+        let mut canonical = |flag: &str, url: &String| -> Result<Option<String>, BadArgs> {
+            let c = crate::urls::check(url, &worker_policy).map_err(|e| self.bad(flag, e))?;
+            match seen.get(&c) {
+                Some(first) => {
+                    warnings.push(format!(
+                        "--{}: {url} is {c} again (given as {first}): registered once",
+                        flag.replace('_', "-")
+                    ));
+                    Ok(None)
+                }
+                None => {
+                    seen.insert(c.clone(), url.clone());
+                    Ok(Some(c))
+                }
             }
+        };
+        let mut workers = Workers::default();
+        for url in &self.worker_urls {
+            workers.regular.extend(canonical("worker_urls", url)?);
         }
-        Ok(worker_policy)
+        let mut decode = Vec::new();
+        for url in &self.decode {
+            decode.extend(canonical("decode", url)?);
+        }
+        for (url, port) in prefill {
+            workers.prefill.extend(canonical("prefill", &url)?.map(|c| (c, port)));
+        }
+        workers.decode = decode;
+        Ok((worker_policy, workers))
     }
 
     /// `--worker-kv-capacity`: tokens by worker URL.
@@ -624,7 +652,15 @@ fn kv_capacity_entry(entry: &str) -> Result<(String, u64), String> {
     if tokens == 0 {
         return Err(format!("`{entry}`: the capacity must be at least 1 token"));
     }
-    Ok((url.trim().trim_end_matches('/').to_string(), tokens))
+    Ok((crate::urls::canonical(url.trim())?, tokens))
+}
+
+/// The workers given on the command line, under their canonical URLs.
+#[derive(Default)]
+struct Workers {
+    regular: Vec<String>,
+    prefill: Vec<(String, Option<u16>)>,
+    decode: Vec<String>,
 }
 
 /// A token or key as it goes into an `authorization` header: visible ASCII, no spaces.

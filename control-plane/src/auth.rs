@@ -1,7 +1,8 @@
 //! Who may talk to kvmesh-cp: a bearer token on the gRPC streams (checked by a tonic
 //! interceptor before `Watch` or `Report` run) and API keys on the admin API (an axum
-//! middleware: mutating endpoints need an `admin` key; read-only ones need any key when
-//! `--protect-read-endpoints` is set; `/health` is always open).
+//! middleware: mutating endpoints need an `admin` key; `/match`, which reveals what the
+//! caches hold, any key; the other read-only ones any key when `--protect-read-endpoints` is
+//! set; `/health` is always open).
 
 use std::sync::Arc;
 
@@ -58,11 +59,20 @@ pub enum Access {
     Admin,
     /// Reads (open unless `--protect-read-endpoints`).
     Read,
+    /// Reads that reveal prompts or what the caches hold (`/match`): any key when keys are
+    /// configured; without keys only on a loopback admin address or under `--allow-insecure`.
+    CacheContents,
 }
 
 /// Whether `authorization` grants `access` under `auth`: `Ok`, or the status to answer.
 pub fn check(auth: &AuthSettings, access: Access, authorization: Option<&str>) -> Result<(), StatusCode> {
-    if auth.api_keys.is_empty() || (access == Access::Read && !auth.protect_reads) {
+    if auth.api_keys.is_empty() {
+        if access == Access::CacheContents && !auth.keyless_cache_reads {
+            return Err(StatusCode::FORBIDDEN);
+        }
+        return Ok(());
+    }
+    if access == Access::Read && !auth.protect_reads {
         return Ok(());
     }
     let presented = authorization.and_then(bearer).ok_or(StatusCode::UNAUTHORIZED)?;
@@ -84,7 +94,9 @@ async fn guard(state: Arc<State>, access: Access, request: Request, next: Next) 
         Err(status) => {
             state.counters.auth_failures.inc();
             tracing::warn!(path = %request.uri().path(), %status, "admin request refused");
-            let why = if status == StatusCode::FORBIDDEN {
+            let why = if status == StatusCode::FORBIDDEN && access == Access::CacheContents {
+                "this endpoint reveals what the caches hold: configure API keys (--control-plane-api-keys)"
+            } else if status == StatusCode::FORBIDDEN {
                 "this API key may only read; adding and removing workers needs a key with role admin"
             } else {
                 "missing or unknown API key: send `Authorization: Bearer <key>` (--control-plane-api-keys)"
@@ -104,6 +116,11 @@ pub async fn read(Axum(state): Axum<Arc<State>>, request: Request, next: Next) -
     guard(state, Access::Read, request, next).await
 }
 
+/// Middleware for endpoints that reveal prompts or cache contents.
+pub async fn cache_contents(Axum(state): Axum<Arc<State>>, request: Request, next: Next) -> Response {
+    guard(state, Access::CacheContents, request, next).await
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -118,6 +135,7 @@ mod tests {
             ],
             protect_reads,
             insecure: false,
+            keyless_cache_reads: false,
         }
     }
 
@@ -143,10 +161,23 @@ mod tests {
     }
 
     #[test]
-    fn without_keys_everything_is_open() {
-        let open = AuthSettings::default();
+    fn cache_contents_need_a_key_of_any_role_whenever_there_are_keys() {
+        for a in [keys(false), keys(true)] {
+            assert_eq!(check(&a, Access::CacheContents, None), Err(StatusCode::UNAUTHORIZED));
+            assert_eq!(check(&a, Access::CacheContents, Some("Bearer wrong")), Err(StatusCode::UNAUTHORIZED));
+            assert_eq!(check(&a, Access::CacheContents, Some("Bearer reader-secret")), Ok(()));
+            assert_eq!(check(&a, Access::CacheContents, Some("Bearer admin-secret")), Ok(()));
+        }
+    }
+
+    #[test]
+    fn without_keys_everything_is_open_on_loopback() {
+        let open = AuthSettings { keyless_cache_reads: true, ..Default::default() };
         assert_eq!(check(&open, Access::Admin, None), Ok(()));
         assert_eq!(check(&open, Access::Read, None), Ok(()));
+        assert_eq!(check(&open, Access::CacheContents, None), Ok(()));
+        let off_loopback = AuthSettings::default();
+        assert_eq!(check(&off_loopback, Access::CacheContents, None), Err(StatusCode::FORBIDDEN));
     }
 
     #[test]

@@ -71,7 +71,10 @@ pub fn desired<'a>(pods: impl IntoIterator<Item = &'a Pod>, cfg: &DiscoveryConfi
             .then(|| pod.metadata.annotations.as_ref()?.get(&cfg.bootstrap_annotation)?.parse::<u16>().ok())
             .flatten();
         let host = if ip.contains(':') { format!("[{ip}]") } else { ip.to_string() };
-        out.push(Desired { url: format!("http://{host}:{}", cfg.port), role, bootstrap_port });
+        // Spelled as the registry keeps it, so that reconciling compares like with like.
+        let url = format!("http://{host}:{}", cfg.port);
+        let url = crate::urls::canonical(&url).unwrap_or(url);
+        out.push(Desired { url, role, bootstrap_port });
     }
     out.sort_by(|a, b| a.url.cmp(&b.url));
     out
@@ -160,6 +163,23 @@ mod tests {
         let urls: Vec<&str> = want.iter().map(|d| d.url.as_str()).collect();
         assert_eq!(urls, vec!["http://10.0.0.1:8000", "http://[fd00::5]:8000"]);
         assert!(want.iter().all(|d| d.role == Role::Regular));
+    }
+
+    #[test]
+    fn discovered_urls_are_spelled_as_the_registry_keeps_them() {
+        let pods = [
+            pod("a", "FD00:0:0::7", true, &[("app", "sglang")], &[]),
+            pod("b", "::ffff:10.0.0.8", true, &[("app", "sglang")], &[]),
+        ];
+        let want = desired(&pods, &cfg(false));
+        let urls: Vec<&str> = want.iter().map(|d| d.url.as_str()).collect();
+        assert_eq!(urls, ["http://10.0.0.8:8000", "http://[fd00::7]:8000"]);
+        // Reconciling again changes nothing: no worker is removed and added back.
+        let s = crate::state::test_state(&["--disable-health-check"]);
+        reconcile(&s, &want);
+        let ids: Vec<u32> = s.workers().iter().map(|w| w.id).collect();
+        reconcile(&s, &desired(&pods, &cfg(false)));
+        assert_eq!(s.workers().iter().map(|w| w.id).collect::<Vec<_>>(), ids);
     }
 
     #[test]

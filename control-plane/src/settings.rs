@@ -75,6 +75,9 @@ pub struct AuthSettings {
     pub protect_reads: bool,
     /// Listening on a non-loopback address without authentication was asked for explicitly.
     pub insecure: bool,
+    /// With no API keys, `/match` (what the caches hold) answers: the admin API listens on
+    /// loopback, or `--allow-insecure` was given.
+    pub keyless_cache_reads: bool,
 }
 
 /// One `--control-plane-api-keys` entry: `id:name:role:key` (as SMG) or a bare key (admin).

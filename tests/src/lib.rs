@@ -188,6 +188,14 @@ impl ControlPlane {
         http::post(&self.url(path_and_query), b"", &headers)
     }
 
+    /// `POST /match` with `text` (with the API key, which it needs): which workers hold how
+    /// many of its leading blocks.
+    pub fn match_text(&self, text: &[u8]) -> anyhow::Result<serde_json::Value> {
+        let auth = self.api_key.as_ref().map(|k| format!("Bearer {k}"));
+        let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("authorization", a.as_str())).collect();
+        http::post(&self.url("/match"), text, &headers)?.json()
+    }
+
     /// The process's resident memory (VmRSS), in KiB.
     pub fn rss_kib(&self) -> Option<u64> {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.proc.pid())).ok()?;

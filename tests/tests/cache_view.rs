@@ -39,7 +39,7 @@ fn worker(cp: &ControlPlane, url: &str) -> Value {
 
 /// Index blocks the control plane believes `url` holds of `text`.
 fn held(cp: &ControlPlane, url: &str, text: &str) -> u64 {
-    let m = http::post(&cp.url("/match"), text.as_bytes(), &[]).unwrap().json().unwrap();
+    let m = cp.match_text(text.as_bytes()).unwrap();
     m.as_array().unwrap().iter().find(|e| e["url"] == url).map_or(0, |e| e["blocks"].as_u64().unwrap())
 }
 

@@ -71,7 +71,7 @@ fn a_prefix_routed_through_one_gateway_sticks_through_the_others() {
         let sent = Instant::now();
         // The report reaches the control plane, which pushes a new version to every gateway.
         let holder = || {
-            let m = http::post(&cp.url("/match"), prefix.as_bytes(), &[]).unwrap().json().unwrap();
+            let m = cp.match_text(prefix.as_bytes()).unwrap();
             m[0]["url"].as_str().map(|u| u.trim_start_matches("http://").to_string())
         };
         wait_until("the control plane to merge the insert", Duration::from_secs(10), || {
@@ -490,7 +490,7 @@ fn unauthenticated_streams_and_admin_calls_are_refused_and_authenticated_ones_wo
     });
     assert!(counter(&cp, "kvmesh_auth_failures_total") >= 6.0);
 
-    // The admin API: changes need the key; reads are open.
+    // The admin API: changes need the key; reads are open, but for /match (cache contents).
     let add = cp.url(&format!("/add_worker?url=http://127.0.0.1:{}", kvmesh_testkit::free_port().unwrap()));
     for headers in [vec![], vec![("authorization", "Bearer not-the-key")], vec![("authorization", "Basic a2V5")]] {
         let r = http::post(&add, b"", &headers).unwrap();
@@ -503,6 +503,8 @@ fn unauthenticated_streams_and_admin_calls_are_refused_and_authenticated_ones_wo
     for path in ["/workers", "/snapshot", "/metrics", "/health"] {
         assert_eq!(http::get(&cp.url(path)).unwrap().status, 200, "{path} is open");
     }
+    assert_eq!(http::post(&cp.url("/match"), b"a prompt", &[]).unwrap().status, 401, "/match needs a key");
+    assert!(cp.match_text(b"a prompt").unwrap().is_array());
     let r = cp.post(&format!("/remove_worker?url={}", workers[0].url())).unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
 
@@ -709,7 +711,7 @@ fn a_restarted_control_plane_keeps_api_workers_and_their_ids_and_prefixes_stay_p
     let home = served(&generate(&envoy, &format!("{prefix}before")));
     assert_eq!(home, workers[1].addr(), "a fresh prefix goes to the worker with the smallest index");
     let holder = |cp: &ControlPlane| {
-        let m = http::post(&cp.url("/match"), prefix.as_bytes(), &[]).unwrap().json().unwrap();
+        let m = cp.match_text(prefix.as_bytes()).unwrap();
         m[0]["url"].as_str().map(String::from)
     };
     wait_until("the control plane to learn the prefix", Duration::from_secs(10), || {

@@ -26,6 +26,7 @@ use serde_json::{json, Value};
 const WORKERS_CLUSTER: &str = "outbound|8000||sglang-workers.kvmesh.svc.cluster.local";
 const CP_CLUSTER: &str = "outbound|18000||kvmesh-cp.kvmesh.svc.cluster.local";
 const TOKEN_PLACEHOLDER: &str = "KVMESH_GRPC_TOKEN";
+const POD_CIDR_PLACEHOLDER: &str = "KVMESH_POD_CIDR";
 
 fn istio_dir() -> PathBuf {
     repo_root().join("istio")
@@ -337,8 +338,36 @@ fn the_names_that_tie_the_install_together_agree() {
         let vs = find(&objs, "VirtualService", "llm");
         assert_eq!(vs["spec"]["http"][0]["route"][0]["destination"]["host"], "sglang-workers.kvmesh.svc.cluster.local");
 
-        // kvmesh-cp finds the pods the Service selects, on the Service's port.
+        // kvmesh-cp's ports are open only to those that need them: the gRPC port to the
+        // gateway's identity, the admin port to the gateway's namespace and kvmesh-cp's own.
+        let policy = find(&objs, "AuthorizationPolicy", "kvmesh-cp");
+        assert_eq!(policy["spec"]["action"], "ALLOW", "{dir}");
+        let rules = policy["spec"]["rules"].as_array().unwrap();
+        let rule_for = |port: &str| {
+            rules
+                .iter()
+                .find(|r| r["to"].as_array().into_iter().flatten().any(|t| t["operation"]["ports"] == json!([port])))
+                .unwrap_or_else(|| panic!("{dir}: no rule for port {port}"))
+        };
+        for rule in rules {
+            assert!(
+                rule["from"].as_array().is_some_and(|f| !f.is_empty()),
+                "{dir}: a rule open to every source: {rule}"
+            );
+        }
+        let gateway = find(&objs, "Deployment", "kvmesh-gateway");
+        let gateway_sa = gateway["spec"]["template"]["spec"]["serviceAccountName"].as_str().unwrap();
+        let gateway_ns = gateway["metadata"]["namespace"].as_str().unwrap();
+        let principal = format!("cluster.local/ns/{gateway_ns}/sa/{gateway_sa}");
+        assert_eq!(rule_for("18000")["from"], json!([{"source": {"principals": [principal]}}]), "{dir}");
+        let cp_ns = find(&objs, "Deployment", "kvmesh-cp")["metadata"]["namespace"].as_str().unwrap();
+        let namespaces: std::collections::BTreeSet<&str> = [gateway_ns, cp_ns].into();
+        assert_eq!(rule_for("18001")["from"], json!([{"source": {"namespaces": namespaces}}]), "{dir}");
+
+        // kvmesh-cp finds the pods the Service selects, on the Service's port, in the pod
+        // network only (the placeholder is replaced at install, as the token is).
         let cfg = cp_config(&objs);
+        assert_eq!(cfg["worker-cidrs"], json!([POD_CIDR_PLACEHOLDER]), "{dir}");
         assert_eq!(cfg["service-discovery"], true, "{dir}");
         assert_eq!(cfg["service-discovery-port"], 8000, "{dir}");
         assert_eq!(cfg["service-discovery-namespace"], "kvmesh", "{dir}");
@@ -628,13 +657,15 @@ fn the_gateway_envoyfilters_route_in_a_real_envoy_behind_kvmesh_cp_from_the_conf
     kube.apply(pod("kvmesh", "unlabelled", "127.0.0.4", true, &[("app", "other")], &[]));
 
     // kvmesh-cp with the ConfigMap's file; only what a test must change is overridden on the
-    // command line (flags win): loopback, free ports, the sims' port, a token file here.
+    // command line (flags win): loopback, free ports, the sims' port, a token file here, and
+    // the pod network (the placeholder; these pods live on 127.0.0.x).
     let gw = Gateway::new("gateway");
     let config = gw.dir.path().join("kvmesh-cp.yaml");
     std::fs::write(&config, find(&objs, "ConfigMap", "kvmesh-cp")["data"]["kvmesh-cp.yaml"].as_str().unwrap()).unwrap();
     let kubeconfig = kube.kubeconfig().unwrap();
     let port_arg = port.to_string();
-    let args = ["--config", config.to_str().unwrap(), "--service-discovery-port", &port_arg];
+    let args =
+        ["--config", config.to_str().unwrap(), "--service-discovery-port", &port_arg, "--worker-cidrs", "127.0.0.0/8"];
     let cp = ControlPlane::start_with_env(
         free_port().unwrap(),
         free_port().unwrap(),

@@ -166,7 +166,7 @@ fn native_gateways_follow_the_control_plane_and_share_prefixes_through_it() {
         let first = served_by(&generate(&a, &format!("{prefix}First question?")));
         used.insert(first.clone());
         let holder = || {
-            let m = http::post(&cp.url("/match"), prefix.as_bytes(), &[]).unwrap().json().unwrap();
+            let m = cp.match_text(prefix.as_bytes()).unwrap();
             m[0]["url"].as_str().map(|u| u.trim_start_matches("http://").to_string())
         };
         wait_until("kvmesh-cp to learn gateway A's prefix", Duration::from_secs(10), || {

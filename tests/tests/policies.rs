@@ -78,7 +78,7 @@ fn prefix_hash_keeps_shared_prefix_sessions_together_and_spreads_distinct_ones()
     // Only the blocks prefix_hash considers (256 tokens: 32 blocks of 32 bytes) are indexed,
     // in the control plane too.
     wait_until("kvmesh-cp to merge the gateway's inserts", Duration::from_secs(10), || {
-        let m = http::post(&cp.url("/match"), prompt(0).as_bytes(), &[]).unwrap().json().unwrap();
+        let m = cp.match_text(prompt(0).as_bytes()).unwrap();
         m.as_array().unwrap().iter().any(|e| e["url"] == format!("http://{}", home[&0]) && e["blocks"] == 32)
     })
     .unwrap();

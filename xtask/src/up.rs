@@ -2,6 +2,7 @@
 //! filter, configured from the control plane.
 
 use std::net::TcpListener;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -106,6 +107,58 @@ fn start_sims(pd: bool, sims: &mut Vec<Supervised<Sim>>) -> anyhow::Result<Vec<S
     Ok(flags)
 }
 
+/// Whether the flags after `--` name the workers (then no simulated ones are started).
+fn names_workers(cp_args: &[String]) -> bool {
+    cp_args.iter().any(|a| ["--worker-urls", "--prefill", "--decode", "--config"].contains(&a.as_str()))
+}
+
+/// The repository's ignored folder for the local stack's state.
+const STATE_DIR: &str = ".kvmesh-state";
+
+/// Where kvmesh-cp keeps its state in the local stack: one file per mode (a PD stack's
+/// workers have roles a regular kvmesh-cp would not take).
+fn state_file(pd: bool) -> PathBuf {
+    repo_root().join(STATE_DIR).join(if pd { "kvmesh-cp-pd.json" } else { "kvmesh-cp.json" })
+}
+
+/// Whether the flags after `--` give kvmesh-cp a state file: `--state-file`, or a `--config`
+/// file with a top-level `state-file` (or `state_file`) key.
+fn names_state_file(cp_args: &[String]) -> bool {
+    let key_in = |text: &str| {
+        text.lines().any(|line| {
+            let line = line.strip_prefix(['"', '\'']).unwrap_or(line);
+            ["state-file", "state_file"].iter().any(|k| {
+                line.strip_prefix(k)
+                    .is_some_and(|rest| rest.trim_start_matches(['"', '\'']).trim_start().starts_with(':'))
+            })
+        })
+    };
+    let mut it = cp_args.iter();
+    while let Some(a) = it.next() {
+        if a == "--state-file" || a.starts_with("--state-file=") {
+            return true;
+        }
+        let config = if a == "--config" { it.next().cloned() } else { a.strip_prefix("--config=").map(String::from) };
+        if config.and_then(|path| std::fs::read_to_string(path).ok()).is_some_and(|text| key_in(&text)) {
+            return true;
+        }
+    }
+    false
+}
+
+/// The flags kvmesh-cp runs with: the user's (after `--`), then `sim_flags`, the simulated
+/// workers', then `--state-file` under [`STATE_DIR`] unless the user's flags name one, so
+/// that a kvmesh-cp the supervisor restarts still has the workers added through its API (as
+/// the cluster manifests keep it on a volume).
+fn cp_flags(opts: &Options, sim_flags: Vec<String>) -> Vec<String> {
+    let mut flags = opts.cp_args.clone();
+    flags.extend(sim_flags);
+    if !names_state_file(&opts.cp_args) {
+        flags.extend(["--state-file".to_string(), state_file(opts.pd).display().to_string()]);
+    }
+    flags
+}
+
 pub fn run(args: &[String]) -> anyhow::Result<()> {
     let opts = parse(args)?;
     kvmesh_testkit::proc::keep_logs();
@@ -119,11 +172,11 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     }
 
     let mut sims = Vec::new();
-    let own_workers =
-        opts.cp_args.iter().any(|a| ["--worker-urls", "--prefill", "--decode", "--config"].contains(&a.as_str()));
-    let mut cp_args = opts.cp_args.clone();
-    if !own_workers {
-        cp_args.extend(start_sims(opts.pd, &mut sims)?);
+    let sim_flags = if names_workers(&opts.cp_args) { Vec::new() } else { start_sims(opts.pd, &mut sims)? };
+    let cp_args = cp_flags(&opts, sim_flags);
+    let state = (!names_state_file(&opts.cp_args)).then(|| state_file(opts.pd));
+    if let Some(dir) = state.as_ref().and_then(|s| s.parent()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     }
     claim(&[CP_GRPC_PORT, CP_HTTP_PORT])?;
     step(&format!("starting kvmesh-cp (gRPC :{CP_GRPC_PORT}, HTTP :{CP_HTTP_PORT}) {}", cp_args.join(" ")));
@@ -171,6 +224,12 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     for w in cp_now.snapshot()?["workers"].as_array().cloned().unwrap_or_default() {
         println!("  worker         {} ({})", w["url"].as_str().unwrap_or("?"), w["role"].as_str().unwrap_or("?"));
     }
+    if let Some(state) = &state {
+        println!(
+            "  state          {}  (the API's workers, kept across restarts; delete it to start over)",
+            state.display()
+        );
+    }
     let url = format!("http://127.0.0.1:{GATEWAY_PORT}");
     println!("\nTry:\n  curl -s {url}/v1/chat/completions -H 'content-type: application/json' \\");
     println!(
@@ -178,7 +237,7 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     );
     println!("  curl -sN {url}/generate -d '{{\"text\": \"Once upon a time\", \"stream\": true}}'");
     if let Some(key) = &cp_now.api_key {
-        println!("\nThe admin API takes the key (reads are open):");
+        println!("\nThe admin API takes the key (reads are open, but for POST /match):");
         println!(
             "  curl -s -X POST -H 'authorization: Bearer {key}' '{}'",
             cp_now.url("/remove_worker?url=http://127.0.0.1:30004")
@@ -204,4 +263,47 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     }
     eprintln!("\nstopping");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(a: &[&str]) -> Vec<String> {
+        a.iter().map(|s| s.to_string()).collect()
+    }
+
+    /// The value of `flag` in `flags`, and how many times it is given.
+    fn value_of(flags: &[String], flag: &str) -> (Option<String>, usize) {
+        let given = flags.iter().filter(|f| *f == flag || f.starts_with(&format!("{flag}="))).count();
+        let value = flags.iter().position(|f| f == flag).and_then(|i| flags.get(i + 1)).cloned();
+        (value, given)
+    }
+
+    #[test]
+    fn kvmesh_cp_keeps_its_state_in_the_repository_unless_told_otherwise() {
+        let sims = args(&["--worker-urls", "http://127.0.0.1:30001"]);
+        let state = |file: &str| repo_root().join(".kvmesh-state").join(file).display().to_string();
+        let flags = cp_flags(&parse(&[]).unwrap(), sims.clone());
+        assert_eq!(value_of(&flags, "--state-file"), (Some(state("kvmesh-cp.json")), 1), "{flags:?}");
+        assert!(flags.ends_with(&sims) || flags.starts_with(&sims), "{flags:?}");
+        // PD mode keeps its own (its workers have roles a regular kvmesh-cp has not).
+        let flags = cp_flags(&parse(&args(&["--pd"])).unwrap(), Vec::new());
+        assert_eq!(value_of(&flags, "--state-file"), (Some(state("kvmesh-cp-pd.json")), 1), "{flags:?}");
+        // The user's own state file wins, however it is given.
+        let flags = cp_flags(&parse(&args(&["--", "--state-file", "/tmp/mine.json"])).unwrap(), sims.clone());
+        assert_eq!(value_of(&flags, "--state-file"), (Some("/tmp/mine.json".into()), 1), "{flags:?}");
+        let flags = cp_flags(&parse(&args(&["--", "--state-file=/tmp/mine.json"])).unwrap(), sims.clone());
+        assert_eq!(value_of(&flags, "--state-file"), (None, 1), "{flags:?}");
+        // ... also in a --config file.
+        let dir = std::env::temp_dir().join(format!("xtask-up-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = dir.join("cp.yaml");
+        for (text, ours) in [("policy: random\nstate_file: /tmp/kept.json\n", false), ("policy: random\n", true)] {
+            std::fs::write(&config, text).unwrap();
+            let flags = cp_flags(&parse(&args(&["--", "--config", config.to_str().unwrap()])).unwrap(), Vec::new());
+            assert_eq!(value_of(&flags, "--state-file").1, usize::from(ours), "{text}: {flags:?}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -89,6 +89,24 @@ fn bad_values_name_the_flag() {
 }
 
 #[test]
+fn worker_urls_from_flags_and_config_are_canonical() {
+    let path = config_file("canon.yaml", "worker-urls: [HTTP://LocalHost:05/, http://127.0.0.1:6]\n");
+    let s = parse(&["--config", path_str(&path)]).unwrap();
+    assert_eq!(s.workers, ["http://127.0.0.1:5", "http://127.0.0.1:6"]);
+    let s = parse(&["--prefill", "http://localhost:1/", "8998", "--decode", "http://[::FFFF:10.0.0.2]:2"]).unwrap();
+    assert_eq!(s.prefill, [("http://127.0.0.1:1".to_string(), Some(8998))]);
+    assert_eq!(s.decode, ["http://10.0.0.2:2"]);
+    let s = parse(&["--worker-urls", "http://127.0.0.1:7", "http://localhost:007/"]).unwrap();
+    assert_eq!(s.workers, ["http://127.0.0.1:7"], "one worker, given twice");
+    assert!(s.warnings.iter().any(|w| w.contains("http://localhost:007/")), "{:?}", s.warnings);
+    let s = parse(&["--worker-kv-capacity", "http://LOCALHOST:8/=4096"]).unwrap();
+    assert_eq!(s.kv_capacity.get("http://127.0.0.1:8"), Some(&4096));
+    for bad in ["http://127.0.0.1:9/v1", "http://127.0.0.1:9?x=1", "http://127.0.0.1:9#f", "http://me@127.0.0.1:9"] {
+        assert!(parse(&["--worker-urls", bad]).unwrap_err().starts_with("--worker-urls:"), "{bad}");
+    }
+}
+
+#[test]
 fn config_file_under_flags() {
     let path = config_file("cp.yaml", "worker-urls: [http://127.0.0.1:5]\npolicy: round_robin\ncache_threshold: 0.4\n");
     let s = parse(&["--config", path_str(&path), "--cache-threshold", "0.6"]).unwrap();

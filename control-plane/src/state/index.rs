@@ -39,7 +39,7 @@ impl State {
 
     /// A worker's KV capacity in tokens: `--worker-kv-capacity`, else what it reported.
     pub fn kv_capacity(&self, w: &WorkerEntry) -> Option<u64> {
-        self.settings.kv_capacity.get(w.url.trim_end_matches('/')).copied().or(w.kv_capacity_reported)
+        self.settings.kv_capacity.get(&w.url).copied().or(w.kv_capacity_reported)
     }
 
     /// The most blocks `worker`'s part of the index may hold.

@@ -27,7 +27,9 @@ impl State {
 
     /// Registers the workers from the flags, then those the state file kept.
     fn build(settings: Settings, persisted: Persisted) -> Arc<Self> {
-        let state = Self::empty(settings, persisted.next_id, persisted.ids.into_iter().collect());
+        // Ids by canonical URL (a file an older kvmesh-cp wrote may spell them otherwise).
+        let remembered = persisted.ids.into_iter().map(|(url, id)| (crate::urls::canonical(&url).unwrap_or(url), id));
+        let state = Self::empty(settings, persisted.next_id, remembered.collect());
         let s = &state.settings;
         for url in &s.workers {
             let _ = state.add_worker(url, Role::Regular, None, Source::Static);
@@ -47,7 +49,8 @@ impl State {
         state
     }
 
-    /// Adds a worker (ids are never reused, so filters' index entries stay unambiguous).
+    /// Adds a worker under its canonical URL (ids are never reused, so filters' index entries
+    /// stay unambiguous).
     pub fn add_worker(
         &self,
         url: &str,
@@ -55,7 +58,8 @@ impl State {
         bootstrap_port: Option<u16>,
         source: Source,
     ) -> Result<u32, String> {
-        crate::urls::check(url, &self.settings.worker_policy)?;
+        let url = crate::urls::check(url, &self.settings.worker_policy)?;
+        let url = url.as_str();
         let mut inner = self.lock();
         if let Some(&id) = inner.ids.get(url) {
             return Err(format!("worker {url} is already registered (id {id})"));
@@ -78,7 +82,10 @@ impl State {
         Ok(id)
     }
 
+    /// Removes the worker `url` names, however it is spelled.
     pub fn remove_worker(&self, url: &str) -> bool {
+        let Ok(url) = crate::urls::canonical(url) else { return false };
+        let url = url.as_str();
         let mut inner = self.lock();
         let Some(id) = inner.ids.remove(url) else { return false };
         inner.workers.remove(&id);
@@ -209,6 +216,34 @@ pub(crate) mod tests {
         }
         assert!(s.add_worker("http://127.0.0.5:80", Role::Regular, None, Source::Api).is_ok());
         assert_eq!(s.workers().len(), 1);
+    }
+
+    #[test]
+    fn every_source_registers_a_worker_under_one_spelling_of_its_url() {
+        let urls = |s: &State| s.workers().into_iter().map(|w| w.url).collect::<Vec<_>>();
+        // Flags: two spellings of one worker are one worker.
+        let s = state(&["--worker-urls", "http://LOCALHOST:01/", "http://127.0.0.1:1", "http://[FD00:0::1]:8000"]);
+        assert_eq!(urls(&s), ["http://127.0.0.1:1", "http://[fd00::1]:8000"]);
+        // Discovery and the API, after the flags.
+        for (source, url) in [(Source::Discovery, "http://127.0.0.1:1/"), (Source::Api, "http://[fd00::0:1]:08000")] {
+            assert!(
+                s.add_worker(url, Role::Regular, None, source).unwrap_err().contains("already registered"),
+                "{url}"
+            );
+        }
+        assert!(s.remove_worker("http://localhost:0001/"));
+        assert_eq!(urls(&s), ["http://[fd00::1]:8000"]);
+        // The state file (as an older kvmesh-cp may have written it).
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("state.json");
+        let kept = r#"{"next_id": 3, "ids": {"http://LOCALHOST:2/": 1},
+            "api_workers": [{"url": "http://LOCALHOST:2/", "role": "regular", "bootstrap_port": null},
+                            {"url": "http://127.0.0.1:02", "role": "regular", "bootstrap_port": null}]}"#;
+        std::fs::write(&file, kept).unwrap();
+        let argv = ["kvmesh-cp", "--state-file", file.to_str().unwrap()];
+        let s = State::open(crate::args::Args::parse_from(argv).unwrap().load().unwrap()).unwrap();
+        let ids: Vec<(String, u32)> = s.workers().into_iter().map(|w| (w.url, w.id)).collect();
+        assert_eq!(ids, [("http://127.0.0.1:2".to_string(), 1)], "one worker, with its id");
     }
 
     #[test]
