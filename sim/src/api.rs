@@ -1,6 +1,6 @@
 //! The HTTP API: SGLang's native endpoints and the OpenAI ones, JSON and SSE; with
 //! `--engine vllm`, vLLM's (the OpenAI ones only, vLLM's metric names, PD through
-//! `kv_transfer_params`).
+//! `kv_transfer_params`, optionally llm-d's decode sidecar).
 
 use std::convert::Infallible;
 use std::sync::atomic::Ordering::Relaxed;
@@ -298,14 +298,20 @@ impl Drop for InProgress {
     }
 }
 
+fn header(headers: &HeaderMap, name: &str) -> Option<String> {
+    headers.get(name).map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+}
+
 async fn serve(e: Arc<Engine>, endpoint: Endpoint, headers: &HeaderMap, body: Bytes) -> Response {
     let _counted = InProgress::new(&e);
     let request_id = headers.get("x-request-id").and_then(|v| v.to_str().ok()).map(String::from);
+    let prefiller = header(headers, "x-prefiller-host-port");
     if let Some(session) = headers.get("x-session-id").and_then(|v| v.to_str().ok()) {
         e.record_session(session);
     }
     let recorded = serde_json::from_slice::<Value>(&body).unwrap_or(Value::Null);
-    e.record(json!({"path": endpoint_path(endpoint), "x_request_id": request_id, "body": recorded}));
+    e.record(json!({"path": endpoint_path(endpoint), "x_request_id": request_id,
+                    "x_prefiller_host_port": prefiller, "body": recorded}));
     let job = match Job::parse(endpoint, &body, e.args.default_max_tokens) {
         Ok(j) => j,
         Err(msg) => return error(StatusCode::BAD_REQUEST, &msg),
@@ -332,6 +338,12 @@ async fn serve(e: Arc<Engine>, endpoint: Endpoint, headers: &HeaderMap, body: By
     if e.accept().is_err() {
         return error(StatusCode::INTERNAL_SERVER_ERROR, &format!("injected failure on {}", e.addr));
     }
+    if let (true, Some(host_port)) = (e.args.llm_d_sidecar, &prefiller) {
+        match sidecar(&e, endpoint, host_port, &recorded, request_id.as_deref()).await {
+            Ok(remote) => transfer = Transfer::Consume(remote),
+            Err(response) => return response,
+        }
+    }
     let id = if vllm {
         let prefix = if endpoint == Endpoint::ChatCompletions { "chatcmpl" } else { "cmpl" };
         format!("{prefix}-{}", request_id.unwrap_or_else(|| format!("{:032x}", fastrand::u128(..))))
@@ -344,6 +356,32 @@ async fn serve(e: Arc<Engine>, endpoint: Endpoint, headers: &HeaderMap, body: By
         r = serve_job(e, endpoint, job, ctx) => r,
         () = abortable.aborted() => error(StatusCode::BAD_REQUEST, "aborted by /abort_request"),
     }
+}
+
+/// llm-d's decode sidecar (`--llm-d-sidecar`): sends the prefill request to the worker that
+/// `x-prefiller-host-port` names and returns where the KV it computed is.
+async fn sidecar(
+    e: &Engine,
+    endpoint: Endpoint,
+    host_port: &str,
+    body: &Value,
+    request_id: Option<&str>,
+) -> Result<Remote, Response> {
+    let (host, port) = vllm::parse_host_port(host_port).map_err(|m| error(StatusCode::BAD_REQUEST, &m))?;
+    e.counters.sidecar_prefills.fetch_add(1, Relaxed);
+    let timeout = std::time::Duration::from_millis(e.args.sidecar_prefill_timeout_ms);
+    let prefill_body = vllm::prefill_body(body);
+    let answered =
+        vllm::sidecar_prefill((&host, port), endpoint_path(endpoint), &prefill_body, request_id, timeout).await;
+    let remote = answered.and_then(|params| match vllm::transfer_of(&json!({"kv_transfer_params": params})) {
+        Ok(Transfer::Consume(r)) => Ok(r),
+        Ok(_) => Err(format!("prefill at {host_port} answered kv_transfer_params without do_remote_prefill")),
+        Err(m) => Err(format!("prefill at {host_port} answered unusable kv_transfer_params: {m}")),
+    });
+    remote.map_err(|m| {
+        e.counters.kv_transfers_failed.fetch_add(1, Relaxed);
+        error(StatusCode::BAD_GATEWAY, &m)
+    })
 }
 
 /// `POST /abort_request {"rid": ...}`, as SGLang: the request with that rid stops (its
@@ -688,6 +726,7 @@ async fn stats(State(e): Shared) -> Json<Value> {
             "kv_transfers_published": c.kv_transfers_published.load(Relaxed),
             "kv_transfers_held": e.transfers.len(),
             "local_prefills": c.local_prefills.load(Relaxed),
+            "sidecar_prefills": c.sidecar_prefills.load(Relaxed),
         });
         if let (Some(all), Value::Object(more)) = (out.as_object_mut(), vllm) {
             all.extend(more);

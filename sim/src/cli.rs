@@ -102,6 +102,15 @@ pub struct Args {
     /// pull its KV (default: `--host`). `remote_port` is `--port`.
     #[arg(long)]
     pub advertise_host: Option<String>,
+    /// vLLM decode only: behave as llm-d's routing sidecar. A request with header
+    /// `x-prefiller-host-port: HOST:PORT` first goes to that prefill worker (with
+    /// `kv_transfer_params.do_remote_decode`, `"stream": false`, `max_tokens` 1), then decodes
+    /// here with the `kv_transfer_params` it answered; without the header it runs here alone.
+    #[arg(long)]
+    pub llm_d_sidecar: bool,
+    /// How long the `--llm-d-sidecar` waits for the prefill worker's answer, in milliseconds.
+    #[arg(long, default_value_t = 30_000)]
+    pub sidecar_prefill_timeout_ms: u64,
 }
 
 impl Args {
@@ -121,6 +130,9 @@ impl Args {
         }
         if self.kv_capacity_tokens == 0 {
             return Err("--kv-capacity-tokens must be at least 1".into());
+        }
+        if self.llm_d_sidecar && (self.engine != EngineKind::Vllm || self.role != Role::Decode) {
+            return Err("--llm-d-sidecar needs --engine vllm --role decode".into());
         }
         let default = [self.model.clone()];
         let served = if self.served_model_names.is_empty() { &default[..] } else { &self.served_model_names[..] };

@@ -1,6 +1,6 @@
 //! A minimal HTTP/1.1 client for the calls one simulated worker makes to another (a vLLM
-//! decode pulling KV from its prefill): one request per connection, an answer of bounded
-//! size, in bounded time.
+//! decode pulling KV from its prefill, the llm-d sidecar's prefill request): one request per
+//! connection, an answer of bounded size, in bounded time.
 
 use std::time::Duration;
 

@@ -42,12 +42,15 @@ pub struct Counters {
     /// from the prefill they name, for this prompt.
     pub kv_transfers_ok: AtomicU64,
     /// vLLM: requests whose `kv_transfer_params` were malformed, or named KV that could not be
-    /// pulled or was computed for another prompt (each one answered with an error).
+    /// pulled or was computed for another prompt (each one answered with an error); and
+    /// `--llm-d-sidecar` prefill requests that failed.
     pub kv_transfers_failed: AtomicU64,
     /// vLLM prefill: requests answered with `kv_transfer_params` for a decode to pull.
     pub kv_transfers_published: AtomicU64,
     /// vLLM: requests that computed their prompt here with no KV transfer either way.
     pub local_prefills: AtomicU64,
+    /// `--llm-d-sidecar`: prefill requests this sim sent for `x-prefiller-host-port`.
+    pub sidecar_prefills: AtomicU64,
 }
 
 /// The most distinct sessions a worker remembers between two cache flushes.

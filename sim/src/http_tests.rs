@@ -31,6 +31,10 @@ impl Sim {
         Sim { port }
     }
 
+    fn host_port(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
     async fn call(&self, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> client::Answer {
         client::request(method, "127.0.0.1", self.port, path, headers, body, WAIT).await.unwrap()
     }
@@ -53,6 +57,11 @@ impl Sim {
     async fn stats(&self) -> Value {
         self.json("/sim/stats").await
     }
+
+    /// The last request this sim recorded.
+    async fn last_request(&self) -> Value {
+        self.json("/sim/requests").await.as_array().unwrap().last().cloned().unwrap()
+    }
 }
 
 /// The `data:` payloads of an SSE answer.
@@ -64,14 +73,9 @@ fn chat(content: &str) -> Value {
     json!({"model": "kvmesh-sim", "messages": [{"role": "user", "content": content}], "max_tokens": 4})
 }
 
-/// What the gateway sends a vLLM prefill.
+/// What the gateway (or llm-d's sidecar) sends a vLLM prefill.
 fn prefill_leg(body: &Value) -> Value {
-    let mut b = body.clone();
-    b["kv_transfer_params"] = json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
-                                     "remote_block_ids": null, "remote_host": null, "remote_port": null});
-    b["stream"] = json!(false);
-    b["max_tokens"] = json!(1);
-    b
+    crate::vllm::prefill_body(body)
 }
 
 fn with_params(body: &Value, params: &Value) -> Value {
@@ -168,6 +172,21 @@ async fn sglang_stays_as_it_was_by_default() {
 }
 
 #[tokio::test]
+async fn requests_record_their_routing_headers() {
+    let sim = Sim::start(&[]).await;
+    let body = json!({"text": "hi"});
+    sim.post("/generate", &[("x-request-id", "r-1"), ("x-prefiller-host-port", "10.0.0.1:8000")], &body).await;
+    let seen = sim.last_request().await;
+    assert_eq!(
+        seen,
+        json!({"path": "/generate", "x_request_id": "r-1", "x_prefiller_host_port": "10.0.0.1:8000", "body": body})
+    );
+    sim.post("/generate", &[], &body).await;
+    let seen = sim.last_request().await;
+    assert_eq!((seen["x_request_id"].clone(), seen["x_prefiller_host_port"].clone()), (Value::Null, Value::Null));
+}
+
+#[tokio::test]
 async fn a_vllm_decode_pulls_the_kv_its_prefill_computed_for_this_prompt_and_nothing_else() {
     let prefill = Sim::start(&["--engine", "vllm", "--role", "prefill", "--engine-id", "p-1"]).await;
     let decode = Sim::start(&["--engine", "vllm", "--role", "decode"]).await;
@@ -244,6 +263,56 @@ async fn a_vllm_decode_pulls_the_kv_its_prefill_computed_for_this_prompt_and_not
 }
 
 #[tokio::test]
+async fn the_llm_d_sidecar_runs_the_prefill_named_by_its_header_first() {
+    let prefill = Sim::start(&["--engine", "vllm", "--role", "prefill"]).await;
+    let decode = Sim::start(&["--engine", "vllm", "--role", "decode", "--llm-d-sidecar"]).await;
+    let mut body = chat(&"Split me between two workers. ".repeat(8));
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    body["min_tokens"] = json!(2);
+    let header = prefill.host_port();
+    let headers = [("x-prefiller-host-port", header.as_str()), ("x-request-id", "side-1")];
+    let a = decode.call("POST", "/v1/chat/completions", &headers, body.to_string().as_bytes()).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let events = sse(&a.text());
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let usage: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(usage["usage"]["completion_tokens"], 4);
+
+    let seen = prefill.last_request().await;
+    assert_eq!((seen["path"].as_str(), seen["x_request_id"].as_str()), (Some("/v1/chat/completions"), Some("side-1")));
+    let sent = &seen["body"];
+    assert_eq!(sent["kv_transfer_params"]["do_remote_decode"], true);
+    assert_eq!((sent["stream"].clone(), sent["max_tokens"].clone()), (json!(false), json!(1)));
+    assert!(sent.get("stream_options").is_none() && sent.get("min_tokens").is_none(), "{sent}");
+    assert_eq!(sent["messages"], body["messages"]);
+    assert_eq!(decode.last_request().await["x_prefiller_host_port"], header);
+    let stats = decode.stats().await;
+    assert_eq!(
+        (stats["sidecar_prefills"].as_u64(), stats["kv_transfers_ok"].as_u64(), stats["local_prefills"].as_u64()),
+        (Some(1), Some(1), Some(0))
+    );
+    assert_eq!(prefill.stats().await["kv_transfers_published"], 1);
+
+    // Without the header the decode runs alone; a malformed one is refused before any call; a
+    // prefill that is not there is a 502 naming it.
+    assert_eq!(decode.post("/v1/chat/completions", &[], &chat("alone")).await.0, 200);
+    assert_eq!(decode.stats().await["local_prefills"], 1);
+    for bad in ["not a host", "h:0", &format!("{}:80", "h".repeat(300))] {
+        let (status, err) = decode.post("/v1/chat/completions", &[("x-prefiller-host-port", bad)], &chat("x")).await;
+        assert_eq!(status, 400, "{bad}: {err}");
+    }
+    assert_eq!(decode.stats().await["sidecar_prefills"], 1);
+    let gone = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let gone_at = gone.local_addr().unwrap().to_string();
+    drop(gone);
+    let (status, err) = decode.post("/v1/chat/completions", &[("x-prefiller-host-port", &gone_at)], &chat("x")).await;
+    assert_eq!(status, 502, "{err}");
+    assert!(err["error"]["message"].as_str().unwrap().contains(&gone_at), "{err}");
+    assert_eq!(decode.stats().await["kv_transfers_failed"], 1);
+}
+
+#[tokio::test]
 async fn served_names_and_adapters_pick_the_model_and_unknown_ones_are_404() {
     let sim = Sim::start(&[
         "--engine",
@@ -274,9 +343,12 @@ async fn served_names_and_adapters_pick_the_model_and_unknown_ones_are_404() {
 }
 
 #[test]
-fn model_names_are_checked() {
+fn the_sidecar_flag_needs_a_vllm_decode() {
     let parse =
         |extra: &[&str]| Args::parse_from(std::iter::once("kvmesh-sim").chain(extra.iter().copied())).validate();
+    assert!(parse(&["--llm-d-sidecar"]).is_err());
+    assert!(parse(&["--llm-d-sidecar", "--engine", "vllm"]).is_err());
+    assert!(parse(&["--llm-d-sidecar", "--engine", "vllm", "--role", "decode"]).is_ok());
     assert!(parse(&["--lora", "kvmesh-sim"]).unwrap_err().contains("twice"));
     assert!(parse(&["--served-model-name", ""]).is_err());
 }

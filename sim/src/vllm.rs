@@ -8,6 +8,9 @@
 //! `do_remote_prefill` parameters pulls that KV (taking it: a transfer is read once, as vLLM
 //! frees the blocks after the decode's read) and fails the request when the engine, the
 //! blocks or the prompt do not match — so a wrong pairing or made-up parameters are visible.
+//!
+//! Also here: llm-d's routing sidecar's side (`x-prefiller-host-port` and the prefill request
+//! it sends).
 
 use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -217,6 +220,87 @@ pub async fn pull(r: &Remote, wait: Duration) -> Result<Kv, String> {
     }
 }
 
+/// The longest `x-prefiller-host-port` taken (a 253-byte DNS name and a port).
+const MAX_HOST_PORT: usize = 262;
+
+/// `x-prefiller-host-port`'s value: `host:port` (a DNS name or an IPv4 address, or an IPv6
+/// address in brackets) with a port from 1 to 65535.
+pub fn parse_host_port(v: &str) -> Result<(String, u16), String> {
+    let bad = || format!("x-prefiller-host-port `{}` is not HOST:PORT", v.chars().take(64).collect::<String>());
+    if v.is_empty() || v.len() > MAX_HOST_PORT {
+        return Err(bad());
+    }
+    let (host, port) = match v.strip_prefix('[') {
+        Some(rest) => {
+            let (h, p) = rest.split_once("]:").ok_or_else(bad)?;
+            h.parse::<std::net::Ipv6Addr>().map_err(|_| bad())?;
+            (h, p)
+        }
+        None => {
+            let (h, p) = v.rsplit_once(':').ok_or_else(bad)?;
+            let name_ok = h.split('.').all(|label| {
+                !label.is_empty() && label.len() <= 63 && label.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+            });
+            if !name_ok {
+                return Err(bad());
+            }
+            (h, p)
+        }
+    };
+    let port = if !port.is_empty() && port.len() <= 5 && port.bytes().all(|b| b.is_ascii_digit()) {
+        port.parse::<u16>().ok().filter(|&p| p != 0)
+    } else {
+        None
+    };
+    Ok((host.to_string(), port.ok_or_else(bad)?))
+}
+
+/// The body llm-d's sidecar sends the prefill worker: the client's, asking
+/// `do_remote_decode`, not streamed, one output token.
+pub fn prefill_body(client_body: &Value) -> Value {
+    let mut body = client_body.clone();
+    if let Some(o) = body.as_object_mut() {
+        o.insert(
+            "kv_transfer_params".into(),
+            json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+                   "remote_block_ids": null, "remote_host": null, "remote_port": null}),
+        );
+        o.insert("stream".into(), json!(false));
+        o.insert("max_tokens".into(), json!(1));
+        if o.contains_key("max_completion_tokens") {
+            o.insert("max_completion_tokens".into(), json!(1));
+        }
+        for name in ["stream_options", "min_tokens", "min_completion_tokens"] {
+            o.remove(name);
+        }
+    }
+    body
+}
+
+/// The sidecar's prefill request to `host:port`: the `kv_transfer_params` it answered.
+pub async fn sidecar_prefill(
+    (host, port): (&str, u16),
+    path: &str,
+    body: &Value,
+    request_id: Option<&str>,
+    timeout: Duration,
+) -> Result<Value, String> {
+    let at = client::authority(host, port);
+    let headers: Vec<(&str, &str)> = request_id.map(|id| ("x-request-id", id)).into_iter().collect();
+    let answer = client::request("POST", host, port, path, &headers, body.to_string().as_bytes(), timeout)
+        .await
+        .map_err(|e| format!("prefill at {at} failed: {e}"))?;
+    if !(200..300).contains(&answer.status) {
+        let text: String = answer.text().chars().take(300).collect();
+        return Err(format!("prefill at {at} answered {}: {text}", answer.status));
+    }
+    let v: Value = serde_json::from_slice(&answer.body).map_err(|_| format!("prefill at {at} answered no JSON"))?;
+    match v.get("kv_transfer_params") {
+        Some(p @ Value::Object(_)) => Ok(p.clone()),
+        _ => Err(format!("prefill at {at} answered no kv_transfer_params")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -268,8 +352,7 @@ mod tests {
         assert_eq!(transfer_of(&json!({})), Ok(Transfer::None));
         assert_eq!(transfer_of(&json!({"kv_transfer_params": null})), Ok(Transfer::None));
         assert_eq!(transfer_of(&json!({"kv_transfer_params": {}})), Ok(Transfer::None));
-        let template = json!({"kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false,
-            "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null}});
+        let template = prefill_body(&json!({"prompt": "p"}));
         assert_eq!(transfer_of(&template), Ok(Transfer::Produce));
         let t = transfers(KEEP);
         let params = t.publish(Kv { prompt_hash: 1, tokens: 20 }, "cmpl-x-0");
@@ -303,5 +386,35 @@ mod tests {
             let err = transfer_of(&json!({"kv_transfer_params": bad})).unwrap_err();
             assert!(err.contains(needle), "{bad}: {err}");
         }
+    }
+
+    #[test]
+    fn the_prefiller_header_is_host_and_port() {
+        assert_eq!(parse_host_port("10.0.0.7:8000"), Ok(("10.0.0.7".into(), 8000)));
+        assert_eq!(parse_host_port("prefill-0.svc:80"), Ok(("prefill-0.svc".into(), 80)));
+        assert_eq!(parse_host_port("[::1]:5"), Ok(("::1".into(), 5)));
+        let long = format!("{}:1", "a.".repeat(140));
+        for bad in [
+            "", "host", "host:", ":80", "h:0", "h:65536", "h:+80", "h:8 0", "h/x:80", "a..b:1", "::1:5", "[x]:5", &long,
+        ] {
+            assert!(parse_host_port(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_sidecars_prefill_body_asks_for_a_remote_decode_of_one_token() {
+        let client = json!({"model": "m", "messages": [], "stream": true, "stream_options": {"include_usage": true},
+                            "max_tokens": 50, "max_completion_tokens": 40, "min_tokens": 3, "min_completion_tokens": 2,
+                            "temperature": 0.5});
+        let body = prefill_body(&client);
+        assert_eq!(
+            body,
+            json!({"model": "m", "messages": [], "stream": false, "max_tokens": 1, "max_completion_tokens": 1,
+                   "temperature": 0.5,
+                   "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+                                          "remote_block_ids": null, "remote_host": null, "remote_port": null}})
+        );
+        assert_eq!(prefill_body(&json!({"prompt": "p"}))["max_tokens"], 1);
+        assert!(prefill_body(&json!({"prompt": "p"})).get("max_completion_tokens").is_none());
     }
 }
