@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use kvmesh_testkit::{repo_root, wait_until, ControlPlane, Envoy, EnvoyOptions, Sim};
 use kvmesh_core::settings::PdProtocol;
+use kvmesh_testkit::{repo_root, wait_until, ControlPlane, Envoy, EnvoyOptions, Sim};
 use serde_json::json;
 
 use crate::supervise::Supervised;

@@ -86,7 +86,10 @@ impl fmt::Display for PdProtocol {
 impl FromStr for PdProtocol {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        Self::ALL.into_iter().find(|p| p.name() == s).ok_or_else(|| format!("unknown PD protocol `{s}` (sglang, llm-d)"))
+        Self::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| format!("unknown PD protocol `{s}` (sglang, llm-d)"))
     }
 }
 

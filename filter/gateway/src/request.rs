@@ -20,8 +20,8 @@ use kvmesh_core::{Endpoint, WorkerId};
 
 use crate::admission::{Entry, WaitRoom};
 use crate::gateway::{
-    endpoint_list, is_routing_header, Destination, Gateway, Now, Outcome, Plan, PrefillLeg, Reply, RequestInfo,
-    Routed, PREFILLER_HEADER,
+    endpoint_list, is_routing_header, Destination, Gateway, Now, Outcome, Plan, PrefillLeg, Reply, RequestInfo, Routed,
+    PREFILLER_HEADER,
 };
 use crate::host::{Action, Callout, Metric, StreamHost};
 use crate::pd_leg::{Effect, PdLeg, PrefillResult};
@@ -523,12 +523,8 @@ impl RequestFilter {
         }
         // The client's end-to-end headers (authorization, trace context, ...) go to both legs.
         headers.extend(client.pairs().filter(|(n, _)| forwarded_to_prefill(n)));
-        let callout = Callout {
-            cluster: &cluster,
-            headers: &headers,
-            body,
-            timeout: Duration::from_secs(how.timeout_secs),
-        };
+        let callout =
+            Callout { cluster: &cluster, headers: &headers, body, timeout: Duration::from_secs(how.timeout_secs) };
         let token = host.dispatch(callout).map_err(|e| {
             let msg = format!("cannot dispatch the prefill leg to {}: {e}", pd.prefill.addr);
             Reply::error(502, "prefill_failed", &msg)

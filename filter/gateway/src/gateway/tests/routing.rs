@@ -588,7 +588,13 @@ fn pd_bad_batches_are_refused_before_anything_is_counted() {
 
 #[test]
 fn routing_headers_are_recognised() {
-    for h in ["x-envoy-original-dst-host", "X-Gateway-Destination-Endpoint", "x-kvmesh-worker", "x-kvmesh-anything", "X-Prefiller-Host-Port"] {
+    for h in [
+        "x-envoy-original-dst-host",
+        "X-Gateway-Destination-Endpoint",
+        "x-kvmesh-worker",
+        "x-kvmesh-anything",
+        "X-Prefiller-Host-Port",
+    ] {
         assert!(is_routing_header(h), "{h}");
     }
     for h in ["x-request-id", "content-type", "x-envoy-expected-rq-timeout-ms"] {
