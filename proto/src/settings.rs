@@ -4,7 +4,7 @@
 //! compile (see `conversions!`).
 
 use kvmesh_core::policy::PolicyKind;
-use kvmesh_core::settings::{PdDecider, RoutingSettings};
+use kvmesh_core::settings::{PdDecider, PdProtocol, RoutingSettings};
 
 use crate::v1;
 
@@ -73,6 +73,23 @@ impl Wire<i32> for PdDecider {
             Ok(v1::PdDecider::Always) => Ok(PdDecider::Always),
             Ok(v1::PdDecider::Prefix) => Ok(PdDecider::Prefix),
             Ok(v1::PdDecider::Unspecified) | Err(_) => Err(SettingsError::UnknownValue { field, value }),
+        }
+    }
+}
+
+impl Wire<i32> for PdProtocol {
+    fn to_wire(self) -> i32 {
+        let p = match self {
+            PdProtocol::Sglang => v1::PdProtocol::Sglang,
+            PdProtocol::LlmD => v1::PdProtocol::LlmD,
+        };
+        p as i32
+    }
+    fn from_wire(value: i32, field: &'static str) -> Result<Self, SettingsError> {
+        match v1::PdProtocol::try_from(value) {
+            Ok(v1::PdProtocol::Sglang) => Ok(PdProtocol::Sglang),
+            Ok(v1::PdProtocol::LlmD) => Ok(PdProtocol::LlmD),
+            Ok(v1::PdProtocol::Unspecified) | Err(_) => Err(SettingsError::UnknownValue { field, value }),
         }
     }
 }
@@ -173,6 +190,11 @@ mod tests {
             PdDecider::ALL[n as usize % PdDecider::ALL.len()]
         }
     }
+    impl Sample for PdProtocol {
+        fn sample(n: u32) -> Self {
+            PdProtocol::ALL[n as usize % PdProtocol::ALL.len()]
+        }
+    }
 
     macro_rules! from_the_message {
         ($($field:ident = $number:literal,)*) => {
@@ -217,6 +239,12 @@ mod tests {
             let n: i32 = d.to_wire();
             assert!(numbers.insert(n), "{d} shares {n}");
             assert_eq!(PdDecider::from_wire(n, "pd_decider"), Ok(d));
+        }
+        numbers.clear();
+        for p in PdProtocol::ALL {
+            let n: i32 = p.to_wire();
+            assert!(numbers.insert(n), "{p} shares {n}");
+            assert_eq!(PdProtocol::from_wire(n, "pd_protocol"), Ok(p));
         }
     }
 

@@ -1,4 +1,6 @@
-//! The HTTP API: SGLang's native endpoints and the OpenAI ones, JSON and SSE.
+//! The HTTP API: SGLang's native endpoints and the OpenAI ones, JSON and SSE; with
+//! `--engine vllm`, vLLM's (the OpenAI ones only, vLLM's metric names, PD through
+//! `kv_transfer_params`, optionally llm-d's decode sidecar).
 
 use std::convert::Infallible;
 use std::sync::atomic::Ordering::Relaxed;
@@ -17,31 +19,40 @@ use futures_util::Stream;
 use serde_json::{json, Value};
 
 use crate::bootstrap::{self, RoomKv};
-use crate::cli::Role;
+use crate::cli::{EngineKind, Role};
 use crate::engine::Engine;
+use crate::models::Target;
 use crate::prompt::{Endpoint, Job, Prompt};
+use crate::vllm::{self, Kv, Remote, Transfer};
 
 type Shared = State<Arc<Engine>>;
 
 pub fn router(engine: Arc<Engine>) -> Router {
     let addr = HeaderValue::from_str(&engine.addr).unwrap_or(HeaderValue::from_static("unknown"));
-    Router::new()
-        .route("/generate", post(generate))
+    let common = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
         .route("/health", get(health))
-        .route("/health_generate", get(health))
-        .route("/get_load", get(get_load))
         .route("/metrics", get(metrics))
         .route("/v1/models", get(models))
-        .route("/get_model_info", get(model_info))
-        .route("/get_server_info", get(server_info))
-        .route("/flush_cache", post(flush_cache))
-        .route("/abort_request", post(abort_request))
         .route("/sim/stats", get(stats))
         .route("/sim/requests", get(recent))
-        .route("/sim/fault", post(fault))
-        .layer(DefaultBodyLimit::disable())
+        .route("/sim/fault", post(fault));
+    let app = match engine.args.engine {
+        EngineKind::Sglang => common
+            .route("/generate", post(generate))
+            .route("/health_generate", get(health))
+            .route("/get_load", get(get_load))
+            .route("/get_model_info", get(model_info))
+            .route("/get_server_info", get(server_info))
+            .route("/flush_cache", post(flush_cache))
+            .route("/abort_request", post(abort_request)),
+        // vLLM serves no SGLang endpoint (`/generate` included): FastAPI's 404.
+        EngineKind::Vllm => common
+            .route("/sim/kv/pull", post(vllm::pull_handler).with_state(Arc::clone(&engine.transfers)))
+            .fallback(not_found),
+    };
+    app.layer(DefaultBodyLimit::disable())
         .layer(axum::middleware::map_response(move |mut r: Response| {
             let addr = addr.clone();
             async move {
@@ -51,6 +62,10 @@ pub fn router(engine: Arc<Engine>) -> Router {
             }
         }))
         .with_state(engine)
+}
+
+async fn not_found() -> Response {
+    (StatusCode::NOT_FOUND, Json(json!({"detail": "Not Found"}))).into_response()
 }
 
 fn error(status: StatusCode, message: &str) -> Response {
@@ -94,10 +109,37 @@ enum Plan {
     Prefill { room: u64 },
     /// PD decode: the KV came from the prefill worker.
     Decode { tokens: u64 },
+    /// vLLM PD prefill: prefill here, answer as asked, and keep the KV for a decode to pull.
+    Handover,
+    /// vLLM PD decode: the KV was pulled from the prefill worker.
+    Pulled,
 }
 
-fn prompt_hash(item: &Prompt) -> u64 {
-    xxhash_rust::xxh3::xxh3_64(&item.bytes)
+/// What a request is served as, beyond its items.
+struct Ctx {
+    /// The model it runs on.
+    target: Target,
+    /// vLLM: its KV transfer.
+    transfer: Transfer,
+    /// The OpenAI answer's id (vLLM: `cmpl-`/`chatcmpl-` and the request's `x-request-id`).
+    id: String,
+    vllm: bool,
+}
+
+impl Ctx {
+    /// The id vLLM gives the request inside its engine (`remote_request_id`).
+    fn engine_request_id(&self, endpoint: Endpoint) -> String {
+        match endpoint {
+            Endpoint::ChatCompletions => self.id.clone(),
+            _ => format!("{}-0", self.id),
+        }
+    }
+}
+
+/// The prompt's identity as a KV transfer carries it (the model's seed included; seed 0
+/// hashes as before).
+fn prompt_hash(item: &Prompt, seed: u64) -> u64 {
+    xxhash_rust::xxh3::xxh3_64_with_seed(&item.bytes, seed)
 }
 
 /// Input logprobs in SGLang's shape `[logprob, token_id, text]`; the text says which worker
@@ -106,14 +148,27 @@ fn prompt_hash(item: &Prompt) -> u64 {
 fn input_logprobs(item: &Prompt, plan: Plan) -> Value {
     let entry = |i: u64, tag: char| json!([-((i % 997) as f64) / 1000.0, 1000 + i, format!("{tag}{i}")]);
     match plan {
-        Plan::Prefill { .. } => Value::Array((0..item.tokens).map(|i| entry(i, 'p')).collect()),
-        Plan::Decode { .. } => json!([entry(item.tokens - 1, 'd')]),
+        Plan::Prefill { .. } | Plan::Handover => Value::Array((0..item.tokens).map(|i| entry(i, 'p')).collect()),
+        Plan::Decode { .. } | Plan::Pulled => json!([entry(item.tokens - 1, 'd')]),
         Plan::Local => Value::Array((0..item.tokens).map(|i| entry(i, 't')).collect()),
     }
 }
 
 /// Works out each item's plan; for a decode worker that means fetching the KV of its room.
-async fn plan(e: &Engine, job: &Job) -> Result<Vec<Plan>, (StatusCode, String)> {
+async fn plan(e: &Engine, job: &Job, ctx: &Ctx) -> Result<Vec<Plan>, (StatusCode, String)> {
+    if ctx.vllm {
+        let plan = vllm_plan(e, job, ctx).await;
+        let counter = match (&ctx.transfer, &plan) {
+            (Transfer::None, _) => Some(&e.counters.local_prefills),
+            (Transfer::Produce, Ok(_)) => None, // counted when the KV is handed over
+            (Transfer::Consume(_), Ok(_)) => Some(&e.counters.kv_transfers_ok),
+            (_, Err(_)) => Some(&e.counters.kv_transfers_failed),
+        };
+        if let Some(counter) = counter {
+            counter.fetch_add(1, Relaxed);
+        }
+        return plan.map(|p| vec![p; job.items.len()]);
+    }
     let mut plans = Vec::with_capacity(job.items.len());
     for (item, boot) in job.items.iter().zip(&job.boots) {
         let plan = match (e.args.role, boot.room) {
@@ -132,7 +187,7 @@ async fn plan(e: &Engine, job: &Job) -> Result<Vec<Plan>, (StatusCode, String)> 
                 let kv = bootstrap::fetch(host, port, room, wait)
                     .await
                     .map_err(|m| (StatusCode::INTERNAL_SERVER_ERROR, m))?;
-                if kv.prompt_hash != prompt_hash(item) {
+                if kv.prompt_hash != prompt_hash(item, ctx.target.seed) {
                     return Err((
                         StatusCode::INTERNAL_SERVER_ERROR,
                         format!("KV of bootstrap_room {room} at {host}:{port} was computed for another prompt"),
@@ -146,14 +201,55 @@ async fn plan(e: &Engine, job: &Job) -> Result<Vec<Plan>, (StatusCode, String)> 
     Ok(plans)
 }
 
-async fn admit<'a>(e: &'a Engine, item: &Prompt, plan: Plan) -> Option<crate::engine::Run<'a>> {
+/// A vLLM request's plan (one for all its items): computed here, handed over to a decode, or
+/// pulled from a prefill.
+async fn vllm_plan(e: &Engine, job: &Job, ctx: &Ctx) -> Result<Plan, (StatusCode, String)> {
+    let bad = |msg: String| Err((StatusCode::BAD_REQUEST, msg));
+    let role = format!("{:?}", e.args.role).to_lowercase();
+    let (remote, wanted) = match &ctx.transfer {
+        Transfer::None => return Ok(Plan::Local),
+        Transfer::Produce => (None, Role::Prefill),
+        Transfer::Consume(r) => (Some(r), Role::Decode),
+    };
+    if e.args.role != wanted {
+        let asked = if remote.is_some() { "do_remote_prefill" } else { "do_remote_decode" };
+        let wanted = format!("{wanted:?}").to_lowercase();
+        return bad(format!("kv_transfer_params.{asked} sent to a {role} worker (only a {wanted} worker takes it)"));
+    }
+    if job.items.len() != 1 {
+        return bad("a KV transfer takes one prompt, not a batch".into());
+    }
+    let Some(remote) = remote else {
+        if job.stream {
+            return bad("kv_transfer_params.do_remote_decode needs \"stream\": false (the parameters for the decode come in the JSON answer)".into());
+        }
+        return Ok(Plan::Handover);
+    };
+    let kv = pull(e, remote).await.map_err(|m| (StatusCode::INTERNAL_SERVER_ERROR, m))?;
+    let item = &job.items[0];
+    if kv != (Kv { prompt_hash: prompt_hash(item, ctx.target.seed), tokens: item.tokens }) {
+        let at = crate::client::authority(&remote.host, remote.port);
+        return Err((
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("the KV pulled from engine `{}` at {at} was computed for another prompt", remote.engine_id),
+        ));
+    }
+    Ok(Plan::Pulled)
+}
+
+async fn pull(e: &Engine, remote: &Remote) -> Result<Kv, String> {
+    vllm::pull(remote, std::time::Duration::from_millis(e.args.bootstrap_timeout_ms)).await
+}
+
+async fn admit<'a>(e: &'a Engine, item: &Prompt, plan: Plan, seed: u64) -> Option<crate::engine::Run<'a>> {
     let run = match plan {
         Plan::Decode { tokens } => e.admit_transferred(tokens).await,
-        _ => e.admit(&item.bytes, item.tokens).await,
+        Plan::Pulled => e.admit_pulled(&item.bytes, item.tokens, seed).await,
+        _ => e.admit(&item.bytes, item.tokens, seed).await,
     }
     .ok()?;
     if let Plan::Prefill { room } = plan {
-        e.rooms.publish(room, RoomKv { prompt_hash: prompt_hash(item), tokens: item.tokens });
+        e.rooms.publish(room, RoomKv { prompt_hash: prompt_hash(item, seed), tokens: item.tokens });
     }
     Some(run)
 }
@@ -167,8 +263,8 @@ fn output_tokens(plan: Plan, max_tokens: u64) -> u64 {
     }
 }
 
-async fn run_item(e: &Engine, item: &Prompt, plan: Plan, logprobs: bool, max_tokens: u64) -> Option<Done> {
-    let run = admit(e, item, plan).await?;
+async fn run_item(e: &Engine, item: &Prompt, plan: Plan, logprobs: bool, max_tokens: u64, seed: u64) -> Option<Done> {
+    let run = admit(e, item, plan, seed).await?;
     let n = output_tokens(plan, max_tokens);
     let mut text = String::new();
     for i in 0..n {
@@ -202,26 +298,90 @@ impl Drop for InProgress {
     }
 }
 
+fn header(headers: &HeaderMap, name: &str) -> Option<String> {
+    headers.get(name).map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+}
+
 async fn serve(e: Arc<Engine>, endpoint: Endpoint, headers: &HeaderMap, body: Bytes) -> Response {
     let _counted = InProgress::new(&e);
     let request_id = headers.get("x-request-id").and_then(|v| v.to_str().ok()).map(String::from);
+    let prefiller = header(headers, "x-prefiller-host-port");
     if let Some(session) = headers.get("x-session-id").and_then(|v| v.to_str().ok()) {
         e.record_session(session);
     }
     let recorded = serde_json::from_slice::<Value>(&body).unwrap_or(Value::Null);
-    e.record(json!({"path": endpoint_path(endpoint), "x_request_id": request_id, "body": recorded}));
+    e.record(json!({"path": endpoint_path(endpoint), "x_request_id": request_id,
+                    "x_prefiller_host_port": prefiller, "body": recorded}));
     let job = match Job::parse(endpoint, &body, e.args.default_max_tokens) {
         Ok(j) => j,
         Err(msg) => return error(StatusCode::BAD_REQUEST, &msg),
     };
+    let target = match e.models.resolve(if endpoint == Endpoint::Generate { &Value::Null } else { &recorded }) {
+        Ok(t) => t,
+        Err((status, kind, msg)) => {
+            let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST);
+            let body = json!({"error": {"message": msg, "type": kind, "param": "model", "code": status.as_u16()}});
+            return (status, Json(body)).into_response();
+        }
+    };
+    let vllm = e.args.engine == EngineKind::Vllm;
+    let mut transfer = Transfer::None;
+    if vllm {
+        match vllm::transfer_of(&recorded) {
+            Ok(t) => transfer = t,
+            Err(msg) => {
+                e.counters.kv_transfers_failed.fetch_add(1, Relaxed);
+                return error(StatusCode::BAD_REQUEST, &msg);
+            }
+        }
+    }
     if e.accept().is_err() {
         return error(StatusCode::INTERNAL_SERVER_ERROR, &format!("injected failure on {}", e.addr));
     }
+    if let (true, Some(host_port)) = (e.args.llm_d_sidecar, &prefiller) {
+        match sidecar(&e, endpoint, host_port, &recorded, request_id.as_deref()).await {
+            Ok(remote) => transfer = Transfer::Consume(remote),
+            Err(response) => return response,
+        }
+    }
+    let id = if vllm {
+        let prefix = if endpoint == Endpoint::ChatCompletions { "chatcmpl" } else { "cmpl" };
+        format!("{prefix}-{}", request_id.unwrap_or_else(|| format!("{:032x}", fastrand::u128(..))))
+    } else {
+        format!("cmpl-{:024x}", fastrand::u128(..))
+    };
+    let ctx = Ctx { target, transfer, id, vllm };
     let abortable = e.abortable(job.given_rids());
     tokio::select! {
-        r = serve_job(e, endpoint, job) => r,
+        r = serve_job(e, endpoint, job, ctx) => r,
         () = abortable.aborted() => error(StatusCode::BAD_REQUEST, "aborted by /abort_request"),
     }
+}
+
+/// llm-d's decode sidecar (`--llm-d-sidecar`): sends the prefill request to the worker that
+/// `x-prefiller-host-port` names and returns where the KV it computed is.
+async fn sidecar(
+    e: &Engine,
+    endpoint: Endpoint,
+    host_port: &str,
+    body: &Value,
+    request_id: Option<&str>,
+) -> Result<Remote, Response> {
+    let (host, port) = vllm::parse_host_port(host_port).map_err(|m| error(StatusCode::BAD_REQUEST, &m))?;
+    e.counters.sidecar_prefills.fetch_add(1, Relaxed);
+    let timeout = std::time::Duration::from_millis(e.args.sidecar_prefill_timeout_ms);
+    let prefill_body = vllm::prefill_body(body);
+    let answered =
+        vllm::sidecar_prefill((&host, port), endpoint_path(endpoint), &prefill_body, request_id, timeout).await;
+    let remote = answered.and_then(|params| match vllm::transfer_of(&json!({"kv_transfer_params": params})) {
+        Ok(Transfer::Consume(r)) => Ok(r),
+        Ok(_) => Err(format!("prefill at {host_port} answered kv_transfer_params without do_remote_prefill")),
+        Err(m) => Err(format!("prefill at {host_port} answered unusable kv_transfer_params: {m}")),
+    });
+    remote.map_err(|m| {
+        e.counters.kv_transfers_failed.fetch_add(1, Relaxed);
+        error(StatusCode::BAD_GATEWAY, &m)
+    })
 }
 
 /// `POST /abort_request {"rid": ...}`, as SGLang: the request with that rid stops (its
@@ -234,24 +394,35 @@ async fn abort_request(State(e): Shared, body: Bytes) -> Response {
     Json(json!({"rid": rid, "aborted": e.abort(&rid)})).into_response()
 }
 
-async fn serve_job(e: Arc<Engine>, endpoint: Endpoint, job: Job) -> Response {
-    let plans = match plan(&e, &job).await {
+async fn serve_job(e: Arc<Engine>, endpoint: Endpoint, job: Job, ctx: Ctx) -> Response {
+    let plans = match plan(&e, &job, &ctx).await {
         Ok(p) => p,
         Err((status, msg)) => return error(status, &msg),
     };
     if job.stream {
-        return Sse::new(stream(e, endpoint, job, plans)).into_response();
+        return Sse::new(stream(e, endpoint, job, plans, ctx)).into_response();
     }
+    let seed = ctx.target.seed;
     let runs = job
         .items
         .iter()
         .zip(&plans)
         .zip(&job.logprobs)
-        .map(|((item, &plan), &lp)| run_item(&e, item, plan, lp, job.max_tokens));
+        .map(|((item, &plan), &lp)| run_item(&e, item, plan, lp, job.max_tokens, seed));
     let done: Option<Vec<Done>> = join_all(runs).await.into_iter().collect();
     let Some(done) = done else {
         return error(StatusCode::SERVICE_UNAVAILABLE, "server is shutting down");
     };
+    // A vLLM prefill keeps the KV for the decode, and says where it is.
+    let handover = match (plans.first(), job.items.first()) {
+        (Some(Plan::Handover), Some(item)) => {
+            let kv = Kv { prompt_hash: prompt_hash(item, seed), tokens: item.tokens };
+            e.counters.kv_transfers_published.fetch_add(1, Relaxed);
+            Some(e.transfers.publish(kv, &ctx.engine_request_id(endpoint)))
+        }
+        _ => None,
+    };
+    let out = Out { ctx: &ctx, kv_transfer_params: handover };
     let body = match endpoint {
         Endpoint::Generate => {
             let items: Vec<Value> =
@@ -262,10 +433,13 @@ async fn serve_job(e: Arc<Engine>, endpoint: Endpoint, job: Job) -> Response {
                 items.into_iter().next().unwrap_or(Value::Null)
             }
         }
-        Endpoint::Completions => openai_body(&e, "text_completion", &done, |d| json!({"text": d.text})),
-        Endpoint::ChatCompletions => {
-            openai_body(&e, "chat.completion", &done, |d| json!({"message": {"role": "assistant", "content": d.text}}))
-        }
+        Endpoint::Completions => openai_body(&out, "text_completion", &done, |d| json!({"text": d.text})),
+        Endpoint::ChatCompletions => openai_body(
+            &out,
+            "chat.completion",
+            &done,
+            |d| json!({"message": {"role": "assistant", "content": d.text}}),
+        ),
     };
     Json(body).into_response()
 }
@@ -315,7 +489,14 @@ fn created() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
-fn openai_body(e: &Engine, object: &str, done: &[Done], choice: impl Fn(&Done) -> Value) -> Value {
+/// What an OpenAI answer says besides its choices.
+struct Out<'a> {
+    ctx: &'a Ctx,
+    /// vLLM prefill: where the decode pulls the KV.
+    kv_transfer_params: Option<Value>,
+}
+
+fn openai_body(out: &Out, object: &str, done: &[Done], choice: impl Fn(&Done) -> Value) -> Value {
     let choices: Vec<Value> = done
         .iter()
         .enumerate()
@@ -324,17 +505,24 @@ fn openai_body(e: &Engine, object: &str, done: &[Done], choice: impl Fn(&Done) -
             c["index"] = json!(i);
             c["finish_reason"] = json!("length");
             c["logprobs"] = Value::Null;
+            if out.ctx.vllm {
+                c["stop_reason"] = Value::Null;
+            }
             c
         })
         .collect();
-    json!({
-        "id": format!("cmpl-{:024x}", fastrand::u128(..)),
+    let mut body = json!({
+        "id": out.ctx.id,
         "object": object,
         "created": created(),
-        "model": e.args.model,
+        "model": out.ctx.target.name,
         "choices": choices,
         "usage": usage(done),
-    })
+    });
+    if out.ctx.vllm {
+        body["kv_transfer_params"] = out.kv_transfer_params.clone().unwrap_or(Value::Null);
+    }
+    body
 }
 
 fn event(v: &Value) -> Result<Event, Infallible> {
@@ -348,18 +536,20 @@ fn stream(
     endpoint: Endpoint,
     job: Job,
     plans: Vec<Plan>,
+    ctx: Ctx,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
     async_stream::stream! {
-        let id = format!("cmpl-{:024x}", fastrand::u128(..));
+        let id = ctx.id.clone();
+        let seed = ctx.target.seed;
         let object = if endpoint == Endpoint::ChatCompletions { "chat.completion.chunk" } else { "text_completion" };
         let mut all = Vec::new();
         for (index, item) in job.items.iter().enumerate() {
             let rid = job.rid(index);
             let plan = plans.get(index).copied().unwrap_or(Plan::Local);
             let lp = job.logprobs.get(index).copied().unwrap_or(false).then(|| input_logprobs(item, plan));
-            let Some(run) = admit(&e, item, plan).await else { break };
+            let Some(run) = admit(&e, item, plan, seed).await else { break };
             if endpoint == Endpoint::ChatCompletions {
-                yield event(&chunk(&e, &id, object, index, json!({"delta": {"role": "assistant", "content": ""}}), None));
+                yield event(&chunk(&ctx, object, index, json!({"delta": {"role": "assistant", "content": ""}}), None));
             }
             let n = output_tokens(plan, job.max_tokens);
             let mut text = String::new();
@@ -376,24 +566,28 @@ fn stream(
                         v["index"] = json!(index);
                         v
                     }
-                    Endpoint::Completions => chunk(&e, &id, object, index, json!({"text": piece}), finish),
-                    Endpoint::ChatCompletions => chunk(&e, &id, object, index, json!({"delta": {"content": piece}}), finish),
+                    Endpoint::Completions => chunk(&ctx, object, index, json!({"text": piece}), finish),
+                    Endpoint::ChatCompletions => chunk(&ctx, object, index, json!({"delta": {"content": piece}}), finish),
                 };
                 yield event(&v);
             }
             all.push(Done { text, prompt_tokens: item.tokens, cached_tokens: run.cached_tokens, completion_tokens: n, latency: run.started.elapsed().as_secs_f64(), input_logprobs: None });
         }
         if job.include_usage && endpoint != Endpoint::Generate {
-            yield event(&json!({"id": id, "object": object, "created": created(), "model": e.args.model, "choices": [], "usage": usage(&all)}));
+            yield event(&json!({"id": id, "object": object, "created": created(), "model": ctx.target.name, "choices": [], "usage": usage(&all)}));
         }
         yield Ok(Event::default().data("[DONE]"));
     }
 }
 
-fn chunk(e: &Engine, id: &str, object: &str, index: usize, mut choice: Value, finish: Option<&str>) -> Value {
+fn chunk(ctx: &Ctx, object: &str, index: usize, mut choice: Value, finish: Option<&str>) -> Value {
     choice["index"] = json!(index);
     choice["finish_reason"] = json!(finish);
-    json!({"id": id, "object": object, "created": created(), "model": e.args.model, "choices": [choice]})
+    if ctx.vllm {
+        choice["logprobs"] = Value::Null;
+        choice["stop_reason"] = Value::Null;
+    }
+    json!({"id": ctx.id, "object": object, "created": created(), "model": ctx.target.name, "choices": [choice]})
 }
 
 /// The last requests this worker received, oldest first (`/sim/requests`).
@@ -416,6 +610,29 @@ async fn get_load(State(e): Shared) -> Json<Value> {
 async fn metrics(State(e): Shared) -> impl IntoResponse {
     let c = &e.counters;
     let (used, cap) = e.kv_usage();
+    let common = [
+        ("kvmesh_sim_cached_tokens_total", "counter", c.cached_tokens.load(Relaxed) as f64),
+        ("kvmesh_sim_requests_total", "counter", c.requests.load(Relaxed) as f64),
+        ("kvmesh_sim_failures_total", "counter", c.failures.load(Relaxed) as f64),
+    ];
+    let model = e.models.first();
+    if e.args.engine == EngineKind::Vllm {
+        // vLLM's names and labels; `kv_cache_usage_perc` is a fraction (0..1) despite its name.
+        let lines = [
+            ("vllm:num_requests_running", "gauge", c.running.load(Relaxed) as f64),
+            ("vllm:num_requests_waiting", "gauge", c.waiting.load(Relaxed) as f64),
+            ("vllm:kv_cache_usage_perc", "gauge", used as f64 / cap.max(1) as f64),
+            ("vllm:prefix_cache_queries_total", "counter", c.prompt_tokens.load(Relaxed) as f64),
+            ("vllm:prefix_cache_hits_total", "counter", c.cached_tokens.load(Relaxed) as f64),
+            ("vllm:prompt_tokens_total", "counter", c.prompt_tokens.load(Relaxed) as f64),
+            ("vllm:generation_tokens_total", "counter", c.completion_tokens.load(Relaxed) as f64),
+        ];
+        let mut out = String::new();
+        for (name, kind, value) in lines.into_iter().chain(common) {
+            out.push_str(&format!("# TYPE {name} {kind}\n{name}{{engine=\"0\",model_name=\"{model}\"}} {value}\n"));
+        }
+        return ([("content-type", "text/plain; version=0.0.4")], out);
+    }
     let lines = [
         ("sglang:num_running_reqs", "gauge", c.running.load(Relaxed) as f64),
         ("sglang:num_queue_reqs", "gauge", c.waiting.load(Relaxed) as f64),
@@ -425,23 +642,19 @@ async fn metrics(State(e): Shared) -> impl IntoResponse {
         ("sglang:cache_hit_rate", "gauge", e.hit_rate()),
         ("sglang:prompt_tokens_total", "counter", c.prompt_tokens.load(Relaxed) as f64),
         ("sglang:generation_tokens_total", "counter", c.completion_tokens.load(Relaxed) as f64),
-        ("kvmesh_sim_cached_tokens_total", "counter", c.cached_tokens.load(Relaxed) as f64),
-        ("kvmesh_sim_requests_total", "counter", c.requests.load(Relaxed) as f64),
-        ("kvmesh_sim_failures_total", "counter", c.failures.load(Relaxed) as f64),
     ];
     let mut out = String::new();
-    for (name, kind, value) in lines {
-        out.push_str(&format!("# TYPE {name} {kind}\n{name}{{model_name=\"{}\"}} {value}\n", e.args.model));
+    for (name, kind, value) in lines.into_iter().chain(common) {
+        out.push_str(&format!("# TYPE {name} {kind}\n{name}{{model_name=\"{model}\"}} {value}\n"));
     }
     ([("content-type", "text/plain; version=0.0.4")], out)
 }
 
-/// OpenAI's model list, owned by `sglang` as SGLang answers it: routers (SMG) read that
-/// field to tell an SGLang worker from other backends.
+/// OpenAI's model list, owned by `sglang` (or `vllm`) as SGLang (vLLM) answers it: routers
+/// (SMG) read that field to tell an SGLang worker from other backends. LoRA adapters come
+/// with their `parent`.
 async fn models(State(e): Shared) -> Json<Value> {
-    Json(
-        json!({"object": "list", "data": [{"id": e.args.model, "object": "model", "created": created(), "owned_by": "sglang"}]}),
-    )
+    Json(json!({"object": "list", "data": e.models.list(created())}))
 }
 
 async fn model_info(State(e): Shared) -> Json<Value> {
@@ -486,7 +699,7 @@ async fn fault(State(e): Shared, RawQuery(query): RawQuery) -> Response {
 
 async fn stats(State(e): Shared) -> Json<Value> {
     let c = &e.counters;
-    Json(json!({
+    let mut out = json!({
         "addr": e.addr,
         "requests": c.requests.load(Relaxed),
         "failures": c.failures.load(Relaxed),
@@ -503,5 +716,21 @@ async fn stats(State(e): Shared) -> Json<Value> {
         "cache_tokens": e.cache_usage().0,
         "cache_hit_rate": e.hit_rate(),
         "sessions": e.sessions(),
-    }))
+    });
+    if e.args.engine == EngineKind::Vllm {
+        let vllm = json!({
+            "engine": "vllm",
+            "engine_id": e.transfers.engine_id,
+            "kv_transfers_ok": c.kv_transfers_ok.load(Relaxed),
+            "kv_transfers_failed": c.kv_transfers_failed.load(Relaxed),
+            "kv_transfers_published": c.kv_transfers_published.load(Relaxed),
+            "kv_transfers_held": e.transfers.len(),
+            "local_prefills": c.local_prefills.load(Relaxed),
+            "sidecar_prefills": c.sidecar_prefills.load(Relaxed),
+        });
+        if let (Some(all), Value::Object(more)) = (out.as_object_mut(), vllm) {
+            all.extend(more);
+        }
+    }
+    Json(out)
 }

@@ -29,8 +29,9 @@ impl KvCache {
     /// bytes): all of it is stored, and its pages are locked (counted in
     /// [`locked_tokens`](Self::locked_tokens)) until [`release`](Self::release)d with the
     /// keys returned. Returns how many of its `prompt_tokens` were already cached, and the keys.
-    pub fn run(&mut self, prompt: &[u8], prompt_tokens: u64) -> (u64, Vec<u64>) {
-        let hashes = page_keys(prompt);
+    /// `seed` keys the pages of one model apart from another's (0: the base model).
+    pub fn run(&mut self, prompt: &[u8], prompt_tokens: u64, seed: u64) -> (u64, Vec<u64>) {
+        let hashes = page_keys(prompt, seed);
         let hit_pages = hashes.iter().take_while(|h| self.pages.contains(*h)).count() as u64;
         for &h in &hashes {
             self.pages.put(h, ());
@@ -72,9 +73,10 @@ impl KvCache {
 
 /// One key per page of `prompt` (the last one may be partial): the hash of the whole prompt
 /// up to the end of that page, so a page is found only after the same prefix. The
-/// simulator's own scheme, independent of the gateway's block hashes.
-fn page_keys(prompt: &[u8]) -> Vec<u64> {
-    let mut hasher = Xxh3::new();
+/// simulator's own scheme, independent of the gateway's block hashes. Seed 0 gives the same
+/// keys as an unseeded hash.
+fn page_keys(prompt: &[u8], seed: u64) -> Vec<u64> {
+    let mut hasher = Xxh3::with_seed(seed);
     prompt
         .chunks((PAGE_TOKENS * BYTES_PER_TOKEN) as usize)
         .map(|page| {
@@ -97,9 +99,9 @@ mod tests {
     fn repeated_prefixes_hit() {
         let mut c = KvCache::new(1024);
         let a = "x".repeat(640);
-        assert_eq!(c.run(a.as_bytes(), tokens_of(a.len())).0, 0);
+        assert_eq!(c.run(a.as_bytes(), tokens_of(a.len()), 0).0, 0);
         let b = format!("{a}and more");
-        assert_eq!(c.run(b.as_bytes(), tokens_of(b.len())).0, 160);
+        assert_eq!(c.run(b.as_bytes(), tokens_of(b.len()), 0).0, 160);
     }
 
     #[test]
@@ -108,9 +110,9 @@ mod tests {
         let page = "p".repeat(64);
         let a = format!("{}{page}", "a".repeat(64));
         let b = format!("{}{page}", "b".repeat(64));
-        assert_eq!(c.run(a.as_bytes(), 32).0, 0);
-        assert_eq!(c.run(b.as_bytes(), 32).0, 0, "same second page, other first page");
-        assert_eq!(c.run(a.as_bytes(), 32).0, 32);
+        assert_eq!(c.run(a.as_bytes(), 32, 0).0, 0);
+        assert_eq!(c.run(b.as_bytes(), 32, 0).0, 0, "same second page, other first page");
+        assert_eq!(c.run(a.as_bytes(), 32, 0).0, 32);
     }
 
     #[test]
@@ -119,8 +121,8 @@ mod tests {
         let system = "s".repeat(640); // 10 pages
         let a = format!("{system}{}", "a".repeat(64));
         let b = format!("{system}{}", "b".repeat(64));
-        let (_, pa) = c.run(a.as_bytes(), tokens_of(a.len()));
-        let (cached, pb) = c.run(b.as_bytes(), tokens_of(b.len()));
+        let (_, pa) = c.run(a.as_bytes(), tokens_of(a.len()), 0);
+        let (cached, pb) = c.run(b.as_bytes(), tokens_of(b.len()), 0);
         assert_eq!(cached, 160, "the shared prefix hit");
         assert_eq!(c.locked_tokens(), 12 * PAGE_TOKENS, "10 shared pages and one of each");
         c.release(&pa);
@@ -132,13 +134,25 @@ mod tests {
     }
 
     #[test]
+    fn seed_zero_keeps_the_unseeded_keys_and_another_seed_misses() {
+        let a = "k".repeat(100);
+        let mut unseeded = Xxh3::new();
+        unseeded.update(&a.as_bytes()[..64]);
+        assert_eq!(page_keys(a.as_bytes(), 0)[0], unseeded.digest());
+        let mut c = KvCache::new(1024);
+        c.run(a.as_bytes(), 25, 0);
+        assert_eq!(c.run(a.as_bytes(), 25, 7).0, 0, "another model's pages");
+        assert_eq!(c.run(a.as_bytes(), 25, 0).0, 25);
+    }
+
+    #[test]
     fn lru_capacity_is_enforced() {
         let mut c = KvCache::new(32); // two pages
         let a = "a".repeat(128);
         let b = "b".repeat(128);
-        c.run(a.as_bytes(), 32);
-        c.run(b.as_bytes(), 32);
+        c.run(a.as_bytes(), 32, 0);
+        c.run(b.as_bytes(), 32, 0);
         assert_eq!(c.used_tokens(), 32);
-        assert_eq!(c.run(a.as_bytes(), 32).0, 0, "evicted by b");
+        assert_eq!(c.run(a.as_bytes(), 32, 0).0, 0, "evicted by b");
     }
 }

@@ -2,6 +2,17 @@
 
 use clap::{Parser, ValueEnum};
 
+/// Which server the simulator plays.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum EngineKind {
+    /// SGLang: `/generate` and the OpenAI endpoints, `sglang:*` metrics, PD through bootstrap
+    /// rooms.
+    Sglang,
+    /// vLLM: the OpenAI endpoints only, `vllm:*` metrics, PD through `kv_transfer_params`
+    /// (NIXL-like).
+    Vllm,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Role {
     Regular,
@@ -9,8 +20,8 @@ pub enum Role {
     Decode,
 }
 
-/// A simulated SGLang worker: SGLang and OpenAI endpoints, a prefix KV cache with LRU
-/// capacity and a latency model. Runs on machines without GPUs.
+/// A simulated SGLang or vLLM worker: SGLang's and OpenAI's endpoints (vLLM: OpenAI's only), a
+/// prefix KV cache with LRU capacity and a latency model. Runs on machines without GPUs.
 #[derive(Clone, Debug, Parser)]
 #[command(name = "kvmesh-sim", version)]
 pub struct Args {
@@ -20,10 +31,20 @@ pub struct Args {
     /// HTTP port.
     #[arg(long, default_value_t = 30001)]
     pub port: u16,
-    /// Worker role. Prefill and decode roles serve PD disaggregation.
+    /// Which server to simulate. `vllm`: OpenAI endpoints only (`/generate` is a 404), `usage`
+    /// with `prompt_tokens_details.cached_tokens`, `vllm:*` metrics, `/v1/models` owned by
+    /// `vllm`, and PD through `kv_transfer_params` instead of bootstrap rooms.
+    #[arg(long, value_enum, default_value_t = EngineKind::Sglang)]
+    pub engine: EngineKind,
+    /// Worker role. Prefill and decode roles serve PD disaggregation. With `--engine vllm`, a
+    /// prefill answers `kv_transfer_params` to requests asking `do_remote_decode`, and a decode
+    /// pulls the KV that `do_remote_prefill` parameters name from that prefill (a 500 if it
+    /// cannot, or if that KV is another prompt's); either asked of the other role, or of a
+    /// regular worker, is a 400.
     #[arg(long, value_enum, default_value_t = Role::Regular)]
     pub role: Role,
-    /// Bootstrap port of a prefill worker (where decode workers fetch the KV of a room).
+    /// Bootstrap port of a prefill worker (where decode workers fetch the KV of a room; SGLang
+    /// only).
     #[arg(long, default_value_t = 8998)]
     pub bootstrap_port: u16,
     /// Multiplies every simulated delay; 0 answers as fast as possible, 1 is real time.
@@ -56,12 +77,40 @@ pub struct Args {
     /// Bootstrap port a decode worker uses when a request's `bootstrap_port` is null.
     #[arg(long, default_value_t = 8998)]
     pub default_bootstrap_port: u16,
-    /// How long a decode worker waits for the prefill's KV, in milliseconds.
+    /// How long a decode worker waits for the prefill's KV, in milliseconds (SGLang: the
+    /// bootstrap room; vLLM: the pull from `remote_host:remote_port`).
     #[arg(long, default_value_t = 5000)]
     pub bootstrap_timeout_ms: u64,
-    /// Model name reported by `/v1/models`.
+    /// The model (vLLM's `root` in `/v1/models`); also its served name unless
+    /// `--served-model-name` is given.
     #[arg(long, default_value = "kvmesh-sim")]
     pub model: String,
+    /// A name the model is served under (repeatable; default: `--model`). The first one is
+    /// the name answers carry. A request naming a model that is not served (nor a `--lora`
+    /// adapter) is a 404; with `--engine sglang` only when this or `--lora` is given.
+    #[arg(long = "served-model-name", value_name = "NAME")]
+    pub served_model_names: Vec<String>,
+    /// A LoRA adapter served on top of the model (repeatable): listed in `/v1/models` with
+    /// `parent` = the first served name; its prompts never hit the base model's cache.
+    #[arg(long = "lora", value_name = "NAME")]
+    pub loras: Vec<String>,
+    /// vLLM: the engine id a prefill names in `kv_transfer_params.remote_engine_id` (default: a
+    /// random id per process, so it identifies this sim instance).
+    #[arg(long)]
+    pub engine_id: Option<String>,
+    /// vLLM: the host a prefill names in `kv_transfer_params.remote_host`, where decode workers
+    /// pull its KV (default: `--host`). `remote_port` is `--port`.
+    #[arg(long)]
+    pub advertise_host: Option<String>,
+    /// vLLM decode only: behave as llm-d's routing sidecar. A request with header
+    /// `x-prefiller-host-port: HOST:PORT` first goes to that prefill worker (with
+    /// `kv_transfer_params.do_remote_decode`, `"stream": false`, `max_tokens` 1), then decodes
+    /// here with the `kv_transfer_params` it answered; without the header it runs here alone.
+    #[arg(long)]
+    pub llm_d_sidecar: bool,
+    /// How long the `--llm-d-sidecar` waits for the prefill worker's answer, in milliseconds.
+    #[arg(long, default_value_t = 30_000)]
+    pub sidecar_prefill_timeout_ms: u64,
 }
 
 impl Args {
@@ -81,6 +130,22 @@ impl Args {
         }
         if self.kv_capacity_tokens == 0 {
             return Err("--kv-capacity-tokens must be at least 1".into());
+        }
+        if self.llm_d_sidecar && (self.engine != EngineKind::Vllm || self.role != Role::Decode) {
+            return Err("--llm-d-sidecar needs --engine vllm --role decode".into());
+        }
+        let default = [self.model.clone()];
+        let served = if self.served_model_names.is_empty() { &default[..] } else { &self.served_model_names[..] };
+        let names = served.iter().chain(&self.loras);
+        if let Some(bad) = names.clone().find(|n| n.is_empty() || n.len() > 256) {
+            return Err(format!("model name `{bad}` must be 1 to 256 bytes"));
+        }
+        let mut seen = std::collections::HashSet::new();
+        if let Some(dup) = names.clone().find(|n| !seen.insert(*n)) {
+            return Err(format!("model name `{dup}` is given twice"));
+        }
+        if self.engine_id.as_ref().is_some_and(|id| id.is_empty() || id.len() > 256) {
+            return Err("--engine-id must be 1 to 256 bytes".into());
         }
         Ok(())
     }

@@ -14,6 +14,8 @@ use serde_json::Value;
 use crate::bootstrap::Rooms;
 use crate::cache::KvCache;
 use crate::cli::Args;
+use crate::models::Models;
+use crate::vllm::Transfers;
 
 #[derive(Default)]
 pub struct Counters {
@@ -36,6 +38,19 @@ pub struct Counters {
     pub in_progress: AtomicU64,
     /// `/abort_request` calls received (whether or not they found their request).
     pub abort_requests: AtomicU64,
+    /// vLLM: requests that arrived with `do_remote_prefill` parameters whose KV was pulled
+    /// from the prefill they name, for this prompt.
+    pub kv_transfers_ok: AtomicU64,
+    /// vLLM: requests whose `kv_transfer_params` were malformed, or named KV that could not be
+    /// pulled or was computed for another prompt (each one answered with an error); and
+    /// `--llm-d-sidecar` prefill requests that failed.
+    pub kv_transfers_failed: AtomicU64,
+    /// vLLM prefill: requests answered with `kv_transfer_params` for a decode to pull.
+    pub kv_transfers_published: AtomicU64,
+    /// vLLM: requests that computed their prompt here with no KV transfer either way.
+    pub local_prefills: AtomicU64,
+    /// `--llm-d-sidecar`: prefill requests this sim sent for `x-prefiller-host-port`.
+    pub sidecar_prefills: AtomicU64,
 }
 
 /// The most distinct sessions a worker remembers between two cache flushes.
@@ -48,6 +63,10 @@ pub struct Engine {
     pub addr: String,
     /// PD: the KV this prefill worker holds per bootstrap room.
     pub rooms: Arc<Rooms>,
+    /// vLLM PD: the KV this prefill worker holds for decode workers to pull.
+    pub transfers: Arc<Transfers>,
+    /// The model names served.
+    pub models: Models,
     /// The last requests received (for tests and debugging: `/sim/requests`).
     pub recent: Mutex<VecDeque<Value>>,
     /// The distinct `x-session-id`s served since the last cache flush (bounded): how many
@@ -118,10 +137,20 @@ pub struct InjectedFailure;
 
 impl Engine {
     pub fn new(args: Args) -> Self {
+        let engine_id = args.engine_id.clone().unwrap_or_else(|| {
+            // vLLM's engine ids are random UUIDs; one per process identifies this instance.
+            let r = fastrand::u128(..);
+            let hex = format!("{r:032x}");
+            format!("{}-{}-{}-{}-{}", &hex[..8], &hex[8..12], &hex[12..16], &hex[16..20], &hex[20..])
+        });
+        let advertised = args.advertise_host.clone().unwrap_or_else(|| args.host.clone());
+        let transfers = Transfers::new(engine_id, advertised, args.port, crate::vllm::MAX_TRANSFERS, crate::vllm::KEEP);
         Self {
             addr: format!("{}:{}", args.host, args.port),
             cache: Mutex::new(KvCache::new(args.kv_capacity_tokens)),
             rooms: Arc::new(Rooms::default()),
+            transfers: Arc::new(transfers),
+            models: Models::new(&args),
             recent: Mutex::new(VecDeque::new()),
             sessions: Mutex::new(HashSet::new()),
             aborts: Mutex::new(HashMap::new()),
@@ -207,8 +236,28 @@ impl Engine {
         })
     }
 
-    /// Queues for a slot, then runs the prefill of `prompt` (`prompt_tokens` tokens).
-    pub async fn admit(&self, prompt: &[u8], prompt_tokens: u64) -> Result<Run<'_>, InjectedFailure> {
+    /// Queues for a slot for a prompt whose KV a vLLM decode pulled from a prefill worker: no
+    /// prefill here, but the KV lands in the prefix cache (vLLM caches the blocks it reads), so
+    /// a later request on the same prefix hits here. `seed` as in [`admit`](Self::admit).
+    pub async fn admit_pulled(&self, prompt: &[u8], prompt_tokens: u64, seed: u64) -> Result<Run<'_>, InjectedFailure> {
+        let started = Instant::now();
+        self.counters.waiting.fetch_add(1, Relaxed);
+        let slot = self.slots.acquire().await;
+        self.counters.waiting.fetch_sub(1, Relaxed);
+        let Ok(slot) = slot else { return Err(InjectedFailure) };
+        self.counters.running.fetch_add(1, Relaxed);
+        let mut run = Run { engine: self, _slot: slot, tokens: 0, pages: Vec::new(), cached_tokens: 0, started };
+        if let Ok(mut cache) = self.cache.lock() {
+            run.pages = cache.run(prompt, prompt_tokens, seed).1;
+        }
+        self.counters.transferred_tokens.fetch_add(prompt_tokens, Relaxed);
+        run.cached_tokens = prompt_tokens;
+        Ok(run)
+    }
+
+    /// Queues for a slot, then runs the prefill of `prompt` (`prompt_tokens` tokens). `seed`
+    /// keys the prompt's cache pages (0: the base model; a LoRA adapter has its own).
+    pub async fn admit(&self, prompt: &[u8], prompt_tokens: u64, seed: u64) -> Result<Run<'_>, InjectedFailure> {
         let started = Instant::now();
         self.counters.waiting.fetch_add(1, Relaxed);
         let slot = self.slots.acquire().await;
@@ -220,7 +269,7 @@ impl Engine {
         let mut run = Run { engine: self, _slot: slot, tokens: 0, pages: Vec::new(), cached_tokens: 0, started };
         let cached = match self.cache.lock() {
             Ok(mut cache) => {
-                let (cached, pages) = cache.run(prompt, prompt_tokens);
+                let (cached, pages) = cache.run(prompt, prompt_tokens, seed);
                 run.pages = pages;
                 cached
             }

@@ -1,11 +1,16 @@
-//! `kvmesh-sim`: a simulated SGLang worker.
+//! `kvmesh-sim`: a simulated SGLang or vLLM worker.
 
 mod api;
 mod bootstrap;
 mod cache;
 mod cli;
+mod client;
 mod engine;
+#[cfg(test)]
+mod http_tests;
+mod models;
 mod prompt;
+mod vllm;
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -38,11 +43,13 @@ fn main() -> ExitCode {
 async fn run(args: cli::Args) -> anyhow::Result<()> {
     let addr = format!("{}:{}", args.host, args.port);
     let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))?;
-    eprintln!("kvmesh-sim: {:?} worker listening on http://{addr}", args.role);
+    let sglang = args.engine == cli::EngineKind::Sglang;
+    let engine_kind = if sglang { "" } else { " vLLM" };
+    eprintln!("kvmesh-sim: {:?}{engine_kind} worker listening on http://{addr}", args.role);
     let role = args.role;
     let bootstrap_addr = format!("{}:{}", args.host, args.bootstrap_port);
     let engine = Arc::new(engine::Engine::new(args));
-    if role == cli::Role::Prefill {
+    if sglang && role == cli::Role::Prefill {
         let boot = tokio::net::TcpListener::bind(&bootstrap_addr)
             .await
             .with_context(|| format!("cannot listen on bootstrap port {bootstrap_addr}"))?;

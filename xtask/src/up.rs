@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use kvmesh_core::settings::PdProtocol;
 use kvmesh_testkit::{repo_root, wait_until, ControlPlane, Envoy, EnvoyOptions, Sim};
 use serde_json::json;
 
@@ -23,6 +24,8 @@ const FIRST_SIM_PORT: u16 = 30001;
 struct Options {
     gateways: u16,
     pd: bool,
+    /// The PD protocol the simulated workers and kvmesh-cp speak (`--pd-protocol`).
+    pd_protocol: PdProtocol,
     /// Envoy runs the native build (`libkvmesh_native.so`) in place of the `.wasm`.
     native: bool,
     /// Flags for kvmesh-cp (after `--`).
@@ -30,7 +33,8 @@ struct Options {
 }
 
 fn parse(args: &[String]) -> anyhow::Result<Options> {
-    let mut opts = Options { gateways: 1, pd: false, native: false, cp_args: Vec::new() };
+    let mut opts =
+        Options { gateways: 1, pd: false, pd_protocol: PdProtocol::Sglang, native: false, cp_args: Vec::new() };
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -43,6 +47,11 @@ fn parse(args: &[String]) -> anyhow::Result<Options> {
                     .with_context(|| format!("--gateways {n}: not a number from 1 to 50"))?;
             }
             "--pd" => opts.pd = true,
+            "--pd-protocol" => {
+                let p = it.next().context("--pd-protocol needs sglang or llm-d")?;
+                opts.pd_protocol = p.parse().map_err(|e: String| anyhow::anyhow!("--pd-protocol: {e}"))?;
+                opts.pd = true;
+            }
             "--native" => opts.native = true,
             "--" => {
                 opts.cp_args = it.by_ref().cloned().collect();
@@ -76,9 +85,23 @@ fn supervised_sim(port: u16, args: &[&str]) -> anyhow::Result<Supervised<Sim>> {
 }
 
 /// Starts simulated workers and returns the kvmesh-cp flags naming them.
-fn start_sims(pd: bool, sims: &mut Vec<Supervised<Sim>>) -> anyhow::Result<Vec<String>> {
+fn start_sims(pd: Option<PdProtocol>, sims: &mut Vec<Supervised<Sim>>) -> anyhow::Result<Vec<String>> {
     let mut flags = Vec::new();
-    if pd {
+    if pd == Some(PdProtocol::LlmD) {
+        step("starting 2 simulated vLLM prefill pods (30001, 30002) and 2 decode pods with llm-d's sidecar (30003, 30004)");
+        flags.extend(["--pd-disaggregation", "--pd-protocol", "llm-d"].map(String::from));
+        for port in [30001u16, 30002] {
+            claim(&[port])?;
+            sims.push(supervised_sim(port, &["--engine", "vllm", "--role", "prefill", "--time-scale", "1"])?);
+            flags.extend(["--prefill".into(), format!("http://127.0.0.1:{port}"), "none".into()]);
+        }
+        for port in [30003u16, 30004] {
+            claim(&[port])?;
+            let args = ["--engine", "vllm", "--role", "decode", "--llm-d-sidecar", "--time-scale", "1"];
+            sims.push(supervised_sim(port, &args)?);
+            flags.extend(["--decode".into(), format!("http://127.0.0.1:{port}")]);
+        }
+    } else if pd.is_some() {
         step("starting 2 simulated prefill workers (30001, 30002; bootstrap 8998, 8999) and 2 decode workers (30003, 30004)");
         flags.push("--pd-disaggregation".to_string());
         for (port, boot) in [(30001u16, 8998u16), (30002, 8999)] {
@@ -172,7 +195,11 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     }
 
     let mut sims = Vec::new();
-    let sim_flags = if names_workers(&opts.cp_args) { Vec::new() } else { start_sims(opts.pd, &mut sims)? };
+    let sim_flags = if names_workers(&opts.cp_args) {
+        Vec::new()
+    } else {
+        start_sims(opts.pd.then_some(opts.pd_protocol), &mut sims)?
+    };
     let cp_args = cp_flags(&opts, sim_flags);
     let state = (!names_state_file(&opts.cp_args)).then(|| state_file(opts.pd));
     if let Some(dir) = state.as_ref().and_then(|s| s.parent()) {

@@ -158,7 +158,7 @@ fn sample(cmd: &Command, arg: &clap::Arg) -> String {
         return v.get_name().to_string();
     }
     let long = format!("--{}", arg.get_long().unwrap());
-    ["1", "round_robin", "prefix", "0.5"]
+    ["1", "round_robin", "prefix", "0.5", "llm-d"]
         .into_iter()
         .find(|v| cmd.clone().try_get_matches_from(["kvmesh-cp", long.as_str(), v]).is_ok())
         .unwrap_or_else(|| panic!("no sample value for {long}"))

@@ -14,7 +14,7 @@ use crate::admission::AdmissionParams;
 use crate::breaker::BreakerParams;
 use crate::policy::{CacheAwareParams, PolicyKind, PrefixHashParams, UtilityParams};
 use crate::router::RouterParams;
-use crate::settings::{PdDecider, RoutingSettings};
+use crate::settings::{PdDecider, PdProtocol, RoutingSettings};
 use crate::worker::{AddrError, WorkerTable};
 
 #[derive(Debug, Error, PartialEq)]
@@ -128,6 +128,7 @@ pub struct PdConfig {
     pub prefill_policy: PolicyKind,
     pub decode_policy: PolicyKind,
     pub decider: Decider,
+    pub protocol: PdProtocol,
 }
 
 /// A `--prefill URL [BOOTSTRAP_PORT|none]` entry in JSON: `"url"`, `["url", port|null|"none"]`
@@ -496,6 +497,7 @@ impl Config {
                 prefill_policy: s.prefill_policy.or(s.policy).unwrap_or(PolicyKind::CacheAware),
                 decode_policy: s.decode_policy.or(s.policy).unwrap_or(PolicyKind::PowerOfTwo),
                 decider,
+                protocol: s.pd_protocol.unwrap_or(PdProtocol::Sglang),
             })
         } else {
             None

@@ -55,6 +55,44 @@ impl FromStr for PdDecider {
     }
 }
 
+/// How the two legs of a disaggregated request meet (`--pd-protocol`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PdProtocol {
+    /// SGLang's bootstrap: `bootstrap_host/port/room` in both bodies, the prefill leg sent by
+    /// the gateway beside the decode leg (sglang-router's behaviour).
+    Sglang,
+    /// llm-d's routing sidecar: the request goes to the decode pod, which runs the prefill
+    /// itself on the pod that `x-prefiller-host-port` names when the gateway splits.
+    LlmD,
+}
+
+impl PdProtocol {
+    pub const ALL: [PdProtocol; 2] = [Self::Sglang, Self::LlmD];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Sglang => "sglang",
+            Self::LlmD => "llm-d",
+        }
+    }
+}
+
+impl fmt::Display for PdProtocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for PdProtocol {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| format!("unknown PD protocol `{s}` (sglang, llm-d)"))
+    }
+}
+
 /// Serde through the names, with the same messages as the flags.
 macro_rules! serde_by_name {
     ($ty:ty, $what:literal) => {
@@ -84,6 +122,7 @@ macro_rules! serde_by_name {
 
 serde_by_name!(PolicyKind, "a policy name");
 serde_by_name!(PdDecider, "a decider name (always, prefix)");
+serde_by_name!(PdProtocol, "a PD protocol (sglang, llm-d)");
 
 /// Declares [`RoutingSettings`] from one list of fields: the struct (serde, and clap with the
 /// `cli` feature), its field names and the overlay, so that none of them can miss a field.
@@ -257,6 +296,10 @@ routing_settings! {
     /// marginal_utility: weight of one request in flight against one unit of utility, in the
     /// filter (kvmesh). Default 1.
     utility_load_weight: f64,
+    /// PD protocol: sglang (bootstrap fields, the gateway sends the prefill leg) or llm-d (the
+    /// decode pod's routing sidecar runs the prefill named by `x-prefiller-host-port`).
+    /// Default sglang.
+    pd_protocol: PdProtocol,
 }
 
 #[cfg(test)]

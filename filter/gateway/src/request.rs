@@ -20,7 +20,8 @@ use kvmesh_core::{Endpoint, WorkerId};
 
 use crate::admission::{Entry, WaitRoom};
 use crate::gateway::{
-    endpoint_list, is_routing_header, Destination, Gateway, Now, Outcome, Plan, Reply, RequestInfo, Routed,
+    endpoint_list, is_routing_header, Destination, Gateway, Now, Outcome, Plan, PrefillLeg, Reply, RequestInfo, Routed,
+    PREFILLER_HEADER,
 };
 use crate::host::{Action, Callout, Metric, StreamHost};
 use crate::pd_leg::{Effect, PdLeg, PrefillResult};
@@ -81,6 +82,8 @@ pub struct RequestFilter {
     /// The committed main leg (the worker, or the decode worker in PD mode).
     routed: Option<Routed>,
     pd: Option<PdLeg>,
+    /// The prefill pod a decode pod's sidecar runs this request's prefill on (llm-d).
+    sidecar_prefill: Option<String>,
     /// This filter answered locally.
     replied: bool,
     /// What the response said about the worker (`None`: no response headers seen).
@@ -220,6 +223,7 @@ impl RequestFilter {
             key_checked: false,
             routed: None,
             pd: None,
+            sidecar_prefill: None,
             replied: false,
             verdict: None,
             failed_over: false,
@@ -452,7 +456,7 @@ impl RequestFilter {
     /// Applies a decision (made at `decided`) to the request; commits it only when
     /// everything worked.
     fn apply(&mut self, host: &dyn StreamHost, plan: Plan, body_size: usize, decided: Now) -> Action {
-        self.abort_rids = plan.pd().map(|pd| pd.abort_rids.clone()).unwrap_or_default();
+        self.abort_rids = plan.pd().map(|pd| pd.abort_rids().to_vec()).unwrap_or_default();
         let token = match self.prepare(host, &plan, body_size) {
             Ok(token) => token,
             Err(reply) => return self.reply(host, reply),
@@ -464,14 +468,19 @@ impl RequestFilter {
         let now_ms = decided.ms();
         self.with_gateway(|g| {
             g.sent(committed.main.worker, now_ms);
-            if let Some(p) = &committed.prefill {
+            if let (Some(p), Some(_)) = (&committed.prefill, token) {
                 g.sent(p.worker, now_ms);
             }
         });
         self.awaiting = true;
-        if let (Some(prefill), Some(token)) = (committed.prefill, token) {
-            Self::count_route(host, &prefill);
-            self.pd = Some(PdLeg::new(prefill, token, committed.stream, committed.merge_logprobs));
+        match (committed.prefill, token) {
+            (Some(prefill), Some(token)) => {
+                Self::count_route(host, &prefill);
+                self.pd = Some(PdLeg::new(prefill, token, committed.stream, committed.merge_logprobs));
+            }
+            // The decode pod's sidecar runs it: named in the response, nothing to follow.
+            (Some(prefill), None) => self.sidecar_prefill = Some(prefill.addr),
+            _ => {}
         }
         // PD too: the decode response's completion metrics count (no prediction is judged).
         self.feedback = Some(ResponseFeedback::new(committed.prediction, committed.main.worker, now_ms));
@@ -489,10 +498,20 @@ impl RequestFilter {
                 .map_err(|e| internal("cannot set the destination", e))?;
             return Ok(None);
         };
+        let body = match &pd.leg {
+            PrefillLeg::Callout { body, .. } => body,
+            PrefillLeg::Sidecar => {
+                set_destination(host, plan.addr(), plan.fallbacks(), how)
+                    .map_err(|e| internal("cannot set the destination", e))?;
+                host.set_request_header(PREFILLER_HEADER, Some(&pd.prefill.addr))
+                    .map_err(|e| internal("cannot name the prefill pod", e))?;
+                return Ok(None);
+            }
+        };
         let cluster =
             self.with_gateway(|g| g.upstream_cluster().to_string()).unwrap_or_else(|| "kvmesh_workers".to_string());
-        let length = pd.body.len().to_string();
-        host.set_request_body(body_size, &pd.body).map_err(|e| internal("cannot rewrite the request body", e))?;
+        let length = body.len().to_string();
+        host.set_request_body(body_size, body).map_err(|e| internal("cannot rewrite the request body", e))?;
         host.set_request_header("content-length", Some(&length))
             .map_err(|e| internal("cannot set content-length", e))?;
         set_destination(host, plan.addr(), plan.fallbacks(), how)
@@ -504,12 +523,8 @@ impl RequestFilter {
         }
         // The client's end-to-end headers (authorization, trace context, ...) go to both legs.
         headers.extend(client.pairs().filter(|(n, _)| forwarded_to_prefill(n)));
-        let callout = Callout {
-            cluster: &cluster,
-            headers: &headers,
-            body: &pd.body,
-            timeout: Duration::from_secs(how.timeout_secs),
-        };
+        let callout =
+            Callout { cluster: &cluster, headers: &headers, body, timeout: Duration::from_secs(how.timeout_secs) };
         let token = host.dispatch(callout).map_err(|e| {
             let msg = format!("cannot dispatch the prefill leg to {}: {e}", pd.prefill.addr);
             Reply::error(502, "prefill_failed", &msg)
@@ -632,6 +647,9 @@ impl RequestFilter {
         }
         if named.as_deref() != Some(served.as_str()) {
             let _ = host.set_response_header(WORKER_HEADER, Some(&served));
+        }
+        if let Some(addr) = &self.sidecar_prefill {
+            let _ = host.set_response_header(PREFILL_HEADER, Some(addr));
         }
         let Some(leg) = self.pd.as_mut() else { return Action::Continue };
         let _ = host.set_response_header(PREFILL_HEADER, Some(&leg.prefill().addr));

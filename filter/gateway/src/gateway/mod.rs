@@ -29,7 +29,8 @@ use kvmesh_proto::v1::{self as proto, IndexInsert, ReportBatch};
 
 pub use self::follower::table_from;
 pub use self::plan::{
-    endpoint_list, Committed, Destination, Outcome, PdPlan, Plan, Prediction, RequestInfo, Routed, MAX_ABORTS,
+    endpoint_list, Committed, Destination, Outcome, PdPlan, Plan, Prediction, PrefillLeg, RequestInfo, Routed,
+    MAX_ABORTS,
 };
 pub use self::publisher::REPORT_QUEUE_HASHES;
 pub use self::reply::Reply;
@@ -218,8 +219,16 @@ impl Gateway {
             .filter(|d| !d.blocks.is_empty())
             .map(|d| Delta { worker: d.worker, evict: false, from_cp: false, hashes: d.blocks.clone() })
             .collect();
-        let counts: Vec<(WorkerId, i32)> = decisions.iter().map(|d| (d.worker, 1)).collect();
-        for d in &decisions {
+        // The legs the gateway sends are counted in flight (and may take a half-open
+        // worker's probe): not a prefill that the decode pod's sidecar runs, whose end the
+        // gateway never sees. Its prefix is indexed all the same: that pod computes it.
+        let sent = match &pd {
+            Some(p) if !p.sent_by_gateway() => 1,
+            _ => decisions.len(),
+        };
+        let legs = decisions.get(..sent).unwrap_or_default();
+        let counts: Vec<(WorkerId, i32)> = legs.iter().map(|d| (d.worker, 1)).collect();
+        for d in legs {
             if self.view.health.take_probe(store, d.worker, now) {
                 log::info!("worker {}: half-open, probing it with one request", d.worker);
             }
@@ -232,7 +241,7 @@ impl Gateway {
             self.log.write(store, seq, &deltas);
         }
         if counted {
-            self.ledger.counted(decisions.iter().map(|d| d.worker));
+            self.ledger.counted(legs.iter().map(|d| d.worker));
         }
         self.view.commit(&chosen);
         let cp = self.has_control_plane();
@@ -241,7 +250,10 @@ impl Gateway {
         }
         main.counted = counted;
         let (prefill, merge_logprobs, stream) = match pd {
-            Some(p) => (Some(Routed { counted, ..p.prefill }), p.merge_logprobs, p.stream),
+            Some(p) => {
+                let counted = counted && p.sent_by_gateway();
+                (Some(Routed { counted, ..p.prefill }), p.merge_logprobs, p.stream)
+            }
             None => (None, false, false),
         };
         Committed { main, prediction, prefill, merge_logprobs, stream }
@@ -456,11 +468,15 @@ impl Gateway {
     }
 }
 
+/// llm-d's PD header: the prefill pod the decode pod's routing sidecar runs the prefill on.
+pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
+
 /// Whether a client-sent request header could steer routing and must be dropped.
 pub fn is_routing_header(name: &str) -> bool {
     // Every request header passes here: no allocation.
     name.eq_ignore_ascii_case("x-envoy-original-dst-host")
         || name.eq_ignore_ascii_case("x-gateway-destination-endpoint")
+        || name.eq_ignore_ascii_case(PREFILLER_HEADER)
         || name.get(..9).is_some_and(|p| p.eq_ignore_ascii_case("x-kvmesh-"))
 }
 

@@ -57,17 +57,41 @@ pub(super) enum Chosen {
 /// Most `/abort_request` calls for one request's prefill leg (one per batch item).
 pub const MAX_ABORTS: usize = 16;
 
+/// How a split request's prefill leg runs (the deployment's PD protocol).
+#[derive(Debug, PartialEq)]
+pub enum PrefillLeg {
+    /// SGLang: the gateway sends `body` (bootstrap fields and `rid` injected), which the decode
+    /// leg gets too, to the prefill worker as a callout beside the decode leg; `abort_rids` can
+    /// stop it should the request end before it answers.
+    Callout { body: Vec<u8>, abort_rids: Vec<String> },
+    /// llm-d: the decode pod's routing sidecar runs it on the pod that `x-prefiller-host-port`
+    /// names; the body is the client's, unchanged.
+    Sidecar,
+}
+
 /// The PD part of a plan.
 #[derive(Debug, PartialEq)]
 pub struct PdPlan {
     pub prefill: Routed,
-    /// The body both legs receive (bootstrap fields and `rid` injected).
-    pub body: Vec<u8>,
+    pub leg: PrefillLeg,
     /// Whether the prefill's input logprobs must be merged into the decode response.
     pub merge_logprobs: bool,
     pub stream: bool,
-    /// The rids the prefill leg can be aborted by, should the request end before it answers.
-    pub abort_rids: Vec<String>,
+}
+
+impl PdPlan {
+    /// The rids the prefill leg can be aborted by (none for a leg the gateway does not send).
+    pub fn abort_rids(&self) -> &[String] {
+        match &self.leg {
+            PrefillLeg::Callout { abort_rids, .. } => abort_rids,
+            PrefillLeg::Sidecar => &[],
+        }
+    }
+
+    /// Whether the gateway sends the prefill leg itself (and so counts it in flight).
+    pub fn sent_by_gateway(&self) -> bool {
+        matches!(self.leg, PrefillLeg::Callout { .. })
+    }
 }
 
 impl Plan {

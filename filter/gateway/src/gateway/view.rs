@@ -8,9 +8,10 @@ use kvmesh_core::pd::{PdDecision, PdRouter};
 use kvmesh_core::policy::{Candidate, PolicyKind};
 use kvmesh_core::request::{self, ParsedRequest, MAX_ROUTING_KEY};
 use kvmesh_core::rng::{random_u64, seeded, FastRng, RngCore};
+use kvmesh_core::settings::PdProtocol;
 use kvmesh_core::{Config, Decision, Endpoint, Role, Router, RoutingText, WorkerId, WorkerTable};
 
-use super::plan::{Chosen, Outcome, PdPlan, Plan, Prediction, RequestInfo, Routed, MAX_ABORTS};
+use super::plan::{Chosen, Outcome, PdPlan, Plan, Prediction, PrefillLeg, RequestInfo, Routed, MAX_ABORTS};
 use super::reply::Reply;
 use crate::headers::Headers;
 use crate::health::Health;
@@ -270,8 +271,9 @@ impl RoutingView {
         Outcome::Route(Plan { chosen, main: main_routed, fallbacks, pd, inflight, now, batch })
     }
 
-    /// The prefill leg of a split: its worker and the body both legs get (bootstrap fields
-    /// and `rid` injected).
+    /// The prefill leg of a split: its worker and, with SGLang's protocol, the body both legs
+    /// get (bootstrap fields and `rid` injected); with llm-d's, the decode pod's sidecar runs
+    /// it and the body stays the client's.
     fn pd_plan(
         &mut self,
         endpoint: Endpoint,
@@ -285,6 +287,11 @@ impl RoutingView {
         else {
             return Err(Reply::no_worker("prefill worker"));
         };
+        let stream = parsed.stream;
+        let protocol = self.config.pd.as_ref().map_or(PdProtocol::Sglang, |pd| pd.protocol);
+        if protocol == PdProtocol::LlmD {
+            return Ok(Box::new(PdPlan { prefill: routed, leg: PrefillLeg::Sidecar, merge_logprobs: false, stream }));
+        }
         let rng = &mut self.rng;
         let boot = Bootstrap {
             host: worker.host.clone(),
@@ -295,10 +302,9 @@ impl RoutingView {
         let body = boot.inject(body, parsed).map_err(|e| Reply::request(&e))?;
         Ok(Box::new(PdPlan {
             prefill: routed,
-            abort_rids: boot.injected_rids(parsed, MAX_ABORTS),
-            body,
+            leg: PrefillLeg::Callout { body, abort_rids: boot.injected_rids(parsed, MAX_ABORTS) },
             merge_logprobs: parsed.return_logprob && endpoint == Endpoint::Generate,
-            stream: parsed.stream,
+            stream,
         }))
     }
 

@@ -339,10 +339,45 @@ fn pd_gateway(store: &FakeStore, extra: &str) -> Gateway {
 /// A PD split, committed: the legs and the body both receive.
 fn split(g: &mut Gateway, store: &FakeStore, body: &[u8]) -> (Committed, Vec<u8>) {
     let p = plan(req(g, store, Endpoint::Generate, body));
-    let sent = p.pd().map(|pd| pd.body.clone()).expect("a PD split");
+    let sent = match p.pd().map(|pd| &pd.leg) {
+        Some(PrefillLeg::Callout { body, .. }) => body.clone(),
+        other => panic!("a PD split with a callout, got {other:?}"),
+    };
     let c = g.commit(store, p);
     assert!(c.prefill.is_some());
     (c, sent)
+}
+
+/// llm-d's protocol: a split names the prefill pod for the decode pod's sidecar and leaves the
+/// body alone; only the decode leg is counted in flight (the gateway never sees the prefill
+/// end), but the prefill pod's prefix is indexed; the prefix decider's decode-alone requests
+/// name no prefill pod.
+#[test]
+fn llm_d_splits_name_the_prefill_pod_and_count_only_the_decode_leg() {
+    let store = FakeStore::default();
+    let mut g = pd_gateway(&store, r#","pd_protocol":"llm-d""#);
+    let body = br#"{"text":"a long enough prompt for a few blocks of the index, and then some"}"#;
+    let p = plan(req(&mut g, &store, Endpoint::Generate, body));
+    let pd = p.pd().expect("a split");
+    assert_eq!(pd.leg, PrefillLeg::Sidecar, "no callout, no body rewrite");
+    assert!(pd.abort_rids().is_empty());
+    let (prefill, decode) = (pd.prefill.worker, p.main.worker);
+    let c = g.commit(&store, p);
+    assert!(c.main.counted, "the decode leg is counted");
+    assert!(c.prefill.as_ref().is_some_and(|p| !p.counted), "the sidecar's prefill is not");
+    let counts: std::collections::HashMap<WorkerId, u32> = Inflight::read(&store).into_iter().collect();
+    assert_eq!(counts.get(&decode), Some(&1));
+    assert_eq!(counts.get(&prefill).copied().unwrap_or(0), 0, "nothing in flight on the prefill pod");
+    // Its prefix was indexed for the prefill pod: the next request with it goes there again.
+    let again = plan(req(&mut g, &store, Endpoint::Generate, body));
+    let next = again.pd().expect("a split").prefill.clone();
+    assert_eq!(next.worker, prefill);
+    assert!(next.matched_bytes > 0, "the prefill pod is known to hold the prefix");
+
+    // The prefix decider keeps a request whose prompt the decode pod holds on it alone.
+    let mut g = pd_gateway(&store, r#","pd_protocol":"llm-d","pd_decider":"prefix","non_cached_tokens":1000"#);
+    let p = plan(req(&mut g, &store, Endpoint::Generate, body));
+    assert!(p.pd().is_none(), "a short uncached suffix runs on the decode pod alone");
 }
 
 #[test]
@@ -553,7 +588,13 @@ fn pd_bad_batches_are_refused_before_anything_is_counted() {
 
 #[test]
 fn routing_headers_are_recognised() {
-    for h in ["x-envoy-original-dst-host", "X-Gateway-Destination-Endpoint", "x-kvmesh-worker", "x-kvmesh-anything"] {
+    for h in [
+        "x-envoy-original-dst-host",
+        "X-Gateway-Destination-Endpoint",
+        "x-kvmesh-worker",
+        "x-kvmesh-anything",
+        "X-Prefiller-Host-Port",
+    ] {
         assert!(is_routing_header(h), "{h}");
     }
     for h in ["x-request-id", "content-type", "x-envoy-expected-rq-timeout-ms"] {
