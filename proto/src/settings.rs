@@ -82,6 +82,7 @@ impl Wire<i32> for PdProtocol {
         let p = match self {
             PdProtocol::Sglang => v1::PdProtocol::Sglang,
             PdProtocol::LlmD => v1::PdProtocol::LlmD,
+            PdProtocol::Vllm => v1::PdProtocol::Vllm,
         };
         p as i32
     }
@@ -89,6 +90,7 @@ impl Wire<i32> for PdProtocol {
         match v1::PdProtocol::try_from(value) {
             Ok(v1::PdProtocol::Sglang) => Ok(PdProtocol::Sglang),
             Ok(v1::PdProtocol::LlmD) => Ok(PdProtocol::LlmD),
+            Ok(v1::PdProtocol::Vllm) => Ok(PdProtocol::Vllm),
             Ok(v1::PdProtocol::Unspecified) | Err(_) => Err(SettingsError::UnknownValue { field, value }),
         }
     }

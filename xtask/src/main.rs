@@ -13,11 +13,11 @@ const USAGE: &str = "\
 usage: cargo xtask <task> [options]
 
 tasks:
-  up [--gateways N] [--pd] [--pd-protocol sglang|llm-d] [--native] [-- <kvmesh-cp flags>]
+  up [--gateways N] [--pd] [--pd-protocol sglang|llm-d|vllm] [--native] [-- <kvmesh-cp flags>]
         build, then start 4 simulated workers and Envoy with the kvmesh filter
         (gateway http://127.0.0.1:10000, admin :9901); Ctrl-C stops everything;
         --native: Envoy runs the native build (libkvmesh_native.so) instead of the .wasm;
-        --pd-protocol llm-d: PD with vLLM pods and llm-d's decode sidecar (implies --pd)
+        --pd-protocol llm-d|vllm: PD with vLLM workers (llm-d: with its decode sidecar)
   test  install what is missing, build, and run every test (unit, wasm32, real Envoy)
   bench [overhead | quality | scale] [--quick] [--seconds N] [--connections N] [--no-pd]
         [--no-peers] [--out DIR]

@@ -48,7 +48,7 @@ fn parse(args: &[String]) -> anyhow::Result<Options> {
             }
             "--pd" => opts.pd = true,
             "--pd-protocol" => {
-                let p = it.next().context("--pd-protocol needs sglang or llm-d")?;
+                let p = it.next().context("--pd-protocol needs sglang, llm-d or vllm")?;
                 opts.pd_protocol = p.parse().map_err(|e: String| anyhow::anyhow!("--pd-protocol: {e}"))?;
                 opts.pd = true;
             }
@@ -87,9 +87,11 @@ fn supervised_sim(port: u16, args: &[&str]) -> anyhow::Result<Supervised<Sim>> {
 /// Starts simulated workers and returns the kvmesh-cp flags naming them.
 fn start_sims(pd: Option<PdProtocol>, sims: &mut Vec<Supervised<Sim>>) -> anyhow::Result<Vec<String>> {
     let mut flags = Vec::new();
-    if pd == Some(PdProtocol::LlmD) {
-        step("starting 2 simulated vLLM prefill pods (30001, 30002) and 2 decode pods with llm-d's sidecar (30003, 30004)");
-        flags.extend(["--pd-disaggregation", "--pd-protocol", "llm-d"].map(String::from));
+    if let Some(protocol @ (PdProtocol::LlmD | PdProtocol::Vllm)) = pd {
+        let llm_d = protocol == PdProtocol::LlmD;
+        let decode = if llm_d { "decode pods with llm-d's sidecar" } else { "decode workers" };
+        step(&format!("starting 2 simulated vLLM prefill workers (30001, 30002) and 2 {decode} (30003, 30004)"));
+        flags.extend(["--pd-disaggregation", "--pd-protocol", protocol.name()].map(String::from));
         for port in [30001u16, 30002] {
             claim(&[port])?;
             sims.push(supervised_sim(port, &["--engine", "vllm", "--role", "prefill", "--time-scale", "1"])?);
@@ -97,7 +99,8 @@ fn start_sims(pd: Option<PdProtocol>, sims: &mut Vec<Supervised<Sim>>) -> anyhow
         }
         for port in [30003u16, 30004] {
             claim(&[port])?;
-            let args = ["--engine", "vllm", "--role", "decode", "--llm-d-sidecar", "--time-scale", "1"];
+            let sidecar: &[&str] = if llm_d { &["--llm-d-sidecar"] } else { &[] };
+            let args = [&["--engine", "vllm", "--role", "decode", "--time-scale", "1"], sidecar].concat();
             sims.push(supervised_sim(port, &args)?);
             flags.extend(["--decode".into(), format!("http://127.0.0.1:{port}")]);
         }

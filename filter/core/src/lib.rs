@@ -38,6 +38,7 @@ pub mod rng;
 pub mod router;
 pub mod settings;
 pub mod usage;
+pub mod vllm;
 pub mod worker;
 
 pub use config::{Config, ConfigError};

@@ -155,8 +155,8 @@ pub struct ParsedRequest<'a> {
     pub return_logprob: bool,
     /// Whether the client set `rid` itself.
     pub has_rid: bool,
-    /// The first `bootstrap_*` field the client sent, if any (the gateway sets them in PD
-    /// mode, so there the request is refused).
+    /// The first field the client sent that only the gateway may set in PD mode, if any
+    /// (`bootstrap_*`, vLLM's `kv_transfer_params`): there the request is refused.
     pub client_bootstrap: Option<&'static str>,
 }
 
@@ -183,6 +183,8 @@ struct Fields<'a> {
     bootstrap_port: Option<&'a RawValue>,
     #[serde(borrow)]
     bootstrap_room: Option<&'a RawValue>,
+    #[serde(borrow)]
+    kv_transfer_params: Option<&'a RawValue>,
 }
 
 /// The per-item fields of a batch body (everything else is skipped).
@@ -318,6 +320,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest<'_>, Reque
             ("bootstrap_host", fields.bootstrap_host),
             ("bootstrap_port", fields.bootstrap_port),
             ("bootstrap_room", fields.bootstrap_room),
+            ("kv_transfer_params", fields.kv_transfer_params),
         ]
         .into_iter()
         .find_map(|(name, f)| f.map(|_| name)),

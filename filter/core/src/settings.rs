@@ -64,15 +64,19 @@ pub enum PdProtocol {
     /// llm-d's routing sidecar: the request goes to the decode pod, which runs the prefill
     /// itself on the pod that `x-prefiller-host-port` names when the gateway splits.
     LlmD,
+    /// vLLM's KV transfer: the gateway sends the prefill leg first (one token, asking for a
+    /// remote decode) and gives its `kv_transfer_params` to the decode leg.
+    Vllm,
 }
 
 impl PdProtocol {
-    pub const ALL: [PdProtocol; 2] = [Self::Sglang, Self::LlmD];
+    pub const ALL: [PdProtocol; 3] = [Self::Sglang, Self::LlmD, Self::Vllm];
 
     pub fn name(self) -> &'static str {
         match self {
             Self::Sglang => "sglang",
             Self::LlmD => "llm-d",
+            Self::Vllm => "vllm",
         }
     }
 }
@@ -89,7 +93,7 @@ impl FromStr for PdProtocol {
         Self::ALL
             .into_iter()
             .find(|p| p.name() == s)
-            .ok_or_else(|| format!("unknown PD protocol `{s}` (sglang, llm-d)"))
+            .ok_or_else(|| format!("unknown PD protocol `{s}` (sglang, llm-d, vllm)"))
     }
 }
 
@@ -122,7 +126,7 @@ macro_rules! serde_by_name {
 
 serde_by_name!(PolicyKind, "a policy name");
 serde_by_name!(PdDecider, "a decider name (always, prefix)");
-serde_by_name!(PdProtocol, "a PD protocol (sglang, llm-d)");
+serde_by_name!(PdProtocol, "a PD protocol (sglang, llm-d, vllm)");
 
 /// Declares [`RoutingSettings`] from one list of fields: the struct (serde, and clap with the
 /// `cli` feature), its field names and the overlay, so that none of them can miss a field.
@@ -296,8 +300,9 @@ routing_settings! {
     /// marginal_utility: weight of one request in flight against one unit of utility, in the
     /// filter (kvmesh). Default 1.
     utility_load_weight: f64,
-    /// PD protocol: sglang (bootstrap fields, the gateway sends the prefill leg) or llm-d (the
-    /// decode pod's routing sidecar runs the prefill named by `x-prefiller-host-port`).
+    /// PD protocol: sglang (bootstrap fields, the gateway sends the prefill leg), llm-d (the
+    /// decode pod's routing sidecar runs the prefill named by `x-prefiller-host-port`) or vllm
+    /// (the gateway runs the prefill first and hands its `kv_transfer_params` to the decode).
     /// Default sglang.
     pd_protocol: PdProtocol,
 }
@@ -330,7 +335,7 @@ mod tests {
             .contains("polcy"));
         let e = serde_json::from_str::<RoutingSettings>(r#"{"policy":"fastest"}"#).unwrap_err().to_string();
         assert!(e.contains("unknown policy `fastest`"), "{e}");
-        assert_eq!(RoutingSettings::FIELDS.len(), 47);
+        assert_eq!(RoutingSettings::FIELDS.len(), 48);
         assert!(RoutingSettings::FIELDS.contains(&"rate_limit_tokens_per_second"));
     }
 }

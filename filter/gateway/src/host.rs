@@ -41,6 +41,9 @@ pub enum Metric {
     Queued,
     /// Counter: `/abort_request` calls sent for prefill legs whose request ended first.
     PrefillAborts,
+    /// Counter: vLLM requests whose prefill leg gave no KV transfer, run on the decode worker
+    /// alone.
+    PrefillFallbacks,
     /// Counter: responses whose `cached_tokens` was compared with the prediction.
     Predictions,
     /// Counter: of those, predicted within one index block.
@@ -70,6 +73,7 @@ impl Metric {
             | Metric::CacheHits
             | Metric::Failovers
             | Metric::PrefillAborts
+            | Metric::PrefillFallbacks
             | Metric::Predictions
             | Metric::PredictionsAccurate
             | Metric::PredictionsOver
@@ -79,7 +83,7 @@ impl Metric {
         }
     }
 
-    pub const ALL: [Metric; 15] = [
+    pub const ALL: [Metric; 16] = [
         Metric::Requests,
         Metric::LocalReplies,
         Metric::CacheHits,
@@ -90,6 +94,7 @@ impl Metric {
         Metric::Failovers,
         Metric::Queued,
         Metric::PrefillAborts,
+        Metric::PrefillFallbacks,
         Metric::Predictions,
         Metric::PredictionsAccurate,
         Metric::PredictionsOver,
@@ -109,6 +114,7 @@ impl Metric {
             Metric::Failovers => "kvmesh_failovers_total",
             Metric::Queued => "kvmesh_queued",
             Metric::PrefillAborts => "kvmesh_prefill_aborts_total",
+            Metric::PrefillFallbacks => "kvmesh_prefill_fallbacks_total",
             Metric::Predictions => "kvmesh_predictions_total",
             Metric::PredictionsAccurate => "kvmesh_predictions_accurate_total",
             Metric::PredictionsOver => "kvmesh_predictions_over_total",

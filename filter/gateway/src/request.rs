@@ -82,8 +82,12 @@ pub struct RequestFilter {
     /// The committed main leg (the worker, or the decode worker in PD mode).
     routed: Option<Routed>,
     pd: Option<PdLeg>,
-    /// The prefill pod a decode pod's sidecar runs this request's prefill on (llm-d).
+    /// The prefill worker to name in the response when no [`PdLeg`] follows it: the pod a
+    /// decode pod's sidecar ran the prefill on (llm-d), or the one whose KV the decode leg got
+    /// (vLLM).
     sidecar_prefill: Option<String>,
+    /// vLLM's protocol: the prefill leg out, the request held until it answers.
+    first: Option<(u32, Routed)>,
     /// This filter answered locally.
     replied: bool,
     /// What the response said about the worker (`None`: no response headers seen).
@@ -224,6 +228,7 @@ impl RequestFilter {
             routed: None,
             pd: None,
             sidecar_prefill: None,
+            first: None,
             replied: false,
             verdict: None,
             failed_over: false,
@@ -426,7 +431,7 @@ impl RequestFilter {
     /// The prefill callout this request has out, if any (one dispatched from the tick is
     /// answered to the root context, which hands it on by this token).
     pub fn callout_token(&self) -> Option<u32> {
-        self.pd.as_ref().and_then(PdLeg::token)
+        self.pd.as_ref().and_then(PdLeg::token).or(self.first.as_ref().map(|(token, _)| *token))
     }
 
     /// The whole body is here and admitted: decide, apply, commit.
@@ -457,6 +462,7 @@ impl RequestFilter {
     /// everything worked.
     fn apply(&mut self, host: &dyn StreamHost, plan: Plan, body_size: usize, decided: Now) -> Action {
         self.abort_rids = plan.pd().map(|pd| pd.abort_rids().to_vec()).unwrap_or_default();
+        let sequential = plan.pd().is_some_and(|pd| matches!(pd.leg, PrefillLeg::First { .. }));
         let token = match self.prepare(host, &plan, body_size) {
             Ok(token) => token,
             Err(reply) => return self.reply(host, reply),
@@ -474,6 +480,14 @@ impl RequestFilter {
         });
         self.awaiting = true;
         match (committed.prefill, token) {
+            // vLLM: the request waits for its prefill leg (see `on_callout_response`).
+            (Some(prefill), Some(token)) if sequential => {
+                Self::count_route(host, &prefill);
+                self.first = Some((token, prefill));
+                self.feedback = Some(ResponseFeedback::new(committed.prediction, committed.main.worker, now_ms));
+                self.routed = Some(committed.main);
+                return Action::Pause;
+            }
             (Some(prefill), Some(token)) => {
                 Self::count_route(host, &prefill);
                 self.pd = Some(PdLeg::new(prefill, token, committed.stream, committed.merge_logprobs));
@@ -498,8 +512,9 @@ impl RequestFilter {
                 .map_err(|e| internal("cannot set the destination", e))?;
             return Ok(None);
         };
-        let body = match &pd.leg {
-            PrefillLeg::Callout { body, .. } => body,
+        let (body, sequential) = match &pd.leg {
+            PrefillLeg::Callout { body, .. } => (body, false),
+            PrefillLeg::First { body } => (body, true),
             PrefillLeg::Sidecar => {
                 set_destination(host, plan.addr(), plan.fallbacks(), how)
                     .map_err(|e| internal("cannot set the destination", e))?;
@@ -510,10 +525,13 @@ impl RequestFilter {
         };
         let cluster =
             self.with_gateway(|g| g.upstream_cluster().to_string()).unwrap_or_else(|| "kvmesh_workers".to_string());
-        let length = body.len().to_string();
-        host.set_request_body(body_size, body).map_err(|e| internal("cannot rewrite the request body", e))?;
-        host.set_request_header("content-length", Some(&length))
-            .map_err(|e| internal("cannot set content-length", e))?;
+        if !sequential {
+            // Both legs get the same body, sent at once.
+            let length = body.len().to_string();
+            host.set_request_body(body_size, body).map_err(|e| internal("cannot rewrite the request body", e))?;
+            host.set_request_header("content-length", Some(&length))
+                .map_err(|e| internal("cannot set content-length", e))?;
+        }
         set_destination(host, plan.addr(), plan.fallbacks(), how)
             .map_err(|e| internal("cannot set the destination", e))?;
         let client = host.request_headers();
@@ -534,6 +552,9 @@ impl RequestFilter {
 
     /// The prefill callout answered (or failed).
     pub fn on_callout_response(&mut self, host: &dyn StreamHost, token: u32, body_size: usize) {
+        if self.first.as_ref().is_some_and(|(t, _)| *t == token) {
+            return self.first_answered(host, body_size);
+        }
         let Some(leg) = self.pd.as_mut().filter(|leg| leg.awaits(token)) else { return };
         let status = host.callout_status();
         let ok = status.is_some_and(|s| (200..300).contains(&s));
@@ -579,6 +600,53 @@ impl RequestFilter {
                     }
                 }
             }
+        }
+    }
+
+    /// vLLM's prefill leg answered (or failed): with its `kv_transfer_params` the held
+    /// request goes to the decode worker carrying them; without (an error, a timeout, an
+    /// answer without them) it runs on the decode worker alone, as the client sent it, and
+    /// `kvmesh_prefill_fallbacks_total` counts it.
+    fn first_answered(&mut self, host: &dyn StreamHost, body_size: usize) {
+        let Some((_, prefill)) = self.first.take() else { return };
+        let status = host.callout_status();
+        let worker_ok = status.is_some_and(|s| s < 500);
+        let params = status
+            .filter(|s| (200..300).contains(s))
+            .and_then(|_| kvmesh_core::vllm::transfer_params(&host.callout_body(body_size)));
+        let now = Now::from_nanos(host.now_nanos());
+        self.with_gateway(|g| {
+            g.finish(host, &prefill, worker_ok);
+            g.outcome(host, &prefill, worker_ok, now);
+            g.ended(prefill.worker, status.is_some(), now.ms());
+        });
+        let body = host.request_body(self.body_size);
+        let decode = params.as_deref().map(|p| kvmesh_core::vllm::decode_body(&body, p));
+        match decode {
+            Some(Ok(decode)) => {
+                let length = decode.len().to_string();
+                let written = host
+                    .set_request_body(self.body_size, &decode)
+                    .and_then(|()| host.set_request_header("content-length", Some(&length)));
+                if let Err(e) = written {
+                    let msg = format!("cannot hand the prefill's KV to the decode leg: {e}");
+                    self.reply(host, Reply::error(500, "internal", &msg));
+                    return;
+                }
+                self.body_size = decode.len();
+                self.sidecar_prefill = Some(prefill.addr);
+            }
+            _ => {
+                log::warn!(
+                    "prefill worker {} gave no KV transfer ({}): the decode worker runs the request alone",
+                    prefill.addr,
+                    status.map_or_else(|| "no response".to_string(), |s| format!("HTTP {s}"))
+                );
+                host.increment(Metric::PrefillFallbacks);
+            }
+        }
+        if let Err(e) = host.resume_request() {
+            log::warn!("cannot resume the request after its prefill: {e}");
         }
     }
 
@@ -696,6 +764,14 @@ impl RequestFilter {
         if let Some(f) = self.feedback.take() {
             let complete = self.complete;
             self.with_gateway(|g| f.finish(g, host, complete));
+        }
+        // vLLM: the request ended before its prefill leg answered; that leg serves nobody.
+        if let Some((_, prefill)) = self.first.take() {
+            let now_ms = crate::host::now_ms(host);
+            self.with_gateway(|g| {
+                g.ended(prefill.worker, false, now_ms);
+                g.release(host, &prefill);
+            });
         }
         let routed = self.routed.take();
         let leg = self.pd.take();

@@ -67,6 +67,10 @@ pub enum PrefillLeg {
     /// llm-d: the decode pod's routing sidecar runs it on the pod that `x-prefiller-host-port`
     /// names; the body is the client's, unchanged.
     Sidecar,
+    /// vLLM: the gateway sends `body` (one token, asking for a remote decode) to the prefill
+    /// worker first; the request waits, and goes to the decode worker with the client's body
+    /// and the answer's `kv_transfer_params`.
+    First { body: Vec<u8> },
 }
 
 /// The PD part of a plan.
@@ -84,13 +88,13 @@ impl PdPlan {
     pub fn abort_rids(&self) -> &[String] {
         match &self.leg {
             PrefillLeg::Callout { abort_rids, .. } => abort_rids,
-            PrefillLeg::Sidecar => &[],
+            PrefillLeg::Sidecar | PrefillLeg::First { .. } => &[],
         }
     }
 
     /// Whether the gateway sends the prefill leg itself (and so counts it in flight).
     pub fn sent_by_gateway(&self) -> bool {
-        matches!(self.leg, PrefillLeg::Callout { .. })
+        !matches!(self.leg, PrefillLeg::Sidecar)
     }
 }
 

@@ -6,9 +6,10 @@ use kvmesh_core::bootstrap::{random_rooms, Bootstrap};
 use kvmesh_core::breaker::BreakerState;
 use kvmesh_core::pd::{PdDecision, PdRouter};
 use kvmesh_core::policy::{Candidate, PolicyKind};
-use kvmesh_core::request::{self, ParsedRequest, MAX_ROUTING_KEY};
+use kvmesh_core::request::{self, ParsedRequest, RequestError, MAX_ROUTING_KEY};
 use kvmesh_core::rng::{random_u64, seeded, FastRng, RngCore};
 use kvmesh_core::settings::PdProtocol;
+use kvmesh_core::vllm;
 use kvmesh_core::{Config, Decision, Endpoint, Role, Router, RoutingText, WorkerId, WorkerTable};
 
 use super::plan::{Chosen, Outcome, PdPlan, Plan, Prediction, PrefillLeg, RequestInfo, Routed, MAX_ABORTS};
@@ -289,8 +290,20 @@ impl RoutingView {
         };
         let stream = parsed.stream;
         let protocol = self.config.pd.as_ref().map_or(PdProtocol::Sglang, |pd| pd.protocol);
-        if protocol == PdProtocol::LlmD {
-            return Ok(Box::new(PdPlan { prefill: routed, leg: PrefillLeg::Sidecar, merge_logprobs: false, stream }));
+        // Only the gateway writes transfer parameters (a client's could name any host); with
+        // SGLang's protocol `Bootstrap::inject` refuses them.
+        if let Some(field) = parsed.client_bootstrap.filter(|_| protocol != PdProtocol::Sglang) {
+            return Err(Reply::request(&RequestError::Reserved(field)));
+        }
+        let leg = match protocol {
+            PdProtocol::Sglang => None,
+            PdProtocol::LlmD => Some(PrefillLeg::Sidecar),
+            PdProtocol::Vllm => {
+                Some(PrefillLeg::First { body: vllm::prefill_body(body).map_err(|e| Reply::request(&e))? })
+            }
+        };
+        if let Some(leg) = leg {
+            return Ok(Box::new(PdPlan { prefill: routed, leg, merge_logprobs: false, stream }));
         }
         let rng = &mut self.rng;
         let boot = Bootstrap {
