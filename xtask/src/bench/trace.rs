@@ -73,8 +73,9 @@ impl Settings {
     /// The options' values, else the defaults: the first 1,000 requests of the trace (200 with
     /// `--quick`; 277 s of the synthetic trace), 10× faster, 1 Mi tokens of KV per worker.
     pub fn of(o: &Opts) -> Self {
+        let path = o.trace.clone().unwrap_or_else(default_file);
         Self {
-            path: o.trace.clone().unwrap_or_else(default_file),
+            path: path.canonicalize().unwrap_or(path),
             requests: o.trace_requests.unwrap_or(if o.quick { 200 } else { 1000 }),
             speed_up: o.speed_up.unwrap_or(10.0),
             kv_capacity: o.kv_capacity.unwrap_or(1 << 20),
@@ -458,7 +459,7 @@ pub fn run(o: &Opts, bins: &PeerBins, results: &mut Vec<Value>, failures: &mut V
         }
     }
     let mut params = r.summary;
-    params["file"] = json!(s.path.canonicalize().unwrap_or(s.path).display().to_string());
+    params["file"] = json!(s.path.display().to_string());
     params["speed_up"] = json!(s.speed_up);
     params["kv_capacity_tokens"] = json!(s.kv_capacity);
     params["workers"] = json!(WORKERS);
@@ -474,7 +475,7 @@ pub fn markdown(doc: &Value) -> String {
     let t = &doc["params"]["trace"];
     let file = t["file"].as_str().unwrap_or("");
     let mut md = format!(
-        "### trace — {} requests of `{}` ({:.0} s of trace replayed {}× faster, in {:.0} s; {} follow-up turns), {} workers of {} KV tokens, at most {} requests in flight\n\n",
+        "### trace — {} requests of `{}` ({:.0} s of trace replayed {}× faster, in {:.0} s; {} follow-up turns), {} workers of {}k KV tokens, at most {} requests in flight\n\n",
         t["requests"],
         Path::new(file).file_name().map_or(file.into(), |n| n.to_string_lossy()),
         t["trace_span_s"].as_f64().unwrap_or(f64::NAN),
@@ -482,7 +483,7 @@ pub fn markdown(doc: &Value) -> String {
         t["replay_span_s"].as_f64().unwrap_or(f64::NAN),
         t["followups"],
         t["workers"],
-        t["kv_capacity_tokens"],
+        t["kv_capacity_tokens"].as_u64().unwrap_or(0) / 1024,
         t["concurrency"],
     );
     let mut late = Vec::new();
@@ -503,7 +504,7 @@ pub fn markdown(doc: &Value) -> String {
                 v("ttft_p99_ms", 1),
                 v("imbalance", 2),
                 format!("{} / {}", v("lateness_p50_ms", 1), v("lateness_p99_ms", 1)),
-                r["errors"].to_string(),
+                v("errors", 0),
             ]
         })
         .collect();
