@@ -16,6 +16,7 @@ mod quality;
 mod report;
 mod scale;
 mod stack;
+mod trace;
 mod workload;
 
 use std::path::PathBuf;
@@ -85,6 +86,14 @@ pub struct Opts {
     pub warmup: usize,
     /// Instructions: requests counted.
     pub requests: usize,
+    /// Quality's `trace` workload: the Mooncake-format trace replayed (None: the default file).
+    pub trace: Option<PathBuf>,
+    /// Quality's `trace` workload: only its first N requests (None: the default size; 0: all).
+    pub trace_requests: Option<usize>,
+    /// Quality's `trace` workload: the trace's times are divided by this (None: the default).
+    pub speed_up: Option<f64>,
+    /// Quality's `trace` workload: each worker's KV capacity in tokens (None: the default).
+    pub kv_capacity: Option<u64>,
 }
 
 impl Opts {
@@ -112,6 +121,10 @@ impl Opts {
             threads: 1,
             warmup: if quick { 30 } else { 300 },
             requests: if quick { 100 } else { 1000 },
+            trace: None,
+            trace_requests: None,
+            speed_up: None,
+            kv_capacity: None,
         }
     }
 
@@ -122,7 +135,7 @@ impl Opts {
 }
 
 const OPTIONS: &str =
-    "overhead | quality | scale (default: all) | instructions (only when named; needs valgrind), --quick, --seconds N, --connections N, --no-pd, --no-peers, --out DIR, --workload NAME (quality; repeatable), --only TEXT (overhead, quality: configurations named with it; scale: its parts micro, control-plane, propagation; repeatable), --rounds N (overhead, quality, scale's gateway at 10^6 blocks: each configuration N times, interleaved), --baseline-wasm FILE (overhead, instructions, scale's gateway at 10^6 blocks: that filter build beside this one), --baseline-native FILE (instructions: that native module beside this one), --variant-wasm FILE (overhead, repeatable: an experiment build beside this one, 1 thread), --pin (overhead: the proxy on the last core, everything else on the first), --threads N, --warmup N, --requests N (instructions: Envoy threads, requests before and while counting)";
+    "overhead | quality | scale (default: all) | instructions (only when named; needs valgrind), --quick, --seconds N, --connections N, --no-pd, --no-peers, --out DIR, --workload NAME (quality; repeatable), --only TEXT (overhead, quality: configurations named with it; scale: its parts micro, control-plane, propagation; repeatable), --rounds N (overhead, quality, scale's gateway at 10^6 blocks: each configuration N times, interleaved), --baseline-wasm FILE (overhead, instructions, scale's gateway at 10^6 blocks: that filter build beside this one), --baseline-native FILE (instructions: that native module beside this one), --variant-wasm FILE (overhead, repeatable: an experiment build beside this one, 1 thread), --pin (overhead: the proxy on the last core, everything else on the first), --threads N, --warmup N, --requests N (instructions: Envoy threads, requests before and while counting), --trace FILE (quality: replay that Mooncake-format trace; implies --workload trace), --trace-requests N (its first N requests; 0: all), --speed-up X (the trace's times divided by X), --kv-capacity TOKENS (each worker's KV cache in the trace workload)";
 
 fn parse(args: &[String]) -> anyhow::Result<Opts> {
     let mut o = Opts::new(args.iter().any(|a| a == "--quick"));
@@ -185,6 +198,32 @@ fn parse(args: &[String]) -> anyhow::Result<Opts> {
                     _ => o.requests = n,
                 }
             }
+            "--trace" => {
+                let v = PathBuf::from(value("--trace")?);
+                anyhow::ensure!(v.is_file(), "--trace {}: no such file", v.display());
+                o.trace = Some(v);
+                if !o.workloads.iter().any(|w| w == "trace") {
+                    o.workloads.push("trace".into());
+                }
+            }
+            "--trace-requests" => {
+                let v = value(a)?;
+                o.trace_requests = Some(v.parse().with_context(|| format!("{a} {v}: not a number (0: all)"))?);
+            }
+            "--speed-up" => {
+                let v = value(a)?;
+                o.speed_up = Some(
+                    v.parse()
+                        .ok()
+                        .filter(|&s: &f64| s > 0.0 && s.is_finite())
+                        .with_context(|| format!("{a} {v}: not a positive number"))?,
+                );
+            }
+            "--kv-capacity" => {
+                let v = value(a)?;
+                o.kv_capacity =
+                    Some(v.parse().ok().filter(|&n| n > 0).with_context(|| format!("{a} {v}: not a positive number"))?);
+            }
             "--rounds" => {
                 let v = value("--rounds")?;
                 o.rounds = v
@@ -197,7 +236,9 @@ fn parse(args: &[String]) -> anyhow::Result<Opts> {
         }
     }
     if o.suites.is_empty() {
-        o.suites = vec![Suite::Overhead, Suite::Quality, Suite::Scale];
+        // A trace to replay and no suite named: the quality suite alone.
+        o.suites =
+            if o.trace.is_some() { vec![Suite::Quality] } else { vec![Suite::Overhead, Suite::Quality, Suite::Scale] };
     }
     o.suites.dedup();
     Ok(o)
@@ -268,6 +309,27 @@ mod tests {
 
     fn ratios_of(doc: &Value) -> Vec<Value> {
         doc["ratios"].as_array().cloned().unwrap_or_default()
+    }
+
+    #[test]
+    fn the_trace_options_are_read_and_checked() {
+        let args = |s: &str| s.split_whitespace().map(String::from).collect::<Vec<_>>();
+        let file = kvmesh_testkit::repo_root().join("Cargo.toml");
+        let o =
+            parse(&args(&format!("--trace {} --trace-requests 50 --speed-up 4 --kv-capacity 65536", file.display())))
+                .unwrap();
+        assert_eq!(o.suites, [Suite::Quality], "a trace and no suite: quality alone");
+        assert_eq!(o.workloads, ["trace"]);
+        assert_eq!(
+            (o.trace, o.trace_requests, o.speed_up, o.kv_capacity),
+            (Some(file), Some(50), Some(4.0), Some(65536))
+        );
+        assert_eq!(parse(&args("quality --workload trace --trace-requests 0")).unwrap().trace_requests, Some(0));
+        for bad in
+            ["--speed-up 0", "--speed-up x", "--kv-capacity 0", "--trace /no/such/trace.jsonl", "--trace-requests -1"]
+        {
+            assert!(parse(&args(&format!("quality {bad}"))).is_err(), "{bad}");
+        }
     }
 
     /// The harness cannot rot: the quick overhead suite at a tiny size (both modes, every

@@ -1,8 +1,8 @@
 //! The one load generator every router is measured with: a fixed request stream sent over a
 //! fixed number of keep-alive HTTP/1.1 connections (closed loop: each connection sends the
-//! stream's next request as soon as its previous answer is in), latencies in HDR histograms,
-//! a progress bar on a terminal. Plain sockets, so the client costs little CPU next to the
-//! proxies being compared.
+//! stream's next request as soon as its previous answer is in; or, for a trace, each request
+//! at its time: [`replay`]), latencies in HDR histograms, a progress bar on a terminal. Plain
+//! sockets, so the client costs little CPU next to the proxies being compared.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -152,6 +152,48 @@ fn read_response(r: &mut BufReader<TcpStream>) -> std::io::Result<(u16, Option<I
     }
 }
 
+/// The progress bar's look, with `label` before it.
+fn style(bar: &ProgressBar, label: &str) {
+    bar.set_style(
+        ProgressStyle::with_template("    {prefix:>28} [{bar:30}] {pos}/{len} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    bar.set_prefix(label.chars().take(28).collect::<String>());
+}
+
+/// A keep-alive connection: its writing half and its buffered reading half.
+type Conn = (TcpStream, BufReader<TcpStream>);
+
+/// Sends `request` on `conn` (connecting to `target` first when there is none, up to three
+/// tries): the status, when it was sent and when its first body byte came.
+fn exchange(
+    conn: &mut Option<Conn>,
+    target: SocketAddr,
+    request: &[u8],
+) -> std::io::Result<(u16, Instant, Option<Instant>)> {
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        if conn.is_none() {
+            let Ok(s) = TcpStream::connect_timeout(&target, Duration::from_secs(2)) else {
+                std::thread::sleep(Duration::from_millis(10));
+                if attempt < 3 {
+                    continue;
+                }
+                return Err(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+            };
+            let _ = s.set_nodelay(true);
+            let _ = s.set_read_timeout(Some(Duration::from_secs(60)));
+            let Ok(r) = s.try_clone() else { continue };
+            *conn = Some((s, BufReader::new(r)));
+        }
+        let Some((w, r)) = conn.as_mut() else { continue };
+        let sent = Instant::now();
+        return w.write_all(request).and_then(|_| read_response(r)).map(|(s, first)| (s, sent, first));
+    }
+}
+
 /// Sends `requests` over `connections` connections spread over `targets` (connection `c` to
 /// `targets[c % len]`). Requests are taken from the stream in order by whichever connection
 /// is free, so every router sees the same stream at the same concurrency.
@@ -169,12 +211,7 @@ pub fn run(label: &str, targets: &[SocketAddr], requests: &[Vec<u8>], connection
         Stop::For(d) => ProgressBar::new(d.as_millis() as u64 + d.as_millis() as u64 / 10),
         Stop::Once => ProgressBar::new(requests.len() as u64),
     };
-    bar.set_style(
-        ProgressStyle::with_template("    {prefix:>28} [{bar:30}] {pos}/{len} {msg}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar())
-            .progress_chars("=> "),
-    );
-    bar.set_prefix(label.chars().take(28).collect::<String>());
+    style(&bar, label);
     let threads: Vec<_> = (0..connections.max(1))
         .map(|c| {
             let target = targets[c % targets.len()];
@@ -234,7 +271,7 @@ fn worker(
         ttft: histogram(),
         timeline: Vec::new(),
     };
-    let mut conn: Option<(TcpStream, BufReader<TcpStream>)> = None;
+    let mut conn: Option<Conn> = None;
     while !requests.is_empty() && !halt.load(Relaxed) && end.is_none_or(|e| Instant::now() < e) {
         let i = next.fetch_add(1, Relaxed);
         let request = match stop {
@@ -242,26 +279,7 @@ fn worker(
             Stop::Once if i < requests.len() => &requests[i],
             Stop::Once => break,
         };
-        let mut attempt = 0;
-        let result = loop {
-            attempt += 1;
-            if conn.is_none() {
-                let Ok(s) = TcpStream::connect_timeout(&target, Duration::from_secs(2)) else {
-                    std::thread::sleep(Duration::from_millis(10));
-                    if attempt < 3 {
-                        continue;
-                    }
-                    break Err(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
-                };
-                let _ = s.set_nodelay(true);
-                let _ = s.set_read_timeout(Some(Duration::from_secs(60)));
-                let Ok(r) = s.try_clone() else { continue };
-                conn = Some((s, BufReader::new(r)));
-            }
-            let Some((w, r)) = conn.as_mut() else { continue };
-            let sent = Instant::now();
-            break w.write_all(request).and_then(|_| read_response(r)).map(|(s, first)| (s, sent, first));
-        };
+        let result = exchange(&mut conn, target, request);
         done.fetch_add(1, Relaxed);
         let measured = Instant::now() >= measure_from;
         match result {
@@ -286,6 +304,153 @@ fn worker(
         }
     }
     load
+}
+
+/// One request of a timed replay.
+pub struct Timed {
+    /// When it is due, from the start of the replay.
+    pub at: Duration,
+    /// The earlier request (its index) it follows: it leaves only once that one is answered.
+    pub after: Option<usize>,
+    pub request: Vec<u8>,
+}
+
+/// What a timed replay measured.
+pub struct Replayed {
+    pub load: Load,
+    /// How late each request left, µs: its send time minus its due time (its time in the
+    /// schedule, or the answer to the request it follows when that came later).
+    pub lateness: Histogram<u64>,
+    /// Follow-ups whose predecessor was answered after their own time in the schedule.
+    pub held: u64,
+}
+
+impl Replayed {
+    /// The lateness at quantile `q`, in milliseconds.
+    pub fn late_ms(&self, q: f64) -> f64 {
+        self.lateness.value_at_quantile(q) as f64 / 1e3
+    }
+}
+
+/// Replays `requests` on their schedule (open loop) over at most `connections` connections
+/// spread over `targets` as [`run`] spreads them (connection `c` to `targets[c % len]`): each
+/// connection takes the next request in order, waits for its due time (and for the answer to
+/// the request it follows), sends it and reads the answer. A request finds no free connection
+/// when `connections` are busy: it leaves late, and [`Replayed::lateness`] says by how much.
+pub fn replay(label: &str, targets: &[SocketAddr], requests: &Arc<Vec<Timed>>, connections: usize) -> Replayed {
+    let next = Arc::new(AtomicUsize::new(0));
+    let done = Arc::new(AtomicU64::new(0));
+    let halt = Arc::new(AtomicBool::new(false));
+    // When each request was answered: µs since the start, plus one (0: not yet).
+    let answered: Arc<Vec<AtomicU64>> = Arc::new(requests.iter().map(|_| AtomicU64::new(0)).collect());
+    let began = Instant::now();
+    let bar = ProgressBar::new(requests.len() as u64);
+    style(&bar, label);
+    let threads: Vec<_> = (0..connections.max(1))
+        .map(|c| {
+            let target = targets[c % targets.len()];
+            let (requests, next, done, halt, answered) =
+                (requests.clone(), next.clone(), done.clone(), halt.clone(), answered.clone());
+            std::thread::spawn(move || timed_worker(target, &requests, &next, &done, &halt, &answered, began))
+        })
+        .collect();
+    let mut timeline = vec![(0.0, 0)];
+    while threads.iter().any(|t| !t.is_finished()) {
+        std::thread::sleep(Duration::from_millis(100));
+        timeline.push((began.elapsed().as_secs_f64(), done.load(Relaxed)));
+        bar.set_position(done.load(Relaxed));
+        bar.set_message(format!("{:.0} req/s", done.load(Relaxed) as f64 / began.elapsed().as_secs_f64()));
+        if began.elapsed() > Duration::from_secs(900) {
+            halt.store(true, Relaxed);
+        }
+    }
+    bar.finish_and_clear();
+    let load = Load {
+        sent: done.load(Relaxed),
+        ok: 0,
+        errors: 0,
+        elapsed: began.elapsed(),
+        latency: histogram(),
+        ttft: histogram(),
+        timeline,
+    };
+    let mut total = Replayed { load, lateness: histogram(), held: 0 };
+    for t in threads {
+        if let Ok(part) = t.join() {
+            total.load.ok += part.load.ok;
+            total.load.errors += part.load.errors;
+            let _ = total.load.latency.add(&part.load.latency);
+            let _ = total.load.ttft.add(&part.load.ttft);
+            let _ = total.lateness.add(&part.lateness);
+            total.held += part.held;
+        }
+    }
+    total
+}
+
+fn timed_worker(
+    target: SocketAddr,
+    requests: &[Timed],
+    next: &AtomicUsize,
+    done: &AtomicU64,
+    halt: &AtomicBool,
+    answered: &[AtomicU64],
+    began: Instant,
+) -> Replayed {
+    let load = Load {
+        sent: 0,
+        ok: 0,
+        errors: 0,
+        elapsed: Duration::ZERO,
+        latency: histogram(),
+        ttft: histogram(),
+        timeline: Vec::new(),
+    };
+    let mut out = Replayed { load, lateness: histogram(), held: 0 };
+    let mut conn: Option<Conn> = None;
+    while !halt.load(Relaxed) {
+        let i = next.fetch_add(1, Relaxed);
+        let Some(timed) = requests.get(i) else { break };
+        let mut due = began + timed.at;
+        if let Some(wait) = due.checked_duration_since(Instant::now()) {
+            std::thread::sleep(wait);
+        }
+        if let Some(before) = timed.after.and_then(|p| answered.get(p)) {
+            loop {
+                let at = before.load(Relaxed);
+                if at > 0 {
+                    let answer = began + Duration::from_micros(at - 1);
+                    if answer > due {
+                        due = answer;
+                        out.held += 1;
+                    }
+                    break;
+                }
+                if halt.load(Relaxed) {
+                    return out;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        let _ = out.lateness.record((Instant::now().saturating_duration_since(due).as_micros() as u64).max(1));
+        let result = exchange(&mut conn, target, &timed.request);
+        answered[i].store(began.elapsed().as_micros() as u64 + 1, Relaxed);
+        done.fetch_add(1, Relaxed);
+        match result {
+            Ok((200, sent, first)) => {
+                out.load.ok += 1;
+                let _ = out.load.latency.record((sent.elapsed().as_micros() as u64).max(1));
+                let first = first.map_or(sent.elapsed(), |f| f.duration_since(sent));
+                let _ = out.load.ttft.record((first.as_micros() as u64).max(1));
+            }
+            Ok(_) => out.load.errors += 1,
+            Err(_) => {
+                out.load.errors += 1;
+                conn = None;
+            }
+        }
+    }
+    out
 }
 
 #[cfg(test)]

@@ -20,7 +20,8 @@ tasks:
         --pd-protocol llm-d|vllm: PD with vLLM workers (llm-d: with its decode sidecar)
   test  install what is missing, build, and run every test (unit, wasm32, real Envoy)
   bench [overhead | quality | scale] [--quick] [--seconds N] [--connections N] [--no-pd]
-        [--no-peers] [--out DIR]
+        [--no-peers] [--out DIR] [--workload NAME] [--trace FILE] [--trace-requests N]
+        [--speed-up X] [--kv-capacity TOKENS]
         benchmarks against SMG 1.13.0 and sglang-router 0.3.2 (installed into .venv), the
         floors and the mesh path; JSON, markdown and charts in target/bench/ (docs/benchmarks.md)
   package [--out DIR] [--tag TAG]

@@ -1,7 +1,8 @@
-//! PNG charts of a suite's JSON (`plotters`): horizontal bars, one per router/config. Text is
-//! drawn with a TrueType font found on the system at run time (DejaVu or any `.ttf` under
-//! /usr/share/fonts; `cargo xtask test` installs fonts-dejavu-core when there is none);
-//! without one, no chart is drawn and the run says so.
+//! PNG charts of a suite's JSON (`plotters`): horizontal bars, one per router/config (and the
+//! trace's reference hit rates, in green). Text is drawn with a TrueType font found on the
+//! system at run time (DejaVu or any `.ttf` under /usr/share/fonts; `cargo xtask test`
+//! installs fonts-dejavu-core when there is none); without one, no chart is drawn and the run
+//! says so.
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -57,7 +58,13 @@ fn bars(path: &Path, title: &str, unit: &str, items: &[(String, f64)]) -> anyhow
     let (x0, span) = (430i32, 560f64);
     for (i, (label, v)) in items.iter().enumerate() {
         let y = 60 + (i as u32 * row) as i32;
-        let colour = if label.starts_with("kvmesh") { RGBColor(31, 119, 180) } else { RGBColor(170, 170, 170) };
+        let colour = if label.starts_with("kvmesh") {
+            RGBColor(31, 119, 180)
+        } else if label.starts_with("reference") {
+            RGBColor(150, 200, 150)
+        } else {
+            RGBColor(170, 170, 170)
+        };
         let len = if v.is_finite() { (v / max * span) as i32 } else { 0 };
         root.draw(&Text::new(label.clone(), (20, y + 4), text(14))).map_err(|e| anyhow::anyhow!("{e}"))?;
         root.draw(&Rectangle::new([(x0, y), (x0 + len.max(1), y + row as i32 - 6)], colour.filled()))
@@ -116,7 +123,20 @@ pub fn draw(dir: &Path, suite: &str, doc: &Value) -> Vec<String> {
                 results.iter().filter_map(|r| r["workload"].as_str().map(String::from)).collect();
             workloads.dedup();
             for w in workloads {
-                let rows = pick(&|r: &Value| r["workload"] == w.as_str(), "hit_rate", 100.0);
+                let mut rows = pick(&|r: &Value| r["workload"] == w.as_str(), "hit_rate", 100.0);
+                if w == "trace" {
+                    // What the workers' caches could reach on this trace, beside what they did.
+                    let refs = &doc["params"]["trace"]["references"];
+                    for (key, label) in [
+                        ("ideal", "reference: infinite cache"),
+                        ("pooled_lru", "reference: one LRU, pooled capacity"),
+                        ("one_worker", "reference: one worker alone"),
+                    ] {
+                        if let Some(v) = refs[key].as_f64() {
+                            rows.push((label.to_string(), v * 100.0));
+                        }
+                    }
+                }
                 charts.push((format!("quality-{w}-hit.png"), format!("Quality ({w}): KV cache hit rate"), "%", rows));
             }
         }

@@ -3,12 +3,14 @@
 //! (cached over prompt tokens in `/sim/stats`), not what a router believes; TTFT is the first
 //! streamed event; imbalance is max/mean requests per worker. kvmesh runs at 1, 3 and 8
 //! gateways sharing one kvmesh-cp, the peers at 1, 3 and 8 replicas (SMG also with its mesh).
+//! The `trace` workload (a Mooncake-format trace replayed on its schedule) is in `trace.rs`.
 
 use kvmesh_testkit::{http, Sim};
 use serde_json::{json, Value};
 
 use super::report::{f, table};
 use super::stack::{self, Peer, PeerBins, Running, Workers};
+use super::trace;
 use super::workload::{self, Workload};
 use super::Opts;
 use crate::loadgen::{self, Stop};
@@ -19,15 +21,15 @@ const SEED: u64 = 20_251_122;
 const CONCURRENCY: usize = 16;
 
 #[derive(Clone, Debug)]
-struct Config {
-    router: &'static str,
-    replicas: usize,
-    mesh: bool,
-    policy: &'static str,
+pub(super) struct Config {
+    pub router: &'static str,
+    pub replicas: usize,
+    pub mesh: bool,
+    pub policy: &'static str,
 }
 
 impl Config {
-    fn label(&self) -> String {
+    pub fn label(&self) -> String {
         let (what, unit) = match self.router {
             "kvmesh" => ("kvmesh", "gateway"),
             "smg" => ("SMG 1.13.0", "replica"),
@@ -77,7 +79,7 @@ fn configs(o: &Opts, bins: &PeerBins) -> Vec<Config> {
     out
 }
 
-fn start(bins: &PeerBins, c: &Config, workers: &Workers) -> anyhow::Result<Running> {
+pub(super) fn start(bins: &PeerBins, c: &Config, workers: &Workers) -> anyhow::Result<Running> {
     match c.router {
         // One Envoy worker thread per gateway: eight gateways share two cores.
         "kvmesh" => stack::kvmesh(workers, 1, c.replicas, c.policy, true),
@@ -86,11 +88,11 @@ fn start(bins: &PeerBins, c: &Config, workers: &Workers) -> anyhow::Result<Runni
     }
 }
 
-fn stats(sims: &[Sim]) -> Vec<Value> {
+pub(super) fn stats(sims: &[Sim]) -> Vec<Value> {
     sims.iter().map(|s| s.stats().unwrap_or(Value::Null)).collect()
 }
 
-fn delta(after: &[Value], before: &[Value], key: &str) -> Vec<f64> {
+pub(super) fn delta(after: &[Value], before: &[Value], key: &str) -> Vec<f64> {
     after.iter().zip(before).map(|(a, b)| a[key].as_f64().unwrap_or(0.0) - b[key].as_f64().unwrap_or(0.0)).collect()
 }
 
@@ -210,15 +212,29 @@ fn measure(w: &Workload, c: &Config, sims: &[Sim], running: &Running) -> Value {
 pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
     let n = if o.quick { 64 } else { 1200 };
     let mut workloads = workload::all(SEED, n);
-    if !o.workloads.is_empty() {
-        let known: Vec<&str> = workloads.iter().map(|w| w.name).collect();
+    // The trace: when named, or in a full run of every workload when the default file is there
+    // (`--quick` leaves it out: a few minutes more).
+    let with_trace = if o.workloads.is_empty() {
+        let there = trace::default_file().is_file();
+        if !there && !o.quick {
+            step(&format!("quality: no trace workload ({} is absent)", trace::default_file().display()));
+        }
+        there && !o.quick
+    } else {
+        let mut known: Vec<&str> = workloads.iter().map(|w| w.name).collect();
+        known.push("trace");
         if let Some(bad) = o.workloads.iter().find(|n| !known.contains(&n.as_str())) {
             anyhow::bail!("--workload {bad}: unknown (one of {})", known.join(", "));
         }
         workloads.retain(|w| o.workloads.iter().any(|n| n == w.name));
-    }
+        o.workloads.iter().any(|n| n == "trace")
+    };
     let configs: Vec<Config> = configs(o, bins).into_iter().filter(|c| o.wants(&c.label())).collect();
-    anyhow::ensure!(!configs.is_empty(), "--only {:?}: no quality configuration is named so", o.only);
+    anyhow::ensure!(
+        workloads.is_empty() || !configs.is_empty(),
+        "--only {:?}: no quality configuration is named so",
+        o.only
+    );
     let mut results = Vec::new();
     let mut failures = Vec::new();
     for w in &workloads {
@@ -255,6 +271,7 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
             }
         }
     }
+    let trace = if with_trace { Some(trace::run(o, bins, &mut results, &mut failures)?) } else { None };
     let summaries = summarise(&results);
     let ratios = ratios(&summaries);
     let doc = json!({
@@ -265,6 +282,7 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
             "kvmesh_envoy_threads": 1,
             "rounds": o.rounds,
             "workloads": workloads.iter().map(|w| json!({"name": w.name, "what": w.what, "kv_capacity_tokens": w.kv_capacity_tokens})).collect::<Vec<_>>(),
+            "trace": trace,
         },
         "results": results,
         "summaries": summaries,
@@ -340,6 +358,8 @@ fn summarise(results: &[Value]) -> Vec<Value> {
                 "prediction_accuracy": mean("prediction_accuracy"),
                 "placed_without_match": mean("placed_without_match"),
                 "workers_per_session": mean("workers_per_session"),
+                "lateness_p50_ms": mean("lateness_p50_ms"),
+                "lateness_p99_ms": mean("lateness_p99_ms"),
                 "errors": values("errors").iter().sum::<f64>(),
             }))
         })
@@ -374,10 +394,14 @@ fn ratios(results: &[Value]) -> Vec<Value> {
 
 fn markdown(doc: &Value, workloads: &[Workload]) -> String {
     let p = &doc["params"];
-    let mut md = format!(
-        "## Quality ({} requests per workload, seed {}, {} concurrent streams, 4 workers with the real-time latency model)\n\n",
-        p["requests_per_workload"], p["seed"], p["concurrency"]
-    );
+    let mut md = if workloads.is_empty() {
+        "## Quality (4 workers with the real-time latency model)\n\n".to_string()
+    } else {
+        format!(
+            "## Quality ({} requests per workload, seed {}, {} concurrent streams, 4 workers with the real-time latency model)\n\n",
+            p["requests_per_workload"], p["seed"], p["concurrency"]
+        )
+    };
     let rows_of = doc["summaries"].as_array().cloned().unwrap_or_default();
     let rounds = p["rounds"].as_u64().unwrap_or(1);
     if rounds > 1 {
@@ -432,6 +456,9 @@ fn markdown(doc: &Value, workloads: &[Workload]) -> String {
         ]);
         md.push_str(&table(&header, &rows));
         md.push('\n');
+    }
+    if !p["trace"].is_null() {
+        md.push_str(&trace::markdown(doc));
     }
     md.push_str("### kvmesh − peer, same workload, policy and replica count\n\n");
     let rows: Vec<Vec<String>> = doc["ratios"]

@@ -39,7 +39,7 @@ const WORDS: &[&str] = &[
 ];
 
 /// About `bytes` bytes of words.
-fn text(rng: &mut Rng, bytes: usize) -> String {
+pub fn text(rng: &mut Rng, bytes: usize) -> String {
     let mut s = String::with_capacity(bytes + 16);
     while s.len() < bytes {
         s.push_str(WORDS[rng.below(WORDS.len())]);
