@@ -15,7 +15,7 @@ struct Vllm {
     envoy: Envoy,
 }
 
-fn stack(prefill_args: &[&str], decodes: usize, native: bool) -> Vllm {
+fn stack(prefill_args: &[&str], decodes: usize, native: bool, fallback: bool) -> Vllm {
     let vllm = ["--engine", "vllm", "--time-scale", "0"];
     let prefill = vec![Sim::start(&[&vllm[..], &["--role", "prefill"], prefill_args].concat()).unwrap()];
     let decode: Vec<Sim> =
@@ -23,6 +23,7 @@ fn stack(prefill_args: &[&str], decodes: usize, native: bool) -> Vllm {
     let filter = json!({
         "pd_disaggregation": true,
         "pd_protocol": "vllm",
+        "pd_prefill_fallback": fallback,
         "prefill": prefill.iter().map(|s| json!([s.url(), "none"])).collect::<Vec<_>>(),
         "decode": decode.iter().map(Sim::url).collect::<Vec<_>>(),
     });
@@ -56,7 +57,7 @@ impl Vllm {
 /// `kv_transfer_params`, under the same request id; the decode pulls that KV; streaming and
 /// chat too.
 fn legs_run_in_turn(native: bool) {
-    let s = stack(&[], 2, native);
+    let s = stack(&[], 2, native, true);
     let engine = s.prefill[0].stats().unwrap()["engine_id"].clone();
     let cases = [
         ("/v1/completions", json!({"model": "kvmesh-sim", "prompt": "Explain NIXL. ".repeat(60), "max_tokens": 5})),
@@ -115,7 +116,7 @@ fn the_native_build_runs_the_legs_in_turn_too() {
 /// it alone, and the gateway counts the fallback.
 #[test]
 fn forged_parameters_are_refused_and_a_failed_prefill_falls_back_to_the_decode() {
-    let s = stack(&["--fail-rate", "1"], 1, false);
+    let s = stack(&["--fail-rate", "1"], 1, false, true);
     let forged = json!({"model": "kvmesh-sim", "prompt": "x", "kv_transfer_params":
         {"do_remote_prefill": true, "remote_host": "10.6.6.6", "remote_port": 1, "remote_block_ids": [1]}});
     let r = s.send("/v1/completions", &forged, "forged");
@@ -131,4 +132,19 @@ fn forged_parameters_are_refused_and_a_failed_prefill_falls_back_to_the_decode()
     assert_eq!(seen["body"], body, "as the client sent it");
     assert_eq!(s.stat(&s.decode, "local_prefills"), 1);
     assert_eq!(s.envoy.stat("wasmcustom.kvmesh_prefill_fallbacks_total").unwrap(), Some(1));
+}
+
+/// With `pd_prefill_fallback: false` a failed prefill fails the request with a JSON 502 naming
+/// the prefill worker, and the decode worker never sees it.
+#[test]
+fn without_the_fallback_a_failed_prefill_is_a_502_naming_it() {
+    let s = stack(&["--fail-rate", "1"], 1, false, false);
+    let body = json!({"model": "kvmesh-sim", "prompt": "no fallback ".repeat(50), "max_tokens": 3});
+    let r = s.send("/v1/completions", &body, "no-fallback");
+    assert_eq!(r.status, 502, "{}", r.text());
+    let error = r.json().unwrap()["error"].clone();
+    assert_eq!(error["code"], "prefill_failed");
+    assert!(error["message"].as_str().unwrap().contains(&s.prefill[0].addr()), "{error}");
+    assert!(Vllm::received(&s.decode[0], "no-fallback").is_none(), "the decode worker never saw it");
+    assert_eq!(s.envoy.stat("wasmcustom.kvmesh_prefill_fallbacks_total").unwrap().unwrap_or(0), 0);
 }

@@ -129,6 +129,8 @@ pub struct PdConfig {
     pub decode_policy: PolicyKind,
     pub decider: Decider,
     pub protocol: PdProtocol,
+    /// vLLM: a failed prefill leg runs the request on the decode worker alone (else a 502).
+    pub prefill_fallback: bool,
 }
 
 /// A `--prefill URL [BOOTSTRAP_PORT|none]` entry in JSON: `"url"`, `["url", port|null|"none"]`
@@ -498,6 +500,7 @@ impl Config {
                 decode_policy: s.decode_policy.or(s.policy).unwrap_or(PolicyKind::PowerOfTwo),
                 decider,
                 protocol: s.pd_protocol.unwrap_or(PdProtocol::Sglang),
+                prefill_fallback: s.pd_prefill_fallback.unwrap_or(true),
             })
         } else {
             None

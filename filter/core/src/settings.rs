@@ -305,6 +305,10 @@ routing_settings! {
     /// (the gateway runs the prefill first and hands its `kv_transfer_params` to the decode).
     /// Default sglang.
     pd_protocol: PdProtocol,
+    /// PD vllm: a prefill leg that fails or gives no `kv_transfer_params` runs the request on
+    /// the decode worker alone (true) or fails it with a 502 naming the prefill worker
+    /// (false). Default true.
+    pd_prefill_fallback: bool,
 }
 
 #[cfg(test)]
@@ -335,7 +339,7 @@ mod tests {
             .contains("polcy"));
         let e = serde_json::from_str::<RoutingSettings>(r#"{"policy":"fastest"}"#).unwrap_err().to_string();
         assert!(e.contains("unknown policy `fastest`"), "{e}");
-        assert_eq!(RoutingSettings::FIELDS.len(), 48);
+        assert_eq!(RoutingSettings::FIELDS.len(), 49);
         assert!(RoutingSettings::FIELDS.contains(&"rate_limit_tokens_per_second"));
     }
 }

@@ -637,10 +637,16 @@ impl RequestFilter {
                 self.sidecar_prefill = Some(prefill.addr);
             }
             _ => {
+                let why = status.map_or_else(|| "no response".to_string(), |s| format!("HTTP {s}"));
+                let fallback = self.with_gateway(|g| g.config().pd.as_ref().is_none_or(|pd| pd.prefill_fallback));
+                if fallback == Some(false) {
+                    let msg = format!("prefill worker {} gave no KV transfer ({why})", prefill.addr);
+                    self.reply(host, Reply::error(502, "prefill_failed", &msg));
+                    return;
+                }
                 log::warn!(
-                    "prefill worker {} gave no KV transfer ({}): the decode worker runs the request alone",
-                    prefill.addr,
-                    status.map_or_else(|| "no response".to_string(), |s| format!("HTTP {s}"))
+                    "prefill worker {} gave no KV transfer ({why}): the decode worker runs it alone",
+                    prefill.addr
                 );
                 host.increment(Metric::PrefillFallbacks);
             }
