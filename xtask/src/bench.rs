@@ -14,6 +14,7 @@ mod instructions;
 mod overhead;
 mod quality;
 mod report;
+mod routers;
 mod scale;
 mod stack;
 mod trace;

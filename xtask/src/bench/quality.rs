@@ -9,7 +9,8 @@ use kvmesh_testkit::{http, Sim};
 use serde_json::{json, Value};
 
 use super::report::{f, table};
-use super::stack::{self, Peer, PeerBins, Running, Workers};
+use super::routers::{delta, start, stats, Config};
+use super::stack::{PeerBins, Running, Workers};
 use super::trace;
 use super::workload::{self, Workload};
 use super::Opts;
@@ -19,27 +20,6 @@ use crate::tools::step;
 /// The seed of every workload.
 const SEED: u64 = 20_251_122;
 const CONCURRENCY: usize = 16;
-
-#[derive(Clone, Debug)]
-pub(super) struct Config {
-    pub router: &'static str,
-    pub replicas: usize,
-    pub mesh: bool,
-    pub policy: &'static str,
-}
-
-impl Config {
-    pub fn label(&self) -> String {
-        let (what, unit) = match self.router {
-            "kvmesh" => ("kvmesh", "gateway"),
-            "smg" => ("SMG 1.13.0", "replica"),
-            _ => ("sglang-router 0.3.2", "replica"),
-        };
-        let mesh = if self.mesh { " +mesh" } else { "" };
-        let s = if self.replicas > 1 { "s" } else { "" };
-        format!("{what} ×{} {unit}{s}{mesh} ({})", self.replicas, self.policy)
-    }
-}
 
 /// Policies only kvmesh has (the peers as installed have no such `--policy`).
 const KVMESH_ONLY: [&str; 3] = ["prefix_hash", "marginal_utility", "consistent_hashing"];
@@ -77,23 +57,6 @@ fn configs(o: &Opts, bins: &PeerBins) -> Vec<Config> {
         }
     }
     out
-}
-
-pub(super) fn start(bins: &PeerBins, c: &Config, workers: &Workers) -> anyhow::Result<Running> {
-    match c.router {
-        // One Envoy worker thread per gateway: eight gateways share two cores.
-        "kvmesh" => stack::kvmesh(workers, 1, c.replicas, c.policy, true),
-        "smg" => stack::peer(bins, Peer::Smg, workers, c.replicas, c.mesh, c.policy),
-        _ => stack::peer(bins, Peer::SglangRouter, workers, c.replicas, false, c.policy),
-    }
-}
-
-pub(super) fn stats(sims: &[Sim]) -> Vec<Value> {
-    sims.iter().map(|s| s.stats().unwrap_or(Value::Null)).collect()
-}
-
-pub(super) fn delta(after: &[Value], before: &[Value], key: &str) -> Vec<f64> {
-    after.iter().zip(before).map(|(a, b)| a[key].as_f64().unwrap_or(0.0) - b[key].as_f64().unwrap_or(0.0)).collect()
 }
 
 /// A filter counter summed over the kvmesh gateways (0 for the peers, which have no admin).

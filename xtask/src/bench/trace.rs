@@ -17,8 +17,8 @@ use anyhow::{bail, Context};
 use kvmesh_testkit::{http, repo_root, Sim};
 use serde_json::{json, Value};
 
-use super::quality::{delta, start, stats, Config};
 use super::report::{f, table};
+use super::routers::{delta, start, stats, Config};
 use super::stack::{PeerBins, Workers};
 use super::workload::{text, Rng};
 use super::Opts;
