@@ -85,8 +85,15 @@ fn kubectl() -> PathBuf {
 }
 
 /// The folders users install with `kubectl kustomize DIR | kubectl apply -f -`.
-const KUSTOMIZATIONS: [&str; 5] =
-    ["overlays/regular", "overlays/pd", "istio-1.27", "examples/sidecar", "examples/wasmplugin"];
+const KUSTOMIZATIONS: [&str; 7] = [
+    "overlays/regular",
+    "overlays/pd",
+    "overlays/pd-vllm",
+    "overlays/pd-llm-d",
+    "istio-1.27",
+    "examples/sidecar",
+    "examples/wasmplugin",
+];
 
 fn render(kubectl: &Path, dir: &str) -> Vec<Value> {
     let out = Command::new(kubectl).arg("kustomize").arg(istio_dir().join(dir)).output().unwrap();
@@ -307,6 +314,26 @@ fn labels(obj: &Value) -> BTreeMap<String, String> {
     serde_json::from_value(obj["spec"]["template"]["metadata"]["labels"].clone()).unwrap_or_default()
 }
 
+/// The PD role kvmesh-cp's discovery gives a pod with `labels` (control-plane/src/discovery.rs:
+/// the prefill selector, then the decode selector, then the role label; `both` is a decode).
+fn discovered_role(cfg: &Value, labels: &BTreeMap<String, String>) -> Option<&'static str> {
+    let matches = |key: &str| {
+        let s = selector(cfg, key);
+        !s.is_empty() && s.iter().all(|(k, v)| labels.get(k) == Some(v))
+    };
+    if matches("prefill-selector") {
+        return Some("prefill");
+    }
+    if matches("decode-selector") {
+        return Some("decode");
+    }
+    match labels.get(cfg["role-label"].as_str().unwrap_or("llm-d.ai/role")).map(String::as_str) {
+        Some("prefill") => Some("prefill"),
+        Some("decode" | "both") => Some("decode"),
+        _ => None,
+    }
+}
+
 /// `k=v` selectors of the control plane's configuration.
 fn selector(cfg: &Value, key: &str) -> Vec<(String, String)> {
     cfg[key]
@@ -317,7 +344,9 @@ fn selector(cfg: &Value, key: &str) -> Vec<(String, String)> {
 
 #[test]
 fn the_names_that_tie_the_install_together_agree() {
-    for (dir, worker_deployments) in [("overlays/regular", 1), ("overlays/pd", 2)] {
+    for (dir, worker_deployments) in
+        [("overlays/regular", 1), ("overlays/pd", 2), ("overlays/pd-vllm", 2), ("overlays/pd-llm-d", 2)]
+    {
         let objs = install(dir);
         // The Services behind the clusters the filter names.
         let workers = find(&objs, "Service", "sglang-workers");
@@ -386,9 +415,38 @@ fn the_names_that_tie_the_install_together_agree() {
             let port = &d["spec"]["template"]["spec"]["containers"][0]["ports"][0];
             assert_eq!(port["containerPort"], 8000, "{dir}: {}", name(d));
         }
+        // The filter's plugin JSON is one the filter accepts.
+        let plugin = serde_json::to_vec(&filter).unwrap();
+        if let Err(e) = kvmesh_core::Config::from_json(&plugin) {
+            panic!("{dir}: the filter would refuse its configuration: {e}");
+        }
+        if dir.starts_with("overlays/pd") {
+            // Both agree on PD mode and its protocol (the filter's value counts until the
+            // first snapshot), and discovery gives each example Deployment the role its name says.
+            assert_eq!(cfg["pd-disaggregation"], true, "{dir}");
+            assert_eq!(filter["pd_disaggregation"], true, "{dir}");
+            let protocol = cfg["pd-protocol"].as_str().unwrap_or("sglang");
+            assert_eq!(filter["pd_protocol"].as_str().unwrap_or("sglang"), protocol, "{dir}");
+            let want = match dir {
+                "overlays/pd-vllm" => "vllm",
+                "overlays/pd-llm-d" => "llm-d",
+                _ => "sglang",
+            };
+            assert_eq!(protocol, want, "{dir}");
+            for d in &deployments {
+                let role = discovered_role(&cfg, &labels(d));
+                let n = d["metadata"]["name"].as_str().unwrap();
+                let expected = if n.ends_with("-prefill") { "prefill" } else { "decode" };
+                assert_eq!(role, Some(expected), "{dir}: discovery would not make {n} a {expected} worker");
+                if protocol != "sglang" {
+                    // vLLM's KV transfer is configured on every vLLM container.
+                    let containers = d["spec"]["template"]["spec"]["containers"].as_array().unwrap();
+                    let vllm = containers.iter().find(|c| c["name"] == "vllm").expect("a vllm container");
+                    assert!(vllm["args"].to_string().contains("--kv-transfer-config="), "{dir}: {n}");
+                }
+            }
+        }
         if dir == "overlays/pd" {
-            assert_eq!(cfg["pd-disaggregation"], true);
-            assert_eq!(filter["pd_disaggregation"], true);
             let role_label = cfg["role-label"].as_str().unwrap();
             let annotation = cfg["bootstrap-port-annotation"].as_str().unwrap();
             let prefill = find(&objs, "Deployment", "sglang-prefill");
