@@ -148,6 +148,9 @@ fn a_restarted_control_plane_keeps_discovered_workers_ids_and_their_prefixes() {
     let prefix = "a conversation with a long shared history ".repeat(12);
     let ask = |tail: &str| served(&generate(&envoy, &format!("{prefix}{tail}")));
     let home = ask("before");
+    let home_url = Some(format!("http://{home}"));
+    wait_until("the control plane to learn the prefix", Duration::from_secs(10), || cp.holder(&prefix) == home_url)
+        .unwrap();
 
     cp.restart().unwrap();
     wait_until(
@@ -156,6 +159,9 @@ fn a_restarted_control_plane_keeps_discovered_workers_ids_and_their_prefixes() {
         || ids(&cp) == before,
     )
     .unwrap_or_else(|e| panic!("{e}: {:?} (before: {before:?})", ids(&cp)));
+    // The gateway reconnects and re-reports its index under the ids of the table it got.
+    wait_until("the gateway to re-report the prefix", Duration::from_secs(20), || cp.holder(&prefix) == home_url)
+        .unwrap();
     sync(&cp, &envoy);
     // Found in the gateway's index under the same worker id: a cache hit at the same worker
     // (a fresh placement would choose between the two by the prefix's hash alone).
