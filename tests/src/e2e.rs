@@ -187,6 +187,12 @@ impl Envoy {
             .unwrap();
     }
 
+    /// Requests in flight through this Envoy (`kvmesh_in_flight`, all VMs); None while its
+    /// admin endpoint does not answer.
+    pub fn in_flight(&self) -> Option<u64> {
+        self.stat("wasmcustom.kvmesh_in_flight").ok().flatten()
+    }
+
     /// Waits until `n` requests wait in the filter's admission queue (`kvmesh_queued`, all
     /// VMs).
     pub fn wait_for_queued(&self, n: u64) {
@@ -194,6 +200,15 @@ impl Envoy {
             self.stat("wasmcustom.kvmesh_queued").ok().flatten() == Some(n)
         })
         .unwrap();
+    }
+
+    /// The `ip:port`s of the workers' cluster that Envoy lists healthy (`/clusters`).
+    pub fn healthy_endpoints(&self) -> Vec<String> {
+        let text = http::get(&self.admin_url("/clusters")).map(|r| r.text()).unwrap_or_default();
+        text.lines()
+            .filter_map(|l| l.strip_prefix("kvmesh_workers::")?.strip_suffix("::health_flags::healthy"))
+            .map(String::from)
+            .collect()
     }
 
     /// Filter cache hits so far.

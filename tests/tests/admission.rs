@@ -31,10 +31,7 @@ fn body(text: &str, tokens: u32) -> Value {
 /// Starts a long request and returns once it holds the only token.
 fn hold_the_token(envoy: &Envoy, url: &str, tokens: u32) -> JoinHandle<(Response, Instant)> {
     let long = post_in_thread(url, body("the long one", tokens));
-    wait_until("the long request in flight", Duration::from_secs(10), || {
-        envoy.stat("wasmcustom.kvmesh_in_flight").ok().flatten() == Some(1)
-    })
-    .unwrap();
+    wait_until("the long request in flight", Duration::from_secs(10), || envoy.in_flight() == Some(1)).unwrap();
     long
 }
 
@@ -62,7 +59,7 @@ fn past_the_limit_a_request_waits_in_the_queue_and_past_the_queue_a_429() {
     assert!(full.1 < served.1 && full.1 < long_done, "the 429 came after a token was back");
     let r = http::post_json(&url, &body("room again", 1)).unwrap();
     assert_eq!(r.status, 200, "tokens come back: {}", r.text());
-    assert_eq!(envoy.stat("wasmcustom.kvmesh_queued").unwrap(), Some(0));
+    assert_eq!(envoy.filter_stat("kvmesh_queued"), 0);
     assert_eq!(sim.stats().unwrap()["requests"], 3, "the refused request never reached the worker");
 }
 

@@ -76,9 +76,8 @@ fn routing_settings_from_the_control_plane_config_file_win_in_the_filter() {
 /// milliseconds) list `addr` healthy: before that, override_host passes over it to the next
 /// listed worker.
 fn wait_for_endpoint(envoy: &Envoy, addr: &str) {
-    let healthy = format!("kvmesh_workers::{addr}::health_flags::healthy");
     wait_until("Envoy's cluster to list the added worker healthy", Duration::from_secs(10), || {
-        http::get(&envoy.admin_url("/clusters")).is_ok_and(|r| r.text().lines().any(|l| l == healthy))
+        envoy.healthy_endpoints().iter().any(|e| e == addr)
     })
     .unwrap();
 }

@@ -10,16 +10,6 @@ use kvmesh_testkit::e2e::{control_plane, sims, sync, HANG};
 use kvmesh_testkit::{http, wait_until, ControlPlane, Envoy, EnvoyOptions, Sim};
 use serde_json::{json, Value};
 
-/// The `ip:port`s of the workers' cluster that Envoy considers usable (from `/clusters`).
-fn usable_endpoints(envoy: &Envoy) -> Vec<String> {
-    let text = http::get(&envoy.admin_url("/clusters")).map(|r| r.text()).unwrap_or_default();
-    text.lines()
-        .filter_map(|l| l.strip_prefix("kvmesh_workers::"))
-        .filter_map(|l| l.strip_suffix("::health_flags::healthy"))
-        .map(String::from)
-        .collect()
-}
-
 /// Four sims, kvmesh-cp with fast health checks, an Envoy with `threads` worker threads on
 /// kvmesh-cp; returns once Envoy's cluster and the filter both know every worker.
 fn stack(sim_args: &[&str], cp_args: &[&str], threads: u32) -> (Vec<Sim>, ControlPlane, Envoy) {
@@ -32,7 +22,7 @@ fn stack(sim_args: &[&str], cp_args: &[&str], threads: u32) -> (Vec<Sim>, Contro
     opts.concurrency = threads;
     let envoy = Envoy::start(&opts).unwrap();
     wait_until("Envoy's cluster to list the four workers", Duration::from_secs(20), || {
-        usable_endpoints(&envoy).len() == 4
+        envoy.healthy_endpoints().len() == 4
     })
     .unwrap();
     (sims, cp, envoy)
@@ -142,7 +132,7 @@ fn a_worker_killed_under_load_loses_no_request() {
     let before: Vec<Duration> =
         samples.iter().filter(|s| s.started + s.latency < killed_at).map(|s| s.latency).collect();
     let retries = envoy.stat("cluster.kvmesh_workers.upstream_rq_retry").unwrap().unwrap_or(0);
-    let failovers = envoy.stat("wasmcustom.kvmesh_failovers_total").unwrap().unwrap_or(0);
+    let failovers = envoy.filter_stat("kvmesh_failovers_total");
     eprintln!(
         "kill test: sent {} lost {} envoy retries {retries} filter-seen failovers {failovers}; p99 before {:?}, \
          p99 of requests in flight or started within 3 s of the kill {:?} (n={}); stream on the victim ended {:?} after the kill",
@@ -251,7 +241,7 @@ fn overloaded_workers_are_passed_over_then_the_gateway_sheds() {
     let mut opts = EnvoyOptions::new(json!({"worker_urls": urls})).unwrap();
     opts.use_control_plane(&cp);
     let envoy = Envoy::start(&opts).unwrap();
-    wait_until("Envoy's cluster to list the workers", Duration::from_secs(20), || usable_endpoints(&envoy).len() == 2)
+    wait_until("Envoy's cluster to list the workers", Duration::from_secs(20), || envoy.healthy_endpoints().len() == 2)
         .unwrap();
     // Fill the first worker's queue directly (not through the gateway).
     let long = json!({"text": "long", "sampling_params": {"max_new_tokens": 400}});
@@ -345,7 +335,7 @@ fn the_control_plane_killed_and_restarted_under_load_loses_no_request() {
     let failed = failed.lock().unwrap();
     eprintln!("control plane restart: {} requests, {} failed", done.load(Ordering::SeqCst), failed.len());
     assert!(failed.is_empty(), "{} failed, e.g. {}", failed.len(), failed[0]);
-    assert_eq!(usable_endpoints(&envoy).len(), 4, "Envoy kept (and got back) the workers");
+    assert_eq!(envoy.healthy_endpoints().len(), 4, "Envoy kept (and got back) the workers");
 }
 
 /// The workers' cluster's `max_requests` caps what one Envoy sends at once
@@ -363,10 +353,7 @@ fn past_the_concurrency_limit_requests_get_a_json_429() {
             http::post_json(&url, &json!({"text": "long", "sampling_params": {"max_new_tokens": 200}})).unwrap().status
         })
     };
-    wait_until("the long request in flight", Duration::from_secs(10), || {
-        envoy.stat("wasmcustom.kvmesh_in_flight").ok().flatten() == Some(1)
-    })
-    .unwrap();
+    wait_until("the long request in flight", Duration::from_secs(10), || envoy.in_flight() == Some(1)).unwrap();
     let r = http::post_json(&url, &json!({"text": "one too many", "sampling_params": {"max_new_tokens": 1}})).unwrap();
     assert_eq!(r.status, 429, "{}", r.text());
     assert_eq!(r.header("retry-after"), Some("1"));
@@ -436,7 +423,7 @@ fn an_envoy_configuration_reload_under_load_loses_no_request() {
     wait_until("the old Envoy to drain and exit", Duration::from_secs(30), || old.proc().exited().is_some()).unwrap();
     assert!(new.proc().exited().is_none(), "the new Envoy runs: {}", new.proc().log_tail());
     wait_until("the new Envoy's cluster to list the added worker", Duration::from_secs(30), || {
-        usable_endpoints(&new).contains(&sims[3].addr())
+        new.healthy_endpoints().contains(&sims[3].addr())
     })
     .unwrap();
     wait_until("the added worker to serve through the new Envoy", Duration::from_secs(30), || {

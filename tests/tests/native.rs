@@ -50,9 +50,8 @@ fn kvmesh_native_routes_shared_prefixes_to_one_worker_and_spreads_the_rest() {
     assert_eq!(spread.len(), 3, "distinct prefixes go to the three other workers: {spread:?}");
     assert!(spread.is_disjoint(&sticky));
     // The filter's stats, under the dynamic modules' namespace: 14 routed, 7 of them hits.
-    let stat = |name: &str| envoy.stat(&format!("wasmcustom.{name}")).unwrap();
-    assert_eq!(stat("kvmesh_requests_total"), Some(14));
-    assert_eq!(stat("kvmesh_cache_hits_total"), Some(7));
+    assert_eq!(envoy.filter_stat("kvmesh_requests_total"), 14);
+    assert_eq!(envoy.cache_hits(), 7);
 }
 
 /// Bad requests get the same answers from the native build as from the `.wasm` (status,

@@ -391,11 +391,9 @@ fn a_failed_decode_leg_ends_the_request_without_waiting_for_the_prefill() {
     assert_eq!(r.status, 502, "{}", r.text());
     assert!(r.text().contains(&dead), "names the decode worker: {}", r.text());
     assert!(started.elapsed() < HANG, "waited {:?} for the prefill", started.elapsed());
-    let in_flight = envoy.stat("wasmcustom.kvmesh_in_flight").unwrap();
-    wait_until("both legs off the in-flight table", Duration::from_secs(5), || {
-        envoy.stat("wasmcustom.kvmesh_in_flight").ok().flatten() == Some(0)
-    })
-    .unwrap_or_else(|e| panic!("{e}: {in_flight:?}"));
+    let in_flight = envoy.in_flight();
+    wait_until("both legs off the in-flight table", Duration::from_secs(5), || envoy.in_flight() == Some(0))
+        .unwrap_or_else(|e| panic!("{e}: {in_flight:?}"));
 }
 
 /// A prefill worker killed while its legs are in flight: those requests fail fast with a JSON

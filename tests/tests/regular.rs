@@ -54,7 +54,6 @@ fn shared_prefixes_stick_and_distinct_prefixes_spread() {
 #[test]
 fn chat_messages_route_by_their_shared_system_prompt() {
     let (sims, envoy) = stack(3, FAST, json!({}));
-    let hits = || envoy.stat("wasmcustom.kvmesh_cache_hits_total").unwrap().unwrap_or(0);
     let cached = |addr: &str| {
         let sim = sims.iter().find(|s| s.addr() == addr).unwrap();
         sim.stats().unwrap()["cached_tokens"].as_u64().unwrap()
@@ -64,13 +63,13 @@ fn chat_messages_route_by_their_shared_system_prompt() {
     // so the two views agree only if the gateway read the messages right.
     let chat = |system: &str, question: &str| {
         let before: Vec<u64> = sims.iter().map(|s| cached(&s.addr())).collect();
-        let hits_before = hits();
+        let hits_before = envoy.cache_hits();
         let body = json!({"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]});
         let r = http::post_json(&envoy.url("/v1/chat/completions"), &body).unwrap();
         assert_eq!(r.json().unwrap()["object"], "chat.completion");
         let worker = served(&r);
         let pos = sims.iter().position(|s| s.addr() == worker).unwrap();
-        (worker.clone(), hits() > hits_before, cached(&worker) - before[pos])
+        (worker.clone(), envoy.cache_hits() > hits_before, cached(&worker) - before[pos])
     };
 
     let system = "You translate English to French, formally and precisely. ".repeat(30);
@@ -307,8 +306,8 @@ fn filter_stats_are_exported() {
         served(&http::post_json(&envoy.url("/generate"), &json!({"text": text})).unwrap());
     }
     // Every routed request counts; every repeat of the prefix is a cache hit.
-    assert_eq!(envoy.stat("wasmcustom.kvmesh_requests_total").unwrap(), Some(N));
-    assert_eq!(envoy.stat("wasmcustom.kvmesh_cache_hits_total").unwrap(), Some(N - 1));
+    assert_eq!(envoy.filter_stat("kvmesh_requests_total"), N);
+    assert_eq!(envoy.cache_hits(), N - 1);
     // One decision-time sample per request (Envoy publishes histograms on its stats flush,
     // every 5 s by default).
     let prom = || http::get(&envoy.admin_url("/stats/prometheus")).unwrap().text();
@@ -340,7 +339,7 @@ fn a_dead_worker_is_failed_over_or_gives_a_json_502_naming_it() {
         assert_eq!(r.status, 200, "{}", r.text());
         assert_eq!(served(&r), live.addr());
     }
-    assert_eq!(envoy.stat("wasmcustom.kvmesh_failovers_total").unwrap(), Some(2));
+    assert_eq!(envoy.filter_stat("kvmesh_failovers_total"), 2);
     // Without retries, those requests fail: a JSON 502 naming the worker.
     let envoy = start(json!({"disable_retries": true}));
     let mut failed = 0;
