@@ -75,7 +75,11 @@ fn shares(envoy: &Envoy, clients: usize, n: usize, tokens: u32) -> HashMap<Strin
 fn marginal_utility_moves_new_traffic_off_a_slow_worker_and_back_when_it_recovers() {
     // Real time: a request decodes 8 tokens in about 70 ms.
     let workers = sims(3, &["--time-scale", "1"]);
-    let (cp, envoy) = stack(&workers, &["--policy", "marginal_utility", "--load-poll-interval-ms", "200"]);
+    // Loads polled once an hour: the load term is the gateway's own in-flight count, weighted
+    // double to spread six clients as the polled loads did (which would show whichever worker
+    // served last as busy, and one client's requests would alternate between it and the next).
+    let flags = ["--policy", "marginal_utility", "--load-poll-interval-ms", "3600000", "--utility-load-weight", "2"];
+    let (cp, envoy) = stack(&workers, &flags);
     let slow = workers[0].addr();
     let fault = |f: f64| {
         let r = http::post(&format!("{}/sim/fault?slowdown={f}", workers[0].url()), b"", &[]).unwrap();
@@ -104,14 +108,22 @@ fn marginal_utility_moves_new_traffic_off_a_slow_worker_and_back_when_it_recover
     let before = shares(&envoy, 6, 90, 8);
     assert!(count(&before) > 15, "balanced before: {before:?}");
 
-    // Eight times slower: its trend sinks its score and new requests leave it.
+    // Eight times slower: its latency trend sinks its score. New requests (six clients) until
+    // kvmesh-cp scores it lowest, and the gateway has that score.
     fault(8.0);
-    shares(&envoy, 6, 30, 8); // the requests already on it finish
-                              // One client at a time, so that no request is in flight when the next is routed: the
-                              // load term (fewest outstanding, marginal_utility's fallback without trends) sees equal
-                              // loads and cannot tell the slow worker apart; only its trend can. Round robin would send
-                              // it 30 of these 90, random routing 13 or fewer with probability
-                              // P(Binomial(90, 1/3) <= 13) = 4.2e-5.
+    let utility = |w: &Sim| cp.worker(&w.url())["utility"].as_f64().unwrap_or(0.0);
+    wait_until("kvmesh-cp to score the slow worker lowest", Duration::from_secs(30), || {
+        shares(&envoy, 6, 6, 8);
+        let (u, others) = (utility(&workers[0]), [utility(&workers[1]), utility(&workers[2])]);
+        u < 0.0 && others.iter().all(|&o| u < o)
+    })
+    .unwrap();
+    sync(&cp, &envoy);
+    // Then one client at a time, so that no request is in flight when the next is routed:
+    // the load term (fewest outstanding, marginal_utility's fallback without trends) sees
+    // equal loads and cannot tell the slow worker apart; only its score can. Round robin would
+    // send it 30 of these 90, random routing 13 or fewer with probability
+    // P(Binomial(90, 1/3) <= 13) = 4.2e-5.
     let during = shares(&envoy, 1, 90, 8);
     assert!(count(&during) <= 13, "the slow worker {slow} still gets {during:?}");
 
