@@ -388,8 +388,10 @@ async fn sidecar(
 /// computation and, for a PD prefill, the KV it would publish). Streams already answering are
 /// not stopped.
 async fn abort_request(State(e): Shared, body: Bytes) -> Response {
-    let rid = serde_json::from_slice::<Value>(&body).ok().and_then(|v| v["rid"].as_str().map(String::from));
+    let recorded = serde_json::from_slice::<Value>(&body).unwrap_or(Value::Null);
+    let rid = recorded["rid"].as_str().map(String::from);
     e.counters.abort_requests.fetch_add(1, Relaxed);
+    e.record(json!({"path": "/abort_request", "x_request_id": null, "body": recorded}));
     let Some(rid) = rid else { return error(StatusCode::BAD_REQUEST, "`rid` (a string) is required") };
     Json(json!({"rid": rid, "aborted": e.abort(&rid)})).into_response()
 }
@@ -590,7 +592,8 @@ fn chunk(ctx: &Ctx, object: &str, index: usize, mut choice: Value, finish: Optio
     json!({"id": ctx.id, "object": object, "created": created(), "model": ctx.target.name, "choices": [choice]})
 }
 
-/// The last requests this worker received, oldest first (`/sim/requests`).
+/// The last requests this worker received (generations and `/abort_request`s), oldest first
+/// (`/sim/requests`).
 async fn recent(State(e): Shared) -> Json<Value> {
     Json(Value::Array(e.recent.lock().map(|r| r.iter().cloned().collect()).unwrap_or_default()))
 }

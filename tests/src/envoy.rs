@@ -90,9 +90,7 @@ impl EnvoyOptions {
 /// conformance run of the native host. Tests of what only a Wasm VM has (a trapping `.wasm`,
 /// the lease moving between VMs, Istio's manifests) fail under it by design.
 pub fn native_conformance() -> Option<PathBuf> {
-    std::env::var_os("KVMESH_TEST_NATIVE")
-        .filter(|v| !v.is_empty() && v != "0")
-        .map(|_| repo_root().join("target/release/libkvmesh_native.so"))
+    std::env::var_os("KVMESH_TEST_NATIVE").filter(|v| !v.is_empty() && v != "0").map(|_| crate::e2e::native_module())
 }
 
 fn at<'a>(v: &'a mut Yaml, path: &[&str]) -> anyhow::Result<&'a mut Yaml> {

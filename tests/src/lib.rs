@@ -5,6 +5,7 @@
 //! Binaries are found through `KVMESH_SIM_BIN`, `KVMESH_WASM` and `ENVOY_BIN`, else at their
 //! build locations under `target/` and `.venv/` (`cargo xtask test` builds them first).
 
+pub mod e2e;
 pub mod envoy;
 pub mod http;
 pub mod kube_fake;
@@ -228,6 +229,8 @@ pub fn envoy_bin() -> PathBuf {
 pub struct Sim {
     pub host: String,
     pub port: u16,
+    /// A prefill worker's bootstrap port, when [`Sim::prefill`] chose it.
+    pub bootstrap_port: Option<u16>,
     proc: Proc,
 }
 
@@ -247,7 +250,7 @@ impl Sim {
         let mut cmd = std::process::Command::new(sim_bin());
         cmd.args(["--host", host, "--port", &port.to_string()]).args(args);
         let proc = Proc::spawn(&format!("sim-{host}-{port}"), cmd)?;
-        let sim = Sim { host: host.to_string(), port, proc };
+        let sim = Sim { host: host.to_string(), port, bootstrap_port: None, proc };
         let url = format!("{}/health", sim.url());
         wait_until(&format!("kvmesh-sim on port {port}"), std::time::Duration::from_secs(10), || {
             http::get(&url).map(|r| r.status == 200).unwrap_or(false)

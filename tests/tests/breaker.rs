@@ -11,12 +11,12 @@
 
 use std::time::{Duration, Instant};
 
+use kvmesh_testkit::e2e::{control_plane, gateway, generate, sims, worker_of, FAST};
 use kvmesh_testkit::http::{self, Response};
-use kvmesh_testkit::{wait_until, ControlPlane, Envoy, EnvoyOptions, Sim};
-use serde_json::{json, Value};
+use kvmesh_testkit::{wait_until, ControlPlane, Envoy, Sim};
+use serde_json::json;
 
-/// Seconds an open breaker keeps a worker out: long enough for `/workers` (reports every
-/// second) to be seen saying `open` before the breaker turns half-open.
+/// Seconds an open breaker keeps a worker out before a half-open probe.
 const TIMEOUT_SECS: u64 = 4;
 
 struct Stack {
@@ -26,64 +26,33 @@ struct Stack {
 }
 
 fn stack() -> Stack {
-    let sims: Vec<Sim> = (0..3).map(|_| Sim::start(&["--time-scale", "0"]).unwrap()).collect();
+    let sims = sims(3, FAST);
     let timeout = TIMEOUT_SECS.to_string();
     // Without failover: the test watches the failing worker's own 5xx answers (with retries,
     // Envoy would hand them to another worker; tests/tests/failover.rs covers that).
-    let mut args = vec![
-        "--disable-retries",
-        "--policy",
-        "round_robin",
-        "--cb-failure-threshold",
-        "3",
-        "--cb-success-threshold",
-        "2",
-        "--cb-timeout-duration-secs",
-        &timeout,
-        "--cb-window-duration-secs",
-        "60",
-        "--worker-urls",
-    ];
-    let urls: Vec<String> = sims.iter().map(Sim::url).collect();
-    args.extend(urls.iter().map(String::as_str));
-    let cp = ControlPlane::start(&args).unwrap();
-    let mut opts = EnvoyOptions::new(json!({"worker_urls": []})).unwrap();
-    opts.use_control_plane(&cp);
-    opts.concurrency = 2;
-    let envoy = Envoy::start(&opts).unwrap();
-    wait_until("the gateway to apply the control plane's snapshot", Duration::from_secs(20), || {
-        envoy.stat("wasmcustom.kvmesh_snapshot_version").ok().flatten().unwrap_or(0) >= 1
-    })
-    .unwrap();
+    let cp = control_plane(
+        &sims,
+        &[
+            "--disable-retries",
+            "--policy",
+            "round_robin",
+            "--cb-failure-threshold",
+            "3",
+            "--cb-success-threshold",
+            "2",
+            "--cb-timeout-duration-secs",
+            &timeout,
+            "--cb-window-duration-secs",
+            "60",
+        ],
+    );
+    // Two worker threads: two VMs sharing the breakers.
+    let envoy = gateway(&cp);
     Stack { sims, cp, envoy }
 }
 
-fn generate(envoy: &Envoy, body: &Value) -> Response {
-    http::post_json(&envoy.url("/generate"), body).unwrap()
-}
-
-fn good(i: usize) -> Value {
-    json!({"text": format!("request {i}: a question of some length"), "sampling_params": {"max_new_tokens": 1}})
-}
-
-/// Who served a response (`x-kvmesh-worker`, checked against the sim's own header).
-fn worker(r: &Response) -> String {
-    let w = r.header("x-kvmesh-worker").unwrap_or_else(|| panic!("no worker header: {} {}", r.status, r.text()));
-    assert_eq!(Some(w), r.header("x-sim-worker"), "the gateway names the worker that answered");
-    w.to_string()
-}
-
-/// `GET /workers`, the entry of `url`.
-fn workers_entry(cp: &ControlPlane, url: &str) -> Value {
-    let list = http::get(&cp.url("/workers")).unwrap().json().unwrap();
-    list.as_array().unwrap().iter().find(|w| w["url"] == url).cloned().unwrap_or(Value::Null)
-}
-
-/// The value of a per-worker series of kvmesh-cp's `/metrics`.
-fn worker_metric(cp: &ControlPlane, name: &str, url: &str) -> Option<f64> {
-    let text = http::get(&cp.url("/metrics")).unwrap().text();
-    let prefix = format!("{name}{{worker=\"{url}\"");
-    text.lines().find(|l| l.starts_with(&prefix))?.rsplit(' ').next()?.parse().ok()
+fn good(envoy: &Envoy, i: usize) -> Response {
+    generate(envoy, &format!("request {i}: a question of some length"))
 }
 
 fn set_fail_rate(sim: &Sim, p: f64) {
@@ -96,16 +65,17 @@ fn a_failing_worker_is_taken_out_then_probed_back_in() {
     let s = stack();
     let bad = &s.sims[0];
     set_fail_rate(bad, 1.0);
+    let open = |url: &str| s.cp.worker_metric("kvmesh_worker_circuit_breaker_open", url);
 
-    // Until three of its requests failed (on either Envoy thread) the worker gets its share.
+    // Until three of its requests failed (on either Envoy thread) the worker gets its share:
+    // round robin over three, so within a few dozen requests.
     let mut sent = 0;
     let mut failures = 0;
-    let limit = Instant::now() + Duration::from_secs(20);
     while failures < 3 {
-        assert!(Instant::now() < limit, "the failing worker got no traffic ({sent} requests)");
-        let r = generate(&s.envoy, &good(sent));
+        assert!(sent < 100, "the failing worker got {failures} of {sent} requests");
+        let r = good(&s.envoy, sent);
         sent += 1;
-        if worker(&r) == bad.addr() {
+        if worker_of(&r) == bad.addr() {
             assert_eq!(r.status, 500, "the sim's injected failure comes through: {}", r.text());
             failures += 1;
         } else {
@@ -115,37 +85,42 @@ fn a_failing_worker_is_taken_out_then_probed_back_in() {
     let opened = Instant::now();
 
     // Traffic leaves it: 30 requests in a row avoid it (the other thread adopts the breaker
-    // on its next 20 ms tick; a request it routed before that may still reach the worker).
+    // on its next 20 ms tick; a request it routed before that may still reach the worker, and
+    // should the open period end first, a half-open probe fails and opens it again). Round
+    // robin without the breaker sends it every third request.
     let mut streak = 0;
     let mut strays = 0;
-    wait_until("30 requests in a row to avoid the failing worker", Duration::from_secs(2), || {
-        let r = generate(&s.envoy, &good(sent));
+    for _ in 0..300 {
+        let r = good(&s.envoy, sent);
         sent += 1;
-        if worker(&r) == bad.addr() {
+        if worker_of(&r) == bad.addr() {
             streak = 0;
             strays += 1;
         } else {
             assert_eq!(r.status, 200, "{}", r.text());
             streak += 1;
         }
-        streak >= 30
-    })
-    .unwrap();
+        if streak >= 30 {
+            break;
+        }
+    }
+    assert!(streak >= 30, "no 30 requests in a row avoided the failing worker ({strays} reached it)");
     let left = opened.elapsed();
-    assert!(left < Duration::from_secs(TIMEOUT_SECS), "still within the open period");
 
-    // The control plane shows it: /workers and /metrics, from the gateway's report.
-    let mut seen = Value::Null;
-    wait_until("/workers and /metrics to show the breaker open", Duration::from_secs(TIMEOUT_SECS), || {
-        seen = workers_entry(&s.cp, &bad.url());
-        seen["circuit_breaker"] == "open"
-            && worker_metric(&s.cp, "kvmesh_worker_circuit_breaker_open", &bad.url()) == Some(1.0)
+    // The control plane shows it: /workers and /metrics, from the gateway's report. Requests
+    // go on meanwhile, so that a breaker turning half-open is probed and opens again.
+    let mut seen = serde_json::Value::Null;
+    wait_until("/workers and /metrics to show the breaker open", Duration::from_secs(30), || {
+        good(&s.envoy, sent);
+        sent += 1;
+        seen = s.cp.worker(&bad.url());
+        seen["circuit_breaker"] == "open" && open(&bad.url()) == Some(1.0)
     })
     .unwrap_or_else(|e| panic!("{e}: last /workers entry {seen}"));
     let shown = opened.elapsed();
     let healthy = &s.sims[1];
-    assert_eq!(workers_entry(&s.cp, &healthy.url())["circuit_breaker"], "closed");
-    assert_eq!(worker_metric(&s.cp, "kvmesh_worker_circuit_breaker_open", &healthy.url()), Some(0.0));
+    assert_eq!(s.cp.worker(&healthy.url())["circuit_breaker"], "closed");
+    assert_eq!(open(&healthy.url()), Some(0.0));
     assert_eq!(seen["failovers"], 0, "nothing fails over yet");
     assert!(seen["errors"].as_u64().unwrap() >= 3, "{seen}");
 
@@ -156,13 +131,13 @@ fn a_failing_worker_is_taken_out_then_probed_back_in() {
     let mut first_back = None;
     let mut back = 0;
     let mut failed = Vec::new();
-    wait_until("traffic to return to the recovered worker", Duration::from_secs(TIMEOUT_SECS + 10), || {
-        let r = generate(&s.envoy, &good(sent));
+    wait_until("traffic to return to the recovered worker", Duration::from_secs(10 * TIMEOUT_SECS), || {
+        let r = good(&s.envoy, sent);
         sent += 1;
         if r.status != 200 {
             failed.push(r.status);
         }
-        if worker(&r) == bad.addr() {
+        if worker_of(&r) == bad.addr() {
             first_back.get_or_insert_with(|| opened.elapsed());
             back += 1;
         }
@@ -170,16 +145,15 @@ fn a_failing_worker_is_taken_out_then_probed_back_in() {
     })
     .unwrap();
     assert!(failed.is_empty(), "every request after the recovery was served: {failed:?}");
-    wait_until("/workers to show the breaker closed", Duration::from_secs(5), || {
-        workers_entry(&s.cp, &bad.url())["circuit_breaker"] == "closed"
-            && worker_metric(&s.cp, "kvmesh_worker_circuit_breaker_open", &bad.url()) == Some(0.0)
+    wait_until("/workers to show the breaker closed", Duration::from_secs(10), || {
+        s.cp.worker(&bad.url())["circuit_breaker"] == "closed" && open(&bad.url()) == Some(0.0)
     })
     .unwrap();
     let share = (0..30).filter(|_| {
-        let r = generate(&s.envoy, &good(sent));
+        let r = good(&s.envoy, sent);
         sent += 1;
         assert_eq!(r.status, 200, "{}", r.text());
-        worker(&r) == bad.addr()
+        worker_of(&r) == bad.addr()
     });
     assert!(share.count() >= 5, "round robin over three workers gives it about a third again");
     eprintln!(
@@ -198,32 +172,30 @@ fn client_errors_never_open_a_breaker() {
     let bad_request = json!({"text": "a prompt", "sampling_params": {"max_new_tokens": "lots"}});
     let mut answered = std::collections::HashMap::<String, u64>::new();
     for _ in 0..60 {
-        let r = generate(&s.envoy, &bad_request);
+        let r = http::post_json(&s.envoy.url("/generate"), &bad_request).unwrap();
         assert_eq!(r.status, 400, "{}", r.text());
-        *answered.entry(worker(&r)).or_default() += 1;
+        *answered.entry(worker_of(&r)).or_default() += 1;
     }
     assert_eq!(answered.len(), 3, "every worker got its share of bad requests: {answered:?}");
     assert!(answered.values().all(|&n| n >= 3), "each past the failure threshold: {answered:?}");
 
     // Once the control plane has the gateway's report of all of them, every breaker is closed.
     wait_until("kvmesh-cp to count every request", Duration::from_secs(10), || {
-        s.sims
-            .iter()
-            .all(|sim| workers_entry(&s.cp, &sim.url())["requests"].as_u64() >= answered.get(&sim.addr()).copied())
+        s.sims.iter().all(|sim| s.cp.worker(&sim.url())["requests"].as_u64() >= answered.get(&sim.addr()).copied())
     })
     .unwrap();
     for sim in &s.sims {
-        let w = workers_entry(&s.cp, &sim.url());
+        let w = s.cp.worker(&sim.url());
         assert_eq!(w["circuit_breaker"], "closed", "{w}");
         assert_eq!(w["errors"], 0, "a client error is not the worker's error: {w}");
-        assert_eq!(worker_metric(&s.cp, "kvmesh_worker_circuit_breaker_open", &sim.url()), Some(0.0));
+        assert_eq!(s.cp.worker_metric("kvmesh_worker_circuit_breaker_open", &sim.url()), Some(0.0));
     }
     // And every worker still gets traffic.
     let mut served = std::collections::HashSet::new();
     for i in 0..30 {
-        let r = generate(&s.envoy, &good(i));
+        let r = good(&s.envoy, i);
         assert_eq!(r.status, 200, "{}", r.text());
-        served.insert(worker(&r));
+        served.insert(worker_of(&r));
     }
     assert_eq!(served.len(), 3, "{served:?}");
 }

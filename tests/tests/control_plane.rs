@@ -3,56 +3,10 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use kvmesh_testkit::http::{self, Response};
-use kvmesh_testkit::{cp_bin, prom, repo_root, wait_until, ControlPlane, Envoy, EnvoyOptions, Sim};
+use kvmesh_testkit::e2e::{control_plane, gateway, generate, served, sims, sync, FAST};
+use kvmesh_testkit::http;
+use kvmesh_testkit::{cp_bin, repo_root, wait_until, ControlPlane, Envoy, EnvoyOptions, Sim};
 use serde_json::{json, Value};
-
-const FAST: &[&str] = &["--time-scale", "0"];
-
-fn sims(n: usize) -> Vec<Sim> {
-    (0..n).map(|_| Sim::start(FAST).unwrap()).collect()
-}
-
-fn worker_flags(sims: &[Sim]) -> Vec<String> {
-    let mut flags = vec!["--worker-urls".to_string()];
-    flags.extend(sims.iter().map(Sim::url));
-    flags
-}
-
-/// An Envoy whose filter has no static workers: everything comes from the control plane.
-fn gateway(cp: &ControlPlane) -> Envoy {
-    let mut opts = EnvoyOptions::new(json!({"worker_urls": []})).unwrap();
-    opts.use_control_plane(cp);
-    let envoy = Envoy::start(&opts).unwrap();
-    wait_for_version(&envoy, 1);
-    envoy
-}
-
-fn version(envoy: &Envoy) -> u64 {
-    envoy.stat("wasmcustom.kvmesh_snapshot_version").unwrap().unwrap_or(0)
-}
-
-/// Waits until `envoy` has applied control-plane version `v` or later.
-fn wait_for_version(envoy: &Envoy, v: u64) {
-    wait_until(&format!("envoy to apply snapshot version {v}"), Duration::from_secs(20), || version(envoy) >= v)
-        .unwrap();
-}
-
-/// The control plane's version once all its changes so far are pushed.
-fn cp_version(cp: &ControlPlane) -> u64 {
-    cp.settled_version().unwrap()
-}
-
-fn served(r: &Response) -> String {
-    assert_eq!(r.status, 200, "{}", r.text());
-    let w = r.header("x-kvmesh-worker").unwrap().to_string();
-    assert_eq!(Some(w.as_str()), r.header("x-sim-worker"));
-    w
-}
-
-fn generate(envoy: &Envoy, text: &str) -> Response {
-    http::post_json(&envoy.url("/generate"), &json!({"text": text, "sampling_params": {"max_new_tokens": 1}})).unwrap()
-}
 
 fn quantile(sorted: &[Duration], q: f64) -> Duration {
     sorted[((sorted.len() - 1) as f64 * q).round() as usize]
@@ -60,9 +14,8 @@ fn quantile(sorted: &[Duration], q: f64) -> Duration {
 
 #[test]
 fn a_prefix_routed_through_one_gateway_sticks_through_the_others() {
-    let workers = sims(4);
-    let flags = worker_flags(&workers);
-    let cp = ControlPlane::start(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    let workers = sims(4, FAST);
+    let cp = control_plane(&workers, &[]);
     let (a, b, c) = (gateway(&cp), gateway(&cp), gateway(&cp));
     let mut delays = Vec::new();
     for i in 0..20 {
@@ -70,20 +23,21 @@ fn a_prefix_routed_through_one_gateway_sticks_through_the_others() {
         let first = served(&generate(&a, &format!("{prefix}First question?")));
         let sent = Instant::now();
         // The report reaches the control plane, which pushes a new version to every gateway.
-        let holder = || {
-            let m = cp.match_text(prefix.as_bytes()).unwrap();
-            m[0]["url"].as_str().map(|u| u.trim_start_matches("http://").to_string())
-        };
         wait_until("the control plane to merge the insert", Duration::from_secs(10), || {
-            holder().as_deref() == Some(first.as_str())
+            cp.holder(&prefix) == Some(format!("http://{first}"))
         })
         .unwrap();
-        let v = cp_version(&cp);
-        wait_until("gateway B to apply it", Duration::from_secs(10), || version(&b) >= v).unwrap();
-        wait_until("gateway C to apply it", Duration::from_secs(10), || version(&c) >= v).unwrap();
+        let v = cp.settled_version().unwrap();
+        b.wait_for_version(v);
+        c.wait_for_version(v);
         delays.push(sent.elapsed());
-        assert_eq!(served(&generate(&b, &format!("{prefix}Second question?"))), first, "gateway B, prefix {i}");
-        assert_eq!(served(&generate(&c, &format!("{prefix}Third question?"))), first, "gateway C, prefix {i}");
+        // A fresh prefix lands on the same worker in every gateway by its rendezvous hash alone;
+        // a cache hit is what only the shared index gives.
+        for (name, g, question) in [("B", &b, "Second"), ("C", &c, "Third")] {
+            let hits = g.cache_hits();
+            assert_eq!(served(&generate(g, &format!("{prefix}{question} question?"))), first, "gateway {name}, {i}");
+            assert_eq!(g.cache_hits(), hits + 1, "gateway {name} found prefix {i} in its index");
+        }
     }
     delays.sort();
     eprintln!(
@@ -99,7 +53,7 @@ fn a_prefix_routed_through_one_gateway_sticks_through_the_others() {
 /// the typed `Snapshot.settings` and win over the plugin configuration's.
 #[test]
 fn routing_settings_from_the_control_plane_config_file_win_in_the_filter() {
-    let workers = sims(3);
+    let workers = sims(3, FAST);
     let dir = kvmesh_testkit::scratch_dir("cp-settings").unwrap();
     let file = dir.path().join("cp.yaml");
     let urls: Vec<String> = workers.iter().map(Sim::url).collect();
@@ -111,7 +65,7 @@ fn routing_settings_from_the_control_plane_config_file_win_in_the_filter() {
     opts.use_control_plane(&cp);
     opts.concurrency = 1;
     let envoy = Envoy::start(&opts).unwrap();
-    wait_for_version(&envoy, 1);
+    envoy.wait_for_version(1);
     // Under cache_aware the same long prompt would stick to one worker.
     let text = "The same long prompt, again and again. ".repeat(20);
     let used: HashSet<String> = (0..3).map(|_| served(&generate(&envoy, &text))).collect();
@@ -122,26 +76,40 @@ fn routing_settings_from_the_control_plane_config_file_win_in_the_filter() {
 /// milliseconds) list `addr` healthy: before that, override_host passes over it to the next
 /// listed worker.
 fn wait_for_endpoint(envoy: &Envoy, addr: &str) {
-    let healthy = format!("kvmesh_workers::{addr}::health_flags::healthy");
     wait_until("Envoy's cluster to list the added worker healthy", Duration::from_secs(10), || {
-        http::get(&envoy.admin_url("/clusters")).is_ok_and(|r| r.text().lines().any(|l| l == healthy))
+        envoy.healthy_endpoints().iter().any(|e| e == addr)
     })
     .unwrap();
 }
 
+/// A prompt of about 1 kB (31 blocks): ten of them make a worker's index far larger than
+/// that of a worker that has seen only a few short prompts.
+fn long_prompt(tag: &str, i: usize) -> String {
+    format!("{tag} {i} {}", "x".repeat(1000))
+}
+
+/// A prompt of about 120 bytes (3 blocks).
+fn short_prompt(tag: &str, i: usize) -> String {
+    format!("{tag} {i} {}", "y".repeat(100))
+}
+
+/// How many fresh prompts must all go to the worker with the empty index: by chance, with
+/// two workers, they would with probability 2^-14 ≈ 6.1e-5 (the other one holds over 300
+/// blocks; 14 short prompts put about 50 on the empty one, which stays the emptiest).
+const TO_THE_EMPTIEST: usize = 14;
+
 #[test]
 fn remove_worker_and_add_worker_change_where_traffic_goes() {
-    let workers = sims(2);
-    let flags = worker_flags(&workers);
-    let cp = ControlPlane::start(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    let workers = sims(2, FAST);
+    let cp = control_plane(&workers, &[]);
     let envoy = gateway(&cp);
     let gone = &workers[0];
     let r = cp.post(&format!("/remove_worker?url={}", gone.url())).unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
     assert!(r.text().contains("Successfully removed worker"));
-    wait_for_version(&envoy, cp_version(&cp));
+    sync(&cp, &envoy);
     for i in 0..10 {
-        assert_ne!(served(&generate(&envoy, &format!("distinct prompt {i} {}", "x".repeat(100)))), gone.addr());
+        assert_ne!(served(&generate(&envoy, &long_prompt("while removed", i))), gone.addr());
     }
     assert_eq!(gone.stats().unwrap()["requests"], 0);
 
@@ -149,24 +117,20 @@ fn remove_worker_and_add_worker_change_where_traffic_goes() {
     assert_eq!(r.status, 200, "{}", r.text());
     // A worker added through the API is routed once its first health check passed.
     wait_until("the added worker to pass its first health check", Duration::from_secs(10), || {
-        let list = http::get(&cp.url("/workers")).unwrap().json().unwrap();
-        list.as_array().unwrap().iter().any(|w| w["url"] == gone.url() && w["healthy"] == true)
+        cp.worker(&gone.url())["healthy"] == true
     })
     .unwrap();
-    wait_for_version(&envoy, cp_version(&cp));
+    sync(&cp, &envoy);
     wait_for_endpoint(&envoy, &gone.addr());
     // Its index is empty, so the next new prefixes go to it.
-    let back: HashSet<String> =
-        (0..6).map(|i| served(&generate(&envoy, &format!("fresh prompt {i} {}", "y".repeat(100))))).collect();
-    assert!(back.contains(&gone.addr()), "{back:?}");
+    for i in 0..TO_THE_EMPTIEST {
+        assert_eq!(served(&generate(&envoy, &short_prompt("fresh prompt", i))), gone.addr(), "fresh prompt {i}");
+    }
     // Every finished request is counted once, per worker, from the gateway's reports.
-    let total = || -> u64 {
-        let list = http::get(&cp.url("/workers")).unwrap().json().unwrap();
-        list.as_array().unwrap().iter().map(|w| w["requests"].as_u64().unwrap_or(0)).sum()
-    };
-    wait_until("the control plane to count the 16 requests", Duration::from_secs(10), || total() == 16).unwrap();
-    let metrics = http::get(&cp.url("/metrics")).unwrap().text();
-    assert!(metrics.contains("sgl_router_requests_total{"), "{metrics}");
+    let total = || -> u64 { cp.workers().iter().map(|w| w["requests"].as_u64().unwrap_or(0)).sum() };
+    let sent = 10 + TO_THE_EMPTIEST as u64;
+    wait_until("the control plane to count every request", Duration::from_secs(10), || total() == sent).unwrap();
+    assert!(cp.metrics().contains("sgl_router_requests_total{"));
     let listed = http::get(&cp.url("/list_workers")).unwrap().json().unwrap();
     assert_eq!(listed["urls"].as_array().unwrap().len(), 2);
     assert_eq!(cp.post("/remove_worker?url=http://127.0.0.1:1").unwrap().status, 404);
@@ -175,64 +139,59 @@ fn remove_worker_and_add_worker_change_where_traffic_goes() {
 
 #[test]
 fn an_unhealthy_worker_leaves_the_snapshot_and_returns() {
-    let mut workers = sims(2);
-    let mut flags = worker_flags(&workers);
-    flags.extend(
-        ["--health-check-interval-secs", "1", "--health-failure-threshold", "1", "--health-success-threshold", "1"]
-            .map(String::from),
-    );
-    let cp = ControlPlane::start(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    let mut workers = sims(2, FAST);
+    let health = ["--health-check-interval-secs", "1", "--health-failure-threshold", "1"];
+    let cp = control_plane(&workers, &[&health[..], &["--health-success-threshold", "1"]].concat());
     let envoy = gateway(&cp);
     let port = workers[0].port;
-    let addr = workers[0].addr();
+    let (addr, url) = (workers[0].addr(), workers[0].url());
     workers[0].proc().kill();
-    let healthy = |want: bool| {
-        let list = http::get(&cp.url("/workers")).unwrap().json().unwrap();
-        list.as_array().unwrap().iter().any(|w| w["url"] == format!("http://{addr}") && w["healthy"] == want)
-    };
+    let healthy = |want: bool| cp.worker(&url)["healthy"] == want;
     wait_until("the control plane to mark the worker unhealthy", Duration::from_secs(15), || healthy(false)).unwrap();
-    wait_for_version(&envoy, cp_version(&cp));
+    sync(&cp, &envoy);
     for i in 0..8 {
-        assert_ne!(served(&generate(&envoy, &format!("while down {i} {}", "z".repeat(100)))), addr);
+        assert_ne!(served(&generate(&envoy, &long_prompt("while down", i))), addr);
     }
     workers[0] = Sim::start_on(port, FAST).unwrap();
     wait_until("the control plane to mark the worker healthy again", Duration::from_secs(15), || healthy(true))
         .unwrap();
-    wait_for_version(&envoy, cp_version(&cp));
-    let back: HashSet<String> =
-        (0..8).map(|i| served(&generate(&envoy, &format!("after {i} {}", "w".repeat(100))))).collect();
-    assert!(back.contains(&addr), "{back:?}");
+    sync(&cp, &envoy);
+    // Back with an empty index: the fresh prompts go to it.
+    for i in 0..TO_THE_EMPTIEST {
+        assert_eq!(served(&generate(&envoy, &short_prompt("after", i))), addr, "fresh prompt {i}");
+    }
 }
 
 #[test]
 fn routing_survives_a_control_plane_restart_and_reconverges() {
-    let workers = sims(2);
-    let flags = worker_flags(&workers);
-    let mut cp = ControlPlane::start(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    let workers = sims(2, FAST);
+    let mut cp = control_plane(&workers, &[]);
     let envoy = gateway(&cp);
     let prefix = "A system prompt the gateway has seen before the restart. ".repeat(20);
     let home = served(&generate(&envoy, &format!("{prefix}one")));
-    wait_until("the control plane to learn the prefix", Duration::from_secs(10), || {
-        cp.snapshot().map(|s| s["index_entries"].as_u64().unwrap_or(0) > 0).unwrap_or(false)
-    })
-    .unwrap();
+    let home_url = Some(format!("http://{home}"));
+    wait_until("the control plane to learn the prefix", Duration::from_secs(10), || cp.holder(&prefix) == home_url)
+        .unwrap();
 
     cp.kill();
-    // No static workers: only the last snapshot can route these.
+    // No static workers: only the last snapshot can route these, and its index finds them.
+    let hits = envoy.cache_hits();
     for i in 0..6 {
         let w = served(&generate(&envoy, &format!("{prefix}while the control plane is down {i}")));
         assert_eq!(w, home, "the prefix still sticks");
     }
+    assert_eq!(envoy.cache_hits(), hits + 6, "each one a cache hit");
     cp.restart().unwrap();
     // The filter reconnects and re-reports what it knows: the fresh control plane learns it.
-    wait_until("the gateway to reconnect and re-report its index", Duration::from_secs(20), || {
-        cp.snapshot()
-            .map(|s| s["index_entries"].as_u64().unwrap_or(0) > 0 && !s["gateways"].as_array().unwrap().is_empty())
-            .unwrap_or(false)
+    wait_until("the gateway to re-report the prefix to the restarted control plane", Duration::from_secs(20), || {
+        cp.holder(&prefix) == home_url
     })
     .unwrap();
-    wait_for_version(&envoy, cp_version(&cp).max(1));
+    envoy.wait_for_version(cp.settled_version().unwrap().max(1));
+    // Still in the gateway's index after the new control plane's first snapshot: a cache hit.
+    let hits = envoy.cache_hits();
     assert_eq!(served(&generate(&envoy, &format!("{prefix}after the restart"))), home);
+    assert_eq!(envoy.cache_hits(), hits + 1, "the prefix is still a cache hit after the restart");
 }
 
 /// With a control plane, a filter does not evict on its own (short of a safety cap at twice
@@ -243,23 +202,21 @@ fn eviction_bounds_the_index_in_the_control_plane_and_the_filters() {
     // Blocks per worker: --max-tree-size 320 at 32-byte blocks. One worker, so that the
     // filter's index gauge (all workers' blocks) is that worker's.
     const MAX: u64 = 10;
-    let workers = sims(1);
-    let mut flags = worker_flags(&workers);
-    flags.extend(["--max-tree-size", "320", "--block-size", "32", "--eviction-interval-secs", "2"].map(String::from));
-    let cp = ControlPlane::start(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    let workers = sims(1, FAST);
+    let cp =
+        control_plane(&workers, &["--max-tree-size", "320", "--block-size", "32", "--eviction-interval-secs", "2"]);
     let envoy = gateway(&cp);
-    let filter_blocks = || envoy.stat("wasmcustom.kvmesh_index_blocks").unwrap().unwrap_or(0);
+    let filter_blocks = || envoy.filter_stat("kvmesh_index_blocks");
     let evicted = || {
-        let metrics = http::get(&cp.url("/metrics")).unwrap().text();
+        let metrics = cp.metrics();
         assert!(metrics.contains("# TYPE kvmesh_evicted_blocks counter"), "{metrics}");
-        prom::value(&metrics, "kvmesh_evicted_blocks_total")
+        kvmesh_testkit::prom::value(&metrics, "kvmesh_evicted_blocks_total")
             .unwrap_or_else(|| panic!("no kvmesh_evicted_blocks_total: {metrics}"))
     };
 
     // Fresh prompts of 8 whole blocks each. The first round indexes 16 blocks (over MAX,
     // under the filter's cap of 2 x MAX); should the control plane evict before the filter's
     // peak is seen, a later round adds 8 to the MAX it kept.
-    let hits = || envoy.stat("wasmcustom.kvmesh_cache_hits_total").unwrap().unwrap_or(0);
     let mut prompts = Vec::new();
     let mut peak = None;
     for round in 0..4 {
@@ -284,15 +241,15 @@ fn eviction_bounds_the_index_in_the_control_plane_and_the_filters() {
     let peak = peak.expect("the filter's index grew past max_tree_size before the control plane evicted it");
     assert!(peak <= 2 * MAX, "the filter holds at most its safety cap: {peak}");
     // The newest prompt is a cache hit (and stays the most recently used).
-    let before = hits();
+    let before = envoy.cache_hits();
     served(&generate(&envoy, prompts.last().unwrap()));
-    assert_eq!(hits(), before + 1, "a prompt the filter holds is a cache hit");
+    assert_eq!(envoy.cache_hits(), before + 1, "a prompt the filter holds is a cache hit");
 
     wait_until("the control plane to evict down to max_tree_size", Duration::from_secs(15), || {
         cp.snapshot().map(|s| s["index_entries"].as_u64().unwrap_or(u64::MAX) <= MAX).unwrap_or(false)
     })
     .unwrap();
-    wait_for_version(&envoy, cp_version(&cp));
+    sync(&cp, &envoy);
     // Each VM writes the gauge with its own index size, so a VM that routed nothing can show a
     // small value too; the routing check below is what shows the evictions were applied.
     wait_until("the control plane's evictions to shrink the filter's index", Duration::from_secs(15), || {
@@ -303,9 +260,9 @@ fn eviction_bounds_the_index_in_the_control_plane_and_the_filters() {
     assert!(n >= (peak - MAX) as f64, "the control plane counted its evictions: {n} (the filter's peak was {peak})");
     // Routing agrees: the least recently used blocks, the oldest prompt's deeper ones, are
     // gone from the filter, so that prompt (at most 2 of its 8 blocks left) is no cache hit.
-    let before = hits();
+    let before = envoy.cache_hits();
     served(&generate(&envoy, &prompts[0]));
-    assert_eq!(hits(), before, "the oldest prompt was evicted from the filter's index");
+    assert_eq!(envoy.cache_hits(), before, "the oldest prompt was evicted from the filter's index");
 }
 
 #[test]
@@ -350,13 +307,9 @@ fn bad_flags_and_config_are_one_line_errors_with_exit_code_2() {
 /// in kvmesh are named in warnings.
 #[test]
 fn sglang_router_flags_with_no_effect_start_with_a_warning_each() {
-    let workers = sims(1);
-    let mut flags = worker_flags(&workers);
-    flags.extend(
-        ["--port", "30000", "--model-path", "org/model", "--dp-aware", "--retry-jitter-factor", "0.3"]
-            .map(String::from),
-    );
-    let mut cp = ControlPlane::start(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    let workers = sims(1, FAST);
+    let flags = ["--port", "30000", "--model-path", "org/model", "--dp-aware", "--retry-jitter-factor", "0.3"];
+    let mut cp = control_plane(&workers, &flags);
     wait_until("kvmesh-cp to log its warnings", Duration::from_secs(10), || {
         let log = cp.proc().log_text();
         [
@@ -393,9 +346,8 @@ fn malformed_and_bogus_reports_are_rejected_and_the_control_plane_keeps_serving(
     use kvmesh_proto::v1::kvmesh_client::KvmeshClient;
     use kvmesh_proto::v1::{IndexInsert, ReportBatch};
 
-    let workers = sims(1);
-    let flags = worker_flags(&workers);
-    let cp = ControlPlane::start(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    let workers = sims(1, FAST);
+    let cp = control_plane(&workers, &[]);
     let endpoint = format!("http://127.0.0.1:{}", cp.grpc_port);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(async {
@@ -420,13 +372,8 @@ fn malformed_and_bogus_reports_are_rejected_and_the_control_plane_keeps_serving(
             grpc.client_streaming(authed(&cp, tokio_stream::iter(vec![Garbage { inserts: 7 }])), path, codec).await;
         assert!(result.is_err(), "an undecodable report is refused");
     });
-    let metrics = http::get(&cp.url("/metrics")).unwrap().text();
-    let bad: u64 = metrics
-        .lines()
-        .find(|l| l.starts_with("kvmesh_bad_reports_total "))
-        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-        .unwrap_or(0);
-    assert!(bad >= 2, "both rejections are counted: {metrics}");
+    let bad = cp.metric("kvmesh_bad_reports_total").unwrap_or(0.0);
+    assert!(bad >= 2.0, "both rejections are counted: {bad}");
     assert_eq!(cp.snapshot().unwrap()["index_entries"], 0);
     // Still serving: gateways connect and route.
     let envoy = gateway(&cp);
@@ -460,16 +407,11 @@ fn grpc_client(cp: &ControlPlane, token: Option<&str>) -> Client {
     kvmesh_proto::v1::kvmesh_client::KvmeshClient::with_interceptor(channel, bearer)
 }
 
-fn counter(cp: &ControlPlane, name: &str) -> f64 {
-    prom::value(&http::get(&cp.url("/metrics")).unwrap().text(), name).unwrap_or(0.0)
-}
-
 #[test]
 fn unauthenticated_streams_and_admin_calls_are_refused_and_authenticated_ones_work() {
     use kvmesh_proto::v1::{ReportBatch, WatchRequest};
-    let workers = sims(2);
-    let flags = worker_flags(&workers);
-    let cp = ControlPlane::start(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    let workers = sims(2, FAST);
+    let cp = control_plane(&workers, &[]);
     let token = cp.token.clone().unwrap();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(async {
@@ -488,7 +430,7 @@ fn unauthenticated_streams_and_admin_calls_are_refused_and_authenticated_ones_wo
         let report = ReportBatch { gateway_id: "friend".into(), ..Default::default() };
         assert_eq!(client.report(tokio_stream::iter(vec![report])).await.unwrap().into_inner().batches, 1);
     });
-    assert!(counter(&cp, "kvmesh_auth_failures_total") >= 6.0);
+    assert!(cp.metric("kvmesh_auth_failures_total").unwrap_or(0.0) >= 6.0);
 
     // The admin API: changes need the key; reads are open, but for /match (cache contents).
     let add = cp.url(&format!("/add_worker?url=http://127.0.0.1:{}", kvmesh_testkit::free_port().unwrap()));
@@ -509,16 +451,16 @@ fn unauthenticated_streams_and_admin_calls_are_refused_and_authenticated_ones_wo
     assert_eq!(r.status, 200, "{}", r.text());
 
     // A filter with the wrong token gets nothing; with the right one it routes.
-    let before = counter(&cp, "kvmesh_auth_failures_total");
+    let before = cp.metric("kvmesh_auth_failures_total").unwrap_or(0.0);
     let mut opts = EnvoyOptions::new(json!({"worker_urls": []})).unwrap();
     opts.use_control_plane(&cp);
     opts.control_plane_token = Some("not-the-token".into());
     let outsider = Envoy::start(&opts).unwrap();
     wait_until("kvmesh-cp to refuse the filter's streams", Duration::from_secs(20), || {
-        counter(&cp, "kvmesh_auth_failures_total") >= before + 2.0
+        cp.metric("kvmesh_auth_failures_total").unwrap_or(0.0) >= before + 2.0
     })
     .unwrap();
-    assert_eq!(version(&outsider), 0, "no snapshot without the token");
+    assert_eq!(outsider.version(), 0, "no snapshot without the token");
     assert_eq!(generate(&outsider, "hello").status, 503, "no workers without the control plane");
     let envoy = gateway(&cp);
     assert_eq!(served(&generate(&envoy, &"authenticated ".repeat(20))), workers[1].addr());
@@ -539,10 +481,8 @@ fn read_endpoints_can_be_protected_too() {
 
 #[test]
 fn a_worker_added_through_the_api_gets_no_traffic_until_its_health_check_passes() {
-    let workers = sims(1);
-    let mut flags = worker_flags(&workers);
-    flags.extend(["--health-check-interval-secs", "1", "--health-success-threshold", "3"].map(String::from));
-    let cp = ControlPlane::start(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    let workers = sims(1, FAST);
+    let cp = control_plane(&workers, &["--health-check-interval-secs", "1", "--health-success-threshold", "3"]);
     let envoy = gateway(&cp);
     // Addresses that are no worker are refused, whoever asks.
     for url in [
@@ -561,32 +501,31 @@ fn a_worker_added_through_the_api_gets_no_traffic_until_its_health_check_passes(
     let url = format!("http://127.0.0.1:{port}");
     let r = cp.post(&format!("/add_worker?url={url}")).unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
-    let health = || -> Option<bool> {
-        let list = http::get(&cp.url("/workers")).unwrap().json().unwrap();
-        list.as_array().unwrap().iter().find(|w| w["url"] == url.as_str()).and_then(|w| w["healthy"].as_bool())
-    };
+    let health = || cp.worker(&url)["healthy"].as_bool();
     assert_eq!(health(), Some(false), "unhealthy until probed");
-    wait_for_version(&envoy, cp_version(&cp));
+    sync(&cp, &envoy);
     // Fresh prompts would go to the worker with the smallest index, the new one, if it were
     // routable: every one lands on the old worker.
     for i in 0..10 {
-        assert_eq!(served(&generate(&envoy, &format!("before the probe {i} {}", "b".repeat(100)))), workers[0].addr());
+        assert_eq!(served(&generate(&envoy, &long_prompt("before the probe", i))), workers[0].addr());
     }
-    let _late = Sim::start_on(port, FAST).unwrap();
+    let late = Sim::start_on(port, FAST).unwrap();
     wait_until("the new worker to pass its first health check", Duration::from_secs(15), || health() == Some(true))
         .unwrap();
-    wait_for_version(&envoy, cp_version(&cp));
-    let used: HashSet<String> =
-        (0..8).map(|i| served(&generate(&envoy, &format!("after the probe {i} {}", "a".repeat(100))))).collect();
-    assert!(used.contains(&format!("127.0.0.1:{port}")), "{used:?}");
+    sync(&cp, &envoy);
+    wait_for_endpoint(&envoy, &late.addr());
+    // Routable now, with the empty index: the fresh prompts go to it.
+    for i in 0..TO_THE_EMPTIEST {
+        assert_eq!(served(&generate(&envoy, &short_prompt("after the probe", i))), late.addr(), "fresh prompt {i}");
+    }
 }
 
 #[test]
 fn oversize_and_flood_reports_are_refused_or_throttled_and_rss_stays_flat() {
     use kvmesh_proto::v1::{IndexInsert, ReportBatch};
     const MAX_ENTRIES: u64 = 100_000;
-    let workers = sims(2);
-    let mut flags = worker_flags(&workers);
+    let workers = sims(2, FAST);
+    let mut flags: Vec<String> = Vec::new();
     // Capacities far above the flood: only the index bounds under test evict (the sims' own
     // capacity, learned at some point during the flood, would evict too, at a moment of its own).
     for w in &workers {
@@ -605,7 +544,7 @@ fn oversize_and_flood_reports_are_refused_or_throttled_and_rss_stays_flat() {
         ]
         .map(String::from),
     );
-    let cp = ControlPlane::start(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    let cp = control_plane(&workers, &flags.iter().map(String::as_str).collect::<Vec<_>>());
     let token = cp.token.clone().unwrap();
     let mut seed = 0x1234_5678_9abc_def0u64;
     let mut batch = |gateway: &str, n: usize| {
@@ -648,8 +587,8 @@ fn oversize_and_flood_reports_are_refused_or_throttled_and_rss_stays_flat() {
     let end = cp.rss_kib().unwrap();
     let snapshot = cp.snapshot().unwrap();
     let entries = snapshot["index_entries"].as_u64().unwrap();
-    let dropped = counter(&cp, "kvmesh_dropped_inserts_total");
-    let evicted = counter(&cp, "kvmesh_evicted_blocks_total");
+    let dropped = cp.metric("kvmesh_dropped_inserts_total").unwrap_or(0.0);
+    let evicted = cp.metric("kvmesh_evicted_blocks_total").unwrap_or(0.0);
     eprintln!(
         "kvmesh-cp RSS under a report flood of 9.6M hashes from 12 gateways: start {} MiB, end {} MiB; \
          index entries {entries}, dropped {dropped}, evicted {evicted}",
@@ -667,16 +606,16 @@ fn oversize_and_flood_reports_are_refused_or_throttled_and_rss_stays_flat() {
     let envoy = gateway(&cp);
     served(&generate(&envoy, &"after the flood ".repeat(20)));
     wait_until("the gateway to apply every part of the full snapshot", Duration::from_secs(20), || {
-        envoy.stat("wasmcustom.kvmesh_index_blocks").unwrap().unwrap_or(0) >= entries
+        envoy.filter_stat("kvmesh_index_blocks") >= entries
     })
-    .unwrap_or_else(|e| panic!("{e}: {:?} of {entries}", envoy.stat("wasmcustom.kvmesh_index_blocks")));
+    .unwrap_or_else(|e| panic!("{e}: {} of {entries}", envoy.filter_stat("kvmesh_index_blocks")));
 }
 
 /// `--state-file`: a restarted control plane has the workers added through the API again,
 /// under the same ids, and a prefix routed before the restart goes to the same worker after.
 #[test]
 fn a_restarted_control_plane_keeps_api_workers_and_their_ids_and_prefixes_stay_put() {
-    let workers = sims(2);
+    let workers = sims(2, FAST);
     let dir = kvmesh_testkit::scratch_dir("cp-state-e2e").unwrap();
     let file = dir.path().join("state.json");
     let first = workers[0].url();
@@ -690,10 +629,8 @@ fn a_restarted_control_plane_keeps_api_workers_and_their_ids_and_prefixes_stay_p
     let r = cp.post(&format!("/add_worker?url={}", workers[1].url())).unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
     let listed = |cp: &ControlPlane| -> Vec<(String, u64, bool)> {
-        let list = http::get(&cp.url("/workers")).unwrap().json().unwrap();
-        let mut out: Vec<(String, u64, bool)> = list
-            .as_array()
-            .unwrap()
+        let mut out: Vec<(String, u64, bool)> = cp
+            .workers()
             .iter()
             .map(|w| (w["url"].as_str().unwrap().to_string(), w["id"].as_u64().unwrap(), w["healthy"] == true))
             .collect();
@@ -704,18 +641,14 @@ fn a_restarted_control_plane_keeps_api_workers_and_their_ids_and_prefixes_stay_p
         listed(&cp).iter().all(|w| w.2) && listed(&cp).len() == 2
     })
     .unwrap();
-    wait_for_version(&envoy, cp_version(&cp));
+    sync(&cp, &envoy);
     wait_for_endpoint(&envoy, &workers[1].addr());
     let before = listed(&cp);
     let prefix = "A conversation the added worker holds in its cache. ".repeat(20);
     let home = served(&generate(&envoy, &format!("{prefix}before")));
     assert_eq!(home, workers[1].addr(), "a fresh prefix goes to the worker with the smallest index");
-    let holder = |cp: &ControlPlane| {
-        let m = cp.match_text(prefix.as_bytes()).unwrap();
-        m[0]["url"].as_str().map(String::from)
-    };
     wait_until("the control plane to learn the prefix", Duration::from_secs(10), || {
-        holder(&cp) == Some(workers[1].url())
+        cp.holder(&prefix) == Some(workers[1].url())
     })
     .unwrap();
 
@@ -726,20 +659,23 @@ fn a_restarted_control_plane_keeps_api_workers_and_their_ids_and_prefixes_stay_p
     .unwrap_or_else(|e| panic!("{e}: {:?} (before: {before:?})", listed(&cp)));
     // The filter re-reports its index once it applied the new table: under the same ids.
     wait_until("the gateway to re-report the prefix", Duration::from_secs(20), || {
-        holder(&cp) == Some(workers[1].url())
+        cp.holder(&prefix) == Some(workers[1].url())
     })
     .unwrap();
-    wait_for_version(&envoy, cp_version(&cp));
+    sync(&cp, &envoy);
+    // Found in the gateway's index under the same worker id: a cache hit at the same worker
+    // (a fresh placement would choose between the two by the prefix's hash alone).
+    let hits = envoy.cache_hits();
     assert_eq!(served(&generate(&envoy, &format!("{prefix}after the restart"))), home);
+    assert_eq!(envoy.cache_hits(), hits + 1, "the prefix is a cache hit after the restart");
     let state: Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
     assert_eq!(state["api_workers"][0]["url"], workers[1].url(), "{state}");
 }
 
 #[test]
 fn flush_cache_fans_out_to_every_worker_and_empties_every_index() {
-    let workers = sims(2);
-    let flags = worker_flags(&workers);
-    let cp = ControlPlane::start(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    let workers = sims(2, FAST);
+    let cp = control_plane(&workers, &[]);
     let envoy = gateway(&cp);
     let prefix = "A long system prompt that every request shares. ".repeat(20);
     served(&generate(&envoy, &format!("{prefix}one")));
@@ -770,11 +706,10 @@ fn flush_cache_fans_out_to_every_worker_and_empties_every_index() {
     }
     assert_eq!(cp.snapshot().unwrap()["index_entries"], 0, "the global index forgot too");
     // And the filter: the next request with the prefix is no cache hit in the gateway's eyes.
-    wait_for_version(&envoy, cp_version(&cp));
-    let hits = || envoy.stat("wasmcustom.kvmesh_cache_hits_total").unwrap().unwrap_or(0);
-    let before = hits();
+    sync(&cp, &envoy);
+    let before = envoy.cache_hits();
     served(&generate(&envoy, &format!("{prefix}three")));
-    assert_eq!(hits(), before, "the filter's index forgot the flushed prefix");
+    assert_eq!(envoy.cache_hits(), before, "the filter's index forgot the flushed prefix");
 }
 
 /// Every metric the shipped Grafana dashboard (docs/grafana/kvmesh.json) queries exists: in
@@ -782,11 +717,10 @@ fn flush_cache_fans_out_to_every_worker_and_empties_every_index() {
 /// own), scraped from a running stack after a request.
 #[test]
 fn the_grafana_dashboard_queries_metrics_that_exist() {
-    let workers = sims(2);
-    let flags = worker_flags(&workers);
-    let cp = ControlPlane::start(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    let workers = sims(2, FAST);
+    let cp = control_plane(&workers, &[]);
     let envoy = gateway(&cp);
-    wait_for_version(&envoy, cp_version(&cp));
+    sync(&cp, &envoy);
     assert_eq!(generate(&envoy, "a question for the dashboard").status, 200);
     let path = repo_root().join("docs/grafana/kvmesh.json");
     let dashboard: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
@@ -804,11 +738,11 @@ fn the_grafana_dashboard_queries_metrics_that_exist() {
             .map(String::from)
             .collect()
     };
-    let mut names = scraped(&http::get(&cp.url("/metrics")).unwrap().text());
+    let mut names = scraped(&cp.metrics());
     // kvmesh-cp's reports reach it at least once a second; scrape until the per-worker failover
     // series (made on the first report) is there.
     wait_until("kvmesh-cp's per-worker series", Duration::from_secs(10), || {
-        names = scraped(&http::get(&cp.url("/metrics")).unwrap().text());
+        names = scraped(&cp.metrics());
         names.iter().any(|n| n.starts_with("kvmesh_worker_failovers"))
     })
     .unwrap();

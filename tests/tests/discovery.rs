@@ -5,17 +5,13 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use kvmesh_testkit::http;
+use kvmesh_testkit::e2e::{generate, served, sync, FAST};
 use kvmesh_testkit::kube_fake::{pod, FakeKube};
 use kvmesh_testkit::{free_port, repo_root, wait_until, ControlPlane, Envoy, EnvoyOptions, Sim};
 use serde_json::{json, Value};
 
-fn workers(cp: &ControlPlane) -> Vec<Value> {
-    http::get(&cp.url("/workers")).unwrap().json().unwrap().as_array().cloned().unwrap_or_default()
-}
-
 fn urls(cp: &ControlPlane) -> HashSet<String> {
-    workers(cp).iter().map(|w| w["url"].as_str().unwrap().to_string()).collect()
+    cp.workers().iter().map(|w| w["url"].as_str().unwrap().to_string()).collect()
 }
 
 fn wait_for_urls(cp: &ControlPlane, want: &[String]) {
@@ -43,21 +39,12 @@ fn watching(kube: &FakeKube, port: u16, extra: &[&str]) -> ControlPlane {
     ControlPlane::start_with_env(free_port().unwrap(), free_port().unwrap(), &args, &env).unwrap()
 }
 
-/// Waits until the gateway has applied everything the control plane has pushed.
-fn sync(cp: &ControlPlane, envoy: &Envoy) {
-    let v = cp.settled_version().unwrap();
-    wait_until("the gateway to catch up", Duration::from_secs(20), || {
-        envoy.stat("wasmcustom.kvmesh_snapshot_version").ok().flatten().unwrap_or(0) >= v
-    })
-    .unwrap();
-}
-
 #[test]
 fn ready_matching_pods_become_workers_and_leave_when_deleted() {
     let kube = FakeKube::start().unwrap();
     let port = free_port().unwrap();
     let ips = ["127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"];
-    let _sims: Vec<Sim> = ips.iter().map(|ip| Sim::start_at(ip, port, &["--time-scale", "0"]).unwrap()).collect();
+    let _sims: Vec<Sim> = ips.iter().map(|ip| Sim::start_at(ip, port, FAST).unwrap()).collect();
     let app = [("app", "sglang")];
     kube.apply(pod("default", "w2", ips[0], true, &app, &[]));
     kube.apply(pod("default", "w3", ips[1], true, &app, &[]));
@@ -72,10 +59,7 @@ fn ready_matching_pods_become_workers_and_leave_when_deleted() {
     let envoy = synced_gateway(&cp, "envoy/envoy.yaml", json!({"worker_urls": []}));
     let mut seen = HashSet::new();
     for i in 0..8 {
-        let r = http::post_json(&envoy.url("/generate"), &json!({"text": format!("{i} {}", "prompt ".repeat(30))}))
-            .unwrap();
-        assert_eq!(r.status, 200, "{}", r.text());
-        seen.insert(r.header("x-sim-worker").unwrap().to_string());
+        seen.insert(served(&generate(&envoy, &format!("{i} {}", "prompt ".repeat(30)))));
     }
     let allowed: HashSet<String> = [ips[0], ips[1]].iter().map(|ip| format!("{ip}:{port}")).collect();
     assert!(seen.is_subset(&allowed), "{seen:?}");
@@ -87,15 +71,8 @@ fn ready_matching_pods_become_workers_and_leave_when_deleted() {
     wait_for_urls(&cp, &[url(ips[1]), url(ips[2])]);
     sync(&cp, &envoy);
     for i in 0..8 {
-        let r =
-            http::post_json(&envoy.url("/generate"), &json!({"text": format!("after {i} {}", "prompt ".repeat(30))}))
-                .unwrap();
-        assert_eq!(r.status, 200, "{}", r.text());
-        assert_ne!(
-            r.header("x-sim-worker"),
-            Some(format!("{}:{port}", ips[0]).as_str()),
-            "a deleted pod gets no traffic"
-        );
+        let w = served(&generate(&envoy, &format!("after {i} {}", "prompt ".repeat(30))));
+        assert_ne!(w, format!("{}:{port}", ips[0]), "a deleted pod gets no traffic");
     }
 }
 
@@ -107,11 +84,9 @@ fn pd_roles_and_bootstrap_ports_come_from_labels_and_annotations() {
     let boot_arg = boot.to_string();
     let (prefill_ip, decode_ip) = ("127.0.0.7", "127.0.0.8");
     let _prefill =
-        Sim::start_at(prefill_ip, port, &["--role", "prefill", "--bootstrap-port", &boot_arg, "--time-scale", "0"])
+        Sim::start_at(prefill_ip, port, &[FAST, &["--role", "prefill", "--bootstrap-port", &boot_arg]].concat())
             .unwrap();
-    let _decode =
-        Sim::start_at(decode_ip, port, &["--role", "decode", "--time-scale", "0", "--bootstrap-timeout-ms", "3000"])
-            .unwrap();
+    let _decode = Sim::start_at(decode_ip, port, &[FAST, &["--role", "decode"]].concat()).unwrap();
     kube.apply(pod(
         "default",
         "p",
@@ -124,17 +99,16 @@ fn pd_roles_and_bootstrap_ports_come_from_labels_and_annotations() {
 
     let cp = watching(&kube, port, &["--pd-disaggregation"]);
     wait_for_urls(&cp, &[format!("http://{prefill_ip}:{port}"), format!("http://{decode_ip}:{port}")]);
-    let listed = workers(&cp);
+    let listed = cp.workers();
     let prefill = listed.iter().find(|w| w["role"] == "prefill").expect("a prefill worker");
     assert_eq!(prefill["bootstrap_port"], boot);
     assert!(listed.iter().any(|w| w["role"] == "decode"));
 
     // And requests are served through the discovered pair.
     let envoy = synced_gateway(&cp, "envoy/envoy-pd.yaml", json!({"prefill": [], "decode": []}));
-    let r = http::post_json(&envoy.url("/generate"), &json!({"text": "discovered PD"})).unwrap();
-    assert_eq!(r.status, 200, "{}", r.text());
+    let r = generate(&envoy, "discovered PD");
+    assert_eq!(served(&r), format!("{decode_ip}:{port}"));
     assert_eq!(r.header("x-kvmesh-prefill"), Some(format!("{prefill_ip}:{port}").as_str()));
-    assert_eq!(r.header("x-kvmesh-worker"), Some(format!("{decode_ip}:{port}").as_str()));
 }
 
 /// `--state-file` with discovered workers: a restarted control plane finds the same pods under
@@ -145,7 +119,7 @@ fn a_restarted_control_plane_keeps_discovered_workers_ids_and_their_prefixes() {
     let kube = FakeKube::start().unwrap();
     let port = free_port().unwrap();
     let ips = ["127.0.0.2", "127.0.0.3", "127.0.0.4"];
-    let _sims: Vec<Sim> = ips.iter().map(|ip| Sim::start_at(ip, port, &["--time-scale", "0"]).unwrap()).collect();
+    let _sims: Vec<Sim> = ips.iter().map(|ip| Sim::start_at(ip, port, FAST).unwrap()).collect();
     let app = [("app", "sglang")];
     let dir = kvmesh_testkit::scratch_dir("discovery-state").unwrap();
     let file = dir.path().join("state.json");
@@ -163,7 +137,7 @@ fn a_restarted_control_plane_keeps_discovered_workers_ids_and_their_prefixes() {
     wait_for_urls(&cp, &[url(ips[1]), url(ips[2])]);
     let ids = |cp: &ControlPlane| -> Vec<(String, u64)> {
         let mut v: Vec<(String, u64)> =
-            workers(cp).iter().map(|w| (w["url"].as_str().unwrap().to_string(), w["id"].as_u64().unwrap())).collect();
+            cp.workers().iter().map(|w| (w["url"].as_str().unwrap().to_string(), w["id"].as_u64().unwrap())).collect();
         v.sort();
         v
     };
@@ -172,12 +146,11 @@ fn a_restarted_control_plane_keeps_discovered_workers_ids_and_their_prefixes() {
 
     let envoy = synced_gateway(&cp, "envoy/envoy.yaml", json!({"worker_urls": []}));
     let prefix = "a conversation with a long shared history ".repeat(12);
-    let ask = |tail: &str| {
-        let r = http::post_json(&envoy.url("/generate"), &json!({"text": format!("{prefix}{tail}")})).unwrap();
-        assert_eq!(r.status, 200, "{}", r.text());
-        r.header("x-sim-worker").unwrap().to_string()
-    };
+    let ask = |tail: &str| served(&generate(&envoy, &format!("{prefix}{tail}")));
     let home = ask("before");
+    let home_url = Some(format!("http://{home}"));
+    wait_until("the control plane to learn the prefix", Duration::from_secs(10), || cp.holder(&prefix) == home_url)
+        .unwrap();
 
     cp.restart().unwrap();
     wait_until(
@@ -186,6 +159,13 @@ fn a_restarted_control_plane_keeps_discovered_workers_ids_and_their_prefixes() {
         || ids(&cp) == before,
     )
     .unwrap_or_else(|e| panic!("{e}: {:?} (before: {before:?})", ids(&cp)));
+    // The gateway reconnects and re-reports its index under the ids of the table it got.
+    wait_until("the gateway to re-report the prefix", Duration::from_secs(20), || cp.holder(&prefix) == home_url)
+        .unwrap();
     sync(&cp, &envoy);
+    // Found in the gateway's index under the same worker id: a cache hit at the same worker
+    // (a fresh placement would choose between the two by the prefix's hash alone).
+    let hits = envoy.cache_hits();
     assert_eq!(ask("after the restart"), home, "the prefix stays with its worker");
+    assert_eq!(envoy.cache_hits(), hits + 1, "the prefix is a cache hit after the restart");
 }

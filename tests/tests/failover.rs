@@ -6,34 +6,23 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use kvmesh_testkit::e2e::{control_plane, sims, sync, HANG};
 use kvmesh_testkit::{http, wait_until, ControlPlane, Envoy, EnvoyOptions, Sim};
 use serde_json::{json, Value};
 
-/// The `ip:port`s of the workers' cluster that Envoy considers usable (from `/clusters`).
-fn usable_endpoints(envoy: &Envoy) -> Vec<String> {
-    let text = http::get(&envoy.admin_url("/clusters")).map(|r| r.text()).unwrap_or_default();
-    text.lines()
-        .filter_map(|l| l.strip_prefix("kvmesh_workers::"))
-        .filter_map(|l| l.strip_suffix("::health_flags::healthy"))
-        .map(String::from)
-        .collect()
-}
-
-/// Four sims, kvmesh-cp with fast health checks, an Envoy on kvmesh-cp; returns once Envoy's
-/// cluster and the filter both know every worker.
-fn stack(sim_args: &[&str], cp_args: &[&str]) -> (Vec<Sim>, ControlPlane, Envoy) {
-    let sims: Vec<Sim> = (0..4).map(|_| Sim::start(sim_args).unwrap()).collect();
+/// Four sims, kvmesh-cp with fast health checks, an Envoy with `threads` worker threads on
+/// kvmesh-cp; returns once Envoy's cluster and the filter both know every worker.
+fn stack(sim_args: &[&str], cp_args: &[&str], threads: u32) -> (Vec<Sim>, ControlPlane, Envoy) {
+    let sims = sims(4, sim_args);
+    let health = ["--health-check-interval-secs", "1", "--health-failure-threshold", "1"];
+    let cp = control_plane(&sims, &[&health[..], cp_args].concat());
     let urls: Vec<String> = sims.iter().map(Sim::url).collect();
-    let mut args: Vec<&str> = vec!["--worker-urls"];
-    args.extend(urls.iter().map(String::as_str));
-    args.extend(["--health-check-interval-secs", "1", "--health-failure-threshold", "1"]);
-    args.extend(cp_args);
-    let cp = ControlPlane::start(&args).unwrap();
     let mut opts = EnvoyOptions::new(json!({"worker_urls": urls})).unwrap();
     opts.use_control_plane(&cp);
+    opts.concurrency = threads;
     let envoy = Envoy::start(&opts).unwrap();
     wait_until("Envoy's cluster to list the four workers", Duration::from_secs(20), || {
-        usable_endpoints(&envoy).len() == 4
+        envoy.healthy_endpoints().len() == 4
     })
     .unwrap();
     (sims, cp, envoy)
@@ -65,7 +54,7 @@ fn percentile(mut v: Vec<Duration>, p: f64) -> Duration {
 /// request may be lost: every one is answered 200 by a live worker.
 #[test]
 fn a_worker_killed_under_load_loses_no_request() {
-    let (mut sims, _cp, envoy) = stack(&["--time-scale", "1"], &[]);
+    let (mut sims, _cp, envoy) = stack(&["--time-scale", "1"], &[], 2);
     let victim = sims[0].addr();
     const TOTAL: usize = 800;
     const CLIENTS: usize = 8;
@@ -143,7 +132,7 @@ fn a_worker_killed_under_load_loses_no_request() {
     let before: Vec<Duration> =
         samples.iter().filter(|s| s.started + s.latency < killed_at).map(|s| s.latency).collect();
     let retries = envoy.stat("cluster.kvmesh_workers.upstream_rq_retry").unwrap().unwrap_or(0);
-    let failovers = envoy.stat("wasmcustom.kvmesh_failovers_total").unwrap().unwrap_or(0);
+    let failovers = envoy.filter_stat("kvmesh_failovers_total");
     eprintln!(
         "kill test: sent {} lost {} envoy retries {retries} filter-seen failovers {failovers}; p99 before {:?}, \
          p99 of requests in flight or started within 3 s of the kill {:?} (n={}); stream on the victim ended {:?} after the kill",
@@ -158,19 +147,23 @@ fn a_worker_killed_under_load_loses_no_request() {
     assert!(lost.is_empty(), "{} lost, e.g. status {} {}", lost.len(), lost[0].status, lost[0].body);
     assert!(after.iter().all(|s| s.worker != victim), "a dead worker served");
     assert!(retries >= 1 && failovers >= 1, "requests on the dying worker were failed over");
-    assert!(stream_took < Duration::from_secs(15), "the stream on the dead worker hung ({stream_took:?})");
+    assert!(stream_took < HANG, "the stream on the dead worker hung ({stream_took:?})");
     assert_ne!(last.trim(), "[DONE]", "a stream cut by the worker's death cannot end cleanly");
 }
 
 /// One worker freezes (SIGSTOP: connections are accepted, nothing answers) under load. New
-/// requests leave it within seconds (the filter's stall window, then kvmesh-cp's health
-/// checks); the requests it holds end in a JSON 504 at the request timeout.
+/// requests leave it within seconds (the filter's stall window; kvmesh-cp's health checks,
+/// which time out only after a minute here, cannot); the requests it holds end in a JSON 504
+/// at the request timeout.
 #[test]
 fn a_frozen_worker_is_left_within_seconds_and_its_requests_end_in_a_json_504() {
     let timeout = Duration::from_secs(4);
+    // One Envoy thread: each VM watches the requests it sent itself, and a second one could
+    // send its first there after the first VM's requests timed out.
     let (mut sims, _cp, envoy) = stack(
         &["--time-scale", "1"],
-        &["--worker-stall-secs", "2", "--request-timeout-secs", "4", "--health-check-timeout-secs", "2"],
+        &["--worker-stall-secs", "2", "--request-timeout-secs", "4", "--health-check-timeout-secs", "60"],
+        1,
     );
     let frozen = sims[0].addr();
     let stop = std::process::Command::new("kill").args(["-STOP", &sims[0].proc().pid().to_string()]).status().unwrap();
@@ -222,12 +215,15 @@ fn a_frozen_worker_is_left_within_seconds_and_its_requests_end_in_a_json_504() {
         let v: Value = serde_json::from_str(&s.body).unwrap();
         assert_eq!(v["error"]["code"], "upstream_timeout", "{v}");
         assert!(v["error"]["message"].as_str().unwrap().contains(&frozen), "{v}");
-        assert!(s.latency < timeout + Duration::from_secs(2), "held {:?}", s.latency);
+        assert!(s.latency < 10 * timeout, "held {:?}", s.latency);
     }
-    // Past the stall window (2 s) only a probe per VM may go there, until kvmesh-cp's health
-    // check (2 s timeout) takes it out for good.
-    let late = held.iter().filter(|s| s.started.duration_since(frozen_at) > Duration::from_secs(3)).count();
-    assert!(late <= 2, "{late} requests went to the frozen worker more than 3 s after it froze");
+    // The first 504 comes back a request timeout (4 s) after the first request went there,
+    // past the stall window (2 s): from then on only a probe may go there, once every request
+    // it held has timed out and a window passed. Without the stall window the requests of the
+    // prefixes it holds would go on going there.
+    let first_504 = held.iter().map(|s| s.started + s.latency).min().unwrap();
+    let late = held.iter().filter(|s| s.started > first_504).count();
+    assert!(late <= 1, "{late} requests went to the frozen worker after its first request timed out");
     let others: Vec<&Sample> = samples.iter().filter(|s| s.worker != frozen).collect();
     assert!(others.len() > held.len(), "the other workers served the load");
     assert!(others.iter().all(|s| s.status == 200), "{:?}", others.iter().find(|s| s.status != 200).map(|s| &s.body));
@@ -238,17 +234,14 @@ fn a_frozen_worker_is_left_within_seconds_and_its_requests_end_in_a_json_504() {
 #[test]
 fn overloaded_workers_are_passed_over_then_the_gateway_sheds() {
     // Each sim decodes one request at a time, slowly: a few long requests fill its queue.
-    let slow = ["--time-scale", "1", "--max-running", "1", "--decode-ms-per-token", "20"];
-    let sims: Vec<Sim> = (0..2).map(|_| Sim::start(&slow).unwrap()).collect();
+    let sims = sims(2, &["--time-scale", "1", "--max-running", "1", "--decode-ms-per-token", "20"]);
     let urls: Vec<String> = sims.iter().map(Sim::url).collect();
-    let mut args: Vec<&str> = vec!["--worker-urls"];
-    args.extend(urls.iter().map(String::as_str));
-    args.extend(["--load-poll-interval-ms", "100", "--overload-waiting-requests", "2", "--policy", "round_robin"]);
-    let cp = ControlPlane::start(&args).unwrap();
+    let flags = ["--load-poll-interval-ms", "100", "--overload-waiting-requests", "2", "--policy", "round_robin"];
+    let cp = control_plane(&sims, &flags);
     let mut opts = EnvoyOptions::new(json!({"worker_urls": urls})).unwrap();
     opts.use_control_plane(&cp);
     let envoy = Envoy::start(&opts).unwrap();
-    wait_until("Envoy's cluster to list the workers", Duration::from_secs(20), || usable_endpoints(&envoy).len() == 2)
+    wait_until("Envoy's cluster to list the workers", Duration::from_secs(20), || envoy.healthy_endpoints().len() == 2)
         .unwrap();
     // Fill the first worker's queue directly (not through the gateway).
     let long = json!({"text": "long", "sampling_params": {"max_new_tokens": 400}});
@@ -261,22 +254,9 @@ fn overloaded_workers_are_passed_over_then_the_gateway_sheds() {
             .collect()
     };
     let mut hogs = fill(&sims[0], 5);
-    let waiting = |i: usize| -> u64 {
-        let workers = http::get(&cp.url("/workers")).unwrap().json().unwrap();
-        workers
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|w| w["url"] == urls[i])
-            .and_then(|w| w["waiting"].as_u64())
-            .unwrap_or(0)
-    };
+    let waiting = |i: usize| cp.worker(&urls[i])["waiting"].as_u64().unwrap_or(0);
     wait_until("kvmesh-cp to see the first queue", Duration::from_secs(10), || waiting(0) > 2).unwrap();
-    let version = cp.settled_version().unwrap();
-    wait_until("the filter to apply that snapshot", Duration::from_secs(10), || {
-        envoy.stat("wasmcustom.kvmesh_snapshot_version").ok().flatten().unwrap_or(0) >= version
-    })
-    .unwrap();
+    sync(&cp, &envoy);
     let url = envoy.url("/generate");
     wait_until("the filter to pass over the full worker", Duration::from_secs(10), || {
         (0..4).all(|i| {
@@ -290,11 +270,7 @@ fn overloaded_workers_are_passed_over_then_the_gateway_sheds() {
     hogs.extend(fill(&sims[1], 5));
     wait_until("kvmesh-cp to see the second queue", Duration::from_secs(10), || waiting(1) > 2).unwrap();
     // ... and the filter to have it (a request routed before would wait behind the hogs).
-    let version = cp.settled_version().unwrap();
-    wait_until("the filter to apply that snapshot", Duration::from_secs(10), || {
-        envoy.stat("wasmcustom.kvmesh_snapshot_version").ok().flatten().unwrap_or(0) >= version
-    })
-    .unwrap();
+    sync(&cp, &envoy);
     let mut shed = None;
     wait_until("the gateway to shed", Duration::from_secs(10), || {
         let r = http::post_json(&url, &json!({"text": "more", "sampling_params": {"max_new_tokens": 1}})).unwrap();
@@ -317,7 +293,7 @@ fn overloaded_workers_are_passed_over_then_the_gateway_sheds() {
 /// gateway back (its stream and Envoy's endpoint discovery reconnect).
 #[test]
 fn the_control_plane_killed_and_restarted_under_load_loses_no_request() {
-    let (_sims, mut cp, envoy) = stack(&["--time-scale", "0.2"], &[]);
+    let (_sims, mut cp, envoy) = stack(&["--time-scale", "0.2"], &[], 2);
     let url = envoy.url("/generate");
     let done = Arc::new(AtomicUsize::new(0));
     let next = Arc::new(AtomicUsize::new(0));
@@ -359,7 +335,7 @@ fn the_control_plane_killed_and_restarted_under_load_loses_no_request() {
     let failed = failed.lock().unwrap();
     eprintln!("control plane restart: {} requests, {} failed", done.load(Ordering::SeqCst), failed.len());
     assert!(failed.is_empty(), "{} failed, e.g. {}", failed.len(), failed[0]);
-    assert_eq!(usable_endpoints(&envoy).len(), 4, "Envoy kept (and got back) the workers");
+    assert_eq!(envoy.healthy_endpoints().len(), 4, "Envoy kept (and got back) the workers");
 }
 
 /// The workers' cluster's `max_requests` caps what one Envoy sends at once
@@ -377,17 +353,15 @@ fn past_the_concurrency_limit_requests_get_a_json_429() {
             http::post_json(&url, &json!({"text": "long", "sampling_params": {"max_new_tokens": 200}})).unwrap().status
         })
     };
-    wait_until("the long request in flight", Duration::from_secs(10), || {
-        envoy.stat("wasmcustom.kvmesh_in_flight").ok().flatten() == Some(1)
-    })
-    .unwrap();
-    let started = Instant::now();
+    wait_until("the long request in flight", Duration::from_secs(10), || envoy.in_flight() == Some(1)).unwrap();
     let r = http::post_json(&url, &json!({"text": "one too many", "sampling_params": {"max_new_tokens": 1}})).unwrap();
     assert_eq!(r.status, 429, "{}", r.text());
     assert_eq!(r.header("retry-after"), Some("1"));
     assert_eq!(r.json().unwrap()["error"]["code"], "too_many_requests");
-    assert!(started.elapsed() < Duration::from_secs(1), "answered at once");
+    // Answered at once: while the request within the limit (4 s) is still in flight.
+    assert!(!long.is_finished(), "the 429 came only after the long request ended");
     assert_eq!(long.join().unwrap(), 200, "the request within the limit is served");
+    assert_eq!(sim.stats().unwrap()["requests"], 1, "the refused request never reached the worker");
     let r = http::post_json(&url, &json!({"text": "room again", "sampling_params": {"max_new_tokens": 1}})).unwrap();
     assert_eq!(r.status, 200);
 }
@@ -397,13 +371,10 @@ fn past_the_concurrency_limit_requests_get_a_json_429() {
 /// drains and exits, and the new one routes with kvmesh-cp's table (the added worker too).
 #[test]
 fn an_envoy_configuration_reload_under_load_loses_no_request() {
-    let sims: Vec<Sim> = (0..4).map(|_| Sim::start(&["--time-scale", "0.2"]).unwrap()).collect();
+    let sims = sims(4, &["--time-scale", "0.2"]);
     let urls: Vec<String> = sims.iter().map(Sim::url).collect();
     // Three workers at first; the fourth is added through the API during the reload.
-    let mut args: Vec<&str> = vec!["--worker-urls"];
-    args.extend(urls[..3].iter().map(String::as_str));
-    args.extend(["--health-check-interval-secs", "1"]);
-    let cp = ControlPlane::start(&args).unwrap();
+    let cp = control_plane(&sims[..3], &["--health-check-interval-secs", "1"]);
     let base_id = kvmesh_testkit::free_port().unwrap() as u32;
     let mut opts = EnvoyOptions::new(json!({"worker_urls": urls[..3]})).unwrap();
     opts.use_control_plane(&cp);
@@ -452,7 +423,7 @@ fn an_envoy_configuration_reload_under_load_loses_no_request() {
     wait_until("the old Envoy to drain and exit", Duration::from_secs(30), || old.proc().exited().is_some()).unwrap();
     assert!(new.proc().exited().is_none(), "the new Envoy runs: {}", new.proc().log_tail());
     wait_until("the new Envoy's cluster to list the added worker", Duration::from_secs(30), || {
-        usable_endpoints(&new).contains(&sims[3].addr())
+        new.healthy_endpoints().contains(&sims[3].addr())
     })
     .unwrap();
     wait_until("the added worker to serve through the new Envoy", Duration::from_secs(30), || {

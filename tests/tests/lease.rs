@@ -7,7 +7,8 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use kvmesh_testkit::http::{self, Response};
+use kvmesh_testkit::e2e::{control_plane, gateway_with, generate, sims, worker_of};
+use kvmesh_testkit::http;
 use kvmesh_testkit::{crash_wasm_path, prom, wait_until, ControlPlane, Envoy, EnvoyOptions, Sim};
 use serde_json::json;
 
@@ -18,10 +19,6 @@ const TAKEN_BACK: &str = "a VM that died had ";
 /// Slow requests in flight when the third owner traps.
 const SLOW: usize = 6;
 
-fn generate(envoy: &Envoy, text: &str) -> Response {
-    http::post_json(&envoy.url("/generate"), &json!({"text": text, "sampling_params": {"max_new_tokens": 1}})).unwrap()
-}
-
 /// Sends one request; true when a worker served it (200 through the gateway). While a
 /// trapped worker-thread VM awaits its reload, its thread answers a JSON 503 that reached no
 /// worker, and that is the only other answer allowed.
@@ -29,8 +26,7 @@ fn send(envoy: &Envoy, text: &str) -> bool {
     let r = generate(envoy, text);
     match r.status {
         200 => {
-            let worker = r.header("x-kvmesh-worker").expect("a served request names its worker");
-            assert_eq!(Some(worker), r.header("x-sim-worker"));
+            worker_of(&r);
             true
         }
         503 => {
@@ -47,7 +43,7 @@ fn stat(envoy: &Envoy, name: &str) -> u64 {
 
 /// kvmesh-cp's per-worker `(requests, in flight)` from `/metrics`, in `sims` order.
 fn cp_counts(cp: &ControlPlane, sims: &[Sim]) -> Vec<(u64, u64)> {
-    let text = http::get(&cp.url("/metrics")).unwrap().text();
+    let text = cp.metrics();
     sims.iter()
         .map(|s| {
             let labels = format!(r#"{{worker="{}",role="regular"}}"#, s.url());
@@ -59,25 +55,18 @@ fn cp_counts(cp: &ControlPlane, sims: &[Sim]) -> Vec<(u64, u64)> {
 }
 
 fn cp_reports(cp: &ControlPlane) -> f64 {
-    prom::value(&http::get(&cp.url("/metrics")).unwrap().text(), "kvmesh_reports_total").unwrap_or(0.0)
+    cp.metric("kvmesh_reports_total").unwrap_or(0.0)
 }
 
 #[test]
 fn a_lease_move_between_vms_counts_every_served_request_once_and_in_flight_returns_to_zero() {
     // Real time scale: one output token takes ~10 ms, 600 take seconds.
-    let sims: Vec<Sim> = (0..3).map(|_| Sim::start(&[]).unwrap()).collect();
-    let mut flags = vec!["--worker-urls".to_string()];
-    flags.extend(sims.iter().map(Sim::url));
-    let cp = ControlPlane::start(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    let sims = sims(3, &[]);
+    let cp = control_plane(&sims, &[]);
     let mut opts = EnvoyOptions::new(json!({"worker_urls": []})).unwrap();
-    opts.use_control_plane(&cp);
     opts.wasm = crash_wasm_path();
     opts.concurrency = 2;
-    let mut envoy = Envoy::start(&opts).unwrap();
-    wait_until("the first snapshot applied", Duration::from_secs(20), || {
-        stat(&envoy, "wasmcustom.kvmesh_snapshot_version") >= 1
-    })
-    .unwrap();
+    let mut envoy = gateway_with(&cp, opts);
     // One VM owns the lease: one Watch and one Report stream.
     wait_until("the lease owner's streams", Duration::from_secs(10), || stat(&envoy, CP_STREAMS) >= 2).unwrap();
     let streams_before = stat(&envoy, CP_STREAMS);
@@ -177,15 +166,8 @@ fn a_lease_move_between_vms_counts_every_served_request_once_and_in_flight_retur
     let reports = cp_reports(&cp);
     wait_until("two more reports", Duration::from_secs(10), || cp_reports(&cp) >= reports + 2.0).unwrap();
     let counted = cp_counts(&cp, &sims);
-    let ids: HashMap<u64, String> = http::get(&cp.url("/workers"))
-        .unwrap()
-        .json()
-        .unwrap()
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|w| (w["id"].as_u64().unwrap(), w["url"].as_str().unwrap().to_string()))
-        .collect();
+    let ids: HashMap<u64, String> =
+        cp.workers().iter().map(|w| (w["id"].as_u64().unwrap(), w["url"].as_str().unwrap().to_string())).collect();
     // Per worker: what the sim served less what was taken back (Envoy's log is read until it
     // shows as much, in case its last lines are not written yet).
     let expected = |taken_back: &HashMap<String, u64>| -> Vec<u64> {

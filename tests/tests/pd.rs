@@ -5,8 +5,9 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
+use kvmesh_testkit::e2e::{fast_decode, fast_prefill, generate, generate_tokens, pd_options, HANG};
 use kvmesh_testkit::http::{self, Response};
-use kvmesh_testkit::{free_port, repo_root, Envoy, EnvoyOptions, Sim};
+use kvmesh_testkit::{free_port, wait_until, Envoy, Sim};
 use serde_json::{json, Value};
 
 struct Pd {
@@ -24,40 +25,19 @@ fn pd_stack(prefills: usize, decodes: usize, filter: Value) -> Pd {
 
 /// The same, on kvmesh's native build (`libkvmesh_native.so`) when `native`.
 fn pd_stack_on(prefills: usize, decodes: usize, filter: Value, native: bool) -> Pd {
-    let boot0 = free_port().unwrap();
-    let mut prefill = Vec::new();
-    for i in 0..prefills {
-        let boot = if i == 0 { boot0 } else { free_port().unwrap() };
-        let sim =
-            Sim::start(&["--role", "prefill", "--bootstrap-port", &boot.to_string(), "--time-scale", "0"]).unwrap();
-        prefill.push((sim, (i > 0).then_some(boot)));
-    }
-    // With `none`, the decode worker falls back to its default port: the first prefill's.
-    let default = boot0.to_string();
-    let decode: Vec<Sim> = (0..decodes)
-        .map(|_| {
-            let args = [
-                "--role",
-                "decode",
-                "--time-scale",
-                "0",
-                "--default-bootstrap-port",
-                &default,
-                "--bootstrap-timeout-ms",
-                "3000",
-            ];
-            Sim::start(&args).unwrap()
+    let prefill: Vec<(Sim, Option<u16>)> = (0..prefills)
+        .map(|i| {
+            let sim = fast_prefill();
+            let announced = sim.bootstrap_port.filter(|_| i > 0);
+            (sim, announced)
         })
         .collect();
+    // With `none`, the decode worker falls back to its default port: the first prefill's.
+    let decode: Vec<Sim> = (0..decodes).map(|_| fast_decode(prefill.first().map(|(s, _)| s))).collect();
     let mut filter = filter;
     filter["prefill"] = json!(prefill.iter().map(|(s, p)| json!([s.url(), p])).collect::<Vec<_>>());
     filter["decode"] = json!(decode.iter().map(Sim::url).collect::<Vec<_>>());
-    let mut opts = EnvoyOptions::new(filter).unwrap();
-    opts.template = repo_root().join("envoy/envoy-pd.yaml");
-    if native {
-        opts.native_module = Some(repo_root().join("target/release/libkvmesh_native.so"));
-    }
-    let envoy = Envoy::start(&opts).unwrap();
+    let envoy = Envoy::start(&pd_options(filter, native)).unwrap();
     Pd { prefill, decode, envoy }
 }
 
@@ -248,25 +228,43 @@ fn logprobs_merge(native: bool) {
     }
 }
 
+/// Decode legs go to the less loaded of two decode workers (`power_of_two`, PD's default), and
+/// the shared prefix keeps its prefill worker.
 #[test]
 fn shared_prefixes_keep_their_prefill_worker_while_decode_spreads() {
-    let pd = pd_stack(2, 2, json!({}));
+    let prefill = [fast_prefill(), fast_prefill()];
+    // Decode workers that stream for many seconds: every request sent below stays in flight.
+    let slow = ["--time-scale", "1", "--decode-ms-per-token", "20", "--batch-slowdown", "0"];
+    let decode: Vec<Sim> = (0..2).map(|_| Sim::decode(&slow).unwrap()).collect();
+    let mut opts = pd_options(
+        json!({
+            "prefill": prefill.iter().map(|p| json!([p.url(), p.bootstrap_port])).collect::<Vec<_>>(),
+            "decode": decode.iter().map(Sim::url).collect::<Vec<_>>(),
+        }),
+        false,
+    );
+    opts.concurrency = 1;
+    let envoy = Envoy::start(&opts).unwrap();
     let system = "You are a code reviewer. Be specific and cite line numbers. ".repeat(20);
     let mut prefills = HashSet::new();
-    let mut decodes = HashSet::new();
-    for i in 0..16 {
-        let r = send(
-            &pd,
-            "/generate",
-            &json!({"text": format!("{system}Review change {i}."), "sampling_params": {"max_new_tokens": 1}}),
-            &format!("sp-{i}"),
-        );
-        let (p, d) = legs(&r);
-        prefills.insert(p);
-        decodes.insert(d);
+    let mut held = Vec::new();
+    // In each pair the first request finds both decode workers equally loaded, the second
+    // finds the first's worker one request ahead and must go to the other. Random choices
+    // would pass all 14 pairs with probability 2^-14 = 6.1e-5.
+    for pair in 0..14 {
+        let mut decodes = Vec::new();
+        for i in [2 * pair, 2 * pair + 1] {
+            let body = json!({"text": format!("{system}Review change {i}."), "stream": true,
+                              "sampling_params": {"max_new_tokens": 2000}});
+            let s = http::post_streaming(&envoy.url("/generate"), &body).unwrap();
+            assert_eq!(s.status, 200, "request {i}");
+            prefills.insert(s.header("x-kvmesh-prefill").expect("a prefill leg").to_string());
+            decodes.push(s.header("x-kvmesh-worker").expect("a decode worker").to_string());
+            held.push(s);
+        }
+        assert_ne!(decodes[0], decodes[1], "pair {pair}: the second went to the more loaded decode worker");
     }
     assert_eq!(prefills.len(), 1, "{prefills:?}");
-    assert_eq!(decodes.len(), 2, "power of two spreads decode load: {decodes:?}");
 }
 
 fn assert_prefill_error(r: &Response, prefill: &str) {
@@ -290,41 +288,29 @@ fn the_native_build_answers_a_dead_prefill_worker_with_502_then_avoids_it() {
 }
 
 fn dead_prefill_worker(native: bool) {
-    let live_boot = free_port().unwrap();
-    let live =
-        Sim::start(&["--role", "prefill", "--bootstrap-port", &live_boot.to_string(), "--time-scale", "0"]).unwrap();
-    let decode = Sim::start(&["--role", "decode", "--time-scale", "0", "--bootstrap-timeout-ms", "3000"]).unwrap();
+    let live = fast_prefill();
+    let decode = fast_decode(None);
     let dead = format!("127.0.0.1:{}", free_port().unwrap());
     let filter = json!({
-        "prefill": [[live.url(), live_boot], [format!("http://{dead}"), 1]],
+        "prefill": [[live.url(), live.bootstrap_port], [format!("http://{dead}"), 1]],
         "decode": [decode.url()],
         "prefill_policy": "round_robin",
         "cb_failure_threshold": 1,
     });
-    let mut opts = EnvoyOptions::new(filter).unwrap();
-    opts.template = repo_root().join("envoy/envoy-pd.yaml");
+    let mut opts = pd_options(filter, native);
     opts.concurrency = 1;
-    if native {
-        opts.native_module = Some(repo_root().join("target/release/libkvmesh_native.so"));
-    }
     let envoy = Envoy::start(&opts).unwrap();
 
     let mut failures = 0;
     for i in 0..8 {
-        let started = Instant::now();
-        let r = http::post_json(
-            &envoy.url("/generate"),
-            &json!({"text": format!("prompt {i}"), "sampling_params": {"max_new_tokens": 1}}),
-        )
-        .unwrap();
+        let r = generate(&envoy, &format!("prompt {i}"));
         if r.status == 200 {
             assert_eq!(r.header("x-kvmesh-prefill"), Some(live.addr().as_str()));
         } else {
+            // The gateway's own answer for the prefill leg (not the decode worker's, whose
+            // bootstrap fetch from the dead worker fails too).
             assert_prefill_error(&r, &dead);
-            assert!(
-                started.elapsed() < Duration::from_secs(2),
-                "the failure is reported at once, not after the decode gives up"
-            );
+            assert_eq!(r.header("x-sim-worker"), None, "{}", r.text());
             failures += 1;
         }
     }
@@ -333,28 +319,16 @@ fn dead_prefill_worker(native: bool) {
 
 #[test]
 fn a_failing_prefill_worker_gives_502_naming_it() {
-    let boot = free_port().unwrap();
-    let failing = Sim::start(&[
-        "--role",
-        "prefill",
-        "--bootstrap-port",
-        &boot.to_string(),
-        "--time-scale",
-        "0",
-        "--fail-rate",
-        "1",
-    ])
-    .unwrap();
-    let decode = Sim::start(&["--role", "decode", "--time-scale", "0", "--bootstrap-timeout-ms", "3000"]).unwrap();
-    let filter = json!({"prefill": [[failing.url(), boot]], "decode": [decode.url()]});
-    let mut opts = EnvoyOptions::new(filter).unwrap();
-    opts.template = repo_root().join("envoy/envoy-pd.yaml");
-    let envoy = Envoy::start(&opts).unwrap();
+    let failing = Sim::prefill(&["--time-scale", "0", "--fail-rate", "1"]).unwrap();
+    // The decode leg would wait a minute for the KV the failed prefill never publishes.
+    let decode = Sim::decode(&["--time-scale", "0", "--bootstrap-timeout-ms", "60000"]).unwrap();
+    let filter = json!({"prefill": [[failing.url(), failing.bootstrap_port]], "decode": [decode.url()]});
+    let envoy = Envoy::start(&pd_options(filter, false)).unwrap();
     let started = Instant::now();
     let r = http::post_json(&envoy.url("/generate"), &json!({"text": "hello", "stream": true})).unwrap();
     assert_prefill_error(&r, &failing.addr());
     assert!(r.json().unwrap()["error"]["message"].as_str().unwrap().contains("500"));
-    assert!(started.elapsed() < Duration::from_secs(2));
+    assert!(started.elapsed() < HANG, "answered after {:?}: it waited for the decode leg", started.elapsed());
 }
 
 #[test]
@@ -378,67 +352,48 @@ fn bad_bodies_are_refused_before_any_worker_sees_them() {
 
 /// PD mode with static workers: one live prefill worker, and decode workers at `decodes`
 /// (URLs; dead ones are free ports nobody listens on). One Envoy thread.
-fn pd_with(prefill: &Sim, boot: u16, decodes: &[String], extra: Value) -> Envoy {
-    let mut filter = json!({
-        "prefill": [[prefill.url(), boot]],
+fn pd_with(prefill: &Sim, decodes: &[String]) -> Envoy {
+    let filter = json!({
+        "prefill": [[prefill.url(), prefill.bootstrap_port]],
         "decode": decodes,
         "decode_policy": "round_robin",
     });
-    filter.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
-    let mut opts = EnvoyOptions::new(filter).unwrap();
-    opts.template = repo_root().join("envoy/envoy-pd.yaml");
+    let mut opts = pd_options(filter, false);
     opts.concurrency = 1;
     Envoy::start(&opts).unwrap()
 }
 
 #[test]
 fn a_dead_decode_worker_is_failed_over_to_another_with_the_same_prefill() {
-    let boot = free_port().unwrap();
-    let prefill =
-        Sim::start(&["--role", "prefill", "--bootstrap-port", &boot.to_string(), "--time-scale", "0"]).unwrap();
-    let decode = Sim::start(&["--role", "decode", "--time-scale", "0", "--bootstrap-timeout-ms", "3000"]).unwrap();
+    let prefill = fast_prefill();
+    let decode = fast_decode(None);
     let dead = format!("127.0.0.1:{}", free_port().unwrap());
-    let envoy = pd_with(&prefill, boot, &[decode.url(), format!("http://{dead}")], json!({}));
+    let envoy = pd_with(&prefill, &[decode.url(), format!("http://{dead}")]);
     for i in 0..6 {
-        let body = json!({"text": format!("pd prompt {i}"), "sampling_params": {"max_new_tokens": 2}});
-        let r = http::post_json(&envoy.url("/generate"), &body).unwrap();
+        let r = generate_tokens(&envoy, &format!("pd prompt {i}"), 2);
         assert_eq!(r.status, 200, "{}", r.text());
         assert_eq!(r.header("x-kvmesh-worker"), Some(decode.addr().as_str()), "the live decode worker answered");
         assert_eq!(r.header("x-kvmesh-prefill"), Some(prefill.addr().as_str()));
     }
-    let failovers = envoy.stat("wasmcustom.kvmesh_failovers_total").unwrap().unwrap_or(0);
+    let failovers = envoy.filter_stat("kvmesh_failovers_total");
     assert!(failovers >= 1, "round robin sent some decode legs to the dead worker first");
 }
 
 #[test]
 fn a_failed_decode_leg_ends_the_request_without_waiting_for_the_prefill() {
-    let boot = free_port().unwrap();
-    // A prefill that takes seconds: 200 ms per uncached token.
-    let prefill = Sim::start(&[
-        "--role",
-        "prefill",
-        "--bootstrap-port",
-        &boot.to_string(),
-        "--time-scale",
-        "1",
-        "--prefill-us-per-token",
-        "200000",
-    ])
-    .unwrap();
+    // A prefill that takes minutes: 5 s per uncached token.
+    let prefill = Sim::prefill(&["--time-scale", "1", "--prefill-us-per-token", "5000000"]).unwrap();
     let dead = format!("127.0.0.1:{}", free_port().unwrap());
-    let envoy = pd_with(&prefill, boot, &[format!("http://{dead}")], json!({}));
+    let envoy = pd_with(&prefill, &[format!("http://{dead}")]);
     let started = Instant::now();
-    let body =
-        json!({"text": "a prompt of some twenty tokens or so, long enough to keep the prefill busy for seconds"});
+    let body = json!({"text": "a prompt of some twenty tokens or so, long enough to keep the prefill busy"});
     let r = http::post_json(&envoy.url("/generate"), &body).unwrap();
     assert_eq!(r.status, 502, "{}", r.text());
     assert!(r.text().contains(&dead), "names the decode worker: {}", r.text());
-    assert!(started.elapsed() < Duration::from_secs(2), "waited {:?} for the prefill", started.elapsed());
-    let in_flight = envoy.stat("wasmcustom.kvmesh_in_flight").unwrap();
-    kvmesh_testkit::wait_until("both legs off the in-flight table", Duration::from_secs(5), || {
-        envoy.stat("wasmcustom.kvmesh_in_flight").ok().flatten() == Some(0)
-    })
-    .unwrap_or_else(|e| panic!("{e}: {in_flight:?}"));
+    assert!(started.elapsed() < HANG, "waited {:?} for the prefill", started.elapsed());
+    let in_flight = envoy.in_flight();
+    wait_until("both legs off the in-flight table", Duration::from_secs(5), || envoy.in_flight() == Some(0))
+        .unwrap_or_else(|e| panic!("{e}: {in_flight:?}"));
 }
 
 /// A prefill worker killed while its legs are in flight: those requests fail fast with a JSON
@@ -446,46 +401,29 @@ fn a_failed_decode_leg_ends_the_request_without_waiting_for_the_prefill() {
 /// open, every request is served by the other prefill worker.
 #[test]
 fn a_prefill_worker_dying_between_the_legs_fails_fast_then_is_avoided() {
-    let slow_boot = free_port().unwrap();
     // Prefill takes ~1 s (5 ms per uncached token), so legs are in flight when it dies.
-    let mut slow = Sim::start(&[
-        "--role",
-        "prefill",
-        "--bootstrap-port",
-        &slow_boot.to_string(),
-        "--time-scale",
-        "1",
-        "--prefill-us-per-token",
-        "5000",
-    ])
-    .unwrap();
-    let other_boot = free_port().unwrap();
-    let other =
-        Sim::start(&["--role", "prefill", "--bootstrap-port", &other_boot.to_string(), "--time-scale", "0"]).unwrap();
-    let decode = Sim::start(&["--role", "decode", "--time-scale", "0", "--bootstrap-timeout-ms", "3000"]).unwrap();
+    let mut slow = Sim::prefill(&["--time-scale", "1", "--prefill-us-per-token", "5000"]).unwrap();
+    let slow_boot = slow.bootstrap_port.unwrap();
+    let other = fast_prefill();
+    // A decode worker would wait a minute for a KV that never comes.
+    let decode = Sim::decode(&["--time-scale", "0", "--bootstrap-timeout-ms", "60000"]).unwrap();
     let filter = json!({
-        "prefill": [[slow.url(), slow_boot], [other.url(), other_boot]],
+        "prefill": [[slow.url(), slow_boot], [other.url(), other.bootstrap_port]],
         "decode": [decode.url()],
         "prefill_policy": "round_robin",
         "cb_failure_threshold": 2,
     });
-    let mut opts = EnvoyOptions::new(filter).unwrap();
-    opts.template = repo_root().join("envoy/envoy-pd.yaml");
-    let envoy = Envoy::start(&opts).unwrap();
+    let envoy = Envoy::start(&pd_options(filter, false)).unwrap();
     let url = envoy.url("/generate");
     let prompt = |i: usize| json!({"text": format!("{i} {}", "words to prefill ".repeat(40)), "sampling_params": {"max_new_tokens": 2}});
     // Requests in flight on both prefill workers.
     let inflight: Vec<_> = (0..6)
         .map(|i| {
             let (url, body) = (url.clone(), prompt(i));
-            std::thread::spawn(move || {
-                let started = Instant::now();
-                let r = http::post_json(&url, &body).unwrap();
-                (r, started.elapsed())
-            })
+            std::thread::spawn(move || http::post_json(&url, &body).unwrap())
         })
         .collect();
-    kvmesh_testkit::wait_until("legs in flight on the slow prefill worker", Duration::from_secs(10), || {
+    wait_until("legs in flight on the slow prefill worker", Duration::from_secs(10), || {
         slow.stats().is_ok_and(|s| s["running"].as_u64().unwrap_or(0) + s["waiting"].as_u64().unwrap_or(0) > 0)
     })
     .unwrap();
@@ -493,7 +431,7 @@ fn a_prefill_worker_dying_between_the_legs_fails_fast_then_is_avoided() {
     slow.proc().kill();
     let mut failed = 0;
     for t in inflight {
-        let (r, _) = t.join().unwrap();
+        let r = t.join().unwrap();
         if r.status != 200 {
             // Whichever leg notices first: the gateway's 502 naming the prefill worker, or the
             // decode worker's own error (it could not fetch the KV from that prefill worker).
@@ -507,7 +445,7 @@ fn a_prefill_worker_dying_between_the_legs_fails_fast_then_is_avoided() {
         }
     }
     assert!(failed >= 1, "some legs were on the killed worker");
-    assert!(killed.elapsed() < Duration::from_secs(3), "the failed requests ended at once ({:?})", killed.elapsed());
+    assert!(killed.elapsed() < HANG, "the failed requests ended only {:?} after the kill", killed.elapsed());
     // Its breaker opens after two failures (some may still be needed: the legs in flight may
     // have failed on the decode side first); then the other prefill worker serves all.
     let mut served_after = 0;
@@ -527,9 +465,10 @@ fn a_prefill_worker_dying_between_the_legs_fails_fast_then_is_avoided() {
     assert!(served_after >= 35, "{served_after} of 40 served once the dead prefill worker was left");
 }
 
-/// Polls a sim's `/sim/stats` until nothing is in progress there.
-fn settles(sim: &Sim, within: Duration) -> Result<(), String> {
-    kvmesh_testkit::wait_until("the worker to have nothing in progress", within, || {
+/// Polls a sim's `/sim/stats` until nothing is in progress there, for at most [`HANG`]: far
+/// longer than a stopped leg takes to notice, far shorter than either worker's own timeout.
+fn settles(sim: &Sim) -> Result<(), String> {
+    wait_until("the worker to have nothing in progress", HANG, || {
         sim.stats().ok().and_then(|s| s["in_progress"].as_u64()) == Some(0)
     })
     .map_err(|e| e.to_string())
@@ -555,56 +494,46 @@ fn failed_leg(native: bool) {
     // Under the native conformance run every Envoy is the native build, this case's too.
     let native = native || kvmesh_testkit::envoy::native_conformance().is_some();
     let start = |prefill: &[&str], decode: &[&str]| {
-        let boot = free_port().unwrap().to_string();
-        let mut p = vec!["--role", "prefill", "--bootstrap-port", boot.as_str()];
-        p.extend(prefill);
-        let mut d = vec!["--role", "decode", "--default-bootstrap-port", boot.as_str()];
-        d.extend(decode);
-        let (p, d) = (Sim::start(&p).unwrap(), Sim::start(&d).unwrap());
-        let mut opts = EnvoyOptions::new(json!({"prefill": [[p.url(), null]], "decode": [d.url()]})).unwrap();
-        opts.template = repo_root().join("envoy/envoy-pd.yaml");
-        if native {
-            opts.native_module = Some(repo_root().join("target/release/libkvmesh_native.so"));
-        }
-        let envoy = Envoy::start(&opts).unwrap();
-        (p, d, envoy)
+        let p = Sim::prefill(prefill).unwrap();
+        let boot = p.bootstrap_port.unwrap().to_string();
+        let d = Sim::decode(&[decode, &["--default-bootstrap-port", &boot]].concat()).unwrap();
+        let envoy = Envoy::start(&pd_options(json!({"prefill": [[p.url(), null]], "decode": [d.url()]}), native));
+        (p, d, envoy.unwrap())
     };
-    let body = json!({"text": "tell me a story ".repeat(200), "sampling_params": {"max_new_tokens": 4}});
+    let body = json!({"text": "tell me a story ".repeat(200), "sampling_params": {"max_new_tokens": 4}}).to_string();
+    let send = |envoy: &Envoy, id: &str| {
+        let headers = [("content-type", "application/json"), ("x-request-id", id)];
+        http::post(&envoy.url("/generate"), body.as_bytes(), &headers).unwrap()
+    };
+    // The prefill computes for 80 s (800 tokens at 100 ms) unless stopped.
+    let slow_prefill = ["--time-scale", "1", "--prefill-us-per-token", "100000"];
 
     // The prefill fails mid-computation (aborted at the worker, whose bootstrap server stays
     // up) while the decode waits (up to 30 s) for a KV that will never be published.
-    let (prefill, decode, envoy) = start(
-        &["--time-scale", "1", "--prefill-us-per-token", "100000"],
-        &["--time-scale", "0", "--bootstrap-timeout-ms", "30000"],
-    );
-    let url = envoy.url("/generate");
-    let request = {
-        let body = body.to_string();
-        std::thread::spawn(move || {
-            let headers = [("content-type", "application/json"), ("x-request-id", "fail-the-prefill")];
-            http::post(&url, body.as_bytes(), &headers).unwrap()
+    let (prefill, decode, envoy) = start(&slow_prefill, &["--time-scale", "0", "--bootstrap-timeout-ms", "30000"]);
+    std::thread::scope(|scope| {
+        let request = scope.spawn(|| send(&envoy, "fail-the-prefill"));
+        wait_until("both legs under way", Duration::from_secs(10), || {
+            [&prefill, &decode].iter().all(|s| s.stats().ok().and_then(|s| s["in_progress"].as_u64()) == Some(1))
         })
-    };
-    kvmesh_testkit::wait_until("both legs under way", Duration::from_secs(10), || {
-        [&prefill, &decode].iter().all(|s| s.stats().ok().and_then(|s| s["in_progress"].as_u64()) == Some(1))
-    })
-    .unwrap();
-    let started = Instant::now();
-    let abort = format!("{}/abort_request", prefill.url());
-    let r = http::post(&abort, br#"{"rid":"fail-the-prefill"}"#, &[("content-type", "application/json")]).unwrap();
-    assert_eq!(r.json().unwrap()["aborted"], true, "the gateway gave the prefill leg the request id as rid");
-    let r = request.join().unwrap();
-    assert_eq!(r.status, 502, "{}", r.text());
-    assert_eq!(r.json().unwrap()["error"]["code"], "prefill_failed");
-    settles(&decode, Duration::from_secs(5)).unwrap();
-    assert!(started.elapsed() < Duration::from_secs(10), "the decode stopped waiting after {:?}", started.elapsed());
+        .unwrap();
+        let abort = format!("{}/abort_request", prefill.url());
+        let r = http::post(&abort, br#"{"rid":"fail-the-prefill"}"#, &[("content-type", "application/json")]);
+        assert_eq!(
+            r.unwrap().json().unwrap()["aborted"],
+            true,
+            "the gateway gave the prefill leg the request id as rid"
+        );
+        let r = request.join().unwrap();
+        assert_eq!(r.status, 502, "{}", r.text());
+        assert_eq!(r.json().unwrap()["error"]["code"], "prefill_failed");
+    });
+    settles(&decode).unwrap();
     drop(envoy);
 
-    // The decode fails at once; the prefill would compute for 30 s.
-    let (prefill, _d, envoy) =
-        start(&["--time-scale", "1", "--prefill-us-per-token", "100000"], &["--time-scale", "0", "--fail-rate", "1"]);
-    let started = Instant::now();
-    let r = http::post_json(&envoy.url("/generate"), &body).unwrap();
+    // The decode fails at once.
+    let (prefill, _d, envoy) = start(&slow_prefill, &["--time-scale", "0", "--fail-rate", "1"]);
+    let r = send(&envoy, "fail-the-decode");
     assert!(r.status >= 500, "{} {}", r.status, r.text());
     let legs = || prefill.stats().ok().and_then(|s| s["requests"].as_u64());
     if native {
@@ -614,16 +543,24 @@ fn failed_leg(native: bool) {
         assert!(legs().is_some_and(|n| n <= 1), "at most the one prefill leg: {:?}", legs());
     } else {
         // A Wasm callout outlives its stream: the prefill leg always arrives.
-        kvmesh_testkit::wait_until("the prefill leg to arrive", Duration::from_secs(5), || legs() == Some(1)).unwrap();
+        wait_until("the prefill leg to arrive", Duration::from_secs(5), || legs() == Some(1)).unwrap();
     }
-    settles(&prefill, Duration::from_secs(5)).unwrap();
-    assert!(started.elapsed() < Duration::from_secs(10), "the prefill stopped after {:?}", started.elapsed());
-    assert_eq!(envoy.stat("wasmcustom.kvmesh_prefill_aborts_total").unwrap(), Some(1));
-    // Stopping is not enough (the worker may have noticed its client go): the abort arrived.
-    kvmesh_testkit::wait_until("the prefill worker to receive /abort_request", Duration::from_secs(5), || {
-        prefill.stats().ok().and_then(|s| s["abort_requests"].as_u64()) == Some(1)
-    })
-    .unwrap();
+    settles(&prefill).unwrap();
+    assert_eq!(envoy.filter_stat("kvmesh_prefill_aborts_total"), 1);
+    // Stopping is not enough (the worker may have noticed its client go, and a leg that never
+    // arrived has nothing to stop): the abort arrived, naming this request.
+    let aborts = || -> Vec<Value> {
+        let log = http::get(&format!("{}/sim/requests", prefill.url())).unwrap().json().unwrap();
+        log.as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["path"] == "/abort_request")
+            .map(|r| r["body"]["rid"].clone())
+            .collect()
+    };
+    wait_until("the prefill worker to receive /abort_request", Duration::from_secs(5), || !aborts().is_empty())
+        .unwrap();
+    assert_eq!(aborts(), vec![json!("fail-the-decode")], "one abort, of the failed request");
 }
 
 /// The seeds' other policies on the PD legs: `prefix_hash` keeps each session's prefill worker,

@@ -3,28 +3,18 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
+use kvmesh_testkit::e2e::{generate_tokens, served, sims, FAST};
 use kvmesh_testkit::http::{self, Response};
 use kvmesh_testkit::{envoy, prom, wait_until, Envoy, EnvoyOptions, Sim};
 use serde_json::{json, Value};
 
 /// `n` workers and an Envoy routing over them with `filter` settings.
 fn stack(n: usize, sim_args: &[&str], filter: Value) -> (Vec<Sim>, Envoy) {
-    let sims: Vec<Sim> = (0..n).map(|_| Sim::start(sim_args).expect("sim starts")).collect();
-    let urls: Vec<String> = sims.iter().map(Sim::url).collect();
+    let sims = sims(n, sim_args);
     let mut filter = filter;
-    filter["worker_urls"] = json!(urls);
+    filter["worker_urls"] = json!(sims.iter().map(Sim::url).collect::<Vec<_>>());
     let envoy = Envoy::start(&EnvoyOptions::new(filter).expect("options")).expect("envoy starts");
     (sims, envoy)
-}
-
-const FAST: &[&str] = &["--time-scale", "0"];
-
-/// The worker that served: the gateway's claim must match the simulator's own header.
-fn served_by(r: &Response) -> String {
-    assert_eq!(r.status, 200, "{}", r.text());
-    let claimed = r.header("x-kvmesh-worker").expect("x-kvmesh-worker").to_string();
-    assert_eq!(Some(claimed.as_str()), r.header("x-sim-worker"), "the filter's header names the worker that served");
-    claimed
 }
 
 fn requests_per_sim(sims: &[Sim]) -> HashMap<String, u64> {
@@ -38,7 +28,7 @@ fn shared_prefixes_stick_and_distinct_prefixes_spread() {
     let mut sticky = HashSet::new();
     for i in 0..12 {
         let r = http::post_json(&envoy.url("/generate"), &json!({"text": format!("{system}Question {i}?")})).unwrap();
-        sticky.insert(served_by(&r));
+        sticky.insert(served(&r));
     }
     assert_eq!(sticky.len(), 1, "one worker serves the shared prefix: {sticky:?}");
     let home = sticky.into_iter().next().unwrap();
@@ -55,7 +45,7 @@ fn shared_prefixes_stick_and_distinct_prefixes_spread() {
     for i in 0..9 {
         let text = format!("Conversation {i}: {}", format!("topic {i} ").repeat(120));
         let r = http::post_json(&envoy.url("/v1/completions"), &json!({"prompt": text, "max_tokens": 2})).unwrap();
-        spread.insert(served_by(&r));
+        spread.insert(served(&r));
     }
     assert_eq!(spread.len(), 3, "{spread:?}");
     assert!(!spread.contains(&home));
@@ -64,7 +54,6 @@ fn shared_prefixes_stick_and_distinct_prefixes_spread() {
 #[test]
 fn chat_messages_route_by_their_shared_system_prompt() {
     let (sims, envoy) = stack(3, FAST, json!({}));
-    let hits = || envoy.stat("wasmcustom.kvmesh_cache_hits_total").unwrap().unwrap_or(0);
     let cached = |addr: &str| {
         let sim = sims.iter().find(|s| s.addr() == addr).unwrap();
         sim.stats().unwrap()["cached_tokens"].as_u64().unwrap()
@@ -74,13 +63,13 @@ fn chat_messages_route_by_their_shared_system_prompt() {
     // so the two views agree only if the gateway read the messages right.
     let chat = |system: &str, question: &str| {
         let before: Vec<u64> = sims.iter().map(|s| cached(&s.addr())).collect();
-        let hits_before = hits();
+        let hits_before = envoy.cache_hits();
         let body = json!({"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]});
         let r = http::post_json(&envoy.url("/v1/chat/completions"), &body).unwrap();
         assert_eq!(r.json().unwrap()["object"], "chat.completion");
-        let worker = served_by(&r);
+        let worker = served(&r);
         let pos = sims.iter().position(|s| s.addr() == worker).unwrap();
-        (worker.clone(), hits() > hits_before, cached(&worker) - before[pos])
+        (worker.clone(), envoy.cache_hits() > hits_before, cached(&worker) - before[pos])
     };
 
     let system = "You translate English to French, formally and precisely. ".repeat(30);
@@ -125,12 +114,7 @@ fn a_worker_loaded_past_the_thresholds_is_avoided() {
     let home = held[0].header("x-kvmesh-worker").unwrap().to_string();
     assert!(held.iter().all(|s| s.header("x-kvmesh-worker") == Some(home.as_str())), "cache hits while balanced");
 
-    let r = http::post_json(
-        &envoy.url("/generate"),
-        &json!({"text": format!("{prefix}Report 3"), "sampling_params": {"max_new_tokens": 1}}),
-    )
-    .unwrap();
-    let elsewhere = served_by(&r);
+    let elsewhere = served(&generate_tokens(&envoy, &format!("{prefix}Report 3"), 1));
     assert_ne!(elsewhere, home, "the loaded worker is avoided while imbalanced");
 
     // When the held requests end, their in-flight counts are released and the prefix
@@ -138,58 +122,56 @@ fn a_worker_loaded_past_the_thresholds_is_avoided() {
     for mut s in held {
         s.events().unwrap();
     }
-    let mut back = false;
-    for i in 0..100 {
-        let r = http::post_json(
-            &envoy.url("/generate"),
-            &json!({"text": format!("{prefix}Again {i}"), "sampling_params": {"max_new_tokens": 1}}),
-        )
-        .unwrap();
-        if served_by(&r) == home {
-            back = true;
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    assert!(back, "in-flight counts were released when the streams ended");
+    let mut i = 0;
+    wait_until("the prefix to return home once the streams ended", Duration::from_secs(10), || {
+        i += 1;
+        served(&generate_tokens(&envoy, &format!("{prefix}Again {i}"), 1)) == home
+    })
+    .unwrap();
 }
 
-/// Reads a stream and checks that it arrived in pieces over time, not in one buffer.
-fn assert_streams(envoy: &Envoy, path: &str, body: Value, tokens: usize) -> Vec<Value> {
+/// Reads a stream of `tokens` tokens and checks that it arrived in pieces as the worker
+/// generated them, not in one buffer: the first token reached the client before the worker
+/// had generated the last one.
+fn assert_streams(envoy: &Envoy, sims: &[Sim], path: &str, body: Value, tokens: u64) -> Vec<Value> {
+    let generated = || -> u64 { sims.iter().map(|s| s.stats().unwrap()["completion_tokens"].as_u64().unwrap()).sum() };
+    let before = generated();
     let mut s = http::post_streaming(&envoy.url(path), &body).unwrap();
     assert_eq!(s.status, 200);
     assert!(s.header("content-type").unwrap_or("").starts_with("text/event-stream"));
     assert!(s.header("x-kvmesh-worker").is_some());
-    let events = s.events().unwrap();
+    let first = s.next_event().unwrap().expect("a first event");
+    // 20 tokens at 60 ms each: over a second to go when the first one arrives.
+    let at_first = generated() - before;
+    assert!(at_first < tokens, "{path}: the first event arrived after all {at_first} tokens were generated");
+    let mut events = vec![first];
+    events.extend(s.events().unwrap());
     let (last, data) = events.split_last().expect("events");
     assert_eq!(last.data, "[DONE]");
-    let first_token = &data[data.len() - tokens];
-    // 10 tokens at 60 ms each: a buffered response would deliver them all at once.
-    let spread = last.at.duration_since(first_token.at);
-    assert!(spread >= Duration::from_millis(300), "{path}: events arrived over {spread:?} only");
     data.iter().map(|e| serde_json::from_str(&e.data).unwrap()).collect()
 }
 
 #[test]
 fn streaming_arrives_chunk_by_chunk_on_both_apis() {
-    let (_sims, envoy) = stack(2, &["--time-scale", "1", "--decode-ms-per-token", "60"], json!({}));
+    let (sims, envoy) = stack(2, &["--time-scale", "1", "--decode-ms-per-token", "60"], json!({}));
     let events = assert_streams(
         &envoy,
+        &sims,
         "/generate",
-        json!({"text": "Count to ten", "stream": true, "sampling_params": {"max_new_tokens": 10}}),
-        10,
+        json!({"text": "Count to twenty", "stream": true, "sampling_params": {"max_new_tokens": 20}}),
+        20,
     );
-    assert_eq!(events.len(), 10);
-    assert_eq!(events[9]["meta_info"]["completion_tokens"], 10);
+    assert_eq!(events.len(), 20);
+    assert_eq!(events[19]["meta_info"]["completion_tokens"], 20);
 
-    let chat = json!({"messages": [{"role": "user", "content": "Count to ten"}], "stream": true, "max_tokens": 10});
-    let events = assert_streams(&envoy, "/v1/chat/completions", chat, 10);
+    let chat = json!({"messages": [{"role": "user", "content": "Count to twenty"}], "stream": true, "max_tokens": 20});
+    let events = assert_streams(&envoy, &sims, "/v1/chat/completions", chat, 20);
     assert_eq!(events[0]["object"], "chat.completion.chunk");
     assert_eq!(events.last().unwrap()["choices"][0]["finish_reason"], "length");
 
-    let completion = json!({"prompt": "Count to ten", "stream": true, "max_tokens": 10});
-    let events = assert_streams(&envoy, "/v1/completions", completion, 10);
-    assert_eq!(events.len(), 10);
+    let completion = json!({"prompt": "Count to twenty", "stream": true, "max_tokens": 20});
+    let events = assert_streams(&envoy, &sims, "/v1/completions", completion, 20);
+    assert_eq!(events.len(), 20);
 }
 
 fn assert_error(r: &Response, status: u16, mentions: &str) {
@@ -207,7 +189,7 @@ fn bad_requests_get_json_errors_and_never_reach_a_worker() {
     let url = envoy.url("/generate");
     let good = || {
         let r = http::post_json(&url, &json!({"text": "still fine"})).unwrap();
-        served_by(&r);
+        served(&r);
     };
     assert_error(&http::post(&url, b"{\"text\": ", &[]).unwrap(), 400, "not valid JSON");
     good();
@@ -236,7 +218,7 @@ fn a_multi_mib_prompt_is_routed() {
     let r =
         http::post_json(&envoy.url("/generate"), &json!({"text": prompt, "sampling_params": {"max_new_tokens": 1}}))
             .unwrap();
-    let worker = served_by(&r);
+    let worker = served(&r);
     let sim = sims.iter().find(|s| s.addr() == worker).unwrap();
     assert_eq!(sim.stats().unwrap()["prompt_tokens"], (prompt.len() as u64).div_ceil(4));
 }
@@ -253,7 +235,7 @@ fn client_routing_headers_are_ignored() {
     let addrs: HashSet<String> = sims.iter().map(Sim::addr).collect();
     for _ in 0..4 {
         let r = http::post(&envoy.url("/generate"), br#"{"text":"where do I go?"}"#, &hostile).unwrap();
-        assert!(addrs.contains(&served_by(&r)));
+        assert!(addrs.contains(&served(&r)));
         assert!(r.json().unwrap()["text"].is_string(), "a worker's answer, not Envoy admin's");
     }
     // Other paths too: they go to a worker, never to the address the client named.
@@ -321,11 +303,11 @@ fn filter_stats_are_exported() {
     let (_sims, envoy) = stack(2, FAST, json!({}));
     let text = "Tell me about Envoy filters. ".repeat(20);
     for _ in 0..N {
-        served_by(&http::post_json(&envoy.url("/generate"), &json!({"text": text})).unwrap());
+        served(&http::post_json(&envoy.url("/generate"), &json!({"text": text})).unwrap());
     }
     // Every routed request counts; every repeat of the prefix is a cache hit.
-    assert_eq!(envoy.stat("wasmcustom.kvmesh_requests_total").unwrap(), Some(N));
-    assert_eq!(envoy.stat("wasmcustom.kvmesh_cache_hits_total").unwrap(), Some(N - 1));
+    assert_eq!(envoy.filter_stat("kvmesh_requests_total"), N);
+    assert_eq!(envoy.cache_hits(), N - 1);
     // One decision-time sample per request (Envoy publishes histograms on its stats flush,
     // every 5 s by default).
     let prom = || http::get(&envoy.admin_url("/stats/prometheus")).unwrap().text();
@@ -355,16 +337,16 @@ fn a_dead_worker_is_failed_over_or_gives_a_json_502_naming_it() {
     for _ in 0..4 {
         let r = http::post_json(&envoy.url("/generate"), &json!({"text": "hello"})).unwrap();
         assert_eq!(r.status, 200, "{}", r.text());
-        assert_eq!(served_by(&r), live.addr());
+        assert_eq!(served(&r), live.addr());
     }
-    assert_eq!(envoy.stat("wasmcustom.kvmesh_failovers_total").unwrap(), Some(2));
+    assert_eq!(envoy.filter_stat("kvmesh_failovers_total"), 2);
     // Without retries, those requests fail: a JSON 502 naming the worker.
     let envoy = start(json!({"disable_retries": true}));
     let mut failed = 0;
     for _ in 0..4 {
         let r = http::post_json(&envoy.url("/generate"), &json!({"text": "hello"})).unwrap();
         if r.status == 200 {
-            assert_eq!(served_by(&r), live.addr());
+            assert_eq!(served(&r), live.addr());
         } else {
             assert_error(&r, 502, &dead);
             failed += 1;

@@ -8,12 +8,13 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
+use kvmesh_testkit::e2e::{fast_decode, fast_prefill, pd_options, sims, DECODE_20MS, FAST};
 use kvmesh_testkit::http::{self, Response};
-use kvmesh_testkit::{crash_wasm_path, free_port, repo_root, wait_until, Envoy, EnvoyOptions, Sim};
+use kvmesh_testkit::{crash_wasm_path, wait_until, Envoy, EnvoyOptions, Sim};
 use serde_json::{json, Value};
 
-fn stack(sims: usize, filter: Value) -> (Vec<Sim>, Envoy) {
-    let sims: Vec<Sim> = (0..sims).map(|_| Sim::start(&["--time-scale", "0"]).unwrap()).collect();
+fn stack(n: usize, filter: Value) -> (Vec<Sim>, Envoy) {
+    let sims = sims(n, FAST);
     let mut filter = filter;
     if filter.get("pd_disaggregation").is_none() {
         filter["worker_urls"] = json!(sims.iter().map(Sim::url).collect::<Vec<_>>());
@@ -291,10 +292,7 @@ fn hostile_requests_never_disable_the_gateway() {
 
     // No VM was replaced, and nothing is left in flight.
     assert_eq!(envoy.stat("wasm.kvmesh.vm_reload").unwrap().unwrap_or(0), 0, "a VM trapped");
-    wait_until("in-flight back to 0", Duration::from_secs(20), || {
-        envoy.stat("wasmcustom.kvmesh_in_flight").ok().flatten() == Some(0)
-    })
-    .unwrap();
+    wait_until("in-flight back to 0", Duration::from_secs(20), || envoy.in_flight() == Some(0)).unwrap();
     let peak = peak_rss_kib(&mut envoy);
     eprintln!(
         "hostile requests: {} sent, {} answered 4xx by the gateway; VM traps: 0; good requests served \
@@ -308,7 +306,7 @@ fn hostile_requests_never_disable_the_gateway() {
 
 #[test]
 fn a_trapped_vm_is_reloaded_and_requests_are_served_again() {
-    let sims: Vec<Sim> = (0..2).map(|_| Sim::start(&["--time-scale", "0"]).unwrap()).collect();
+    let sims = sims(2, FAST);
     let mut opts = EnvoyOptions::new(json!({"worker_urls": sims.iter().map(Sim::url).collect::<Vec<_>>()})).unwrap();
     opts.wasm = crash_wasm_path();
     let envoy = Envoy::start(&opts).unwrap();
@@ -346,14 +344,10 @@ fn a_trapped_vm_is_reloaded_and_requests_are_served_again() {
 
 #[test]
 fn no_decode_worker_sees_a_bootstrap_field_the_gateway_did_not_write() {
-    let boot = free_port().unwrap();
-    let prefill =
-        Sim::start(&["--role", "prefill", "--bootstrap-port", &boot.to_string(), "--time-scale", "0"]).unwrap();
-    let decode = Sim::start(&["--role", "decode", "--time-scale", "0", "--bootstrap-timeout-ms", "3000"]).unwrap();
-    let filter = json!({"pd_disaggregation": true, "prefill": [[prefill.url(), boot]], "decode": [decode.url()]});
-    let mut opts = EnvoyOptions::new(filter).unwrap();
-    opts.template = repo_root().join("envoy/envoy-pd.yaml");
-    let envoy = Envoy::start(&opts).unwrap();
+    let (prefill, decode) = (fast_prefill(), fast_decode(None));
+    let prefills = json!([[prefill.url(), prefill.bootstrap_port]]);
+    let filter = json!({"pd_disaggregation": true, "prefill": prefills, "decode": [decode.url()]});
+    let envoy = Envoy::start(&pd_options(filter, false)).unwrap();
     let evil = json!({"text": "smuggle", "bootstrap_host": "6.6.6.6", "bootstrap_port": 1, "bootstrap_room": 7});
     for path in ["/generate", "//generate", "/%67enerate", "/generate?x=1"] {
         let r = http::post_json(&envoy.url(path), &evil).unwrap();
@@ -389,7 +383,7 @@ fn no_decode_worker_sees_a_bootstrap_field_the_gateway_did_not_write() {
 
 #[test]
 fn without_the_wasm_filter_a_client_still_cannot_pick_the_destination() {
-    let sim = Sim::start(&["--time-scale", "0"]).unwrap();
+    let sim = Sim::start(FAST).unwrap();
     let start = |remove: &[&str]| {
         let mut opts = EnvoyOptions::new(json!({"worker_urls": [sim.url()]})).unwrap();
         opts.remove_http_filters = remove.iter().map(|s| s.to_string()).collect();
@@ -419,7 +413,7 @@ fn without_the_wasm_filter_a_client_still_cannot_pick_the_destination() {
 #[test]
 fn the_requests_of_a_trapped_vm_do_not_stay_in_flight() {
     // One worker thread, so the slow request and the trap share a VM.
-    let sim = Sim::start(&["--time-scale", "1", "--decode-ms-per-token", "20"]).unwrap();
+    let sim = Sim::start(DECODE_20MS).unwrap();
     let mut opts = EnvoyOptions::new(json!({"worker_urls": [sim.url()]})).unwrap();
     opts.wasm = crash_wasm_path();
     opts.concurrency = 1;
@@ -432,8 +426,7 @@ fn the_requests_of_a_trapped_vm_do_not_stay_in_flight() {
             http::post_json(&url, &body).map(|r| r.status)
         })
     };
-    let in_flight = || envoy.stat("wasmcustom.kvmesh_in_flight").ok().flatten();
-    wait_until("the slow request in flight", Duration::from_secs(10), || in_flight() == Some(1)).unwrap();
+    wait_until("the slow request in flight", Duration::from_secs(10), || envoy.in_flight() == Some(1)).unwrap();
     let crash = http::post(&url, br#"{"text":"x"}"#, &[("x-test-crash-vm", "1")]).unwrap();
     assert!(crash.status >= 500);
     // The dead VM's streams never reach on_log; the VMs that live on take its count back once
@@ -443,6 +436,6 @@ fn the_requests_of_a_trapped_vm_do_not_stay_in_flight() {
             .is_ok_and(|r| r.status == 200)
     })
     .unwrap();
-    wait_until("in flight back to 0", Duration::from_secs(25), || in_flight() == Some(0)).unwrap();
+    wait_until("in flight back to 0", Duration::from_secs(25), || envoy.in_flight() == Some(0)).unwrap();
     let _ = slow.join();
 }
