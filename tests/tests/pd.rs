@@ -517,13 +517,13 @@ fn failed_leg(native: bool) {
             [&prefill, &decode].iter().all(|s| s.stats().ok().and_then(|s| s["in_progress"].as_u64()) == Some(1))
         })
         .unwrap();
+        // The rid is the gateway's own, not the client's x-request-id.
+        let rid = rid_seen(&prefill, "fail-the-prefill");
+        assert!(rid.starts_with("kvmesh-") && rid.len() == 28, "{rid}");
         let abort = format!("{}/abort_request", prefill.url());
-        let r = http::post(&abort, br#"{"rid":"fail-the-prefill"}"#, &[("content-type", "application/json")]);
-        assert_eq!(
-            r.unwrap().json().unwrap()["aborted"],
-            true,
-            "the gateway gave the prefill leg the request id as rid"
-        );
+        let r =
+            http::post(&abort, json!({ "rid": rid }).to_string().as_bytes(), &[("content-type", "application/json")]);
+        assert_eq!(r.unwrap().json().unwrap()["aborted"], true, "the prefill leg runs under that rid");
         let r = request.join().unwrap();
         assert_eq!(r.status, 502, "{}", r.text());
         assert_eq!(r.json().unwrap()["error"]["code"], "prefill_failed");
@@ -532,7 +532,7 @@ fn failed_leg(native: bool) {
     drop(envoy);
 
     // The decode fails at once.
-    let (prefill, _d, envoy) = start(&slow_prefill, &["--time-scale", "0", "--fail-rate", "1"]);
+    let (prefill, decode, envoy) = start(&slow_prefill, &["--time-scale", "0", "--fail-rate", "1"]);
     let r = send(&envoy, "fail-the-decode");
     assert!(r.status >= 500, "{} {}", r.status, r.text());
     let legs = || prefill.stats().ok().and_then(|s| s["requests"].as_u64());
@@ -560,7 +560,9 @@ fn failed_leg(native: bool) {
     };
     wait_until("the prefill worker to receive /abort_request", Duration::from_secs(5), || !aborts().is_empty())
         .unwrap();
-    assert_eq!(aborts(), vec![json!("fail-the-decode")], "one abort, of the failed request");
+    // The decode leg got the same body, so the same rid, whether the prefill leg arrived or not.
+    let rid = rid_seen(&decode, "fail-the-decode");
+    assert_eq!(aborts(), vec![json!(rid)], "one abort, of the failed request, by the gateway's rid");
 }
 
 /// The seeds' other policies on the PD legs: `prefix_hash` keeps each session's prefill worker,
@@ -607,4 +609,12 @@ fn prefix_hash_and_consistent_hashing_choose_the_legs_and_the_prefix_decider_sti
     assert_eq!(r.header("x-kvmesh-prefill"), None, "the decode worker holds all but a few tokens: no prefill leg");
     assert_eq!(r.header("x-kvmesh-worker"), Some(decode.as_str()));
     assert!(pd.received(&decode, "dec-2").get("bootstrap_room").is_none(), "run on the decode worker alone");
+}
+
+/// The `rid` worker `sim` received for the request the client sent as `x-request-id: id`.
+fn rid_seen(sim: &Sim, id: &str) -> String {
+    let log = http::get(&format!("{}/sim/requests", sim.url())).unwrap().json().unwrap();
+    let seen = log.as_array().unwrap().iter().rev().find(|r| r["x_request_id"] == id).cloned();
+    let seen = seen.unwrap_or_else(|| panic!("{} saw no request {id}: {log}", sim.addr()));
+    seen["body"]["rid"].as_str().unwrap_or_else(|| panic!("no rid: {seen}")).to_string()
 }

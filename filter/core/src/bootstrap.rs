@@ -3,9 +3,10 @@
 //! `bootstrap_host` (the prefill worker's host), `bootstrap_port` (its bootstrap port, or
 //! null for `none`) and `bootstrap_room` (a random 63-bit id the decode worker uses to fetch
 //! the KV) go into the body, identical for both legs; for a batch of N each is a list of N
-//! (rooms distinct). The request id becomes `rid` when the client set none. Every other
-//! field passes through byte for byte: the fields are spliced in before the object's closing
-//! brace. A client may not send `bootstrap_*` fields itself: the decode worker would fetch KV
+//! (rooms distinct). The gateway's own request id becomes `rid` when the client set none (never
+//! the client's `x-request-id`: SGLang aborts every request whose rid starts with the one it is
+//! given, so a client's id could name other clients' requests). Every other field passes
+//! through byte for byte: the fields are spliced in before the object's closing brace. A client may not send `bootstrap_*` fields itself: the decode worker would fetch KV
 //! from a host the client picked.
 
 use serde_json::Value;
@@ -19,8 +20,15 @@ pub struct Bootstrap {
     pub port: Option<u16>,
     /// One room per item (one for a single request).
     pub rooms: Vec<u64>,
-    /// The request id to use as `rid` when the client gave none.
-    pub request_id: Option<String>,
+    /// The gateway's id for this request (random), used as `rid` when the client gave none.
+    pub rid: Option<u64>,
+}
+
+/// The rid of item `item` of the request the gateway numbered `id`: `kvmesh-<16 hex>-<4 digits>`,
+/// one length for every rid (a batch has at most 4096 items), so that no rid is a prefix of
+/// another and an `/abort_request` by one stops that item alone.
+pub fn rid(id: u64, item: usize) -> String {
+    format!("kvmesh-{id:016x}-{item:04}")
 }
 
 /// `n` random rooms below 2^63 (sglang-router masks a random u64 to 63 bits).
@@ -45,15 +53,13 @@ impl Bootstrap {
                 ("bootstrap_room", Value::from(self.rooms.first().copied().unwrap_or(0))),
             ],
         };
-        if let (false, Some(id)) = (parsed.has_rid, &self.request_id) {
-            let rid = match (parsed.endpoint, parsed.batch) {
+        if let (false, Some(id)) = (parsed.has_rid, self.rid) {
+            let value = match (parsed.endpoint, parsed.batch) {
                 // SGLang's batch /generate takes one rid per item.
-                (Endpoint::Generate, Some(n)) => {
-                    Value::Array((0..n).map(|i| Value::from(format!("{id}-{i}"))).collect())
-                }
-                _ => Value::from(id.as_str()),
+                (Endpoint::Generate, Some(n)) => Value::Array((0..n).map(|i| Value::from(rid(id, i))).collect()),
+                _ => Value::from(rid(id, 0)),
             };
-            fields.push(("rid", rid));
+            fields.push(("rid", value));
         }
         fields
     }
@@ -61,10 +67,10 @@ impl Bootstrap {
     /// The rids the gateway gives the request's items (none when the client set its own):
     /// what the prefill leg can be aborted by (`/abort_request`). At most `max` of them.
     pub fn injected_rids(&self, parsed: &ParsedRequest<'_>, max: usize) -> Vec<String> {
-        let Some(id) = self.request_id.as_ref().filter(|_| !parsed.has_rid) else { return Vec::new() };
+        let Some(id) = self.rid.filter(|_| !parsed.has_rid) else { return Vec::new() };
         match (parsed.endpoint, parsed.batch) {
-            (Endpoint::Generate, Some(n)) => (0..n.min(max)).map(|i| format!("{id}-{i}")).collect(),
-            _ => vec![id.clone()],
+            (Endpoint::Generate, Some(n)) => (0..n.min(max)).map(|i| rid(id, i)).collect(),
+            _ => vec![rid(id, 0)],
         }
     }
 
@@ -108,7 +114,7 @@ mod tests {
     use crate::request::parse;
 
     fn boot(port: Option<u16>, rooms: Vec<u64>) -> Bootstrap {
-        Bootstrap { host: "10.0.0.7".into(), port, rooms, request_id: Some("req-1".into()) }
+        Bootstrap { host: "10.0.0.7".into(), port, rooms, rid: Some(0xabc) }
     }
 
     fn inject(endpoint: Endpoint, body: &str, b: &Bootstrap) -> Value {
@@ -127,7 +133,7 @@ mod tests {
         assert_eq!(v["bootstrap_host"], "10.0.0.7");
         assert_eq!(v["bootstrap_port"], 8998);
         assert_eq!(v["bootstrap_room"], 42);
-        assert_eq!(v["rid"], "req-1");
+        assert_eq!(v["rid"], "kvmesh-0000000000000abc-0000");
         assert_eq!(v["temperature"], 0.7, "other fields pass through");
     }
 
@@ -135,9 +141,13 @@ mod tests {
     fn the_rids_to_abort_are_the_ones_injected() {
         let b = boot(Some(1), vec![1, 2, 3]);
         let single = parse(Endpoint::Generate, br#"{"text":"a"}"#).unwrap();
-        assert_eq!(b.injected_rids(&single, 16), vec!["req-1"]);
+        assert_eq!(b.injected_rids(&single, 16), vec!["kvmesh-0000000000000abc-0000"]);
         let batch = parse(Endpoint::Generate, br#"{"text":["a","b","c"]}"#).unwrap();
-        assert_eq!(b.injected_rids(&batch, 2), vec!["req-1-0", "req-1-1"], "capped");
+        assert_eq!(
+            b.injected_rids(&batch, 2),
+            vec!["kvmesh-0000000000000abc-0000", "kvmesh-0000000000000abc-0001"],
+            "capped"
+        );
         let own = parse(Endpoint::Generate, br#"{"text":"a","rid":"mine"}"#).unwrap();
         assert!(b.injected_rids(&own, 16).is_empty(), "the client's own rid is not ours to abort");
     }
@@ -155,10 +165,10 @@ mod tests {
         assert_eq!(v["bootstrap_host"], serde_json::json!(["10.0.0.7", "10.0.0.7", "10.0.0.7"]));
         assert_eq!(v["bootstrap_port"], serde_json::json!([9, 9, 9]));
         assert_eq!(v["bootstrap_room"], serde_json::json!([1, 2, 3]));
-        assert_eq!(v["rid"], serde_json::json!(["req-1-0", "req-1-1", "req-1-2"]));
+        assert_eq!(v["rid"], serde_json::json!([rid(0xabc, 0), rid(0xabc, 1), rid(0xabc, 2)]));
         let v = inject(Endpoint::Completions, r#"{"prompt":["a","b"]}"#, &boot(None, vec![5, 6]));
         assert_eq!(v["bootstrap_port"], serde_json::json!([null, null]));
-        assert_eq!(v["rid"], "req-1");
+        assert_eq!(v["rid"], "kvmesh-0000000000000abc-0000");
     }
 
     #[test]
@@ -186,5 +196,19 @@ mod tests {
         let rooms = random_rooms(3, || u64::MAX);
         assert_eq!(rooms, vec![i64::MAX as u64; 3]);
         assert_eq!(random_rooms(0, || 5).len(), 1);
+    }
+
+    /// SGLang aborts by rid prefix: the gateway's rids all have one length, so none is a
+    /// prefix of another, whatever the ids and items (`req-1` would be a prefix of `req-10`).
+    #[test]
+    fn no_rid_is_a_prefix_of_another() {
+        let rids: Vec<String> =
+            [0u64, 1, 0x10, u64::MAX].iter().flat_map(|&id| [0, 1, 10, 4095].map(|i| rid(id, i))).collect();
+        for a in &rids {
+            for b in rids.iter().filter(|b| *b != a) {
+                assert!(!b.starts_with(a.as_str()), "{a} is a prefix of {b}");
+            }
+        }
+        assert!(rids.iter().all(|r| r.len() == rids[0].len()));
     }
 }

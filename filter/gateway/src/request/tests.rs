@@ -395,7 +395,9 @@ fn a_bad_request_id_is_replaced_for_both_legs() {
         let id = host.request_header("x-request-id").unwrap();
         assert_eq!(id.len(), 32, "a generated id replaces {:?}", &bad[..bad.len().min(10)]);
         let v: serde_json::Value = serde_json::from_slice(&callout(&host).body).unwrap();
-        assert_eq!(v["rid"], serde_json::json!([format!("{id}-0"), format!("{id}-1")]));
+        let rids = v["rid"].as_array().unwrap();
+        assert_eq!(rids.len(), 2, "one rid per item");
+        assert!(rids.iter().all(|r| r.as_str().is_some_and(|r| r.starts_with("kvmesh-") && !r.contains(&id))));
         assert!(callout(&host).headers.contains(&("x-request-id".into(), id)));
         f.on_log(&host);
     }
@@ -494,7 +496,8 @@ fn pd_both_legs_get_the_same_rewritten_body_and_the_headers_name_both() {
     assert_eq!(c.body, *host.request_body.borrow(), "decode and prefill bodies are identical");
     let v: serde_json::Value = serde_json::from_slice(&c.body).unwrap();
     assert_eq!((v["bootstrap_host"].as_str(), v["bootstrap_port"].as_u64()), (Some("127.0.0.1"), Some(8998)));
-    assert_eq!(v["rid"], "rq-7");
+    let rid = v["rid"].as_str().expect("the gateway's rid");
+    assert!(rid.starts_with("kvmesh-") && rid.len() == 28, "never the client's x-request-id: {rid}");
     assert!(c.headers.contains(&(DST_HEADER.into(), "127.0.0.1:30001".into())));
     assert!(c.headers.contains(&("x-request-id".into(), "rq-7".into())));
     assert_eq!(host.request_header(DST_HEADER).as_deref(), Some("127.0.0.1:30003"));
@@ -693,7 +696,9 @@ fn pd_a_prefill_still_out_when_the_stream_ends_is_released() {
     let mut f = pd_send(&host, &gw, r#"{"text":"hi"}"#);
     assert_eq!(inflight(&host, &gw), 2);
     let prefill = callout(&host);
-    let rid = host.request_header("x-request-id").expect("the gateway's request id");
+    let sent: serde_json::Value = serde_json::from_slice(&prefill.body).unwrap();
+    let rid = sent["rid"].as_str().expect("the rid the gateway gave the request").to_string();
+    assert_ne!(Some(rid.as_str()), host.request_header("x-request-id").as_deref());
     f.on_log(&host); // the client went away
     assert_eq!(inflight(&host, &gw), 0);
     // The prefill worker is told to stop, by the rid the gateway gave the request.

@@ -397,7 +397,12 @@ fn pd_split_injects_bootstrap_and_counts_both_legs() {
     let expected_port =
         if prefill.addr.ends_with(":30001") { serde_json::json!(8998) } else { serde_json::Value::Null };
     assert_eq!(v["bootstrap_port"][0], expected_port);
-    assert_eq!(v["rid"], serde_json::json!(["rq-1-0", "rq-1-1", "rq-1-2"]));
+    // The gateway's own rids (never the client's x-request-id), one per item, one length.
+    let rids: Vec<&str> = v["rid"].as_array().unwrap().iter().map(|r| r.as_str().unwrap()).collect();
+    assert_eq!(rids.len(), 3);
+    let base = rids[0].strip_suffix("-0000").expect("item 0");
+    assert!(base.starts_with("kvmesh-") && !base.contains("rq-1"), "{base}");
+    assert_eq!(rids[1..], [format!("{base}-0001"), format!("{base}-0002")]);
     let mut counts = Inflight::read(&store);
     counts.sort();
     let mut expected = vec![(prefill.worker, 1), (c.main.worker, 1)];
