@@ -153,7 +153,8 @@ impl Default for Destination {
 /// Per-request facts from the host.
 #[derive(Clone, Copy, Default)]
 pub struct RequestInfo<'a> {
-    /// The request id (`x-request-id`), used as `rid` in PD bodies when the client set none.
+    /// The request id (`x-request-id`; logs and both PD legs carry it as a header, never as
+    /// `rid`).
     pub request_id: Option<&'a str>,
     /// The routing key a request header gave (`consistent_hashing`; see [`Gateway::routing_key`]).
     pub routing_key: Option<&'a str>,

@@ -263,7 +263,7 @@ impl RoutingView {
         let fallbacks = self.fallbacks(main_cands, main.worker, now);
         let pd = match prefill {
             None => None,
-            Some(p) => match self.pd_plan(endpoint, body, parsed, info, p) {
+            Some(p) => match self.pd_plan(endpoint, body, parsed, p) {
                 Ok(plan) => Some(plan),
                 Err(reply) => return Outcome::Reply(reply),
             },
@@ -280,7 +280,6 @@ impl RoutingView {
         endpoint: Endpoint,
         body: &[u8],
         parsed: &ParsedRequest<'_>,
-        info: &RequestInfo<'_>,
         prefill: &Decision,
     ) -> Result<Box<PdPlan>, Reply> {
         let (Some(worker), Some(routed)) =
