@@ -52,6 +52,9 @@ pub struct EnvoyOptions {
     pub native_module: Option<PathBuf>,
     /// Environment variables for Envoy (e.g. `KVMESH_NATIVE_TICK_MS` for the native build).
     pub env: Vec<(String, String)>,
+    /// The listener's `request_timeout` in place of the template's (a test of slow uploads
+    /// cannot wait for the shipped one).
+    pub request_timeout: Option<Duration>,
 }
 
 impl EnvoyOptions {
@@ -75,6 +78,7 @@ impl EnvoyOptions {
             wrapper: Vec::new(),
             binary: None,
             ready_limit: Duration::from_secs(30),
+            request_timeout: None,
         })
     }
 
@@ -130,6 +134,13 @@ pub fn render(opts: &EnvoyOptions) -> anyhow::Result<String> {
     *at(&mut doc, &["admin", "address", "socket_address", "port_value"])? = opts.admin_port.into();
     *at(&mut doc, &["static_resources", "listeners", "0", "address", "socket_address", "port_value"])? =
         opts.listener_port.into();
+    if let Some(t) = opts.request_timeout {
+        let hcm = at(
+            &mut doc,
+            &["static_resources", "listeners", "0", "filter_chains", "0", "filters", "0", "typed_config"],
+        )?;
+        *at(hcm, &["request_timeout"])? = format!("{}s", t.as_secs_f64()).into();
+    }
     let config = wasm_config(&mut doc)?;
     if config.get("allow_on_headers_stop_iteration").and_then(Yaml::as_bool) != Some(true) {
         bail!(

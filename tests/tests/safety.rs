@@ -439,3 +439,38 @@ fn the_requests_of_a_trapped_vm_do_not_stay_in_flight() {
     wait_until("in flight back to 0", Duration::from_secs(25), || envoy.in_flight() == Some(0)).unwrap();
     let _ = slow.join();
 }
+
+/// A body that stops half way (or trickles in) holds its stream and its buffer only until the
+/// listener's `request_timeout`: then the client gets the JSON 408, the stream is freed, and
+/// no worker ever saw the request; other clients are served meanwhile.
+#[test]
+fn a_stalled_upload_gets_a_json_408_and_the_others_are_served() {
+    let sims = sims(2, FAST);
+    let filter = json!({"worker_urls": sims.iter().map(Sim::url).collect::<Vec<_>>()});
+    let mut opts = EnvoyOptions::new(filter).unwrap();
+    opts.request_timeout = Some(Duration::from_secs(2));
+    let envoy = Envoy::start(&opts).unwrap();
+    // Headers promising 1 MiB, then 16 bytes of it, then silence.
+    let head =
+        "POST /generate HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\ncontent-length: 1048576\r\n\r\n";
+    let mut stalled = TcpStream::connect(("127.0.0.1", envoy.port)).unwrap();
+    stalled.write_all(head.as_bytes()).unwrap();
+    stalled.write_all(br#"{"text": "stall"#).unwrap();
+    // Meanwhile the gateway serves everyone else.
+    let mut served = 0;
+    assert_still_serving(&envoy, "a stalled upload", &mut served);
+    stalled.set_read_timeout(Some(kvmesh_testkit::e2e::HANG)).unwrap();
+    let mut answer = Vec::new();
+    let _ = stalled.read_to_end(&mut answer);
+    let answer = String::from_utf8_lossy(&answer);
+    assert_eq!(status_of(&answer), Some(408), "the stalled upload is timed out: {answer}");
+    let body = answer.split("\r\n\r\n").nth(1).unwrap_or_default();
+    let v: Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("a JSON body ({e}): {answer}"));
+    assert!(v["error"]["message"].is_string() && v["error"]["code"].is_string(), "{v}");
+    for sim in &sims {
+        let log = http::get(&format!("{}/sim/requests", sim.url())).unwrap().json().unwrap();
+        let stalled_seen = log.as_array().unwrap().iter().any(|r| r["body"]["text"] == "stall");
+        assert!(!stalled_seen, "{} never saw the stalled request", sim.addr());
+    }
+    assert_eq!(envoy.stat("http.kvmesh.downstream_rq_timeout").unwrap(), Some(1), "counted as a request timeout");
+}
