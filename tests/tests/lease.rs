@@ -149,10 +149,13 @@ fn a_lease_move_between_vms_counts_every_served_request_once_and_in_flight_retur
 
     // In flight back to 0 everywhere: a dead VM's requests are taken back by a surviving VM once
     // its heartbeat is 10 s stale.
+    let last = std::cell::RefCell::new(String::new());
     wait_until("in flight back to 0 in kvmesh-cp and Envoy", Duration::from_secs(30), || {
-        cp_counts(&cp, &sims).iter().all(|c| c.1 == 0) && stat(&envoy, "wasmcustom.kvmesh_in_flight") == 0
+        let (cp_now, envoy_now) = (cp_counts(&cp, &sims), stat(&envoy, "wasmcustom.kvmesh_in_flight"));
+        *last.borrow_mut() = format!("kvmesh-cp {cp_now:?}, Envoy {envoy_now}");
+        cp_now.iter().all(|c| c.1 == 0) && envoy_now == 0
     })
-    .unwrap();
+    .unwrap_or_else(|e| panic!("{e}: last seen {}", last.borrow()));
     // Every request a worker served was counted once, per worker, except those in flight on a
     // VM that died (taken back, never finished); the fast ones answered 200 are all counted.
     let per_sim: Vec<u64> = sims.iter().map(|s| s.stats().unwrap()["requests"].as_u64().unwrap()).collect();
