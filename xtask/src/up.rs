@@ -265,7 +265,13 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     println!(
         "    -d '{{\"model\": \"kvmesh-sim\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}' -i"
     );
-    println!("  curl -sN {url}/generate -d '{{\"text\": \"Once upon a time\", \"stream\": true}}'");
+    if opts.pd && opts.pd_protocol != PdProtocol::Sglang {
+        // vLLM workers serve the OpenAI endpoints only.
+        println!("  curl -sN {url}/v1/completions -H 'content-type: application/json' \\");
+        println!("    -d '{{\"model\": \"kvmesh-sim\", \"prompt\": \"Once upon a time\", \"stream\": true}}'");
+    } else {
+        println!("  curl -sN {url}/generate -d '{{\"text\": \"Once upon a time\", \"stream\": true}}'");
+    }
     if let Some(key) = &cp_now.api_key {
         println!("\nThe admin API takes the key (reads are open, but for POST /match):");
         println!(
