@@ -6,13 +6,17 @@
 //! each prompt's place.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, RwLock};
 use std::time::Duration;
 
 use kvmesh_testkit::e2e::{control_plane, gateway, generate_tokens, served, sims, FAST};
 use kvmesh_testkit::http;
 use kvmesh_testkit::{prom, wait_until, ControlPlane, Envoy, Sim};
 use serde_json::{json, Value};
+
+/// The real-time measurement runs alone: the binary's other tests share the machine's cores
+/// and would slow the deltas it measures (CI has 2 cores); they take it shared.
+static MACHINE: RwLock<()> = RwLock::new(());
 
 /// Sends a generation through the gateway; returns the worker that served it.
 fn generate(envoy: &Envoy, text: &str) -> String {
@@ -27,6 +31,7 @@ fn held(cp: &ControlPlane, url: &str, text: &str) -> u64 {
 
 #[test]
 fn a_workers_part_of_the_index_stays_within_the_kv_capacity_it_reports() {
+    let _shared = MACHINE.read().unwrap_or_else(|e| e.into_inner());
     // 512 tokens: 32 pages of 16 tokens; 2048 bytes of prompt at 4 bytes a token, 64 blocks.
     let sim = Sim::start(&[FAST, &["--kv-capacity-tokens", "512"]].concat()).unwrap();
     // No periodic eviction within the test: only the capacity model can bound the index.
@@ -69,6 +74,7 @@ fn a_workers_part_of_the_index_stays_within_the_kv_capacity_it_reports() {
 
 #[test]
 fn a_prefix_the_worker_evicted_stops_attracting_traffic_and_accuracy_is_exported() {
+    let _shared = MACHINE.read().unwrap_or_else(|e| e.into_inner());
     let sims = sims(2, FAST);
     let cp = control_plane(&sims, &[]);
     let envoy = gateway(&cp);
@@ -184,6 +190,7 @@ fn tight_run(sims: &[Sim], gateways: usize, burst: bool, tokens: u32) -> (f64, f
 
 #[test]
 fn three_gateways_on_a_tight_workload_keep_one_gateways_hit_rate_and_each_prompts_place() {
+    let _alone = MACHINE.write().unwrap_or_else(|e| e.into_inner());
     // Real-time sims (a miss costs ~80 ms of prefill, 8 tokens ~70 ms of decode): a request
     // rate at which kvmesh-cp's deltas reach every gateway before an agent comes round again.
     let sims = sims(4, &["--time-scale", "1", "--kv-capacity-tokens", "16384"]);
@@ -199,6 +206,7 @@ fn three_gateways_on_a_tight_workload_keep_one_gateways_hit_rate_and_each_prompt
 
 #[test]
 fn concurrent_first_requests_for_new_prompts_on_three_gateways_do_not_scatter_them() {
+    let _shared = MACHINE.read().unwrap_or_else(|e| e.into_inner());
     // Sims that answer at once and every agent's first request on the three gateways at the
     // same moment: faster than any delta can travel, so only the placement rule itself (the
     // prompt's rendezvous hash among the emptiest workers) keeps the gateways agreeing. With
