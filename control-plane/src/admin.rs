@@ -153,6 +153,7 @@ async fn workers(Axum(state): Shared) -> Json<Value> {
                 "kv_usage": w.pressure.kv_usage,
                 "utility": w.utility,
                 "utility_window": w.window.len(),
+                "models": w.models.iter().map(|m| json!({"id": m.id, "parent": m.parent})).collect::<Vec<_>>(),
             })
         })
         .collect();
@@ -162,10 +163,25 @@ async fn workers(Axum(state): Shared) -> Json<Value> {
 /// `POST /match` with a routing text as the body: which workers hold how many of its
 /// leading blocks (a debugging view of the global index). Whoever may ask learns whether
 /// someone sent a text (a cache side channel), so it always needs a key when there are keys.
-async fn match_text(Axum(state): Shared, body: axum::body::Bytes) -> Json<Value> {
-    let matches: Vec<Value> =
-        state.match_text(&body).into_iter().map(|(url, blocks)| json!({"url": url, "blocks": blocks})).collect();
-    Json(Value::Array(matches))
+/// `?model=NAME` asks within that model's pool (default: the one model served, if one is).
+async fn match_text(
+    Axum(state): Shared,
+    Query(q): Query<MatchQuery>,
+    body: axum::body::Bytes,
+) -> Result<Json<Value>, (StatusCode, Json<Value>)> {
+    let matches = state.match_text(&body, q.model.as_deref()).map_err(|e| {
+        let status = match e {
+            kvmesh_core::models::ModelError::Unknown(_) => StatusCode::NOT_FOUND,
+            kvmesh_core::models::ModelError::Required(_) => StatusCode::BAD_REQUEST,
+        };
+        (status, Json(json!({"error": e.to_string()})))
+    })?;
+    Ok(Json(Value::Array(matches.into_iter().map(|(url, blocks)| json!({"url": url, "blocks": blocks})).collect())))
+}
+
+#[derive(serde::Deserialize)]
+struct MatchQuery {
+    model: Option<String>,
 }
 
 async fn snapshot(Axum(state): Shared) -> Json<Value> {

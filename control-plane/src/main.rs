@@ -12,6 +12,7 @@ mod discovery;
 mod eds;
 mod feedback;
 mod grpc;
+mod models;
 mod peer_flags;
 mod probe;
 mod settings;

@@ -31,10 +31,6 @@ pub struct PeerFlags {
     /// controller spreads its requests over its DP ranks.
     #[arg(long, action = ArgAction::SetTrue)]
     pub dp_aware: bool,
-    /// Refused in kvmesh: multi-model (IGW) mode is not in kvmesh; run one kvmesh-cp and one
-    /// filter chain per model and let Envoy's routes pick the model.
-    #[arg(long, action = ArgAction::SetTrue)]
-    pub enable_igw: bool,
     /// No effect in kvmesh: the filter always dispatches both PD legs itself (no MiniLB).
     #[arg(long, action = ArgAction::SetTrue)]
     pub mini_lb: bool,

@@ -108,6 +108,9 @@ pub async fn check_one(state: Arc<State>, id: u32) {
     let timeout = Duration::from_secs(state.settings.health_timeout_secs);
     let ok = matches!(get(&addr.to_string(), &state.settings.health_endpoint, timeout).await, Ok((200, _)));
     state.health_result(id, ok);
+    if ok {
+        crate::models::poll(&state, id, &addr.to_string(), timeout).await;
+    }
 }
 
 /// Health checks every `health_interval_secs`.
@@ -123,6 +126,9 @@ pub async fn health_loop(state: Arc<State>) {
                 let Ok(addr) = kvmesh_core::worker::socket_addr(&w.url) else { return };
                 let ok = matches!(get(&addr.to_string(), &state.settings.health_endpoint, timeout).await, Ok((200, _)));
                 state.health_result(w.id, ok);
+                if ok {
+                    crate::models::poll(&state, w.id, &addr.to_string(), timeout).await;
+                }
             }
         });
         futures_util::future::join_all(checks).await;

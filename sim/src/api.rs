@@ -35,6 +35,10 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/v1/models", get(models))
+        .route("/v1/load_lora_adapter", post(load_lora))
+        .route("/load_lora_adapter", post(load_lora))
+        .route("/v1/unload_lora_adapter", post(unload_lora))
+        .route("/unload_lora_adapter", post(unload_lora))
         .route("/sim/stats", get(stats))
         .route("/sim/requests", get(recent))
         .route("/sim/fault", post(fault));
@@ -658,6 +662,26 @@ async fn metrics(State(e): Shared) -> impl IntoResponse {
 /// with their `parent`.
 async fn models(State(e): Shared) -> Json<Value> {
     Json(json!({"object": "list", "data": e.models.list(created())}))
+}
+
+/// `{"lora_name": NAME, "lora_path": ...}`: the adapter is served from now on.
+async fn load_lora(State(e): Shared, Json(body): Json<Value>) -> Response {
+    let name = body["lora_name"].as_str().unwrap_or_default();
+    match e.models.load(name) {
+        Ok(()) => (StatusCode::OK, format!("Success: LoRA adapter '{name}' added successfully.")).into_response(),
+        Err(m) => {
+            (StatusCode::BAD_REQUEST, Json(json!({"object": "error", "message": m, "code": 400}))).into_response()
+        }
+    }
+}
+
+/// `{"lora_name": NAME}`: the adapter is no longer served.
+async fn unload_lora(State(e): Shared, Json(body): Json<Value>) -> Response {
+    let name = body["lora_name"].as_str().unwrap_or_default();
+    match e.models.unload(name) {
+        Ok(()) => (StatusCode::OK, format!("Success: LoRA adapter '{name}' removed successfully.")).into_response(),
+        Err(m) => (StatusCode::NOT_FOUND, Json(json!({"object": "error", "message": m, "code": 404}))).into_response(),
+    }
 }
 
 async fn model_info(State(e): Shared) -> Json<Value> {

@@ -1,6 +1,8 @@
 //! The model names a worker serves (`--served-model-name`, `--lora`): what `/v1/models` lists
 //! and which `model` a request may name.
 
+use std::sync::RwLock;
+
 use serde_json::{json, Value};
 
 use crate::cli::{Args, EngineKind};
@@ -18,7 +20,8 @@ pub struct Target {
 
 pub struct Models {
     served: Vec<String>,
-    loras: Vec<String>,
+    /// The adapters loaded: the `--lora` ones, then those loaded at run time.
+    loras: RwLock<Vec<String>>,
     /// Whether a request naming another model is refused (always for vLLM; for SGLang only
     /// when names were configured, so that the default stays as it was).
     enforce: bool,
@@ -34,7 +37,7 @@ impl Models {
         let served =
             if args.served_model_names.is_empty() { vec![args.model.clone()] } else { args.served_model_names.clone() };
         let enforce = args.engine == EngineKind::Vllm || !args.served_model_names.is_empty() || !args.loras.is_empty();
-        Self { served, loras: args.loras.clone(), enforce, engine: args.engine, root: args.model.clone() }
+        Self { served, loras: RwLock::new(args.loras.clone()), enforce, engine: args.engine, root: args.model.clone() }
     }
 
     /// The base model's name in answers and metrics.
@@ -48,7 +51,7 @@ impl Models {
 
     /// The model `body["model"]` names; none (or null) is the base model.
     pub fn resolve(&self, body: &Value) -> Result<Target, Refusal> {
-        if !self.enforce {
+        if !self.enforce && self.loras.read().unwrap_or_else(|e| e.into_inner()).is_empty() {
             return Ok(self.base());
         }
         let name = match body.get("model") {
@@ -59,10 +62,32 @@ impl Models {
         if self.served.contains(name) {
             return Ok(self.base());
         }
-        if self.loras.contains(name) {
+        if self.loras.read().unwrap_or_else(|e| e.into_inner()).contains(name) {
             return Ok(Target { name: name.clone(), seed: xxhash_rust::xxh3::xxh3_64(name.as_bytes()) | 1 });
         }
         Err((404, "NotFoundError", format!("The model `{name}` does not exist.")))
+    }
+
+    /// Loads adapter `name` at run time (vLLM's `/v1/load_lora_adapter`, SGLang's
+    /// `/load_lora_adapter`): a 400 when it is loaded already or names a served model.
+    pub fn load(&self, name: &str) -> Result<(), String> {
+        let mut loras = self.loras.write().unwrap_or_else(|e| e.into_inner());
+        if name.is_empty() || loras.iter().any(|l| l == name) || self.served.iter().any(|s| s == name) {
+            return Err(format!("The lora adapter '{name}' has already been loaded or is not a valid name."));
+        }
+        loras.push(name.to_string());
+        Ok(())
+    }
+
+    /// Unloads adapter `name` (a 404 when it is not loaded).
+    pub fn unload(&self, name: &str) -> Result<(), String> {
+        let mut loras = self.loras.write().unwrap_or_else(|e| e.into_inner());
+        let before = loras.len();
+        loras.retain(|l| l != name);
+        if loras.len() == before {
+            return Err(format!("The lora adapter '{name}' cannot be found."));
+        }
+        Ok(())
     }
 
     /// `/v1/models`' `data`: the served names, then the adapters with their `parent`.
@@ -80,7 +105,8 @@ impl Models {
             }
             card
         });
-        let adapters = self.loras.iter().map(|id| {
+        let loras = self.loras.read().unwrap_or_else(|e| e.into_inner()).clone();
+        let adapters = loras.iter().map(|id| {
             json!({"id": id, "object": "model", "created": created, "owned_by": owned_by, "root": id, "parent": self.first()})
         });
         Value::Array(base.chain(adapters).collect())
@@ -135,5 +161,18 @@ mod tests {
             m.list(0)[1],
             json!({"id": "ad", "object": "model", "created": 0, "owned_by": "sglang", "root": "ad", "parent": "kvmesh-sim"})
         );
+    }
+
+    #[test]
+    fn adapters_load_and_unload_at_run_time() {
+        let m = models(&[]);
+        assert_eq!(m.resolve(&json!({"model": "late"})).map(|t| t.seed), Ok(0), "unenforced: any name is the base");
+        m.load("late").unwrap();
+        assert!(m.load("late").is_err() && m.load("kvmesh-sim").is_err());
+        assert_ne!(m.resolve(&json!({"model": "late"})).unwrap().seed, 0);
+        assert_eq!(m.list(0)[1]["parent"], "kvmesh-sim");
+        m.unload("late").unwrap();
+        assert!(m.unload("late").is_err());
+        assert_eq!(m.list(0).as_array().unwrap().len(), 1);
     }
 }

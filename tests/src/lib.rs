@@ -192,9 +192,15 @@ impl ControlPlane {
     /// `POST /match` with `text` (with the API key, which it needs): which workers hold how
     /// many of its leading blocks.
     pub fn match_text(&self, text: &[u8]) -> anyhow::Result<serde_json::Value> {
+        self.match_model(text, None)
+    }
+
+    /// `/match` within the pool of `model` (`?model=`).
+    pub fn match_model(&self, text: &[u8], model: Option<&str>) -> anyhow::Result<serde_json::Value> {
         let auth = self.api_key.as_ref().map(|k| format!("Bearer {k}"));
         let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("authorization", a.as_str())).collect();
-        http::post(&self.url("/match"), text, &headers)?.json()
+        let path = model.map_or("/match".to_string(), |m| format!("/match?model={m}"));
+        http::post(&self.url(&path), text, &headers)?.json()
     }
 
     /// The process's resident memory (VmRSS), in KiB.

@@ -357,7 +357,19 @@ const NATIVE_CONTROL_PLANE_TESTS: [&str; 7] = [
 /// the same Envoy path, or checks what only a Wasm VM has (trapped VMs, the lease moving).
 fn native_conformance(envoy: &Path, totals: &mut Totals) -> anyhow::Result<()> {
     let mut suites = cargo();
-    suites.args(["test", "-p", "kvmesh-testkit", "--test", "pd", "--test", "admission", "--test", "breaker"]);
+    suites.args([
+        "test",
+        "-p",
+        "kvmesh-testkit",
+        "--test",
+        "pd",
+        "--test",
+        "admission",
+        "--test",
+        "breaker",
+        "--test",
+        "models",
+    ]);
     stack_env(&mut suites, envoy);
     run_tests(suites.env("KVMESH_TEST_NATIVE", "1"), totals)?;
     let mut control_plane = cargo();

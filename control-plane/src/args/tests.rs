@@ -238,8 +238,10 @@ fn no_effect_flags_warn_and_refused_flags_name_the_equivalent() {
     assert!(s.warnings.iter().any(|w| w.starts_with("--retry-jitter-factor: No effect in kvmesh: Envoy's")));
     assert_eq!(s.routing.retry_jitter_factor, Some(0.3), "carried to the filters all the same");
     assert!(parse(&["--cache-threshold", "0.5"]).unwrap().warnings.is_empty());
-    let e = parse(&["--enable-igw"]).unwrap_err();
-    assert!(e.starts_with("--enable-igw: multi-model"), "{e}");
+    let igw = parse(&["--enable-igw", "--model-alias", "llama=meta-llama/Llama-3.1-8B"]).unwrap();
+    assert_eq!(igw.routing.enable_igw, Some(true), "multi-model mode is kvmesh's own");
+    assert_eq!(igw.routing.model_alias.as_deref(), Some(&["llama=meta-llama/Llama-3.1-8B".to_string()][..]));
+    assert!(parse(&["--model-alias", "no-equals"]).unwrap_err().contains("alias=canonical"));
     assert!(parse(&["--jwt-issuer", "https://idp"]).unwrap_err().contains("--control-plane-api-keys"));
     assert!(parse(&["--backend", "openai"]).unwrap_err().starts_with("--backend: `openai` is refused"));
     assert!(parse(&["--backend", "sglang"]).is_ok());

@@ -2,6 +2,9 @@
 //! tokens), which workers hold a text's leading blocks, and the bound each worker is held to
 //! there (its KV capacity within `--max-tree-size`; prefix_hash's LRU capacity per server).
 
+use kvmesh_core::blocks::{block_hashes_from, model_seed};
+use kvmesh_core::models::{ModelError, ModelRules, Pools};
+
 use super::store::{Inner, State};
 use super::worker::WorkerEntry;
 use crate::capacity;
@@ -23,10 +26,14 @@ impl State {
         (inner.index.len(), inner.index.entries())
     }
 
-    /// Which workers hold leading blocks of `text` (the routing text), deepest first.
-    pub fn match_text(&self, text: &[u8]) -> Vec<(String, usize)> {
-        let hashes = kvmesh_core::blocks::block_hashes(text, self.settings.block_size);
+    /// Which workers hold leading blocks of `text` (the routing text) for a request naming
+    /// `model` (resolved to its pool as the filters do), deepest first.
+    pub fn match_text(&self, text: &[u8], model: Option<&str>) -> Result<Vec<(String, usize)>, ModelError> {
         let inner = self.lock();
+        let rules = ModelRules::from_settings(&self.settings.routing).unwrap_or_default();
+        let pools = Pools::new(inner.workers.values().map(|w| &w.models[..]), &rules);
+        let seed = model_seed(pools.resolve(model)?.name);
+        let hashes = block_hashes_from(text, self.settings.block_size, seed);
         let mut out: Vec<(String, usize)> = inner
             .index
             .match_prefix(&hashes)
@@ -34,7 +41,7 @@ impl State {
             .filter_map(|m| Some((inner.workers.get(&m.worker)?.url.clone(), m.blocks)))
             .collect();
         out.sort_by_key(|m| std::cmp::Reverse(m.1));
-        out
+        Ok(out)
     }
 
     /// A worker's KV capacity in tokens: `--worker-kv-capacity`, else what it reported.

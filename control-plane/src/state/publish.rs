@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvmesh_proto::v1::{IndexEvict, IndexInsert, Snapshot, Worker};
+use kvmesh_proto::v1::{IndexEvict, IndexInsert, ServedModel, Snapshot, Worker};
 use serde_json::{json, Value};
 use tokio::sync::broadcast;
 
@@ -103,6 +103,15 @@ impl WorkerEntry {
             waiting: self.pressure.waiting,
             kv_usage: self.pressure.kv_usage,
             utility: self.utility,
+            models: self
+                .models
+                .iter()
+                .map(|m| ServedModel {
+                    id: m.id.clone(),
+                    parent: m.parent.clone().unwrap_or_default(),
+                    owned_by: m.owned_by.clone(),
+                })
+                .collect(),
         }
     }
 }

@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use kvmesh_core::models::ServedModel;
 use kvmesh_proto::v1::Role;
 
 use super::persist::{self, Persisted};
@@ -135,6 +136,18 @@ impl State {
         }
         if w.polled_load != load {
             w.polled_load = load;
+            inner.workers_dirty = true;
+        }
+    }
+
+    /// The model names worker `id` serves, as it just said: a change goes to the filters.
+    pub fn models_result(&self, id: u32, models: Vec<ServedModel>) {
+        let mut inner = self.lock();
+        let Some(w) = inner.workers.get_mut(&id) else { return };
+        if w.models != models {
+            let names: Vec<&str> = models.iter().map(|m| m.id.as_str()).collect();
+            tracing::info!(url = %w.url, models = ?names, "worker serves");
+            w.models = models;
             inner.workers_dirty = true;
         }
     }

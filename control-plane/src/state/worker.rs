@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 
+use kvmesh_core::models::ServedModel;
 use kvmesh_core::policy::UtilityWindow;
 use kvmesh_proto::v1::{BreakerState, Feedback, Role};
 
@@ -64,6 +65,8 @@ pub struct WorkerEntry {
     /// and the score they give, shipped to the filters.
     pub window: UtilityWindow,
     pub utility: Option<f64>,
+    /// The model names it serves, as it last said (empty: not known yet).
+    pub models: Vec<ServedModel>,
 }
 
 /// One gateway's last cumulative counts for one worker.
@@ -138,6 +141,7 @@ impl WorkerEntry {
             feedback: FeedbackTotals::default(),
             window: UtilityWindow::default(),
             utility: None,
+            models: Vec::new(),
         }
     }
 

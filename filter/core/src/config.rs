@@ -12,6 +12,7 @@ use thiserror::Error;
 
 use crate::admission::AdmissionParams;
 use crate::breaker::BreakerParams;
+use crate::models::ModelRules;
 use crate::policy::{CacheAwareParams, PolicyKind, PrefixHashParams, UtilityParams};
 use crate::router::RouterParams;
 use crate::settings::{PdDecider, PdProtocol, RoutingSettings};
@@ -112,6 +113,8 @@ pub struct Config {
     pub utility: UtilityParams,
     /// Where `consistent_hashing` finds a request's routing key.
     pub routing_key: RoutingKey,
+    /// How a request's `model` picks its pool (`--enable-igw`, `--model-alias`).
+    pub models: ModelRules,
 }
 
 /// Where a request's routing key comes from (`consistent_hashing`): the first of `headers`
@@ -300,6 +303,7 @@ impl Default for Config {
                 latency_weight: DEFAULT_UTILITY_LATENCY_WEIGHT,
                 load_weight: DEFAULT_UTILITY_LOAD_WEIGHT,
             },
+            models: ModelRules::default(),
             routing_key: RoutingKey {
                 headers: DEFAULT_ROUTING_KEY_HEADERS.iter().map(|h| h.to_string()).collect(),
                 body_field: None,
@@ -542,6 +546,7 @@ impl Config {
             prefix_hash: prefix_hash_params(s, block_size, bytes_per_token)?,
             utility: utility_params(s)?,
             routing_key: routing_key(s)?,
+            models: ModelRules::from_settings(s)?,
             max_payload_size: positive("max_payload_size", s.max_payload_size, d.max_payload_size)?,
             request_timeout_secs: positive("request_timeout_secs", s.request_timeout_secs, d.request_timeout_secs)?,
             worker_stall_ms: match s.worker_stall_secs {

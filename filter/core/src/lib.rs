@@ -13,6 +13,7 @@
 //! - [`policy`]: the routing policies (one file each) over plain-data candidates.
 //! - [`settings`]: the routing settings, declared once (flags, plugin JSON, protobuf).
 //! - [`config`]: the configuration, validated once from the settings.
+//! - [`models`]: the names workers serve and the pool a request's `model` picks.
 //! - [`worker`]: the worker table (a snapshot of workers) the policies choose from.
 //! - [`breaker`]: per-worker circuit breakers (a state machine, and its shared-data encoding).
 //! - [`admission`]: the token bucket behind the concurrency limit and queue.
@@ -30,6 +31,7 @@ pub mod errors;
 pub mod feedback;
 pub mod index;
 pub mod logprobs;
+pub mod models;
 pub mod paths;
 pub mod pd;
 pub mod policy;

@@ -158,6 +158,9 @@ pub struct ParsedRequest<'a> {
     /// The first field the client sent that only the gateway may set in PD mode, if any
     /// (`bootstrap_*`, vLLM's `kv_transfer_params`): there the request is refused.
     pub client_bootstrap: Option<&'static str>,
+    /// The `model` the request names (a string of at most
+    /// [`crate::models::MAX_MODEL_NAME`] bytes), if any.
+    pub model: Option<Cow<'a, str>>,
 }
 
 /// The fields of any of the three endpoints that routing looks at; all else is skipped.
@@ -185,6 +188,8 @@ struct Fields<'a> {
     bootstrap_room: Option<&'a RawValue>,
     #[serde(borrow)]
     kv_transfer_params: Option<&'a RawValue>,
+    #[serde(borrow)]
+    model: Option<&'a RawValue>,
 }
 
 /// The per-item fields of a batch body (everything else is skipped).
@@ -324,7 +329,18 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest<'_>, Reque
         ]
         .into_iter()
         .find_map(|(name, f)| f.map(|_| name)),
+        model: model_name(fields.model)?,
     })
+}
+
+/// `model`: absent or null, or a string of 1 to [`crate::models::MAX_MODEL_NAME`] bytes.
+fn model_name(raw: Option<&RawValue>) -> Result<Option<Cow<'_, str>>, RequestError> {
+    let Some(raw) = present(raw) else { return Ok(None) };
+    let expected = "a model name (a string of 1 to 256 bytes)";
+    match json_str(raw) {
+        Some(name) if !name.is_empty() && name.len() <= crate::models::MAX_MODEL_NAME => Ok(Some(name)),
+        _ => Err(wrong_type("model", expected)),
+    }
 }
 
 /// The routing text (at most [`MAX_ROUTING_BYTES`]), its full length, and the batch size.

@@ -1,6 +1,6 @@
 //! The router: one policy plus the prefix index it consults, behind one call per request.
 
-use crate::blocks::{block_hashes, covered_bytes};
+use crate::blocks::{block_hashes_from, covered_bytes, model_seed};
 use crate::index::PrefixIndex;
 use crate::policy::{
     CacheAware, CacheAwareParams, Candidate, ConsistentHash, MarginalUtility, PolicyKind, PowerOfTwo, PrefixHash,
@@ -24,6 +24,9 @@ pub struct RoutingText<'a> {
     pub head: &'a [u8],
     pub len: usize,
     pub key: Option<&'a [u8]>,
+    /// The first block's seed: the model pool's ([`model_seed`]), so that no prefix is a hit
+    /// across models.
+    pub seed: u64,
 }
 
 impl<'a> RoutingText<'a> {
@@ -31,17 +34,27 @@ impl<'a> RoutingText<'a> {
     pub fn with_key(self, key: Option<&'a [u8]>) -> Self {
         Self { key, ..self }
     }
+
+    /// The same text for the pool of `model`.
+    pub fn for_model(self, model: Option<&str>) -> Self {
+        Self { seed: model_seed(model), ..self }
+    }
+
+    /// The text's chained block hashes.
+    pub fn blocks(&self, block_size: usize) -> Vec<u64> {
+        block_hashes_from(self.head, block_size, self.seed)
+    }
 }
 
 impl<'a> From<&'a [u8]> for RoutingText<'a> {
     fn from(head: &'a [u8]) -> Self {
-        Self { head, len: head.len(), key: None }
+        Self { head, len: head.len(), key: None, seed: model_seed(None) }
     }
 }
 
 impl<'a> From<&'a crate::request::ParsedRequest<'a>> for RoutingText<'a> {
     fn from(p: &'a crate::request::ParsedRequest<'a>) -> Self {
-        Self { head: &p.text, len: p.text_len.max(p.text.len()), key: None }
+        Self { head: &p.text, len: p.text_len.max(p.text.len()), key: None, seed: model_seed(None) }
     }
 }
 
@@ -130,13 +143,13 @@ impl Router {
     /// Chooses a candidate for a request whose routing text is `text`. Changes nothing.
     pub fn decide(&self, text: RoutingText<'_>, cands: &[Candidate], rng: &mut dyn RngCore) -> Option<Decision> {
         if self.kind == PolicyKind::CacheAware {
-            let blocks = block_hashes(text.head, self.block_size);
+            let blocks = text.blocks(self.block_size);
             let c = self.cache_aware.pick(text.len, &blocks, self.block_size, cands, &self.index, rng)?;
             let worker = cands.get(c.pos)?.id;
             return Some(Decision { worker, matched_bytes: c.matched_bytes, held_blocks: c.held_blocks, blocks });
         }
         if self.kind == PolicyKind::PrefixHash {
-            let mut blocks = block_hashes(text.head, self.block_size);
+            let mut blocks = text.blocks(self.block_size);
             let c = self.prefix_hash.pick(&blocks, cands, &self.index, rng)?;
             let worker = cands.get(c.pos)?.id;
             if self.track {
@@ -153,7 +166,7 @@ impl Router {
         if !self.track {
             return Some(Decision { worker, matched_bytes: 0, held_blocks: 0, blocks: Vec::new() });
         }
-        Some(self.tracked(worker, text, block_hashes(text.head, self.block_size)))
+        Some(self.tracked(worker, text, text.blocks(self.block_size)))
     }
 
     /// A decision for `worker` that indexes every block and reports the whole prefix it holds.

@@ -309,6 +309,14 @@ routing_settings! {
     /// the decode worker alone (true) or fails it with a 502 naming the prefill worker
     /// (false). Default true.
     pd_prefill_fallback: bool,
+    /// Route by the request's `model` even when one model is served (SMG's multi-model
+    /// "inference gateway" mode); several served names, an adapter or an alias turn it on
+    /// anyway. An unknown model is a 404 from the gateway.
+    #[cfg_attr(feature = "cli", arg(num_args = 0, default_missing_value = "true"))]
+    enable_igw: bool,
+    /// An extra client-facing name for a served model, `alias=canonical` (repeatable, as SMG).
+    #[cfg_attr(feature = "cli", arg(action = clap::ArgAction::Append))]
+    model_alias: Vec<String>,
 }
 
 #[cfg(test)]
@@ -339,7 +347,7 @@ mod tests {
             .contains("polcy"));
         let e = serde_json::from_str::<RoutingSettings>(r#"{"policy":"fastest"}"#).unwrap_err().to_string();
         assert!(e.contains("unknown policy `fastest`"), "{e}");
-        assert_eq!(RoutingSettings::FIELDS.len(), 49);
+        assert_eq!(RoutingSettings::FIELDS.len(), 51);
         assert!(RoutingSettings::FIELDS.contains(&"rate_limit_tokens_per_second"));
     }
 }

@@ -6,6 +6,8 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use thiserror::Error;
 use xxhash_rust::xxh3::xxh3_64;
 
+use crate::models::ServedModel;
+
 /// A worker's stable identity within one worker table lineage (index keys refer to it).
 pub type WorkerId = u32;
 
@@ -56,6 +58,8 @@ pub struct Worker {
     pub affinity: u64,
     /// `marginal_utility`'s score from the control plane (none: no trend yet).
     pub utility: Option<f64>,
+    /// The model names it serves (none known: empty; see [`crate::models`]).
+    pub models: Vec<ServedModel>,
 }
 
 impl Worker {
@@ -73,6 +77,7 @@ impl Worker {
             kv_usage: None,
             affinity: affinity_of(url),
             utility: None,
+            models: Vec::new(),
         })
     }
 

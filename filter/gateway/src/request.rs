@@ -305,7 +305,7 @@ impl RequestFilter {
             PathClass::Llm(endpoint) => endpoint,
             PathClass::WrongMethod => return self.reply(host, Reply::method_not_allowed(method, path)),
             PathClass::NotFound => return self.reply(host, Reply::not_found(method, path)),
-            PathClass::Passthrough => return self.route_other(host, Now::from_nanos(host.now_nanos())),
+            PathClass::Passthrough => return self.route_other(host, path, Now::from_nanos(host.now_nanos())),
         };
         let content_length = headers.get("content-length").and_then(|v| v.trim().parse().ok());
         let Some(reply) =
@@ -334,7 +334,11 @@ impl RequestFilter {
     }
 
     /// A read-only path on the allowlist: to one healthy worker, uncounted.
-    fn route_other(&mut self, host: &dyn StreamHost, now: Now) -> Action {
+    fn route_other(&mut self, host: &dyn StreamHost, path: &str, now: Now) -> Action {
+        // The model list is the gateway's own (the union over the workers).
+        if let Some(Some(reply)) = self.with_gateway(|g| g.models_reply(host, path)) {
+            return self.reply(host, reply);
+        }
         let Some(outcome) = self.with_gateway(|g| (g.route_other(host, now), g.destination())) else {
             return self.not_configured(host);
         };

@@ -2,6 +2,7 @@
 //! on, and adopting the one the stream owner published in shared data. On the owner, it also
 //! publishes each snapshot's table for the others ([`TableFollower::publish`]).
 
+use kvmesh_core::models::{ServedModel, MAX_MODELS_PER_WORKER, MAX_MODEL_NAME};
 use kvmesh_core::{Role, RoutingSettings, Worker, WorkerTable};
 use kvmesh_proto::v1 as proto;
 use kvmesh_proto::Message;
@@ -171,7 +172,44 @@ fn same_workers(table: &WorkerTable, snapshot: &proto::Snapshot) -> bool {
                 && w.url == p.url
                 && w.role == role_of(p.role)
                 && w.bootstrap_port == p.bootstrap_port.and_then(|b| u16::try_from(b).ok())
+                && same_models(&w.models, &p.models)
         })
+}
+
+/// A card's `owned_by` when it is short (64 bytes), else none.
+fn owned_by(m: &proto::ServedModel) -> &str {
+    if m.owned_by.len() <= 64 {
+        &m.owned_by
+    } else {
+        ""
+    }
+}
+
+/// Whether `models` is what [`models_of`] makes of `wire` (compared in place: this runs on
+/// every snapshot).
+fn same_models(models: &[ServedModel], wire: &[proto::ServedModel]) -> bool {
+    let kept = wire.iter().filter(|m| !m.id.is_empty() && m.id.len() <= MAX_MODEL_NAME).take(MAX_MODELS_PER_WORKER);
+    models.len() == kept.clone().count()
+        && models
+            .iter()
+            .zip(kept)
+            .all(|(m, w)| m.id == w.id && m.parent.as_deref().unwrap_or("") == w.parent && m.owned_by == owned_by(w))
+}
+
+/// The names a worker serves, as the control plane listed them: at most
+/// [`MAX_MODELS_PER_WORKER`], names of 1 to [`MAX_MODEL_NAME`] bytes (others left out).
+fn models_of(w: &proto::Worker) -> Vec<ServedModel> {
+    let fits = |s: &str| !s.is_empty() && s.len() <= MAX_MODEL_NAME;
+    w.models
+        .iter()
+        .filter(|m| fits(&m.id))
+        .take(MAX_MODELS_PER_WORKER)
+        .map(|m| ServedModel {
+            id: m.id.clone(),
+            parent: Some(m.parent.clone()).filter(|p| fits(p)),
+            owned_by: owned_by(m).to_string(),
+        })
+        .collect()
 }
 
 fn role_of(role: i32) -> Role {
@@ -219,6 +257,7 @@ pub fn table_from(snapshot: &proto::Snapshot) -> WorkerTable {
             Ok(mut worker) => {
                 worker.role = role_of(w.role);
                 worker.bootstrap_port = w.bootstrap_port.and_then(|p| u16::try_from(p).ok());
+                worker.models = models_of(w);
                 set_polled(&mut worker, w);
                 Some(worker)
             }

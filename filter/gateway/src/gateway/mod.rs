@@ -264,6 +264,20 @@ impl Gateway {
         self.view.worker_at(addr)
     }
 
+    /// `GET /v1/models` and `/v1/models/{id}` answered by the gateway from its table (see
+    /// [`RoutingView::models_reply`]); none for other paths, or when no worker said what it
+    /// serves.
+    pub fn models_reply(&mut self, store: &dyn SharedStore, path: &str) -> Option<Reply> {
+        let path = path.split(['?', '#']).next().unwrap_or(path);
+        let id = match path.strip_prefix("/v1/models") {
+            Some("" | "/") => None,
+            Some(rest) => Some(rest.strip_prefix('/')?),
+            None => return None,
+        };
+        self.follower.sync(store, &mut self.view);
+        self.view.models_reply(id)
+    }
+
     /// Routes a request on another path (models, health, info) to any available worker (a
     /// decode worker in PD mode). Not counted, nothing to commit.
     pub fn route_other(&mut self, store: &dyn SharedStore, now: Now) -> Result<(Routed, Vec<String>), Reply> {

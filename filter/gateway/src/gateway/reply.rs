@@ -1,7 +1,9 @@
 //! The gateway's own answers: JSON errors in the SPEC's shape.
 
 use kvmesh_core::errors::error_json;
+use kvmesh_core::models::{ModelError, ServedModel};
 use kvmesh_core::request::RequestError;
+use serde_json::{json, Value};
 
 #[derive(Debug, PartialEq)]
 pub struct Reply {
@@ -38,6 +40,30 @@ impl Reply {
         Self::error(e.status(), e.code(), &e.to_string())
     }
 
+    /// A request whose `model` names no pool: 404 `model_not_found` for a name no worker
+    /// serves, 400 when it names none and several are served.
+    pub fn model(e: &ModelError) -> Self {
+        match e {
+            ModelError::Unknown(_) => Self::error(404, "model_not_found", &e.to_string()),
+            ModelError::Required(_) => Self::error(400, "missing_field", &e.to_string()),
+        }
+    }
+
+    /// 200 with OpenAI's model list (`GET /v1/models`).
+    pub(super) fn models(served: &[&ServedModel]) -> Self {
+        let data: Vec<Value> = served.iter().map(|m| card(m)).collect();
+        Self::json(&json!({"object": "list", "data": data}))
+    }
+
+    /// 200 with one model's card (`GET /v1/models/{id}`).
+    pub(super) fn model_card(m: &ServedModel) -> Self {
+        Self::json(&card(m))
+    }
+
+    fn json(value: &Value) -> Self {
+        Self { status: 200, body: serde_json::to_vec(value).unwrap_or_default(), retry_after: None, allow: None }
+    }
+
     /// 503 with retry-after: none available, or (`full`) all of them overloaded.
     pub(super) fn no_worker_or_full(what: &str, full: bool) -> Self {
         if !full {
@@ -59,4 +85,16 @@ impl Reply {
             ..Self::error(503, "no_healthy_worker", &format!("no healthy {what} is available"))
         }
     }
+}
+
+/// A model's card in OpenAI's shape; an adapter names its base model as `parent`.
+fn card(m: &ServedModel) -> Value {
+    let owned_by = if m.owned_by.is_empty() { "kvmesh" } else { m.owned_by.as_str() };
+    json!({
+        "id": m.id,
+        "object": "model",
+        "created": 0,
+        "owned_by": owned_by,
+        "parent": m.parent,
+    })
 }

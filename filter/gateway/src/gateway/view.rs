@@ -4,6 +4,7 @@
 
 use kvmesh_core::bootstrap::{random_rooms, Bootstrap};
 use kvmesh_core::breaker::BreakerState;
+use kvmesh_core::models::{serves, Pool, Pools, ServedModel};
 use kvmesh_core::pd::{PdDecision, PdRouter};
 use kvmesh_core::policy::{Candidate, PolicyKind};
 use kvmesh_core::request::{self, ParsedRequest, RequestError, MAX_ROUTING_KEY};
@@ -57,7 +58,14 @@ pub(super) struct RoutingView {
     pub(super) health: Health,
     /// Workers holding this VM's requests without answering (see [`Stalls`]).
     pub(super) stalls: Stalls,
+    /// The model pools of `table` under the configuration's rules.
+    pools: Pools,
     last_eviction_secs: u64,
+}
+
+/// The pools of `table`'s workers under `config`'s model rules.
+fn pools_of(table: &WorkerTable, config: &Config) -> Pools {
+    Pools::new(table.workers.iter().map(|w| &w.models[..]), &config.models)
 }
 
 impl RoutingView {
@@ -68,6 +76,7 @@ impl RoutingView {
             rng: seeded(seed),
             health: Health::new(config.breaker),
             stalls: Stalls::new(config.worker_stall_ms),
+            pools: pools_of(&config.workers, &config),
             last_eviction_secs: 0,
             config,
         }
@@ -85,6 +94,7 @@ impl RoutingView {
         }
         self.health.set_params(config.breaker);
         self.stalls.set_window(config.worker_stall_ms);
+        self.pools = pools_of(&self.table, &config);
         self.config = config;
     }
 
@@ -107,6 +117,7 @@ impl RoutingView {
                 }
             }
         }
+        self.pools = pools_of(&table, &self.config);
         self.table = table;
     }
 
@@ -180,11 +191,19 @@ impl RoutingView {
     /// in-flight counts. A worker is available when healthy and its circuit breaker admits a
     /// request (with `Probes::Refused`, only a closed breaker does). Stalled workers are left
     /// out while others are available, then overloaded ones; `.1` says that some were
-    /// available but every one of them was overloaded.
-    fn candidates(&self, inflight: &Inflight, role: Role, now: Now, probes: Probes) -> (Vec<Candidate>, bool) {
+    /// available but every one of them was overloaded. Only workers of `pool` count.
+    fn candidates(
+        &self,
+        inflight: &Inflight,
+        role: Role,
+        now: Now,
+        probes: Probes,
+        pool: &Pool<'_>,
+    ) -> (Vec<Candidate>, bool) {
         let available: Vec<&kvmesh_core::Worker> = self
             .table
             .healthy_with(role)
+            .filter(|w| serves(&w.models, pool))
             .filter(|w| match probes {
                 Probes::Allowed => self.health.available(w.id, now),
                 Probes::Refused => self.health.state(w.id, now) == BreakerState::Closed,
@@ -234,24 +253,29 @@ impl RoutingView {
             _ => None,
         };
         let key = header_key.or(body_key.as_deref()).map(str::as_bytes);
-        let (main_cands, main_full) = self.candidates(&inflight, self.main_role(), now, Probes::Allowed);
+        // The pool the request's model names: its workers only, its own prefix keys.
+        let pool = match self.pools.resolve(parsed.model.as_deref()) {
+            Ok(pool) => pool,
+            Err(e) => return Outcome::Reply(Reply::model(&e)),
+        };
+        let text = RoutingText::from(parsed).with_key(key).for_model(pool.name);
+        let (main_cands, main_full) = self.candidates(&inflight, self.main_role(), now, Probes::Allowed, &pool);
+        let (prefill, prefill_full) = match self.mode {
+            Mode::Pd(_) => self.candidates(&inflight, Role::Prefill, now, Probes::Allowed, &pool),
+            Mode::Regular(_) => (Vec::new(), false),
+        };
         let chosen = match &self.mode {
-            Mode::Regular(router) => {
-                match router.decide(RoutingText::from(parsed).with_key(key), &main_cands, &mut self.rng) {
-                    Some(d) => Chosen::Regular(d),
-                    None => return Outcome::Reply(Reply::no_worker_or_full("worker", main_full)),
+            Mode::Regular(router) => match router.decide(text, &main_cands, &mut self.rng) {
+                Some(d) => Chosen::Regular(d),
+                None => return Outcome::Reply(Reply::no_worker_or_full("worker", main_full)),
+            },
+            Mode::Pd(pd) => match pd.decide(text, &prefill, &main_cands, &mut self.rng) {
+                Some(d) => Chosen::Pd(d),
+                None if main_cands.is_empty() => {
+                    return Outcome::Reply(Reply::no_worker_or_full("decode worker", main_full))
                 }
-            }
-            Mode::Pd(pd) => {
-                let (prefill, prefill_full) = self.candidates(&inflight, Role::Prefill, now, Probes::Allowed);
-                match pd.decide(RoutingText::from(parsed).with_key(key), &prefill, &main_cands, &mut self.rng) {
-                    Some(d) => Chosen::Pd(d),
-                    None if main_cands.is_empty() => {
-                        return Outcome::Reply(Reply::no_worker_or_full("decode worker", main_full))
-                    }
-                    None => return Outcome::Reply(Reply::no_worker_or_full("prefill worker", prefill_full)),
-                }
-            }
+                None => return Outcome::Reply(Reply::no_worker_or_full("prefill worker", prefill_full)),
+            },
         };
         let (main, prefill) = match &chosen {
             Chosen::Regular(d) | Chosen::Pd(PdDecision::DecodeOnly(d)) => (d, None),
@@ -339,7 +363,7 @@ impl RoutingView {
     /// A request on another path (models, health, info) to any available worker (a decode
     /// worker in PD mode), and where Envoy fails it over to.
     pub(super) fn route_other(&mut self, inflight: &Inflight, now: Now) -> Result<(Routed, Vec<String>), Reply> {
-        let (cands, _) = self.candidates(inflight, self.main_role(), now, Probes::Refused);
+        let (cands, _) = self.candidates(inflight, self.main_role(), now, Probes::Refused, &Pool::ANY);
         let pos = match &mut self.mode {
             Mode::Regular(r) => r.route_any(&cands, &mut self.rng),
             Mode::Pd(pd) => pd.decode_router().route_any(&cands, &mut self.rng),
@@ -350,6 +374,26 @@ impl RoutingView {
             .ok_or_else(|| Reply::no_worker("worker"))?;
         let fallbacks = self.fallbacks(cands, routed.worker, now);
         Ok((routed, fallbacks))
+    }
+
+    /// `GET /v1/models` (`id` none) or `/v1/models/{id}`, answered from the table: the names
+    /// the healthy workers serve (adapters with their parent), once each. None when no worker
+    /// has said what it serves (the request then goes to a worker, as other read-only paths).
+    pub(super) fn models_reply(&self, id: Option<&str>) -> Option<Reply> {
+        if self.pools.names().is_empty() {
+            return None;
+        }
+        let mut served: Vec<&ServedModel> =
+            self.table.iter().filter(|w| w.healthy).flat_map(|w| w.models.iter()).collect();
+        served.sort_by(|a, b| a.id.cmp(&b.id));
+        served.dedup_by(|a, b| a.id == b.id);
+        Some(match id {
+            None => Reply::models(&served),
+            Some(id) => match served.iter().find(|m| m.id == id) {
+                Some(m) => Reply::model_card(m),
+                None => Reply::model(&kvmesh_core::models::ModelError::Unknown(id.to_string())),
+            },
+        })
     }
 
     /// What the index believed the chosen worker held, read before the decision's insert: its

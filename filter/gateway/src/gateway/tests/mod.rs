@@ -3,4 +3,5 @@
 use super::*;
 
 mod control_plane;
+mod models;
 mod routing;

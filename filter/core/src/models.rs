@@ -1,0 +1,246 @@
+//! Many models behind one gateway: the names each worker serves (its base model's and its
+//! loaded LoRA adapters'), the rules that map a request's `model` to a pool of workers
+//! (`--model-alias`, `--enable-igw`), and the pool a request picks.
+//!
+//! A pool is every worker that serves one name. The gateway routes a request only within the
+//! pool its `model` names, and keys its prefix-index entries by that name
+//! ([`crate::blocks::model_seed`]), so that a prompt sent to two models (or to an adapter and
+//! its base) is never a hit across them.
+//!
+//! One model served under one name and no `--enable-igw` is sglang-router's single-model
+//! case: every request goes to that model whatever it names (SGLang answers any name; many
+//! clients send `"model": "default"`). Otherwise (several names, an adapter, aliases or
+//! `--enable-igw`) a request must name a model some worker serves: an unknown name is a 404
+//! `model_not_found`, and no name at all is refused while more than one is served.
+
+use thiserror::Error;
+
+use crate::config::ConfigError;
+use crate::settings::RoutingSettings;
+
+/// The most served names a worker may announce (more are ignored by whoever reads them).
+pub const MAX_MODELS_PER_WORKER: usize = 256;
+
+/// The longest model name kept, in bytes.
+pub const MAX_MODEL_NAME: usize = 256;
+
+/// The most `--model-alias` entries.
+pub const MAX_ALIASES: usize = 256;
+
+/// One name a worker serves, as its `/v1/models` lists it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ServedModel {
+    pub id: String,
+    /// A LoRA adapter's base model (none for a base model).
+    pub parent: Option<String>,
+    /// The card's `owned_by` (`sglang`, `vllm`, ...), as the worker said.
+    pub owned_by: String,
+}
+
+/// How requests' model names map to pools (validated from the routing settings).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ModelRules {
+    /// `--enable-igw`: route by model even when one model is served.
+    pub igw: bool,
+    /// `--model-alias alias=canonical`: a client-facing name for a served one.
+    pub aliases: Vec<(String, String)>,
+}
+
+impl ModelRules {
+    /// Validates `enable_igw` and `model_alias` (each `alias=canonical`, both non-empty, the
+    /// alias not given twice).
+    pub fn from_settings(s: &RoutingSettings) -> Result<Self, ConfigError> {
+        let bad = |reason: String| ConfigError::Invalid { field: "model_alias", reason };
+        let given = s.model_alias.as_deref().unwrap_or_default();
+        if given.len() > MAX_ALIASES {
+            return Err(bad(format!("{} aliases: at most {MAX_ALIASES}", given.len())));
+        }
+        let mut aliases: Vec<(String, String)> = Vec::with_capacity(given.len());
+        for entry in given {
+            let Some((alias, canonical)) = entry.split_once('=') else {
+                return Err(bad(format!("`{entry}` is not alias=canonical")));
+            };
+            let (alias, canonical) = (alias.trim(), canonical.trim());
+            if alias.is_empty()
+                || canonical.is_empty()
+                || alias.len() > MAX_MODEL_NAME
+                || canonical.len() > MAX_MODEL_NAME
+            {
+                return Err(bad(format!("`{entry}` needs a name of 1 to {MAX_MODEL_NAME} bytes on each side of =")));
+            }
+            if alias == canonical || aliases.iter().any(|(a, _)| a == alias) {
+                return Err(bad(format!("alias `{alias}` given twice or naming itself")));
+            }
+            aliases.push((alias.to_string(), canonical.to_string()));
+        }
+        Ok(Self { igw: s.enable_igw.unwrap_or(false), aliases })
+    }
+
+    /// The served name a client's `name` stands for.
+    fn canonical<'a>(&'a self, name: &'a str) -> &'a str {
+        self.aliases.iter().find(|(a, _)| a == name).map_or(name, |(_, c)| c.as_str())
+    }
+}
+
+/// Why a request's `model` names no pool.
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+pub enum ModelError {
+    /// No worker serves it (HTTP 404, `model_not_found`).
+    #[error("The model `{0}` does not exist.")]
+    Unknown(String),
+    /// The request names none and several are served (HTTP 400).
+    #[error("request must name a `model`: this gateway serves several ({0})")]
+    Required(String),
+}
+
+/// The pool a request goes to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pool<'a> {
+    /// The served name the pool is keyed by (the prefix index's seed); none when no worker
+    /// has said what it serves.
+    pub name: Option<&'a str>,
+    /// Only workers serving `name` may take the request (false in the single-model case,
+    /// where a worker that has not said what it serves still takes it).
+    pub only_serving: bool,
+}
+
+impl Pool<'_> {
+    /// Every worker, unkeyed: what a gateway that knows no model names routes on.
+    pub const ANY: Pool<'static> = Pool { name: None, only_serving: false };
+}
+
+/// The names the workers of one table serve: what requests are resolved against.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Pools {
+    /// Every name some worker serves, sorted, once each.
+    names: Vec<String>,
+    /// Whether some name is an adapter's (then a request's name always picks the pool).
+    adapters: bool,
+    rules: ModelRules,
+}
+
+impl Pools {
+    /// The pools of workers serving `served` (one list per worker), under `rules`.
+    pub fn new<'a>(served: impl IntoIterator<Item = &'a [ServedModel]>, rules: &ModelRules) -> Self {
+        let mut names: Vec<String> = Vec::new();
+        let mut adapters = false;
+        for models in served {
+            for m in models {
+                adapters |= m.parent.is_some();
+                names.push(m.id.clone());
+            }
+        }
+        names.sort_unstable();
+        names.dedup();
+        Self { names, adapters, rules: rules.clone() }
+    }
+
+    /// Every name some worker serves, sorted.
+    pub fn names(&self) -> &[String] {
+        &self.names
+    }
+
+    /// Whether the gateway routes by model: several names, an adapter, an alias or
+    /// `--enable-igw` (the single-model case is sglang-router's: any name goes).
+    pub fn by_model(&self) -> bool {
+        self.rules.igw || self.adapters || !self.rules.aliases.is_empty() || self.names.len() > 1
+    }
+
+    /// The pool a request naming `requested` (its body's `model`, if any) goes to.
+    pub fn resolve<'a>(&'a self, requested: Option<&'a str>) -> Result<Pool<'a>, ModelError> {
+        let Some(only) = self.names.first() else { return Ok(Pool::ANY) };
+        if !self.by_model() {
+            return Ok(Pool { name: Some(only), only_serving: false });
+        }
+        let name = match requested {
+            Some(r) => self.rules.canonical(r),
+            None if self.names.len() == 1 => only,
+            None => return Err(ModelError::Required(self.names.join(", "))),
+        };
+        match self.names.binary_search_by(|n| n.as_str().cmp(name)) {
+            Ok(_) => Ok(Pool { name: Some(name), only_serving: true }),
+            Err(_) => Err(ModelError::Unknown(requested.unwrap_or(name).to_string())),
+        }
+    }
+}
+
+/// Whether a worker serving `models` belongs to `pool`.
+pub fn serves(models: &[ServedModel], pool: &Pool<'_>) -> bool {
+    match pool.name {
+        Some(name) if pool.only_serving => models.iter().any(|m| m.id == name),
+        _ => true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model(id: &str, parent: Option<&str>) -> ServedModel {
+        ServedModel { id: id.into(), parent: parent.map(Into::into), owned_by: "vllm".into() }
+    }
+
+    fn rules(igw: bool, aliases: &[&str]) -> ModelRules {
+        let s = RoutingSettings {
+            enable_igw: Some(igw),
+            model_alias: Some(aliases.iter().map(|a| a.to_string()).collect()),
+            ..Default::default()
+        };
+        ModelRules::from_settings(&s).unwrap()
+    }
+
+    #[test]
+    fn one_model_takes_every_request_whatever_it_names() {
+        let w = [model("llama", None)];
+        let pools = Pools::new([&w[..], &w[..]], &ModelRules::default());
+        let pool = Pool { name: Some("llama"), only_serving: false };
+        assert_eq!(pools.resolve(Some("default")), Ok(pool));
+        assert_eq!(pools.resolve(None), Ok(pool));
+        assert!(serves(&[], &pool), "a worker that has not said what it serves still serves");
+    }
+
+    #[test]
+    fn no_names_known_is_the_unkeyed_pool_of_every_worker() {
+        let pools = Pools::new([&[][..]], &rules(true, &[]));
+        assert_eq!(pools.resolve(Some("x")), Ok(Pool::ANY));
+        assert_eq!(Pool::ANY.name, None);
+    }
+
+    #[test]
+    fn several_models_pick_their_pool_and_unknown_or_missing_names_are_refused() {
+        let (a, b) = ([model("a", None), model("a-lora", Some("a"))], [model("b", None)]);
+        let pools = Pools::new([&a[..], &b[..]], &ModelRules::default());
+        assert!(pools.by_model());
+        assert_eq!(pools.names(), ["a", "a-lora", "b"]);
+        let lora = pools.resolve(Some("a-lora")).unwrap();
+        assert_eq!(lora, Pool { name: Some("a-lora"), only_serving: true });
+        assert!(serves(&a, &lora) && !serves(&b, &lora));
+        assert_eq!(pools.resolve(Some("c")), Err(ModelError::Unknown("c".into())));
+        assert_eq!(pools.resolve(None), Err(ModelError::Required("a, a-lora, b".into())));
+    }
+
+    #[test]
+    fn an_adapter_alone_or_igw_routes_by_model_and_a_sole_model_is_the_default() {
+        let a = [model("a", None), model("l", Some("a"))];
+        assert!(Pools::new([&a[..]], &ModelRules::default()).by_model());
+        let one = [model("m", None)];
+        let igw = Pools::new([&one[..]], &rules(true, &[]));
+        assert_eq!(igw.resolve(Some("other")), Err(ModelError::Unknown("other".into())));
+        assert_eq!(igw.resolve(None), Ok(Pool { name: Some("m"), only_serving: true }));
+    }
+
+    #[test]
+    fn aliases_name_a_served_model_and_are_validated() {
+        let one = [model("meta-llama/Llama-3.1-8B", None)];
+        let pools = Pools::new([&one[..]], &rules(false, &["llama=meta-llama/Llama-3.1-8B"]));
+        assert_eq!(pools.resolve(Some("llama")).unwrap().name, Some("meta-llama/Llama-3.1-8B"));
+        assert_eq!(pools.resolve(Some("gpt-4")), Err(ModelError::Unknown("gpt-4".into())));
+        for bad in [&["x"][..], &["=b"], &["a="], &["a=a"], &["a=b", "a=c"]] {
+            let s = RoutingSettings {
+                model_alias: Some(bad.iter().map(|a| a.to_string()).collect()),
+                ..Default::default()
+            };
+            assert!(ModelRules::from_settings(&s).is_err(), "{bad:?} accepted");
+        }
+    }
+}

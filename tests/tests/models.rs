@@ -1,0 +1,140 @@
+//! Many models behind one gateway, end to end: real kvmesh-cp learning each worker's names
+//! from its `/v1/models`, real Envoy with the real filter (the `.wasm`; the native build with
+//! `KVMESH_TEST_NATIVE=1`), simulated vLLM workers that refuse a model they do not serve (so a
+//! request sent to the wrong pool is a visible 404 from the worker, not a silent success).
+
+use std::time::Duration;
+
+use kvmesh_testkit::e2e::{control_plane, gateway, sync};
+use kvmesh_testkit::http::{self, Response};
+use kvmesh_testkit::{wait_until, ControlPlane, Envoy, Sim};
+use serde_json::{json, Value};
+
+/// `llama` on two workers (the second with adapter `sql` loaded), `qwen` on a third.
+struct Stack {
+    /// `llama`, `llama` with `sql`, `qwen`.
+    sims: Vec<Sim>,
+    cp: ControlPlane,
+    envoy: Envoy,
+}
+
+fn vllm(extra: &[&str]) -> Sim {
+    Sim::start(&[&["--engine", "vllm", "--time-scale", "0"][..], extra].concat()).unwrap()
+}
+
+fn stack() -> Stack {
+    let sims = vec![
+        vllm(&["--served-model-name", "llama"]),
+        vllm(&["--served-model-name", "llama", "--lora", "sql"]),
+        vllm(&["--served-model-name", "qwen"]),
+    ];
+    let cp = control_plane(&sims, &["--health-check-interval-secs", "1", "--cache-threshold", "0.1"]);
+    for (sim, n) in sims.iter().zip([1, 2, 1]) {
+        wait_until("kvmesh-cp to learn the served models", Duration::from_secs(20), || {
+            cp.worker(&sim.url())["models"].as_array().is_some_and(|m| m.len() == n)
+        })
+        .unwrap();
+    }
+    let envoy = gateway(&cp);
+    sync(&cp, &envoy);
+    Stack { sims, cp, envoy }
+}
+
+fn ask(envoy: &Envoy, path: &str, model: &str, text: &str) -> Response {
+    let body = if path == "/v1/chat/completions" {
+        json!({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 2})
+    } else {
+        json!({"model": model, "prompt": text, "max_tokens": 2})
+    };
+    http::post(&envoy.url(path), body.to_string().as_bytes(), &[]).unwrap()
+}
+
+fn requests_seen(sims: &[&Sim]) -> u64 {
+    sims.iter().map(|s| s.stats().unwrap()["requests"].as_u64().unwrap_or(0)).sum()
+}
+
+#[test]
+fn each_request_reaches_a_worker_serving_its_model_and_unknown_models_reach_none() {
+    let s = stack();
+    let (l0, l1, q) = (s.sims[0].addr(), s.sims[1].addr(), s.sims[2].addr());
+    let mut mismatches = Vec::new();
+    for i in 0..36 {
+        let path = ["/v1/completions", "/v1/chat/completions"][i % 2];
+        let model = ["llama", "qwen", "sql"][i % 3];
+        let r = ask(&s.envoy, path, model, &format!("request {i} for {model}: {}", "context ".repeat(40)));
+        let worker = r.header("x-kvmesh-worker").unwrap_or("none").to_string();
+        let answered = r.json().ok().and_then(|v| v["model"].as_str().map(str::to_string));
+        let right = match model {
+            "llama" => worker == l0 || worker == l1,
+            "qwen" => worker == q,
+            _ => worker == l1,
+        };
+        if r.status != 200 || !right || answered.as_deref() != Some(model) {
+            mismatches.push(format!("{model} {path}: {} from {worker} ({answered:?})", r.status));
+        }
+    }
+    assert!(mismatches.is_empty(), "{mismatches:?}");
+
+    // An unknown model is the gateway's 404 and reaches no worker.
+    let sims: Vec<&Sim> = s.sims.iter().collect();
+    let before = requests_seen(&sims);
+    let r = ask(&s.envoy, "/v1/completions", "gpt-4", "hello");
+    assert_eq!(r.status, 404, "{}", r.text());
+    let err = r.json().unwrap();
+    assert_eq!(err["error"]["code"], "model_not_found");
+    assert!(err["error"]["message"].as_str().unwrap().contains("gpt-4"));
+    let r =
+        http::post(&s.envoy.url("/v1/completions"), json!({"prompt": "no model"}).to_string().as_bytes(), &[]).unwrap();
+    assert_eq!(r.status, 400, "several models and none named: {}", r.text());
+    assert_eq!(requests_seen(&sims), before, "refused requests reached a worker");
+
+    // The gateway's own list: the union, the adapter with its parent.
+    let list: Value = http::get(&s.envoy.url("/v1/models")).unwrap().json().unwrap();
+    let mut cards: Vec<(String, Value)> = list["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| (c["id"].as_str().unwrap().to_string(), c["parent"].clone()))
+        .collect();
+    cards.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(
+        cards,
+        vec![("llama".into(), Value::Null), ("qwen".into(), Value::Null), ("sql".into(), json!("llama"))]
+    );
+    assert_eq!(requests_seen(&sims), before, "/v1/models is answered by the gateway");
+    let card: Value = http::get(&s.envoy.url("/v1/models/sql")).unwrap().json().unwrap();
+    assert_eq!(card["parent"], "llama");
+    assert_eq!(http::get(&s.envoy.url("/v1/models/gpt-4")).unwrap().status, 404);
+}
+
+#[test]
+fn the_index_keeps_each_models_prompts_apart_and_adapters_loaded_later_are_routed() {
+    let s = stack();
+    let prompt = format!("a system prompt both the base model and its adapter get: {}", "rules ".repeat(80));
+    let held = |model: &str| -> u64 {
+        let m = s.cp.match_model(prompt.as_bytes(), Some(model)).unwrap();
+        m.as_array().unwrap().iter().map(|e| e["blocks"].as_u64().unwrap()).max().unwrap_or(0)
+    };
+    assert_eq!(ask(&s.envoy, "/v1/completions", "llama", &prompt).status, 200);
+    wait_until("the llama prompt in the global index", Duration::from_secs(10), || held("llama") > 0).unwrap();
+    assert_eq!(held("sql"), 0, "the adapter's pool never saw the prompt");
+    // The adapter's worker computes the prompt afresh (its cache is keyed by adapter too).
+    let r = ask(&s.envoy, "/v1/completions", "sql", &prompt);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json().unwrap()["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+
+    // An adapter loaded on qwen's worker at run time: unknown until the next poll, then routed.
+    assert_eq!(ask(&s.envoy, "/v1/completions", "late", "x").status, 404);
+    let load = json!({"lora_name": "late", "lora_path": "/adapters/late"});
+    let r = http::post(&format!("{}/v1/load_lora_adapter", s.sims[2].url()), load.to_string().as_bytes(), &[]).unwrap();
+    assert_eq!(r.status, 200);
+    wait_until("kvmesh-cp to see the loaded adapter", Duration::from_secs(10), || {
+        s.cp.worker(&s.sims[2].url())["models"].as_array().is_some_and(|m| m.len() == 2)
+    })
+    .unwrap();
+    sync(&s.cp, &s.envoy);
+    for i in 0..4 {
+        let r = ask(&s.envoy, "/v1/chat/completions", "late", &format!("late {i}"));
+        assert_eq!((r.status, r.header("x-kvmesh-worker")), (200, Some(s.sims[2].addr().as_str())), "{}", r.text());
+    }
+}
