@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use kvmesh_testkit::e2e::{control_plane, gateway, sync};
+use kvmesh_testkit::e2e::{control_plane, gateway, gateway_with, pd_options, sync};
 use kvmesh_testkit::http::{self, Response};
 use kvmesh_testkit::{wait_until, ControlPlane, Envoy, Sim};
 use serde_json::{json, Value};
@@ -137,4 +137,52 @@ fn the_index_keeps_each_models_prompts_apart_and_adapters_loaded_later_are_route
         let r = ask(&s.envoy, "/v1/chat/completions", "late", &format!("late {i}"));
         assert_eq!((r.status, r.header("x-kvmesh-worker")), (200, Some(s.sims[2].addr().as_str())), "{}", r.text());
     }
+}
+
+/// vLLM PD behind one gateway for two models: a prefill and a decode worker each. Every
+/// request's two legs go to workers serving its model (each sim refuses another model's
+/// requests, and a decode pulls the KV from the prefill its parameters name).
+#[test]
+fn both_pd_legs_come_from_the_requests_model_pool() {
+    let pd = |role: &str, model: &str| vllm(&["--role", role, "--served-model-name", model]);
+    let sims = [pd("prefill", "llama"), pd("prefill", "qwen"), pd("decode", "llama"), pd("decode", "qwen")];
+    let (p, d) = (&sims[..2], &sims[2..]);
+    let cp = ControlPlane::start(&[
+        "--pd-disaggregation",
+        "--pd-protocol",
+        "vllm",
+        "--health-check-interval-secs",
+        "1",
+        "--prefill",
+        &p[0].url(),
+        "none",
+        "--prefill",
+        &p[1].url(),
+        "none",
+        "--decode",
+        &d[0].url(),
+        "--decode",
+        &d[1].url(),
+    ])
+    .unwrap();
+    for sim in &sims {
+        wait_until("kvmesh-cp to learn the served models", Duration::from_secs(20), || {
+            cp.worker(&sim.url())["models"].as_array().is_some_and(|m| m.len() == 1)
+        })
+        .unwrap();
+    }
+    let envoy = gateway_with(&cp, pd_options(json!({"worker_urls": []}), false));
+    sync(&cp, &envoy);
+    for i in 0..12 {
+        let (model, k) = if i % 2 == 0 { ("llama", 0) } else { ("qwen", 1) };
+        let path = ["/v1/completions", "/v1/chat/completions"][i / 2 % 2];
+        let r = ask(&envoy, path, model, &format!("pd request {i}: {}", "long context ".repeat(30)));
+        assert_eq!(r.status, 200, "{model} {path}: {}", r.text());
+        assert_eq!(r.header("x-kvmesh-prefill"), Some(p[k].addr().as_str()), "{model}'s prefill");
+        assert_eq!(r.header("x-kvmesh-worker"), Some(d[k].addr().as_str()), "{model}'s decode");
+        assert_eq!(r.json().unwrap()["model"], model);
+    }
+    let transfers: u64 = d.iter().map(|s| s.stats().unwrap()["kv_transfers_ok"].as_u64().unwrap()).sum();
+    assert_eq!(transfers, 12, "every decode pulled the KV its model's prefill computed");
+    assert_eq!(ask(&envoy, "/v1/completions", "mistral", "x").status, 404);
 }
