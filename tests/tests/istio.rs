@@ -85,8 +85,9 @@ fn kubectl() -> PathBuf {
 }
 
 /// The folders users install with `kubectl kustomize DIR | kubectl apply -f -`.
-const KUSTOMIZATIONS: [&str; 7] = [
+const KUSTOMIZATIONS: [&str; 8] = [
     "overlays/regular",
+    "overlays/multi-model",
     "overlays/pd",
     "overlays/pd-vllm",
     "overlays/pd-llm-d",
@@ -344,9 +345,13 @@ fn selector(cfg: &Value, key: &str) -> Vec<(String, String)> {
 
 #[test]
 fn the_names_that_tie_the_install_together_agree() {
-    for (dir, worker_deployments) in
-        [("overlays/regular", 1), ("overlays/pd", 2), ("overlays/pd-vllm", 2), ("overlays/pd-llm-d", 2)]
-    {
+    for (dir, worker_deployments) in [
+        ("overlays/regular", 1),
+        ("overlays/multi-model", 2),
+        ("overlays/pd", 2),
+        ("overlays/pd-vllm", 2),
+        ("overlays/pd-llm-d", 2),
+    ] {
         let objs = install(dir);
         // The Services behind the clusters the filter names.
         let workers = find(&objs, "Service", "sglang-workers");
@@ -444,6 +449,21 @@ fn the_names_that_tie_the_install_together_agree() {
                     let vllm = containers.iter().find(|c| c["name"] == "vllm").expect("a vllm container");
                     assert!(vllm["args"].to_string().contains("--kv-transfer-config="), "{dir}: {n}");
                 }
+            }
+        }
+        if dir == "overlays/multi-model" {
+            // Two models behind the one gateway: each model's own Service selects its pods
+            // only, and routing by model is on.
+            assert_eq!(cfg["enable-igw"], true, "{dir}");
+            for model in ["llama", "qwen"] {
+                let svc = find(&objs, "Service", model);
+                let sel: BTreeMap<String, String> = serde_json::from_value(svc["spec"]["selector"].clone()).unwrap();
+                let selected: Vec<String> = deployments
+                    .iter()
+                    .filter(|d| sel.iter().all(|(k, v)| labels(d).get(k) == Some(v)))
+                    .map(|d| name(d))
+                    .collect();
+                assert_eq!(selected, [format!("Deployment/vllm-{model}")], "{dir}: the {model} Service");
             }
         }
         if dir == "overlays/pd" {

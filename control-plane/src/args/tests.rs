@@ -577,3 +577,30 @@ fn kv_capacity_entries() {
     assert_eq!(s.kv_capacity.get("http://10.0.0.1:8000"), Some(&4096));
     assert!(parse(&["--worker-kv-capacity", "x"]).unwrap_err().starts_with("--worker-kv-capacity:"));
 }
+
+/// The multi-model Istio overlay's kvmesh-cp configuration loads, with routing by model on and
+/// each alias naming the model its Deployment serves.
+#[test]
+fn the_multi_model_overlays_configuration_loads_with_its_aliases() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../istio/overlays/multi-model");
+    let map: serde_norway::Value =
+        serde_norway::from_str(&std::fs::read_to_string(format!("{dir}/control-plane-config.yaml")).unwrap()).unwrap();
+    // Where it listens and its token are the cluster's (the Secret's file): left out here.
+    let text: String = map["data"]["kvmesh-cp.yaml"]
+        .as_str()
+        .unwrap()
+        .lines()
+        .filter(|l| !l.starts_with("host:") && !l.starts_with("grpc-token-file:"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let path = config_file("multi-model.yaml", &text);
+    let s = parse(&["--config", path_str(&path), "--worker-cidrs", "10.0.0.0/8"]).unwrap();
+    assert_eq!(s.routing.enable_igw, Some(true));
+    let aliases = s.routing.model_alias.clone().unwrap();
+    assert_eq!(aliases.len(), 2);
+    for alias in aliases {
+        let (short, model) = alias.split_once('=').unwrap();
+        let deployment = std::fs::read_to_string(format!("{dir}/{short}.yaml")).unwrap();
+        assert!(deployment.contains(&format!("- {model}\n")), "{short}.yaml serves no {model}");
+    }
+}
