@@ -61,6 +61,8 @@ struct WorkerQuery {
     url: Option<String>,
     role: Option<String>,
     bootstrap_port: Option<String>,
+    /// A model name the worker serves (SMG's `model_id`), besides what its /v1/models lists.
+    model_id: Option<String>,
 }
 
 async fn add_worker(Axum(state): Shared, Query(q): Query<WorkerQuery>) -> (StatusCode, String) {
@@ -79,8 +81,12 @@ async fn add_worker(Axum(state): Shared, Query(q): Query<WorkerQuery>) -> (Statu
             Err(_) => return (StatusCode::BAD_REQUEST, format!("bootstrap_port `{p}` is not a port or `none`")),
         },
     };
+    if let Some(m) = q.model_id.as_deref().filter(|m| m.is_empty() || m.len() > kvmesh_core::models::MAX_MODEL_NAME) {
+        return (StatusCode::BAD_REQUEST, format!("model_id must be 1 to 256 bytes (got {})", m.len()));
+    }
     match state.add_worker(&url, role, port, Source::Api) {
         Ok(id) => {
+            state.set_model_id(id, q.model_id);
             // Unhealthy until probed: probe it now rather than at the next interval.
             if state.settings.health_checks {
                 tokio::spawn(crate::probe::check_one(state.clone(), id));
@@ -153,7 +159,8 @@ async fn workers(Axum(state): Shared) -> Json<Value> {
                 "kv_usage": w.pressure.kv_usage,
                 "utility": w.utility,
                 "utility_window": w.window.len(),
-                "models": w.models.iter().map(|m| json!({"id": m.id, "parent": m.parent})).collect::<Vec<_>>(),
+                "models": w.served().iter().map(|m| json!({"id": m.id, "parent": m.parent})).collect::<Vec<_>>(),
+                "model_id": w.model_id,
             })
         })
         .collect();

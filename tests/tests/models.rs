@@ -137,6 +137,23 @@ fn the_index_keeps_each_models_prompts_apart_and_adapters_loaded_later_are_route
         let r = ask(&s.envoy, "/v1/chat/completions", "late", &format!("late {i}"));
         assert_eq!((r.status, r.header("x-kvmesh-worker")), (200, Some(s.sims[2].addr().as_str())), "{}", r.text());
     }
+
+    // A worker added through the API with a model name of its own (SMG's `model_id`): an
+    // SGLang worker answering to any name, routed for that name only.
+    let sglang = Sim::start(&["--time-scale", "0"]).unwrap();
+    let add = format!("/add_worker?url={}&model_id=mistral", sglang.url());
+    assert_eq!(s.cp.post(&add).unwrap().status, 200);
+    wait_until("kvmesh-cp to list mistral", Duration::from_secs(10), || {
+        s.cp.worker(&sglang.url())["models"].as_array().is_some_and(|m| m.first().is_some_and(|m| m["id"] == "mistral"))
+    })
+    .unwrap();
+    sync(&s.cp, &s.envoy);
+    let r = ask(&s.envoy, "/v1/completions", "mistral", "bonjour");
+    assert_eq!((r.status, r.header("x-kvmesh-worker")), (200, Some(sglang.addr().as_str())), "{}", r.text());
+    for i in 0..6 {
+        let r = ask(&s.envoy, "/v1/completions", "llama", &format!("still llama {i}"));
+        assert_ne!(r.header("x-kvmesh-worker"), Some(sglang.addr().as_str()), "llama went to mistral's worker");
+    }
 }
 
 /// vLLM PD behind one gateway for two models: a prefill and a decode worker each. Every

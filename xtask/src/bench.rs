@@ -11,6 +11,7 @@
 pub(crate) mod charts;
 mod cp;
 mod instructions;
+mod models;
 mod overhead;
 mod quality;
 mod report;

@@ -3,7 +3,7 @@
 //! there (its KV capacity within `--max-tree-size`; prefix_hash's LRU capacity per server).
 
 use kvmesh_core::blocks::{block_hashes_from, model_seed};
-use kvmesh_core::models::{ModelError, ModelRules, Pools};
+use kvmesh_core::models::{ModelError, ModelRules, Pools, ServedModel};
 
 use super::store::{Inner, State};
 use super::worker::WorkerEntry;
@@ -31,7 +31,8 @@ impl State {
     pub fn match_text(&self, text: &[u8], model: Option<&str>) -> Result<Vec<(String, usize)>, ModelError> {
         let inner = self.lock();
         let rules = ModelRules::from_settings(&self.settings.routing).unwrap_or_default();
-        let pools = Pools::new(inner.workers.values().map(|w| &w.models[..]), &rules);
+        let served: Vec<Vec<ServedModel>> = inner.workers.values().map(|w| w.served()).collect();
+        let pools = Pools::new(served.iter().map(|m| &m[..]), &rules);
         let seed = model_seed(pools.resolve(model)?.name);
         let hashes = block_hashes_from(text, self.settings.block_size, seed);
         let mut out: Vec<(String, usize)> = inner

@@ -25,6 +25,9 @@ pub struct PersistedWorker {
     pub url: String,
     pub role: String,
     pub bootstrap_port: Option<u16>,
+    /// The model name the API gave it (`model_id`), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_id: Option<String>,
 }
 
 /// Most ids of workers not registered now that the state file remembers.
@@ -73,6 +76,7 @@ impl State {
                         url: w.url.clone(),
                         role: role_name(w.role).into(),
                         bootstrap_port: w.bootstrap_port,
+                        model_id: w.model_id.clone(),
                     })
                     .collect(),
             }

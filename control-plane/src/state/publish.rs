@@ -104,7 +104,7 @@ impl WorkerEntry {
             kv_usage: self.pressure.kv_usage,
             utility: self.utility,
             models: self
-                .models
+                .served()
                 .iter()
                 .map(|m| ServedModel {
                     id: m.id.clone(),

@@ -42,8 +42,9 @@ impl State {
             let _ = state.add_worker(url, Role::Decode, None, Source::Static);
         }
         for w in persisted.api_workers {
-            if let Err(e) = state.add_worker(&w.url, w.role(), w.bootstrap_port, Source::Api) {
-                tracing::warn!(url = %w.url, "worker from the state file not restored: {e}");
+            match state.add_worker(&w.url, w.role(), w.bootstrap_port, Source::Api) {
+                Ok(id) => state.set_model_id(id, w.model_id),
+                Err(e) => tracing::warn!(url = %w.url, "worker from the state file not restored: {e}"),
             }
         }
         state.persist();
@@ -149,6 +150,25 @@ impl State {
             tracing::info!(url = %w.url, models = ?names, "worker serves");
             w.models = models;
             inner.workers_dirty = true;
+        }
+    }
+
+    /// Gives worker `id` a model name of its own (`model_id`; none takes it back).
+    pub fn set_model_id(&self, id: u32, model_id: Option<String>) {
+        let api = {
+            let mut inner = self.lock();
+            let Some(w) = inner.workers.get_mut(&id) else { return };
+            if w.model_id == model_id {
+                return;
+            }
+            tracing::info!(url = %w.url, ?model_id, "worker model id");
+            w.model_id = model_id;
+            let api = w.source == Source::Api;
+            inner.workers_dirty = true;
+            api
+        };
+        if api {
+            self.persist();
         }
     }
 
@@ -276,6 +296,7 @@ pub(crate) mod tests {
         };
         let s = start(&[]);
         assert_eq!(s.add_worker("http://127.0.0.1:2", Role::Regular, None, Source::Api), Ok(1));
+        s.set_model_id(1, Some("mistral".into()));
         assert_eq!(s.add_worker("http://127.0.0.1:3", Role::Regular, None, Source::Discovery), Ok(2));
         assert_eq!(s.add_worker("http://127.0.0.1:4", Role::Regular, None, Source::Api), Ok(3));
         assert!(s.remove_worker("http://127.0.0.1:4"));
@@ -293,6 +314,9 @@ pub(crate) mod tests {
             ],
             "the API worker is back, unhealthy until probed"
         );
+        let api = s.workers().into_iter().find(|w| w.id == 1).unwrap();
+        assert_eq!(api.model_id.as_deref(), Some("mistral"), "with its model name");
+        assert_eq!(api.served()[0].id, "mistral");
         assert_eq!(s.add_worker("http://127.0.0.1:3", Role::Regular, None, Source::Discovery), Ok(2));
         assert_eq!(s.add_worker("http://127.0.0.1:4", Role::Regular, None, Source::Api), Ok(5));
         std::fs::write(&file, "not json").unwrap();

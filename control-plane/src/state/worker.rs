@@ -67,6 +67,9 @@ pub struct WorkerEntry {
     pub utility: Option<f64>,
     /// The model names it serves, as it last said (empty: not known yet).
     pub models: Vec<ServedModel>,
+    /// A model name given for it (the API's `model_id`): served besides what it lists, which
+    /// then stays a name it answers to (as SMG's `--model-id-from` does).
+    pub model_id: Option<String>,
 }
 
 /// One gateway's last cumulative counts for one worker.
@@ -101,6 +104,16 @@ impl WorkerEntry {
     /// How many gateways have the worker's circuit breaker open.
     pub fn breakers_open(&self) -> usize {
         self.breakers.values().filter(|&&b| b == BreakerState::Open).count()
+    }
+
+    /// The names it serves as the filters see them: the given `model_id` first, then what
+    /// it listed.
+    pub fn served(&self) -> Vec<ServedModel> {
+        let given = self.model_id.iter().filter(|id| !self.models.iter().any(|m| &m.id == *id));
+        given
+            .map(|id| ServedModel { id: id.clone(), parent: None, owned_by: String::new() })
+            .chain(self.models.iter().cloned())
+            .collect()
     }
 
     /// The load filters see: the worker's own report, else the gateways' in-flight sum.
@@ -142,6 +155,7 @@ impl WorkerEntry {
             window: UtilityWindow::default(),
             utility: None,
             models: Vec::new(),
+            model_id: None,
         }
     }
 

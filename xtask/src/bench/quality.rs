@@ -8,6 +8,7 @@
 use kvmesh_testkit::{http, Sim};
 use serde_json::{json, Value};
 
+use super::models;
 use super::report::{f, table};
 use super::routers::{delta, start, stats, Config};
 use super::stack::{PeerBins, Running, Workers};
@@ -185,7 +186,7 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
         there && !o.quick
     } else {
         let mut known: Vec<&str> = workloads.iter().map(|w| w.name).collect();
-        known.push("trace");
+        known.extend(["trace", "two_models"]);
         if let Some(bad) = o.workloads.iter().find(|n| !known.contains(&n.as_str())) {
             anyhow::bail!("--workload {bad}: unknown (one of {})", known.join(", "));
         }
@@ -235,6 +236,9 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
         }
     }
     let trace = if with_trace { Some(trace::run(o, bins, &mut results, &mut failures)?) } else { None };
+    // Two models behind one router: in a full run, or when named.
+    let with_models = if o.workloads.is_empty() { !o.quick } else { o.workloads.iter().any(|n| n == "two_models") };
+    let two_models = if with_models { Some(models::run(o, bins, &mut results, &mut failures)?) } else { None };
     let summaries = summarise(&results);
     let ratios = ratios(&summaries);
     let doc = json!({
@@ -246,6 +250,7 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
             "rounds": o.rounds,
             "workloads": workloads.iter().map(|w| json!({"name": w.name, "what": w.what, "kv_capacity_tokens": w.kv_capacity_tokens})).collect::<Vec<_>>(),
             "trace": trace,
+            "two_models": two_models,
         },
         "results": results,
         "summaries": summaries,
@@ -422,6 +427,9 @@ fn markdown(doc: &Value, workloads: &[Workload]) -> String {
     }
     if !p["trace"].is_null() {
         md.push_str(&trace::markdown(doc));
+    }
+    if !p["two_models"].is_null() {
+        md.push_str(&models::markdown(doc));
     }
     md.push_str("### kvmesh − peer, same workload, policy and replica count\n\n");
     let rows: Vec<Vec<String>> = doc["ratios"]
