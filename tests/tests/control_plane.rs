@@ -298,9 +298,9 @@ fn bad_flags_and_config_are_one_line_errors_with_exit_code_2() {
     assert_eq!((code, err.trim().lines().count()), (Some(2), 1), "{err}");
     assert!(err.contains("unknown key `polcy`"), "{err}");
     // sglang-router flags kvmesh must refuse name what to use instead.
-    let (code, err) = run(&["--enable-igw"]);
+    let (code, err) = run(&["--jwt-issuer", "https://idp"]);
     assert_eq!((code, err.trim().lines().count()), (Some(2), 1), "{err}");
-    assert!(err.contains("--enable-igw") && err.contains("Envoy's routes"), "{err}");
+    assert!(err.contains("--jwt-issuer") && err.contains("--control-plane-api-keys"), "{err}");
 }
 
 /// A command line written for sglang-router starts kvmesh-cp; the flags that have no effect
