@@ -212,11 +212,24 @@ pub struct Metrics {
     breakers_open: Family<WorkerLabels, Gauge>,
     /// marginal_utility's score, while the worker has one.
     utility: Family<WorkerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    /// 1 for each model name a worker serves (join on `worker` to read any series by model).
+    models: Family<ModelLabels, Gauge>,
     cache: crate::feedback::CacheMetrics,
     index_blocks: Gauge,
     index_entries: Gauge,
     /// The label sets of the workers at the last scrape.
     known: Mutex<HashSet<WorkerLabels>>,
+    /// The worker-model pairs at the last scrape.
+    known_models: Mutex<HashSet<ModelLabels>>,
+}
+
+/// A model a worker serves, as `kvmesh_worker_model` labels it.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+struct ModelLabels {
+    worker: String,
+    model: String,
+    /// A LoRA adapter's base model (empty for a base model).
+    parent: String,
 }
 
 impl Metrics {
@@ -232,10 +245,12 @@ impl Metrics {
             failovers: Family::default(),
             breakers_open: Family::default(),
             utility: Family::default(),
+            models: Family::default(),
             cache: Default::default(),
             index_blocks: Gauge::default(),
             index_entries: Gauge::default(),
             known: Mutex::default(),
+            known_models: Mutex::default(),
             state,
         };
         registry.register("sgl_router_worker_health", "Worker health (1 healthy)", m.healthy.clone());
@@ -266,6 +281,11 @@ impl Metrics {
             "kvmesh_worker_utility",
             "marginal_utility: the worker's score (z-scored throughput and latency trends), while it has one",
             m.utility.clone(),
+        );
+        registry.register(
+            "kvmesh_worker_model",
+            "1 for each model name a worker serves (its /v1/models, LoRA adapters with their parent)",
+            m.models.clone(),
         );
         m.cache.register(&mut registry);
         registry.register("kvmesh_index_blocks", "Distinct blocks in the global prefix index", m.index_blocks.clone());
@@ -300,8 +320,15 @@ impl Metrics {
     /// Brings the per-worker series up to date and encodes the registry.
     pub fn encode(&self) -> String {
         let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
+        let mut known_models = self.known_models.lock().unwrap_or_else(|p| p.into_inner());
         let mut now = HashSet::new();
+        let mut now_models = HashSet::new();
         for w in self.state.workers() {
+            for m in w.served() {
+                let labels = ModelLabels { worker: w.url.clone(), model: m.id, parent: m.parent.unwrap_or_default() };
+                self.models.get_or_create(&labels).set(1);
+                now_models.insert(labels);
+            }
             let labels = WorkerLabels { worker: w.url.clone(), role: role_name(w.role).into() };
             self.healthy.get_or_create(&labels).set(i64::from(w.healthy));
             self.load.get_or_create(&labels).set(w.load() as i64);
@@ -337,6 +364,10 @@ impl Metrics {
             self.cache.remove(gone);
         }
         *known = now;
+        for gone in known_models.difference(&now_models) {
+            self.models.remove(gone);
+        }
+        *known_models = now_models;
         let (blocks, entries) = self.state.index_stats();
         self.index_blocks.set(blocks as i64);
         self.index_entries.set(entries as i64);

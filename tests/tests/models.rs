@@ -102,6 +102,10 @@ fn each_request_reaches_a_worker_serving_its_model_and_unknown_models_reach_none
         vec![("llama".into(), Value::Null), ("qwen".into(), Value::Null), ("sql".into(), json!("llama"))]
     );
     assert_eq!(requests_seen(&sims), before, "/v1/models is answered by the gateway");
+    // kvmesh-cp's /metrics names each worker's models, adapters with their parent.
+    let metrics = s.cp.metrics();
+    let adapter = format!(r#"kvmesh_worker_model{{worker="{}",model="sql",parent="llama"}} 1"#, s.sims[1].url());
+    assert!(metrics.contains(&adapter), "{adapter} not in {metrics}");
     let card: Value = http::get(&s.envoy.url("/v1/models/sql")).unwrap().json().unwrap();
     assert_eq!(card["parent"], "llama");
     assert_eq!(http::get(&s.envoy.url("/v1/models/gpt-4")).unwrap().status, 404);
