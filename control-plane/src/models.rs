@@ -1,16 +1,10 @@
-//! The model names a worker serves, learned from the worker itself: its `/v1/models` (vLLM
+//! The model names a worker serves, read from what the worker answers: its `/v1/models` (vLLM
 //! and SGLang list their base model and loaded LoRA adapters there, an adapter with its
-//! `parent`), else SGLang's `/get_model_info`. Asked with the health checks, so that adapters
-//! loaded or unloaded at run time are followed.
-
-use std::sync::Arc;
-use std::time::Duration;
+//! `parent`), else SGLang's `/get_model_info`. `probe.rs` asks with the health checks, so that
+//! adapters loaded or unloaded at run time are followed.
 
 use kvmesh_core::models::{ServedModel, MAX_MODELS_PER_WORKER, MAX_MODEL_NAME};
 use serde_json::Value;
-
-use crate::probe::get;
-use crate::state::State;
 
 /// A name kept: 1 to [`MAX_MODEL_NAME`] bytes.
 fn name(v: &Value) -> Option<String> {
@@ -42,25 +36,6 @@ pub fn parse_model_info(body: &str) -> Option<Vec<ServedModel>> {
     let v: Value = serde_json::from_str(body).ok()?;
     let id = v.get("model_path").and_then(name)?;
     Some(vec![ServedModel { id, parent: None, owned_by: "sglang".into() }])
-}
-
-/// Asks worker `id` at `addr` what it serves and records the answer (nothing when it does
-/// not say: what was known stays).
-pub async fn poll(state: &Arc<State>, id: u32, addr: &str, timeout: Duration) {
-    let served = match get(addr, "/v1/models", timeout).await {
-        Ok((200, body)) => parse_models(&body),
-        _ => None,
-    };
-    let served = match served {
-        Some(s) => Some(s),
-        None => match get(addr, "/get_model_info", timeout).await {
-            Ok((200, body)) => parse_model_info(&body),
-            _ => None,
-        },
-    };
-    if let Some(served) = served {
-        state.models_result(id, served);
-    }
 }
 
 #[cfg(test)]

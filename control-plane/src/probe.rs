@@ -109,7 +109,7 @@ pub async fn check_one(state: Arc<State>, id: u32) {
     let ok = matches!(get(&addr.to_string(), &state.settings.health_endpoint, timeout).await, Ok((200, _)));
     state.health_result(id, ok);
     if ok {
-        crate::models::poll(&state, id, &addr.to_string(), timeout).await;
+        poll_models(&state, id, &addr.to_string(), timeout).await;
     }
 }
 
@@ -127,11 +127,30 @@ pub async fn health_loop(state: Arc<State>) {
                 let ok = matches!(get(&addr.to_string(), &state.settings.health_endpoint, timeout).await, Ok((200, _)));
                 state.health_result(w.id, ok);
                 if ok {
-                    crate::models::poll(&state, w.id, &addr.to_string(), timeout).await;
+                    poll_models(&state, w.id, &addr.to_string(), timeout).await;
                 }
             }
         });
         futures_util::future::join_all(checks).await;
+    }
+}
+
+/// Asks worker `id` at `addr` what it serves and records the answer (nothing when it does
+/// not say: what was known stays).
+pub async fn poll_models(state: &Arc<State>, id: u32, addr: &str, timeout: Duration) {
+    let served = match get(addr, "/v1/models", timeout).await {
+        Ok((200, body)) => crate::models::parse_models(&body),
+        _ => None,
+    };
+    let served = match served {
+        Some(s) => Some(s),
+        None => match get(addr, "/get_model_info", timeout).await {
+            Ok((200, body)) => crate::models::parse_model_info(&body),
+            _ => None,
+        },
+    };
+    if let Some(served) = served {
+        state.models_result(id, served);
     }
 }
 

@@ -546,7 +546,7 @@ impl Config {
             prefix_hash: prefix_hash_params(s, block_size, bytes_per_token)?,
             utility: utility_params(s)?,
             routing_key: routing_key(s)?,
-            models: ModelRules::from_settings(s)?,
+            models: ModelRules::from_settings(s).map_err(|reason| invalid("model_alias", reason))?,
             max_payload_size: positive("max_payload_size", s.max_payload_size, d.max_payload_size)?,
             request_timeout_secs: positive("request_timeout_secs", s.request_timeout_secs, d.request_timeout_secs)?,
             worker_stall_ms: match s.worker_stall_secs {

@@ -15,8 +15,8 @@
 
 use thiserror::Error;
 
-use crate::config::ConfigError;
 use crate::settings::RoutingSettings;
+pub use crate::worker::ServedModel;
 
 /// The most served names a worker may announce (more are ignored by whoever reads them).
 pub const MAX_MODELS_PER_WORKER: usize = 256;
@@ -26,16 +26,6 @@ pub const MAX_MODEL_NAME: usize = 256;
 
 /// The most `--model-alias` entries.
 pub const MAX_ALIASES: usize = 256;
-
-/// One name a worker serves, as its `/v1/models` lists it.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct ServedModel {
-    pub id: String,
-    /// A LoRA adapter's base model (none for a base model).
-    pub parent: Option<String>,
-    /// The card's `owned_by` (`sglang`, `vllm`, ...), as the worker said.
-    pub owned_by: String,
-}
 
 /// How requests' model names map to pools (validated from the routing settings).
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -48,9 +38,9 @@ pub struct ModelRules {
 
 impl ModelRules {
     /// Validates `enable_igw` and `model_alias` (each `alias=canonical`, both non-empty, the
-    /// alias not given twice).
-    pub fn from_settings(s: &RoutingSettings) -> Result<Self, ConfigError> {
-        let bad = |reason: String| ConfigError::Invalid { field: "model_alias", reason };
+    /// alias not given twice); the error is what is wrong with `model_alias`.
+    pub fn from_settings(s: &RoutingSettings) -> Result<Self, String> {
+        let bad = |reason: String| reason;
         let given = s.model_alias.as_deref().unwrap_or_default();
         if given.len() > MAX_ALIASES {
             return Err(bad(format!("{} aliases: at most {MAX_ALIASES}", given.len())));

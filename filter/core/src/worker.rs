@@ -6,8 +6,6 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use thiserror::Error;
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::models::ServedModel;
-
 /// A worker's stable identity within one worker table lineage (index keys refer to it).
 pub type WorkerId = u32;
 
@@ -22,6 +20,16 @@ pub enum AddrError {
     Scheme(String),
     #[error("worker URL `{0}` must name an IP address (or localhost) and a port")]
     Host(String),
+}
+
+/// One model name a worker serves, as its `/v1/models` lists it (see [`crate::models`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ServedModel {
+    pub id: String,
+    /// A LoRA adapter's base model (none for a base model).
+    pub parent: Option<String>,
+    /// The card's `owned_by` (`sglang`, `vllm`, ...), as the worker said.
+    pub owned_by: String,
 }
 
 /// What a worker does.
