@@ -153,8 +153,9 @@ fn a_worker_killed_under_load_loses_no_request() {
 
 /// One worker freezes (SIGSTOP: connections are accepted, nothing answers) under load. New
 /// requests leave it within seconds (the filter's stall window; kvmesh-cp's health checks,
-/// which time out only after a minute here, cannot); the requests it holds end in a JSON 504
-/// at the request timeout.
+/// which time out only after a minute here, cannot, and its unresponsive-worker detection is
+/// off: the test after this one covers it); the requests it holds end in a JSON 504 at the
+/// request timeout.
 #[test]
 fn a_frozen_worker_is_left_within_seconds_and_its_requests_end_in_a_json_504() {
     let timeout = Duration::from_secs(4);
@@ -162,7 +163,16 @@ fn a_frozen_worker_is_left_within_seconds_and_its_requests_end_in_a_json_504() {
     // send its first there after the first VM's requests timed out.
     let (mut sims, _cp, envoy) = stack(
         &["--time-scale", "1"],
-        &["--worker-stall-secs", "2", "--request-timeout-secs", "4", "--health-check-timeout-secs", "60"],
+        &[
+            "--worker-stall-secs",
+            "2",
+            "--request-timeout-secs",
+            "4",
+            "--health-check-timeout-secs",
+            "60",
+            "--worker-unresponsive-secs",
+            "0",
+        ],
         1,
     );
     let frozen = sims[0].addr();
