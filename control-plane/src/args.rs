@@ -90,6 +90,12 @@ pub struct Args {
     /// (kvmesh). Default 1000.
     #[arg(long, help_heading = "Workers: health, load, discovery")]
     pub load_poll_interval_ms: Option<u64>,
+    /// Seconds a healthy worker may answer none of its health and load probes before it is
+    /// taken out of rotation, until it answers one (kvmesh: a hung worker, accepting
+    /// connections and answering nothing, leaves every gateway within about this plus a
+    /// second; a worker busy generating still answers its probes). 0 turns it off. Default 3.
+    #[arg(long, help_heading = "Workers: health, load, discovery")]
+    pub worker_unresponsive_secs: Option<u64>,
     /// How often pending changes are pushed to the filters, in milliseconds (kvmesh). Default 10.
     #[arg(long, help_heading = "Workers: health, load, discovery")]
     pub push_interval_ms: Option<u64>,
@@ -415,6 +421,11 @@ impl Args {
             health_endpoint: self.health_check_endpoint.clone().unwrap_or_else(|| "/health".into()),
             load_poll_interval_ms: self.positive("load_poll_interval_ms", self.load_poll_interval_ms, 1000)?,
             push_interval_ms: self.positive("push_interval_ms", self.push_interval_ms, 10)?,
+            unresponsive_ms: if self.disable_health_check {
+                0
+            } else {
+                self.worker_unresponsive_secs.unwrap_or(3).saturating_mul(1000)
+            },
             discovery,
             log_level: self.log_level.clone().unwrap_or_else(|| "info".into()),
             warnings,

@@ -38,18 +38,19 @@ pub struct FeedbackTotals {
 impl FeedbackTotals {
     /// Adds what one gateway's cumulative counts grew by since `last`.
     pub fn add(&mut self, last: &Feedback, now: &Feedback) {
-        let d32 = |a: u32, b: u32| u64::from(b.wrapping_sub(a));
-        self.predictions += d32(last.predictions, now.predictions);
-        self.accurate += d32(last.accurate, now.accurate);
-        self.over += d32(last.over, now.over);
-        self.under += d32(last.under, now.under);
-        self.completions += d32(last.completions, now.completions);
+        // Totals saturate: no report can wrap them (reports.rs bounds what one may add).
+        let d32 = |total: &mut u64, a: u32, b: u32| *total = total.saturating_add(u64::from(b.wrapping_sub(a)));
+        d32(&mut self.predictions, last.predictions, now.predictions);
+        d32(&mut self.accurate, last.accurate, now.accurate);
+        d32(&mut self.over, last.over, now.over);
+        d32(&mut self.under, last.under, now.under);
+        d32(&mut self.completions, last.completions, now.completions);
         // 64-bit sums do not wrap in practice; a gateway that restarted counts anew.
-        let d64 = |a: u64, b: u64| b.saturating_sub(a);
-        self.predicted_tokens += d64(last.predicted_tokens, now.predicted_tokens);
-        self.cached_tokens += d64(last.cached_tokens, now.cached_tokens);
-        self.completion_tokens += d64(last.completion_tokens, now.completion_tokens);
-        self.e2e_latency_ms += d64(last.e2e_latency_ms, now.e2e_latency_ms);
+        let d64 = |total: &mut u64, a: u64, b: u64| *total = total.saturating_add(b.saturating_sub(a));
+        d64(&mut self.predicted_tokens, last.predicted_tokens, now.predicted_tokens);
+        d64(&mut self.cached_tokens, last.cached_tokens, now.cached_tokens);
+        d64(&mut self.completion_tokens, last.completion_tokens, now.completion_tokens);
+        d64(&mut self.e2e_latency_ms, last.e2e_latency_ms, now.e2e_latency_ms);
     }
 
     /// Hit-prediction accuracy: the share of compared responses whose cached prefix was

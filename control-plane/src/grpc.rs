@@ -58,7 +58,7 @@ pub fn split_full(mut full: Snapshot, max_hashes: usize) -> Vec<Snapshot> {
 fn refused(e: GatewayError) -> Status {
     match e {
         GatewayError::BadId(_) => Status::invalid_argument(e.to_string()),
-        GatewayError::TooMany => Status::resource_exhausted(e.to_string()),
+        GatewayError::TooMany | GatewayError::TooManyWatches => Status::resource_exhausted(e.to_string()),
     }
 }
 
@@ -72,6 +72,19 @@ struct Reporting {
 impl Drop for Reporting {
     fn drop(&mut self) {
         self.state.report_stream_closed(&self.gateway);
+    }
+}
+
+/// Ends a gateway's `Watch` stream in the state when the stream is dropped (the client went
+/// away, or the server shut down).
+struct Watching {
+    state: Arc<State>,
+    gateway: String,
+}
+
+impl Drop for Watching {
+    fn drop(&mut self) {
+        self.state.watch_closed(&self.gateway);
     }
 }
 
@@ -96,7 +109,9 @@ impl Kvmesh for Service {
         let mut deltas = state.subscribe();
         let full = state.full_snapshot();
         tracing::info!(%gateway, version = full.version, blocks = full.inserts.iter().map(|i| i.hashes.len()).sum::<usize>(), "gateway watching");
+        let watching = Watching { state: state.clone(), gateway: gateway.clone() };
         let stream = async_stream::stream! {
+            let _watching = watching;
             let mut seen = full.version;
             for part in split_full(full, FULL_CHUNK_HASHES) {
                 yield Ok(part);

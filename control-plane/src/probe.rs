@@ -1,8 +1,9 @@
 //! Health checks and load polling of the workers, over a minimal HTTP/1.0 client (worker
 //! addresses are IPs on the cluster network; nothing else is needed).
 
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -104,12 +105,23 @@ pub fn parse_metrics(text: &str) -> (Option<u64>, Option<f64>) {
 /// one passes).
 pub async fn check_one(state: Arc<State>, id: u32) {
     let Some(w) = state.workers().into_iter().find(|w| w.id == id) else { return };
-    let Ok(addr) = kvmesh_core::worker::socket_addr(&w.url) else { return };
     let timeout = Duration::from_secs(state.settings.health_timeout_secs);
-    let ok = matches!(get(&addr.to_string(), &state.settings.health_endpoint, timeout).await, Ok((200, _)));
+    health_check(&state, &w.url, id, timeout).await;
+}
+
+/// One health check: its result with the thresholds, any answer as a sign of life, and on a
+/// pass the models the worker serves.
+async fn health_check(state: &Arc<State>, url: &str, id: u32, timeout: Duration) {
+    let Ok(addr) = kvmesh_core::worker::socket_addr(url) else { return };
+    let addr = addr.to_string();
+    let answer = get(&addr, &state.settings.health_endpoint, timeout).await;
+    let ok = matches!(answer, Ok((200, _)));
     state.health_result(id, ok);
+    if answer.is_ok() {
+        state.answered(id);
+    }
     if ok {
-        poll_models(&state, id, &addr.to_string(), timeout).await;
+        poll_models(state, id, &addr, timeout).await;
     }
 }
 
@@ -122,14 +134,7 @@ pub async fn health_loop(state: Arc<State>) {
         tick.tick().await;
         let checks = state.workers().into_iter().map(|w| {
             let state = state.clone();
-            async move {
-                let Ok(addr) = kvmesh_core::worker::socket_addr(&w.url) else { return };
-                let ok = matches!(get(&addr.to_string(), &state.settings.health_endpoint, timeout).await, Ok((200, _)));
-                state.health_result(w.id, ok);
-                if ok {
-                    poll_models(&state, w.id, &addr.to_string(), timeout).await;
-                }
-            }
+            async move { health_check(&state, &w.url, w.id, timeout).await }
         });
         futures_util::future::join_all(checks).await;
     }
@@ -158,51 +163,95 @@ pub async fn poll_models(state: &Arc<State>, id: u32, addr: &str, timeout: Durat
 /// not report it is not asked on every load poll, one that restarted is heard within this.
 const CAPACITY_POLL: Duration = Duration::from_secs(30);
 
+/// How long one load-poll request may take.
+const POLL_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How often kvmesh-cp looks for workers silent past `--worker-unresponsive-secs` (at most
+/// this late).
+const SILENCE_CHECK: Duration = Duration::from_millis(250);
+
 /// Load polling every `load_poll_interval_ms`: `/get_load`, else `/metrics`; and every
-/// [`CAPACITY_POLL`] (at once for a worker new or healthy again) its KV capacity.
+/// [`CAPACITY_POLL`] (at once for a worker new or healthy again) its KV capacity. Each worker
+/// is polled on its own: one that does not answer delays no other's poll, and is not asked
+/// again while a poll of it is still out. Every [`SILENCE_CHECK`], the workers that answered
+/// no probe for `--worker-unresponsive-secs` are taken out; they are still polled, and the
+/// first answer brings them back.
 pub async fn load_loop(state: Arc<State>) {
-    let mut tick = tokio::time::interval(Duration::from_millis(state.settings.load_poll_interval_ms));
-    let timeout = Duration::from_secs(2);
-    let mut capacity_asked: std::collections::HashMap<u32, std::time::Instant> = Default::default();
+    let every = Duration::from_millis(state.settings.load_poll_interval_ms);
+    let silence = Duration::from_millis(state.settings.unresponsive_ms);
+    let mut tick = tokio::time::interval(if silence.is_zero() { every } else { every.min(SILENCE_CHECK) });
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let polling: Arc<std::sync::Mutex<HashSet<u32>>> = Arc::default();
+    let mut capacity_asked: HashMap<u32, Instant> = HashMap::new();
+    let mut last_round: Option<Instant> = None;
     loop {
         tick.tick().await;
+        if !silence.is_zero() {
+            state.mark_unresponsive(silence);
+        }
+        let now = Instant::now();
+        if last_round.is_some_and(|at| now.duration_since(at) < every) {
+            continue;
+        }
+        last_round = Some(now);
         let workers = state.workers();
         capacity_asked.retain(|id, _| workers.iter().any(|w| w.id == *id && w.healthy));
-        let now = std::time::Instant::now();
-        let polls = workers.into_iter().filter(|w| w.healthy).map(|w| {
-            let state = state.clone();
-            let ask_capacity = capacity_asked.get(&w.id).is_none_or(|at| now.duration_since(*at) >= CAPACITY_POLL);
+        for w in workers.into_iter().filter(|w| w.probed()) {
+            if !polling.lock().is_ok_and(|mut p| p.insert(w.id)) {
+                continue; // the last poll of it is still out
+            }
+            let ask_capacity =
+                w.healthy && capacity_asked.get(&w.id).is_none_or(|at| now.duration_since(*at) >= CAPACITY_POLL);
             if ask_capacity {
                 capacity_asked.insert(w.id, now);
             }
-            async move {
-                let Ok(addr) = kvmesh_core::worker::socket_addr(&w.url) else { return };
-                let addr = addr.to_string();
-                if ask_capacity {
-                    let capacity = match get(&addr, "/get_server_info", timeout).await {
-                        Ok((200, body)) => crate::capacity::parse_server_info(&body),
-                        _ => None,
-                    };
-                    state.capacity_result(w.id, capacity);
+            let (state, polling) = (state.clone(), polling.clone());
+            tokio::spawn(async move {
+                poll_one(&state, w.id, &w.url, ask_capacity).await;
+                if let Ok(mut p) = polling.lock() {
+                    p.remove(&w.id);
                 }
-                let (mut load, mut hit, mut pressure) = (None, None, Pressure::default());
-                if let Ok((200, body)) = get(&addr, "/get_load", timeout).await {
-                    load = parse_get_load(&body);
-                    pressure.waiting = waiting_from_get_load(&body);
-                }
-                if let Ok((200, body)) = get(&addr, "/metrics", timeout).await {
-                    let (l, h) = parse_metrics(&body);
-                    load = load.or(l);
-                    hit = h;
-                    let p = parse_pressure(&body);
-                    pressure = Pressure { waiting: pressure.waiting.or(p.waiting), kv_usage: p.kv_usage };
-                }
-                state.pressure_result(w.id, pressure);
-                state.load_result(w.id, load, hit);
-            }
-        });
-        futures_util::future::join_all(polls).await;
+            });
+        }
     }
+}
+
+/// One load poll of a worker (and its KV capacity when `ask_capacity`); every answer is a sign
+/// of life.
+async fn poll_one(state: &State, id: u32, url: &str, ask_capacity: bool) {
+    let Ok(addr) = kvmesh_core::worker::socket_addr(url) else { return };
+    let addr = addr.to_string();
+    let ask = |path: &'static str| {
+        let addr = addr.clone();
+        async move {
+            let answer = get(&addr, path, POLL_TIMEOUT).await;
+            if answer.is_ok() {
+                state.answered(id);
+            }
+            answer
+        }
+    };
+    if ask_capacity {
+        let capacity = match ask("/get_server_info").await {
+            Ok((200, body)) => crate::capacity::parse_server_info(&body),
+            _ => None,
+        };
+        state.capacity_result(id, capacity);
+    }
+    let (mut load, mut hit, mut pressure) = (None, None, Pressure::default());
+    if let Ok((200, body)) = ask("/get_load").await {
+        load = parse_get_load(&body);
+        pressure.waiting = waiting_from_get_load(&body);
+    }
+    if let Ok((200, body)) = ask("/metrics").await {
+        let (l, h) = parse_metrics(&body);
+        load = load.or(l);
+        hit = h;
+        let p = parse_pressure(&body);
+        pressure = Pressure { waiting: pressure.waiting.or(p.waiting), kv_usage: p.kv_usage };
+    }
+    state.pressure_result(id, pressure);
+    state.load_result(id, load, hit);
 }
 
 #[cfg(test)]

@@ -48,6 +48,10 @@ pub struct Settings {
     pub health_success_threshold: u32,
     pub health_endpoint: String,
     pub load_poll_interval_ms: u64,
+    /// A healthy worker that answered none of its health and load probes for this long is
+    /// taken out until it answers one (`--worker-unresponsive-secs`; 0: never, nor without
+    /// health checks).
+    pub unresponsive_ms: u64,
     pub push_interval_ms: u64,
     pub discovery: Option<DiscoveryConfig>,
     /// `--log-level` (`RUST_LOG` wins).

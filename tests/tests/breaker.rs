@@ -199,3 +199,49 @@ fn client_errors_never_open_a_breaker() {
     }
     assert_eq!(served.len(), 3, "{served:?}");
 }
+
+/// sglang-router's `per_worker_isolation` breaker test, as a count: two workers, round robin,
+/// `--cb-failure-threshold 2`, no retries, one worker failing every request, sequential
+/// requests each on a new connection to an Envoy with four worker threads (four VMs sharing
+/// the breakers). Once the second failure opens the breaker (on whichever thread saw it), no
+/// thread sends that worker another request before the breaker's timeout: exactly two
+/// requests ever reach it, and every other request is served. (Each VM used to adopt the
+/// shared breakers only on its 20 ms tick, so a thread that had not ticked yet could still
+/// route one there: sglang-router's suite saw "non-200 after CB open" in about one run of
+/// three.)
+#[test]
+fn an_open_breaker_is_obeyed_by_every_thread_at_once() {
+    let sims = sims(2, FAST);
+    let flags = [
+        "--disable-retries",
+        "--policy",
+        "round_robin",
+        "--cb-failure-threshold",
+        "2",
+        "--cb-timeout-duration-secs",
+        "120",
+        "--cb-window-duration-secs",
+        "120",
+    ];
+    let cp = control_plane(&sims, &flags);
+    let mut opts = kvmesh_testkit::EnvoyOptions::new(json!({"worker_urls": []})).unwrap();
+    opts.concurrency = 4;
+    let envoy = kvmesh_testkit::e2e::gateway_with(&cp, opts);
+    let (bad, ok) = (&sims[0], &sims[1]);
+    set_fail_rate(bad, 1.0);
+    let mut failures = Vec::new();
+    for i in 0..200 {
+        let r = good(&envoy, i);
+        if worker_of(&r) == bad.addr() {
+            assert_eq!(r.status, 500, "{}", r.text());
+            failures.push(i);
+        } else {
+            assert_eq!(r.status, 200, "request {i} after {failures:?} failed: {}", r.text());
+        }
+    }
+    let reached = bad.stats().unwrap()["requests"].as_u64().unwrap();
+    eprintln!("failing worker: requests {failures:?} of 200 reached it ({reached} by its own count)");
+    assert_eq!(failures.len(), 2, "requests that reached the failing worker: {failures:?}");
+    assert_eq!(reached, 2);
+    assert_eq!(ok.stats().unwrap()["requests"].as_u64(), Some(198));
+}

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvmesh_testkit::e2e::{control_plane, sims, sync, HANG};
+use kvmesh_testkit::e2e::{control_plane, post_in_thread, sims, sync, HANG};
 use kvmesh_testkit::{http, wait_until, ControlPlane, Envoy, EnvoyOptions, Sim};
 use serde_json::{json, Value};
 
@@ -153,8 +153,9 @@ fn a_worker_killed_under_load_loses_no_request() {
 
 /// One worker freezes (SIGSTOP: connections are accepted, nothing answers) under load. New
 /// requests leave it within seconds (the filter's stall window; kvmesh-cp's health checks,
-/// which time out only after a minute here, cannot); the requests it holds end in a JSON 504
-/// at the request timeout.
+/// which time out only after a minute here, cannot, and its unresponsive-worker detection is
+/// off: the test after this one covers it); the requests it holds end in a JSON 504 at the
+/// request timeout.
 #[test]
 fn a_frozen_worker_is_left_within_seconds_and_its_requests_end_in_a_json_504() {
     let timeout = Duration::from_secs(4);
@@ -162,7 +163,16 @@ fn a_frozen_worker_is_left_within_seconds_and_its_requests_end_in_a_json_504() {
     // send its first there after the first VM's requests timed out.
     let (mut sims, _cp, envoy) = stack(
         &["--time-scale", "1"],
-        &["--worker-stall-secs", "2", "--request-timeout-secs", "4", "--health-check-timeout-secs", "60"],
+        &[
+            "--worker-stall-secs",
+            "2",
+            "--request-timeout-secs",
+            "4",
+            "--health-check-timeout-secs",
+            "60",
+            "--worker-unresponsive-secs",
+            "0",
+        ],
         1,
     );
     let frozen = sims[0].addr();
@@ -227,6 +237,79 @@ fn a_frozen_worker_is_left_within_seconds_and_its_requests_end_in_a_json_504() {
     let others: Vec<&Sample> = samples.iter().filter(|s| s.worker != frozen).collect();
     assert!(others.len() > held.len(), "the other workers served the load");
     assert!(others.iter().all(|s| s.status == 200), "{:?}", others.iter().find(|s| s.status != 200).map(|s| &s.body));
+}
+
+/// A hung worker (SIGSTOP: connections accepted, nothing answered, `/health` and `/get_load`
+/// included) leaves every gateway within 5 s with kvmesh-cp's default probes: its probes go
+/// unanswered, kvmesh-cp takes it out (`--worker-unresponsive-secs`, default 3) and publishes
+/// that. The filter's own stall window and breakers are off here, so only kvmesh-cp can take it
+/// out (with health checks alone, every 60 s with three failures to go, it took minutes). A
+/// worker busy with long generations still answers its probes and stays in.
+#[test]
+fn a_hung_worker_leaves_every_gateway_within_five_seconds_and_a_busy_one_stays() {
+    let mut sims = sims(4, &["--time-scale", "1", "--decode-ms-per-token", "20"]);
+    let flags = [
+        "--policy",
+        "round_robin",
+        "--worker-stall-secs",
+        "0",
+        "--disable-circuit-breaker",
+        "--request-timeout-secs",
+        "3",
+    ];
+    let cp = control_plane(&sims, &flags);
+    let urls: Vec<String> = sims.iter().map(Sim::url).collect();
+    let mut opts = EnvoyOptions::new(json!({"worker_urls": urls})).unwrap();
+    opts.use_control_plane(&cp);
+    opts.concurrency = 2;
+    let envoy = Envoy::start(&opts).unwrap();
+    envoy.wait_for_version(1);
+    let (frozen, busy) = (sims[0].addr(), sims[1].addr());
+    // The busy worker: generations of 8 s each, straight to it, running through the test.
+    let long = json!({"text": "a long story", "sampling_params": {"max_new_tokens": 400}});
+    let hogs: Vec<_> = (0..4).map(|_| post_in_thread(&format!("{}/generate", sims[1].url()), long.clone())).collect();
+    let stop = std::process::Command::new("kill").args(["-STOP", &sims[0].proc().pid().to_string()]).status().unwrap();
+    assert!(stop.success());
+    let frozen_at = Instant::now();
+    let url = envoy.url("/generate");
+    let mut sent = Vec::new();
+    let mut taken_out = None;
+    // Seven seconds of requests, one every 50 ms, each in its own thread (one held by the
+    // frozen worker ends in a 504 at the 3 s request timeout).
+    while frozen_at.elapsed() < Duration::from_secs(7) {
+        let i = sent.len();
+        sent.push((frozen_at.elapsed(), post_in_thread(&url, request(i, 1))));
+        if taken_out.is_none() && cp.worker(&sims[0].url())["healthy"] == false {
+            taken_out = Some(frozen_at.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(50)); // pacing the load, not waiting for anything
+    }
+    let busy_health = cp.worker(&sims[1].url());
+    let sent: Vec<(Duration, String, u16)> = sent
+        .into_iter()
+        .map(|(at, h)| {
+            let (r, _) = h.join().unwrap();
+            (at, r.header("x-kvmesh-worker").unwrap_or("").to_string(), r.status)
+        })
+        .collect();
+    let to_frozen: Vec<Duration> = sent.iter().filter(|(_, w, _)| *w == frozen).map(|(at, _, _)| *at).collect();
+    eprintln!(
+        "{} requests; kvmesh-cp took the frozen worker out {taken_out:?} after it froze; requests sent to it at {to_frozen:?}",
+        sent.len()
+    );
+    assert!(!to_frozen.is_empty(), "it was in rotation when it froze");
+    let late: Vec<&Duration> = to_frozen.iter().filter(|at| **at >= Duration::from_secs(5)).collect();
+    assert!(late.is_empty(), "requests still went to the hung worker 5 s after it froze, at {late:?}");
+    assert!(taken_out.is_some_and(|t| t < Duration::from_secs(5)), "kvmesh-cp: {taken_out:?}");
+    assert_eq!(busy_health["healthy"], true, "the busy worker answers its probes: {busy_health}");
+    let busy_late = sent.iter().filter(|(at, w, _)| *w == busy && *at >= Duration::from_secs(5)).count();
+    assert!(busy_late > 0, "the busy worker still got requests after 5 s");
+    let others_ok = sent.iter().filter(|(_, w, _)| *w != frozen).all(|(_, _, status)| *status == 200);
+    assert!(others_ok, "every request the other workers got was served");
+    for h in hogs {
+        let (r, _) = h.join().unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
 }
 
 /// Workers whose queue is past the threshold (as kvmesh-cp polls it) are passed over while

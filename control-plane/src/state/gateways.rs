@@ -1,34 +1,43 @@
 //! The gateways (one per Envoy) kvmesh-cp hears from: their ids (bounded in length and in
-//! number), their `Report` streams (a gateway's in-flight counts and circuit breakers count
-//! while one is open and the gateway is not silent), how long they are remembered, and the
-//! budget of index hashes each may report.
+//! number: kvmesh-cp takes one gRPC token, so the bound is that token's), their `Watch`
+//! streams (bounded per id) and `Report` streams (a gateway's in-flight counts and circuit
+//! breakers count while one is open and the gateway is not silent), how long an id without
+//! streams is remembered, and the budget of index hashes each may report. A new id is always
+//! admitted while some id has no stream: the one idle longest is forgotten to make room, so a
+//! restarted Envoy (a new id) is never refused because of ids no one uses.
 
 use std::time::{Duration, Instant};
 
 use super::store::{Gateway, Inner, State};
 
-/// Most gateway ids kvmesh-cp keeps at once; past it, new ids are refused.
+/// Most gateway ids kvmesh-cp keeps at once; past it, a new id takes the place of the one idle
+/// longest, and is refused only when every id has a stream open.
 pub const MAX_GATEWAYS: usize = 1024;
+/// Most `Watch` streams open at once under one gateway id (one Envoy holds one, two while the
+/// streams move between its threads).
+pub const MAX_WATCHES: u32 = 4;
 /// Longest gateway id, in bytes.
 pub const MAX_GATEWAY_ID: usize = 128;
 /// A reporting gateway silent this long no longer counts in flight.
 pub const INFLIGHT_TTL: Duration = Duration::from_secs(30);
-/// A gateway gone this long is forgotten (with the cumulative counts it reported: should it
-/// come back after that, its counts are taken anew).
-pub const GATEWAY_TTL: Duration = Duration::from_secs(3600);
+/// A gateway with no stream open this long is forgotten (with the cumulative counts it
+/// reported: should it come back after that, its counts are taken anew).
+pub const GATEWAY_TTL: Duration = Duration::from_secs(300);
 
 /// Why a gateway is refused.
 #[derive(Debug, PartialEq, Eq)]
 pub enum GatewayError {
     BadId(String),
     TooMany,
+    TooManyWatches,
 }
 
 impl std::fmt::Display for GatewayError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::BadId(why) => write!(f, "bad gateway_id: {why}"),
-            Self::TooMany => write!(f, "kvmesh-cp already tracks {MAX_GATEWAYS} gateways"),
+            Self::TooMany => write!(f, "kvmesh-cp already tracks {MAX_GATEWAYS} gateways, each with a stream open"),
+            Self::TooManyWatches => write!(f, "this gateway_id already has {MAX_WATCHES} Watch streams open"),
         }
     }
 }
@@ -47,20 +56,46 @@ impl State {
     pub fn report_stream_opened(&self, gateway: &str) -> Result<(), GatewayError> {
         check_gateway_id(gateway)?;
         let mut inner = self.lock();
+        let g = self.admit(&mut inner, gateway)?;
+        g.reporting += 1;
+        Ok(())
+    }
+
+    /// `gateway`'s entry, made if new (a new id takes the place of the one idle longest when
+    /// [`MAX_GATEWAYS`] are kept), seen now.
+    fn admit<'a>(&self, inner: &'a mut Inner, gateway: &str) -> Result<&'a mut Gateway, GatewayError> {
         let now = Instant::now();
-        let burst = self.burst();
         if !inner.gateways.contains_key(gateway) && inner.gateways.len() >= MAX_GATEWAYS {
-            return Err(GatewayError::TooMany);
+            let idle = inner
+                .gateways
+                .iter()
+                .filter(|(_, g)| g.reporting == 0 && g.watching == 0)
+                .min_by_key(|(_, g)| g.seen)
+                .map(|(id, _)| id.clone());
+            let Some(idle) = idle else { return Err(GatewayError::TooMany) };
+            tracing::info!(gateway = %idle, "gateway id forgotten to admit a new one (idle longest)");
+            Self::forget(inner, &idle);
         }
+        let burst = self.burst();
         let g = inner.gateways.entry(gateway.to_string()).or_insert(Gateway {
             seen: now,
             reporting: 0,
+            watching: 0,
             budget: burst,
             budget_at: now,
         });
-        g.reporting += 1;
         g.seen = now;
-        Ok(())
+        Ok(g)
+    }
+
+    /// Forgets `gateway`: its id, in-flight counts, breakers and the cumulative counts it
+    /// reported.
+    fn forget(inner: &mut Inner, gateway: &str) {
+        Self::drop_inflight(inner, gateway);
+        inner.gateways.remove(gateway);
+        for w in inner.workers.values_mut() {
+            w.last_counts.remove(gateway);
+        }
     }
 
     /// A `Report` stream of `gateway` ended. When it was the last one, the gateway's in-flight
@@ -105,33 +140,37 @@ impl State {
         let gone: Vec<String> = inner
             .gateways
             .iter()
-            .filter(|(_, g)| g.reporting == 0 && now.saturating_duration_since(g.seen) >= GATEWAY_TTL)
+            .filter(|(_, g)| {
+                g.reporting == 0 && g.watching == 0 && now.saturating_duration_since(g.seen) >= GATEWAY_TTL
+            })
             .map(|(id, _)| id.clone())
             .collect();
         for id in &gone {
-            inner.gateways.remove(id);
-            for w in inner.workers.values_mut() {
-                w.last_counts.remove(id);
-            }
+            Self::forget(&mut inner, id);
         }
         inner.gateways.len()
     }
 
-    /// A gateway opened `Watch` (it is listed in `/snapshot`, not tracked past its TTL).
+    /// A gateway opened `Watch` (at most [`MAX_WATCHES`] at once per id): tracked until the
+    /// stream closes ([`watch_closed`](Self::watch_closed)), then for [`GATEWAY_TTL`].
     pub fn gateway_connected(&self, id: &str) -> Result<(), GatewayError> {
         check_gateway_id(id)?;
         let mut inner = self.lock();
-        if !inner.gateways.contains_key(id) && inner.gateways.len() >= MAX_GATEWAYS {
-            return Err(GatewayError::TooMany);
+        if inner.gateways.get(id).is_some_and(|g| g.watching >= MAX_WATCHES) {
+            return Err(GatewayError::TooManyWatches);
         }
-        let now = Instant::now();
-        let burst = self.burst();
-        inner
-            .gateways
-            .entry(id.to_string())
-            .or_insert(Gateway { seen: now, reporting: 0, budget: burst, budget_at: now })
-            .seen = now;
+        let g = self.admit(&mut inner, id)?;
+        g.watching += 1;
         Ok(())
+    }
+
+    /// A `Watch` stream of `id` ended.
+    pub fn watch_closed(&self, id: &str) {
+        let mut inner = self.lock();
+        if let Some(g) = inner.gateways.get_mut(id) {
+            g.watching = g.watching.saturating_sub(1);
+            g.seen = Instant::now();
+        }
     }
 
     /// Hashes a gateway may report at once (four seconds' worth).
@@ -178,7 +217,40 @@ mod tests {
         for i in 0..MAX_GATEWAYS {
             s.gateway_connected(&format!("gw-{i}")).unwrap();
         }
-        assert_eq!(s.report_stream_opened("one-too-many"), Err(GatewayError::TooMany));
+        assert_eq!(s.report_stream_opened("one-too-many"), Err(GatewayError::TooMany), "every id has a stream");
         assert!(s.report_stream_opened("gw-7").is_ok(), "known ids still work");
+    }
+
+    #[test]
+    fn a_new_gateway_takes_the_place_of_the_one_idle_longest() {
+        let s = state(&["--worker-urls", "http://127.0.0.1:1"]);
+        // A token holder registers every id it may, each with a stream that then closes.
+        for i in 0..MAX_GATEWAYS {
+            let id = format!("gw-{i}");
+            s.gateway_connected(&id).unwrap();
+            s.watch_closed(&id);
+        }
+        s.report_stream_opened("gw-1").unwrap(); // one still reporting: never evicted
+                                                 // A restarted Envoy (a new id) is admitted: the id idle longest (gw-0) is forgotten.
+        s.gateway_connected("restarted").unwrap();
+        s.report_stream_opened("restarted").unwrap();
+        let known = |id: &str| s.lock().gateways.contains_key(id);
+        assert!(known("restarted") && known("gw-1") && !known("gw-0") && known("gw-2"));
+        assert_eq!(s.lock().gateways.len(), MAX_GATEWAYS);
+        // Ids without a stream expire after GATEWAY_TTL; those with one never do.
+        assert_eq!(s.prune_gateways(Instant::now() + GATEWAY_TTL + Duration::from_secs(1)), 2);
+        assert!(known("restarted") && known("gw-1"));
+    }
+
+    #[test]
+    fn watch_streams_per_id_are_bounded() {
+        let s = state(&[]);
+        for _ in 0..MAX_WATCHES {
+            s.gateway_connected("gw").unwrap();
+        }
+        assert_eq!(s.gateway_connected("gw"), Err(GatewayError::TooManyWatches));
+        s.watch_closed("gw");
+        assert!(s.gateway_connected("gw").is_ok(), "one closed: room for one more");
+        assert!(s.gateway_connected("other").is_ok(), "per id");
     }
 }

@@ -114,19 +114,66 @@ impl State {
             w.oks += 1;
             if !w.healthy && (w.oks >= ok_at || w.awaiting_probe) {
                 w.healthy = true;
+                w.unresponsive = false;
+                w.answered_at = std::time::Instant::now();
             }
             w.awaiting_probe = false;
         } else {
             w.oks = 0;
             w.fails += 1;
-            if w.healthy && w.fails >= fail_at {
+            if w.fails >= fail_at {
+                // Unhealthy by its health checks: an answer to a load poll no longer brings
+                // it back, only passed health checks do.
                 w.healthy = false;
+                w.unresponsive = false;
             }
         }
         if was != w.healthy {
             tracing::warn!(url = %w.url, healthy = w.healthy, "worker health changed");
             inner.workers_dirty = true;
         }
+    }
+
+    /// Worker `id` answered a probe (any HTTP status: it is alive, healthy or not). A worker
+    /// taken out for not answering is back, unless its health checks failed meanwhile.
+    pub fn answered(&self, id: u32) {
+        let fail_at = self.settings.health_failure_threshold;
+        let mut inner = self.lock();
+        let Some(w) = inner.workers.get_mut(&id) else { return };
+        w.answered_at = std::time::Instant::now();
+        if w.unresponsive {
+            w.unresponsive = false;
+            if w.fails < fail_at {
+                w.healthy = true;
+                tracing::warn!(url = %w.url, "worker answers again: back in rotation");
+                inner.workers_dirty = true;
+            }
+        }
+    }
+
+    /// Takes out every healthy worker that answered no probe for `silence` (a hung worker:
+    /// connections accepted, nothing answered), until it answers one; returns their ids. A
+    /// worker busy generating still answers its probes and is never taken out.
+    pub fn mark_unresponsive(&self, silence: std::time::Duration) -> Vec<u32> {
+        self.mark_unresponsive_at(std::time::Instant::now(), silence)
+    }
+
+    fn mark_unresponsive_at(&self, now: std::time::Instant, silence: std::time::Duration) -> Vec<u32> {
+        let mut inner = self.lock();
+        let mut marked = Vec::new();
+        for w in inner.workers.values_mut() {
+            if w.healthy && now.saturating_duration_since(w.answered_at) > silence {
+                w.healthy = false;
+                w.unresponsive = true;
+                tracing::warn!(url = %w.url, silent_ms = silence.as_millis() as u64, "worker answers no probe: taken out");
+                marked.push(w.id);
+            }
+        }
+        if !marked.is_empty() {
+            inner.workers_dirty = true;
+        }
+        marked.sort_unstable();
+        marked
     }
 
     pub fn load_result(&self, id: u32, load: Option<u64>, cache_hit_rate: Option<f64>) {
@@ -213,6 +260,35 @@ pub(crate) mod tests {
         assert!(!s.workers()[0].healthy);
         s.health_result(0, true);
         assert!(s.workers()[0].healthy);
+    }
+
+    #[test]
+    fn a_silent_worker_is_taken_out_until_it_answers() {
+        use std::time::{Duration, Instant};
+        let s =
+            state(&["--worker-urls", "http://127.0.0.1:1", "http://127.0.0.1:2", "--health-failure-threshold", "2"]);
+        s.publish();
+        let silence = Duration::from_secs(3);
+        assert!(s.mark_unresponsive(silence).is_empty(), "registered just now");
+        let later = |s: u64| Instant::now() + Duration::from_secs(s);
+        assert!(s.mark_unresponsive_at(later(2), silence).is_empty(), "silent for less than 3 s");
+        assert_eq!(s.mark_unresponsive_at(later(4), silence), vec![0, 1], "silent for more");
+        s.answered(1);
+        let w = |id: u32| s.workers().into_iter().find(|w| w.id == id).unwrap();
+        assert!(!w(0).healthy && w(0).unresponsive && w(0).probed() && w(1).healthy);
+        assert!(s.publish().is_some(), "published to the filters");
+        assert!(!s.mark_unresponsive_at(later(9), silence).contains(&0), "marked once");
+        s.answered(0);
+        assert!(w(0).healthy && !w(0).unresponsive, "one answer brings it back");
+        // Failed health checks while it was silent: only passed ones bring it back.
+        assert!(s.mark_unresponsive_at(later(9), silence).contains(&0));
+        s.health_result(0, false);
+        s.health_result(0, false);
+        s.answered(0);
+        assert!(!w(0).healthy && !w(0).probed());
+        s.health_result(0, true);
+        s.health_result(0, true);
+        assert!(w(0).healthy);
     }
 
     #[test]

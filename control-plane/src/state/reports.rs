@@ -215,15 +215,58 @@ fn merge_worker_counts(
     let feedback = c.feedback.unwrap_or_default();
     let now = LastCounts { requests: c.requests, errors: c.errors, failovers: c.failovers, feedback, at_ms };
     let last = w.last_counts.get(gateway).cloned().unwrap_or_default();
-    if let Some(size) = window {
-        push_completions(w, size, &last, &now);
+    // Counts that went backwards, grew implausibly, or claim more errors than requests are not
+    // added: the next report counts from them (a forged report cannot drive a total backwards,
+    // wrap it, or add more than the bound a report).
+    let plausible = plausible_step(&last, &now);
+    if plausible {
+        if let Some(size) = window {
+            push_completions(w, size, &last, &now);
+        }
+        w.requests = w.requests.saturating_add(u64::from(c.requests.wrapping_sub(last.requests)));
+        w.errors = w.errors.saturating_add(u64::from(c.errors.wrapping_sub(last.errors)));
+        w.failovers = w.failovers.saturating_add(u64::from(c.failovers.wrapping_sub(last.failovers)));
+        w.feedback.add(&last.feedback, &now.feedback);
+    } else {
+        tracing::warn!(gateway, worker = w.id, "implausible cumulative counts in a report: not added");
     }
-    w.requests += u64::from(c.requests.wrapping_sub(last.requests));
-    w.errors += u64::from(c.errors.wrapping_sub(last.errors));
-    w.failovers += u64::from(c.failovers.wrapping_sub(last.failovers));
-    w.feedback.add(&last.feedback, &now.feedback);
     w.last_counts.insert(gateway.to_string(), now);
     changed
+}
+
+/// Most a gateway's cumulative count of one worker may grow between two of its reports
+/// (reports go every fraction of a second; a first report, made after kvmesh-cp restarted,
+/// may carry more than this: it is then taken as the starting point).
+pub const MAX_COUNT_STEP: u32 = 1 << 20;
+/// Most tokens, or milliseconds of latency, one response may add to the 64-bit sums.
+const MAX_PER_RESPONSE: u64 = 1 << 24;
+
+/// Whether `now` can follow `last` in one gateway's reports: every 32-bit count grew by at
+/// most [`MAX_COUNT_STEP`] (a count that went backwards grew by nearly 2^32), errors by no
+/// more than requests, accurate predictions by no more than predictions, the 64-bit sums
+/// never backwards and by at most [`MAX_PER_RESPONSE`] per response counted.
+fn plausible_step(last: &LastCounts, now: &LastCounts) -> bool {
+    let step = |a: u32, b: u32| b.wrapping_sub(a);
+    let (l, n) = (&last.feedback, &now.feedback);
+    let steps = [
+        step(last.requests, now.requests),
+        step(last.errors, now.errors),
+        step(last.failovers, now.failovers),
+        step(l.predictions, n.predictions),
+        step(l.accurate, n.accurate),
+        step(l.over, n.over),
+        step(l.under, n.under),
+        step(l.completions, n.completions),
+    ];
+    let sum_ok = |a: u64, b: u64, per: u32| b >= a && b - a <= u64::from(per) * MAX_PER_RESPONSE;
+    let (predictions, completions) = (step(l.predictions, n.predictions), step(l.completions, n.completions));
+    steps.iter().all(|&s| s <= MAX_COUNT_STEP)
+        && step(last.errors, now.errors) <= step(last.requests, now.requests)
+        && step(l.accurate, n.accurate) <= predictions
+        && sum_ok(l.predicted_tokens, n.predicted_tokens, predictions)
+        && sum_ok(l.cached_tokens, n.cached_tokens, predictions)
+        && sum_ok(l.completion_tokens, n.completion_tokens, completions)
+        && sum_ok(l.e2e_latency_ms, n.e2e_latency_ms, completions)
 }
 
 /// The completions since the gateway's `last` counts, spread over the time between the two
@@ -459,6 +502,52 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn forged_counts_cannot_drive_totals_backwards_or_past_the_bound() {
+        let s = state(&["--worker-urls", "http://127.0.0.1:1"]);
+        let report = |requests: u32, errors: u32, feedback: Feedback| {
+            s.report(ReportBatch {
+                gateway_id: "g".into(),
+                counts: vec![WorkerCounts {
+                    worker: 0,
+                    requests,
+                    errors,
+                    feedback: Some(feedback),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            })
+        };
+        let totals = || {
+            let w = &s.workers()[0];
+            (w.requests, w.errors, w.feedback.completions, w.feedback.e2e_latency_ms)
+        };
+        let fb = |completions: u32, e2e_latency_ms: u64| Feedback { completions, e2e_latency_ms, ..Default::default() };
+        report(100, 1, fb(10, 5_000));
+        assert_eq!(totals(), (100, 1, 10, 5_000));
+        // Backwards (a wrapping difference of nearly 2^32 used to be added): not added, and
+        // the next honest report counts from it.
+        report(50, 1, fb(10, 5_000));
+        assert_eq!(totals(), (100, 1, 10, 5_000));
+        report(60, 2, fb(12, 6_000));
+        assert_eq!(totals(), (110, 2, 12, 6_000));
+        // More errors than requests, a leap past the bound, a latency sum no responses explain.
+        report(61, 9, fb(12, 6_000));
+        report(61 + MAX_COUNT_STEP + 1, 9, fb(12, 6_000));
+        report(62 + MAX_COUNT_STEP + 1, 9, fb(13, u64::MAX));
+        assert_eq!(totals(), (110, 2, 12, 6_000));
+        // The 64-bit sums could be wrapped (or overflow, in a debug build) the same way.
+        report(63 + MAX_COUNT_STEP + 1, 9, fb(14, u64::MAX - 1));
+        report(64 + MAX_COUNT_STEP + 1, 9, fb(15, 0));
+        assert_eq!(totals(), (110, 2, 12, 6_000), "backwards: nothing added");
+        report(65 + MAX_COUNT_STEP + 1, 9, fb(16, 10));
+        assert_eq!(totals(), (111, 2, 13, 6_010), "the next honest step counts from the last report");
+        // Wrapping at 2^32 is honest.
+        report(u32::MAX, 9, fb(16, 10)); // a leap: the starting point
+        report(4, 10, fb(17, 20));
+        assert_eq!(totals(), (116, 3, 14, 6_020));
+    }
+
+    #[test]
     fn breakers_are_merged_over_the_live_gateways_and_failovers_summed() {
         let s = state(&["--worker-urls", "http://127.0.0.1:1", "http://127.0.0.1:2"]);
         let report = |gateway: &str, breaker: BreakerState, failovers: u32| {
@@ -558,10 +647,11 @@ pub(crate) mod tests {
         s.report(ReportBatch { gateway_id: "a".into(), counts: counts(3, 12, 1), ..Default::default() });
         assert_eq!(s.workers()[0].load(), 5);
         assert_eq!((s.workers()[0].requests, s.workers()[0].errors), (17, 1));
-        // Cumulative counts wrap at 2^32.
+        // Cumulative counts wrap at 2^32 (a leap past MAX_COUNT_STEP is not added: it is where
+        // the next report counts from).
         s.report(ReportBatch { gateway_id: "b".into(), counts: counts(2, u32::MAX, 0), ..Default::default() });
         s.report(ReportBatch { gateway_id: "b".into(), counts: counts(2, 1, 0), ..Default::default() });
-        assert_eq!(s.workers()[0].requests, 17 + (u32::MAX - 5) as u64 + 2);
+        assert_eq!(s.workers()[0].requests, 17 + 2);
         s.load_result(1, Some(9), None);
         assert_eq!(s.workers()[0].load(), 9);
     }

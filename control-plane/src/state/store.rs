@@ -37,6 +37,8 @@ pub(super) struct Gateway {
     pub(super) seen: Instant,
     /// Open `Report` streams under this id (two while the stream moves between VMs).
     pub(super) reporting: u32,
+    /// Open `Watch` streams under this id (at most [`super::gateways::MAX_WATCHES`]).
+    pub(super) watching: u32,
     /// The insert budget: a token bucket of hashes.
     pub(super) budget: f64,
     pub(super) budget_at: Instant,

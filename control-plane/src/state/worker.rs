@@ -40,6 +40,11 @@ pub struct WorkerEntry {
     pub(super) awaiting_probe: bool,
     pub(super) fails: u32,
     pub(super) oks: u32,
+    /// Taken out because it answered none of its health and load probes for
+    /// `--worker-unresponsive-secs` (a hung worker); back as soon as it answers one.
+    pub unresponsive: bool,
+    /// When it last answered a probe (any HTTP status), or was registered.
+    pub(super) answered_at: std::time::Instant,
     /// Load the worker reports (`/get_load` or `/metrics`).
     pub polled_load: Option<u64>,
     /// The worker's own cache hit rate, when its `/metrics` says.
@@ -116,6 +121,12 @@ impl WorkerEntry {
             .collect()
     }
 
+    /// Whether the probes ask it: healthy, or taken out for not answering (so that it comes
+    /// back when it does).
+    pub fn probed(&self) -> bool {
+        self.healthy || self.unresponsive
+    }
+
     /// The load filters see: the worker's own report, else the gateways' in-flight sum.
     pub fn load(&self) -> u64 {
         self.polled_load.unwrap_or_else(|| self.inflight_total())
@@ -141,6 +152,8 @@ impl WorkerEntry {
             awaiting_probe,
             fails: 0,
             oks: 0,
+            unresponsive: false,
+            answered_at: std::time::Instant::now(),
             polled_load: None,
             cache_hit_rate: None,
             pressure: Default::default(),

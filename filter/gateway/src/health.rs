@@ -6,17 +6,20 @@
 //! half-open worker is taken by one of them.
 //!
 //! Each VM routes on its own view of that value: re-read on every tick (20 ms), after each of
-//! its own writes, and — only while some breaker is half-open in the view — before every
-//! decision, so that a probe another thread sent is seen. Successes cost no write unless a
-//! failure is in the worker's window or the worker is half-open, so healthy traffic never
-//! touches the value. The same value carries each worker's failover count (cumulative), which
+//! its own writes, and before a decision whenever the breakers' generation in `kvmesh.state`
+//! (read for every decision anyway) moved. Every write that changes what a breaker admits — a
+//! state change, a probe slot taken — moves the generation after the breakers are written and
+//! before the request that caused it goes on, so once a breaker opens on one thread no thread
+//! routes another request by the old state. Successes cost no write unless a failure is in
+//! the worker's window or the worker is half-open, so healthy traffic never touches the
+//! value. The same value carries each worker's failover count (cumulative), which
 //! the stream owner reports with the breaker states.
 
 use kvmesh_core::breaker::{BreakerParams, BreakerState, BreakerTable};
 use kvmesh_core::WorkerId;
 
 use crate::now::Now;
-use crate::shared::{SharedBreakers, SharedStore};
+use crate::shared::{Inflight, SharedBreakers, SharedStore};
 
 /// A state change of one worker's breaker.
 pub type Transition = (BreakerState, BreakerState);
@@ -25,6 +28,8 @@ pub struct Health {
     params: BreakerParams,
     /// The shared table as this VM last read or wrote it.
     view: BreakerTable,
+    /// The breakers' generation (`kvmesh.state`) this view is at least as new as.
+    generation: u64,
 }
 
 /// One worker's breaker as reported to the control plane.
@@ -37,7 +42,7 @@ pub struct BreakerReport {
 
 impl Health {
     pub fn new(params: BreakerParams) -> Self {
-        Self { params, view: BreakerTable::default() }
+        Self { params, view: BreakerTable::default(), generation: 0 }
     }
 
     /// New settings (the control plane's): the breakers keep their state.
@@ -64,15 +69,21 @@ impl Health {
         self.view = read(store);
     }
 
-    /// Before a decision: re-reads the shared value when a breaker is half-open in this VM's
-    /// view (so that a probe slot another VM took is seen); no read otherwise.
-    pub fn sync_if_probing(&mut self, store: &dyn SharedStore, now: Now) {
-        let now_ms = now.ms();
-        if self.params.disabled {
-            return;
-        }
-        if self.view.iter().any(|(_, b)| b.state(&self.params, now_ms) == BreakerState::HalfOpen) {
+    /// Before a decision, given the breakers' generation just read from `kvmesh.state`:
+    /// re-reads the shared value when it moved since this VM last looked (a breaker opened or
+    /// closed, a probe slot taken, on any VM); no read otherwise.
+    pub fn sync_if_changed(&mut self, store: &dyn SharedStore, generation: u64) {
+        if generation != self.generation {
+            self.generation = generation;
             self.sync(store);
+        }
+    }
+
+    /// After a write that changed what a breaker admits: moves the generation, so that every
+    /// VM reads the breakers before its next decision.
+    fn announce(store: &dyn SharedStore) {
+        if !Inflight::breakers_changed(store) {
+            log::warn!("the breakers' generation could not be moved: other threads see the change on their tick");
         }
     }
 
@@ -86,7 +97,11 @@ impl Health {
             return false;
         }
         let params = self.params;
-        self.modify(store, Some(now_ms), |t| t.entry(worker).take_probe(&params, now_ms)).unwrap_or(false)
+        let taken = self.modify(store, Some(now_ms), |t| t.entry(worker).take_probe(&params, now_ms)).unwrap_or(false);
+        if taken {
+            Self::announce(store);
+        }
+        taken
     }
 
     /// Records the outcome of a request to `worker` at `now`; returns the breaker's
@@ -104,14 +119,19 @@ impl Health {
             }
         }
         let params = self.params;
-        self.modify(store, Some(now_ms), |t| {
-            let b = t.entry(worker);
-            let before = b.state(&params, now_ms);
-            b.record(&params, ok, now_ms);
-            let after = b.state(&params, now_ms);
-            (before != after).then_some((before, after))
-        })
-        .flatten()
+        let transition = self
+            .modify(store, Some(now_ms), |t| {
+                let b = t.entry(worker);
+                let before = b.state(&params, now_ms);
+                b.record(&params, ok, now_ms);
+                let after = b.state(&params, now_ms);
+                (before != after).then_some((before, after))
+            })
+            .flatten();
+        if transition.is_some() {
+            Self::announce(store);
+        }
+        transition
     }
 
     /// Counts one request moved from `worker` to another.
@@ -201,10 +221,32 @@ mod tests {
             d.record(&store, 2, false, ms(t));
         }
         c.sync(&store);
+        c.sync_if_changed(&store, Inflight::load(&store).breakers());
         assert!(d.take_probe(&store, 2, ms(1_500)));
         assert!(c.available(2, ms(1_500)), "stale view");
-        c.sync_if_probing(&store, ms(1_500));
+        c.sync_if_changed(&store, Inflight::load(&store).breakers());
         assert!(!c.available(2, ms(1_500)));
+    }
+
+    #[test]
+    fn a_breaker_opened_on_one_vm_is_obeyed_by_the_next_decision_on_every_vm() {
+        let store = FakeStore::default();
+        let (mut a, mut b) = (Health::new(params()), Health::new(params()));
+        let generation = |store: &FakeStore| Inflight::load(store).breakers();
+        b.sync_if_changed(&store, generation(&store));
+        a.record(&store, 7, false, ms(0));
+        a.record(&store, 7, false, ms(1));
+        let before = generation(&store);
+        b.sync_if_changed(&store, before);
+        assert!(b.available(7, ms(2)), "closed, two failures of three: nothing to read");
+        let gets = store.gets();
+        b.sync_if_changed(&store, before);
+        assert_eq!(store.gets(), gets, "an unchanged generation costs no read");
+        assert_eq!(a.record(&store, 7, false, ms(2)), Some((Closed, Open)));
+        assert_ne!(generation(&store), before, "the opening moved the generation");
+        // b has not ticked: the generation it reads before deciding tells it to look.
+        b.sync_if_changed(&store, generation(&store));
+        assert!(!b.available(7, ms(3)), "no thread sends it another request");
     }
 
     #[test]
@@ -249,7 +291,7 @@ mod tests {
             Health::new(params()).record(other, 5, false, ms(1));
         });
         assert_eq!(a.record(&racing, 5, false, ms(2)), Some((Closed, Open)));
-        assert_eq!(racing.writes(), (2, 1));
+        assert_eq!(racing.writes(), (3, 1), "the breakers twice (one conflict), then the generation");
     }
 
     #[test]
@@ -289,7 +331,7 @@ mod tests {
         store.set(KEY, &[0xa5; 1000], None).unwrap();
         let mut h = Health::new(params());
         h.sync(&store);
-        h.sync_if_probing(&store, ms(5));
+        h.sync_if_changed(&store, 9);
         let _ = h.available(0xa5a5_a5a5, ms(5));
         h.record(&store, 1, false, ms(5));
         h.count_failover(&store, 1);

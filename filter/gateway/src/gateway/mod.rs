@@ -155,14 +155,14 @@ impl Gateway {
     }
 
     /// Brings this VM's view up to date with shared data before a decision: the table the
-    /// stream owner published, the index changes other VMs logged, and — while a breaker is
-    /// half-open — the breakers. Returns the in-flight counts read for the decision (less this
+    /// stream owner published, the index changes other VMs logged, and — when their generation
+    /// moved — the breakers. Returns the in-flight counts read for the decision (less this
     /// VM's ended requests not written yet).
-    fn refresh(&mut self, store: &dyn SharedStore, now: Now) -> Inflight {
+    fn refresh(&mut self, store: &dyn SharedStore) -> Inflight {
         self.follower.sync(store, &mut self.view);
         let inflight = Inflight::load(store).discount(self.ledger.ended());
         self.catch_up(store, inflight.head());
-        self.view.health.sync_if_probing(store, now);
+        self.view.health.sync_if_changed(store, inflight.breakers());
         inflight
     }
 
@@ -200,7 +200,7 @@ impl Gateway {
             Ok(p) => p,
             Err(e) => return Outcome::Reply(Reply::request(&e)),
         };
-        let inflight = self.refresh(store, info.now);
+        let inflight = self.refresh(store);
         self.view.decide(endpoint, body, &parsed, info, inflight)
     }
 

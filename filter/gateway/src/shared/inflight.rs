@@ -1,14 +1,16 @@
-//! `kvmesh.state`: in-flight, finished and failed requests per worker of this Envoy, and the
-//! head of the delta log, in one value updated by compare-and-swap.
+//! `kvmesh.state`: in-flight, finished and failed requests per worker of this Envoy, the head
+//! of the delta log and the breakers' generation, in one value updated by compare-and-swap.
 
 use kvmesh_core::WorkerId;
 
 use super::{u32_at, u64_at, update, SetError, SharedStore};
 
-/// Per-worker request counts of this Envoy, and the head of the [`DeltaLog`], in one value:
-/// `head u64` then 16-byte entries `(worker u32, in flight u32, finished u32, failed u32)`,
-/// updated by compare-and-swap. One read per routed request serves both the loads and the
-/// log; one CAS counts the request, takes a log sequence number and writes the requests that
+/// Per-worker request counts of this Envoy, the head of the [`DeltaLog`] and the breakers'
+/// generation, in one value: `head u64, breakers u64` then 16-byte entries `(worker u32, in
+/// flight u32, finished u32, failed u32)`, updated by compare-and-swap. One read per routed
+/// request serves the loads, the log and the breakers (a VM that sees a new generation reads
+/// `kvmesh.breakers` before it decides: a breaker opened on another thread is obeyed by the
+/// next request anywhere); one CAS counts the request, takes a log sequence number and writes the requests that
 /// ended in this VM since (see [`Ended`]: an ending request touches no shared data).
 #[derive(Debug)]
 pub struct Inflight {
@@ -37,7 +39,9 @@ pub struct Ended {
 pub type EndedBy = std::collections::BTreeMap<WorkerId, Ended>;
 
 const ENTRY: usize = 16;
-const HEAD: usize = 8;
+const HEAD: usize = 16;
+/// Where the breakers' generation is in the head.
+const BREAKERS: usize = 8;
 
 /// One worker's counts (finished and failed wrap at 2^32).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -63,20 +67,24 @@ fn head_of(value: &[u8]) -> u64 {
     u64_at(value, 0).unwrap_or(0)
 }
 
+fn breakers_of(value: &[u8]) -> u64 {
+    u64_at(value, BREAKERS).unwrap_or(0)
+}
+
 /// Takes the next log sequence number in `value`.
 fn next_seq(value: &mut Vec<u8>) -> u64 {
     if value.len() < HEAD {
         value.resize(HEAD, 0);
     }
     let seq = head_of(value) + 1;
-    if let Some(head) = value.get_mut(..HEAD) {
+    if let Some(head) = value.get_mut(..BREAKERS) {
         head.copy_from_slice(&seq.to_le_bytes());
     }
     seq
 }
 
 impl Inflight {
-    pub(crate) const KEY: &'static str = "kvmesh.state.v1";
+    pub(crate) const KEY: &'static str = "kvmesh.state.v2";
 
     /// Reads the current counts and log head (one host call), keeping the version for a
     /// later update.
@@ -91,6 +99,25 @@ impl Inflight {
     /// The delta log's head as read.
     pub fn head(&self) -> u64 {
         head_of(&self.value)
+    }
+
+    /// The breakers' generation as read: it moves whenever a breaker changes what it admits.
+    pub fn breakers(&self) -> u64 {
+        breakers_of(&self.value)
+    }
+
+    /// A breaker changed what it admits (opened, closed, a probe slot taken): moves the
+    /// breakers' generation, so that every VM reads the breakers before its next decision.
+    pub fn breakers_changed(store: &dyn SharedStore) -> bool {
+        update(store, Self::KEY, |value| {
+            if value.len() < HEAD {
+                value.resize(HEAD, 0);
+            }
+            let generation = breakers_of(value).wrapping_add(1);
+            if let Some(slot) = value.get_mut(BREAKERS..HEAD) {
+                slot.copy_from_slice(&generation.to_le_bytes());
+            }
+        })
     }
 
     /// The loads as read, less the requests that ended in this VM and are not written yet.
@@ -296,5 +323,17 @@ mod tests {
             ]
         );
         assert_eq!(Inflight::load(&store).head(), 1, "one sequence number taken, once");
+    }
+
+    #[test]
+    fn the_breakers_generation_moves_alone() {
+        let store = FakeStore::default();
+        assert_eq!(Inflight::load(&store).breakers(), 0);
+        assert!(Inflight::breakers_changed(&store));
+        Inflight::add(&store, 5, 1);
+        assert_eq!(Inflight::take_seq(&store), Some(1));
+        assert!(Inflight::breakers_changed(&store));
+        let read = Inflight::load(&store);
+        assert_eq!((read.breakers(), read.head(), read.count(5)), (2, 1, 1), "counts and log head kept");
     }
 }
