@@ -18,8 +18,9 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::auth;
-use crate::state::{role_name, Source, State};
+use crate::state::{role_name, Source, State, WorkerEntry};
 use axum::middleware::from_fn_with_state;
+use kvmesh_core::settings::PdProtocol;
 
 type Shared = Axum<Arc<State>>;
 
@@ -71,6 +72,7 @@ async fn add_worker(Axum(state): Shared, Query(q): Query<WorkerQuery>) -> (Statu
         None | Some("regular") if !state.settings.pd => Role::Regular,
         None | Some("decode") if state.settings.pd => Role::Decode,
         Some("prefill") if state.settings.pd => Role::Prefill,
+        Some("both") if state.settings.pd => Role::Both,
         Some(r) => return (StatusCode::BAD_REQUEST, format!("role `{r}` does not fit this control plane's mode")),
         None => Role::Regular,
     };
@@ -134,6 +136,9 @@ async fn list_workers(Axum(state): Shared) -> Json<Value> {
 }
 
 async fn workers(Axum(state): Shared) -> Json<Value> {
+    // PD workers: the protocol each speaks (its own, else the deployment's).
+    let default = state.settings.routing.pd_protocol.unwrap_or(PdProtocol::Sglang);
+    let protocol = |w: &WorkerEntry| state.settings.pd.then(|| w.pd_protocol.unwrap_or(default).to_string());
     let list: Vec<Value> = state
         .workers()
         .iter()
@@ -143,6 +148,7 @@ async fn workers(Axum(state): Shared) -> Json<Value> {
                 "url": w.url,
                 "role": role_name(w.role),
                 "bootstrap_port": w.bootstrap_port,
+                "pd_protocol": protocol(w),
                 "healthy": w.healthy,
                 "load": w.load(),
                 "in_flight": w.inflight_total(),

@@ -121,8 +121,9 @@ pub struct Args {
     /// sglang.ai/bootstrap-port.
     #[arg(long, help_heading = "Workers: health, load, discovery")]
     pub bootstrap_port_annotation: Option<String>,
-    /// Pod label giving the PD role (prefill | decode | both), as llm-d uses (kvmesh). Default
-    /// llm-d.ai/role.
+    /// Pod label giving the PD role (prefill | decode | both: either role), as llm-d uses
+    /// (kvmesh). Default llm-d.ai/role. A pod's kvmesh.io/pd-protocol annotation names the PD
+    /// protocol it speaks when not --pd-protocol's.
     #[arg(long, help_heading = "Workers: health, load, discovery")]
     pub role_label: Option<String>,
     /// Log level: debug, info, warn, error (RUST_LOG wins). Default info.

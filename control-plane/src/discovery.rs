@@ -2,6 +2,10 @@
 //! from the pods in the store to the workers they call for, reconciled into the registry
 //! after every event. Pods that are not Ready, have no IP, are terminating, or stop matching
 //! leave the registry; only workers discovery added are ever removed by it.
+//!
+//! In PD mode a pod's role comes from the role selectors or the role label (`prefill`,
+//! `decode`, or `both`: either role, request by request), and its PD protocol from the
+//! [`PD_PROTOCOL_ANNOTATION`] when it is not the deployment's `--pd-protocol`.
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
@@ -10,10 +14,15 @@ use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::{reflector, watcher, WatchStreamExt};
 use kube::{Api, Client};
+use kvmesh_core::settings::PdProtocol;
 use kvmesh_proto::v1::Role;
 
 pub use crate::settings::DiscoveryConfig;
 use crate::state::{Source, State};
+
+/// The pod annotation naming the PD protocol a pod speaks (`sglang`, `vllm`, `llm-d`) when
+/// it is not the deployment's `--pd-protocol`.
+pub const PD_PROTOCOL_ANNOTATION: &str = "kvmesh.io/pd-protocol";
 
 /// A worker a pod calls for.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -21,6 +30,8 @@ pub struct Desired {
     pub url: String,
     pub role: Role,
     pub bootstrap_port: Option<u16>,
+    /// Its PD protocol, when the pod's annotation names one.
+    pub pd_protocol: Option<PdProtocol>,
 }
 
 fn matches(labels: &BTreeMap<String, String>, selector: &BTreeMap<String, String>) -> bool {
@@ -48,8 +59,10 @@ fn role_of(pod_labels: &BTreeMap<String, String>, cfg: &DiscoveryConfig) -> Opti
     }
     match pod_labels.get(&cfg.role_label).map(String::as_str) {
         Some("prefill") => Some(Role::Prefill),
-        // A pod that does both serves as a decode worker (it can prefill locally too).
-        Some("decode" | "both") => Some(Role::Decode),
+        Some("decode") => Some(Role::Decode),
+        // Either role, request by request (a prefill worker for one, a decode worker for
+        // another, alone when it has no partner).
+        Some("both") => Some(Role::Both),
         _ => None,
     }
 }
@@ -67,14 +80,27 @@ pub fn desired<'a>(pods: impl IntoIterator<Item = &'a Pod>, cfg: &DiscoveryConfi
         let empty = BTreeMap::new();
         let labels = pod.metadata.labels.as_ref().unwrap_or(&empty);
         let Some(role) = role_of(labels, cfg) else { continue };
-        let bootstrap_port = (role == Role::Prefill)
-            .then(|| pod.metadata.annotations.as_ref()?.get(&cfg.bootstrap_annotation)?.parse::<u16>().ok())
+        let annotation = |key: &str| pod.metadata.annotations.as_ref().and_then(|a| a.get(key));
+        let bootstrap_port = matches!(role, Role::Prefill | Role::Both)
+            .then(|| annotation(&cfg.bootstrap_annotation)?.parse::<u16>().ok())
             .flatten();
+        let pd_protocol = match annotation(PD_PROTOCOL_ANNOTATION).filter(|_| cfg.pd) {
+            None => None,
+            Some(name) => match name.parse::<PdProtocol>() {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    // Routed in another protocol than it speaks, every request would fail.
+                    let name = pod.metadata.name.as_deref().unwrap_or("?");
+                    tracing::warn!(pod = name, "pod left out: {PD_PROTOCOL_ANNOTATION}: {e}");
+                    continue;
+                }
+            },
+        };
         let host = if ip.contains(':') { format!("[{ip}]") } else { ip.to_string() };
         // Spelled as the registry keeps it, so that reconciling compares like with like.
         let url = format!("http://{host}:{}", cfg.port);
         let url = crate::urls::canonical(&url).unwrap_or(url);
-        out.push(Desired { url, role, bootstrap_port });
+        out.push(Desired { url, role, bootstrap_port, pd_protocol });
     }
     out.sort_by(|a, b| a.url.cmp(&b.url));
     out
@@ -85,14 +111,15 @@ pub fn reconcile(state: &State, want: &[Desired]) {
     let wanted: HashSet<&Desired> = want.iter().collect();
     let current = state.workers();
     for w in current.iter().filter(|w| w.source == Source::Discovery) {
-        let same = Desired { url: w.url.clone(), role: w.role, bootstrap_port: w.bootstrap_port };
+        let same =
+            Desired { url: w.url.clone(), role: w.role, bootstrap_port: w.bootstrap_port, pd_protocol: w.pd_protocol };
         if !wanted.contains(&same) {
             state.remove_worker(&w.url);
         }
     }
     let have: HashSet<String> = state.workers().into_iter().map(|w| w.url).collect();
     for d in want.iter().filter(|d| !have.contains(&d.url)) {
-        if let Err(e) = state.add_worker(&d.url, d.role, d.bootstrap_port, Source::Discovery) {
+        if let Err(e) = state.add_pd_worker(&d.url, d.role, d.bootstrap_port, d.pd_protocol, Source::Discovery) {
             tracing::warn!(url = %d.url, "discovered worker not added: {e}");
         }
     }
@@ -200,10 +227,49 @@ mod tests {
         assert_eq!(want.len(), 3);
         assert_eq!((want[0].role, want[0].bootstrap_port), (Role::Prefill, Some(8998)));
         assert_eq!(want[1].role, Role::Decode);
-        assert_eq!(want[2].role, Role::Decode);
+        assert_eq!(want[2].role, Role::Both, "either role, not decode only");
         let mut c = cfg(true);
         c.prefill_selector = [("tier".to_string(), "p".to_string())].into();
         let pods = [pod("x", "10.0.0.9", true, &[("app", "sglang"), ("tier", "p")], &[])];
         assert_eq!(desired(&pods, &c)[0].role, Role::Prefill);
+    }
+
+    #[test]
+    fn a_pods_annotation_names_its_pd_protocol() {
+        let pd = |name: &str, ip: &str, role: &str, annotations: &[(&str, &str)]| {
+            pod(name, ip, true, &[("app", "sglang"), ("llm-d.ai/role", role)], annotations)
+        };
+        let pods = [
+            pd("a", "10.0.0.1", "prefill", &[]),
+            pd("b", "10.0.0.2", "decode", &[(PD_PROTOCOL_ANNOTATION, "vllm")]),
+            pd("c", "10.0.0.3", "both", &[(PD_PROTOCOL_ANNOTATION, "llm-d"), ("sglang.ai/bootstrap-port", "8998")]),
+            pd("d", "10.0.0.4", "decode", &[(PD_PROTOCOL_ANNOTATION, "nixl")]),
+        ];
+        let want = desired(&pods, &cfg(true));
+        let got: Vec<_> = want.iter().map(|d| (d.url.as_str(), d.role, d.bootstrap_port, d.pd_protocol)).collect();
+        assert_eq!(
+            got,
+            [
+                ("http://10.0.0.1:8000", Role::Prefill, None, None),
+                ("http://10.0.0.2:8000", Role::Decode, None, Some(PdProtocol::Vllm)),
+                ("http://10.0.0.3:8000", Role::Both, Some(8998), Some(PdProtocol::LlmD)),
+            ],
+            "a protocol kvmesh does not know leaves the pod out"
+        );
+        // Outside PD mode the annotation means nothing.
+        let regular = [pod("r", "10.0.0.5", true, &[("app", "sglang")], &[(PD_PROTOCOL_ANNOTATION, "nixl")])];
+        assert_eq!(desired(&regular, &cfg(false))[0].pd_protocol, None);
+
+        // The registry keeps it, and a changed annotation replaces the worker.
+        let s = crate::state::test_state(&["--disable-health-check"]);
+        reconcile(&s, &want);
+        let of = |url: &str| s.workers().into_iter().find(|w| w.url == url).map(|w| (w.id, w.role, w.pd_protocol));
+        assert_eq!(of("http://10.0.0.3:8000").map(|w| (w.1, w.2)), Some((Role::Both, Some(PdProtocol::LlmD))));
+        let before = of("http://10.0.0.2:8000").map(|w| w.0);
+        let pods = [pd("b", "10.0.0.2", "decode", &[(PD_PROTOCOL_ANNOTATION, "sglang")])];
+        reconcile(&s, &desired(&pods, &cfg(true)));
+        let after = of("http://10.0.0.2:8000");
+        assert_eq!(after.map(|w| w.2), Some(Some(PdProtocol::Sglang)));
+        assert_ne!(after.map(|w| w.0), before, "a new worker, under a new id");
     }
 }

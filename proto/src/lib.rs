@@ -22,7 +22,7 @@ pub const CLUSTER_LOAD_ASSIGNMENT: &str = "type.googleapis.com/envoy.config.endp
 mod settings;
 
 pub use prost::Message;
-pub use settings::SettingsError;
+pub use settings::{pd_protocol_from_wire, pd_protocol_to_wire, SettingsError};
 
 /// The gRPC service path segments, as `open_grpc_stream` needs them.
 pub const SERVICE: &str = "kvmesh.v1.Kvmesh";

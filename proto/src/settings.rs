@@ -96,6 +96,17 @@ impl Wire<i32> for PdProtocol {
     }
 }
 
+/// A worker's PD protocol on the wire (`Worker.pd_protocol`).
+pub fn pd_protocol_to_wire(p: PdProtocol) -> i32 {
+    p.to_wire()
+}
+
+/// A worker's PD protocol from the wire: none for a value this build does not know (the
+/// worker then speaks the deployment's).
+pub fn pd_protocol_from_wire(value: i32) -> Option<PdProtocol> {
+    PdProtocol::from_wire(value, "pd_protocol").ok()
+}
+
 impl Wire<v1::PathList> for Vec<String> {
     fn to_wire(self) -> v1::PathList {
         v1::PathList { paths: self }

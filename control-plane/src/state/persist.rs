@@ -51,6 +51,7 @@ impl PersistedWorker {
         match self.role.as_str() {
             "prefill" => Role::Prefill,
             "decode" => Role::Decode,
+            "both" => Role::Both,
             _ => Role::Regular,
         }
     }

@@ -112,6 +112,7 @@ impl WorkerEntry {
                     owned_by: m.owned_by.clone(),
                 })
                 .collect(),
+            pd_protocol: self.pd_protocol.map(kvmesh_proto::pd_protocol_to_wire),
         }
     }
 }

@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use kvmesh_core::models::ServedModel;
+use kvmesh_core::settings::PdProtocol;
 use kvmesh_proto::v1::Role;
 
 use super::persist::{self, Persisted};
@@ -60,6 +61,19 @@ impl State {
         bootstrap_port: Option<u16>,
         source: Source,
     ) -> Result<u32, String> {
+        self.add_pd_worker(url, role, bootstrap_port, None, source)
+    }
+
+    /// [`add_worker`](Self::add_worker) for a PD worker speaking `pd_protocol` when it is not
+    /// the deployment's (none: the deployment's).
+    pub fn add_pd_worker(
+        &self,
+        url: &str,
+        role: Role,
+        bootstrap_port: Option<u16>,
+        pd_protocol: Option<PdProtocol>,
+        source: Source,
+    ) -> Result<u32, String> {
         let url = crate::urls::check(url, &self.settings.worker_policy)?;
         let url = url.as_str();
         let mut inner = self.lock();
@@ -75,11 +89,12 @@ impl State {
         inner.ids.insert(url.to_string(), id);
         // A worker someone named at runtime gets traffic only once it answered a health check.
         let awaiting_probe = source == Source::Api && self.settings.health_checks;
-        let entry = WorkerEntry::new(id, url, role, bootstrap_port, source, awaiting_probe);
+        let mut entry = WorkerEntry::new(id, url, role, bootstrap_port, source, awaiting_probe);
+        entry.pd_protocol = pd_protocol;
         inner.workers.insert(id, entry);
         inner.workers_dirty = true;
         drop(inner);
-        tracing::info!(url, ?role, id, ?source, "worker added");
+        tracing::info!(url, ?role, id, ?source, pd_protocol = ?pd_protocol, "worker added");
         self.persist();
         Ok(id)
     }

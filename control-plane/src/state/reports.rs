@@ -161,7 +161,7 @@ impl State {
     fn score_utility(&self, inner: &mut Inner, now_ms: u64) -> bool {
         let Some(params) = self.settings.utility else { return false };
         let mut changed = false;
-        for role in [Role::Regular, Role::Prefill, Role::Decode] {
+        for role in [Role::Regular, Role::Prefill, Role::Decode, Role::Both] {
             let ids: Vec<u32> = inner.workers.values().filter(|w| w.role == role).map(|w| w.id).collect();
             let trends: Vec<_> = ids
                 .iter()

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 
 use kvmesh_core::models::ServedModel;
 use kvmesh_core::policy::UtilityWindow;
+use kvmesh_core::settings::PdProtocol;
 use kvmesh_proto::v1::{BreakerState, Feedback, Role};
 
 use crate::feedback::FeedbackTotals;
@@ -33,6 +34,8 @@ pub struct WorkerEntry {
     pub url: String,
     pub role: Role,
     pub bootstrap_port: Option<u16>,
+    /// The PD protocol it speaks when not the deployment's (a pod's `kvmesh.io/pd-protocol`).
+    pub pd_protocol: Option<PdProtocol>,
     pub source: Source,
     pub healthy: bool,
     /// Added through the API and not yet probed: unhealthy (no traffic) until its first
@@ -147,6 +150,7 @@ impl WorkerEntry {
             url: url.to_string(),
             role,
             bootstrap_port,
+            pd_protocol: None,
             source,
             healthy: !awaiting_probe,
             awaiting_probe,
@@ -185,5 +189,6 @@ pub fn role_name(role: Role) -> &'static str {
         Role::Regular => "regular",
         Role::Prefill => "prefill",
         Role::Decode => "decode",
+        Role::Both => "both",
     }
 }

@@ -34,6 +34,7 @@ pub mod logprobs;
 pub mod models;
 pub mod paths;
 pub mod pd;
+pub mod pd_protocol;
 pub mod policy;
 pub mod request;
 pub mod rng;

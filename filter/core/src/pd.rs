@@ -5,6 +5,13 @@
 //! `power_of_two`). The decider (llm-d's) may skip the prefill leg: `prefix` runs a request on
 //! the decode worker alone when the part of its prompt that worker has not cached is at most
 //! `non_cached_tokens`.
+//!
+//! Not every prefill worker can serve every decode worker: they must speak the same PD
+//! protocol, and a worker of role `both` is never its own prefill worker. The caller says who
+//! pairs with the chosen decode worker ([`Partners`]); with nobody, a `both` worker runs the
+//! request alone (it prefills locally), and any other gets no decision.
+
+use std::borrow::Cow;
 
 pub use crate::config::Decider;
 use crate::policy::{Candidate, PolicyKind};
@@ -25,6 +32,14 @@ pub enum PdDecision {
     DecodeOnly(Decision),
 }
 
+/// The prefill candidates that can pair with one decode worker, and whether that worker can
+/// run a request alone when none can.
+#[derive(Clone, Debug, Default)]
+pub struct Partners<'a> {
+    pub prefill: Cow<'a, [Candidate]>,
+    pub alone: bool,
+}
+
 pub struct PdRouter {
     prefill: Router,
     decode: Router,
@@ -39,13 +54,28 @@ impl PdRouter {
         Self { prefill: Router::new(params, prefill_policy), decode, decider }
     }
 
-    /// Chooses the decode worker, then (unless the decider skips it) the prefill worker.
-    /// Changes nothing until [`commit`](Self::commit).
+    /// Chooses the decode worker, then (unless the decider skips it) the prefill worker, any
+    /// of `prefill` pairing with any of `decode`. Changes nothing until
+    /// [`commit`](Self::commit).
     pub fn decide(
         &self,
         text: RoutingText<'_>,
         prefill: &[Candidate],
         decode: &[Candidate],
+        rng: &mut dyn RngCore,
+    ) -> Option<PdDecision> {
+        self.decide_paired(text, decode, |_| Partners { prefill: Cow::Borrowed(prefill), alone: false }, rng)
+    }
+
+    /// Chooses the decode worker among `decode`, then (unless the decider skips it) the
+    /// prefill worker among `partners(decode worker)`; with no partner, the decode worker
+    /// runs the request alone if it can, else there is no decision. Changes nothing until
+    /// [`commit`](Self::commit).
+    pub fn decide_paired<'c>(
+        &self,
+        text: RoutingText<'_>,
+        decode: &[Candidate],
+        partners: impl FnOnce(crate::WorkerId) -> Partners<'c>,
         rng: &mut dyn RngCore,
     ) -> Option<PdDecision> {
         let d = self.decode.decide(text, decode, rng)?;
@@ -55,8 +85,12 @@ impl PdRouter {
                 return Some(PdDecision::DecodeOnly(d));
             }
         }
-        let p = self.prefill.decide(text, prefill, rng)?;
-        Some(PdDecision::Split { prefill: p, decode: d })
+        let partners = partners(d.worker);
+        match self.prefill.decide(text, &partners.prefill, rng) {
+            Some(p) => Some(PdDecision::Split { prefill: p, decode: d }),
+            None if partners.alone => Some(PdDecision::DecodeOnly(d)),
+            None => None,
+        }
     }
 
     /// Records a decision that went through in both legs' indexes.
@@ -76,6 +110,11 @@ impl PdRouter {
 
     pub fn decode_router(&mut self) -> &mut Router {
         &mut self.decode
+    }
+
+    /// Both routers at once: (prefill, decode).
+    pub fn routers(&mut self) -> (&mut Router, &mut Router) {
+        (&mut self.prefill, &mut self.decode)
     }
 }
 
@@ -160,6 +199,36 @@ mod tests {
             let second = route(&mut pd, again.as_bytes(), &cands(0..2, 0), &cands(5..6, 0), &mut rng).unwrap();
             assert!(matches!(second, PdDecision::DecodeOnly(ref d) if d.worker == 5), "{decode_policy}: {second:?}");
         }
+    }
+
+    #[test]
+    fn a_decode_worker_pairs_only_with_its_partners_or_runs_alone() {
+        let cfg = crate::Config::default().router_params();
+        let pd = PdRouter::new(cfg, PolicyKind::CacheAware, PolicyKind::RoundRobin, Decider::Always);
+        let mut rng = seeded(2);
+        let text = b"a prompt".as_slice();
+        // Partners 3 and 4 for decode worker 7: the prefill is one of them, never 0..3.
+        for _ in 0..8 {
+            let partners = |d| {
+                assert_eq!(d, 7);
+                Partners { prefill: Cow::Owned(cands(3..5, 0)), alone: false }
+            };
+            match pd.decide_paired(text.into(), &cands(7..8, 0), partners, &mut rng) {
+                Some(PdDecision::Split { prefill, decode }) => {
+                    assert!((3..5).contains(&prefill.worker) && decode.worker == 7)
+                }
+                other => panic!("a split with a partner: {other:?}"),
+            }
+        }
+        // Nobody to pair with: a worker that can prefill itself runs it alone, another not at all.
+        let alone = pd.decide_paired(
+            text.into(),
+            &cands(7..8, 0),
+            |_| Partners { prefill: Cow::Borrowed(&[]), alone: true },
+            &mut rng,
+        );
+        assert!(matches!(alone, Some(PdDecision::DecodeOnly(ref d)) if d.worker == 7), "{alone:?}");
+        assert!(pd.decide_paired(text.into(), &cands(7..8, 0), |_| Partners::default(), &mut rng).is_none());
     }
 
     #[test]

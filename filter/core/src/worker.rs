@@ -6,6 +6,8 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use thiserror::Error;
 use xxhash_rust::xxh3::xxh3_64;
 
+use crate::pd_protocol::PdProtocol;
+
 /// A worker's stable identity within one worker table lineage (index keys refer to it).
 pub type WorkerId = u32;
 
@@ -40,6 +42,17 @@ pub enum Role {
     Prefill,
     /// Fetches the KV from the prefill worker and decodes.
     Decode,
+    /// Either of the two (llm-d's `both`): the prefill worker of one request, the decode
+    /// worker of another, never both for the same request (it then runs it alone).
+    Both,
+}
+
+impl Role {
+    /// Whether a worker of this role can be chosen for `role`: its own, or either PD role
+    /// for [`Role::Both`].
+    pub fn serves(self, role: Role) -> bool {
+        self == role || (self == Role::Both && matches!(role, Role::Prefill | Role::Decode))
+    }
 }
 
 /// One worker as the router sees it.
@@ -68,6 +81,8 @@ pub struct Worker {
     pub utility: Option<f64>,
     /// The model names it serves (none known: empty; see [`crate::models`]).
     pub models: Vec<ServedModel>,
+    /// The PD protocol it speaks when not the deployment's (a pod's `kvmesh.io/pd-protocol`).
+    pub pd_protocol: Option<PdProtocol>,
 }
 
 impl Worker {
@@ -86,6 +101,7 @@ impl Worker {
             affinity: affinity_of(url),
             utility: None,
             models: Vec::new(),
+            pd_protocol: None,
         })
     }
 
@@ -94,6 +110,11 @@ impl Worker {
     pub fn overloaded(&self, max_waiting: u64, max_kv_usage: f64) -> bool {
         (max_waiting > 0 && self.waiting.is_some_and(|n| n > max_waiting))
             || (max_kv_usage > 0.0 && self.kv_usage.is_some_and(|u| u > max_kv_usage))
+    }
+
+    /// The PD protocol it speaks in a deployment whose protocol is `default`.
+    pub fn protocol(&self, default: PdProtocol) -> PdProtocol {
+        self.pd_protocol.unwrap_or(default)
     }
 }
 
@@ -162,9 +183,9 @@ impl WorkerTable {
         self.workers.iter().filter(|w| w.healthy)
     }
 
-    /// Healthy workers with `role`.
+    /// Healthy workers that can serve `role` (a [`Role::Both`] worker serves either PD role).
     pub fn healthy_with(&self, role: Role) -> impl Iterator<Item = &Worker> {
-        self.healthy().filter(move |w| w.role == role)
+        self.healthy().filter(move |w| w.role.serves(role))
     }
 
     pub fn iter(&self) -> impl Iterator<Item = &Worker> {
@@ -210,6 +231,19 @@ mod tests {
         assert_eq!(t.workers[1].bootstrap_port, None);
         assert_eq!(t.workers[2].role, Role::Decode);
         assert_eq!(t.workers[2].id, 2);
+    }
+
+    #[test]
+    fn both_serves_either_pd_role_and_nothing_else() {
+        let mut t = WorkerTable::pd(&[("http://127.0.0.1:1", None)], &["http://127.0.0.1:2"]).unwrap();
+        let mut both = Worker::from_url(2, "http://127.0.0.1:3").unwrap();
+        both.role = Role::Both;
+        t.workers.push(both);
+        let ids = |role| t.healthy_with(role).map(|w| w.id).collect::<Vec<_>>();
+        assert_eq!(ids(Role::Prefill), [0, 2]);
+        assert_eq!(ids(Role::Decode), [1, 2]);
+        assert!(ids(Role::Regular).is_empty());
+        assert!(!Role::Prefill.serves(Role::Decode) && !Role::Decode.serves(Role::Prefill));
     }
 
     #[test]

@@ -163,8 +163,9 @@ impl TableFollower {
     }
 }
 
-/// Whether `table` lists the same workers as `snapshot` (ids, URLs, roles, bootstrap ports, in
-/// order): then only their polled state (health, load, queue, KV use, utility) can differ.
+/// Whether `table` lists the same workers as `snapshot` (ids, URLs, roles, bootstrap ports, PD
+/// protocols, in order): then only their polled state (health, load, queue, KV use, utility)
+/// can differ.
 fn same_workers(table: &WorkerTable, snapshot: &proto::Snapshot) -> bool {
     table.workers.len() == snapshot.workers.len()
         && table.workers.iter().zip(&snapshot.workers).all(|(w, p)| {
@@ -173,6 +174,7 @@ fn same_workers(table: &WorkerTable, snapshot: &proto::Snapshot) -> bool {
                 && w.role == role_of(p.role)
                 && w.bootstrap_port == p.bootstrap_port.and_then(|b| u16::try_from(b).ok())
                 && same_models(&w.models, &p.models)
+                && w.pd_protocol == p.pd_protocol.and_then(kvmesh_proto::pd_protocol_from_wire)
         })
 }
 
@@ -216,6 +218,7 @@ fn role_of(role: i32) -> Role {
     match proto::Role::try_from(role) {
         Ok(proto::Role::Prefill) => Role::Prefill,
         Ok(proto::Role::Decode) => Role::Decode,
+        Ok(proto::Role::Both) => Role::Both,
         _ => Role::Regular,
     }
 }
@@ -258,6 +261,7 @@ pub fn table_from(snapshot: &proto::Snapshot) -> WorkerTable {
                 worker.role = role_of(w.role);
                 worker.bootstrap_port = w.bootstrap_port.and_then(|p| u16::try_from(p).ok());
                 worker.models = models_of(w);
+                worker.pd_protocol = w.pd_protocol.and_then(kvmesh_proto::pd_protocol_from_wire);
                 set_polled(&mut worker, w);
                 Some(worker)
             }

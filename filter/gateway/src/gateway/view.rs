@@ -2,10 +2,12 @@
 //! (policy and prefix index), passive health and stalls — and the decision itself. Deciding
 //! changes nothing but the RNG; the routers learn a decision only when it is committed.
 
+use std::borrow::Cow;
+
 use kvmesh_core::bootstrap::{random_rooms, Bootstrap};
 use kvmesh_core::breaker::BreakerState;
 use kvmesh_core::models::{serves, Pool, Pools, ServedModel};
-use kvmesh_core::pd::{PdDecision, PdRouter};
+use kvmesh_core::pd::{Partners, PdDecision, PdRouter};
 use kvmesh_core::policy::{Candidate, PolicyKind};
 use kvmesh_core::request::{self, ParsedRequest, RequestError, MAX_ROUTING_KEY};
 use kvmesh_core::rng::{random_u64, seeded, FastRng, RngCore};
@@ -121,14 +123,19 @@ impl RoutingView {
         self.table = table;
     }
 
-    /// The router whose index holds `worker`'s prefixes.
-    fn router_of(&mut self, worker: WorkerId) -> Option<&mut Router> {
-        let role = self.table.get(worker)?.role;
+    /// The routers whose indexes hold `worker`'s prefixes (both PD routers' for a worker of
+    /// role `both`: whichever leg it served, it holds what it computed).
+    fn routers_of(&mut self, worker: WorkerId) -> (Option<&mut Router>, Option<&mut Router>) {
+        let Some(role) = self.table.get(worker).map(|w| w.role) else { return (None, None) };
         match (&mut self.mode, role) {
-            (Mode::Regular(r), Role::Regular) => Some(r),
-            (Mode::Pd(pd), Role::Prefill) => Some(pd.prefill_router()),
-            (Mode::Pd(pd), Role::Decode) => Some(pd.decode_router()),
-            _ => None,
+            (Mode::Regular(r), Role::Regular) => (Some(r), None),
+            (Mode::Pd(pd), Role::Prefill) => (Some(pd.prefill_router()), None),
+            (Mode::Pd(pd), Role::Decode) => (Some(pd.decode_router()), None),
+            (Mode::Pd(pd), Role::Both) => {
+                let (prefill, decode) = pd.routers();
+                (Some(prefill), Some(decode))
+            }
+            _ => (None, None),
         }
     }
 
@@ -142,7 +149,8 @@ impl RoutingView {
 
     /// An index change made elsewhere (another VM, the control plane, engine feedback).
     pub(super) fn apply_delta(&mut self, delta: &Delta) {
-        if let Some(router) = self.router_of(delta.worker) {
+        let (first, second) = self.routers_of(delta.worker);
+        for router in [first, second].into_iter().flatten() {
             if delta.evict {
                 router.apply_evictions(delta.worker, &delta.hashes);
             } else {
@@ -264,15 +272,28 @@ impl RoutingView {
             Mode::Pd(_) => self.candidates(&inflight, Role::Prefill, now, Probes::Allowed, &pool),
             Mode::Regular(_) => (Vec::new(), false),
         };
+        // PD: only the gateway writes transfer parameters (a client's could name any host),
+        // whether the request is split or not; a decode worker takes it only with a partner.
+        if let (Mode::Pd(_), Some(field)) = (&self.mode, parsed.client_bootstrap) {
+            return Outcome::Reply(Reply::request(&RequestError::Reserved(field)));
+        }
+        let pairs = Pairs { table: &self.table, default: self.default_protocol(), prefill: &prefill };
+        let decode: Vec<Candidate> = match self.mode {
+            Mode::Pd(_) => main_cands.iter().filter(|d| pairs.can_serve(d.id)).cloned().collect(),
+            Mode::Regular(_) => Vec::new(),
+        };
         let chosen = match &self.mode {
             Mode::Regular(router) => match router.decide(text, &main_cands, &mut self.rng) {
                 Some(d) => Chosen::Regular(d),
                 None => return Outcome::Reply(Reply::no_worker_or_full("worker", main_full)),
             },
-            Mode::Pd(pd) => match pd.decide(text, &prefill, &main_cands, &mut self.rng) {
+            Mode::Pd(pd) => match pd.decide_paired(text, &decode, |d| pairs.partners(d), &mut self.rng) {
                 Some(d) => Chosen::Pd(d),
                 None if main_cands.is_empty() => {
                     return Outcome::Reply(Reply::no_worker_or_full("decode worker", main_full))
+                }
+                None if decode.is_empty() && !prefill.is_empty() => {
+                    return Outcome::Reply(Reply::no_worker("prefill worker speaking a decode worker's PD protocol"))
                 }
                 None => return Outcome::Reply(Reply::no_worker_or_full("prefill worker", prefill_full)),
             },
@@ -284,10 +305,22 @@ impl RoutingView {
         let Some(main_routed) = self.routed(main.worker, main.matched_bytes) else {
             return Outcome::Reply(Reply::no_worker("worker"));
         };
+        let protocol =
+            self.table.get(main.worker).map_or(self.default_protocol(), |w| w.protocol(self.default_protocol()));
+        let mut main_cands = main_cands;
+        if matches!(self.mode, Mode::Pd(_)) {
+            // Envoy fails a PD request over only to decode workers speaking the same protocol,
+            // and never to its own prefill worker.
+            let same = |c: &Candidate| {
+                self.table.get(c.id).is_some_and(|w| w.protocol(self.default_protocol()) == protocol)
+                    && prefill.is_none_or(|p| p.worker != c.id)
+            };
+            main_cands.retain(same);
+        }
         let fallbacks = self.fallbacks(main_cands, main.worker, now);
         let pd = match prefill {
             None => None,
-            Some(p) => match self.pd_plan(endpoint, body, parsed, p) {
+            Some(p) => match self.pd_plan(endpoint, body, parsed, p, protocol) {
                 Ok(plan) => Some(plan),
                 Err(reply) => return Outcome::Reply(reply),
             },
@@ -296,15 +329,21 @@ impl RoutingView {
         Outcome::Route(Plan { chosen, main: main_routed, fallbacks, pd, inflight, now, batch })
     }
 
-    /// The prefill leg of a split: its worker and, with SGLang's protocol, the body both legs
-    /// get (bootstrap fields and `rid` injected); with llm-d's, the decode pod's sidecar runs
-    /// it and the body stays the client's.
+    /// The deployment's PD protocol (a worker may speak another, [`kvmesh_core::Worker::protocol`]).
+    fn default_protocol(&self) -> PdProtocol {
+        self.config.pd.as_ref().map_or(PdProtocol::Sglang, |pd| pd.protocol)
+    }
+
+    /// The prefill leg of a split in the pair's `protocol`: its worker and, with SGLang's
+    /// protocol, the body both legs get (bootstrap fields and `rid` injected); with llm-d's,
+    /// the decode pod's sidecar runs it and the body stays the client's.
     fn pd_plan(
         &mut self,
         endpoint: Endpoint,
         body: &[u8],
         parsed: &ParsedRequest<'_>,
         prefill: &Decision,
+        protocol: PdProtocol,
     ) -> Result<Box<PdPlan>, Reply> {
         let (Some(worker), Some(routed)) =
             (self.table.get(prefill.worker), self.routed(prefill.worker, prefill.matched_bytes))
@@ -312,12 +351,6 @@ impl RoutingView {
             return Err(Reply::no_worker("prefill worker"));
         };
         let stream = parsed.stream;
-        let protocol = self.config.pd.as_ref().map_or(PdProtocol::Sglang, |pd| pd.protocol);
-        // Only the gateway writes transfer parameters (a client's could name any host); with
-        // SGLang's protocol `Bootstrap::inject` refuses them.
-        if let Some(field) = parsed.client_bootstrap.filter(|_| protocol != PdProtocol::Sglang) {
-            return Err(Reply::request(&RequestError::Reserved(field)));
-        }
         let leg = match protocol {
             PdProtocol::Sglang => None,
             PdProtocol::LlmD => Some(PrefillLeg::Sidecar),
@@ -467,5 +500,41 @@ impl RoutingView {
             Mode::Regular(r) => r.index().len(),
             Mode::Pd(pd) => pd.prefill_router().index().len() + pd.decode_router().index().len(),
         }
+    }
+}
+
+/// Who pairs with whom in PD mode: a prefill and a decode worker pair when they speak the same
+/// PD protocol (a worker's own, else the deployment's) and are not the same worker (one of role
+/// `both`); a `both` worker with nobody to pair with runs a request alone.
+struct Pairs<'a> {
+    table: &'a WorkerTable,
+    default: PdProtocol,
+    /// The available prefill workers.
+    prefill: &'a [Candidate],
+}
+
+impl<'a> Pairs<'a> {
+    fn protocol(&self, id: WorkerId) -> Option<PdProtocol> {
+        self.table.get(id).map(|w| w.protocol(self.default))
+    }
+
+    /// Whether decode worker `decode` can take a request: it has a partner, or runs alone.
+    fn can_serve(&self, decode: WorkerId) -> bool {
+        let alone = self.table.get(decode).is_some_and(|w| w.role == Role::Both);
+        alone || self.prefill.iter().any(|p| self.pairs(p.id, decode))
+    }
+
+    fn pairs(&self, prefill: WorkerId, decode: WorkerId) -> bool {
+        prefill != decode && self.protocol(prefill).is_some() && self.protocol(prefill) == self.protocol(decode)
+    }
+
+    /// The prefill candidates that pair with `decode`.
+    fn partners(&self, decode: WorkerId) -> Partners<'a> {
+        let prefill = if self.prefill.iter().all(|p| self.pairs(p.id, decode)) {
+            Cow::Borrowed(self.prefill)
+        } else {
+            Cow::Owned(self.prefill.iter().filter(|p| self.pairs(p.id, decode)).cloned().collect())
+        };
+        Partners { prefill, alone: self.table.get(decode).is_some_and(|w| w.role == Role::Both) }
     }
 }

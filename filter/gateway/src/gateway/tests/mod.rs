@@ -4,4 +4,5 @@ use super::*;
 
 mod control_plane;
 mod models;
+mod pd_pairs;
 mod routing;
