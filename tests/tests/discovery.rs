@@ -111,6 +111,65 @@ fn pd_roles_and_bootstrap_ports_come_from_labels_and_annotations() {
     assert_eq!(r.header("x-kvmesh-prefill"), Some(format!("{prefill_ip}:{port}").as_str()));
 }
 
+/// Per-pod PD protocols: in an SGLang deployment (`--pd-protocol sglang`), a vLLM prefill pod
+/// and a vLLM decode pod annotated `kvmesh.io/pd-protocol: vllm` form a second kind of pair.
+/// Every request goes to a pair of one protocol, run in it (the vLLM decode pulls its KV from
+/// the vLLM prefill, which fails the request otherwise); `/workers` says who speaks what; a
+/// `llm-d.ai/role: both` pod is listed as either role.
+#[test]
+fn a_pods_annotation_sets_its_pd_protocol_and_pairs_speak_one() {
+    let kube = FakeKube::start().unwrap();
+    let port = free_port().unwrap();
+    let boot = free_port().unwrap();
+    let boot_arg = boot.to_string();
+    let (sp, sd, vp, vd, both) = ("127.0.0.11", "127.0.0.12", "127.0.0.13", "127.0.0.14", "127.0.0.15");
+    let vllm = ["--engine", "vllm"];
+    let _sims = [
+        Sim::start_at(sp, port, &[FAST, &["--role", "prefill", "--bootstrap-port", &boot_arg]].concat()).unwrap(),
+        Sim::start_at(sd, port, &[FAST, &["--role", "decode"]].concat()).unwrap(),
+        Sim::start_at(vp, port, &[FAST, &vllm, &["--role", "prefill"]].concat()).unwrap(),
+        Sim::start_at(vd, port, &[FAST, &vllm, &["--role", "decode"]].concat()).unwrap(),
+    ];
+    let role = |r: &'static str| [("app", "sglang"), ("llm-d.ai/role", r)];
+    let speaks_vllm = [("kvmesh.io/pd-protocol", "vllm")];
+    kube.apply(pod("default", "sp", sp, true, &role("prefill"), &[("sglang.ai/bootstrap-port", &boot_arg)]));
+    kube.apply(pod("default", "sd", sd, true, &role("decode"), &[]));
+    kube.apply(pod("default", "vp", vp, true, &role("prefill"), &speaks_vllm));
+    kube.apply(pod("default", "vd", vd, true, &role("decode"), &speaks_vllm));
+
+    let cp =
+        watching(&kube, port, &["--pd-disaggregation", "--pd-protocol", "sglang", "--decode-policy", "round_robin"]);
+    let url = |ip: &str| format!("http://{ip}:{port}");
+    wait_for_urls(&cp, &[url(sp), url(sd), url(vp), url(vd)]);
+    for (ip, protocol) in [(sp, "sglang"), (sd, "sglang"), (vp, "vllm"), (vd, "vllm")] {
+        assert_eq!(cp.worker(&url(ip))["pd_protocol"], protocol, "{ip}");
+    }
+
+    let envoy = synced_gateway(&cp, "envoy/envoy-pd.yaml", json!({"prefill": [], "decode": []}));
+    let mut pairs = HashSet::new();
+    let mut to_vd = 0;
+    for i in 0..8 {
+        let body =
+            json!({"model": "kvmesh-sim", "prompt": format!("{i} {}", "mixed fleet ".repeat(40)), "max_tokens": 2});
+        let r = kvmesh_testkit::http::post_json(&envoy.url("/v1/completions"), &body).unwrap();
+        let decode = served(&r);
+        let prefill = r.header("x-kvmesh-prefill").unwrap_or_else(|| panic!("request {i} split: {:?}", r.headers));
+        to_vd += u64::from(decode == format!("{vd}:{port}"));
+        pairs.insert((decode, prefill.to_string()));
+    }
+    let pair = |p: &str, d: &str| (format!("{d}:{port}"), format!("{p}:{port}"));
+    assert_eq!(pairs, HashSet::from([pair(sp, sd), pair(vp, vd)]), "one protocol per pair, both pairs used");
+    let stats = |ip: &str| kvmesh_testkit::http::get(&format!("{}/sim/stats", url(ip))).unwrap().json().unwrap();
+    assert_eq!(stats(vd)["kv_transfers_ok"], to_vd, "every vLLM decode pulled its vLLM prefill's KV");
+    assert_eq!(stats(vd)["kv_transfers_failed"], 0);
+
+    // A pod of role `both` is listed as such (either leg), in the deployment's protocol.
+    kube.apply(pod("default", "b", both, true, &role("both"), &[]));
+    wait_for_urls(&cp, &[url(sp), url(sd), url(vp), url(vd), url(both)]);
+    assert_eq!(cp.worker(&url(both))["role"], "both");
+    assert_eq!(cp.worker(&url(both))["pd_protocol"], "sglang");
+}
+
 /// `--state-file` with discovered workers: a restarted control plane finds the same pods under
 /// the same ids (not renumbered from 0 in discovery order), and a prefix routed before the
 /// restart goes to the same worker after it.
