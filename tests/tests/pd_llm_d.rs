@@ -15,6 +15,11 @@ struct LlmD {
 }
 
 fn stack(prefills: usize, decodes: usize, filter: Value, native: bool) -> LlmD {
+    stack_on(prefills, decodes, filter, native, None)
+}
+
+/// [`stack`] on an Envoy with `concurrency` worker threads (its default when none).
+fn stack_on(prefills: usize, decodes: usize, filter: Value, native: bool, concurrency: Option<u32>) -> LlmD {
     let vllm = ["--engine", "vllm", "--time-scale", "0"];
     let prefill: Vec<Sim> =
         (0..prefills).map(|_| Sim::start(&[&vllm[..], &["--role", "prefill"]].concat()).unwrap()).collect();
@@ -30,6 +35,9 @@ fn stack(prefills: usize, decodes: usize, filter: Value, native: bool) -> LlmD {
     opts.template = repo_root().join("envoy/envoy-pd.yaml");
     if native {
         opts.native_module = Some(repo_root().join("target/release/libkvmesh_native.so"));
+    }
+    if let Some(n) = concurrency {
+        opts.concurrency = n;
     }
     let envoy = Envoy::start(&opts).unwrap();
     LlmD { prefill, decode, envoy }
@@ -129,4 +137,35 @@ fn the_prefix_decider_splits_only_what_the_decode_pod_lacks() {
     assert!(s.received(&prefill, "turn-2").is_none(), "the prefill pod never saw it");
     assert_eq!(s.stat(&s.decode, "sidecar_prefills"), 1, "one split of two");
     assert_eq!(s.stat(&s.decode, "local_prefills"), 1, "the decode pod computed the second itself");
+}
+
+/// The decode pod that gets a request is the one the decode policy picked: with
+/// `round_robin` on one Envoy thread, six requests cycle through the three decode pods in one
+/// order, each received (with the gateway's header) by exactly the pod the response names and
+/// by no other.
+#[test]
+fn the_decode_pod_is_the_one_the_decode_policy_picks() {
+    let filter = json!({"decode_policy": "round_robin"});
+    let s = stack_on(1, 3, filter, false, Some(1));
+    let prefill = s.prefill[0].addr();
+    let mut order = Vec::new();
+    for i in 0..6 {
+        let id = format!("rr-{i}");
+        let r = send(&s, "/v1/completions", &completion(&format!("{i}: {}", "round and round ".repeat(30))), &id, &[]);
+        assert_eq!(r.status, 200, "{}", r.text());
+        let decode = r.header("x-kvmesh-worker").expect("x-kvmesh-worker").to_string();
+        for pod in &s.decode {
+            let seen = s.received(&pod.addr(), &id);
+            if pod.addr() == decode {
+                let seen = seen.unwrap_or_else(|| panic!("{decode} never got {id}"));
+                assert_eq!(seen["x_prefiller_host_port"], prefill.as_str());
+            } else {
+                assert!(seen.is_none(), "{id} reached {} too", pod.addr());
+            }
+        }
+        order.push(decode);
+    }
+    let first: std::collections::HashSet<&String> = order[..3].iter().collect();
+    assert_eq!(first.len(), 3, "round robin visits every decode pod: {order:?}");
+    assert_eq!(order[..3], order[3..], "and again in the same order");
 }
