@@ -57,6 +57,14 @@ async fn run(args: cli::Args) -> anyhow::Result<()> {
         let rooms = engine.rooms.clone();
         tokio::spawn(async move { axum::serve(boot, bootstrap::router(rooms)).await });
     }
+    // Each event goes out when written: with Nagle's algorithm a stream's first event, written
+    // a few ms after its headers, waited for their (delayed, ~40 ms) ACK, so time to first token
+    // measured the client's ACK timer rather than the worker.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            eprintln!("kvmesh-sim: TCP_NODELAY not set: {e}");
+        }
+    });
     axum::serve(listener, api::router(engine))
         .with_graceful_shutdown(async {
             let _ = tokio::signal::ctrl_c().await;
