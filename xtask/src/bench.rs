@@ -13,6 +13,7 @@ mod cp;
 mod instructions;
 mod models;
 mod overhead;
+mod pd_decider;
 mod quality;
 mod report;
 mod routers;

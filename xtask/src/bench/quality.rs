@@ -3,7 +3,9 @@
 //! (cached over prompt tokens in `/sim/stats`), not what a router believes; TTFT is the first
 //! streamed event; imbalance is max/mean requests per worker. kvmesh runs at 1, 3 and 8
 //! gateways sharing one kvmesh-cp, the peers at 1, 3 and 8 replicas (SMG also with its mesh).
-//! The `trace` workload (a Mooncake-format trace replayed on its schedule) is in `trace.rs`.
+//! The `trace` workload (a Mooncake-format trace replayed on its schedule) is in `trace.rs`,
+//! the PD decider's (`pd_decider`: llm-d's protocol, prefix decider against always) in
+//! `pd_decider.rs`.
 
 use kvmesh_testkit::{http, Sim};
 use serde_json::{json, Value};
@@ -12,9 +14,9 @@ use super::models;
 use super::report::{f, table};
 use super::routers::{delta, start, stats, Config};
 use super::stack::{PeerBins, Running, Workers};
-use super::trace;
 use super::workload::{self, Workload};
 use super::Opts;
+use super::{pd_decider, trace};
 use crate::loadgen::{self, Stop};
 use crate::tools::step;
 
@@ -186,13 +188,15 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
         there && !o.quick
     } else {
         let mut known: Vec<&str> = workloads.iter().map(|w| w.name).collect();
-        known.extend(["trace", "two_models"]);
+        known.extend(["trace", "two_models", pd_decider::NAME]);
         if let Some(bad) = o.workloads.iter().find(|n| !known.contains(&n.as_str())) {
             anyhow::bail!("--workload {bad}: unknown (one of {})", known.join(", "));
         }
         workloads.retain(|w| o.workloads.iter().any(|n| n == w.name));
         o.workloads.iter().any(|n| n == "trace")
     };
+    // The PD decider's: when named, or in a full run of every workload.
+    let with_pd = if o.workloads.is_empty() { !o.quick } else { o.workloads.iter().any(|n| n == pd_decider::NAME) };
     let configs: Vec<Config> = configs(o, bins).into_iter().filter(|c| o.wants(&c.label())).collect();
     anyhow::ensure!(
         workloads.is_empty() || !configs.is_empty(),
@@ -239,6 +243,7 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
     // Two models behind one router: in a full run, or when named.
     let with_models = if o.workloads.is_empty() { !o.quick } else { o.workloads.iter().any(|n| n == "two_models") };
     let two_models = if with_models { Some(models::run(o, bins, &mut results, &mut failures)?) } else { None };
+    let pd = if with_pd { Some(pd_decider::run(o.quick)?) } else { None };
     let summaries = summarise(&results);
     let ratios = ratios(&summaries);
     let doc = json!({
@@ -252,6 +257,7 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
             "trace": trace,
             "two_models": two_models,
         },
+        "pd_decider": pd,
         "results": results,
         "summaries": summaries,
         "ratios": ratios,
@@ -430,6 +436,9 @@ fn markdown(doc: &Value, workloads: &[Workload]) -> String {
     }
     if !p["two_models"].is_null() {
         md.push_str(&models::markdown(doc));
+    }
+    if !doc["pd_decider"].is_null() {
+        md.push_str(&pd_decider::markdown(&doc["pd_decider"]));
     }
     md.push_str("### kvmesh − peer, same workload, policy and replica count\n\n");
     let rows: Vec<Vec<String>> = doc["ratios"]

@@ -125,7 +125,7 @@ fn shared_prompts(seed: u64, n: usize) -> Workload {
 /// Multi-turn chats that grow: conversations of up to 8 turns (each turn adds a ~100-token
 /// question and the previous answer), interleaved: round r sends turn r of every live
 /// conversation, in a shuffled order.
-fn multi_turn(seed: u64, n: usize) -> Workload {
+pub fn multi_turn(seed: u64, n: usize) -> Workload {
     let mut rng = Rng::new(seed ^ 2);
     let turns = 8;
     let conversations = n.div_ceil(turns).max(1);
