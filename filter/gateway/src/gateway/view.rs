@@ -273,10 +273,11 @@ impl RoutingView {
             Mode::Regular(_) => (Vec::new(), false),
         };
         // PD: only the gateway writes transfer parameters (a client's could name any host),
-        // whether the request is split or not; a decode worker takes it only with a partner.
+        // whether the request is split or not.
         if let (Mode::Pd(_), Some(field)) = (&self.mode, parsed.client_bootstrap) {
             return Outcome::Reply(Reply::request(&RequestError::Reserved(field)));
         }
+        // A decode worker takes a request only with a partner, or alone as a `both` worker.
         let pairs = Pairs { table: &self.table, default: self.default_protocol(), prefill: &prefill };
         let decode: Vec<Candidate> = match self.mode {
             Mode::Pd(_) => main_cands.iter().filter(|d| pairs.can_serve(d.id)).cloned().collect(),
