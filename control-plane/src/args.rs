@@ -126,6 +126,11 @@ pub struct Args {
     /// protocol it speaks when not --pd-protocol's.
     #[arg(long, help_heading = "Workers: health, load, discovery")]
     pub role_label: Option<String>,
+    /// A model name for each discovered pod from its metadata (SMG's flag): `namespace`,
+    /// `label:<key>` or `annotation:<key>`. The pod serves it besides the names its
+    /// /v1/models lists. Default none.
+    #[arg(long, help_heading = "Workers: health, load, discovery")]
+    pub model_id_from: Option<String>,
     /// Log level: debug, info, warn, error (RUST_LOG wins). Default info.
     #[arg(long, value_parser = ["debug", "info", "warn", "error"], help_heading = "Logging and authentication")]
     pub log_level: Option<String>,
@@ -528,6 +533,10 @@ impl Args {
                 .clone()
                 .unwrap_or_else(|| "sglang.ai/bootstrap-port".into()),
             role_label: self.role_label.clone().unwrap_or_else(|| "llm-d.ai/role".into()),
+            model_id_from: match self.model_id_from.as_deref() {
+                None => None,
+                Some(spec) => Some(spec.parse().map_err(|e: String| self.bad("model_id_from", e))?),
+            },
             pd,
         }))
     }

@@ -17,7 +17,7 @@ use kube::{Api, Client};
 use kvmesh_core::settings::PdProtocol;
 use kvmesh_proto::v1::Role;
 
-pub use crate::settings::DiscoveryConfig;
+pub use crate::settings::{DiscoveryConfig, ModelIdFrom};
 use crate::state::{Source, State};
 
 /// The pod annotation naming the PD protocol a pod speaks (`sglang`, `vllm`, `llm-d`) when
@@ -32,6 +32,8 @@ pub struct Desired {
     pub bootstrap_port: Option<u16>,
     /// Its PD protocol, when the pod's annotation names one.
     pub pd_protocol: Option<PdProtocol>,
+    /// Its own model name (`--model-id-from`), when the pod's metadata gives one.
+    pub model_id: Option<String>,
 }
 
 fn matches(labels: &BTreeMap<String, String>, selector: &BTreeMap<String, String>) -> bool {
@@ -100,7 +102,14 @@ pub fn desired<'a>(pods: impl IntoIterator<Item = &'a Pod>, cfg: &DiscoveryConfi
         // Spelled as the registry keeps it, so that reconciling compares like with like.
         let url = format!("http://{host}:{}", cfg.port);
         let url = crate::urls::canonical(&url).unwrap_or(url);
-        out.push(Desired { url, role, bootstrap_port, pd_protocol });
+        let model_id = match &cfg.model_id_from {
+            None => None,
+            Some(ModelIdFrom::Namespace) => pod.metadata.namespace.clone(),
+            Some(ModelIdFrom::Label(key)) => labels.get(key).cloned(),
+            Some(ModelIdFrom::Annotation(key)) => annotation(key).cloned(),
+        }
+        .filter(|m| !m.is_empty() && m.len() <= kvmesh_core::models::MAX_MODEL_NAME);
+        out.push(Desired { url, role, bootstrap_port, pd_protocol, model_id });
     }
     out.sort_by(|a, b| a.url.cmp(&b.url));
     out
@@ -111,8 +120,15 @@ pub fn reconcile(state: &State, want: &[Desired]) {
     let wanted: HashSet<&Desired> = want.iter().collect();
     let current = state.workers();
     for w in current.iter().filter(|w| w.source == Source::Discovery) {
-        let same =
-            Desired { url: w.url.clone(), role: w.role, bootstrap_port: w.bootstrap_port, pd_protocol: w.pd_protocol };
+        // A changed model name is set in place (the worker keeps its id and index).
+        let model_id = want.iter().find(|d| d.url == w.url).and_then(|d| d.model_id.clone());
+        let same = Desired {
+            url: w.url.clone(),
+            role: w.role,
+            bootstrap_port: w.bootstrap_port,
+            pd_protocol: w.pd_protocol,
+            model_id,
+        };
         if !wanted.contains(&same) {
             state.remove_worker(&w.url);
         }
@@ -122,6 +138,10 @@ pub fn reconcile(state: &State, want: &[Desired]) {
         if let Err(e) = state.add_pd_worker(&d.url, d.role, d.bootstrap_port, d.pd_protocol, Source::Discovery) {
             tracing::warn!(url = %d.url, "discovered worker not added: {e}");
         }
+    }
+    for w in state.workers().into_iter().filter(|w| w.source == Source::Discovery) {
+        let model_id = want.iter().find(|d| d.url == w.url).and_then(|d| d.model_id.clone());
+        state.set_model_id(w.id, model_id);
     }
 }
 
@@ -271,5 +291,37 @@ mod tests {
         let after = of("http://10.0.0.2:8000");
         assert_eq!(after.map(|w| w.2), Some(Some(PdProtocol::Sglang)));
         assert_ne!(after.map(|w| w.0), before, "a new worker, under a new id");
+    }
+
+    #[test]
+    fn a_pods_metadata_names_its_model_and_a_new_name_keeps_the_worker() {
+        let model = |name: &str, ip: &str, m: &str| {
+            pod(name, ip, true, &[("app", "sglang"), ("kvmesh.io/model", m)], &[("model", &format!("{m}-a"))])
+        };
+        let pods = [model("a", "10.0.0.1", "llama"), model("b", "10.0.0.2", ""), model("c", "10.0.0.3", "qwen")];
+        let mut c = cfg(false);
+        let ids = |c: &DiscoveryConfig| desired(&pods, c).into_iter().map(|d| d.model_id).collect::<Vec<_>>();
+        assert_eq!(ids(&c), [None, None, None], "without --model-id-from");
+        c.model_id_from = Some("label:kvmesh.io/model".parse().unwrap());
+        assert_eq!(ids(&c), [Some("llama".into()), None, Some("qwen".into())], "an empty label names nothing");
+        c.model_id_from = Some("annotation:model".parse().unwrap());
+        assert_eq!(ids(&c)[0].as_deref(), Some("llama-a"));
+        c.model_id_from = Some("namespace".parse().unwrap());
+        assert_eq!(ids(&c)[2].as_deref(), Some("default"));
+        for bad in ["label:", "annotations:x", "pod", ""] {
+            assert!(bad.parse::<ModelIdFrom>().is_err(), "{bad}");
+        }
+
+        // The registry serves the name first; a new name is set in place (same id, same index).
+        c.model_id_from = Some("label:kvmesh.io/model".parse().unwrap());
+        let s = crate::state::test_state(&["--disable-health-check"]);
+        reconcile(&s, &desired(&pods, &c));
+        let first = |url: &str| s.workers().into_iter().find(|w| w.url == url).map(|w| (w.id, w.served()));
+        let (id, served) = first("http://10.0.0.1:8000").unwrap();
+        assert_eq!(served[0].id, "llama");
+        let pods = [model("a", "10.0.0.1", "llama-3")];
+        reconcile(&s, &desired(&pods, &c));
+        let (again, served) = first("http://10.0.0.1:8000").unwrap();
+        assert_eq!((again, served[0].id.as_str()), (id, "llama-3"));
     }
 }

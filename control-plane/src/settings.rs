@@ -136,5 +136,29 @@ pub struct DiscoveryConfig {
     pub port: u16,
     pub bootstrap_annotation: String,
     pub role_label: String,
+    /// Where a pod's own model name comes from (`--model-id-from`), if anywhere.
+    pub model_id_from: Option<ModelIdFrom>,
     pub pd: bool,
+}
+
+/// `--model-id-from`: the pod metadata that names a pod's model.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ModelIdFrom {
+    Namespace,
+    Label(String),
+    Annotation(String),
+}
+
+impl std::str::FromStr for ModelIdFrom {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let key = |k: &str| (!k.is_empty() && k.len() <= 317).then(|| k.to_string());
+        match s.split_once(':') {
+            None if s == "namespace" => Some(Self::Namespace),
+            Some(("label", k)) => key(k).map(Self::Label),
+            Some(("annotation", k)) => key(k).map(Self::Annotation),
+            _ => None,
+        }
+        .ok_or_else(|| format!("`{s}` is not namespace, label:<key> or annotation:<key>"))
+    }
 }
