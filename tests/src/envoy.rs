@@ -514,6 +514,9 @@ pub fn validate_with_modules(config: &Path, modules: Option<&Path>) -> anyhow::R
     if let Some(dir) = modules {
         cmd.env("ENVOY_DYNAMIC_MODULES_SEARCH_PATH", dir);
     }
+    // cargo gives test processes target/debug in LD_LIBRARY_PATH, where a debug build of the
+    // module may lie: only the search path may find it.
+    cmd.env_remove("LD_LIBRARY_PATH");
     let out = cmd
         .arg("--mode")
         .arg("validate")

@@ -192,6 +192,9 @@ struct Tally {
     evicted: u64,
 }
 
+/// The most requests one gateway's report may say it has in flight on one worker.
+pub const MAX_IN_FLIGHT: u32 = 1 << 16;
+
 /// One worker's counts from `gateway`: its breaker there, its in-flight requests, the
 /// cumulative counts added by difference, the completions pushed into its utility window
 /// (`window`: its size, when marginal_utility is in force). Says whether the load filters
@@ -208,8 +211,10 @@ fn merge_worker_counts(
         BreakerState::Closed => w.breakers.remove(gateway),
         state => w.breakers.insert(gateway.to_string(), state),
     };
-    let old = w.inflight.insert(gateway.to_string(), c.in_flight).unwrap_or(0);
-    let changed = old != c.in_flight && w.polled_load.is_none();
+    // No Envoy holds more than MAX_IN_FLIGHT requests on one worker: a forged count is capped.
+    let in_flight = c.in_flight.min(MAX_IN_FLIGHT);
+    let old = w.inflight.insert(gateway.to_string(), in_flight).unwrap_or(0);
+    let changed = old != in_flight && w.polled_load.is_none();
     // The first report of a gateway counts from zero; the same gateway (one id per Envoy,
     // whichever VM holds its stream) is counted by differences.
     let feedback = c.feedback.unwrap_or_default();
@@ -652,6 +657,9 @@ pub(crate) mod tests {
         s.report(ReportBatch { gateway_id: "b".into(), counts: counts(2, u32::MAX, 0), ..Default::default() });
         s.report(ReportBatch { gateway_id: "b".into(), counts: counts(2, 1, 0), ..Default::default() });
         assert_eq!(s.workers()[0].requests, 17 + 2);
+        // A forged in-flight count is capped.
+        s.report(ReportBatch { gateway_id: "b".into(), counts: counts(u32::MAX, 1, 0), ..Default::default() });
+        assert_eq!(s.workers()[0].load(), 3 + u64::from(MAX_IN_FLIGHT));
         s.load_result(1, Some(9), None);
         assert_eq!(s.workers()[0].load(), 9);
     }
