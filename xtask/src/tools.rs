@@ -23,7 +23,7 @@ pub fn run(cmd: &mut Command) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn cargo() -> Command {
+pub fn cargo() -> Command {
     Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
 }
 
@@ -49,7 +49,7 @@ pub fn ensure_wasm_target() -> anyhow::Result<()> {
 const SGLANG_ROUTER: &str = "sglang-router==0.3.2";
 
 /// `.venv`'s pip, creating the virtual environment when missing.
-fn venv_pip(what: &str) -> anyhow::Result<PathBuf> {
+pub fn venv_pip(what: &str) -> anyhow::Result<PathBuf> {
     let venv = repo_root().join(".venv");
     let pip = venv.join("bin/pip");
     if !pip.exists() {
@@ -227,6 +227,16 @@ pub struct Totals {
     passed: u64,
     failed: u64,
     ignored: u64,
+}
+
+impl Totals {
+    pub fn passed(&self) -> u64 {
+        self.passed
+    }
+
+    pub fn failed(&self) -> u64 {
+        self.failed
+    }
 }
 
 /// Runs a `cargo test` command, echoing its output and adding its results to `totals`.

