@@ -477,12 +477,16 @@ impl RequestFilter {
         Self::count_route(host, &committed.main);
         let now_ms = decided.ms();
         self.with_gateway(|g| {
-            g.sent(committed.main.worker, now_ms);
+            // vLLM's decode worker gets the request only once its prefill answered: its stall
+            // window starts then (`first_answered`), not while the prefill runs.
+            if !sequential {
+                g.sent(committed.main.worker, now_ms);
+            }
             if let (Some(p), Some(_)) = (&committed.prefill, token) {
                 g.sent(p.worker, now_ms);
             }
         });
-        self.awaiting = true;
+        self.awaiting = !sequential;
         match (committed.prefill, token) {
             // vLLM: the request waits for its prefill leg (see `on_callout_response`).
             (Some(prefill), Some(token)) if sequential => {

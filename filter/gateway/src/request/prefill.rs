@@ -110,6 +110,11 @@ impl RequestFilter {
                 host.increment(Metric::PrefillFallbacks);
             }
         }
+        // The decode worker gets it now: its stall window starts here.
+        if let Some(decode) = self.routed.as_ref().map(|r| r.worker) {
+            self.with_gateway(|g| g.sent(decode, now.ms()));
+            self.awaiting = true;
+        }
         if let Err(e) = host.resume_request() {
             log::warn!("cannot resume the request after its prefill: {e}");
         }

@@ -725,3 +725,29 @@ fn pd_a_prefill_that_answered_is_not_aborted() {
     f.on_log(&host);
     assert_eq!(host.callouts.borrow().len(), sent, "no abort");
 }
+
+#[test]
+fn a_vllm_decode_worker_is_not_stalled_while_its_prefill_runs() {
+    let host = MockHost::new();
+    let json = r#"{"pd_disaggregation":true,"pd_protocol":"vllm","prefill":[["http://127.0.0.1:30001",null]],
+        "decode":["http://127.0.0.1:30003","http://127.0.0.1:30004"],"decode_policy":"cache_aware",
+        "worker_stall_secs":2}"#;
+    let gw = gateway(&host, json);
+    let body = format!(r#"{{"model":"m","prompt":"{}","max_tokens":4}}"#, "a long shared prompt ".repeat(20));
+    let (mut first, action) = send(&host, &gw, "/v1/completions", &body);
+    assert_eq!(action, Action::Pause, "held for its prefill leg");
+    let decode = host.request_header(DST_HEADER).unwrap();
+    let first_leg = callout(&host).token;
+    // The prefill takes longer than the stall window; the decode worker has not been sent
+    // anything yet, so the same prompt still goes to it.
+    host.advance_ms(2_500);
+    let (_second, _) = send(&host, &gw, "/v1/completions", &body);
+    assert_eq!(host.request_header(DST_HEADER).unwrap(), decode, "its prompt's decode worker, not stalled");
+    let answer = r#"{"kv_transfer_params":{"remote_engine_id":"e"}}"#;
+    *host.callout_answer.borrow_mut() = (Some(200), answer.as_bytes().to_vec());
+    first.on_callout_response(&host, first_leg, answer.len());
+    // Sent now: silent past the window from here, it is passed over.
+    host.advance_ms(2_500);
+    let (_third, _) = send(&host, &gw, "/v1/completions", &body);
+    assert_ne!(host.request_header(DST_HEADER).unwrap(), decode, "stalled once it held the request");
+}
