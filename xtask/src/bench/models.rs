@@ -16,7 +16,7 @@ use serde_json::{json, Value};
 
 use super::report::{f, table};
 use super::routers::{delta, stats, Config};
-use super::stack::{addr, PeerBins};
+use super::stack::{addr, wait_answering, PeerBins};
 use super::workload::{text, Rng};
 use super::Opts;
 use crate::loadgen::{self, Stop};
@@ -48,16 +48,9 @@ fn requests(n: usize) -> Vec<Vec<u8>> {
 
 /// Waits until the router on `port` answers a chat request for the first model (a request
 /// naming none is refused in multi-model mode).
-fn wait_serving(what: &str, port: u16, mut alive: impl FnMut() -> bool) -> anyhow::Result<()> {
-    let probe = format!("http://127.0.0.1:{port}/v1/chat/completions");
+fn wait_serving(what: &str, port: u16, alive: impl FnMut() -> bool) -> anyhow::Result<()> {
     let body = json!({"model": MODELS[0], "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 1});
-    let mut dead = false;
-    wait_until(&format!("{what} to serve"), Duration::from_secs(90), || {
-        dead = !alive();
-        dead || http::post_json(&probe, &body).map(|r| r.status == 200).unwrap_or(false)
-    })?;
-    anyhow::ensure!(!dead, "{what} exited");
-    Ok(())
+    wait_answering(what, port, "/v1/chat/completions", &body, alive)
 }
 
 /// A router in front of the two models' workers.

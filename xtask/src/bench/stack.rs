@@ -138,13 +138,25 @@ fn host_port(url: &str) -> String {
 }
 
 /// Waits until `POST /generate` through `port` answers 200 (the router knows its workers).
-pub(super) fn wait_serving(what: &str, port: u16, mut alive: impl FnMut() -> bool) -> anyhow::Result<()> {
-    let probe = format!("http://127.0.0.1:{port}/generate");
+pub(super) fn wait_serving(what: &str, port: u16, alive: impl FnMut() -> bool) -> anyhow::Result<()> {
     let body = json!({"text": "warm up", "sampling_params": {"max_new_tokens": 1}});
+    wait_answering(what, port, "/generate", &body, alive)
+}
+
+/// Waits until `POST path` with `body` through `port` answers 200, or `alive` says the router
+/// exited.
+pub(super) fn wait_answering(
+    what: &str,
+    port: u16,
+    path: &str,
+    body: &Value,
+    mut alive: impl FnMut() -> bool,
+) -> anyhow::Result<()> {
+    let probe = format!("http://127.0.0.1:{port}{path}");
     let mut dead = false;
     wait_until(&format!("{what} to serve"), Duration::from_secs(90), || {
         dead = !alive();
-        dead || http::post_json(&probe, &body).map(|r| r.status == 200).unwrap_or(false)
+        dead || http::post_json(&probe, body).map(|r| r.status == 200).unwrap_or(false)
     })?;
     anyhow::ensure!(!dead, "{what} exited");
     Ok(())
