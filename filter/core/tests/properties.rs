@@ -3,7 +3,7 @@
 //! the input (the routing text is cut at its cap; the merger adds only the prefill logprobs).
 
 use kvmesh_core::bootstrap::Bootstrap;
-use kvmesh_core::logprobs::{PrefillLogprobs, SseMerger};
+use kvmesh_core::logprobs::{MergeRoom, PrefillLogprobs, SseMerger};
 use kvmesh_core::request::{parse, Endpoint, MAX_BATCH, MAX_ROUTING_BYTES};
 use proptest::prelude::*;
 use serde_json::{json, Map, Value};
@@ -171,7 +171,7 @@ proptest! {
             {"meta_info": {"input_token_logprobs": [[-0.5, 1, null]]}},
             {"meta_info": {"input_token_logprobs": [[-0.5, 1, null], [-0.25, 2, null]]}},
         ]);
-        let mut m = SseMerger::new(PrefillLogprobs::from_response(prefill.to_string().as_bytes()).unwrap());
+        let mut m = SseMerger::new(PrefillLogprobs::from_response(prefill.to_string().as_bytes(), &MergeRoom::default()).unwrap());
         let input: Vec<u8> = chunks.concat();
         let mut output = Vec::new();
         for c in &chunks {

@@ -204,7 +204,9 @@ pub trait StreamHost: VmHost {
         names.iter().map(|name| headers.get(name).map(str::to_string)).collect()
     }
     fn set_response_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError>;
-    fn response_body(&self, size: usize) -> Vec<u8>;
+    /// Bytes `range` of the response body Envoy holds (what it kept while the filter paused,
+    /// then the chunk just received).
+    fn response_body(&self, range: std::ops::Range<usize>) -> Vec<u8>;
     /// Envoy's response code details: `via_upstream` when the worker answered, else why Envoy
     /// answered itself (`upstream_reset_before_response_started{...}`, `overflow`, ...).
     fn response_code_details(&self) -> Option<String>;

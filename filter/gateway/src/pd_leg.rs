@@ -12,7 +12,7 @@
 //! event in front of the next chunk.
 
 use kvmesh_core::errors::error_json;
-use kvmesh_core::logprobs::{PrefillLogprobs, SseMerger};
+use kvmesh_core::logprobs::{self, MergeError, MergeRoom, PrefillLogprobs, SseMerger};
 
 use crate::gateway::Routed;
 use crate::host::Action;
@@ -54,8 +54,8 @@ impl BodyStep {
 enum Merge {
     /// Not asked for.
     No,
-    /// Asked for; the prefill has not answered yet.
-    Waiting,
+    /// Asked for; the prefill has not answered yet. Its logprobs will be held in this VM's room.
+    Waiting(MergeRoom),
     Json(PrefillLogprobs),
     Sse(SseMerger),
     /// Asked for, but there is nothing to merge (a decode error, or no usable logprobs).
@@ -87,13 +87,14 @@ pub struct PdLeg {
 }
 
 impl PdLeg {
-    pub fn new(prefill: Routed, token: u32, stream: bool, merge_logprobs: bool) -> Self {
+    /// `merge`: the client asked for logprobs; they are held in this VM's room.
+    pub fn new(prefill: Routed, token: u32, stream: bool, merge: Option<MergeRoom>) -> Self {
         Self {
             prefill,
             token,
             stream,
             pending: true,
-            merge: if merge_logprobs { Merge::Waiting } else { Merge::No },
+            merge: merge.map_or(Merge::No, Merge::Waiting),
             phase: Phase::Awaiting,
             error_event: None,
         }
@@ -120,7 +121,17 @@ impl PdLeg {
 
     /// Whether the prefill's response body must be read (to merge its logprobs).
     pub fn wants_prefill_body(&self) -> bool {
-        matches!(self.merge, Merge::Waiting)
+        matches!(self.merge, Merge::Waiting(_))
+    }
+
+    /// Logprobs will not be merged into this response: a stream is told so in an SSE error
+    /// event in front of what comes next (a JSON body passes with the decode's own only).
+    pub fn refuse_merge(&mut self, why: &MergeError) {
+        log::warn!("input logprobs of {} not merged: {why}", self.prefill.addr);
+        self.merge = Merge::Off;
+        if self.stream {
+            self.error_event = Some(logprobs::error_event(&format!("input logprobs not merged: {why}")).into_bytes());
+        }
     }
 
     /// The decode response headers, with their status. Returns what to do with them and
@@ -131,7 +142,7 @@ impl PdLeg {
             self.merge = Merge::Off;
         }
         let drop_length = merging && status == 200 && !self.stream;
-        if matches!(self.merge, Merge::Waiting) {
+        if matches!(self.merge, Merge::Waiting(_)) {
             self.phase = Phase::HeadersHeld;
             return (Action::Pause, drop_length);
         }
@@ -178,16 +189,15 @@ impl PdLeg {
             PrefillResult::Failed { message } => return self.prefill_failed(message),
             PrefillResult::Ok { body } => body,
         };
-        if matches!(self.merge, Merge::Waiting) {
-            self.merge = match body.as_deref().map(PrefillLogprobs::from_response) {
-                Some(Ok(lp)) if self.stream => Merge::Sse(SseMerger::new(lp)),
-                Some(Ok(lp)) => Merge::Json(lp),
-                Some(Err(e)) => {
-                    log::warn!("prefill response of {} has no usable logprobs: {e}", self.prefill.addr);
-                    Merge::Off
-                }
-                None => Merge::Off,
-            };
+        if let Merge::Waiting(room) = &self.merge {
+            let room = room.clone();
+            self.merge = Merge::Off;
+            match body.as_deref().map(|body| PrefillLogprobs::from_response(body, &room)) {
+                Some(Ok(lp)) if self.stream => self.merge = Merge::Sse(SseMerger::new(lp)),
+                Some(Ok(lp)) => self.merge = Merge::Json(lp),
+                Some(Err(e)) => self.refuse_merge(&e),
+                None => {}
+            }
         }
         match self.phase {
             Phase::HeadersHeld => {
@@ -204,14 +214,18 @@ impl PdLeg {
                 }
                 self.phase = Phase::Flowing;
                 let held = read_held(size);
-                let merged = match &mut self.merge {
-                    Merge::Json(lp) => lp.merge_json(&held).ok(),
-                    Merge::Sse(m) => {
+                let merged = match (&mut self.merge, self.error_event.take()) {
+                    (Merge::Json(lp), _) => lp.merge_json(&held).ok(),
+                    (Merge::Sse(m), _) => {
                         let mut out = m.push(&held);
                         if ended {
                             out.extend(m.finish());
                         }
                         Some(out)
+                    }
+                    (_, Some(mut event)) => {
+                        event.extend(held);
+                        Some(event)
                     }
                     _ => None,
                 };
@@ -247,7 +261,7 @@ mod tests {
 
     fn leg(stream: bool, merge: bool) -> PdLeg {
         let prefill = Routed { worker: 1, addr: "127.0.0.1:30001".into(), counted: true, matched_bytes: 0 };
-        PdLeg::new(prefill, 7, stream, merge)
+        PdLeg::new(prefill, 7, stream, merge.then(MergeRoom::default))
     }
 
     fn prefill_body() -> Vec<u8> {
@@ -399,6 +413,21 @@ mod tests {
         l.decode_body(decode_json().len(), true, || panic!("held"));
         let effects = l.prefill_answered(PrefillResult::Ok { body: Some(b"{not json".to_vec()) }, |_| decode_json());
         assert_eq!(effects, vec![Effect::ResumeResponse]);
+    }
+
+    #[test]
+    fn logprobs_past_the_vms_room_are_not_merged_and_a_stream_is_told() {
+        let prefill = Routed { worker: 1, addr: "127.0.0.1:30001".into(), counted: true, matched_bytes: 0 };
+        let room = MergeRoom::with_cap(10);
+        let mut l = PdLeg::new(prefill, 7, true, Some(room.clone()));
+        assert_eq!(l.decode_headers(200), (Action::Pause, false));
+        assert_eq!(l.prefill_answered(ok(&l), no_read), vec![Effect::ResumeResponse]);
+        assert_eq!(room.held(), 0, "nothing held past the cap");
+        let chunk = sse(&[r#"{"text":"a","meta_info":{"input_token_logprobs":[[-1.0,3,null]]}}"#]);
+        let out = String::from_utf8(l.decode_body(chunk.len(), false, || chunk.clone()).replace.unwrap()).unwrap();
+        assert!(out.starts_with("data: {\"error\"") && out.contains("logprob_merge_refused"), "{out}");
+        assert!(out.ends_with(std::str::from_utf8(&chunk).unwrap()), "the decode's events as sent");
+        assert_eq!(l.decode_body(4, true, || panic!("not read")), BodyStep::CONTINUE, "told once");
     }
 
     #[test]

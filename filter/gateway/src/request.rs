@@ -498,7 +498,8 @@ impl RequestFilter {
             }
             (Some(prefill), Some(token)) => {
                 Self::count_route(host, &prefill);
-                self.pd = Some(PdLeg::new(prefill, token, committed.stream, committed.merge_logprobs));
+                let room = committed.merge_logprobs.then(|| self.with_gateway(|g| g.merge_room().clone())).flatten();
+                self.pd = Some(PdLeg::new(prefill, token, committed.stream, room));
             }
             // The decode pod's sidecar runs it: named in the response, nothing to follow.
             (Some(prefill), None) => self.sidecar_prefill = Some(prefill.addr),
@@ -643,14 +644,22 @@ impl RequestFilter {
                 self.complete = true;
             }
         }
-        let Some(leg) = self.pd.as_mut() else { return Action::Continue };
-        let step = leg.decode_body(body_size, end_of_stream, || host.response_body(body_size));
-        if let Some(out) = step.replace {
-            if let Err(e) = host.set_response_body(body_size, &out) {
-                log::warn!("cannot rewrite the response body: {e}");
+        let action = match self.pd.as_mut() {
+            None => Action::Continue,
+            Some(leg) => {
+                let step = leg.decode_body(body_size, end_of_stream, || host.response_body(0..body_size));
+                if let Some(out) = step.replace {
+                    if let Err(e) = host.set_response_body(body_size, &out) {
+                        log::warn!("cannot rewrite the response body: {e}");
+                    }
+                }
+                step.action
             }
+        };
+        if let (Action::Continue, Some(f)) = (action, self.feedback.as_mut()) {
+            f.flushed();
         }
-        step.action
+        action
     }
 
     pub fn on_log(&mut self, host: &dyn StreamHost) {

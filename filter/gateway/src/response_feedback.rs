@@ -23,6 +23,9 @@ pub struct ResponseFeedback {
     worker: kvmesh_core::WorkerId,
     /// When the request was routed (the host's clock, ms).
     routed_ms: u64,
+    /// Bytes of the body Envoy still holds (the filter paused) that were already scanned:
+    /// each byte is read once however many chunks it is held over.
+    scanned: usize,
 }
 
 impl ResponseFeedback {
@@ -35,11 +38,18 @@ impl ResponseFeedback {
         self.counts = (200..300).contains(&status) && served_by_chosen;
     }
 
-    /// A chunk of the response body (`body_size` bytes, as Envoy passes it on).
+    /// A chunk of the response body: Envoy holds `body_size` bytes (those kept while the
+    /// filter paused, then the chunk just received); only the new ones are read.
     pub fn body(&mut self, host: &dyn StreamHost, body_size: usize) {
-        if self.counts && body_size > 0 {
-            self.scanner.feed(&host.response_body(body_size));
+        if self.counts && body_size > self.scanned {
+            self.scanner.feed(&host.response_body(self.scanned..body_size));
         }
+        self.scanned = body_size;
+    }
+
+    /// Envoy passed on what it held: the next chunk starts a new body buffer.
+    pub fn flushed(&mut self) {
+        self.scanned = 0;
     }
 
     /// The stream ended (`complete`: the worker's answer arrived whole).
@@ -196,7 +206,7 @@ mod tests {
             host.set_response(status, br#"{"meta_info":{"cached_tokens":0}}"#);
             *host.upstream.borrow_mut() = upstream.map(String::from);
             f.on_response_headers(&host);
-            f.on_response_body(&host, host.response_body(1 << 20).len(), end);
+            f.on_response_body(&host, host.response_body(0..1 << 20).len(), end);
             f.on_log(&host);
         }
         assert_eq!(host.metric_sum(Metric::Predictions), 0);

@@ -102,12 +102,18 @@ impl NativeHost {
     }
 
     /// What Envoy buffered of a body, then the chunk just received, up to `size` bytes.
-    fn body(&self, kinds: [BodyKind; 2], size: usize) -> Vec<u8> {
+    /// Bytes `range` of a body Envoy holds in several chunks, copied once.
+    fn body(&self, kinds: [BodyKind; 2], range: std::ops::Range<usize>) -> Vec<u8> {
         let Some(stream) = self.stream() else { return Vec::new() };
-        let mut out = Vec::with_capacity(size.min(1 << 20));
+        let mut out = Vec::with_capacity(range.end.saturating_sub(range.start).min(1 << 20));
+        let mut at = 0; // where the next chunk starts in the body
         for chunk in kinds.into_iter().flat_map(|k| stream.body(k)) {
-            let room = size.saturating_sub(out.len());
-            out.extend_from_slice(chunk.get(..room.min(chunk.len())).unwrap_or_default());
+            let (from, to) = (range.start.max(at) - at, range.end.saturating_sub(at).min(chunk.len()));
+            out.extend_from_slice(chunk.get(from..to).unwrap_or_default());
+            at += chunk.len();
+            if at >= range.end {
+                break;
+            }
         }
         out
     }
@@ -175,7 +181,7 @@ impl StreamHost for NativeHost {
         }
     }
     fn request_body(&self, size: usize) -> Vec<u8> {
-        self.body([BodyKind::BufferedRequest, BodyKind::ReceivedRequest], size)
+        self.body([BodyKind::BufferedRequest, BodyKind::ReceivedRequest], 0..size)
     }
     /// The whole body (the filter replaces nothing less).
     fn set_request_body(&self, _size: usize, body: &[u8]) -> Result<(), HostError> {
@@ -198,8 +204,8 @@ impl StreamHost for NativeHost {
     fn set_response_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError> {
         self.set_header(HeaderKind::Response, name, value)
     }
-    fn response_body(&self, size: usize) -> Vec<u8> {
-        self.body([BodyKind::BufferedResponse, BodyKind::ReceivedResponse], size)
+    fn response_body(&self, range: std::ops::Range<usize>) -> Vec<u8> {
+        self.body([BodyKind::BufferedResponse, BodyKind::ReceivedResponse], range)
     }
     fn response_code_details(&self) -> Option<String> {
         self.stream()?.attribute(Attribute::ResponseCodeDetails)

@@ -160,8 +160,9 @@ impl StreamHost for EnvoyHost {
     fn set_response_header(&self, name: &str, value: Option<&str>) -> Result<(), HostError> {
         hostcalls::set_map_value(MapType::HttpResponseHeaders, name, value).map_err(err)
     }
-    fn response_body(&self, size: usize) -> Vec<u8> {
-        hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size).ok().flatten().unwrap_or_default()
+    fn response_body(&self, range: std::ops::Range<usize>) -> Vec<u8> {
+        let len = range.end.saturating_sub(range.start);
+        hostcalls::get_buffer(BufferType::HttpResponseBody, range.start, len).ok().flatten().unwrap_or_default()
     }
     fn response_code_details(&self) -> Option<String> {
         let bytes = hostcalls::get_property(vec!["response", "code_details"]).ok().flatten()?;

@@ -57,6 +57,8 @@ pub struct Gateway {
     /// Engine feedback of this VM's responses since the last tick (merged into shared data
     /// on the tick, not per response).
     pending_feedback: Pending,
+    /// The prefill logprobs this VM's requests hold for merging (capped per VM).
+    merge_room: kvmesh_core::logprobs::MergeRoom,
 }
 
 impl Gateway {
@@ -70,7 +72,13 @@ impl Gateway {
             ledger: Ledger::new(),
             log: DeltaLog::new(store, seed as u32 ^ (seed >> 32) as u32),
             pending_feedback: Pending::default(),
+            merge_room: Default::default(),
         }
+    }
+
+    /// Where this VM's requests hold prefill logprobs while merging them.
+    pub fn merge_room(&self) -> &kvmesh_core::logprobs::MergeRoom {
+        &self.merge_room
     }
 
     /// This VM's id in shared data (lease owner, log writer).

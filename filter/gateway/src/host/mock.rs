@@ -44,6 +44,8 @@ pub struct MockHost {
     pub request_body: RefCell<Vec<u8>>,
     pub response_headers: RefCell<Vec<(String, String)>>,
     pub response_body: RefCell<Vec<u8>>,
+    /// Bytes of the response body the filter has read, over all its reads.
+    pub response_bytes_read: Cell<usize>,
     /// Envoy's response code details (None: the host does not say).
     pub code_details: RefCell<Option<String>>,
     /// The worker Envoy says answered (None: the host does not say).
@@ -267,10 +269,12 @@ impl StreamHost for MockHost {
         set(&self.response_headers, name, value);
         Ok(())
     }
-    fn response_body(&self, size: usize) -> Vec<u8> {
+    fn response_body(&self, range: std::ops::Range<usize>) -> Vec<u8> {
         self.note("response_body");
         let b = self.response_body.borrow();
-        b[..size.min(b.len())].to_vec()
+        let part = b.get(range.start.min(b.len())..range.end.min(b.len())).unwrap_or_default();
+        self.response_bytes_read.set(self.response_bytes_read.get() + part.len());
+        part.to_vec()
     }
     fn response_code_details(&self) -> Option<String> {
         self.note("response_code_details");

@@ -3,6 +3,8 @@
 
 use std::time::Duration;
 
+use kvmesh_core::logprobs::{MergeError, MAX_MERGE_BYTES};
+
 use super::{callout_headers, RequestFilter, ERROR_DETAIL_BYTES};
 use crate::gateway::{Now, Reply};
 use crate::host::{Callout, Metric, StreamHost};
@@ -21,7 +23,15 @@ impl RequestFilter {
         let worker_ok = status.is_some_and(|s| s < 500);
         let prefill = leg.prefill().clone();
         let result = if ok {
-            PrefillResult::Ok { body: leg.wants_prefill_body().then(|| host.callout_body(body_size)) }
+            // A prefill answer too large to merge is not even copied into the VM.
+            let body = match leg.wants_prefill_body() {
+                true if body_size > MAX_MERGE_BYTES => {
+                    leg.refuse_merge(&MergeError::TooLarge(body_size));
+                    None
+                }
+                wanted => wanted.then(|| host.callout_body(body_size)),
+            };
+            PrefillResult::Ok { body }
         } else {
             let why = status
                 .map_or_else(|| "no response (connection failure or timeout)".to_string(), |s| format!("HTTP {s}"));
@@ -31,7 +41,7 @@ impl RequestFilter {
                 message: format!("prefill worker {} failed: {why} {detail}", prefill.addr).trim_end().to_string(),
             }
         };
-        let effects = leg.prefill_answered(result, |size| host.response_body(size));
+        let effects = leg.prefill_answered(result, |size| host.response_body(0..size));
         let now = Now::from_nanos(host.now_nanos());
         let deferred = std::mem::take(&mut self.deferred);
         self.with_gateway(|g| {
@@ -54,6 +64,9 @@ impl RequestFilter {
                     }
                 }
                 Effect::ResumeResponse => {
+                    if let Some(f) = self.feedback.as_mut() {
+                        f.flushed();
+                    }
                     if let Err(e) = host.resume_response() {
                         log::warn!("cannot resume the response: {e}");
                     }
@@ -70,8 +83,10 @@ impl RequestFilter {
         let Some((_, prefill)) = self.first.take() else { return };
         let status = host.callout_status();
         let worker_ok = status.is_some_and(|s| s < 500);
+        // An answer past the merge bound is not copied in: the request runs on the decode
+        // worker alone, as for an answer without `kv_transfer_params`.
         let params = status
-            .filter(|s| (200..300).contains(s))
+            .filter(|s| (200..300).contains(s) && body_size <= MAX_MERGE_BYTES)
             .and_then(|_| kvmesh_core::vllm::transfer_params(&host.callout_body(body_size)));
         let now = Now::from_nanos(host.now_nanos());
         self.with_gateway(|g| {

@@ -629,6 +629,32 @@ fn pd_logprobs_merge_whatever_arrives_first() {
     assert_eq!(inflight(&host, &gw), 0);
 }
 
+/// A JSON decode response held over many chunks (for the prefill, then for its end) is read
+/// once by engine feedback and once by the merge, not again on every chunk.
+#[test]
+fn pd_a_held_response_body_is_read_once() {
+    let host = MockHost::new();
+    let gw = gateway(&host, PD);
+    let mut f = pd_send(&host, &gw, r#"{"text":"hi","return_logprob":true}"#);
+    let decode = format!(r#"{{"text":"{}","meta_info":{{"input_token_logprobs":[[-1.0,3,null]]}}}}"#, "x".repeat(6400));
+    host.set_response(200, b"");
+    *host.upstream.borrow_mut() = Some("127.0.0.1:30003".into());
+    assert_eq!(f.on_response_headers(&host), Action::Pause);
+    let chunks: Vec<&[u8]> = decode.as_bytes().chunks(100).collect();
+    for (i, chunk) in chunks.iter().enumerate() {
+        if i == chunks.len() / 2 {
+            answer_prefill(&host, &mut f, Some(200), PREFILL_ANSWER);
+        }
+        host.response_body.borrow_mut().extend_from_slice(chunk); // Envoy keeps what it held
+        let size = host.response_body.borrow().len();
+        let end = i + 1 == chunks.len();
+        assert_eq!(f.on_response_body(&host, size, end), if end { Action::Continue } else { Action::Pause });
+    }
+    assert_eq!(merged_ids(&host.response_body.borrow()), vec![1, 2, 3]);
+    assert!(host.response_bytes_read.get() <= 2 * decode.len(), "{} bytes read", host.response_bytes_read.get());
+    f.on_log(&host);
+}
+
 #[test]
 fn pd_failed_prefill_before_the_response_is_a_502_naming_it() {
     for (status, why) in [(Some(500), "HTTP 500"), (None, "no response")] {
