@@ -9,9 +9,16 @@ use crate::policy::{
 use crate::worker::WorkerId;
 use rand::RngCore;
 
-/// The most `(worker, block)` entries one router's index holds, whatever arrives between two
-/// periodic evictions (about 40 MiB): past it, by one eighth, the least recently used go.
+/// The `(worker, block)` entries one router's index is kept to (about 40 MiB): past it, by one
+/// eighth, the VM's tick evicts the least recently used ([`Router::bound`]); past it by a
+/// quarter, inserts are dropped until then. No eviction runs while a request is routed.
 pub const MAX_INDEX_ENTRIES: u64 = 1 << 20;
+
+/// Routing text one request may add to its worker's index beyond what the index holds for
+/// that worker already: a client sending ever new long prompts fills the shared index with
+/// 64 KiB of text a request, not the whole 256 KiB it may route by (a prompt seen again
+/// extends its worker's entry by as much each time).
+pub const MAX_NEW_BYTES_PER_REQUEST: usize = 64 << 10;
 
 /// The most blocks an index reserves room for in one step (its bound, past which it doubles).
 const MAX_EXPECTED_BLOCKS: usize = 1 << 21;
@@ -108,8 +115,8 @@ impl Router {
     /// A router running `kind` with `params` (PD mode has one per leg).
     pub fn new(params: RouterParams, kind: PolicyKind) -> Self {
         let mut index = PrefixIndex::new();
-        // What `bound` lets the index reach: it may grow there in one step.
-        let most = params.max_entries.saturating_add(params.max_entries / 8);
+        // What inserts between two ticks let the index reach: it may grow there in one step.
+        let most = params.max_entries.saturating_add(params.max_entries / 4);
         index.expect_blocks(usize::try_from(most).unwrap_or(usize::MAX).min(MAX_EXPECTED_BLOCKS));
         Self {
             kind,
@@ -140,8 +147,16 @@ impl Router {
         self.track || self.kind.uses_text()
     }
 
-    /// Chooses a candidate for a request whose routing text is `text`. Changes nothing.
+    /// Chooses a candidate for a request whose routing text is `text`. Changes nothing. The
+    /// blocks it would index stop [`MAX_NEW_BYTES_PER_REQUEST`] past what the chosen worker holds.
     pub fn decide(&self, text: RoutingText<'_>, cands: &[Candidate], rng: &mut dyn RngCore) -> Option<Decision> {
+        let mut d = self.decide_all(text, cands, rng)?;
+        let most_new = (MAX_NEW_BYTES_PER_REQUEST / self.block_size.max(1)).max(1);
+        d.blocks.truncate(d.held_blocks.saturating_add(most_new));
+        Some(d)
+    }
+
+    fn decide_all(&self, text: RoutingText<'_>, cands: &[Candidate], rng: &mut dyn RngCore) -> Option<Decision> {
         if self.kind == PolicyKind::CacheAware {
             let blocks = text.blocks(self.block_size);
             let c = self.cache_aware.pick(text.len, &blocks, self.block_size, cands, &self.index, rng)?;
@@ -186,18 +201,27 @@ impl Router {
         if self.kind == PolicyKind::RoundRobin {
             self.round_robin.advance();
         }
-        if !decision.blocks.is_empty() {
-            self.index.insert(decision.worker, &decision.blocks);
-            self.bound();
+        self.insert(decision.worker, &decision.blocks);
+    }
+
+    /// Inserts as much of `hashes` (shallowest first) as keeps the index within its bound by a
+    /// quarter: the tick evicts before that, unless inserts arrive faster than ticks.
+    fn insert(&mut self, worker: WorkerId, hashes: &[u64]) {
+        let room = self.max_entries.saturating_add(self.max_entries / 4).saturating_sub(self.index.entries());
+        let fits = hashes.get(..usize::try_from(room).unwrap_or(usize::MAX).min(hashes.len())).unwrap_or_default();
+        if !fits.is_empty() {
+            self.index.insert(worker, fits);
         }
     }
 
-    /// Keeps the index under [`MAX_INDEX_ENTRIES`] (evicting with slack, so that the cost is
-    /// amortised over many inserts).
-    fn bound(&mut self) {
+    /// Keeps the index to [`MAX_INDEX_ENTRIES`], evicting the least recently used once it is
+    /// an eighth over (so that the cost of the scan is amortised over many inserts). Runs on
+    /// the VM's tick, never while a request is routed. Returns the entries evicted.
+    pub fn bound(&mut self) -> usize {
         if self.index.entries() > self.max_entries.saturating_add(self.max_entries / 8) {
-            self.index.evict_total_to(self.max_entries);
+            return self.index.evict_total_to(self.max_entries).len();
         }
+        0
     }
 
     /// Chooses a candidate for a request that carries no routing text (other paths); round
@@ -230,8 +254,7 @@ impl Router {
 
     /// Applies an insert decided elsewhere (another thread or gateway).
     pub fn apply_insert(&mut self, worker: WorkerId, hashes: &[u64]) {
-        self.index.insert(worker, hashes);
-        self.bound();
+        self.insert(worker, hashes);
     }
 
     /// LRU-evicts every worker's index down to `max_tree_size`.
@@ -414,18 +437,40 @@ mod tests {
     }
 
     #[test]
-    fn the_index_stays_under_its_hard_bound_whatever_arrives() {
+    fn the_index_stays_under_its_hard_bound_whatever_arrives_and_routing_never_evicts() {
         let mut p = params(4, 1 << 30);
         p.max_entries = 1_000;
         let mut r = Router::new(p, PolicyKind::CacheAware);
         let mut rng = seeded(2);
+        let mut most = 0;
         for i in 0..500 {
-            // Unique prompts of 20 blocks each: 10 000 entries offered.
+            // Unique prompts of 20 blocks each: 10 000 entries offered; a tick every 10.
             let text = format!("{i:08}-unique-prompt-of-80-bytes-{}", "z".repeat(44));
+            let before = r.index().entries();
             route(&mut r, text.as_bytes(), &cands(2), &mut rng);
-            assert!(r.index().entries() <= 1_125, "{} entries after {i}", r.index().entries());
+            assert!(r.index().entries() >= before, "routing evicted nothing");
+            most = most.max(r.index().entries());
+            if i % 10 == 9 {
+                r.bound();
+                assert!(r.index().entries() <= 1_125);
+            }
         }
+        assert!((1_126..=1_250).contains(&most), "{most} entries at most between ticks");
         r.apply_insert(0, &(0..5_000).collect::<Vec<u64>>());
-        assert!(r.index().entries() <= 1_125);
+        assert_eq!(r.index().entries(), 1_250, "past the hard bound inserts are dropped");
+        assert!(r.bound() > 0 && r.index().entries() == 1_000);
+    }
+
+    #[test]
+    fn a_request_indexes_at_most_64_kib_of_new_text() {
+        let mut r = Router::new(params(16, 1 << 30), PolicyKind::CacheAware);
+        let mut rng = seeded(3);
+        let long: String = (0..20_000).map(|i| format!("{i:07} ")).collect(); // 160 KB
+        let most_new = MAX_NEW_BYTES_PER_REQUEST / 16;
+        let first = route(&mut r, long.as_bytes(), &cands(1), &mut rng).unwrap();
+        assert_eq!((first.held_blocks, first.blocks.len()), (0, most_new));
+        let second = route(&mut r, long.as_bytes(), &cands(1), &mut rng).unwrap();
+        assert_eq!(second.matched_bytes, MAX_NEW_BYTES_PER_REQUEST, "what the first indexed matches");
+        assert_eq!(second.blocks.len(), 2 * most_new, "and the prompt seen again extends it");
     }
 }

@@ -275,6 +275,7 @@ fn gateway_at_scale(
         "snapshot_versions_during_run": versions,
         "decision_p50_us": at(50.0),
         "decision_p99_us": at(99.0),
+        "decision_p999_us": at(99.9),
         "decision_max_us": at(100.0),
     }))
 }

@@ -61,6 +61,13 @@ pub struct Gateway {
     merge_room: kvmesh_core::logprobs::MergeRoom,
 }
 
+/// Index changes of other VMs a request applies before its decision (about: whole log slots
+/// are read): a large batch (a full snapshot) is spread over requests and ticks.
+const CATCH_UP_PER_REQUEST: usize = 1 << 15;
+
+/// Index changes of other VMs the tick applies.
+const CATCH_UP_PER_TICK: usize = 1 << 18;
+
 impl Gateway {
     /// A gateway routing with `config`, whose routing settings stay the base the control
     /// plane's settings are overlaid on.
@@ -169,19 +176,19 @@ impl Gateway {
     fn refresh(&mut self, store: &dyn SharedStore) -> Inflight {
         self.follower.sync(store, &mut self.view);
         let inflight = Inflight::load(store).discount(self.ledger.ended());
-        self.catch_up(store, inflight.head());
+        self.catch_up(store, inflight.head(), CATCH_UP_PER_REQUEST);
         self.view.health.sync_if_changed(store, inflight.breakers());
         inflight
     }
 
     /// Applies the prefix inserts other VMs made (and queues them for the report, on the
-    /// stream owner).
-    fn catch_up(&mut self, store: &dyn SharedStore, head: u64) {
+    /// stream owner), up to about `max_hashes` of them: the rest on the next call.
+    fn catch_up(&mut self, store: &dyn SharedStore, head: u64, max_hashes: usize) {
         if !self.view.uses_text() {
             return;
         }
         let cp = self.has_control_plane();
-        for delta in self.log.poll(store, head) {
+        for delta in self.log.poll(store, head, max_hashes) {
             self.view.apply_delta(&delta);
             match (delta.evict, delta.from_cp) {
                 (false, false) => self.publisher.queue_insert(cp, delta.worker, delta.hashes),
@@ -363,6 +370,8 @@ impl Gateway {
     /// number of blocks evicted when that ran.
     pub fn tick(&mut self, store: &dyn SharedStore, now_secs: u64) -> Option<usize> {
         self.view.health.sync(store);
+        self.catch_up(store, Inflight::load(store).head(), CATCH_UP_PER_TICK);
+        self.view.bound_indexes();
         self.view.evict_when_due(now_secs)
     }
 
@@ -424,7 +433,7 @@ impl Gateway {
     /// What the stream owner sends on its report tick (at `now`): see
     /// [`publisher::Publisher::report`]; the other VMs' inserts are caught up with first.
     pub fn take_report(&mut self, store: &dyn SharedStore, gateway_id: &str, now: Now) -> ReportBatch {
-        self.catch_up(store, Inflight::load(store).head());
+        self.catch_up(store, Inflight::load(store).head(), CATCH_UP_PER_TICK);
         self.publisher.report(store, &self.view, gateway_id, now)
     }
 

@@ -495,6 +495,14 @@ impl RoutingView {
         })
     }
 
+    /// Keeps each router's index to its entry bound (the tick's part: see [`kvmesh_core::router::Router::bound`]).
+    pub(super) fn bound_indexes(&mut self) -> usize {
+        match &mut self.mode {
+            Mode::Regular(r) => r.bound(),
+            Mode::Pd(pd) => pd.prefill_router().bound() + pd.decode_router().bound(),
+        }
+    }
+
     /// Blocks in this VM's prefix index (both legs' in PD mode).
     pub(super) fn index_len(&mut self) -> usize {
         match &mut self.mode {

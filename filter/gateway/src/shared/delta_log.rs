@@ -32,6 +32,11 @@ pub struct DeltaLog {
 impl DeltaLog {
     pub const SLOTS: u64 = 256;
 
+    /// Hashes per slot past which a batch is split over several slots (between its deltas),
+    /// so that a reader can stop after any of them: a full snapshot's inserts are read a few
+    /// slots at a time, not in one go on one request.
+    pub const SLOT_HASHES: usize = 1 << 14;
+
     /// A reader/writer for VM `vm` that starts with the batches still in the ring.
     pub fn new(store: &dyn SharedStore, vm: u32) -> Self {
         let head = Inflight::load(store).head();
@@ -48,11 +53,23 @@ impl DeltaLog {
 
     /// Appends a batch made by this VM (taking a sequence number on its own).
     pub fn append(&mut self, store: &dyn SharedStore, deltas: &[Delta]) {
-        if deltas.is_empty() {
-            return;
-        }
-        if let Some(seq) = Inflight::take_seq(store) {
-            self.write(store, seq, deltas);
+        let mut rest = deltas;
+        while !rest.is_empty() {
+            let mut hashes = 0;
+            let n = rest
+                .iter()
+                .take_while(|d| {
+                    hashes += d.hashes.len();
+                    hashes <= Self::SLOT_HASHES
+                })
+                .count()
+                .max(1);
+            let (batch, after) = rest.split_at(n.min(rest.len()));
+            match Inflight::take_seq(store) {
+                Some(seq) => self.write(store, seq, batch),
+                None => return,
+            }
+            rest = after;
         }
     }
 
@@ -82,8 +99,9 @@ impl DeltaLog {
     }
 
     /// The batches other VMs wrote up to `head` (from [`Inflight::head`]) since the last
-    /// call, oldest first.
-    pub fn poll(&mut self, store: &dyn SharedStore, head: u64) -> Vec<Delta> {
+    /// call, oldest first; it stops after the slot that brings them to `max_hashes` hashes
+    /// (the rest is read by the next call).
+    pub fn poll(&mut self, store: &dyn SharedStore, head: u64, max_hashes: usize) -> Vec<Delta> {
         if head <= self.cursor {
             return Vec::new();
         }
@@ -92,7 +110,8 @@ impl DeltaLog {
         while self.own.front().is_some_and(|&o| o < seq) {
             self.own.pop_front();
         }
-        while seq <= head {
+        let mut hashes = 0;
+        while seq <= head && hashes < max_hashes {
             if self.own.front() == Some(&seq) {
                 // Written here: nothing to apply.
                 self.own.pop_front();
@@ -106,7 +125,9 @@ impl DeltaLog {
                 break; // Taken but not written yet: read it next time.
             }
             if written == seq && u32_at(&entry, 8) != Some(self.vm) {
+                let before = out.len();
                 decode_deltas(entry.get(12..).unwrap_or_default(), &mut out);
+                hashes += out.get(before..).unwrap_or_default().iter().map(|d| d.hashes.len()).sum::<usize>();
             }
             self.cursor = seq;
             seq += 1;
@@ -144,12 +165,12 @@ mod tests {
         a.append(&store, &[ins(5, &[10, 11])]);
         let evict = Delta { worker: 7, evict: true, from_cp: true, hashes: vec![13] };
         b.append(&store, &[ins(6, &[12]), evict.clone()]);
-        assert_eq!(a.poll(&store, Inflight::load(&store).head()), vec![ins(6, &[12]), evict]);
-        assert_eq!(b.poll(&store, Inflight::load(&store).head()), vec![ins(5, &[10, 11])]);
-        assert!(a.poll(&store, Inflight::load(&store).head()).is_empty());
+        assert_eq!(a.poll(&store, Inflight::load(&store).head(), usize::MAX), vec![ins(6, &[12]), evict]);
+        assert_eq!(b.poll(&store, Inflight::load(&store).head(), usize::MAX), vec![ins(5, &[10, 11])]);
+        assert!(a.poll(&store, Inflight::load(&store).head(), usize::MAX).is_empty());
         // A VM started later replays what the ring still holds.
         let mut c = DeltaLog::new(&store, 3);
-        assert_eq!(c.poll(&store, Inflight::load(&store).head()).len(), 3);
+        assert_eq!(c.poll(&store, Inflight::load(&store).head(), usize::MAX).len(), 3);
     }
 
     #[test]
@@ -161,12 +182,16 @@ mod tests {
         }
         let head = Inflight::load(&store).head();
         let before = store.gets();
-        assert!(a.poll(&store, head).is_empty());
+        assert!(a.poll(&store, head, usize::MAX).is_empty());
         assert_eq!(store.gets(), before, "no slot read: they were all its own");
         let mut b = DeltaLog::new(&store, 2);
         b.append(&store, &[ins(2, &[9])]);
         a.append(&store, &[ins(1, &[10])]);
-        assert_eq!(a.poll(&store, Inflight::load(&store).head()), vec![ins(2, &[9])], "another VM's slot is read");
+        assert_eq!(
+            a.poll(&store, Inflight::load(&store).head(), usize::MAX),
+            vec![ins(2, &[9])],
+            "another VM's slot is read"
+        );
         // Interleaved with another VM: its own slots ahead of its cursor are not read either.
         for i in 0..4 {
             b.append(&store, &[ins(2, &[100 + i])]);
@@ -174,10 +199,10 @@ mod tests {
         }
         let head = Inflight::load(&store).head();
         let before = store.gets();
-        let got = a.poll(&store, head);
+        let got = a.poll(&store, head, usize::MAX);
         assert_eq!(got.iter().map(|d| d.hashes[0]).collect::<Vec<_>>(), [100, 101, 102, 103]);
         assert_eq!(store.gets() - before, 4, "the other VM's four slots, not its own");
-        assert!(a.poll(&store, Inflight::load(&store).head()).is_empty());
+        assert!(a.poll(&store, Inflight::load(&store).head(), usize::MAX).is_empty());
     }
 
     #[test]
@@ -188,9 +213,26 @@ mod tests {
         for i in 0..(DeltaLog::SLOTS + 10) {
             a.append(&store, &[ins(1, &[i])]);
         }
-        let got = b.poll(&store, Inflight::load(&store).head());
+        let got = b.poll(&store, Inflight::load(&store).head(), usize::MAX);
         assert_eq!(got.len() as u64, DeltaLog::SLOTS);
         assert_eq!(got[0].hashes, vec![10]);
+    }
+
+    #[test]
+    fn a_large_batch_is_read_a_budget_at_a_time() {
+        let store = FakeStore::default();
+        let mut a = DeltaLog::new(&store, 1);
+        let mut b = DeltaLog::new(&store, 2);
+        // A full snapshot's inserts: 40 workers' 4,096 hashes each, in one append.
+        let batch: Vec<Delta> =
+            (0..40).map(|w| ins(w, &(0..4096).map(|h| h + u64::from(w) * 4096).collect::<Vec<_>>())).collect();
+        a.append(&store, &batch);
+        assert_eq!(Inflight::load(&store).head(), 10, "split into slots of 2^14 hashes");
+        let head = Inflight::load(&store).head();
+        let first = b.poll(&store, head, 20_000);
+        assert_eq!(first.len(), 8, "two slots: the budget is passed after the second");
+        let rest = b.poll(&store, head, usize::MAX);
+        assert_eq!([first, rest].concat(), batch, "nothing lost or repeated");
     }
 
     #[test]
@@ -199,7 +241,7 @@ mod tests {
         let mut b = DeltaLog::new(&store, 2);
         // Another VM took sequence 1 but has not written its slot yet.
         assert_eq!(Inflight::take_seq(&store), Some(1));
-        assert!(b.poll(&store, Inflight::load(&store).head()).is_empty());
+        assert!(b.poll(&store, Inflight::load(&store).head(), usize::MAX).is_empty());
         let mut entry = 1u64.to_le_bytes().to_vec();
         entry.extend_from_slice(&9u32.to_le_bytes());
         for v in [4u32, 0, 1] {
@@ -207,6 +249,6 @@ mod tests {
         }
         entry.extend_from_slice(&77u64.to_le_bytes());
         store.set("kvmesh.log.v1.1", &entry, None).unwrap();
-        assert_eq!(b.poll(&store, Inflight::load(&store).head()), vec![ins(4, &[77])]);
+        assert_eq!(b.poll(&store, Inflight::load(&store).head(), usize::MAX), vec![ins(4, &[77])]);
     }
 }
