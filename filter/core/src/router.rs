@@ -17,7 +17,9 @@ pub const MAX_INDEX_ENTRIES: u64 = 1 << 20;
 /// Routing text one request may add to its worker's index beyond what the index holds for
 /// that worker already: a client sending ever new long prompts fills the shared index with
 /// 64 KiB of text a request, not the whole 256 KiB it may route by (a prompt seen again
-/// extends its worker's entry by as much each time).
+/// extends its worker's entry by as much each time). Under `cache_aware`, at least the share of
+/// the text a repeat needs to count as a hit (`cache_threshold` + 0.1), so that no prompt loses
+/// its worker to the cap.
 pub const MAX_NEW_BYTES_PER_REQUEST: usize = 64 << 10;
 
 /// The most blocks an index reserves room for in one step (its bound, past which it doubles).
@@ -151,8 +153,12 @@ impl Router {
     /// blocks it would index stop [`MAX_NEW_BYTES_PER_REQUEST`] past what the chosen worker holds.
     pub fn decide(&self, text: RoutingText<'_>, cands: &[Candidate], rng: &mut dyn RngCore) -> Option<Decision> {
         let mut d = self.decide_all(text, cands, rng)?;
-        let most_new = (MAX_NEW_BYTES_PER_REQUEST / self.block_size.max(1)).max(1);
-        d.blocks.truncate(d.held_blocks.saturating_add(most_new));
+        let share = match self.kind {
+            PolicyKind::CacheAware => (self.cache_aware.params.cache_threshold + 0.1).min(1.0),
+            _ => 0.0,
+        };
+        let bytes = MAX_NEW_BYTES_PER_REQUEST.max((text.len as f64 * share).ceil() as usize);
+        d.blocks.truncate(d.held_blocks.saturating_add(bytes.div_ceil(self.block_size.max(1))));
         Some(d)
     }
 
@@ -472,5 +478,20 @@ mod tests {
         let second = route(&mut r, long.as_bytes(), &cands(1), &mut rng).unwrap();
         assert_eq!(second.matched_bytes, MAX_NEW_BYTES_PER_REQUEST, "what the first indexed matches");
         assert_eq!(second.blocks.len(), 2 * most_new, "and the prompt seen again extends it");
+    }
+
+    #[test]
+    fn a_long_prompt_seen_again_is_still_a_cache_hit_under_the_cap() {
+        // 240 KB: 64 KiB would be a 27 % match, under the 0.3 threshold.
+        let mut r = Router::new(params(16, 1 << 30), PolicyKind::CacheAware);
+        let mut rng = seeded(4);
+        let long: String = (0..30_000).map(|i| format!("{i:07} ")).collect();
+        let first = route(&mut r, long.as_bytes(), &cands(4), &mut rng).unwrap();
+        assert!(first.blocks.len() * 16 < long.len() / 2, "capped: {} blocks", first.blocks.len());
+        for _ in 0..3 {
+            let again = route(&mut r, long.as_bytes(), &cands(4), &mut rng).unwrap();
+            assert_eq!(again.worker, first.worker);
+            assert!(again.matched_bytes as f64 > 0.3 * long.len() as f64);
+        }
     }
 }
