@@ -243,8 +243,10 @@ fn a_frozen_worker_is_left_within_seconds_and_its_requests_end_in_a_json_504() {
 /// included) leaves every gateway within 5 s with kvmesh-cp's default probes: its probes go
 /// unanswered, kvmesh-cp takes it out (`--worker-unresponsive-secs`, default 3) and publishes
 /// that. The filter's own stall window and breakers are off here, so only kvmesh-cp can take it
-/// out (with health checks alone, every 60 s with three failures to go, it took minutes). A
-/// worker busy with long generations still answers its probes and stays in.
+/// out (with health checks alone, every 60 s with three failures to go, it took minutes). The
+/// requests it held meanwhile get a JSON 503 (`worker_unresponsive`) as soon as the filters
+/// learn it, not an answer at the 30 s request timeout. A worker busy with long generations
+/// still answers its probes and stays in.
 #[test]
 fn a_hung_worker_leaves_every_gateway_within_five_seconds_and_a_busy_one_stays() {
     let mut sims = sims(4, &["--time-scale", "1", "--decode-ms-per-token", "20"]);
@@ -255,7 +257,7 @@ fn a_hung_worker_leaves_every_gateway_within_five_seconds_and_a_busy_one_stays()
         "0",
         "--disable-circuit-breaker",
         "--request-timeout-secs",
-        "3",
+        "30",
     ];
     let cp = control_plane(&sims, &flags);
     let urls: Vec<String> = sims.iter().map(Sim::url).collect();
@@ -274,8 +276,7 @@ fn a_hung_worker_leaves_every_gateway_within_five_seconds_and_a_busy_one_stays()
     let url = envoy.url("/generate");
     let mut sent = Vec::new();
     let mut taken_out = None;
-    // Seven seconds of requests, one every 50 ms, each in its own thread (one held by the
-    // frozen worker ends in a 504 at the 3 s request timeout).
+    // Seven seconds of requests, one every 50 ms, each in its own thread.
     while frozen_at.elapsed() < Duration::from_secs(7) {
         let i = sent.len();
         sent.push((frozen_at.elapsed(), post_in_thread(&url, request(i, 1))));
@@ -285,19 +286,33 @@ fn a_hung_worker_leaves_every_gateway_within_five_seconds_and_a_busy_one_stays()
         std::thread::sleep(Duration::from_millis(50)); // pacing the load, not waiting for anything
     }
     let busy_health = cp.worker(&sims[1].url());
+    let mut failed_fast = Vec::new();
     let sent: Vec<(Duration, String, u16)> = sent
         .into_iter()
         .map(|(at, h)| {
-            let (r, _) = h.join().unwrap();
-            (at, r.header("x-kvmesh-worker").unwrap_or("").to_string(), r.status)
+            let (r, done) = h.join().unwrap();
+            let body: Value = serde_json::from_str(&r.text()).unwrap_or_default();
+            let mut worker = r.header("x-kvmesh-worker").unwrap_or("").to_string();
+            if r.status != 200 {
+                // Held by the hung worker: answered once the filters learnt it was hung.
+                assert_eq!((r.status, body["error"]["code"].as_str()), (503, Some("worker_unresponsive")), "{body}");
+                assert!(body["error"]["message"].as_str().unwrap_or("").contains(&frozen), "{body}");
+                assert_eq!(r.header("retry-after"), Some("1"));
+                failed_fast.push(done.duration_since(frozen_at));
+                worker = frozen.clone();
+            }
+            (at, worker, r.status)
         })
         .collect();
     let to_frozen: Vec<Duration> = sent.iter().filter(|(_, w, _)| *w == frozen).map(|(at, _, _)| *at).collect();
     eprintln!(
-        "{} requests; kvmesh-cp took the frozen worker out {taken_out:?} after it froze; requests sent to it at {to_frozen:?}",
+        "{} requests; kvmesh-cp took the frozen worker out {taken_out:?} after it froze; requests sent to it at \
+         {to_frozen:?}, answered 503 at {failed_fast:?}",
         sent.len()
     );
     assert!(!to_frozen.is_empty(), "it was in rotation when it froze");
+    assert_eq!(failed_fast.len(), to_frozen.len(), "every request it held was answered");
+    assert!(failed_fast.iter().all(|t| *t < Duration::from_secs(7)), "held to {failed_fast:?}");
     let late: Vec<&Duration> = to_frozen.iter().filter(|at| **at >= Duration::from_secs(5)).collect();
     assert!(late.is_empty(), "requests still went to the hung worker 5 s after it froze, at {late:?}");
     assert!(taken_out.is_some_and(|t| t < Duration::from_secs(5)), "kvmesh-cp: {taken_out:?}");

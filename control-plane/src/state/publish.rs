@@ -113,6 +113,7 @@ impl WorkerEntry {
                 })
                 .collect(),
             pd_protocol: self.pd_protocol.map(kvmesh_proto::pd_protocol_to_wire),
+            unresponsive: self.unresponsive,
         }
     }
 }

@@ -83,6 +83,8 @@ pub struct Worker {
     pub models: Vec<ServedModel>,
     /// The PD protocol it speaks when not the deployment's (a pod's `kvmesh.io/pd-protocol`).
     pub pd_protocol: Option<PdProtocol>,
+    /// Hung: it answers none of the control plane's probes (not merely busy).
+    pub unresponsive: bool,
 }
 
 impl Worker {
@@ -102,6 +104,7 @@ impl Worker {
             utility: None,
             models: Vec::new(),
             pd_protocol: None,
+            unresponsive: false,
         })
     }
 

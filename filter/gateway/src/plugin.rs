@@ -13,7 +13,7 @@ use crate::admission::Wake;
 use crate::cp_client::ControlPlaneClient;
 use crate::gateway::Gateway;
 use crate::host::{now_ms, LinkHost, Metric, StreamHost, VmHost};
-use crate::request::{RequestFilter, Room};
+use crate::request::{RequestFilter, Room, Unanswered};
 use crate::shared::admission::SharedBucket;
 use crate::shared::{Inflight, SharedStore};
 
@@ -25,6 +25,8 @@ pub struct Plugin {
     context_id: u32,
     /// The VM's admission queue.
     room: Rc<RefCell<Room>>,
+    /// The VM's requests waiting for their worker's answer.
+    unanswered: Rc<RefCell<Unanswered>>,
     /// Prefill callouts dispatched from the tick (for requests admitted from the queue): the
     /// host answers them to the root context, which hands them on.
     callouts: HashMap<u32, (u32, Weak<RefCell<RequestFilter>>)>,
@@ -78,7 +80,7 @@ impl Plugin {
 
     /// A request context's filter, able to wait in this VM's queue.
     pub fn new_request(&self, context_id: u32) -> Rc<RefCell<RequestFilter>> {
-        RequestFilter::seated(self.gateway(), Rc::clone(&self.room), context_id)
+        RequestFilter::seated(self.gateway(), Rc::clone(&self.room), Rc::clone(&self.unanswered), context_id)
     }
 
     /// The whole tick of a VM that holds requests and may hold the control-plane streams (a
@@ -86,6 +88,38 @@ impl Plugin {
     pub fn on_tick<H: StreamHost + LinkHost>(&mut self, host: &H) {
         self.tick(host, Some(host));
         self.wake_waiting(host);
+        self.fail_hung(host);
+    }
+
+    /// Requests waiting on a worker the control plane found hung get a 503, each in its own
+    /// context (see [`crate::request::unanswered`]); then back to the root's.
+    pub fn fail_hung(&mut self, host: &dyn StreamHost) {
+        if self.unanswered.try_borrow().map_or(true, |u| u.is_empty()) {
+            return;
+        }
+        let hung = match self.gateway.as_ref().map(|g| g.try_borrow().map(|g| g.hung_workers())) {
+            Some(Ok(hung)) if !hung.is_empty() => hung,
+            _ => return,
+        };
+        let waiting = match self.unanswered.try_borrow() {
+            Ok(u) => u.waiting_on(&hung),
+            Err(_) => return,
+        };
+        for (ctx, filter) in waiting {
+            let Some(filter) = filter.upgrade() else {
+                if let Ok(mut u) = self.unanswered.try_borrow_mut() {
+                    u.remove(ctx);
+                }
+                continue;
+            };
+            if host.enter_context(ctx).is_err() {
+                continue; // the stream is gone; its on_log cleans up
+            }
+            if let Ok(mut f) = filter.try_borrow_mut() {
+                f.worker_hung(host);
+            };
+        }
+        let _ = host.enter_context(self.context_id);
     }
 
     /// The plugin's periodic work: the gateway's (the shared table, ended requests, engine

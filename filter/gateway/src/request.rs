@@ -50,6 +50,8 @@ pub type Room = WaitRoom<Weak<RefCell<RequestFilter>>>;
 /// own handle in it, and its context id (the tick enters that context to resume it).
 pub struct Seat {
     pub room: Rc<RefCell<Room>>,
+    /// The VM's requests waiting for their worker's answer (see [`unanswered`]).
+    pub unanswered: Rc<RefCell<Unanswered>>,
     pub me: Weak<RefCell<RequestFilter>>,
     pub ctx: u32,
 }
@@ -242,10 +244,15 @@ impl RequestFilter {
 
     /// A filter that can wait in `room` (the VM's queue) as context `ctx`, shared with the
     /// glue (the tick reaches it through the room).
-    pub fn seated(gateway: Option<Rc<RefCell<Gateway>>>, room: Rc<RefCell<Room>>, ctx: u32) -> Rc<RefCell<Self>> {
+    pub fn seated(
+        gateway: Option<Rc<RefCell<Gateway>>>,
+        room: Rc<RefCell<Room>>,
+        unanswered: Rc<RefCell<Unanswered>>,
+        ctx: u32,
+    ) -> Rc<RefCell<Self>> {
         Rc::new_cyclic(|me| {
             let mut f = Self::new(gateway);
-            f.seat = Some(Seat { room, me: me.clone(), ctx });
+            f.seat = Some(Seat { room, unanswered, me: me.clone(), ctx });
             RefCell::new(f)
         })
     }
@@ -487,6 +494,9 @@ impl RequestFilter {
             }
         });
         self.awaiting = !sequential;
+        if self.awaiting {
+            self.wait_for_answer(committed.main.worker);
+        }
         match (committed.prefill, token) {
             // vLLM: the request waits for its prefill leg (see `on_callout_response`).
             (Some(prefill), Some(token)) if sequential => {
@@ -586,6 +596,7 @@ impl RequestFilter {
         let now = Now::from_nanos(host.now_nanos());
         let served = upstream.unwrap_or_else(|| routed.addr.clone());
         if std::mem::take(&mut self.awaiting) {
+            self.answered();
             // The worker asked first answered itself, or did not (a timeout, a reset, a failover).
             let answered = matches!(verdict, Verdict::Worker(_)) && served == routed.addr;
             self.with_gateway(|g| g.ended(routed.worker, answered, now.ms()));
@@ -693,6 +704,9 @@ impl RequestFilter {
         let routed = self.routed.take();
         let leg = self.pd.take();
         let awaiting = std::mem::take(&mut self.awaiting);
+        if awaiting {
+            self.answered();
+        }
         // The clock only for a leg that got no answer (the stall window).
         let prefill_out = leg.as_ref().is_some_and(PdLeg::pending);
         let now_ms = if awaiting || prefill_out { crate::host::now_ms(host) } else { 0 };
@@ -730,5 +744,7 @@ impl RequestFilter {
 }
 
 mod prefill;
+pub mod unanswered;
+pub use unanswered::Unanswered;
 #[cfg(test)]
 mod tests;

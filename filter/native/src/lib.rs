@@ -153,6 +153,7 @@ impl Thread {
         let ticked = catch_unwind(AssertUnwindSafe(|| {
             plugin.tick(&self.host, None);
             plugin.wake_waiting(&self.host);
+            plugin.fail_hung(&self.host);
         }));
         if ticked.is_err() {
             log::error!("kvmesh: the tick panicked");

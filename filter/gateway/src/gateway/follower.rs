@@ -225,7 +225,15 @@ fn role_of(role: i32) -> Role {
 
 /// What is shared of `worker` on every table change (see [`SharedTable::publish`]).
 fn polled_of(w: &Worker) -> Polled {
-    Polled { id: w.id, healthy: w.healthy, load: w.load, waiting: w.waiting, kv_usage: w.kv_usage, utility: w.utility }
+    Polled {
+        id: w.id,
+        healthy: w.healthy,
+        load: w.load,
+        waiting: w.waiting,
+        kv_usage: w.kv_usage,
+        utility: w.utility,
+        unresponsive: w.unresponsive,
+    }
 }
 
 /// Copies what the control plane polls into `worker` (scores that are not finite: none).
@@ -235,6 +243,7 @@ fn apply_polled(worker: &mut Worker, p: &Polled) {
     worker.waiting = p.waiting;
     worker.kv_usage = p.kv_usage.filter(|u| u.is_finite());
     worker.utility = p.utility.filter(|u| u.is_finite());
+    worker.unresponsive = p.unresponsive;
 }
 
 /// [`apply_polled`] from the control plane's message.
@@ -246,6 +255,7 @@ fn set_polled(worker: &mut Worker, w: &proto::Worker) {
         waiting: w.waiting,
         kv_usage: w.kv_usage,
         utility: w.utility,
+        unresponsive: w.unresponsive,
     };
     apply_polled(worker, &p);
 }

@@ -83,6 +83,11 @@ impl Gateway {
         }
     }
 
+    /// The workers the control plane found hung (answering none of its probes).
+    pub fn hung_workers(&self) -> Vec<WorkerId> {
+        self.view.table.workers.iter().filter(|w| w.unresponsive).map(|w| w.id).collect()
+    }
+
     /// Where this VM's requests hold prefill logprobs while merging them.
     pub fn merge_room(&self) -> &kvmesh_core::logprobs::MergeRoom {
         &self.merge_room

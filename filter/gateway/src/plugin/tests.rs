@@ -428,3 +428,48 @@ fn the_last_streams_end_flushes_what_the_tick_keeps() {
     p.on_stream_end(&host, 0);
     assert_eq!(crate::shared::feedback::read(&host).len(), 1, "the last stream's end wrote it");
 }
+
+#[test]
+fn requests_waiting_on_a_worker_found_hung_get_a_503_the_others_go_on() {
+    let host = MockHost::new();
+    let mut p = plugin(&host, 1);
+    p.set_context_id(1);
+    p.on_tick(&host);
+    let watch = host.grpc_opened.borrow()[0].0;
+    deliver(&host, &mut p, watch, &snapshot(1, &[30001, 30002]));
+    let mut on_first = Vec::new();
+    let mut filters = Vec::new();
+    for ctx in 10..30 {
+        let (f, _) = start(&host, &p, ctx, &format!("prompt {ctx} {}", "x".repeat(64)));
+        if host.request_header(crate::request::DST_HEADER).as_deref() == Some("127.0.0.1:30001") {
+            on_first.push(ctx);
+        }
+        filters.push((ctx, f));
+    }
+    assert!(!on_first.is_empty() && on_first.len() < 20, "both workers used: {on_first:?}");
+    // One request on the first worker got its answer's headers already: it is not failed.
+    let (answered_ctx, answered) = filters.iter().find(|(c, _)| *c == on_first[0]).unwrap();
+    host.set_response(200, b"");
+    *host.upstream.borrow_mut() = Some("127.0.0.1:30001".into());
+    answered.borrow_mut().on_response_headers(&host);
+    p.on_tick(&host);
+    assert!(host.replies.borrow().is_empty(), "nobody hung yet");
+    // kvmesh-cp finds the first worker hung.
+    let mut hung = proto::Snapshot::decode(snapshot(2, &[30001, 30002]).as_slice()).unwrap();
+    hung.workers[0].healthy = false;
+    hung.workers[0].unresponsive = true;
+    deliver(&host, &mut p, watch, &hung.encode_to_vec());
+    host.entered.borrow_mut().clear();
+    p.on_tick(&host);
+    let replies = host.replies.borrow();
+    assert_eq!(replies.len(), on_first.len() - 1, "each waiting request on it, once");
+    for r in replies.iter() {
+        assert_eq!((r.status, r.json()["error"]["code"].as_str()), (503, Some("worker_unresponsive")));
+    }
+    let entered = host.entered.borrow();
+    assert!(on_first.iter().filter(|c| *c != answered_ctx).all(|c| entered.contains(c)));
+    assert!(!entered.contains(answered_ctx) && entered.last() == Some(&1), "then back to the root");
+    drop((replies, entered));
+    p.on_tick(&host);
+    assert_eq!(host.replies.borrow().len(), on_first.len() - 1, "not again");
+}

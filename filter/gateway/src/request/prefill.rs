@@ -129,6 +129,7 @@ impl RequestFilter {
         if let Some(decode) = self.routed.as_ref().map(|r| r.worker) {
             self.with_gateway(|g| g.sent(decode, now.ms()));
             self.awaiting = true;
+            self.wait_for_answer(decode);
         }
         if let Err(e) = host.resume_request() {
             log::warn!("cannot resume the request after its prefill: {e}");

@@ -19,6 +19,8 @@ pub struct Polled {
     pub waiting: Option<u64>,
     pub kv_usage: Option<f64>,
     pub utility: Option<f64>,
+    /// Hung (see `kvmesh_core::worker::Worker::unresponsive`).
+    pub unresponsive: bool,
 }
 
 /// Bytes of one [`Polled`] record.
@@ -33,7 +35,7 @@ impl SharedTable {
     /// when the workers or the settings changed, and always what is polled of each worker,
     /// `table u64` (the version of the table value the records go with) then per worker
     /// `id u32, flags u32, load u64, waiting u64, kv_usage f64, utility f64` (flags: 1
-    /// healthy, 2 waiting known, 4 KV use known, 8 utility known). The version goes last, so a
+    /// healthy, 2 waiting known, 4 KV use known, 8 utility known, 16 unresponsive). The version goes last, so a
     /// VM that sees it finds everything it names, as `version u64, epoch u64`: the epoch
     /// changes with each connection's first snapshot, so that a restarted control plane's
     /// version 2 is not taken for the last one's.
@@ -54,7 +56,8 @@ impl SharedTable {
             let flags = u32::from(p.healthy)
                 | if p.waiting.is_some() { 2 } else { 0 }
                 | if p.kv_usage.is_some() { 4 } else { 0 }
-                | if p.utility.is_some() { 8 } else { 0 };
+                | if p.utility.is_some() { 8 } else { 0 }
+                | if p.unresponsive { 16 } else { 0 };
             bytes.extend_from_slice(&p.id.to_le_bytes());
             bytes.extend_from_slice(&flags.to_le_bytes());
             bytes.extend_from_slice(&p.load.to_le_bytes());
@@ -96,6 +99,7 @@ impl SharedTable {
                     waiting: u64_at(r, 16).filter(|_| flags & 2 != 0),
                     kv_usage: f64_at(r, 24).filter(|_| flags & 4 != 0),
                     utility: f64_at(r, 32).filter(|_| flags & 8 != 0),
+                    unresponsive: flags & 16 != 0,
                 })
             })
             .collect();
@@ -111,8 +115,24 @@ mod tests {
     #[test]
     fn polled_records_round_trip_and_a_truncated_value_ends_them() {
         let store = fake::FakeStore::default();
-        let a = Polled { id: 3, healthy: true, load: 7, waiting: Some(2), kv_usage: Some(0.5), utility: None };
-        let b = Polled { id: 9, healthy: false, load: 0, waiting: None, kv_usage: None, utility: Some(-1.25) };
+        let a = Polled {
+            id: 3,
+            healthy: true,
+            load: 7,
+            waiting: Some(2),
+            kv_usage: Some(0.5),
+            utility: None,
+            unresponsive: false,
+        };
+        let b = Polled {
+            id: 9,
+            healthy: false,
+            load: 0,
+            waiting: None,
+            kv_usage: None,
+            utility: Some(-1.25),
+            unresponsive: true,
+        };
         SharedTable::publish(&store, 12, 77, Some(b"table"), 10, &[a, b]);
         assert_eq!(SharedTable::version(&store), Some((12, 77)));
         assert_eq!(SharedTable::value(&store).as_deref(), Some(&b"table"[..]));
