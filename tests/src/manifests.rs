@@ -89,7 +89,9 @@ pub fn helm_template(namespace: &str, values_files: &[&str], values: &Value) -> 
     }
     let out = cmd.arg("--json").arg(values.to_string()).output().unwrap();
     if !out.status.success() {
-        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+        // Helm's loader logs each link it follows under files/ (INFO): not the error.
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        return Err(stderr.lines().filter(|l| !l.contains(" INFO ")).collect::<Vec<_>>().join("\n"));
     }
     Ok(documents(&String::from_utf8_lossy(&out.stdout), &format!("the chart with {values_files:?} {values}")))
 }

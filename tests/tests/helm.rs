@@ -209,7 +209,14 @@ fn every_object_the_chart_renders_matches_its_schema_and_lint_is_clean() {
             kinds.insert(obj["kind"].as_str().unwrap().to_string());
             failures.extend(check(obj).into_iter().map(|e| format!("{files:?}: {}: {e}", name(obj))));
         }
-        failures.extend(helm_lint(&values).into_iter().map(|e| format!("helm lint {values}: {e}")));
+        // Lint with the same values (the files' own, then the JSON's).
+        let mut lint_values = json!({});
+        for f in &files {
+            let text = std::fs::read_to_string(kvmesh_testkit::manifests::chart_dir().join(f)).unwrap();
+            lint_values = documents(&text, f).remove(0);
+        }
+        lint_values.as_object_mut().unwrap().extend(values.as_object().unwrap().clone());
+        failures.extend(helm_lint(&lint_values).into_iter().map(|e| format!("helm lint {files:?} {values}: {e}")));
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     // Each kind the chart can render was checked at least once.

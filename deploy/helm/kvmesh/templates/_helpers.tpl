@@ -31,7 +31,7 @@ random ones for the Secret this chart creates. With an existing Secret the token
 readable (helm install/upgrade) or given (helm template).
 */}}
 {{- define "kvmesh.settleAuth" -}}
-{{- if not (hasKey .Values.auth "settled") -}}
+{{- if not (hasKey . "kvmeshAuth") -}}
 {{- $secret := lookup "v1" "Secret" .Release.Namespace (include "kvmesh.authSecret" .) -}}
 {{- $data := dict -}}
 {{- if $secret -}}{{- $data = default (dict) $secret.data -}}{{- end -}}
@@ -47,7 +47,7 @@ readable (helm install/upgrade) or given (helm template).
 {{- if not $token -}}{{- $token = randAlphaNum 48 -}}{{- end -}}
 {{- if not $keys -}}{{- $keys = printf "ops:ops:admin:%s" (randAlphaNum 48) -}}{{- end -}}
 {{- end -}}
-{{- $_ := set .Values.auth "settled" (dict "token" $token "apiKeys" $keys) -}}
+{{- $_ := set . "kvmeshAuth" (dict "token" $token "apiKeys" $keys) -}}
 {{- end -}}
 {{- end -}}
 
@@ -111,7 +111,7 @@ readable (helm install/upgrade) or given (helm template).
   "max_payload_size" .Values.filter.maxPayloadSize
   "upstream_cluster" (include "kvmesh.workersCluster" .)
   "control_plane_cluster" (include "kvmesh.cpCluster" .)
-  "control_plane_token" .Values.auth.settled.token
+  "control_plane_token" .kvmeshAuth.token
 -}}
 {{- if eq .Values.mode "pd" -}}
 {{- $s := include "kvmesh.pdSettings" . | fromJson -}}
