@@ -11,8 +11,9 @@
 //!   ConfigMap's configuration and discovering the example Deployment's pods from an
 //!   in-process Kubernetes API; the Istio 1.27 and sidecar variants pass `envoy --mode validate`.
 //!
-//! What needs a cluster (istiod applying the patches, istio-agent pulling the image, mTLS) is
-//! listed in docs/istio.md.
+//! The schema, type and name checks are `kvmesh_testkit::manifests` (tests/src/manifests.rs),
+//! which the Helm chart's tests (helm.rs) share. What needs a cluster (istiod applying the
+//! patches, istio-agent pulling the image, mTLS) is listed in docs/istio.md.
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
