@@ -9,6 +9,7 @@ pub mod e2e;
 pub mod envoy;
 pub mod http;
 pub mod kube_fake;
+pub mod manifests;
 pub mod proc;
 pub mod prom;
 

@@ -11,8 +11,9 @@
 //!   ConfigMap's configuration and discovering the example Deployment's pods from an
 //!   in-process Kubernetes API; the Istio 1.27 and sidecar variants pass `envoy --mode validate`.
 //!
-//! What needs a cluster (istiod applying the patches, istio-agent pulling the image, mTLS) is
-//! listed in docs/istio.md.
+//! The schema, type and name checks are `kvmesh_testkit::manifests` (tests/src/manifests.rs),
+//! which the Helm chart's tests (helm.rs) share. What needs a cluster (istiod applying the
+//! patches, istio-agent pulling the image, mTLS) is listed in docs/istio.md.
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -20,17 +21,15 @@ use std::process::Command;
 use std::time::Duration;
 
 use kvmesh_testkit::kube_fake::{pod, FakeKube};
+use kvmesh_testkit::manifests::{
+    check, check_ties, core_errors, discovered_role, find, istio_dir, kustomize, labels, load, name, patches,
+    schema_errors, selector, Place, POD_CIDR_PLACEHOLDER, TOKEN_PLACEHOLDER,
+};
 use kvmesh_testkit::{envoy_bin, free_port, http, repo_root, wait_until, wasm_path, ControlPlane, Proc, Sim};
 use serde_json::{json, Value};
 
 const WORKERS_CLUSTER: &str = "outbound|8000||sglang-workers.kvmesh.svc.cluster.local";
 const CP_CLUSTER: &str = "outbound|18000||kvmesh-cp.kvmesh.svc.cluster.local";
-const TOKEN_PLACEHOLDER: &str = "KVMESH_GRPC_TOKEN";
-const POD_CIDR_PLACEHOLDER: &str = "KVMESH_POD_CIDR";
-
-fn istio_dir() -> PathBuf {
-    repo_root().join("istio")
-}
 
 /// Every `.yaml` file under `istio/`.
 fn yaml_files() -> Vec<PathBuf> {
@@ -50,40 +49,6 @@ fn yaml_files() -> Vec<PathBuf> {
     out
 }
 
-/// The documents of a YAML stream, as JSON values (empty documents dropped).
-fn documents(text: &str, what: &str) -> Vec<Value> {
-    let mut out = Vec::new();
-    for doc in serde_norway::Deserializer::from_str(text) {
-        let v: Value = serde::Deserialize::deserialize(doc).unwrap_or_else(|e| panic!("{what}: not YAML: {e}"));
-        if !v.is_null() {
-            out.push(v);
-        }
-    }
-    out
-}
-
-fn load(path: &Path) -> Vec<Value> {
-    let text = std::fs::read_to_string(path).unwrap();
-    documents(&text, &path.display().to_string())
-}
-
-/// `kubectl` for `kubectl kustomize`: `KVMESH_KUBECTL` (set by `cargo xtask test`, which
-/// installs it), else `.venv/bin/kubectl`, else on the PATH. No cluster is contacted.
-fn kubectl() -> PathBuf {
-    if let Some(p) = std::env::var_os("KVMESH_KUBECTL") {
-        let p = PathBuf::from(p);
-        assert!(p.exists(), "KVMESH_KUBECTL names {}, which does not exist", p.display());
-        return p;
-    }
-    let venv = repo_root().join(".venv/bin/kubectl");
-    if venv.exists() {
-        return venv;
-    }
-    let on_path = Command::new("kubectl").args(["version", "--client"]).output().is_ok_and(|o| o.status.success());
-    assert!(on_path, "kubectl is needed to render istio/ (`cargo xtask test` installs it into .venv)");
-    "kubectl".into()
-}
-
 /// The folders users install with `kubectl kustomize DIR | kubectl apply -f -`.
 const KUSTOMIZATIONS: [&str; 8] = [
     "overlays/regular",
@@ -96,127 +61,9 @@ const KUSTOMIZATIONS: [&str; 8] = [
     "examples/wasmplugin",
 ];
 
-fn render(kubectl: &Path, dir: &str) -> Vec<Value> {
-    let out = Command::new(kubectl).arg("kustomize").arg(istio_dir().join(dir)).output().unwrap();
-    assert!(out.status.success(), "kubectl kustomize istio/{dir}: {}", String::from_utf8_lossy(&out.stderr));
-    documents(&String::from_utf8_lossy(&out.stdout), &format!("kubectl kustomize istio/{dir}"))
-}
-
 /// Every object users can apply: the rendered kustomizations.
 fn installable() -> Vec<(String, Vec<Value>)> {
-    let k = kubectl();
-    KUSTOMIZATIONS.iter().map(|d| (d.to_string(), render(&k, d))).collect()
-}
-
-fn kind(v: &Value) -> (&str, &str) {
-    (v["apiVersion"].as_str().unwrap_or(""), v["kind"].as_str().unwrap_or(""))
-}
-
-fn name(v: &Value) -> String {
-    format!("{}/{}", v["kind"].as_str().unwrap_or("?"), v["metadata"]["name"].as_str().unwrap_or("?"))
-}
-
-/// The CRD schema file for an Istio resource, if it is one.
-fn istio_schema(api_version: &str, kind: &str) -> Option<PathBuf> {
-    let (group, version) = api_version.split_once('/')?;
-    group
-        .ends_with("istio.io")
-        .then(|| istio_dir().join("schemas").join(format!("{}.{group}.{version}.schema.json", kind.to_lowercase())))
-}
-
-/// Schema errors of an Istio resource.
-fn schema_errors(obj: &Value) -> Vec<String> {
-    let (api_version, kind) = kind(obj);
-    let path = istio_schema(api_version, kind).unwrap_or_else(|| panic!("{} is not an Istio resource", name(obj)));
-    assert!(
-        path.exists(),
-        "{}: no schema {} (add it from the CRDs, see istio/schemas/SOURCE.txt)",
-        name(obj),
-        path.display()
-    );
-    let schema: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    let validator = jsonschema::draft4::new(&schema).unwrap();
-    let mut errors: Vec<String> =
-        validator.iter_errors(obj).map(|e| format!("{} at {}", e, e.instance_path())).collect();
-    // The API server prunes fields a structural schema does not declare, and kubectl (strict
-    // field validation, its default) refuses them: so does this check. `metadata` is not in
-    // the CRD schemas; it is an ObjectMeta.
-    if let Some(spec) = obj.get("spec") {
-        undeclared(&schema["properties"]["spec"], spec, "spec", &mut errors);
-    }
-    for top in obj.as_object().into_iter().flat_map(|o| o.keys()) {
-        if !["apiVersion", "kind", "metadata", "spec"].contains(&top.as_str()) {
-            errors.push(format!("unknown field `{top}`"));
-        }
-    }
-    match unknown_fields::<k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>(&obj["metadata"]) {
-        Ok(unknown) => errors.extend(unknown.into_iter().map(|f| format!("unknown field `metadata.{f}`"))),
-        Err(e) => errors.push(format!("metadata: {e}")),
-    }
-    errors
-}
-
-/// Fields of `value` that `schema` (a structural schema) does not declare.
-fn undeclared(schema: &Value, value: &Value, path: &str, errors: &mut Vec<String>) {
-    if schema["x-kubernetes-preserve-unknown-fields"] == true {
-        return;
-    }
-    match value {
-        Value::Object(map) => {
-            let props = schema["properties"].as_object();
-            for (k, v) in map {
-                let sub = format!("{path}.{k}");
-                match (props.and_then(|p| p.get(k)), &schema["additionalProperties"]) {
-                    (Some(s), _) => undeclared(s, v, &sub, errors),
-                    (None, extra @ Value::Object(_)) => undeclared(extra, v, &sub, errors),
-                    (None, Value::Bool(true)) => {}
-                    (None, _) => errors.push(format!("unknown field `{sub}`")),
-                }
-            }
-        }
-        Value::Array(items) => {
-            for (i, v) in items.iter().enumerate() {
-                undeclared(&schema["items"], v, &format!("{path}[{i}]"), errors);
-            }
-        }
-        _ => {}
-    }
-}
-
-/// Deserialises `obj` as `T`; returns the fields `T` does not have.
-fn unknown_fields<T: serde::de::DeserializeOwned>(obj: &Value) -> Result<Vec<String>, String> {
-    let mut unknown = Vec::new();
-    serde_ignored::deserialize::<_, _, T>(obj.clone(), |path| unknown.push(path.to_string()))
-        .map_err(|e| e.to_string())?;
-    Ok(unknown)
-}
-
-/// Checks a Kubernetes core object against its `k8s-openapi` type.
-fn core_errors(obj: &Value) -> Vec<String> {
-    use k8s_openapi::api::{apps::v1 as apps, core::v1 as core, rbac::v1 as rbac};
-    let result = match kind(obj) {
-        ("v1", "Namespace") => unknown_fields::<core::Namespace>(obj),
-        ("v1", "ServiceAccount") => unknown_fields::<core::ServiceAccount>(obj),
-        ("v1", "ConfigMap") => unknown_fields::<core::ConfigMap>(obj),
-        ("v1", "Service") => unknown_fields::<core::Service>(obj),
-        ("apps/v1", "Deployment") => unknown_fields::<apps::Deployment>(obj),
-        ("rbac.authorization.k8s.io/v1", "Role") => unknown_fields::<rbac::Role>(obj),
-        ("rbac.authorization.k8s.io/v1", "RoleBinding") => unknown_fields::<rbac::RoleBinding>(obj),
-        (api, k) => return vec![format!("{api} {k}: no typed check for this kind (add it to core_errors)")],
-    };
-    match result {
-        Ok(unknown) => unknown.into_iter().map(|f| format!("unknown field `{f}`")).collect(),
-        Err(e) => vec![e],
-    }
-}
-
-fn check(obj: &Value) -> Vec<String> {
-    let (api_version, kind) = kind(obj);
-    if istio_schema(api_version, kind).is_some() {
-        schema_errors(obj)
-    } else {
-        core_errors(obj)
-    }
+    KUSTOMIZATIONS.iter().map(|d| (d.to_string(), kustomize(d))).collect()
 }
 
 #[test]
@@ -230,9 +77,8 @@ fn every_manifest_parses_and_every_kustomization_renders() {
             assert!(d.get("kind").and_then(Value::as_str).is_some(), "{}: a document without `kind`", path.display());
         }
     }
-    let k = kubectl();
     for dir in KUSTOMIZATIONS {
-        let objs = render(&k, dir);
+        let objs = kustomize(dir);
         let names: HashSet<String> =
             objs.iter().map(|o| format!("{}/{}", name(o), o["metadata"]["namespace"])).collect();
         assert_eq!(names.len(), objs.len(), "istio/{dir} renders an object twice");
@@ -278,71 +124,6 @@ fn the_checks_catch_mistakes() {
     assert!(!core_errors(&bad).is_empty(), "a list where a string belongs passed");
 }
 
-/// The objects of one install, rendered.
-fn install(dir: &str) -> Vec<Value> {
-    render(&kubectl(), dir)
-}
-
-fn find<'a>(objs: &'a [Value], kind: &str, name: &str) -> &'a Value {
-    objs.iter()
-        .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
-        .unwrap_or_else(|| panic!("no {kind}/{name}"))
-}
-
-/// The kvmesh-cp configuration of an install, as YAML.
-fn cp_config(objs: &[Value]) -> Value {
-    let text = find(objs, "ConfigMap", "kvmesh-cp")["data"]["kvmesh-cp.yaml"].as_str().unwrap().to_string();
-    documents(&text, "the kvmesh-cp ConfigMap").remove(0)
-}
-
-/// The filter's plugin configuration (JSON) in an EnvoyFilter's EXTENSION_CONFIG patch.
-fn filter_json(envoy_filter: &Value) -> Value {
-    let wasm = &extension_config(envoy_filter)["typed_config"]["config"];
-    assert_eq!(wasm["allow_on_headers_stop_iteration"], true, "{}: LLM requests would hang", name(envoy_filter));
-    assert_eq!(wasm["failure_policy"], "FAIL_RELOAD", "{}", name(envoy_filter));
-    serde_json::from_str(wasm["configuration"]["value"].as_str().unwrap()).unwrap()
-}
-
-fn patches<'a>(envoy_filter: &'a Value, apply_to: &'a str) -> impl Iterator<Item = &'a Value> + 'a {
-    envoy_filter["spec"]["configPatches"].as_array().unwrap().iter().filter(move |p| p["applyTo"] == apply_to)
-}
-
-fn extension_config(envoy_filter: &Value) -> &Value {
-    &patches(envoy_filter, "EXTENSION_CONFIG").next().expect("an EXTENSION_CONFIG patch")["patch"]["value"]
-}
-
-fn labels(obj: &Value) -> BTreeMap<String, String> {
-    serde_json::from_value(obj["spec"]["template"]["metadata"]["labels"].clone()).unwrap_or_default()
-}
-
-/// The PD role kvmesh-cp's discovery gives a pod with `labels` (control-plane/src/discovery.rs:
-/// the prefill selector, then the decode selector, then the role label; `both` is a decode).
-fn discovered_role(cfg: &Value, labels: &BTreeMap<String, String>) -> Option<&'static str> {
-    let matches = |key: &str| {
-        let s = selector(cfg, key);
-        !s.is_empty() && s.iter().all(|(k, v)| labels.get(k) == Some(v))
-    };
-    if matches("prefill-selector") {
-        return Some("prefill");
-    }
-    if matches("decode-selector") {
-        return Some("decode");
-    }
-    match labels.get(cfg["role-label"].as_str().unwrap_or("llm-d.ai/role")).map(String::as_str) {
-        Some("prefill") => Some("prefill"),
-        Some("decode" | "both") => Some("decode"),
-        _ => None,
-    }
-}
-
-/// `k=v` selectors of the control plane's configuration.
-fn selector(cfg: &Value, key: &str) -> Vec<(String, String)> {
-    cfg[key]
-        .as_array()
-        .map(|a| a.iter().filter_map(|s| s.as_str()?.split_once('=')).map(|(k, v)| (k.into(), v.into())).collect())
-        .unwrap_or_default()
-}
-
 #[test]
 fn the_names_that_tie_the_install_together_agree() {
     for (dir, worker_deployments) in [
@@ -352,59 +133,19 @@ fn the_names_that_tie_the_install_together_agree() {
         ("overlays/pd-vllm", 2),
         ("overlays/pd-llm-d", 2),
     ] {
-        let objs = install(dir);
-        // The Services behind the clusters the filter names.
-        let workers = find(&objs, "Service", "sglang-workers");
-        assert_eq!(workers["metadata"]["namespace"], "kvmesh");
-        assert_eq!(workers["spec"]["ports"][0]["port"], 8000);
-        let cp = find(&objs, "Service", "kvmesh-cp");
-        let grpc = cp["spec"]["ports"].as_array().unwrap().iter().find(|p| p["port"] == 18000).expect("port 18000");
-        assert!(
-            grpc["name"].as_str().unwrap().starts_with("grpc") || grpc["appProtocol"] == "grpc",
-            "{dir}: Istio builds an HTTP/2 cluster only for a port named grpc* or appProtocol grpc"
-        );
-        let filter = filter_json(find(&objs, "EnvoyFilter", "kvmesh-gateway"));
+        let objs = kustomize(dir);
+        let place = Place { namespace: "kvmesh", cluster_domain: "cluster.local", trust_domain: "cluster.local" };
+        let (filter, cfg) = check_ties(dir, &objs, &place);
         assert_eq!(filter["upstream_cluster"], WORKERS_CLUSTER, "{dir}");
         assert_eq!(filter["control_plane_cluster"], CP_CLUSTER, "{dir}");
         assert_eq!(filter["control_plane_token"], TOKEN_PLACEHOLDER, "{dir}");
-        let cluster_patch = find(&objs, "EnvoyFilter", "kvmesh-workers-cluster");
-        assert_eq!(patches(cluster_patch, "CLUSTER").next().unwrap()["match"]["cluster"]["name"], WORKERS_CLUSTER);
-        let vs = find(&objs, "VirtualService", "llm");
-        assert_eq!(vs["spec"]["http"][0]["route"][0]["destination"]["host"], "sglang-workers.kvmesh.svc.cluster.local");
-
-        // kvmesh-cp's ports are open only to those that need them: the gRPC port to the
-        // gateway's identity, the admin port to the gateway's namespace and kvmesh-cp's own.
         let policy = find(&objs, "AuthorizationPolicy", "kvmesh-cp");
-        assert_eq!(policy["spec"]["action"], "ALLOW", "{dir}");
-        let rules = policy["spec"]["rules"].as_array().unwrap();
-        let rule_for = |port: &str| {
-            rules
-                .iter()
-                .find(|r| r["to"].as_array().into_iter().flatten().any(|t| t["operation"]["ports"] == json!([port])))
-                .unwrap_or_else(|| panic!("{dir}: no rule for port {port}"))
-        };
-        for rule in rules {
-            assert!(
-                rule["from"].as_array().is_some_and(|f| !f.is_empty()),
-                "{dir}: a rule open to every source: {rule}"
-            );
-        }
-        let gateway = find(&objs, "Deployment", "kvmesh-gateway");
-        let gateway_sa = gateway["spec"]["template"]["spec"]["serviceAccountName"].as_str().unwrap();
-        let gateway_ns = gateway["metadata"]["namespace"].as_str().unwrap();
-        let principal = format!("cluster.local/ns/{gateway_ns}/sa/{gateway_sa}");
-        assert_eq!(rule_for("18000")["from"], json!([{"source": {"principals": [principal]}}]), "{dir}");
-        let cp_ns = find(&objs, "Deployment", "kvmesh-cp")["metadata"]["namespace"].as_str().unwrap();
-        let namespaces: std::collections::BTreeSet<&str> = [gateway_ns, cp_ns].into();
-        assert_eq!(rule_for("18001")["from"], json!([{"source": {"namespaces": namespaces}}]), "{dir}");
-
-        // kvmesh-cp finds the pods the Service selects, on the Service's port, in the pod
-        // network only (the placeholder is replaced at install, as the token is).
-        let cfg = cp_config(&objs);
+        assert_eq!(policy["spec"]["rules"][1]["from"], json!([{"source": {"namespaces": ["kvmesh"]}}]), "{dir}");
+        // kvmesh-cp takes workers in the pod network only (the placeholder is replaced at
+        // install, as the token is).
         assert_eq!(cfg["worker-cidrs"], json!([POD_CIDR_PLACEHOLDER]), "{dir}");
-        assert_eq!(cfg["service-discovery"], true, "{dir}");
-        assert_eq!(cfg["service-discovery-port"], 8000, "{dir}");
-        assert_eq!(cfg["service-discovery-namespace"], "kvmesh", "{dir}");
+        let workers = find(&objs, "Service", "sglang-workers");
+        assert_eq!(workers["spec"]["ports"][0]["port"], 8000);
         let service_selector: BTreeMap<String, String> =
             serde_json::from_value(workers["spec"]["selector"].clone()).unwrap();
         let deployments: Vec<&Value> =
@@ -426,8 +167,8 @@ fn the_names_that_tie_the_install_together_agree() {
             panic!("{dir}: the filter would refuse its configuration: {e}");
         }
         if dir.starts_with("overlays/pd") {
-            // Both agree on PD mode and its protocol (the filter's value counts until the
-            // first snapshot), and discovery gives each example Deployment the role its name says.
+            // PD on in both (check_ties: with the same protocol), and discovery gives each
+            // example Deployment the role its name says.
             assert_eq!(cfg["pd-disaggregation"], true, "{dir}");
             assert_eq!(filter["pd_disaggregation"], true, "{dir}");
             let protocol = cfg["pd-protocol"].as_str().unwrap_or("sglang");
@@ -719,7 +460,7 @@ fn start_envoy(gw: &Gateway, config: &Path) -> Proc {
 
 #[test]
 fn the_gateway_envoyfilters_route_in_a_real_envoy_behind_kvmesh_cp_from_the_configmap() {
-    let objs = install("overlays/regular");
+    let objs = kustomize("overlays/regular");
     let worker = find(&objs, "Deployment", "sglang-worker");
 
     // Two "pods" of the example Deployment: its labels, on their own loopback addresses.
@@ -822,7 +563,7 @@ fn the_gateway_envoyfilters_route_in_a_real_envoy_behind_kvmesh_cp_from_the_conf
 #[test]
 fn the_istio_1_27_and_sidecar_variants_load_in_envoy() {
     let endpoints = vec![("127.0.0.1".to_string(), free_port().unwrap())];
-    let objs = install("overlays/regular");
+    let objs = kustomize("overlays/regular");
     let vs = find(&objs, "VirtualService", "llm");
 
     // 1.27: the inline TypedStruct filter and the clusters the EnvoyFilter adds; Envoy
@@ -947,7 +688,7 @@ fn the_dockerfile_makes_the_image_the_deployment_expects() {
     assert_ne!(uid, 0, "the image runs as root");
     assert!(text.contains("cargo build --release --locked -p kvmesh-cp"));
 
-    let objs = install("overlays/regular");
+    let objs = kustomize("overlays/regular");
     let pod = &find(&objs, "Deployment", "kvmesh-cp")["spec"]["template"]["spec"];
     assert_eq!(pod["securityContext"]["runAsUser"], uid);
     assert_eq!(pod["securityContext"]["runAsNonRoot"], true);

@@ -159,6 +159,36 @@ pub fn ensure_kubectl() -> anyhow::Result<PathBuf> {
     Ok(kubectl)
 }
 
+/// Helm's engine for the chart tests (PyPI `helm-python-sdk`: Helm v4's Go SDK as a shared
+/// library in the wheel, driven from Python through ctypes; no `helm` binary is on PyPI).
+const HELM_PYTHON_SDK: &str = "helm-python-sdk==0.2.2";
+
+/// A python that renders `deploy/helm/kvmesh` (`tests/helm/render.py`): `KVMESH_HELM_PYTHON`,
+/// else `.venv/bin/python`, with helm-python-sdk installed from PyPI when missing. No cluster
+/// is contacted: the tests render and lint only.
+pub fn ensure_helm() -> anyhow::Result<PathBuf> {
+    if let Some(python) = std::env::var_os("KVMESH_HELM_PYTHON") {
+        return Ok(PathBuf::from(python));
+    }
+    let python = repo_root().join(".venv/bin/python");
+    let version = HELM_PYTHON_SDK.split("==").nth(1).unwrap_or_default();
+    let check =
+        format!("import importlib.metadata as m, helm_python; assert m.version('helm-python-sdk') == '{version}'");
+    let installed = |python: &Path| {
+        Command::new(python).args(["-c", &check]).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
+    };
+    if python.exists() && installed(&python) {
+        return Ok(python);
+    }
+    let pip = venv_pip("helm-python-sdk")?;
+    step(&format!("installing {HELM_PYTHON_SDK} into .venv (Helm's engine, for the chart tests)"));
+    run(Command::new(&pip).args(["install", "--quiet", "--disable-pip-version-check", HELM_PYTHON_SDK]))?;
+    if !installed(&python) {
+        bail!("{HELM_PYTHON_SDK} is not importable from {}", python.display());
+    }
+    Ok(python)
+}
+
 /// Installs a Debian package when `tool` is missing and this is a root shell with apt-get (the
 /// development machines and CI); otherwise says what to install.
 fn ensure_apt(tool: &str, package: &str, why: &str) -> anyhow::Result<()> {
@@ -392,6 +422,7 @@ pub fn test(args: &[String]) -> anyhow::Result<()> {
     let sglang_router = ensure_sglang_router()?;
     let smg = ensure_smg()?;
     let kubectl = ensure_kubectl()?;
+    let helm_python = ensure_helm()?;
     lint()?;
     build()?;
     build_naive_filter()?;
@@ -404,6 +435,7 @@ pub fn test(args: &[String]) -> anyhow::Result<()> {
     native.args(["test", "--workspace"]);
     stack_env(&mut native, &envoy);
     native.env("SGLANG_ROUTER_PYTHON", &sglang_router).env("KVMESH_KUBECTL", &kubectl).env("KVMESH_SMG_BIN", &smg);
+    native.env("KVMESH_HELM_PYTHON", &helm_python);
     run_tests(&mut native, &mut totals)?;
 
     step("the native build's conformance: the end-to-end suites where its host differs from the .wasm's");
