@@ -55,6 +55,9 @@ pub struct EnvoyOptions {
     /// The listener's `request_timeout` in place of the template's (a test of slow uploads
     /// cannot wait for the shipped one).
     pub request_timeout: Option<Duration>,
+    /// The overload manager's heap budget and the floor its idle timeouts scale down to, in
+    /// place of the template's (a test of memory pressure cannot fill 2 GiB).
+    pub heap_budget: Option<(u64, Duration)>,
 }
 
 impl EnvoyOptions {
@@ -79,6 +82,7 @@ impl EnvoyOptions {
             binary: None,
             ready_limit: Duration::from_secs(30),
             request_timeout: None,
+            heap_budget: None,
         })
     }
 
@@ -140,6 +144,12 @@ pub fn render(opts: &EnvoyOptions) -> anyhow::Result<String> {
             &["static_resources", "listeners", "0", "filter_chains", "0", "filters", "0", "typed_config"],
         )?;
         *at(hcm, &["request_timeout"])? = format!("{}s", t.as_secs_f64()).into();
+    }
+    if let Some((bytes, floor)) = opts.heap_budget {
+        let overload = at(&mut doc, &["overload_manager"])?;
+        *at(overload, &["resource_monitors", "0", "typed_config", "max_heap_size_bytes"])? = bytes.into();
+        let scaled = at(overload, &["actions", "0", "typed_config", "timer_scale_factors", "0"])?;
+        *at(scaled, &["min_timeout"])? = format!("{}s", floor.as_secs_f64()).into();
     }
     let config = wasm_config(&mut doc)?;
     if config.get("allow_on_headers_stop_iteration").and_then(Yaml::as_bool) != Some(true) {

@@ -517,7 +517,16 @@ fn the_gateway_envoyfilters_route_in_a_real_envoy_behind_kvmesh_cp_from_the_conf
         find(&objs, "EnvoyFilter", "kvmesh-gateway-listener"),
         find(&objs, "EnvoyFilter", "kvmesh-workers-cluster"),
     ];
-    let config = bootstrap(&gw, &filters, find(&objs, "VirtualService", "llm"), clusters, cp.token.as_deref().unwrap());
+    let mut config =
+        bootstrap(&gw, &filters, find(&objs, "VirtualService", "llm"), clusters, cp.token.as_deref().unwrap());
+    // What the gateway pod's bootstrapOverride annotation names, merged as istio-agent does.
+    let deployment = find(&objs, "Deployment", "kvmesh-gateway");
+    let overrides = deployment["spec"]["template"]["metadata"]["annotations"]["sidecar.istio.io/bootstrapOverride"]
+        .as_str()
+        .expect("the gateway pod names its bootstrap override");
+    let custom = find(&objs, "ConfigMap", overrides)["data"]["custom_bootstrap.json"].as_str().unwrap();
+    merge(&mut config, &serde_json::from_str::<Value>(custom).unwrap());
+    assert!(config["overload_manager"]["actions"].as_array().is_some_and(|a| !a.is_empty()));
     let path = gw.write("envoy.json", &config);
     kvmesh_testkit::envoy::validate(&path).unwrap();
     let _envoy = start_envoy(&gw, &path);

@@ -474,3 +474,55 @@ fn a_stalled_upload_gets_a_json_408_and_the_others_are_served() {
     }
     assert_eq!(envoy.stat("http.kvmesh.downstream_rq_timeout").unwrap(), Some(1), "counted as a request timeout");
 }
+
+/// Uploads that fill the gateway's memory and then stall: the shipped overload manager (here
+/// with a 192 MiB heap budget instead of 2 GiB) scales idle timeouts down while the heap is
+/// past 80 % of it, so the stalled uploads are cut long before the 300 s request timeout, new
+/// requests meanwhile get a JSON 503 (`overload`) rather than more memory, and once memory is
+/// back the gateway serves again, its VMs untouched.
+#[test]
+fn uploads_that_fill_memory_and_stall_are_shed_and_the_gateway_serves_again() {
+    let sims = sims(2, FAST);
+    let filter = json!({"worker_urls": sims.iter().map(Sim::url).collect::<Vec<_>>()});
+    let mut opts = EnvoyOptions::new(filter).unwrap();
+    opts.heap_budget = Some((192 << 20, Duration::from_secs(1)));
+    let envoy = Envoy::start(&opts).unwrap();
+    let head = "POST /generate HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\ncontent-length: 100000000\r\n\r\n";
+    let chunk = vec![b'a'; 1 << 20];
+    let started = std::time::Instant::now();
+    let mut stalled = Vec::new();
+    for _ in 0..3 {
+        let mut s = TcpStream::connect(("127.0.0.1", envoy.port)).unwrap();
+        // 56 MiB each, then silence (a write fails once Envoy sheds the connection).
+        let _ = s.write_all(head.as_bytes()).and_then(|_| s.write_all(br#"{"text": ""#));
+        for _ in 0..56 {
+            if s.write_all(&chunk).is_err() {
+                break;
+            }
+        }
+        stalled.push(s);
+    }
+    let mut statuses = Vec::new();
+    for mut s in stalled {
+        s.set_read_timeout(Some(kvmesh_testkit::e2e::HANG)).unwrap();
+        let mut answer = Vec::new();
+        let _ = s.read_to_end(&mut answer);
+        statuses.push(status_of(&String::from_utf8_lossy(&answer)));
+    }
+    let took = started.elapsed();
+    eprintln!("stalled uploads ended with {statuses:?} after {took:?}");
+    assert!(took < Duration::from_secs(15), "cut under memory pressure, not at the request timeout: {took:?}");
+    let idle = envoy.stat("http.kvmesh.downstream_rq_idle_timeout").unwrap().unwrap_or(0);
+    assert!(idle >= 1, "an idle timeout scaled down cut a stalled upload ({statuses:?})");
+    assert!(statuses.iter().all(|s| matches!(s, None | Some(408) | Some(503))), "{statuses:?}");
+    wait_until("the heap to come back under 80 % of its budget", Duration::from_secs(30), || {
+        envoy.stat("overload.envoy.resource_monitors.fixed_heap.pressure").ok().flatten().is_some_and(|p| p < 80)
+    })
+    .unwrap();
+    let mut served = 0;
+    assert_still_serving(&envoy, "memory pressure", &mut served);
+    for sim in &sims {
+        let log = http::get(&format!("{}/sim/requests", sim.url())).unwrap().json().unwrap();
+        assert!(log.as_array().unwrap().iter().all(|r| r["body"]["text"] != ""), "no worker saw a stalled upload");
+    }
+}
