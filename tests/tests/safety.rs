@@ -487,7 +487,8 @@ fn uploads_that_fill_memory_and_stall_are_shed_and_the_gateway_serves_again() {
     let mut opts = EnvoyOptions::new(filter).unwrap();
     opts.heap_budget = Some((192 << 20, Duration::from_secs(1)));
     let envoy = Envoy::start(&opts).unwrap();
-    let head = "POST /generate HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\ncontent-length: 100000000\r\n\r\n";
+    let head =
+        "POST /generate HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\ncontent-length: 100000000\r\n\r\n";
     let chunk = vec![b'a'; 1 << 20];
     let started = std::time::Instant::now();
     let mut stalled = Vec::new();

@@ -100,11 +100,13 @@ impl DeltaLog {
 
     /// The batches other VMs wrote up to `head` (from [`Inflight::head`]) since the last
     /// call, oldest first; it stops after the slot that brings them to `max_hashes` hashes
-    /// (the rest is read by the next call).
+    /// (the rest is read by the next call) — unless this VM is half the ring behind, when
+    /// stopping could let writers overwrite slots it has not read.
     pub fn poll(&mut self, store: &dyn SharedStore, head: u64, max_hashes: usize) -> Vec<Delta> {
         if head <= self.cursor {
             return Vec::new();
         }
+        let max_hashes = if head - self.cursor > Self::SLOTS / 2 { usize::MAX } else { max_hashes };
         let mut out = Vec::new();
         let mut seq = self.cursor.max(head.saturating_sub(Self::SLOTS)) + 1;
         while self.own.front().is_some_and(|&o| o < seq) {
@@ -233,6 +235,13 @@ mod tests {
         assert_eq!(first.len(), 8, "two slots: the budget is passed after the second");
         let rest = b.poll(&store, head, usize::MAX);
         assert_eq!([first, rest].concat(), batch, "nothing lost or repeated");
+        // Half the ring behind, a reader reads on whatever its budget: nothing is overwritten
+        // before it is read.
+        for i in 0..(DeltaLog::SLOTS / 2 + 1) {
+            a.append(&store, &[ins(1, &[i])]);
+        }
+        let behind = b.poll(&store, Inflight::load(&store).head(), 1);
+        assert_eq!(behind.len() as u64, DeltaLog::SLOTS / 2 + 1);
     }
 
     #[test]
