@@ -105,6 +105,12 @@ pub struct Args {
     /// Pod labels workers carry (k=v ...).
     #[arg(long, num_args = 1.., help_heading = "Workers: health, load, discovery")]
     pub selector: Vec<String>,
+    /// Workers are the pods of this Gateway API Inference Extension InferencePool
+    /// (inference.networking.k8s.io/v1, in --service-discovery-namespace, else the client's
+    /// namespace): its spec.selector and spec.targetPorts, followed as they change; implies
+    /// --service-discovery, not with --selector or --service-discovery-port (kvmesh).
+    #[arg(long, value_name = "NAME", help_heading = "Workers: health, load, discovery")]
+    pub inference_pool: Option<String>,
     /// PD: labels of prefill pods (k=v ...).
     #[arg(long, num_args = 1.., help_heading = "Workers: health, load, discovery")]
     pub prefill_selector: Vec<String>,
@@ -517,17 +523,33 @@ impl Args {
         Ok((routing, checked))
     }
 
-    /// Kubernetes discovery, when `--service-discovery`.
+    /// Kubernetes discovery, when `--service-discovery` or `--inference-pool`.
     fn discovery(&self, pd: bool) -> Result<Option<DiscoveryConfig>, BadArgs> {
-        if !self.service_discovery {
+        if !self.service_discovery && self.inference_pool.is_none() {
             return Ok(None);
         }
+        if let Some(name) = &self.inference_pool {
+            let dns_label = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit());
+            if name.len() > 253 || !name.split(['.', '-']).all(dns_label) {
+                return Err(self.bad("inference_pool", format!("`{name}` is not a Kubernetes object name")));
+            }
+            let why = "the pool's spec.selector and spec.targetPorts select the workers";
+            for (flag, given) in [
+                ("selector", !self.selector.is_empty()),
+                ("service_discovery_port", self.service_discovery_port.is_some()),
+            ] {
+                if given {
+                    return Err(self.bad("inference_pool", format!("not with --{}: {why}", flag.replace('_', "-"))));
+                }
+            }
+        }
         Ok(Some(DiscoveryConfig {
+            inference_pool: self.inference_pool.clone(),
             namespace: self.service_discovery_namespace.clone(),
             selector: self.labels("selector", &self.selector)?,
             prefill_selector: self.labels("prefill_selector", &self.prefill_selector)?,
             decode_selector: self.labels("decode_selector", &self.decode_selector)?,
-            port: self.service_discovery_port.unwrap_or(80),
+            ports: vec![self.service_discovery_port.unwrap_or(80)],
             bootstrap_annotation: self
                 .bootstrap_port_annotation
                 .clone()

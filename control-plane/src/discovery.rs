@@ -99,9 +99,6 @@ pub fn desired<'a>(pods: impl IntoIterator<Item = &'a Pod>, cfg: &DiscoveryConfi
             },
         };
         let host = if ip.contains(':') { format!("[{ip}]") } else { ip.to_string() };
-        // Spelled as the registry keeps it, so that reconciling compares like with like.
-        let url = format!("http://{host}:{}", cfg.port);
-        let url = crate::urls::canonical(&url).unwrap_or(url);
         let model_id = match &cfg.model_id_from {
             None => None,
             Some(ModelIdFrom::Namespace) => pod.metadata.namespace.clone(),
@@ -109,7 +106,13 @@ pub fn desired<'a>(pods: impl IntoIterator<Item = &'a Pod>, cfg: &DiscoveryConfi
             Some(ModelIdFrom::Annotation(key)) => annotation(key).cloned(),
         }
         .filter(|m| !m.is_empty() && m.len() <= kvmesh_core::models::MAX_MODEL_NAME);
-        out.push(Desired { url, role, bootstrap_port, pd_protocol, model_id });
+        // One worker per port (an InferencePool's target ports are each an endpoint).
+        for port in &cfg.ports {
+            // Spelled as the registry keeps it, so that reconciling compares like with like.
+            let url = format!("http://{host}:{port}");
+            let url = crate::urls::canonical(&url).unwrap_or(url);
+            out.push(Desired { url, role, bootstrap_port, pd_protocol, model_id: model_id.clone() });
+        }
     }
     out.sort_by(|a, b| a.url.cmp(&b.url));
     out
@@ -156,6 +159,13 @@ pub async fn run(state: Arc<State>, cfg: DiscoveryConfig) -> anyhow::Result<()> 
         Some(ns) => Api::namespaced(client, ns),
         None => Api::all(client),
     };
+    watch_pods(&state, api, &cfg).await;
+    Ok(())
+}
+
+/// Watches `api`'s pods matching `cfg.selector`, reconciling the registry after every event,
+/// until the stream ends (the watcher retries with backoff on errors).
+pub async fn watch_pods(state: &State, api: Api<Pod>, cfg: &DiscoveryConfig) {
     // The base selector narrows the watch; role selectors are applied to what it returns.
     let mut wc = watcher::Config::default();
     if !cfg.selector.is_empty() {
@@ -163,19 +173,18 @@ pub async fn run(state: Arc<State>, cfg: DiscoveryConfig) -> anyhow::Result<()> 
     }
     let (reader, writer) = reflector::store();
     let events = reflector(writer, watcher(api, wc)).default_backoff();
-    tracing::info!(namespace = ?cfg.namespace, selector = %selector_string(&cfg.selector), "watching pods");
+    tracing::info!(namespace = ?cfg.namespace, selector = %selector_string(&cfg.selector), ports = ?cfg.ports, "watching pods");
     futures_util::pin_mut!(events);
     while let Some(event) = events.next().await {
         match event {
             Ok(watcher::Event::InitApply(_) | watcher::Event::Init) => {}
             Ok(_) => {
                 let pods = reader.state();
-                reconcile(&state, &desired(pods.iter().map(|p| p.as_ref()), &cfg));
+                reconcile(state, &desired(pods.iter().map(|p| p.as_ref()), cfg));
             }
             Err(e) => tracing::warn!("pod watch: {e}"),
         }
     }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -189,7 +198,7 @@ mod tests {
     fn cfg(pd: bool) -> DiscoveryConfig {
         DiscoveryConfig {
             selector: [("app".to_string(), "sglang".to_string())].into(),
-            port: 8000,
+            ports: vec![8000],
             bootstrap_annotation: "sglang.ai/bootstrap-port".into(),
             role_label: "llm-d.ai/role".into(),
             pd,
@@ -210,6 +219,21 @@ mod tests {
         let urls: Vec<&str> = want.iter().map(|d| d.url.as_str()).collect();
         assert_eq!(urls, vec!["http://10.0.0.1:8000", "http://[fd00::5]:8000"]);
         assert!(want.iter().all(|d| d.role == Role::Regular));
+    }
+
+    #[test]
+    fn a_pod_is_a_worker_on_each_port() {
+        let pods = [
+            pod("a", "10.0.0.1", true, &[("app", "sglang")], &[]),
+            pod("b", "10.0.0.2", true, &[("app", "sglang")], &[]),
+        ];
+        let mut c = cfg(false);
+        c.ports = vec![8000, 8001];
+        let urls: Vec<String> = desired(&pods, &c).into_iter().map(|d| d.url).collect();
+        assert_eq!(
+            urls,
+            ["http://10.0.0.1:8000", "http://10.0.0.1:8001", "http://10.0.0.2:8000", "http://10.0.0.2:8001"]
+        );
     }
 
     #[test]

@@ -2,7 +2,8 @@
 //!
 //! Wires the parts: flags and config ([`args`]), the state ([`state`]), the gRPC snapshot
 //! service ([`grpc`]), Envoy's endpoint discovery for the workers' cluster ([`eds`]), the HTTP admin API ([`admin`]), health checks and load polling
-//! ([`probe`]), and the periodic eviction and delta push.
+//! ([`probe`]), Kubernetes discovery ([`discovery`], [`inference_pool`]), and the periodic
+//! eviction and delta push.
 
 mod admin;
 mod args;
@@ -12,6 +13,7 @@ mod discovery;
 mod eds;
 mod feedback;
 mod grpc;
+mod inference_pool;
 mod models;
 mod peer_flags;
 mod probe;
@@ -115,7 +117,11 @@ async fn run(settings: settings::Settings) -> anyhow::Result<()> {
     if let Some(cfg) = state.settings.discovery.clone() {
         let discovery_state = state.clone();
         tokio::spawn(async move {
-            if let Err(e) = discovery::run(discovery_state, cfg).await {
+            let run = match cfg.inference_pool.clone() {
+                Some(pool) => inference_pool::run(discovery_state, cfg, pool).await,
+                None => discovery::run(discovery_state, cfg).await,
+            };
+            if let Err(e) = run {
                 tracing::error!("service discovery stopped: {e:#}");
             }
         });

@@ -133,7 +133,11 @@ pub struct DiscoveryConfig {
     pub selector: BTreeMap<String, String>,
     pub prefill_selector: BTreeMap<String, String>,
     pub decode_selector: BTreeMap<String, String>,
-    pub port: u16,
+    /// The workers' ports in each pod: one worker per pod and port.
+    pub ports: Vec<u16>,
+    /// `--inference-pool`: the InferencePool whose `spec.selector` and `spec.targetPorts`
+    /// replace `selector` and `ports` (followed as the pool changes).
+    pub inference_pool: Option<String>,
     pub bootstrap_annotation: String,
     pub role_label: String,
     /// Where a pod's own model name comes from (`--model-id-from`), if anywhere.

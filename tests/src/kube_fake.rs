@@ -1,7 +1,9 @@
-//! An in-process stand-in for the Kubernetes API server: pods only, speaking the real
-//! list and watch protocol (`GET .../pods`, `?watch=true&resourceVersion=N` streaming
-//! newline-delimited watch events) with real `k8s-openapi` Pod objects. Nothing here can
-//! install a real API server; kube-runtime's watcher runs against this unchanged.
+//! An in-process stand-in for the Kubernetes API server: pods and Gateway API Inference
+//! Extension InferencePools (`inference.networking.k8s.io/v1`), speaking the real list and
+//! watch protocol (`GET .../pods`, `?watch=true&resourceVersion=N` streaming newline-delimited
+//! watch events; `labelSelector` and `fieldSelector` equality terms) with real `k8s-openapi`
+//! Pod objects and InferencePool objects serialized as the v1 CRD's schema has them. Nothing
+//! here can install a real API server; kube-runtime's watcher runs against this unchanged.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -15,14 +17,35 @@ use axum::routing::get;
 use axum::Router;
 use k8s_openapi::api::core::v1::{Pod, PodCondition, PodStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use serde_json::Value;
 use tokio::sync::{oneshot, Notify};
+
+/// The kinds of object the server holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Kind {
+    Pod,
+    InferencePool,
+}
+
+impl Kind {
+    /// The list's `kind` and `apiVersion`.
+    fn list(self) -> (&'static str, &'static str) {
+        match self {
+            Kind::Pod => ("PodList", "v1"),
+            Kind::InferencePool => ("InferencePoolList", "inference.networking.k8s.io/v1"),
+        }
+    }
+}
+
+/// (kind, namespace, name).
+type Key = (Kind, String, String);
 
 #[derive(Default)]
 struct Inner {
     rv: u64,
-    pods: BTreeMap<(String, String), Pod>,
-    /// Every change: resource version, event type, object.
-    events: Vec<(u64, &'static str, Pod)>,
+    objects: BTreeMap<Key, Value>,
+    /// Every change: resource version, event type, kind, object.
+    events: Vec<(u64, &'static str, Kind, Value)>,
 }
 
 #[derive(Clone, Default)]
@@ -47,32 +70,43 @@ struct ListQuery {
     watch: Option<String>,
     resource_version: Option<String>,
     label_selector: Option<String>,
+    field_selector: Option<String>,
     timeout_seconds: Option<u64>,
 }
 
-fn selected(pod: &Pod, selector: &Option<String>) -> bool {
+/// Whether every `k=v` (or `k==v`; a bare `k`: present) term holds, `value_of` giving a key's value.
+fn terms_hold(selector: &Option<String>, value_of: impl Fn(&str) -> Option<String>) -> bool {
     let Some(sel) = selector.as_deref().filter(|s| !s.is_empty()) else { return true };
-    let empty = BTreeMap::new();
-    let labels = pod.metadata.labels.as_ref().unwrap_or(&empty);
     sel.split(',').all(|term| match term.split_once('=') {
-        Some((k, v)) => labels.get(k.trim_end_matches('=')) == Some(&v.trim_start_matches('=').to_string()),
-        None => labels.contains_key(term),
+        Some((k, v)) => value_of(k.trim_end_matches('=')).as_deref() == Some(v.trim_start_matches('=')),
+        None => value_of(term).is_some(),
     })
 }
 
-fn in_namespace(pod: &Pod, ns: &Option<String>) -> bool {
-    ns.as_ref().is_none_or(|ns| pod.metadata.namespace.as_deref() == Some(ns))
+fn meta<'a>(obj: &'a Value, field: &str) -> Option<&'a str> {
+    obj["metadata"][field].as_str()
 }
 
-async fn pods(State(shared): State<Shared>, ns: Option<String>, q: ListQuery) -> Response {
+fn selected(obj: &Value, ns: &Option<String>, q: &ListQuery) -> bool {
+    ns.as_ref().is_none_or(|ns| meta(obj, "namespace") == Some(ns))
+        && terms_hold(&q.label_selector, |k| obj["metadata"]["labels"][k].as_str().map(String::from))
+        && terms_hold(&q.field_selector, |k| match k {
+            "metadata.name" => meta(obj, "name").map(String::from),
+            "metadata.namespace" => meta(obj, "namespace").map(String::from),
+            _ => None,
+        })
+}
+
+async fn list_or_watch(shared: Shared, kind: Kind, ns: Option<String>, q: ListQuery) -> Response {
     let watch = matches!(q.watch.as_deref(), Some("true" | "1"));
     if !watch {
         let inner = shared.inner.lock().unwrap_or_else(|p| p.into_inner());
-        let items: Vec<&Pod> =
-            inner.pods.values().filter(|p| in_namespace(p, &ns) && selected(p, &q.label_selector)).collect();
+        let items: Vec<&Value> =
+            inner.objects.iter().filter(|((k, _, _), o)| *k == kind && selected(o, &ns, &q)).map(|(_, o)| o).collect();
+        let (list_kind, api_version) = kind.list();
         let list = serde_json::json!({
-            "kind": "PodList",
-            "apiVersion": "v1",
+            "kind": list_kind,
+            "apiVersion": api_version,
             "metadata": {"resourceVersion": inner.rv.to_string()},
             "items": items,
         });
@@ -89,8 +123,8 @@ async fn pods(State(shared): State<Shared>, ns: Option<String>, q: ListQuery) ->
                 let fresh: Vec<String> = inner
                     .events
                     .iter()
-                    .filter(|(rv, _, pod)| *rv > since && in_namespace(pod, &ns) && selected(pod, &q.label_selector))
-                    .map(|(_, kind, pod)| format!("{}\n", serde_json::json!({"type": kind, "object": pod})))
+                    .filter(|(rv, _, k, obj)| *rv > since && *k == kind && selected(obj, &ns, &q))
+                    .map(|(_, event, _, obj)| format!("{}\n", serde_json::json!({"type": event, "object": obj})))
                     .collect();
                 since = inner.rv;
                 fresh
@@ -106,12 +140,20 @@ async fn pods(State(shared): State<Shared>, ns: Option<String>, q: ListQuery) ->
     ([("content-type", "application/json")], Body::from_stream(stream)).into_response()
 }
 
-async fn all_pods(state: State<Shared>, Query(q): Query<ListQuery>) -> Response {
-    pods(state, None, q).await
+async fn all_pods(State(shared): State<Shared>, Query(q): Query<ListQuery>) -> Response {
+    list_or_watch(shared, Kind::Pod, None, q).await
 }
 
-async fn ns_pods(state: State<Shared>, UrlPath(ns): UrlPath<String>, Query(q): Query<ListQuery>) -> Response {
-    pods(state, Some(ns), q).await
+async fn ns_pods(State(shared): State<Shared>, UrlPath(ns): UrlPath<String>, Query(q): Query<ListQuery>) -> Response {
+    list_or_watch(shared, Kind::Pod, Some(ns), q).await
+}
+
+async fn all_pools(State(shared): State<Shared>, Query(q): Query<ListQuery>) -> Response {
+    list_or_watch(shared, Kind::InferencePool, None, q).await
+}
+
+async fn ns_pools(State(shared): State<Shared>, UrlPath(ns): UrlPath<String>, Query(q): Query<ListQuery>) -> Response {
+    list_or_watch(shared, Kind::InferencePool, Some(ns), q).await
 }
 
 impl FakeKube {
@@ -123,6 +165,8 @@ impl FakeKube {
         let app = Router::new()
             .route("/api/v1/pods", get(all_pods))
             .route("/api/v1/namespaces/{ns}/pods", get(ns_pods))
+            .route("/apis/inference.networking.k8s.io/v1/inferencepools", get(all_pools))
+            .route("/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools", get(ns_pools))
             .with_state(shared.clone());
         let (stop, stopped) = oneshot::channel::<()>();
         let thread = std::thread::spawn(move || {
@@ -139,42 +183,62 @@ impl FakeKube {
         Ok(FakeKube { port, shared, stop: Some(stop), thread: Some(thread), dir: crate::scratch_dir("kube")? })
     }
 
-    fn record(&self, kind: &'static str, mut pod: Pod) {
+    fn record(&self, event: &'static str, kind: Kind, mut obj: Value) {
         let mut inner = self.shared.inner.lock().unwrap_or_else(|p| p.into_inner());
         inner.rv += 1;
         let rv = inner.rv;
-        pod.metadata.resource_version = Some(rv.to_string());
-        let key = (pod.metadata.namespace.clone().unwrap_or_default(), pod.metadata.name.clone().unwrap_or_default());
-        if kind == "DELETED" {
-            inner.pods.remove(&key);
+        obj["metadata"]["resourceVersion"] = Value::String(rv.to_string());
+        let key = (
+            kind,
+            meta(&obj, "namespace").unwrap_or_default().to_string(),
+            meta(&obj, "name").unwrap_or_default().to_string(),
+        );
+        if event == "DELETED" {
+            inner.objects.remove(&key);
         } else {
-            inner.pods.insert(key, pod.clone());
+            inner.objects.insert(key, obj.clone());
         }
-        inner.events.push((rv, kind, pod));
+        inner.events.push((rv, event, kind, obj));
         drop(inner);
         self.shared.changed.notify_waiters();
     }
 
+    fn put(&self, kind: Kind, obj: Value) {
+        let key = (
+            kind,
+            meta(&obj, "namespace").unwrap_or_default().to_string(),
+            meta(&obj, "name").unwrap_or_default().to_string(),
+        );
+        let exists = self.shared.inner.lock().unwrap_or_else(|p| p.into_inner()).objects.contains_key(&key);
+        self.record(if exists { "MODIFIED" } else { "ADDED" }, kind, obj);
+    }
+
+    fn remove(&self, kind: Kind, namespace: &str, name: &str) {
+        let key = (kind, namespace.to_string(), name.to_string());
+        let obj = self.shared.inner.lock().unwrap_or_else(|p| p.into_inner()).objects.get(&key).cloned();
+        if let Some(obj) = obj {
+            self.record("DELETED", kind, obj);
+        }
+    }
+
     /// Creates or updates a pod (ADDED or MODIFIED to watchers).
     pub fn apply(&self, pod: Pod) {
-        let key = (pod.metadata.namespace.clone().unwrap_or_default(), pod.metadata.name.clone().unwrap_or_default());
-        let exists = self.shared.inner.lock().unwrap_or_else(|p| p.into_inner()).pods.contains_key(&key);
-        self.record(if exists { "MODIFIED" } else { "ADDED" }, pod);
+        self.put(Kind::Pod, serde_json::to_value(pod).expect("a Pod serializes"));
     }
 
     /// Deletes a pod (DELETED to watchers).
     pub fn delete(&self, namespace: &str, name: &str) {
-        let pod = self
-            .shared
-            .inner
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pods
-            .get(&(namespace.to_string(), name.to_string()))
-            .cloned();
-        if let Some(pod) = pod {
-            self.record("DELETED", pod);
-        }
+        self.remove(Kind::Pod, namespace, name);
+    }
+
+    /// Creates or updates an InferencePool (ADDED or MODIFIED to watchers).
+    pub fn apply_pool(&self, pool: &InferencePool) {
+        self.put(Kind::InferencePool, serde_json::to_value(pool).expect("an InferencePool serializes"));
+    }
+
+    /// Deletes an InferencePool (DELETED to watchers).
+    pub fn delete_pool(&self, namespace: &str, name: &str) {
+        self.remove(Kind::InferencePool, namespace, name);
     }
 
     /// A kubeconfig file pointing at this server.
@@ -227,5 +291,74 @@ pub fn pod(
             ..Default::default()
         }),
         ..Default::default()
+    }
+}
+
+/// A Gateway API Inference Extension `InferencePool` (`inference.networking.k8s.io/v1`), as
+/// its CRD's schema has it (`istio/schemas/inferencepool.inference.networking.k8s.io.v1.schema.json`).
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct InferencePool {
+    pub api_version: String,
+    pub kind: String,
+    pub metadata: ObjectMeta,
+    pub spec: InferencePoolSpec,
+}
+
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct InferencePoolSpec {
+    /// `matchLabels` only: v1's selector has nothing else.
+    pub selector: PoolSelector,
+    pub target_ports: Vec<PoolPort>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub app_protocol: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub endpoint_picker_ref: Option<EndpointPickerRef>,
+}
+
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PoolSelector {
+    pub match_labels: BTreeMap<String, String>,
+}
+
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct PoolPort {
+    pub number: i32,
+}
+
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct EndpointPickerRef {
+    pub name: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub port: Option<PoolPort>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub failure_mode: Option<String>,
+}
+
+/// An InferencePool as a GIE install has it: selecting `labels`, on `ports`, its endpoint
+/// picker the Service `{name}-epp` on port 9002.
+pub fn inference_pool(namespace: &str, name: &str, labels: &[(&str, &str)], ports: &[u16]) -> InferencePool {
+    InferencePool {
+        api_version: "inference.networking.k8s.io/v1".into(),
+        kind: "InferencePool".into(),
+        metadata: ObjectMeta { name: Some(name.into()), namespace: Some(namespace.into()), ..Default::default() },
+        spec: InferencePoolSpec {
+            selector: PoolSelector {
+                match_labels: labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            },
+            target_ports: ports.iter().map(|p| PoolPort { number: i32::from(*p) }).collect(),
+            app_protocol: Some("http".into()),
+            endpoint_picker_ref: Some(EndpointPickerRef {
+                name: format!("{name}-epp"),
+                kind: Some("Service".into()),
+                port: Some(PoolPort { number: 9002 }),
+                failure_mode: Some("FailClose".into()),
+            }),
+        },
     }
 }

@@ -1,12 +1,13 @@
 //! Kubernetes discovery end to end: `kvmesh-cp --service-discovery` watching an in-process
 //! API server (real list/watch protocol, real Pod objects; nothing here can install a real
-//! one), simulated workers on their own loopback addresses as pod IPs, and a real Envoy.
+//! one), simulated workers on their own loopback addresses as pod IPs, and a real Envoy; and
+//! `--inference-pool`, from a real InferencePool object.
 
 use std::collections::HashSet;
 use std::time::Duration;
 
 use kvmesh_testkit::e2e::{generate, served, sync, FAST};
-use kvmesh_testkit::kube_fake::{pod, FakeKube};
+use kvmesh_testkit::kube_fake::{inference_pool, pod, FakeKube};
 use kvmesh_testkit::{free_port, repo_root, wait_until, ControlPlane, Envoy, EnvoyOptions, Sim};
 use serde_json::{json, Value};
 
@@ -227,4 +228,98 @@ fn a_restarted_control_plane_keeps_discovered_workers_ids_and_their_prefixes() {
     let hits = envoy.cache_hits();
     assert_eq!(ask("after the restart"), home, "the prefix stays with its worker");
     assert_eq!(envoy.cache_hits(), hits + 1, "the prefix is a cache hit after the restart");
+}
+
+/// `kvmesh-cp --inference-pool NAME`: the workers are the pods a Gateway API Inference
+/// Extension InferencePool (`inference.networking.k8s.io/v1`, a real object served by the API
+/// server) selects, on each of its target ports, and follow the pool's edits and deletion.
+#[test]
+fn an_inference_pools_selector_and_target_ports_choose_the_workers_and_are_followed() {
+    let kube = FakeKube::start().unwrap();
+    let (p1, p2) = (free_port().unwrap(), free_port().unwrap());
+    let (a1, a2, b1) = ("127.0.0.21", "127.0.0.22", "127.0.0.23");
+    let _sims: Vec<Sim> = [(a1, p1), (a2, p1), (b1, p1), (a1, p2), (a2, p2)]
+        .iter()
+        .map(|(ip, p)| Sim::start_at(ip, *p, FAST).unwrap())
+        .collect();
+    let (vllm_a, vllm_b) = ([("app", "vllm-a")], [("app", "vllm-b")]);
+    kube.apply(pod("default", "a1", a1, true, &vllm_a, &[]));
+    kube.apply(pod("default", "a2", a2, true, &vllm_a, &[]));
+    kube.apply(pod("default", "b1", b1, true, &vllm_b, &[]));
+    kube.apply(pod("other", "a3", "127.0.0.24", true, &vllm_a, &[])); // a pool selects in its namespace
+    kube.apply_pool(&inference_pool("default", "pool", &vllm_a, &[p1]));
+    kube.apply_pool(&inference_pool("default", "another-pool", &vllm_b, &[p1]));
+
+    // The namespace is the kubeconfig context's (`default`), as for any namespaced client.
+    let kubeconfig = kube.kubeconfig().unwrap();
+    let env = [("KUBECONFIG", kubeconfig.to_str().unwrap())];
+    let cp =
+        ControlPlane::start_with_env(free_port().unwrap(), free_port().unwrap(), &["--inference-pool", "pool"], &env)
+            .unwrap();
+    let url = |ip: &str, port: u16| format!("http://{ip}:{port}");
+    wait_for_urls(&cp, &[url(a1, p1), url(a2, p1)]);
+    let envoy = synced_gateway(&cp, "envoy/envoy.yaml", json!({"worker_urls": []}));
+    let seen: HashSet<String> =
+        (0..6).map(|i| served(&generate(&envoy, &format!("{i} {}", "pooled ".repeat(30))))).collect();
+    let pool_a: HashSet<String> = [a1, a2].iter().map(|ip| format!("{ip}:{p1}")).collect();
+    assert!(seen.is_subset(&pool_a), "{seen:?}");
+
+    // A second target port: every pod is a worker on each.
+    kube.apply_pool(&inference_pool("default", "pool", &vllm_a, &[p1, p2]));
+    wait_for_urls(&cp, &[url(a1, p1), url(a2, p1), url(a1, p2), url(a2, p2)]);
+    // A new selector re-selects the pods; traffic follows.
+    kube.apply_pool(&inference_pool("default", "pool", &vllm_b, &[p1]));
+    wait_for_urls(&cp, &[url(b1, p1)]);
+    sync(&cp, &envoy);
+    assert_eq!(served(&generate(&envoy, "after the selector changed")), format!("{b1}:{p1}"));
+    // A deleted pool takes its workers out; created again, they come back.
+    kube.delete_pool("default", "pool");
+    wait_for_urls(&cp, &[]);
+    kube.apply_pool(&inference_pool("default", "pool", &vllm_a, &[p2]));
+    wait_for_urls(&cp, &[url(a1, p2), url(a2, p2)]);
+}
+
+/// `--model-id-from label:KEY` (SMG's flag): discovered pods serve the model their label
+/// names, the gateway routes that model to them, and a relabelled pod serves its new name
+/// under the same worker id.
+#[test]
+fn a_pods_label_names_its_model_and_a_relabel_renames_it_in_place() {
+    let kube = FakeKube::start().unwrap();
+    let port = free_port().unwrap();
+    let (llama, qwen) = ("127.0.0.31", "127.0.0.32");
+    let _sims: Vec<Sim> = [llama, qwen].iter().map(|ip| Sim::start_at(ip, port, FAST).unwrap()).collect();
+    let labelled = |model: &'static str| [("app", "sglang"), ("kvmesh.io/model", model)];
+    kube.apply(pod("default", "llama", llama, true, &labelled("llama"), &[]));
+    kube.apply(pod("default", "qwen", qwen, true, &labelled("qwen"), &[]));
+    let cp = watching(&kube, port, &["--model-id-from", "label:kvmesh.io/model"]);
+    let url = |ip: &str| format!("http://{ip}:{port}");
+    let model_of = |ip: &str| cp.worker(&url(ip))["model_id"].as_str().map(String::from);
+    let wait_for_model = |ip: &str, model: &str| {
+        wait_until(&format!("{ip} to serve {model}"), Duration::from_secs(20), || {
+            model_of(ip).as_deref() == Some(model)
+        })
+        .unwrap_or_else(|e| panic!("{e}: {:?}", cp.workers()));
+    };
+    wait_for_model(llama, "llama");
+    wait_for_model(qwen, "qwen");
+    let served_names = |ip: &str| cp.worker(&url(ip))["models"].as_array().cloned().unwrap_or_default();
+    assert!(served_names(llama).iter().any(|m| m["id"] == "llama"), "{:?}", served_names(llama));
+
+    let envoy = synced_gateway(&cp, "envoy/envoy.yaml", json!({"worker_urls": []}));
+    let ask = |model: &str, prompt: &str| {
+        let body = json!({"model": model, "prompt": prompt, "max_tokens": 1});
+        kvmesh_testkit::http::post_json(&envoy.url("/v1/completions"), &body).unwrap()
+    };
+    for i in 0..4 {
+        assert_eq!(served(&ask("llama", &format!("llama {i}"))), format!("{llama}:{port}"));
+        assert_eq!(served(&ask("qwen", &format!("qwen {i}"))), format!("{qwen}:{port}"));
+    }
+
+    let id = cp.worker(&url(llama))["id"].clone();
+    kube.apply(pod("default", "llama", llama, true, &labelled("llama-3"), &[]));
+    wait_for_model(llama, "llama-3");
+    assert_eq!(cp.worker(&url(llama))["id"], id, "the same worker, renamed in place");
+    sync(&cp, &envoy);
+    assert_eq!(served(&ask("llama-3", "renamed")), format!("{llama}:{port}"));
+    assert_eq!(ask("llama", "the old name").status, 404, "no worker serves the old name");
 }

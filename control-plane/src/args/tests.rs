@@ -145,7 +145,7 @@ fn the_discovery_keys_take_effect_from_the_config_file() {
     let s = parse(&["--config", path_str(&path)]).unwrap();
     let d = s.discovery.expect("--service-discovery from the file");
     assert_eq!(d.namespace.as_deref(), Some("llm"));
-    assert_eq!(d.port, 8000);
+    assert_eq!(d.ports, [8000]);
     assert_eq!(d.bootstrap_annotation, "example.com/bootstrap");
     assert_eq!(d.role_label, "example.com/role");
     assert_eq!(d.selector.len(), 2);
@@ -603,4 +603,24 @@ fn the_multi_model_overlays_configuration_loads_with_its_aliases() {
         let deployment = std::fs::read_to_string(format!("{dir}/{short}.yaml")).unwrap();
         assert!(deployment.contains(&format!("- {model}\n")), "{short}.yaml serves no {model}");
     }
+}
+
+#[test]
+fn inference_pool_implies_discovery_and_replaces_the_selector_and_port() {
+    let d = parse(&["--inference-pool", "vllm-llama3-8b-instruct"]).unwrap().discovery.expect("discovery on");
+    assert_eq!(d.inference_pool.as_deref(), Some("vllm-llama3-8b-instruct"));
+    assert!(d.selector.is_empty());
+    let path = config_file("pool.yaml", "inference-pool: pool-a\nservice-discovery-namespace: llm\n");
+    let d = parse(&["--config", path_str(&path)]).unwrap().discovery.unwrap();
+    assert_eq!((d.inference_pool.as_deref(), d.namespace.as_deref()), (Some("pool-a"), Some("llm")));
+    let e = parse(&["--inference-pool", "p", "--selector", "app=x"]).unwrap_err();
+    assert!(e.contains("--inference-pool") && e.contains("--selector"), "{e}");
+    let e = parse(&["--inference-pool", "p", "--service-discovery-port", "8000"]).unwrap_err();
+    assert!(e.contains("--service-discovery-port"), "{e}");
+    for bad in ["", "Pool", "a,metadata.name=b", "a-", "a..b"] {
+        assert!(parse(&["--inference-pool", bad]).unwrap_err().contains("--inference-pool"), "{bad}");
+    }
+    // PD: one pool, roles from the role label (or selectors within the pool).
+    let d = parse(&["--inference-pool", "p", "--pd-disaggregation", "--prefill-selector", "tier=p"]).unwrap();
+    assert!(d.discovery.unwrap().pd);
 }
