@@ -74,6 +74,18 @@ fn each_request_reaches_a_worker_serving_its_model_and_unknown_models_reach_none
         }
     }
     assert!(mismatches.is_empty(), "{mismatches:?}");
+    // Envoy's per-model counters, labelled by model (12 requests each).
+    let counted = |model: &str| {
+        let text = http::get(&s.envoy.admin_url("/stats/prometheus")).map(|r| r.text()).unwrap_or_default();
+        text.lines()
+            .filter(|l| l.contains("kvmesh_model_requests_total{") && l.contains(&format!("model=\"{model}\"")))
+            .filter_map(|l| l.split_whitespace().last()?.parse::<u64>().ok())
+            .sum::<u64>()
+    };
+    wait_until("Envoy to count the requests per model", Duration::from_secs(10), || {
+        ["llama", "qwen", "sql"].iter().all(|m| counted(m) == 12)
+    })
+    .unwrap_or_else(|e| panic!("{e}: llama {} qwen {} sql {}", counted("llama"), counted("qwen"), counted("sql")));
 
     // An unknown model is the gateway's 404 and reaches no worker.
     let sims: Vec<&Sim> = s.sims.iter().collect();

@@ -336,6 +336,33 @@ pub unsafe fn config_stat(config: *mut c_void, kind: StatKind, id: usize, value:
     };
 }
 
+/// Defines a counter with one tag (Prometheus label), keyed `tag_key`; Envoy allows it only
+/// while it creates the configuration.
+///
+/// # Safety
+/// As [`define_stat`].
+pub unsafe fn define_tagged_counter(config: *mut c_void, name: &str, tag_key: &str) -> Option<usize> {
+    let mut id = 0usize;
+    let key = Buffer::of(tag_key.as_bytes());
+    let result = envoy_dynamic_module_callback_http_filter_config_define_counter(
+        config,
+        Buffer::of(name.as_bytes()),
+        &key,
+        1,
+        &mut id,
+    );
+    (result == 0).then_some(id)
+}
+
+/// Adds `value` to a counter from [`define_tagged_counter`], in its series for `tag_value`.
+///
+/// # Safety
+/// As [`config_stat`].
+pub unsafe fn increment_tagged_counter(config: *mut c_void, id: usize, tag_value: &str, value: u64) {
+    let tag = Buffer::of(tag_value.as_bytes());
+    envoy_dynamic_module_callback_http_filter_config_increment_counter(config, id, &tag, 1, value);
+}
+
 /// A stream's scheduler: an event committed to it, from any thread, runs the module's
 /// `on_http_filter_scheduled` hook for that stream on the worker thread that owns it (nothing
 /// runs once the stream is gone). Envoy's only way to wake a stream that waits without I/O.

@@ -57,6 +57,53 @@ pub enum Metric {
     VmMemory,
 }
 
+/// Counters kept per model, labelled `model` (the pool's name a request routed by), for
+/// deployments serving several models.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ModelMetric {
+    /// Requests routed for the model.
+    Requests,
+    /// Of those, routed to a worker believed to hold part of the prompt.
+    CacheHits,
+}
+
+impl ModelMetric {
+    pub const ALL: [ModelMetric; 2] = [ModelMetric::Requests, ModelMetric::CacheHits];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ModelMetric::Requests => "kvmesh_model_requests_total",
+            ModelMetric::CacheHits => "kvmesh_model_cache_hits_total",
+        }
+    }
+}
+
+/// The most model names one VM keeps series for; requests for others count under `other`.
+pub const MAX_MODEL_SERIES: usize = 64;
+
+/// The `model` label values one VM has given out: a name as served (`;` and `=` replaced,
+/// which Envoy's tag extraction reserves), up to [`MAX_MODEL_SERIES`] of them, then `other`.
+#[derive(Debug, Default)]
+pub struct ModelLabels(std::collections::HashSet<String>);
+
+impl ModelLabels {
+    pub fn label(&mut self, model: &str) -> String {
+        let clean: String = model.chars().map(|c| if matches!(c, ';' | '=') { '_' } else { c }).collect();
+        if self.0.contains(&clean) || self.0.len() < MAX_MODEL_SERIES {
+            self.0.insert(clean.clone());
+            return clean;
+        }
+        "other".to_string()
+    }
+}
+
+/// A labelled counter's name for hosts that extract tags from names (Envoy's Wasm stats, with
+/// the `stats_tags` regex `(model=\.=(.*?);\.;)` the shipped configurations carry, which is
+/// also what Istio's `extraStatTags: [model]` adds).
+pub fn tagged_name(metric: ModelMetric, label: &str) -> String {
+    format!("model=.={label};.;{}", metric.name())
+}
+
 /// How Envoy keeps a metric.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MetricKind {
@@ -155,6 +202,8 @@ pub trait VmHost: SharedStore {
     fn vm_memory_bytes(&self) -> u64;
     fn increment(&self, metric: Metric);
     fn record(&self, metric: Metric, value: u64);
+    /// Adds one to `metric`'s series for `model` (a host without labelled stats keeps none).
+    fn increment_model(&self, _metric: ModelMetric, _model: &str) {}
 }
 
 /// The control-plane streams, for the plugin that holds them: gRPC streams opened, written and

@@ -23,7 +23,7 @@ use crate::gateway::{
     endpoint_list, is_routing_header, Destination, Gateway, Now, Outcome, Plan, PrefillLeg, Reply, RequestInfo, Routed,
     PREFILLER_HEADER,
 };
-use crate::host::{Action, Callout, Metric, StreamHost};
+use crate::host::{Action, Callout, Metric, ModelMetric, StreamHost};
 use crate::pd_leg::PdLeg;
 use crate::response_feedback::ResponseFeedback;
 use crate::shared::admission::SharedBucket;
@@ -482,6 +482,12 @@ impl RequestFilter {
             return self.not_configured(host);
         };
         Self::count_route(host, &committed.main);
+        if let Some(model) = &committed.model {
+            host.increment_model(ModelMetric::Requests, model);
+            if committed.main.matched_bytes > 0 {
+                host.increment_model(ModelMetric::CacheHits, model);
+            }
+        }
         let now_ms = decided.ms();
         self.with_gateway(|g| {
             // vLLM's decode worker gets the request only once its prefill answered: its stall

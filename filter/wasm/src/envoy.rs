@@ -11,7 +11,9 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action as WasmAction, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
 
 use kvmesh_gateway::headers::Headers;
-use kvmesh_gateway::host::{Action, Callout, HostError, LinkHost, Metric, MetricKind, StreamHost, VmHost};
+use kvmesh_gateway::host::{
+    tagged_name, Action, Callout, HostError, LinkHost, Metric, MetricKind, ModelLabels, ModelMetric, StreamHost, VmHost,
+};
 use kvmesh_gateway::plugin::Plugin;
 use kvmesh_gateway::request::RequestFilter;
 use kvmesh_gateway::shared::{SetError, SharedStore};
@@ -52,9 +54,14 @@ fn header_map(map: MapType) -> Headers {
 
 /// Envoy, as seen from one VM: shared data, the current stream, and the VM's stats.
 #[derive(Default)]
+/// Per-model counter ids by metric and label (None: the host refused to define it).
+type ModelMetricIds = std::collections::HashMap<(ModelMetric, String), Option<u32>>;
+
 pub struct EnvoyHost {
     /// Metric ids, in [`Metric::ALL`] order (None: the host refused to define it).
     metrics: Vec<Option<u32>>,
+    /// Per-model counters, defined on first use (their tagged names, see [`tagged_name`]).
+    model_metrics: RefCell<(ModelLabels, ModelMetricIds)>,
 }
 
 impl EnvoyHost {
@@ -70,7 +77,7 @@ impl EnvoyHost {
                 hostcalls::define_metric(kind, m.name()).ok()
             })
             .collect();
-        Self { metrics }
+        Self { metrics, model_metrics: RefCell::default() }
     }
 
     fn metric_id(&self, metric: Metric) -> Option<u32> {
@@ -116,6 +123,17 @@ impl VmHost for EnvoyHost {
     fn record(&self, metric: Metric, value: u64) {
         if let Some(id) = self.metric_id(metric) {
             let _ = hostcalls::record_metric(id, value);
+        }
+    }
+    fn increment_model(&self, metric: ModelMetric, model: &str) {
+        let Ok(mut guard) = self.model_metrics.try_borrow_mut() else { return };
+        let (labels, ids) = &mut *guard;
+        let label = labels.label(model);
+        let id = *ids
+            .entry((metric, label))
+            .or_insert_with_key(|(m, l)| hostcalls::define_metric(MetricType::Counter, &tagged_name(*m, l)).ok());
+        if let Some(id) = id {
+            let _ = hostcalls::increment_metric(id, 1);
         }
     }
 }

@@ -228,7 +228,7 @@ impl Gateway {
     /// flight, and the new blocks go to the other VMs (one CAS for counts and log sequence,
     /// plus the log slot) and into the next report.
     pub fn commit(&mut self, store: &dyn SharedStore, plan: Plan) -> Committed {
-        let Plan { chosen, mut main, pd, inflight, now, fallbacks: _, batch } = plan;
+        let Plan { chosen, mut main, pd, inflight, now, fallbacks: _, batch, model } = plan;
         let prediction = self.view.prediction(&chosen, batch);
         let decisions: Vec<&Decision> = match &chosen {
             Chosen::Regular(d) | Chosen::Pd(PdDecision::DecodeOnly(d)) => vec![d],
@@ -276,7 +276,7 @@ impl Gateway {
             }
             None => (None, false, false),
         };
-        Committed { main, prediction, prefill, merge_logprobs, stream }
+        Committed { main, prediction, prefill, merge_logprobs, stream, model }
     }
 
     /// The worker at `addr` (`ip:port`, as Envoy reports the upstream it used).

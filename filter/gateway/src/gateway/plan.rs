@@ -46,6 +46,8 @@ pub struct Plan {
     pub(super) now: Now,
     /// A batch: no prediction is judged (its items' reports cannot be told apart).
     pub(super) batch: bool,
+    /// The model pool it was routed in, when the gateway serves several by name.
+    pub(super) model: Option<Box<str>>,
 }
 
 #[derive(Debug)]
@@ -133,6 +135,8 @@ pub struct Committed {
     pub prefill: Option<Routed>,
     pub merge_logprobs: bool,
     pub stream: bool,
+    /// See [`Plan`]'s `model`.
+    pub model: Option<Box<str>>,
 }
 
 /// How a routed request's destination headers are written (from the configuration).

@@ -6,7 +6,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
 
-use super::{Callout, HostError, LinkHost, Metric, StreamHost, VmHost};
+use super::{Callout, HostError, LinkHost, Metric, ModelMetric, StreamHost, VmHost};
 use crate::headers::Headers;
 use crate::shared::fake::FakeStore;
 use crate::shared::{SetError, SharedStore};
@@ -74,6 +74,8 @@ pub struct MockHost {
     pub grpc_attempts: Cell<u32>,
     pub now_ms: Cell<u64>,
     pub metrics: RefCell<HashMap<Metric, Vec<u64>>>,
+    /// Per-model counters: (metric, model) → count.
+    pub model_metrics: RefCell<HashMap<(ModelMetric, String), u64>>,
     /// Every host call made, in order (each crosses the Wasm boundary in Envoy).
     pub calls: RefCell<Vec<&'static str>>,
     next_token: Cell<u32>,
@@ -196,6 +198,9 @@ impl VmHost for MockHost {
     fn record(&self, metric: Metric, value: u64) {
         self.note("record");
         self.metrics.borrow_mut().entry(metric).or_default().push(value);
+    }
+    fn increment_model(&self, metric: ModelMetric, model: &str) {
+        *self.model_metrics.borrow_mut().entry((metric, model.to_string())).or_default() += 1;
     }
 }
 

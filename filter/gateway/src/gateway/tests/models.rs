@@ -153,3 +153,43 @@ fn the_gateway_lists_the_healthy_workers_models_itself() {
     assert_eq!(g.models_reply(&store, "/health"), None);
     assert_eq!(g.models_reply(&store, "/v1/modelsx"), None);
 }
+
+#[test]
+fn a_request_carries_its_model_for_the_per_model_counters_only_where_routing_is_by_model() {
+    let store = FakeStore::default();
+    let mut g = gateway(&store, 5, "");
+    g.apply_snapshot(&store, &two_models());
+    let body = |m: &str| format!(r#"{{"model":"{m}","messages":[{{"role":"user","content":"hi"}}]}}"#);
+    let model_of = |g: &mut Gateway, m: &str| match g.route_request(
+        &store,
+        Endpoint::ChatCompletions,
+        body(m).as_bytes(),
+        &RequestInfo::default(),
+    ) {
+        Outcome::Route(plan) => g.commit(&store, plan).model,
+        Outcome::Reply(r) => panic!("{}", String::from_utf8_lossy(&r.body)),
+    };
+    assert_eq!(model_of(&mut g, "a-sql").as_deref(), Some("a-sql"));
+    assert_eq!(model_of(&mut g, "b").as_deref(), Some("b"));
+    // One model under one name: no per-model series (the gateway's totals are its own).
+    let mut single = gateway(&store, 6, "");
+    let mut one = two_models();
+    one.workers.retain(|w| w.models.iter().all(|m| m.id == "a"));
+    single.apply_snapshot(&store, &one);
+    assert_eq!(model_of(&mut single, "a"), None);
+}
+
+#[test]
+fn model_labels_are_bounded_and_never_confuse_tag_extraction() {
+    let mut labels = crate::host::ModelLabels::default();
+    assert_eq!(labels.label("org/m;x=y"), "org/m_x_y");
+    for i in 0..crate::host::MAX_MODEL_SERIES * 2 {
+        labels.label(&format!("m{i}"));
+    }
+    assert_eq!(labels.label("m0"), "m0", "a name seen early keeps its series");
+    assert_eq!(labels.label("late"), "other");
+    assert_eq!(
+        crate::host::tagged_name(crate::host::ModelMetric::Requests, "m0"),
+        "model=.=m0;.;kvmesh_model_requests_total"
+    );
+}
