@@ -52,11 +52,11 @@ fn header_map(map: MapType) -> Headers {
     Headers::from_raw(unsafe { Vec::from_raw_parts(data, size, size) })
 }
 
-/// Envoy, as seen from one VM: shared data, the current stream, and the VM's stats.
-#[derive(Default)]
 /// Per-model counter ids by metric and label (None: the host refused to define it).
 type ModelMetricIds = std::collections::HashMap<(ModelMetric, String), Option<u32>>;
 
+/// Envoy, as seen from one VM: shared data, the current stream, and the VM's stats.
+#[derive(Default)]
 pub struct EnvoyHost {
     /// Metric ids, in [`Metric::ALL`] order (None: the host refused to define it).
     metrics: Vec<Option<u32>>,
