@@ -320,6 +320,12 @@ impl Metrics {
             "Reported index hashes dropped by the per-report and per-gateway rate limits",
             c.dropped_inserts.clone(),
         );
+        registry.register("kvmesh_adapter_loads", "LoRA adapters loaded for --lora-adapter", c.adapter_loads.clone());
+        registry.register(
+            "kvmesh_adapter_load_failures",
+            "Failed --lora-adapter loads (each retried after 5 s)",
+            c.adapter_load_failures.clone(),
+        );
         Arc::new(Self { registry, ..m })
     }
 

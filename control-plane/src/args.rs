@@ -137,6 +137,11 @@ pub struct Args {
     /// /v1/models lists. Default none.
     #[arg(long, help_heading = "Workers: health, load, discovery")]
     pub model_id_from: Option<String>,
+    /// A LoRA adapter to keep loaded (repeatable; kvmesh): whenever no healthy worker serves
+    /// NAME, it is loaded from PATH on the least-loaded healthy worker serving BASE (vLLM's
+    /// /v1/load_lora_adapter, SGLang's /load_lora_adapter). Default none.
+    #[arg(long, value_name = "NAME@BASE=PATH", help_heading = "Workers: health, load, discovery")]
+    pub lora_adapter: Vec<String>,
     /// Log level: debug, info, warn, error (RUST_LOG wins). Default info.
     #[arg(long, value_parser = ["debug", "info", "warn", "error"], help_heading = "Logging and authentication")]
     pub log_level: Option<String>,
@@ -438,6 +443,11 @@ impl Args {
             } else {
                 self.worker_unresponsive_secs.unwrap_or(3).saturating_mul(1000)
             },
+            lora_adapters: self
+                .lora_adapter
+                .iter()
+                .map(|spec| spec.parse().map_err(|e: String| self.bad("lora_adapter", e)))
+                .collect::<Result<_, _>>()?,
             discovery,
             log_level: self.log_level.clone().unwrap_or_else(|| "info".into()),
             warnings,

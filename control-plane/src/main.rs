@@ -5,6 +5,7 @@
 //! ([`probe`]), Kubernetes discovery ([`discovery`], [`inference_pool`]), and the periodic
 //! eviction and delta push.
 
+mod adapters;
 mod admin;
 mod args;
 mod auth;
@@ -113,6 +114,9 @@ async fn run(settings: settings::Settings) -> anyhow::Result<()> {
         tokio::spawn(probe::health_loop(state.clone()));
     }
     tokio::spawn(probe::load_loop(state.clone()));
+    if !state.settings.lora_adapters.is_empty() {
+        tokio::spawn(adapters::keep_loaded(state.clone(), state.settings.lora_adapters.clone()));
+    }
     tokio::spawn(push_loop(state.clone()));
     if let Some(cfg) = state.settings.discovery.clone() {
         let discovery_state = state.clone();

@@ -21,10 +21,31 @@ pub async fn get(addr: &str, path: &str, timeout: Duration) -> Result<(u16, Stri
 /// `method path` (no body) on `addr`: the status and at most [`MAX_RESPONSE_BYTES`] of the
 /// answer, or why not.
 pub async fn request(method: &str, addr: &str, path: &str, timeout: Duration) -> Result<(u16, String), String> {
+    send(method, addr, path, None, timeout).await
+}
+
+/// `POST path` with a JSON `body` on `addr`, as [`request`].
+pub async fn post_json(addr: &str, path: &str, body: &str, timeout: Duration) -> Result<(u16, String), String> {
+    send("POST", addr, path, Some(body), timeout).await
+}
+
+async fn send(
+    method: &str,
+    addr: &str,
+    path: &str,
+    body: Option<&str>,
+    timeout: Duration,
+) -> Result<(u16, String), String> {
     let attempt = async {
         let mut conn = tokio::net::TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
-        let req =
-            format!("{method} {path} HTTP/1.0\r\nhost: {addr}\r\nuser-agent: kvmesh-cp\r\ncontent-length: 0\r\n\r\n");
+        let (kind, body) = match body {
+            Some(b) => ("content-type: application/json\r\n", b),
+            None => ("", ""),
+        };
+        let req = format!(
+            "{method} {path} HTTP/1.0\r\nhost: {addr}\r\nuser-agent: kvmesh-cp\r\n{kind}content-length: {}\r\n\r\n{body}",
+            body.len()
+        );
         conn.write_all(req.as_bytes()).await.map_err(|e| e.to_string())?;
         let mut buf = Vec::new();
         (&mut conn).take(MAX_RESPONSE_BYTES).read_to_end(&mut buf).await.map_err(|e| e.to_string())?;

@@ -52,6 +52,8 @@ pub struct Settings {
     /// taken out until it answers one (`--worker-unresponsive-secs`; 0: never, nor without
     /// health checks).
     pub unresponsive_ms: u64,
+    /// `--lora-adapter`: adapters kept loaded on a worker of their base model.
+    pub lora_adapters: Vec<AdapterSpec>,
     pub push_interval_ms: u64,
     pub discovery: Option<DiscoveryConfig>,
     /// `--log-level` (`RUST_LOG` wins).
@@ -164,5 +166,32 @@ impl std::str::FromStr for ModelIdFrom {
             _ => None,
         }
         .ok_or_else(|| format!("`{s}` is not namespace, label:<key> or annotation:<key>"))
+    }
+}
+
+/// One `--lora-adapter` entry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AdapterSpec {
+    pub name: String,
+    pub base: String,
+    pub path: String,
+}
+
+impl std::str::FromStr for AdapterSpec {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let shape = || format!("`{s}` is not NAME@BASE=PATH");
+        let (names, path) = s.split_once('=').ok_or_else(shape)?;
+        let (name, base) = names.split_once('@').ok_or_else(shape)?;
+        let (name, base, path) = (name.trim(), base.trim(), path.trim());
+        let fits = |n: &str| !n.is_empty() && n.len() <= kvmesh_core::models::MAX_MODEL_NAME;
+        if !fits(name) || !fits(base) || path.is_empty() || path.len() > 4096 || name == base {
+            return Err(format!(
+                "`{s}`: the adapter and its base need 1 to {} bytes each and must differ, the path 1 to 4096",
+                kvmesh_core::models::MAX_MODEL_NAME
+            ));
+        }
+        Ok(Self { name: name.into(), base: base.into(), path: path.into() })
     }
 }

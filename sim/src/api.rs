@@ -664,9 +664,14 @@ async fn models(State(e): Shared) -> Json<Value> {
     Json(json!({"object": "list", "data": e.models.list(created())}))
 }
 
-/// `{"lora_name": NAME, "lora_path": ...}`: the adapter is served from now on.
+/// `{"lora_name": NAME, "lora_path": PATH}`: the adapter is served from now on (as the
+/// engines do, a load without a path is refused).
 async fn load_lora(State(e): Shared, Json(body): Json<Value>) -> Response {
     let name = body["lora_name"].as_str().unwrap_or_default();
+    if body["lora_path"].as_str().is_none_or(str::is_empty) {
+        let m = "lora_path is required";
+        return (StatusCode::BAD_REQUEST, Json(json!({"object": "error", "message": m, "code": 400}))).into_response();
+    }
     match e.models.load(name) {
         Ok(()) => (StatusCode::OK, format!("Success: LoRA adapter '{name}' added successfully.")).into_response(),
         Err(m) => {

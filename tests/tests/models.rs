@@ -219,3 +219,34 @@ fn both_pd_legs_come_from_the_requests_model_pool() {
     assert_eq!(transfers, 12, "every decode pulled the KV its model's prefill computed");
     assert_eq!(ask(&envoy, "/v1/completions", "mistral", "x").status, 404);
 }
+
+/// `--lora-adapter`: kvmesh-cp loads an adapter no worker serves on the least-loaded worker of
+/// its base model, requests for it go there, and when it is unloaded behind kvmesh-cp's back
+/// it is loaded again.
+#[test]
+fn a_configured_adapter_is_loaded_where_its_base_runs_and_again_when_lost() {
+    let sims = [vllm(&["--served-model-name", "llama"]), vllm(&["--served-model-name", "llama"])];
+    let cp = control_plane(&sims, &["--health-check-interval-secs", "1", "--lora-adapter", "sql@llama=/adapters/sql"]);
+    let holder = || {
+        sims.iter()
+            .find(|s| cp.worker(&s.url())["models"].as_array().is_some_and(|m| m.iter().any(|c| c["id"] == "sql")))
+    };
+    wait_until("kvmesh-cp to load the adapter", Duration::from_secs(20), || holder().is_some()).unwrap();
+    let first = holder().unwrap();
+    let envoy = gateway(&cp);
+    sync(&cp, &envoy);
+    let r = ask(&envoy, "/v1/completions", "sql", "select the rows");
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-kvmesh-worker"), Some(first.addr().as_str()));
+    assert_eq!(r.json().unwrap()["model"], "sql");
+    // Unloaded on the worker: kvmesh-cp sees it gone at the next health check and loads it again.
+    let unload = json!({"lora_name": "sql"}).to_string();
+    let r = http::post(&format!("{}/v1/unload_lora_adapter", first.url()), unload.as_bytes(), &[]).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    wait_until("kvmesh-cp to load it again", Duration::from_secs(20), || {
+        cp.metrics().lines().any(|l| l.starts_with("kvmesh_adapter_loads_total 2"))
+    })
+    .unwrap();
+    assert!(holder().is_some());
+    assert!(cp.metrics().lines().any(|l| l.starts_with("kvmesh_adapter_load_failures_total 0")));
+}

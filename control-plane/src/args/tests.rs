@@ -624,3 +624,19 @@ fn inference_pool_implies_discovery_and_replaces_the_selector_and_port() {
     let d = parse(&["--inference-pool", "p", "--pd-disaggregation", "--prefill-selector", "tier=p"]).unwrap();
     assert!(d.discovery.unwrap().pd);
 }
+
+#[test]
+fn lora_adapters_name_the_adapter_its_base_and_its_path() {
+    let s = parse(&[
+        "--worker-urls",
+        "http://127.0.0.1:1",
+        "--lora-adapter",
+        "sql@llama=/a/sql",
+        "--lora-adapter",
+        "chat@llama=/a/chat",
+    ])
+    .unwrap();
+    let names: Vec<&str> = s.lora_adapters.iter().map(|a| a.name.as_str()).collect();
+    assert_eq!(names, ["sql", "chat"]);
+    assert!(parse(&["--lora-adapter", "sql=/a"]).unwrap_err().contains("NAME@BASE=PATH"));
+}

@@ -61,6 +61,9 @@ pub struct Counters {
     pub auth_failures: Counter,
     /// Reported index hashes dropped by the limits (per report, per second per gateway).
     pub dropped_inserts: Counter,
+    /// `--lora-adapter` loads that worked, and that failed.
+    pub adapter_loads: Counter,
+    pub adapter_load_failures: Counter,
 }
 
 /// The control plane's state, shared by every task (see the sibling modules for what each does with it).
