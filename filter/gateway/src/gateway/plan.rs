@@ -46,6 +46,8 @@ pub struct Plan {
     pub(super) now: Now,
     /// A batch: no prediction is judged (its items' reports cannot be told apart).
     pub(super) batch: bool,
+    /// The model pool it was routed in (for the decision record).
+    pub(super) model: Option<Box<str>>,
 }
 
 #[derive(Debug)]
@@ -133,6 +135,9 @@ pub struct Committed {
     pub prefill: Option<Routed>,
     pub merge_logprobs: bool,
     pub stream: bool,
+    /// The decision record (`record.rs`), for the host's filter state under
+    /// [`DECISION_KEY`](super::DECISION_KEY).
+    pub record: String,
 }
 
 /// How a routed request's destination headers are written (from the configuration).

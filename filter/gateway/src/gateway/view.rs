@@ -267,6 +267,7 @@ impl RoutingView {
             Err(e) => return Outcome::Reply(Reply::model(&e)),
         };
         let text = RoutingText::from(parsed).with_key(key).for_model(pool.name);
+        let model = pool.name.map(Box::from);
         let (main_cands, main_full) = self.candidates(&inflight, self.main_role(), now, Probes::Allowed, &pool);
         let (prefill, prefill_full) = match self.mode {
             Mode::Pd(_) => self.candidates(&inflight, Role::Prefill, now, Probes::Allowed, &pool),
@@ -327,7 +328,7 @@ impl RoutingView {
             },
         };
         let batch = parsed.batch.is_some();
-        Outcome::Route(Plan { chosen, main: main_routed, fallbacks, pd, inflight, now, batch })
+        Outcome::Route(Plan { chosen, main: main_routed, fallbacks, pd, inflight, now, batch, model })
     }
 
     /// The deployment's PD protocol (a worker may speak another, [`kvmesh_core::Worker::protocol`]).
