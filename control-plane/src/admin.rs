@@ -47,6 +47,18 @@ pub fn router(state: Arc<State>, metrics: Arc<Metrics>) -> Router {
         .route("/health", get(|| async { "OK" }))
         .with_state(state.clone())
         .merge(metrics_router(metrics, state))
+        .layer(axum::middleware::from_fn(traced))
+}
+
+/// Each call in a span (exported when traces are on).
+async fn traced(request: axum::extract::Request, next: axum::middleware::Next) -> axum::response::Response {
+    use tracing::Instrument;
+    let span = tracing::info_span!(target: crate::telemetry::SPANS, "admin",
+        http.request.method = %request.method(), url.path = %request.uri().path(),
+        http.response.status_code = tracing::field::Empty);
+    let response = next.run(request).instrument(span.clone()).await;
+    span.record("http.response.status_code", response.status().as_u16());
+    response
 }
 
 /// Only `/metrics` (read-only), for `--prometheus-port` too.

@@ -145,6 +145,15 @@ pub struct Args {
     /// Log level: debug, info, warn, error (RUST_LOG wins). Default info.
     #[arg(long, value_parser = ["debug", "info", "warn", "error"], help_heading = "Logging and authentication")]
     pub log_level: Option<String>,
+    /// Export OpenTelemetry traces (reports, snapshots, discovery, admin calls) over OTLP/gRPC
+    /// to --otlp-traces-endpoint, as service kvmesh-cp. Default off; OTEL_EXPORTER_OTLP_ENDPOINT
+    /// set in the environment turns it on too.
+    #[arg(long, action = ArgAction::SetTrue, help_heading = "Logging and authentication")]
+    pub enable_trace: bool,
+    /// The OTLP/gRPC collector for --enable-trace: host:port (as sglang-router) or an http(s)
+    /// URL. Default: OTEL_EXPORTER_OTLP_ENDPOINT, else localhost:4317.
+    #[arg(long, help_heading = "Logging and authentication")]
+    pub otlp_traces_endpoint: Option<String>,
     /// Accepted, not yet enforced: the API key kvmesh-cp sends to the workers.
     #[arg(long, help_heading = "Logging and authentication")]
     pub api_key: Option<String>,
@@ -408,6 +417,9 @@ impl Args {
         let (worker_policy, workers) = self.worker_policy(prefill, &mut warnings)?;
         let kv_capacity = self.kv_capacity()?;
         let limits = self.limits()?;
+        if self.otlp_traces_endpoint.is_some() && !self.enable_trace {
+            warnings.push("--otlp-traces-endpoint has no effect without --enable-trace (as in sglang-router)".into());
+        }
         Ok(Settings {
             state_file: self.state_file.clone(),
             auth,
@@ -450,10 +462,34 @@ impl Args {
                 .collect::<Result<_, _>>()?,
             discovery,
             log_level: self.log_level.clone().unwrap_or_else(|| "info".into()),
+            otlp_endpoint: self.otlp_endpoint(std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT").ok())?,
             warnings,
             workers: workers.regular,
             decode: workers.decode,
         })
+    }
+
+    /// Where traces go, if anywhere: with --enable-trace, --otlp-traces-endpoint, else `env`
+    /// (`OTEL_EXPORTER_OTLP_ENDPOINT`), else localhost:4317; without it, `env` alone. A
+    /// host:port gets `http://`.
+    pub(crate) fn otlp_endpoint(&self, env: Option<String>) -> Result<Option<String>, BadArgs> {
+        let env = env.map(|e| e.trim().to_string()).filter(|e| !e.is_empty());
+        let endpoint = match (self.enable_trace, &self.otlp_traces_endpoint) {
+            (true, Some(given)) => given.trim().to_string(),
+            (true, None) => env.unwrap_or_else(|| "localhost:4317".into()),
+            (false, _) => match env {
+                Some(env) => env,
+                None => return Ok(None),
+            },
+        };
+        let url = if endpoint.starts_with("http://") || endpoint.starts_with("https://") {
+            endpoint
+        } else if endpoint.contains("://") || endpoint.is_empty() || endpoint.contains(char::is_whitespace) {
+            return Err(self.bad("otlp_traces_endpoint", format!("`{endpoint}` is not host:port or an http(s) URL")));
+        } else {
+            format!("http://{endpoint}")
+        };
+        Ok(Some(url))
     }
 
     /// The flags given that kvmesh refuses (an error), and those with no effect (yet): the

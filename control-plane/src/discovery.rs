@@ -120,6 +120,9 @@ pub fn desired<'a>(pods: impl IntoIterator<Item = &'a Pod>, cfg: &DiscoveryConfi
 
 /// Makes the registry's discovered workers equal to `want`.
 pub fn reconcile(state: &State, want: &[Desired]) {
+    let span = tracing::info_span!(target: crate::telemetry::SPANS, "discovery.reconcile", wanted = want.len(),
+                                   workers = tracing::field::Empty);
+    let _in = span.enter();
     let wanted: HashSet<&Desired> = want.iter().collect();
     let current = state.workers();
     for w in current.iter().filter(|w| w.source == Source::Discovery) {
@@ -146,6 +149,7 @@ pub fn reconcile(state: &State, want: &[Desired]) {
         let model_id = want.iter().find(|d| d.url == w.url).and_then(|d| d.model_id.clone());
         state.set_model_id(w.id, model_id);
     }
+    span.record("workers", state.workers().len());
 }
 
 fn selector_string(selector: &BTreeMap<String, String>) -> String {

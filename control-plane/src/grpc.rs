@@ -11,6 +11,7 @@ use tokio::sync::broadcast::error::RecvError;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::state::{GatewayError, State};
+use crate::telemetry::SPANS;
 
 /// Most index hashes per snapshot message (512 KiB): a full snapshot goes out as a full
 /// message with the workers, the settings and the first hashes, then deltas of the same
@@ -53,6 +54,17 @@ pub fn split_full(mut full: Snapshot, max_hashes: usize) -> Vec<Snapshot> {
         *first = Snapshot { inserts, ..full };
     }
     out
+}
+
+/// A full snapshot for `gateway` (a span when traces are on).
+fn full_snapshot(state: &State, gateway: &str) -> Snapshot {
+    let span = tracing::info_span!(target: SPANS, "snapshot.full", gateway, version = tracing::field::Empty,
+                                   blocks = tracing::field::Empty);
+    let _in = span.enter();
+    let full = state.full_snapshot();
+    span.record("version", full.version);
+    span.record("blocks", full.inserts.iter().map(|i| i.hashes.len()).sum::<usize>());
+    full
 }
 
 fn refused(e: GatewayError) -> Status {
@@ -107,7 +119,7 @@ impl Kvmesh for Service {
         }
         // Subscribe before taking the full snapshot so that no delta falls in between.
         let mut deltas = state.subscribe();
-        let full = state.full_snapshot();
+        let full = full_snapshot(&state, &gateway);
         tracing::info!(%gateway, version = full.version, blocks = full.inserts.iter().map(|i| i.hashes.len()).sum::<usize>(), "gateway watching");
         let watching = Watching { state: state.clone(), gateway: gateway.clone() };
         let stream = async_stream::stream! {
@@ -125,7 +137,7 @@ impl Kvmesh for Service {
                     Ok(_) => {}
                     Err(RecvError::Lagged(missed)) => {
                         tracing::warn!(%gateway, missed, "gateway fell behind; sending a full snapshot");
-                        let full = state.full_snapshot();
+                        let full = full_snapshot(&state, &gateway);
                         seen = full.version;
                         for part in split_full(full, FULL_CHUNK_HASHES) {
                             yield Ok(part);
@@ -163,7 +175,10 @@ impl Kvmesh for Service {
                                 Some(Reporting { state: self.state.clone(), gateway: batch.gateway_id.clone() });
                         }
                     }
-                    self.state.report(batch);
+                    let hashes: usize = batch.inserts.iter().map(|i| i.hashes.len()).sum();
+                    let span = tracing::info_span!(target: SPANS, "report", gateway = %batch.gateway_id,
+                                                   inserts = batch.inserts.len(), hashes);
+                    span.in_scope(|| self.state.report(batch));
                     batches += 1;
                 }
                 Ok(None) => break,

@@ -20,6 +20,7 @@ mod peer_flags;
 mod probe;
 mod settings;
 mod state;
+mod telemetry;
 mod urls;
 
 use std::process::ExitCode;
@@ -52,14 +53,6 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| settings.log_level.as_str().into()),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
     let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
         Ok(r) => r,
         Err(e) => {
@@ -67,13 +60,23 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(settings)) {
+    let otlp = settings.otlp_endpoint.as_deref();
+    let telemetry = match runtime.block_on(async { telemetry::init(&settings.log_level, otlp) }) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("kvmesh-cp: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let code = match runtime.block_on(run(settings)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("kvmesh-cp: {e:#}");
             ExitCode::FAILURE
         }
-    }
+    };
+    telemetry.shutdown();
+    code
 }
 
 async fn run(settings: settings::Settings) -> anyhow::Result<()> {

@@ -154,12 +154,6 @@ pub struct PeerFlags {
     /// (envoy.yaml).
     #[arg(long)]
     pub tls_key_path: Option<String>,
-    /// No effect in kvmesh: tracing is Envoy's (a tracing provider in envoy.yaml).
-    #[arg(long, action = ArgAction::SetTrue)]
-    pub enable_trace: bool,
-    /// No effect in kvmesh: tracing is Envoy's (a tracing provider in envoy.yaml).
-    #[arg(long)]
-    pub otlp_traces_endpoint: Option<String>,
     /// No effect in kvmesh: kvmesh-cp logs every worker added or removed (info level) anyway.
     #[arg(long, action = ArgAction::SetTrue)]
     pub control_plane_audit_enabled: bool,

@@ -58,6 +58,9 @@ pub struct Settings {
     pub discovery: Option<DiscoveryConfig>,
     /// `--log-level` (`RUST_LOG` wins).
     pub log_level: String,
+    /// Where traces go over OTLP/gRPC (`--enable-trace`, `--otlp-traces-endpoint`,
+    /// `OTEL_EXPORTER_OTLP_ENDPOINT`); none: no traces.
+    pub otlp_endpoint: Option<String>,
     /// What to warn about at startup: flags given that have no effect (yet).
     pub warnings: Vec<String>,
     /// Who may talk to kvmesh-cp.

@@ -314,8 +314,10 @@ async fn serve(e: Arc<Engine>, endpoint: Endpoint, headers: &HeaderMap, body: By
         e.record_session(session);
     }
     let recorded = serde_json::from_slice::<Value>(&body).unwrap_or(Value::Null);
+    // W3C trace context as received: tests check that every leg carries the client's.
     e.record(json!({"path": endpoint_path(endpoint), "x_request_id": request_id,
-                    "x_prefiller_host_port": prefiller, "body": recorded}));
+                    "x_prefiller_host_port": prefiller, "traceparent": header(headers, "traceparent"),
+                    "tracestate": header(headers, "tracestate"), "body": recorded}));
     let job = match Job::parse(endpoint, &body, e.args.default_max_tokens) {
         Ok(j) => j,
         Err(msg) => return error(StatusCode::BAD_REQUEST, &msg),

@@ -175,15 +175,24 @@ async fn sglang_stays_as_it_was_by_default() {
 async fn requests_record_their_routing_headers() {
     let sim = Sim::start(&[]).await;
     let body = json!({"text": "hi"});
-    sim.post("/generate", &[("x-request-id", "r-1"), ("x-prefiller-host-port", "10.0.0.1:8000")], &body).await;
+    let headers = [
+        ("x-request-id", "r-1"),
+        ("x-prefiller-host-port", "10.0.0.1:8000"),
+        ("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
+        ("tracestate", "k=v"),
+    ];
+    sim.post("/generate", &headers, &body).await;
     let seen = sim.last_request().await;
     assert_eq!(
         seen,
-        json!({"path": "/generate", "x_request_id": "r-1", "x_prefiller_host_port": "10.0.0.1:8000", "body": body})
+        json!({"path": "/generate", "x_request_id": "r-1", "x_prefiller_host_port": "10.0.0.1:8000",
+               "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "tracestate": "k=v",
+               "body": body})
     );
     sim.post("/generate", &[], &body).await;
     let seen = sim.last_request().await;
-    assert_eq!((seen["x_request_id"].clone(), seen["x_prefiller_host_port"].clone()), (Value::Null, Value::Null));
+    let absent = ["x_request_id", "x_prefiller_host_port", "traceparent", "tracestate"].map(|k| seen[k].clone());
+    assert_eq!(absent, [Value::Null, Value::Null, Value::Null, Value::Null]);
 }
 
 #[tokio::test]

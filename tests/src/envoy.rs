@@ -58,6 +58,9 @@ pub struct EnvoyOptions {
     /// The overload manager's heap budget and the floor its idle timeouts scale down to, in
     /// place of the template's (a test of memory pressure cannot fill 2 GiB).
     pub heap_budget: Option<(u64, Duration)>,
+    /// Where the template's access logs write (its `access_log` entries, format unchanged);
+    /// `None` takes them out, so that tests and benchmarks pay for no log line per request.
+    pub access_log: Option<PathBuf>,
 }
 
 impl EnvoyOptions {
@@ -83,6 +86,7 @@ impl EnvoyOptions {
             ready_limit: Duration::from_secs(30),
             request_timeout: None,
             heap_budget: None,
+            access_log: None,
         })
     }
 
@@ -151,6 +155,7 @@ pub fn render(opts: &EnvoyOptions) -> anyhow::Result<String> {
         let scaled = at(overload, &["actions", "0", "typed_config", "timer_scale_factors", "0"])?;
         *at(scaled, &["min_timeout"])? = format!("{}s", floor.as_secs_f64()).into();
     }
+    access_logs(&mut doc, opts.access_log.as_deref())?;
     let config = wasm_config(&mut doc)?;
     if config.get("allow_on_headers_stop_iteration").and_then(Yaml::as_bool) != Some(true) {
         bail!(
@@ -230,6 +235,25 @@ pub fn render(opts: &EnvoyOptions) -> anyhow::Result<String> {
         }
     }
     Ok(serde_norway::to_string(&doc)?)
+}
+
+/// The listener's access logs written to `path`, or taken out (`None`).
+fn access_logs(doc: &mut Yaml, path: Option<&Path>) -> anyhow::Result<()> {
+    let hcm = at(doc, &["static_resources", "listeners", "0", "filter_chains", "0", "filters", "0", "typed_config"])?;
+    let Some(map) = hcm.as_mapping_mut() else { bail!("the connection manager's config is not a map") };
+    match path {
+        None => {
+            map.remove("access_log");
+        }
+        Some(path) => {
+            let logs = map.get_mut("access_log").and_then(Yaml::as_sequence_mut);
+            let logs = logs.ok_or_else(|| anyhow!("the template has no access_log"))?;
+            for log in logs {
+                *at(log, &["typed_config", "path"])? = path.display().to_string().into();
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The Wasm filter's entry replaced by Envoy's dynamic-modules filter loading `module`

@@ -640,3 +640,24 @@ fn lora_adapters_name_the_adapter_its_base_and_its_path() {
     assert_eq!(names, ["sql", "chat"]);
     assert!(parse(&["--lora-adapter", "sql=/a"]).unwrap_err().contains("NAME@BASE=PATH"));
 }
+
+/// Traces: off unless --enable-trace or OTEL_EXPORTER_OTLP_ENDPOINT; sglang-router's host:port
+/// becomes a URL; a bad endpoint is one line naming the flag.
+#[test]
+fn trace_export_is_off_by_default_and_follows_sglang_routers_flags() {
+    let env = || Some("http://collector:4317".to_string());
+    assert_eq!(args(&[]).otlp_endpoint(None).unwrap(), None);
+    assert_eq!(args(&[]).otlp_endpoint(env()).unwrap().as_deref(), Some("http://collector:4317"));
+    assert_eq!(args(&["--otlp-traces-endpoint", "h:1"]).otlp_endpoint(None).unwrap(), None, "needs --enable-trace");
+    let on = args(&["--enable-trace"]);
+    assert_eq!(on.otlp_endpoint(None).unwrap().as_deref(), Some("http://localhost:4317"));
+    assert_eq!(on.otlp_endpoint(env()).unwrap().as_deref(), Some("http://collector:4317"));
+    let given = args(&["--enable-trace", "--otlp-traces-endpoint", "10.0.0.9:4317"]);
+    assert_eq!(given.otlp_endpoint(env()).unwrap().as_deref(), Some("http://10.0.0.9:4317"), "the flag wins");
+    let tls = args(&["--enable-trace", "--otlp-traces-endpoint", "https://otel.example:4317"]);
+    assert_eq!(tls.otlp_endpoint(None).unwrap().as_deref(), Some("https://otel.example:4317"));
+    let bad = args(&["--enable-trace", "--otlp-traces-endpoint", "grpc://c:4317"]).otlp_endpoint(None).unwrap_err();
+    assert!(bad.to_string().starts_with("--otlp-traces-endpoint: "), "{bad}");
+    let warned = parse(&["--worker-urls", "http://127.0.0.1:1", "--otlp-traces-endpoint", "h:1"]).unwrap();
+    assert!(warned.warnings.iter().any(|w| w.contains("without --enable-trace")), "{:?}", warned.warnings);
+}

@@ -39,6 +39,9 @@ impl State {
         };
         let version = delta.version;
         drop(inner);
+        let _span = tracing::info_span!(target: crate::telemetry::SPANS, "snapshot.publish", version, workers_changed,
+            inserts = delta.inserts.len(), evictions = delta.evictions.len(), watchers = self.deltas.receiver_count())
+        .entered();
         let _ = self.deltas.send(Arc::new(delta));
         self.counters.deltas.inc();
         Some(version)

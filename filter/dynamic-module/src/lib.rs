@@ -99,6 +99,7 @@ extern "C" {
     fn envoy_dynamic_module_callback_http_get_body_chunks_size(f: *mut c_void, kind: u32, out: *mut usize) -> usize;
     fn envoy_dynamic_module_callback_http_get_body_chunks(f: *mut c_void, kind: u32, out: *mut Buffer) -> bool;
     fn envoy_dynamic_module_callback_http_clear_route_cache(f: *mut c_void);
+    fn envoy_dynamic_module_callback_http_set_filter_state_bytes(f: *mut c_void, key: Buffer, value: Buffer) -> bool;
     fn envoy_dynamic_module_callback_http_filter_get_attribute_string(
         f: *mut c_void,
         id: u32,
@@ -513,6 +514,19 @@ impl<'a> Stream<'a> {
         // SAFETY: the buffers outlive the call; Envoy copies them.
         unsafe {
             envoy_dynamic_module_callback_http_set_header(self.0, kind as u32, Buffer::of(name.as_bytes()), value)
+        }
+    }
+
+    /// Sets a string in the stream's filter state under `key` (read-only once set: Envoy
+    /// keeps it as a string accessor); whether Envoy took it.
+    pub fn set_filter_state(self, key: &str, value: &[u8]) -> bool {
+        // SAFETY: the buffers outlive the call; Envoy copies them.
+        unsafe {
+            envoy_dynamic_module_callback_http_set_filter_state_bytes(
+                self.0,
+                Buffer::of(key.as_bytes()),
+                Buffer::of(value),
+            )
         }
     }
 

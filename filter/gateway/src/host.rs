@@ -265,6 +265,12 @@ pub trait StreamHost: VmHost {
     fn upstream_address(&self) -> Option<String>;
     /// Answers the client locally (Envoy resets the upstream, if any).
     fn send_reply(&self, status: u16, headers: &[(&str, &str)], body: &[u8]) -> Result<(), HostError>;
+    /// Sets a value of the request's filter state, where Envoy's access logs
+    /// (`%FILTER_STATE(wasm.<key>:PLAIN)%`) and tracing read it: a property under Wasm, which
+    /// Envoy keeps as `wasm.<key>`; the native build writes the same `wasm.<key>` so that one
+    /// access-log format fits both builds. Each key is set at most once per request (Envoy keeps
+    /// a dynamic module's filter state read-only).
+    fn set_filter_state(&self, key: &str, value: &str) -> Result<(), HostError>;
     /// Lets a held response go on.
     fn resume_response(&self) -> Result<(), HostError>;
     /// Lets a held request go on (one the filter paused while it waited in the queue).

@@ -21,7 +21,7 @@ use kvmesh_core::{Endpoint, WorkerId};
 use crate::admission::{Entry, WaitRoom};
 use crate::gateway::{
     endpoint_list, is_routing_header, Destination, Gateway, Now, Outcome, Plan, PrefillLeg, Reply, RequestInfo, Routed,
-    PREFILLER_HEADER,
+    DECISION_KEY, FAILOVER_KEY, PREFILLER_HEADER,
 };
 use crate::host::{Action, Callout, Metric, ModelMetric, StreamHost};
 use crate::pd_leg::PdLeg;
@@ -488,6 +488,10 @@ impl RequestFilter {
                 host.increment_model(ModelMetric::CacheHits, model);
             }
         }
+        // For access logs and tracing: one host call, whatever the mode.
+        if let Err(e) = host.set_filter_state(DECISION_KEY, &committed.record) {
+            log::debug!("cannot record the decision: {e}");
+        }
         let now_ms = decided.ms();
         self.with_gateway(|g| {
             // vLLM's decode worker gets the request only once its prefill answered: its stall
@@ -609,7 +613,9 @@ impl RequestFilter {
         }
         let mut judged: Vec<(WorkerId, bool)> = Vec::with_capacity(2);
         if served != routed.addr {
-            self.failed_over = true;
+            if !std::mem::replace(&mut self.failed_over, true) {
+                let _ = host.set_filter_state(FAILOVER_KEY, &served);
+            }
             host.increment(Metric::Failovers);
             log::info!("worker {} failed; Envoy failed over to {served}", routed.addr);
             judged.push((routed.worker, false));
@@ -752,5 +758,7 @@ impl RequestFilter {
 mod prefill;
 pub mod unanswered;
 pub use unanswered::Unanswered;
+#[cfg(test)]
+mod record_tests;
 #[cfg(test)]
 mod tests;

@@ -227,6 +227,16 @@ impl StreamHost for NativeHost {
         self.stream().ok_or_else(no_stream)?.send_response(status, headers, body, "kvmesh");
         Ok(())
     }
+    /// Under the name Envoy gives a Wasm filter's property (`wasm.<key>`): one access-log
+    /// format for both builds.
+    fn set_filter_state(&self, key: &str, value: &str) -> Result<(), HostError> {
+        let stream = self.stream().ok_or_else(no_stream)?;
+        if stream.set_filter_state(&format!("wasm.{key}"), value.as_bytes()) {
+            Ok(())
+        } else {
+            Err(HostError(format!("Envoy refused to set the filter state {key}")))
+        }
+    }
     fn resume_response(&self) -> Result<(), HostError> {
         self.stream().ok_or_else(no_stream)?.continue_encoding();
         Ok(())

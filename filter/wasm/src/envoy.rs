@@ -196,6 +196,10 @@ impl StreamHost for EnvoyHost {
     fn send_reply(&self, status: u16, headers: &[(&str, &str)], body: &[u8]) -> Result<(), HostError> {
         hostcalls::send_http_response(u32::from(status), headers.to_vec(), Some(body)).map_err(err)
     }
+    /// A property: Envoy keeps it in the filter state as `wasm.<key>`.
+    fn set_filter_state(&self, key: &str, value: &str) -> Result<(), HostError> {
+        hostcalls::set_property(vec![key], Some(value.as_bytes())).map_err(err)
+    }
     fn resume_response(&self) -> Result<(), HostError> {
         hostcalls::resume_http_response().map_err(err)
     }

@@ -13,6 +13,7 @@ mod follower;
 mod ledger;
 mod plan;
 mod publisher;
+mod record;
 mod reply;
 mod view;
 
@@ -33,6 +34,7 @@ pub use self::plan::{
     MAX_ABORTS,
 };
 pub use self::publisher::REPORT_QUEUE_HASHES;
+pub use self::record::{DECISION_KEY, FAILOVER_KEY};
 pub use self::reply::Reply;
 pub use self::view::CONTROL_PLANE_EVICTION_CAP;
 pub use crate::now::Now;
@@ -230,6 +232,13 @@ impl Gateway {
     pub fn commit(&mut self, store: &dyn SharedStore, plan: Plan) -> Committed {
         let Plan { chosen, mut main, pd, inflight, now, fallbacks: _, batch, model } = plan;
         let prediction = self.view.prediction(&chosen, batch);
+        let record = record::decision_record(
+            &self.view.config,
+            &chosen,
+            &main.addr,
+            pd.as_ref().map(|p| p.prefill.addr.as_str()),
+            model.as_deref(),
+        );
         let decisions: Vec<&Decision> = match &chosen {
             Chosen::Regular(d) | Chosen::Pd(PdDecision::DecodeOnly(d)) => vec![d],
             Chosen::Pd(PdDecision::Split { prefill, decode }) => vec![decode, prefill],
@@ -276,7 +285,10 @@ impl Gateway {
             }
             None => (None, false, false),
         };
-        Committed { main, prediction, prefill, merge_logprobs, stream, model }
+        // Per-model counters only where the gateway routes by model (several names, adapters,
+        // aliases or --enable-igw): one model alone is the gateway's own totals.
+        let model = model.filter(|_| self.view.routes_by_model());
+        Committed { main, prediction, prefill, merge_logprobs, stream, model, record }
     }
 
     /// The worker at `addr` (`ip:port`, as Envoy reports the upstream it used).

@@ -46,7 +46,8 @@ pub struct Plan {
     pub(super) now: Now,
     /// A batch: no prediction is judged (its items' reports cannot be told apart).
     pub(super) batch: bool,
-    /// The model pool it was routed in, when the gateway serves several by name.
+    /// The model pool it was routed in (for the decision record and, where the gateway
+    /// routes by model, the per-model counters).
     pub(super) model: Option<Box<str>>,
 }
 
@@ -135,8 +136,11 @@ pub struct Committed {
     pub prefill: Option<Routed>,
     pub merge_logprobs: bool,
     pub stream: bool,
-    /// See [`Plan`]'s `model`.
+    /// The model, for the per-model counters: only where the gateway routes by model.
     pub model: Option<Box<str>>,
+    /// The decision record (`record.rs`), for the host's filter state under
+    /// [`DECISION_KEY`](super::DECISION_KEY).
+    pub record: String,
 }
 
 /// How a routed request's destination headers are written (from the configuration).

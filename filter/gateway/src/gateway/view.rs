@@ -267,9 +267,7 @@ impl RoutingView {
             Err(e) => return Outcome::Reply(Reply::model(&e)),
         };
         let text = RoutingText::from(parsed).with_key(key).for_model(pool.name);
-        // Per-model series only where the gateway routes by model (several names, adapters,
-        // aliases or --enable-igw): one model alone is the gateway's own totals.
-        let model = pool.name.filter(|_| self.pools.by_model()).map(Box::from);
+        let model = pool.name.map(Box::from);
         let (main_cands, main_full) = self.candidates(&inflight, self.main_role(), now, Probes::Allowed, &pool);
         let (prefill, prefill_full) = match self.mode {
             Mode::Pd(_) => self.candidates(&inflight, Role::Prefill, now, Probes::Allowed, &pool),
@@ -504,6 +502,11 @@ impl RoutingView {
             Mode::Regular(r) => r.bound(),
             Mode::Pd(pd) => pd.prefill_router().bound() + pd.decode_router().bound(),
         }
+    }
+
+    /// Whether requests are routed by their `model` (see [`Pools::by_model`]).
+    pub(super) fn routes_by_model(&self) -> bool {
+        self.pools.by_model()
     }
 
     /// Blocks in this VM's prefix index (both legs' in PD mode).

@@ -76,6 +76,8 @@ pub struct MockHost {
     pub metrics: RefCell<HashMap<Metric, Vec<u64>>>,
     /// Per-model counters: (metric, model) → count.
     pub model_metrics: RefCell<HashMap<(ModelMetric, String), u64>>,
+    /// The request's filter state as the filter set it (`set_filter_state`), in order.
+    pub filter_state: RefCell<Vec<(String, String)>>,
     /// Every host call made, in order (each crosses the Wasm boundary in Envoy).
     pub calls: RefCell<Vec<&'static str>>,
     next_token: Cell<u32>,
@@ -102,7 +104,13 @@ impl MockHost {
         *self.code_details.borrow_mut() = None;
         self.replies.borrow_mut().clear();
         self.callouts.borrow_mut().clear();
+        self.filter_state.borrow_mut().clear();
         self.resumed.set(0);
+    }
+
+    /// A filter-state value the filter set for the request (tests).
+    pub fn filter_state(&self, key: &str) -> Option<String> {
+        self.filter_state.borrow().iter().rev().find(|(k, _)| k == key).map(|(_, v)| v.clone())
     }
 
     pub fn request_header(&self, name: &str) -> Option<String> {
@@ -301,6 +309,11 @@ impl StreamHost for MockHost {
             headers: headers.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
             body: body.to_vec(),
         });
+        Ok(())
+    }
+    fn set_filter_state(&self, key: &str, value: &str) -> Result<(), HostError> {
+        self.note("set_filter_state");
+        self.filter_state.borrow_mut().push((key.to_string(), value.to_string()));
         Ok(())
     }
     fn resume_response(&self) -> Result<(), HostError> {

@@ -99,6 +99,7 @@ fn one_request_makes_only_the_host_calls_it_needs() {
         // Decision, commit, response headers, the end of the body (to time an answer that
         // carries no e2e_latency); not the end of the stream once the worker answered.
         assert_eq!(n("now_nanos"), 4, "round {round}: {calls:?}");
+        assert_eq!(n("set_filter_state"), 1, "round {round}: the decision record, once");
         assert!(calls.len() <= 24, "round {round}: {} host calls: {calls:?}", calls.len());
     }
 }
