@@ -83,6 +83,10 @@ pub struct Worker {
     pub models: Vec<ServedModel>,
     /// The PD protocol it speaks when not the deployment's (a pod's `kvmesh.io/pd-protocol`).
     pub pd_protocol: Option<PdProtocol>,
+    /// One data-parallel rank of the worker at `addr` (`--dp-aware`): a routing target of its
+    /// own, sharing the address with the other ranks; the body it gets names the rank
+    /// (`data_parallel_rank`). None: the worker is one target.
+    pub dp_rank: Option<u32>,
 }
 
 impl Worker {
@@ -102,7 +106,24 @@ impl Worker {
             utility: None,
             models: Vec::new(),
             pd_protocol: None,
+            dp_rank: None,
         })
+    }
+
+    /// Rank `rank` of the worker at `url` (see [`Worker::dp_rank`]): its own affinity (the
+    /// ranks of one worker are distinct targets for consistent hashing).
+    pub fn with_dp_rank(mut self, rank: Option<u32>) -> Self {
+        self.dp_rank = rank;
+        if let Some(r) = rank {
+            self.affinity = affinity_of(&format!("{}@{r}", self.url.trim_end_matches('/')));
+        }
+        self
+    }
+
+    /// Whether `addr` and `rank` name this routing target (an address alone is ambiguous
+    /// between the ranks of one worker).
+    pub fn is_at(&self, addr: &str, rank: Option<u32>) -> bool {
+        self.addr == addr && self.dp_rank == rank
     }
 
     /// Whether the worker is past an overload threshold: more than `max_waiting` requests in
