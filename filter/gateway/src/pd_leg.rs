@@ -246,7 +246,8 @@ mod tests {
     use super::*;
 
     fn leg(stream: bool, merge: bool) -> PdLeg {
-        let prefill = Routed { worker: 1, addr: "127.0.0.1:30001".into(), counted: true, matched_bytes: 0 };
+        let prefill =
+            Routed { worker: 1, addr: "127.0.0.1:30001".into(), counted: true, matched_bytes: 0, dp_rank: None };
         PdLeg::new(prefill, 7, stream, merge)
     }
 
