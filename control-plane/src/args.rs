@@ -131,6 +131,13 @@ pub struct Args {
     /// /v1/models lists. Default none.
     #[arg(long, help_heading = "Workers: health, load, discovery")]
     pub model_id_from: Option<String>,
+    /// Data-parallel ranks as routing targets (sglang-router's and SMG's flag): a regular
+    /// worker whose /get_server_info reports dp_size N (2 to 64) becomes N targets, URL@0 ..
+    /// URL@N-1, each with its own prefix index and load (/get_load's entry for its dp_rank);
+    /// the gateway writes "data_parallel_rank" into the body it forwards. PD workers stay one
+    /// target each. Default off.
+    #[arg(long, help_heading = "Workers: health, load, discovery")]
+    pub dp_aware: bool,
     /// Log level: debug, info, warn, error (RUST_LOG wins). Default info.
     #[arg(long, value_parser = ["debug", "info", "warn", "error"], help_heading = "Logging and authentication")]
     pub log_level: Option<String>,
@@ -397,7 +404,13 @@ impl Args {
         let (worker_policy, workers) = self.worker_policy(prefill, &mut warnings)?;
         let kv_capacity = self.kv_capacity()?;
         let limits = self.limits()?;
+        if self.dp_aware && pd {
+            warnings.push(
+                "--dp-aware: no effect on PD workers (each stays one target; docs/configuration.md says why)".into(),
+            );
+        }
         Ok(Settings {
+            dp_aware: self.dp_aware && !pd,
             state_file: self.state_file.clone(),
             auth,
             worker_policy,
