@@ -71,7 +71,9 @@ pub async fn keep_loaded(state: Arc<State>, specs: Vec<AdapterSpec>) {
             if loaded {
                 tracing::info!(adapter = %spec.name, base = %spec.base, worker = %addr, "LoRA adapter loaded");
                 failed.remove(&spec.name);
-                crate::probe::poll_models(&state, id, &addr, timeout).await;
+                // Every data-parallel rank of that worker serves it now.
+                let ids: Vec<u32> = state.ranks_of(id).into_iter().map(|(id, _)| id).collect();
+                crate::probe::poll_models(&state, &ids, &addr, timeout).await;
             } else {
                 tracing::warn!(adapter = %spec.name, worker = %addr, ?answer, "LoRA adapter not loaded; retrying in 5 s");
                 failed.insert(spec.name.clone(), Instant::now());

@@ -126,7 +126,8 @@ async fn remove_worker(Axum(state): Shared, Query(q): Query<WorkerQuery>) -> (St
 /// confirmed, 502 otherwise; the body says per worker.
 async fn flush_cache(Axum(state): Shared) -> (StatusCode, Json<Value>) {
     let timeout = std::time::Duration::from_secs(state.settings.health_timeout_secs);
-    let calls = state.workers().into_iter().map(|w| async move {
+    // Once per worker: its data-parallel ranks share one cache flush.
+    let calls = state.workers().into_iter().filter(|w| w.dp_rank.is_none_or(|r| r == 0)).map(|w| async move {
         let outcome = match kvmesh_core::worker::socket_addr(&w.url) {
             Ok(addr) => crate::probe::request("POST", &addr.to_string(), "/flush_cache", timeout).await,
             Err(e) => Err(e.to_string()),
@@ -144,7 +145,7 @@ async fn flush_cache(Axum(state): Shared) -> (StatusCode, Json<Value>) {
 }
 
 async fn list_workers(Axum(state): Shared) -> Json<Value> {
-    Json(json!({"urls": state.workers().iter().map(|w| w.url.clone()).collect::<Vec<_>>()}))
+    Json(json!({"urls": state.workers().iter().map(WorkerEntry::name).collect::<Vec<_>>()}))
 }
 
 async fn workers(Axum(state): Shared) -> Json<Value> {
@@ -157,7 +158,8 @@ async fn workers(Axum(state): Shared) -> Json<Value> {
         .map(|w| {
             json!({
                 "id": w.id,
-                "url": w.url,
+                "url": w.name(),
+                "dp_rank": w.dp_rank,
                 "role": role_name(w.role),
                 "bootstrap_port": w.bootstrap_port,
                 "pd_protocol": protocol(w),
@@ -349,11 +351,11 @@ impl Metrics {
         let mut now_models = HashSet::new();
         for w in self.state.workers() {
             for m in w.served() {
-                let labels = ModelLabels { worker: w.url.clone(), model: m.id, parent: m.parent.unwrap_or_default() };
+                let labels = ModelLabels { worker: w.name(), model: m.id, parent: m.parent.unwrap_or_default() };
                 self.models.get_or_create(&labels).set(1);
                 now_models.insert(labels);
             }
-            let labels = WorkerLabels { worker: w.url.clone(), role: role_name(w.role).into() };
+            let labels = WorkerLabels { worker: w.name(), role: role_name(w.role).into() };
             self.healthy.get_or_create(&labels).set(i64::from(w.healthy));
             self.load.get_or_create(&labels).set(w.load() as i64);
             self.inflight.get_or_create(&labels).set(w.inflight_total() as i64);

@@ -142,6 +142,13 @@ pub struct Args {
     /// /v1/load_lora_adapter, SGLang's /load_lora_adapter). Default none.
     #[arg(long, value_name = "NAME@BASE=PATH", help_heading = "Workers: health, load, discovery")]
     pub lora_adapter: Vec<String>,
+    /// Data-parallel ranks as routing targets (sglang-router's and SMG's flag): a regular
+    /// worker whose /get_server_info reports dp_size N (2 to 64) becomes N targets, URL@0 ..
+    /// URL@N-1, each with its own prefix index and load (/get_load's entry for its dp_rank);
+    /// the gateway writes "data_parallel_rank" into the body it forwards. PD workers stay one
+    /// target each. Default off.
+    #[arg(long, help_heading = "Workers: health, load, discovery")]
+    pub dp_aware: bool,
     /// Log level: debug, info, warn, error (RUST_LOG wins). Default info.
     #[arg(long, value_parser = ["debug", "info", "warn", "error"], help_heading = "Logging and authentication")]
     pub log_level: Option<String>,
@@ -420,7 +427,13 @@ impl Args {
         if self.otlp_traces_endpoint.is_some() && !self.enable_trace {
             warnings.push("--otlp-traces-endpoint has no effect without --enable-trace (as in sglang-router)".into());
         }
+        if self.dp_aware && pd {
+            warnings.push(
+                "--dp-aware: no effect on PD workers (each stays one target; docs/configuration.md says why)".into(),
+            );
+        }
         Ok(Settings {
+            dp_aware: self.dp_aware && !pd,
             state_file: self.state_file.clone(),
             auth,
             worker_policy,

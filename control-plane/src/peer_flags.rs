@@ -27,10 +27,6 @@ pub struct PeerFlags {
     /// No effect in kvmesh: the manual policy is not in kvmesh.
     #[arg(long)]
     pub assignment_mode: Option<String>,
-    /// No effect in kvmesh: a worker URL is one worker; SGLang's own data-parallel
-    /// controller spreads its requests over its DP ranks.
-    #[arg(long, action = ArgAction::SetTrue)]
-    pub dp_aware: bool,
     /// No effect in kvmesh: the filter always dispatches both PD legs itself (no MiniLB).
     #[arg(long, action = ArgAction::SetTrue)]
     pub mini_lb: bool,

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::state::{Pressure, State};
+use crate::state::{Pressure, RankLoad, State};
 
 /// The most of a worker's answer kvmesh-cp reads (a health, load or metrics page; a hostile or
 /// broken worker cannot make it hold more).
@@ -66,6 +66,27 @@ pub fn parse_get_load(body: &str) -> Option<u64> {
     }
     let ranks = v.as_array()?;
     Some(ranks.iter().filter_map(|r| r.get("num_reqs").and_then(serde_json::Value::as_u64)).sum())
+}
+
+/// Each data-parallel rank's entry of SGLang's `/get_load` list (`dp_rank`, `num_reqs`,
+/// `num_waiting_reqs`); at most [`kvmesh_core::dp::MAX_DP_SIZE`] are read.
+pub fn ranks_from_get_load(body: &str) -> Vec<RankLoad> {
+    let Ok(serde_json::Value::Array(ranks)) = serde_json::from_str(body) else { return Vec::new() };
+    let u64_of = |r: &serde_json::Value, k: &str| r.get(k).and_then(serde_json::Value::as_u64);
+    ranks
+        .iter()
+        .take(kvmesh_core::dp::MAX_DP_SIZE as usize)
+        .filter_map(|r| {
+            let rank = u32::try_from(u64_of(r, "dp_rank")?).ok()?;
+            Some(RankLoad { rank, load: u64_of(r, "num_reqs"), waiting: u64_of(r, "num_waiting_reqs") })
+        })
+        .collect()
+}
+
+/// SGLang's `dp_size` from `/get_server_info` (top level), if it says.
+pub fn dp_size_from_server_info(body: &str) -> Option<u64> {
+    let v: serde_json::Value = serde_json::from_str(body).ok()?;
+    v.get("dp_size").and_then(serde_json::Value::as_u64)
 }
 
 /// Waiting requests from SGLang's `/get_load` (one object per DP rank: `num_waiting_reqs`).
@@ -131,20 +152,29 @@ pub async fn check_one(state: Arc<State>, id: u32) {
 }
 
 /// One health check: its result with the thresholds, any answer as a sign of life, and on a
-/// pass the models the worker serves.
+/// pass the models the worker serves. A worker's data-parallel ranks share its answer.
 async fn health_check(state: &Arc<State>, url: &str, id: u32, timeout: Duration) {
     let Ok(addr) = kvmesh_core::worker::socket_addr(url) else { return };
     let addr = addr.to_string();
-    state.asking(id);
+    let ids: Vec<u32> = state.ranks_of(id).into_iter().map(|(id, _)| id).collect();
+    ids.iter().for_each(|&id| state.asking(id));
     let answer = get(&addr, &state.settings.health_endpoint, timeout).await;
     let ok = matches!(answer, Ok((200, _)));
-    state.health_result(id, ok);
-    if answer.is_ok() {
-        state.answered(id);
+    for &id in &ids {
+        state.health_result(id, ok);
+        if answer.is_ok() {
+            state.answered(id);
+        }
     }
     if ok {
-        poll_models(state, id, &addr, timeout).await;
+        poll_models(state, &ids, &addr, timeout).await;
     }
+}
+
+/// Whether `w` is probed for itself: a worker, or the first rank of one (the others share
+/// its answers).
+fn probed_for_itself(w: &crate::state::WorkerEntry) -> bool {
+    w.dp_rank.is_none_or(|r| r == 0)
 }
 
 /// Health checks every `health_interval_secs`.
@@ -154,7 +184,7 @@ pub async fn health_loop(state: Arc<State>) {
     let mut tick = tokio::time::interval(interval);
     loop {
         tick.tick().await;
-        let checks = state.workers().into_iter().map(|w| {
+        let checks = state.workers().into_iter().filter(probed_for_itself).map(|w| {
             let state = state.clone();
             async move { health_check(&state, &w.url, w.id, timeout).await }
         });
@@ -162,9 +192,9 @@ pub async fn health_loop(state: Arc<State>) {
     }
 }
 
-/// Asks worker `id` at `addr` what it serves and records the answer (nothing when it does
-/// not say: what was known stays).
-pub async fn poll_models(state: &Arc<State>, id: u32, addr: &str, timeout: Duration) {
+/// Asks the worker at `addr` what it serves and records the answer for its entries `ids`
+/// (nothing when it does not say: what was known stays).
+pub async fn poll_models(state: &Arc<State>, ids: &[u32], addr: &str, timeout: Duration) {
     let served = match get(addr, "/v1/models", timeout).await {
         Ok((200, body)) => crate::models::parse_models(&body),
         _ => None,
@@ -177,7 +207,9 @@ pub async fn poll_models(state: &Arc<State>, id: u32, addr: &str, timeout: Durat
         },
     };
     if let Some(served) = served {
-        state.models_result(id, served);
+        for &id in ids {
+            state.models_result(id, served.clone());
+        }
     }
 }
 
@@ -218,7 +250,7 @@ pub async fn load_loop(state: Arc<State>) {
         last_round = Some(now);
         let workers = state.workers();
         capacity_asked.retain(|id, _| workers.iter().any(|w| w.id == *id && w.healthy));
-        for w in workers.into_iter().filter(|w| w.probed()) {
+        for w in workers.into_iter().filter(|w| w.probed() && probed_for_itself(w)) {
             if !polling.lock().is_ok_and(|mut p| p.insert(w.id)) {
                 continue; // the last poll of it is still out
             }
@@ -238,33 +270,41 @@ pub async fn load_loop(state: Arc<State>) {
     }
 }
 
-/// One load poll of a worker (and its KV capacity when `ask_capacity`); every answer is a sign
-/// of life.
+/// One load poll of a worker (and its KV capacity and `dp_size` when `ask_capacity`); every
+/// answer is a sign of life. Its data-parallel ranks get their own `/get_load` entries.
 async fn poll_one(state: &State, id: u32, url: &str, ask_capacity: bool) {
     let Ok(addr) = kvmesh_core::worker::socket_addr(url) else { return };
     let addr = addr.to_string();
+    let ids: Vec<u32> = state.ranks_of(id).into_iter().map(|(id, _)| id).collect();
     let ask = |path: &'static str| {
-        let addr = addr.clone();
+        let (addr, ids) = (addr.clone(), &ids);
         async move {
-            state.asking(id);
+            ids.iter().for_each(|&id| state.asking(id));
             let answer = get(&addr, path, POLL_TIMEOUT).await;
             if answer.is_ok() {
-                state.answered(id);
+                ids.iter().for_each(|&id| state.answered(id));
             }
             answer
         }
     };
     if ask_capacity {
-        let capacity = match ask("/get_server_info").await {
-            Ok((200, body)) => crate::capacity::parse_server_info(&body),
-            _ => None,
+        let (capacity, dp_size) = match ask("/get_server_info").await {
+            Ok((200, body)) => (crate::capacity::parse_server_info(&body), dp_size_from_server_info(&body)),
+            _ => (None, None),
         };
         state.capacity_result(id, capacity);
+        // Registers the worker again as its ranks when their number changed (the next poll
+        // is theirs).
+        if state.dp_size_result(id, dp_size) {
+            return;
+        }
     }
     let (mut load, mut hit, mut pressure) = (None, None, Pressure::default());
+    let mut ranks = Vec::new();
     if let Ok((200, body)) = ask("/get_load").await {
         load = parse_get_load(&body);
         pressure.waiting = waiting_from_get_load(&body);
+        ranks = ranks_from_get_load(&body);
     }
     if let Ok((200, body)) = ask("/metrics").await {
         let (l, h) = parse_metrics(&body);
@@ -273,8 +313,10 @@ async fn poll_one(state: &State, id: u32, url: &str, ask_capacity: bool) {
         let p = parse_pressure(&body);
         pressure = Pressure { waiting: pressure.waiting.or(p.waiting), kv_usage: p.kv_usage };
     }
-    state.pressure_result(id, pressure);
-    state.load_result(id, load, hit);
+    for (id, load, waiting) in state.rank_loads(id, load, pressure.waiting, &ranks) {
+        state.pressure_result(id, Pressure { waiting, ..pressure });
+        state.load_result(id, load, hit);
+    }
 }
 
 #[cfg(test)]

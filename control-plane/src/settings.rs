@@ -47,6 +47,8 @@ pub struct Settings {
     pub health_failure_threshold: u32,
     pub health_success_threshold: u32,
     pub health_endpoint: String,
+    /// `--dp-aware`: each data-parallel rank of a regular worker is a routing target.
+    pub dp_aware: bool,
     pub load_poll_interval_ms: u64,
     /// A healthy worker that answered none of its health and load probes for this long is
     /// taken out until it answers one (`--worker-unresponsive-secs`; 0: never, nor without

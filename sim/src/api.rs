@@ -128,6 +128,8 @@ struct Ctx {
     /// The OpenAI answer's id (vLLM: `cmpl-`/`chatcmpl-` and the request's `x-request-id`).
     id: String,
     vllm: bool,
+    /// The data-parallel rank it runs on (`--dp-size`).
+    rank: usize,
 }
 
 impl Ctx {
@@ -330,6 +332,14 @@ async fn serve(e: Arc<Engine>, endpoint: Endpoint, headers: &HeaderMap, body: By
             return (status, Json(body)).into_response();
         }
     };
+    let rank = match e.ranks.pick(&recorded) {
+        Ok(r) => r,
+        Err(msg) => return error(StatusCode::BAD_REQUEST, &msg),
+    };
+    let mut target = target;
+    if e.args.role == Role::Regular {
+        target.seed = e.ranks.seed(target.seed, rank);
+    }
     let vllm = e.args.engine == EngineKind::Vllm;
     let mut transfer = Transfer::None;
     if vllm {
@@ -356,7 +366,7 @@ async fn serve(e: Arc<Engine>, endpoint: Endpoint, headers: &HeaderMap, body: By
     } else {
         format!("cmpl-{:024x}", fastrand::u128(..))
     };
-    let ctx = Ctx { target, transfer, id, vllm };
+    let ctx = Ctx { target, transfer, id, vllm, rank };
     let abortable = e.abortable(job.given_rids());
     tokio::select! {
         r = serve_job(e, endpoint, job, ctx) => r,
@@ -403,12 +413,13 @@ async fn abort_request(State(e): Shared, body: Bytes) -> Response {
 }
 
 async fn serve_job(e: Arc<Engine>, endpoint: Endpoint, job: Job, ctx: Ctx) -> Response {
+    let on_rank = crate::dp::OnRank::new(&e.ranks, ctx.rank);
     let plans = match plan(&e, &job, &ctx).await {
         Ok(p) => p,
         Err((status, msg)) => return error(status, &msg),
     };
     if job.stream {
-        return Sse::new(stream(e, endpoint, job, plans, ctx)).into_response();
+        return Sse::new(stream(e, endpoint, job, plans, ctx, on_rank)).into_response();
     }
     let seed = ctx.target.seed;
     let runs = job
@@ -421,6 +432,7 @@ async fn serve_job(e: Arc<Engine>, endpoint: Endpoint, job: Job, ctx: Ctx) -> Re
     let Some(done) = done else {
         return error(StatusCode::SERVICE_UNAVAILABLE, "server is shutting down");
     };
+    on_rank.tokens(done.iter().map(|d| d.prompt_tokens).sum(), done.iter().map(|d| d.cached_tokens).sum());
     // A vLLM prefill keeps the KV for the decode, and says where it is.
     let handover = match (plans.first(), job.items.first()) {
         (Some(Plan::Handover), Some(item)) => {
@@ -545,6 +557,7 @@ fn stream(
     job: Job,
     plans: Vec<Plan>,
     ctx: Ctx,
+    on_rank: crate::dp::OnRank,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
     async_stream::stream! {
         let id = ctx.id.clone();
@@ -581,6 +594,7 @@ fn stream(
             }
             all.push(Done { text, prompt_tokens: item.tokens, cached_tokens: run.cached_tokens, completion_tokens: n, latency: run.started.elapsed().as_secs_f64(), input_logprobs: None });
         }
+        on_rank.tokens(all.iter().map(|d| d.prompt_tokens).sum(), all.iter().map(|d| d.cached_tokens).sum());
         if job.include_usage && endpoint != Endpoint::Generate {
             yield event(&json!({"id": id, "object": object, "created": created(), "model": ctx.target.name, "choices": [], "usage": usage(&all)}));
         }
@@ -613,7 +627,7 @@ async fn get_load(State(e): Shared) -> Json<Value> {
     let c = &e.counters;
     let (running, waiting) = (c.running.load(Relaxed), c.waiting.load(Relaxed));
     let (used, _) = e.kv_usage();
-    Json(json!([{"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting, "num_tokens": used}]))
+    Json(e.ranks.get_load(waiting, used, running))
 }
 
 async fn metrics(State(e): Shared) -> impl IntoResponse {
@@ -700,7 +714,7 @@ async fn model_info(State(e): Shared) -> Json<Value> {
 async fn server_info(State(e): Shared) -> Json<Value> {
     let (_, cap) = e.cache_usage();
     Json(
-        json!({"model_path": e.args.model, "port": e.args.port, "disaggregation_mode": format!("{:?}", e.args.role).to_lowercase(), "max_running_requests": e.args.max_running, "max_total_num_tokens": cap}),
+        json!({"model_path": e.args.model, "port": e.args.port, "disaggregation_mode": format!("{:?}", e.args.role).to_lowercase(), "max_running_requests": e.args.max_running, "max_total_num_tokens": cap, "dp_size": e.ranks.size()}),
     )
 }
 
@@ -750,6 +764,7 @@ async fn stats(State(e): Shared) -> Json<Value> {
         "cache_tokens": e.cache_usage().0,
         "cache_hit_rate": e.hit_rate(),
         "sessions": e.sessions(),
+        "ranks": e.ranks.stats(),
     });
     if e.args.engine == EngineKind::Vllm {
         let vllm = json!({

@@ -108,6 +108,12 @@ pub struct Args {
     /// here with the `kv_transfer_params` it answered; without the header it runs here alone.
     #[arg(long)]
     pub llm_d_sidecar: bool,
+    /// Data-parallel attention: N ranks, each with its own prefix cache (the `--kv-capacity-tokens`
+    /// pool shared); `/get_server_info` says `dp_size`, `/get_load` lists each rank's requests,
+    /// and a request's `data_parallel_rank` must name one (else a 400); without one, the ranks
+    /// take requests in turn. 1 to 64.
+    #[arg(long, default_value_t = 1)]
+    pub dp_size: usize,
     /// How long the `--llm-d-sidecar` waits for the prefill worker's answer, in milliseconds.
     #[arg(long, default_value_t = 30_000)]
     pub sidecar_prefill_timeout_ms: u64,
@@ -124,6 +130,9 @@ impl Args {
         }
         if !(self.slowdown > 0.0 && self.slowdown.is_finite()) {
             return Err(format!("--slowdown {} must be > 0", self.slowdown));
+        }
+        if !(1..=64).contains(&self.dp_size) {
+            return Err(format!("--dp-size {} is not between 1 and 64", self.dp_size));
         }
         if self.max_running == 0 {
             return Err("--max-running must be at least 1".into());

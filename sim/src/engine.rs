@@ -67,6 +67,8 @@ pub struct Engine {
     pub transfers: Arc<Transfers>,
     /// The model names served.
     pub models: Models,
+    /// Its data-parallel ranks (`--dp-size`).
+    pub ranks: Arc<crate::dp::Ranks>,
     /// The last requests received (for tests and debugging: `/sim/requests`).
     pub recent: Mutex<VecDeque<Value>>,
     /// The distinct `x-session-id`s served since the last cache flush (bounded): how many
@@ -151,6 +153,7 @@ impl Engine {
             rooms: Arc::new(Rooms::default()),
             transfers: Arc::new(transfers),
             models: Models::new(&args),
+            ranks: Arc::new(crate::dp::Ranks::new(args.dp_size)),
             recent: Mutex::new(VecDeque::new()),
             sessions: Mutex::new(HashSet::new()),
             aborts: Mutex::new(HashMap::new()),

@@ -5,6 +5,7 @@ mod bootstrap;
 mod cache;
 mod cli;
 mod client;
+mod dp;
 mod engine;
 #[cfg(test)]
 mod http_tests;

@@ -308,14 +308,14 @@ fn bad_flags_and_config_are_one_line_errors_with_exit_code_2() {
 #[test]
 fn sglang_router_flags_with_no_effect_start_with_a_warning_each() {
     let workers = sims(1, FAST);
-    let flags = ["--port", "30000", "--model-path", "org/model", "--dp-aware", "--retry-jitter-factor", "0.3"];
+    let flags = ["--port", "30000", "--model-path", "org/model", "--mini-lb", "--retry-jitter-factor", "0.3"];
     let mut cp = control_plane(&workers, &flags);
     wait_until("kvmesh-cp to log its warnings", Duration::from_secs(10), || {
         let log = cp.proc().log_text();
         [
             "--port: No effect",
             "--model-path: No effect",
-            "--dp-aware: No effect",
+            "--mini-lb: No effect",
             "--retry-jitter-factor: No effect in kvmesh: Envoy's",
         ]
         .iter()

@@ -393,14 +393,15 @@ const NATIVE_CONTROL_PLANE_TESTS: [&str; 7] = [
 /// Runs the end-to-end suites whose host side differs between the `.wasm` and the native
 /// build again with every Envoy on the native build (`KVMESH_TEST_NATIVE=1`): PD in its three
 /// protocols (per-stream callouts, aborts through the main thread, vLLM's held request
-/// resumed after its callout, llm-d's header), admission (the ticker's wake-ups), breakers
-/// (shared data in the process), decision records (filter state through the ABI), and the
-/// control plane's link. The rest is the same code on
+/// resumed after its callout, llm-d's header), a regular request's body rewritten for its
+/// data-parallel rank (`dp`), admission (the ticker's wake-ups), breakers (shared data in the
+/// process), decision records (filter state through the ABI), and the control plane's link.
+/// The rest is the same code on
 /// the same Envoy path, or checks what only a Wasm VM has (trapped VMs, the lease moving).
 fn native_conformance(envoy: &Path, totals: &mut Totals) -> anyhow::Result<()> {
     let mut suites = cargo();
     suites.args(["test", "-p", "kvmesh-testkit", "--test", "pd", "--test", "pd_vllm", "--test", "pd_llm_d"]);
-    suites.args(["--test", "admission", "--test", "breaker", "--test", "models", "--test", "traces"]);
+    suites.args(["--test", "admission", "--test", "breaker", "--test", "models", "--test", "traces", "--test", "dp"]);
     stack_env(&mut suites, envoy);
     run_tests(suites.env("KVMESH_TEST_NATIVE", "1"), totals)?;
     let mut control_plane = cargo();

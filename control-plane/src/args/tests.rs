@@ -233,7 +233,7 @@ fn every_routing_setting_is_a_flag_under_its_own_name() {
 #[test]
 fn no_effect_flags_warn_and_refused_flags_name_the_equivalent() {
     let s = parse(&["--port", "30000", "--model-path", "m", "--retry-jitter-factor", "0.3", "--dp-aware"]).unwrap();
-    assert_eq!(s.warnings.len(), 4, "{:?}", s.warnings);
+    assert_eq!(s.warnings.len(), 3, "--dp-aware takes effect: {:?}", s.warnings);
     assert!(s.warnings.iter().any(|w| w.starts_with("--port: No effect in kvmesh: clients reach the gateway")));
     assert!(s.warnings.iter().any(|w| w.starts_with("--retry-jitter-factor: No effect in kvmesh: Envoy's")));
     assert_eq!(s.routing.retry_jitter_factor, Some(0.3), "carried to the filters all the same");

@@ -39,7 +39,7 @@ impl State {
             .index
             .match_prefix(&hashes)
             .into_iter()
-            .filter_map(|m| Some((inner.workers.get(&m.worker)?.url.clone(), m.blocks)))
+            .filter_map(|m| Some((inner.workers.get(&m.worker)?.name(), m.blocks)))
             .collect();
         out.sort_by_key(|m| std::cmp::Reverse(m.1));
         Ok(out)

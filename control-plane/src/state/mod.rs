@@ -10,12 +10,14 @@
 //! - `store.rs`: the state, its lock, its counters;
 //! - `persist.rs`: `--state-file`, read at the start and written on each change;
 //! - `registry.rs`: adding and removing workers (ids never reused), health thresholds, load;
+//! - `dp.rs`: a worker's data-parallel ranks as entries of their own (`--dp-aware`);
 //! - `gateways.rs`: gateway ids, their report streams and insert budgets;
 //! - `index.rs`: reads of the global index and each worker's bound in it;
 //! - `publish.rs`: pending changes, versioned deltas, full snapshots, their broadcast;
 //! - `reports.rs`: merging the gateways' reports (inserts, stale blocks, counts);
 //! - `eviction.rs`: evicting from the index (periodic, on a reported capacity, a flush).
 
+mod dp;
 mod eviction;
 mod gateways;
 mod index;
@@ -26,6 +28,7 @@ mod reports;
 mod store;
 mod worker;
 
+pub use dp::RankLoad;
 pub use gateways::GatewayError;
 pub use store::State;
 pub use worker::{role_name, Pressure, Source, WorkerEntry};

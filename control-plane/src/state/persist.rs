@@ -65,14 +65,15 @@ impl State {
             let inner = self.lock();
             let mut ids: BTreeMap<String, u32> =
                 inner.remembered.iter().take(MAX_REMEMBERED).map(|(u, &id)| (u.clone(), id)).collect();
-            ids.extend(inner.workers.values().map(|w| (w.url.clone(), w.id)));
+            ids.extend(inner.workers.values().map(|w| (w.name(), w.id)));
             Persisted {
                 next_id: inner.next_id,
                 ids,
                 api_workers: inner
                     .workers
                     .values()
-                    .filter(|w| w.source == Source::Api)
+                    // One entry per worker (its data-parallel ranks come back from its answer).
+                    .filter(|w| w.source == Source::Api && w.dp_rank.is_none_or(|r| r == 0))
                     .map(|w| PersistedWorker {
                         url: w.url.clone(),
                         role: role_name(w.role).into(),

@@ -77,7 +77,7 @@ impl State {
         let workers: Vec<Value> = inner
             .workers
             .values()
-            .map(|w| json!({"id": w.id, "url": w.url, "role": role_name(w.role), "healthy": w.healthy, "load": w.load()}))
+            .map(|w| json!({"id": w.id, "url": w.name(), "role": role_name(w.role), "healthy": w.healthy, "load": w.load()}))
             .collect();
         let pending = !inner.pending_inserts.is_empty() || !inner.pending_evictions.is_empty() || inner.workers_dirty;
         json!({
@@ -117,6 +117,7 @@ impl WorkerEntry {
                 .collect(),
             pd_protocol: self.pd_protocol.map(kvmesh_proto::pd_protocol_to_wire),
             unresponsive: self.unresponsive,
+            dp_rank: self.dp_rank,
         }
     }
 }

@@ -104,12 +104,22 @@ impl State {
         let Ok(url) = crate::urls::canonical(url) else { return false };
         let url = url.as_str();
         let mut inner = self.lock();
-        let Some(id) = inner.ids.remove(url) else { return false };
-        inner.workers.remove(&id);
-        inner.index.remove_worker(id);
+        // The worker, or every data-parallel rank of it (`URL@rank`).
+        let ranks = format!("{url}@");
+        let keys: Vec<String> = inner.ids.keys().filter(|k| *k == url || k.starts_with(&ranks)).cloned().collect();
+        if keys.is_empty() {
+            return false;
+        }
+        let mut ids = Vec::with_capacity(keys.len());
+        for key in keys {
+            let Some(id) = inner.ids.remove(&key) else { continue };
+            inner.workers.remove(&id);
+            inner.index.remove_worker(id);
+            ids.push(id);
+        }
         inner.workers_dirty = true;
         drop(inner);
-        tracing::info!(url, id, "worker removed");
+        tracing::info!(url, ?ids, "worker removed");
         self.persist();
         true
     }

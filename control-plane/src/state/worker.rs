@@ -79,6 +79,9 @@ pub struct WorkerEntry {
     /// A model name given for it (the API's `model_id`): served besides what it lists, which
     /// then stays a name it answers to (as SMG's `--model-id-from` does).
     pub model_id: Option<String>,
+    /// `--dp-aware`: the data-parallel rank of the worker at `url` this entry is (every rank
+    /// is an entry of its own: own id, load, index); none: the worker is one target.
+    pub dp_rank: Option<u32>,
 }
 
 /// One gateway's last cumulative counts for one worker.
@@ -174,6 +177,16 @@ impl WorkerEntry {
             utility: None,
             models: Vec::new(),
             model_id: None,
+            dp_rank: None,
+        }
+    }
+
+    /// What the admin API, metrics and logs call it: its URL, with `@rank` for a
+    /// data-parallel rank (as sglang-router lists them).
+    pub fn name(&self) -> String {
+        match self.dp_rank {
+            Some(r) => format!("{}@{r}", self.url),
+            None => self.url.clone(),
         }
     }
 

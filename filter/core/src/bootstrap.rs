@@ -86,7 +86,7 @@ impl Bootstrap {
 }
 
 /// Appends `fields` inside the top-level object, before its closing brace.
-fn splice(body: &[u8], fields: &[(&str, Value)]) -> Option<Vec<u8>> {
+pub(crate) fn splice(body: &[u8], fields: &[(&str, Value)]) -> Option<Vec<u8>> {
     let end = body.iter().rposition(|b| !b.is_ascii_whitespace())?;
     let (head, tail) = body.split_at_checked(end)?;
     if tail.first() != Some(&b'}') {

@@ -27,6 +27,7 @@ pub mod blocks;
 pub mod bootstrap;
 pub mod breaker;
 pub mod config;
+pub mod dp;
 pub mod errors;
 pub mod feedback;
 pub mod index;

@@ -161,6 +161,8 @@ pub struct ParsedRequest<'a> {
     /// The `model` the request names (a string of at most
     /// [`crate::models::MAX_MODEL_NAME`] bytes), if any.
     pub model: Option<Cow<'a, str>>,
+    /// Whether the body has a top-level `data_parallel_rank` (see [`crate::dp`]).
+    pub client_dp_rank: bool,
 }
 
 /// The fields of any of the three endpoints that routing looks at; all else is skipped.
@@ -190,6 +192,14 @@ struct Fields<'a> {
     kv_transfer_params: Option<&'a RawValue>,
     #[serde(borrow)]
     model: Option<&'a RawValue>,
+    /// Present at all (null included).
+    #[serde(default, deserialize_with = "is_present")]
+    data_parallel_rank: bool,
+}
+
+/// A field's mere presence, whatever its value (`null` included).
+fn is_present<'de, D: Deserializer<'de>>(de: D) -> Result<bool, D::Error> {
+    IgnoredAny::deserialize(de).map(|_| true)
 }
 
 /// The per-item fields of a batch body (everything else is skipped).
@@ -330,6 +340,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest<'_>, Reque
         .into_iter()
         .find_map(|(name, f)| f.map(|_| name)),
         model: model_name(fields.model)?,
+        client_dp_rank: fields.data_parallel_rank,
     })
 }
 

@@ -19,7 +19,7 @@ const DROPPED: [&str; 3] = ["stream_options", "min_tokens", "min_completion_toke
 
 /// The top-level members of a JSON object, in order, as borrowed raw values (no DOM: a
 /// value's bytes are not parsed beyond validation).
-fn members(body: &[u8]) -> Result<Vec<(String, &RawValue)>, RequestError> {
+pub(crate) fn members(body: &[u8]) -> Result<Vec<(String, &RawValue)>, RequestError> {
     struct Members;
     impl<'de> Visitor<'de> for Members {
         type Value = Vec<(String, &'de RawValue)>;
@@ -42,7 +42,7 @@ fn members(body: &[u8]) -> Result<Vec<(String, &RawValue)>, RequestError> {
 
 /// Writes `members` back as an object, then `extra` (already `"key":value` pairs, comma
 /// separated) at its end.
-fn object(members: &[(String, &RawValue)], extra: &str, capacity: usize) -> Vec<u8> {
+pub(crate) fn object(members: &[(String, &RawValue)], extra: &str, capacity: usize) -> Vec<u8> {
     let mut out = Vec::with_capacity(capacity + extra.len() + 2);
     out.push(b'{');
     for (i, (k, v)) in members.iter().enumerate() {

@@ -85,6 +85,10 @@ pub struct Worker {
     pub pd_protocol: Option<PdProtocol>,
     /// Hung: it answers none of the control plane's probes (not merely busy).
     pub unresponsive: bool,
+    /// One data-parallel rank of the worker at `addr` (`--dp-aware`): a routing target of its
+    /// own, sharing the address with the other ranks; the body it gets names the rank
+    /// (`data_parallel_rank`). None: the worker is one target.
+    pub dp_rank: Option<u32>,
 }
 
 impl Worker {
@@ -105,7 +109,24 @@ impl Worker {
             models: Vec::new(),
             pd_protocol: None,
             unresponsive: false,
+            dp_rank: None,
         })
+    }
+
+    /// Rank `rank` of the worker at `url` (see [`Worker::dp_rank`]): its own affinity (the
+    /// ranks of one worker are distinct targets for consistent hashing).
+    pub fn with_dp_rank(mut self, rank: Option<u32>) -> Self {
+        self.dp_rank = rank;
+        if let Some(r) = rank {
+            self.affinity = affinity_of(&format!("{}@{r}", self.url.trim_end_matches('/')));
+        }
+        self
+    }
+
+    /// Whether `addr` and `rank` name this routing target (an address alone is ambiguous
+    /// between the ranks of one worker).
+    pub fn is_at(&self, addr: &str, rank: Option<u32>) -> bool {
+        self.addr == addr && self.dp_rank == rank
     }
 
     /// Whether the worker is past an overload threshold: more than `max_waiting` requests in

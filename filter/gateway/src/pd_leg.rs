@@ -260,7 +260,8 @@ mod tests {
     use super::*;
 
     fn leg(stream: bool, merge: bool) -> PdLeg {
-        let prefill = Routed { worker: 1, addr: "127.0.0.1:30001".into(), counted: true, matched_bytes: 0 };
+        let prefill =
+            Routed { worker: 1, addr: "127.0.0.1:30001".into(), counted: true, matched_bytes: 0, dp_rank: None };
         PdLeg::new(prefill, 7, stream, merge.then(MergeRoom::default))
     }
 
@@ -417,7 +418,8 @@ mod tests {
 
     #[test]
     fn logprobs_past_the_vms_room_are_not_merged_and_a_stream_is_told() {
-        let prefill = Routed { worker: 1, addr: "127.0.0.1:30001".into(), counted: true, matched_bytes: 0 };
+        let prefill =
+            Routed { worker: 1, addr: "127.0.0.1:30001".into(), counted: true, matched_bytes: 0, dp_rank: None };
         let room = MergeRoom::with_cap(10);
         let mut l = PdLeg::new(prefill, 7, true, Some(room.clone()));
         assert_eq!(l.decode_headers(200), (Action::Pause, false));

@@ -537,6 +537,12 @@ impl RequestFilter {
         let internal = |what: &str, e: crate::host::HostError| Reply::error(500, "internal", &format!("{what}: {e}"));
         let how = self.with_gateway(|g| g.destination()).unwrap_or_default();
         let Some(pd) = plan.pd() else {
+            if let Some(body) = plan.body() {
+                // A data-parallel rank: the body names it.
+                host.set_request_body(body_size, body).map_err(|e| internal("cannot rewrite the request body", e))?;
+                host.set_request_header("content-length", Some(&body.len().to_string()))
+                    .map_err(|e| internal("cannot set content-length", e))?;
+            }
             set_destination(host, plan.addr(), plan.fallbacks(), how)
                 .map_err(|e| internal("cannot set the destination", e))?;
             return Ok(None);
@@ -619,7 +625,8 @@ impl RequestFilter {
             host.increment(Metric::Failovers);
             log::info!("worker {} failed; Envoy failed over to {served}", routed.addr);
             judged.push((routed.worker, false));
-            if let (Some(ok), Some(worker)) = (verdict.health(), self.with_gateway(|g| g.worker_at(&served)).flatten())
+            if let (Some(ok), Some(worker)) =
+                (verdict.health(), self.with_gateway(|g| g.worker_at(&served, routed.dp_rank)).flatten())
             {
                 judged.push((worker, ok));
             }

@@ -164,7 +164,7 @@ impl TableFollower {
 }
 
 /// Whether `table` lists the same workers as `snapshot` (ids, URLs, roles, bootstrap ports, PD
-/// protocols, in order): then only their polled state (health, load, queue, KV use, utility)
+/// protocols, data-parallel ranks, in order): then only their polled state (health, load, queue, KV use, utility)
 /// can differ.
 fn same_workers(table: &WorkerTable, snapshot: &proto::Snapshot) -> bool {
     table.workers.len() == snapshot.workers.len()
@@ -175,6 +175,7 @@ fn same_workers(table: &WorkerTable, snapshot: &proto::Snapshot) -> bool {
                 && w.bootstrap_port == p.bootstrap_port.and_then(|b| u16::try_from(b).ok())
                 && same_models(&w.models, &p.models)
                 && w.pd_protocol == p.pd_protocol.and_then(kvmesh_proto::pd_protocol_from_wire)
+                && w.dp_rank == p.dp_rank
         })
 }
 
@@ -266,7 +267,14 @@ pub fn table_from(snapshot: &proto::Snapshot) -> WorkerTable {
     let workers = snapshot
         .workers
         .iter()
-        .filter_map(|w| match Worker::from_url(w.id, &w.url) {
+        .filter(|w| {
+            let fits = w.dp_rank.is_none_or(|r| r < kvmesh_core::dp::MAX_DP_SIZE);
+            if !fits {
+                log::warn!("control plane worker {} skipped: data-parallel rank {:?} out of range", w.url, w.dp_rank);
+            }
+            fits
+        })
+        .filter_map(|w| match Worker::from_url(w.id, &w.url).map(|x| x.with_dp_rank(w.dp_rank)) {
             Ok(mut worker) => {
                 worker.role = role_of(w.role);
                 worker.bootstrap_port = w.bootstrap_port.and_then(|p| u16::try_from(p).ok());

@@ -230,7 +230,7 @@ impl Gateway {
     /// flight, and the new blocks go to the other VMs (one CAS for counts and log sequence,
     /// plus the log slot) and into the next report.
     pub fn commit(&mut self, store: &dyn SharedStore, plan: Plan) -> Committed {
-        let Plan { chosen, mut main, pd, inflight, now, fallbacks: _, batch, model } = plan;
+        let Plan { chosen, mut main, pd, inflight, now, fallbacks: _, body: _, batch, model } = plan;
         let prediction = self.view.prediction(&chosen, batch);
         let record = record::decision_record(
             &self.view.config,
@@ -291,9 +291,10 @@ impl Gateway {
         Committed { main, prediction, prefill, merge_logprobs, stream, model, record }
     }
 
-    /// The worker at `addr` (`ip:port`, as Envoy reports the upstream it used).
-    pub fn worker_at(&self, addr: &str) -> Option<WorkerId> {
-        self.view.worker_at(addr)
+    /// The worker at `addr` (`ip:port`, as Envoy reports the upstream it used) of
+    /// data-parallel rank `rank` (none: a worker that is one target).
+    pub fn worker_at(&self, addr: &str, rank: Option<u32>) -> Option<WorkerId> {
+        self.view.worker_at(addr, rank)
     }
 
     /// `GET /v1/models` and `/v1/models/{id}` answered by the gateway from its table (see

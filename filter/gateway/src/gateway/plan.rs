@@ -10,6 +10,9 @@ use crate::now::Now;
 use crate::shared::Inflight;
 
 /// What the filter does with a request.
+// One per request, moved once into the glue's `apply`: the size difference costs nothing that
+// boxing the plan (an allocation per request) would save.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Outcome {
     /// Send it where the plan says, then [`Gateway::commit`] the plan.
@@ -27,6 +30,9 @@ pub struct Routed {
     pub counted: bool,
     /// Bytes of the routing text the worker was believed to hold already.
     pub matched_bytes: usize,
+    /// The data-parallel rank it is (see [`kvmesh_core::Worker::dp_rank`]): with its address,
+    /// what tells it from the other ranks of its worker.
+    pub dp_rank: Option<u32>,
 }
 
 /// A decision not yet recorded anywhere: where to send the request and, in PD mode, what to
@@ -40,6 +46,9 @@ pub struct Plan {
     pub(super) fallbacks: Vec<String>,
     /// Boxed: `Outcome` stays small for the regular requests.
     pub(super) pd: Option<Box<PdPlan>>,
+    /// Regular mode, a data-parallel rank chosen: the body it gets (the client's with
+    /// `data_parallel_rank`); none: the client's body goes unchanged.
+    pub(super) body: Option<Box<[u8]>>,
     /// The shared counts as read for this decision (the commit's CAS starts from them).
     pub(super) inflight: Inflight,
     /// When the decision was made: a half-open worker's probe slot is taken at that time.
@@ -109,6 +118,11 @@ impl Plan {
 
     pub fn pd(&self) -> Option<&PdPlan> {
         self.pd.as_deref()
+    }
+
+    /// The body the main leg gets instead of the client's, in regular mode (a rank named).
+    pub fn body(&self) -> Option<&[u8]> {
+        self.body.as_deref()
     }
 
     /// Where Envoy fails the main leg over to, in order.

@@ -12,7 +12,7 @@ use kvmesh_core::policy::{Candidate, PolicyKind};
 use kvmesh_core::request::{self, ParsedRequest, RequestError, MAX_ROUTING_KEY};
 use kvmesh_core::rng::{random_u64, seeded, FastRng, RngCore};
 use kvmesh_core::settings::PdProtocol;
-use kvmesh_core::vllm;
+use kvmesh_core::{dp, vllm};
 use kvmesh_core::{Config, Decision, Endpoint, Role, Router, RoutingText, WorkerId, WorkerTable};
 
 use super::plan::{Chosen, Outcome, PdPlan, Plan, Prediction, PrefillLeg, RequestInfo, Routed, MAX_ABORTS};
@@ -107,7 +107,11 @@ impl RoutingView {
             .table
             .workers
             .iter()
-            .filter(|old| table.get(old.id).is_none_or(|new| new.url != old.url || new.role != old.role))
+            .filter(|old| {
+                table
+                    .get(old.id)
+                    .is_none_or(|new| new.url != old.url || new.role != old.role || new.dp_rank != old.dp_rank)
+            })
             .map(|w| w.id)
             .collect();
         for id in stale {
@@ -161,7 +165,7 @@ impl RoutingView {
 
     fn routed(&self, worker: WorkerId, matched_bytes: usize) -> Option<Routed> {
         let w = self.table.get(worker)?;
-        Some(Routed { worker, addr: w.addr.clone(), counted: false, matched_bytes })
+        Some(Routed { worker, addr: w.addr.clone(), counted: false, matched_bytes, dp_rank: w.dp_rank })
     }
 
     /// Whether the main policy or a PD leg's is `kind`.
@@ -320,6 +324,15 @@ impl RoutingView {
             main_cands.retain(same);
         }
         let fallbacks = self.fallbacks(main_cands, main.worker, now);
+        // A data-parallel rank is named in the body (regular mode; see docs/configuration.md
+        // for PD).
+        let ranked = match (prefill, main_routed.dp_rank) {
+            (None, Some(rank)) if matches!(self.mode, Mode::Regular(_)) => match dp::with_rank(body, parsed, rank) {
+                Ok(b) => Some(b.into_boxed_slice()),
+                Err(e) => return Outcome::Reply(Reply::request(&e)),
+            },
+            _ => None,
+        };
         let pd = match prefill {
             None => None,
             Some(p) => match self.pd_plan(endpoint, body, parsed, p, protocol) {
@@ -328,7 +341,7 @@ impl RoutingView {
             },
         };
         let batch = parsed.batch.is_some();
-        Outcome::Route(Plan { chosen, main: main_routed, fallbacks, pd, inflight, now, batch, model })
+        Outcome::Route(Plan { chosen, main: main_routed, fallbacks, pd, body: ranked, inflight, now, batch, model })
     }
 
     /// The deployment's PD protocol (a worker may speak another, [`kvmesh_core::Worker::protocol`]).
@@ -380,12 +393,17 @@ impl RoutingView {
     }
 
     /// Where Envoy fails over to when `chosen` fails: the other candidates, least loaded
-    /// first (ties in random order), at most `max_attempts - 1` of them.
+    /// first (ties in random order), at most `max_attempts - 1` of them. Envoy sends the same
+    /// body to each, so with data-parallel ranks only the same rank of other workers can take
+    /// it (the body names the rank), each address once.
     fn fallbacks(&mut self, mut cands: Vec<Candidate>, chosen: WorkerId, now: Now) -> Vec<String> {
         let room = (self.config.max_attempts as usize).saturating_sub(1);
+        let (addr, rank) = self.table.get(chosen).map_or((None, None), |w| (Some(w.addr.as_str()), w.dp_rank));
+        let elsewhere =
+            |c: &Candidate| self.table.get(c.id).is_some_and(|w| Some(w.addr.as_str()) != addr && w.dp_rank == rank);
         // Only workers whose breaker is closed: Envoy's attempts are not probes the breaker
         // could account for.
-        cands.retain(|c| c.id != chosen && self.health.state(c.id, now) == BreakerState::Closed);
+        cands.retain(|c| c.id != chosen && elsewhere(c) && self.health.state(c.id, now) == BreakerState::Closed);
         if room == 0 || cands.is_empty() {
             return Vec::new();
         }
@@ -454,9 +472,10 @@ impl RoutingView {
         }
     }
 
-    /// The worker at `addr` (`ip:port`, as Envoy reports the upstream it used).
-    pub(super) fn worker_at(&self, addr: &str) -> Option<WorkerId> {
-        self.table.iter().find(|w| w.addr == addr).map(|w| w.id)
+    /// The worker at `addr` (`ip:port`, as Envoy reports the upstream it used) that is rank
+    /// `rank` (a request's fallbacks are its own rank of other workers).
+    pub(super) fn worker_at(&self, addr: &str, rank: Option<u32>) -> Option<WorkerId> {
+        self.table.iter().find(|w| w.is_at(addr, rank)).map(|w| w.id)
     }
 
     /// What a request did to `worker` (`ok`: not a failure of the worker's), at `now`: its

@@ -419,7 +419,7 @@ fn the_last_streams_end_flushes_what_the_tick_keeps() {
     let mut p = Plugin::default();
     p.configure(&host, br#"{"worker_urls":["http://127.0.0.1:1"]}"#, 1).unwrap();
     let gateway = p.gateway().unwrap();
-    let worker = gateway.borrow().worker_at("127.0.0.1:1").unwrap();
+    let worker = gateway.borrow().worker_at("127.0.0.1:1", None).unwrap();
     gateway
         .borrow_mut()
         .count_usage(worker, &kvmesh_core::usage::Usage { completion_tokens: Some(3), ..Default::default() });

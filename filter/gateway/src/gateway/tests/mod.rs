@@ -3,6 +3,7 @@
 use super::*;
 
 mod control_plane;
+mod dp;
 mod models;
 mod pd_pairs;
 mod routing;
