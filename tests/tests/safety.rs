@@ -477,7 +477,8 @@ fn a_stalled_upload_gets_a_json_408_and_the_others_are_served() {
 
 /// Uploads that fill the gateway's memory and then stall: the shipped overload manager (here
 /// with a 192 MiB heap budget instead of 2 GiB) scales idle timeouts down while the heap is
-/// past 80 % of it, so the stalled uploads are cut long before the 300 s request timeout, new
+/// past 80 % of it, so stalled uploads are cut (a JSON 408) long before the 300 s request
+/// timeout — as many as it takes to bring memory back under 80 %, not necessarily all; new
 /// requests meanwhile get a JSON 503 (`overload`) rather than more memory, and once memory is
 /// back the gateway serves again, its VMs untouched.
 #[test]
@@ -503,18 +504,22 @@ fn uploads_that_fill_memory_and_stall_are_shed_and_the_gateway_serves_again() {
         }
         stalled.push(s);
     }
-    let mut statuses = Vec::new();
-    for mut s in stalled {
-        s.set_read_timeout(Some(kvmesh_testkit::e2e::HANG)).unwrap();
-        let mut answer = Vec::new();
-        let _ = s.read_to_end(&mut answer);
-        statuses.push(status_of(&String::from_utf8_lossy(&answer)));
-    }
+    let cut = |e: &Envoy| e.stat("http.kvmesh.downstream_rq_idle_timeout").ok().flatten().unwrap_or(0);
+    wait_until("a stalled upload cut by its scaled-down idle timeout", Duration::from_secs(15), || cut(&envoy) >= 1)
+        .unwrap();
     let took = started.elapsed();
-    eprintln!("stalled uploads ended with {statuses:?} after {took:?}");
-    assert!(took < Duration::from_secs(15), "cut under memory pressure, not at the request timeout: {took:?}");
-    let idle = envoy.stat("http.kvmesh.downstream_rq_idle_timeout").unwrap().unwrap_or(0);
-    assert!(idle >= 1, "an idle timeout scaled down cut a stalled upload ({statuses:?})");
+    // What each stalled connection got: a 408 once cut, or nothing yet (still held, under budget).
+    let statuses: Vec<Option<u16>> = stalled
+        .into_iter()
+        .map(|mut s| {
+            s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            let mut answer = Vec::new();
+            let _ = s.read_to_end(&mut answer);
+            status_of(&String::from_utf8_lossy(&answer))
+        })
+        .collect();
+    eprintln!("stalled uploads: {} cut after {took:?}; answers {statuses:?}", cut(&envoy));
+    assert!(statuses.contains(&Some(408)), "a cut upload gets the JSON 408: {statuses:?}");
     assert!(statuses.iter().all(|s| matches!(s, None | Some(408) | Some(503))), "{statuses:?}");
     wait_until("the heap to come back under 80 % of its budget", Duration::from_secs(30), || {
         envoy.stat("overload.envoy.resource_monitors.fixed_heap.pressure").ok().flatten().is_some_and(|p| p < 80)
