@@ -6,6 +6,7 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::{Rc, Weak};
+use std::time::Duration;
 
 use kvmesh_core::Config;
 
@@ -15,6 +16,10 @@ use crate::gateway::Gateway;
 use crate::host::{now_ms, LinkHost, Metric, StreamHost, VmHost};
 use crate::request::{RequestFilter, Room, Unanswered};
 use crate::shared::admission::SharedBucket;
+
+/// How often a VM ticks (the table, ended requests, the lease, reports, eviction): Wasm VMs
+/// ask Envoy for this period, the native build ticks on its streams' hooks as often.
+pub const TICK: Duration = Duration::from_millis(20);
 use crate::shared::{Inflight, SharedStore};
 
 #[derive(Default)]
@@ -138,6 +143,19 @@ impl Plugin {
         }
     }
 
+    /// The tick period to ask the host for, given the one a build wants (`wanted`): a profiling
+    /// build's long period (one that keeps the tick out of the requests it counts) applies only
+    /// once the VM knows whether it is alone in its Envoy, which takes two heartbeats a second
+    /// apart at the usual period — so that the counted requests take the production path.
+    pub fn tick_period(&self, wanted: Duration) -> Duration {
+        let settled = self.gateway.as_ref().and_then(|g| g.try_borrow().ok()).is_none_or(|g| g.settled());
+        if settled {
+            wanted
+        } else {
+            wanted.min(TICK)
+        }
+    }
+
     /// The admission queue's turn, after the gateway's (admitted requests borrow it): the
     /// requests waiting too long get a 408, the oldest get the tokens left; each in its own
     /// context, then back to the root's.
@@ -232,9 +250,11 @@ impl Plugin {
 
     /// A stream of this plugin ended, `others` of its streams still live. For a host without
     /// a timer, the last one's end may be the last chance to run for a long while: what the
-    /// tick keeps goes to shared data now.
+    /// tick keeps goes to shared data now — unless the VM is alone in its Envoy: then nobody
+    /// else reads it, and its next tick writes it.
     pub fn on_stream_end(&self, host: &dyn VmHost, others: usize) {
-        if others == 0 {
+        let alone = self.gateway.as_ref().and_then(|g| g.try_borrow().ok()).is_some_and(|g| g.alone());
+        if others == 0 && !alone {
             self.flush(host);
         }
     }

@@ -144,7 +144,8 @@ impl Thread {
     /// admission queue (requests admitted or expired in their own streams, then back).
     fn tick(&self, envoy: *mut c_void, always: bool) {
         let now = host::now_nanos() / 1_000_000;
-        let period = u64::try_from(tick().as_millis()).unwrap_or(u64::MAX);
+        let wanted = self.plugin.try_borrow().map_or(tick(), |p| p.tick_period(tick()));
+        let period = u64::try_from(wanted.as_millis()).unwrap_or(u64::MAX);
         if !self.pacer.try_borrow_mut().is_ok_and(|mut p| p.due(now, period, always)) {
             return;
         }

@@ -28,7 +28,10 @@ use crate::waiting::Waiting;
 pub fn tick() -> Duration {
     static TICK: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
     *TICK.get_or_init(|| {
-        let ms = std::env::var("KVMESH_NATIVE_TICK_MS").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(20);
+        let ms = std::env::var("KVMESH_NATIVE_TICK_MS")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(plugin::TICK.as_millis() as u64);
         Duration::from_millis(ms.clamp(1, 3_600_000))
     })
 }

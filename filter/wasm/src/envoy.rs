@@ -242,6 +242,8 @@ fn action(a: Action) -> WasmAction {
 pub struct Root {
     host: Rc<EnvoyHost>,
     plugin: Plugin,
+    /// The tick period last asked of Envoy.
+    tick_period: std::time::Duration,
 }
 
 impl Root {
@@ -269,8 +271,9 @@ impl Context for Root {
 
 /// How often every VM ticks (table check, lease, reports, eviction).
 #[cfg(not(feature = "slow-tick"))]
-const TICK: std::time::Duration = std::time::Duration::from_millis(20);
-/// Profiling builds: out of the way of the requests being counted.
+const TICK: std::time::Duration = kvmesh_gateway::plugin::TICK;
+/// Profiling builds: out of the way of the requests being counted (once the VM has settled,
+/// see `Plugin::tick_period`).
 #[cfg(feature = "slow-tick")]
 const TICK: std::time::Duration = std::time::Duration::from_secs(100);
 
@@ -289,7 +292,8 @@ impl RootContext for Root {
             log::error!("{e}");
             return false;
         }
-        let _ = hostcalls::set_tick_period(TICK);
+        self.tick_period = self.plugin.tick_period(TICK);
+        let _ = hostcalls::set_tick_period(self.tick_period);
         true
     }
 
@@ -300,6 +304,11 @@ impl RootContext for Root {
             stop_if_lease_owner(self.host.as_ref(), vm);
         }
         self.plugin.on_tick(self.host.as_ref());
+        let period = self.plugin.tick_period(TICK);
+        if period != self.tick_period {
+            self.tick_period = period;
+            let _ = hostcalls::set_tick_period(period);
+        }
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {

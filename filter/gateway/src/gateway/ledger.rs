@@ -20,12 +20,18 @@ pub(super) struct Ledger {
     /// would count them as load until then (a session's next turn, sent as the last one
     /// ended, could be moved off its worker), so with others each end is written at once.
     ended: EndedBy,
+    /// Requests this VM routed and has not counted in [`Inflight`] yet: a VM `alone` counts
+    /// them with its next write (its tick's), not one compare-and-swap each; its own decisions
+    /// add them at once (see [`Ledger::local_loads`]).
+    started: BTreeMap<WorkerId, u32>,
     /// This VM was the only one registered at its last two heartbeats (a second apart): the
     /// VMs of one Envoy start together, and one that registered a moment before the others
     /// must not take itself for alone until they have registered.
     pub(super) alone: bool,
     /// The registry held only this VM at the last heartbeat.
     only_me: bool,
+    /// Registry checks so far (two tell whether the VM is alone).
+    pub(super) checks: u32,
     /// `mine` changed since it was last published.
     mine_changed: bool,
     last_heartbeat_ms: u64,
@@ -36,8 +42,10 @@ impl Ledger {
         Self {
             mine: BTreeMap::new(),
             ended: EndedBy::new(),
+            started: BTreeMap::new(),
             alone: false,
             only_me: false,
+            checks: 0,
             mine_changed: false,
             last_heartbeat_ms: 0,
         }
@@ -47,6 +55,48 @@ impl Ledger {
     /// VM reads, and folded into its next write).
     pub(super) fn ended(&self) -> &EndedBy {
         &self.ended
+    }
+
+    /// Requests to `workers` were routed by this VM alone and are not counted in [`Inflight`]
+    /// yet (see [`Ledger::write_started`]).
+    pub(super) fn start(&mut self, workers: impl IntoIterator<Item = WorkerId>) {
+        for worker in workers {
+            *self.started.entry(worker).or_default() += 1;
+        }
+    }
+
+    /// Whether requests routed here wait to be counted in [`Inflight`].
+    pub(super) fn started_any(&self) -> bool {
+        !self.started.is_empty()
+    }
+
+    /// Whether anything routed or ended here waits to be written to [`Inflight`].
+    pub(super) fn unwritten(&self) -> bool {
+        !self.started.is_empty() || !self.ended.is_empty()
+    }
+
+    /// The loads this VM alone decides on: `seen` (what [`Inflight`] held at its last write or
+    /// tick, which nobody else writes while it is alone) with its own requests since, started
+    /// and ended.
+    pub(super) fn local_loads(&self, seen: &Inflight) -> Inflight {
+        seen.with_local(&self.started, &self.ended)
+    }
+
+    /// Counts the started and ended requests in [`Inflight`] (one read, one compare-and-swap)
+    /// and, with `take_seq`, takes a log sequence number in the same write. Returns whether it
+    /// went through and the number taken.
+    pub(super) fn write_started(&mut self, store: &dyn SharedStore, take_seq: bool) -> (bool, Option<u64>) {
+        let counts: Vec<(WorkerId, i32)> =
+            self.started.iter().map(|(&w, &n)| (w, i32::try_from(n).unwrap_or(i32::MAX))).collect();
+        let (ok, seq) = Inflight::load(store).commit(store, &counts, &self.ended, take_seq);
+        if ok {
+            self.written();
+            for (worker, n) in std::mem::take(&mut self.started) {
+                *self.mine.entry(worker).or_default() += n;
+            }
+            self.mine_changed = true;
+        }
+        (ok, seq)
     }
 
     /// Requests to `workers` were counted in [`Inflight`] by this VM.
@@ -112,6 +162,7 @@ impl Ledger {
         let due = now_ms.saturating_sub(self.last_heartbeat_ms) >= 1_000;
         if due {
             let only_me = VmLedger::register(store, vm) == [vm];
+            self.checks = self.checks.saturating_add(1);
             self.alone = only_me && self.only_me;
             self.only_me = only_me;
         }

@@ -61,11 +61,21 @@ pub struct Gateway {
     pending_feedback: Pending,
     /// The prefill logprobs this VM's requests hold for merging (capped per VM).
     merge_room: kvmesh_core::logprobs::MergeRoom,
+    /// Alone in its Envoy, a VM reads and writes no shared data per request: `seen` is what
+    /// `kvmesh.state` held at its last write or tick, `unlogged` the index inserts not yet in
+    /// the delta log (both written on the tick, see [`Gateway::write_ended`]).
+    seen: Inflight,
+    unlogged: Vec<Delta>,
+    unlogged_hashes: usize,
 }
 
 /// Index changes of other VMs a request applies before its decision (about: whole log slots
 /// are read): a large batch (a full snapshot) is spread over requests and ticks.
 const CATCH_UP_PER_REQUEST: usize = 1 << 15;
+
+/// Index inserts a VM alone keeps for its tick's write: past these it writes them at once
+/// (half a delta-log slot, so that one request's inserts on top still fit in one slot).
+const UNLOGGED_HASHES: usize = DeltaLog::SLOT_HASHES / 2;
 
 /// Index changes of other VMs the tick applies.
 const CATCH_UP_PER_TICK: usize = 1 << 18;
@@ -82,6 +92,9 @@ impl Gateway {
             log: DeltaLog::new(store, seed as u32 ^ (seed >> 32) as u32),
             pending_feedback: Pending::default(),
             merge_room: Default::default(),
+            seen: Inflight::load(store),
+            unlogged: Vec::new(),
+            unlogged_hashes: 0,
         }
     }
 
@@ -107,6 +120,12 @@ impl Gateway {
     /// Whether a control plane is configured (inserts and stale blocks are then reported).
     fn has_control_plane(&self) -> bool {
         self.view.config.control_plane_cluster.is_some()
+    }
+
+    /// Whether completion metrics (tokens, latency) of responses go anywhere: to the control
+    /// plane, in reports. Without one, a response with no prediction to judge is not scanned.
+    pub fn reports_usage(&self) -> bool {
+        self.has_control_plane()
     }
 
     /// What the gateway does with `method` on `path`.
@@ -180,7 +199,14 @@ impl Gateway {
     /// stream owner published, the index changes other VMs logged, and — when their generation
     /// moved — the breakers. Returns the in-flight counts read for the decision (less this
     /// VM's ended requests not written yet).
+    ///
+    /// A VM alone in its Envoy reads nothing: no other VM publishes a table, logs inserts,
+    /// moves a breaker or counts a request, and what the tick finds (a VM that joined, one that
+    /// died) it applies then. Its loads are the last value seen with its own requests since.
     fn refresh(&mut self, store: &dyn SharedStore) -> Inflight {
+        if self.ledger.alone {
+            return self.ledger.local_loads(&self.seen);
+        }
         self.follower.sync(store, &mut self.view);
         let inflight = Inflight::load(store).discount(self.ledger.ended());
         self.catch_up(store, inflight.head(), CATCH_UP_PER_REQUEST);
@@ -262,16 +288,28 @@ impl Gateway {
                 log::info!("worker {}: half-open, probing it with one request", d.worker);
             }
         }
-        let (counted, seq) = inflight.commit(store, &counts, self.ledger.ended(), !deltas.is_empty());
-        if counted {
-            self.ledger.written();
-        }
-        if let Some(seq) = seq {
-            self.log.write(store, seq, &deltas);
-        }
-        if counted {
-            self.ledger.counted(legs.iter().map(|d| d.worker));
-        }
+        let counted = if inflight.is_local() {
+            // Decided alone: counted and logged with the tick's write.
+            self.ledger.start(legs.iter().map(|d| d.worker));
+            self.unlogged_hashes += deltas.iter().map(|d| d.hashes.len()).sum::<usize>();
+            self.unlogged.extend(deltas.iter().cloned());
+            if self.unlogged_hashes >= UNLOGGED_HASHES {
+                self.write_unwritten(store);
+            }
+            true
+        } else {
+            let (counted, seq) = inflight.commit(store, &counts, self.ledger.ended(), !deltas.is_empty());
+            if counted {
+                self.ledger.written();
+            }
+            if let Some(seq) = seq {
+                self.log.write(store, seq, &deltas);
+            }
+            if counted {
+                self.ledger.counted(legs.iter().map(|d| d.worker));
+            }
+            counted
+        };
         self.view.commit(&chosen);
         let cp = self.has_control_plane();
         for d in deltas {
@@ -315,7 +353,11 @@ impl Gateway {
     /// decode worker in PD mode). Not counted, nothing to commit.
     pub fn route_other(&mut self, store: &dyn SharedStore, now: Now) -> Result<(Routed, Vec<String>), Reply> {
         self.follower.sync(store, &mut self.view);
-        self.view.route_other(&Inflight::load(store).discount(self.ledger.ended()), now)
+        let loads = match self.ledger.alone {
+            true => self.ledger.local_loads(&self.seen),
+            false => Inflight::load(store).discount(self.ledger.ended()),
+        };
+        self.view.route_other(&loads, now)
     }
 
     /// A counted leg that never ran to its end (a prefill callout cancelled with its stream):
@@ -332,16 +374,63 @@ impl Gateway {
     }
 
     /// Writes the requests that ended here since the last write (on the tick: when no request
-    /// was routed since, nothing else would).
+    /// was routed since, nothing else would) and, for a VM alone, those it routed and the
+    /// inserts it has not logged yet; then reads `kvmesh.state` afresh for its next decisions.
     pub fn write_ended(&mut self, store: &dyn SharedStore) {
-        self.ledger.write_ended(store);
+        if self.ledger.alone {
+            self.write_unwritten(store);
+            self.seen = Inflight::load(store);
+        } else if self.ledger.started_any() || !self.unlogged.is_empty() {
+            // Left from a time alone (a write that did not go through): out now.
+            self.write_unwritten(store);
+        } else {
+            self.ledger.write_ended(store);
+        }
+    }
+
+    /// Whether this VM knows if it is alone in its Envoy (two heartbeats a second apart).
+    pub fn settled(&self) -> bool {
+        self.ledger.checks >= 2
+    }
+
+    /// Whether this VM is the only one in its Envoy (it then reads no shared data per request).
+    pub fn alone(&self) -> bool {
+        self.ledger.alone
+    }
+
+    /// A VM alone: its routed and ended requests into `kvmesh.state` and its inserts into the
+    /// delta log, one write each.
+    fn write_unwritten(&mut self, store: &dyn SharedStore) {
+        if !self.ledger.unwritten() && self.unlogged.is_empty() {
+            return;
+        }
+        let batch = std::mem::take(&mut self.unlogged);
+        self.unlogged_hashes = 0;
+        let one_slot =
+            !batch.is_empty() && batch.iter().map(|d| d.hashes.len()).sum::<usize>() <= DeltaLog::SLOT_HASHES;
+        let (_, seq) = self.ledger.write_started(store, one_slot);
+        match seq {
+            Some(seq) => self.log.write(store, seq, &batch),
+            // Past one slot, or the counts not written (kept for the next try): the inserts
+            // are logged all the same.
+            None if !batch.is_empty() => self.log.append(store, &batch),
+            None => {}
+        }
     }
 
     /// On the tick: publishes what this VM has in flight and takes back the counts of VMs
     /// that died (see [`ledger::Ledger::heartbeat`]).
     pub fn heartbeat(&mut self, store: &dyn SharedStore, now_ms: u64) {
         let vm = self.vm_id();
+        let was_alone = self.ledger.alone;
         self.ledger.heartbeat(store, vm, now_ms);
+        match (was_alone, self.ledger.alone) {
+            // Another VM registered: what this one kept for its tick goes out now.
+            (true, false) => self.write_unwritten(store),
+            // From now on it decides on what it last saw and its own requests.
+            (false, true) => self.seen = Inflight::load(store),
+            _ => {}
+        }
     }
 
     /// A request went to `worker` (the stall window starts if it held none).

@@ -11,7 +11,8 @@ use super::{u32_at, u64_at, update, SetError, SharedStore};
 /// request serves the loads, the log and the breakers (a VM that sees a new generation reads
 /// `kvmesh.breakers` before it decides: a breaker opened on another thread is obeyed by the
 /// next request anywhere); one CAS counts the request, takes a log sequence number and writes the requests that
-/// ended in this VM since (see [`Ended`]: an ending request touches no shared data).
+/// ended in this VM since (see [`Ended`]: an ending request touches no shared data). A VM
+/// alone in its Envoy does both on its tick instead (`Gateway::refresh`).
 #[derive(Debug)]
 pub struct Inflight {
     value: Vec<u8>,
@@ -19,6 +20,8 @@ pub struct Inflight {
     /// `(worker, in flight)` as read, by worker: a candidate's load is a binary search, not a
     /// scan of every entry (64 workers would make that 2,000 entry reads a request).
     loads: Vec<(WorkerId, u32)>,
+    /// A VM's local view (see [`Inflight::with_local`]), never written back.
+    local: bool,
 }
 
 /// Requests to one worker that ended in this VM and are not yet written to [`Inflight`]. A VM
@@ -93,7 +96,7 @@ impl Inflight {
         let value = value.unwrap_or_default();
         let mut loads: Vec<(WorkerId, u32)> = entries(&value).map(|c| (c.worker, c.in_flight)).collect();
         loads.sort_unstable();
-        Self { value, cas, loads }
+        Self { value, cas, loads, local: false }
     }
 
     /// The delta log's head as read.
@@ -132,6 +135,30 @@ impl Inflight {
         self
     }
 
+    /// The loads as read, with `started` requests added and `ended` ones taken off: the view
+    /// of a VM alone in its Envoy between its writes. It is for deciding only: the value is
+    /// not kept, and [`Inflight::is_local`] says so.
+    pub fn with_local(&self, started: &std::collections::BTreeMap<WorkerId, u32>, ended: &EndedBy) -> Self {
+        let mut loads = self.loads.clone();
+        for (&worker, &n) in started {
+            match loads.binary_search_by_key(&worker, |&(w, _)| w) {
+                Ok(i) => {
+                    if let Some((_, count)) = loads.get_mut(i) {
+                        *count = count.saturating_add(n);
+                    }
+                }
+                Err(i) => loads.insert(i, (worker, n)),
+            }
+        }
+        Self { value: Vec::new(), cas: None, loads, local: true }.discount(ended)
+    }
+
+    /// Whether these loads are a VM's local view ([`Inflight::with_local`]), not a value read
+    /// to be written back.
+    pub fn is_local(&self) -> bool {
+        self.local
+    }
+
     /// `worker`'s in-flight count.
     pub fn count(&self, worker: WorkerId) -> u32 {
         match self.loads.binary_search_by_key(&worker, |&(w, _)| w) {
@@ -161,6 +188,9 @@ impl Inflight {
         ended: &EndedBy,
         take_seq: bool,
     ) -> (bool, Option<u64>) {
+        if self.local {
+            return (false, None); // a view for deciding, not a value to write back
+        }
         let change = |value: &mut Vec<u8>| {
             for &(worker, delta) in deltas {
                 apply(value, worker, delta);

@@ -101,16 +101,21 @@ fn shared_prefix_sticks_and_inflight_is_tracked() {
     let again = routed(&mut g, &store, &body(&format!("{prefix}b")));
     assert_eq!(again.addr, first.addr);
     assert!(again.matched_bytes >= 384);
+    // Alone, a VM writes no shared data per request: its tick writes what it routed.
+    assert_eq!(Inflight::read(&store), vec![]);
+    let p = plan(req(&mut g, &store, Endpoint::Generate, &body("z")));
+    assert_eq!(p.inflight.count(first.worker), 2, "its own requests count as load at once");
+    g.write_ended(&store);
     assert_eq!(Inflight::read(&store), vec![(first.worker, 2)]);
     g.finish(&store, &first, true);
     g.finish(&store, &again, false);
-    // Ending touches no shared data: the next commit writes the ends with its own count.
+    // Ending touches no shared data either: the tick writes the ends with the new requests.
     assert_eq!(Inflight::read(&store), vec![(first.worker, 2)]);
     let third = routed(&mut g, &store, &body(&format!("{prefix}c")));
     assert_eq!(third.addr, first.addr);
+    g.write_ended(&store);
     let c = Inflight::counts(&store);
     assert_eq!((c[0].in_flight, c[0].finished, c[0].failed), (1, 2, 1));
-    // With no request to carry them, the tick writes them.
     g.finish(&store, &third, true);
     g.write_ended(&store);
     assert_eq!(Inflight::read(&store), vec![(first.worker, 0)]);
@@ -133,7 +138,11 @@ fn a_vms_own_ended_requests_count_at_once_in_its_decisions() {
     g.finish(&store, &held, true);
     let p = plan(req(&mut g, &store, Endpoint::Generate, &body(&"y".repeat(400))));
     assert_eq!(p.inflight.count(held.worker), 0, "not written yet, but not counted as load");
-    assert_eq!(Inflight::read(&store), vec![(held.worker, 1)]);
+    assert_eq!(Inflight::read(&store), vec![], "nothing written before the tick");
+    g.write_ended(&store);
+    assert_eq!(Inflight::read(&store), vec![(held.worker, 0)]);
+    let counts = Inflight::counts(&store);
+    assert_eq!((counts[0].finished, counts[0].failed), (1, 0));
 }
 
 #[test]
@@ -168,20 +177,22 @@ fn the_requests_of_a_vm_that_died_do_not_stay_in_flight() {
         on_b.push(routed(&mut b, &store, &body(&format!("on b {i}"))));
     }
     let total = |s: &FakeStore| Inflight::counts(s).iter().map(|c| c.in_flight).sum::<u32>();
+    assert_eq!(total(&store), 3, "b's, written at once; a writes its own on its tick");
+    a.write_ended(&store);
     assert_eq!(total(&store), 6);
-    // One of a's requests ended, not written when a dies: a's ledger still counts it.
+    // One more request on a, routed and ended, not written when a dies: never counted.
     let ended_on_a = routed(&mut a, &store, &body("on a, ended"));
     a.finish(&store, &ended_on_a, true);
     a.heartbeat(&store, 2_500); // publishes what a has in flight (not a registry check)
     b.heartbeat(&store, 2_500);
-    assert_eq!(total(&store), 7);
+    assert_eq!(total(&store), 6);
     drop(a); // trapped: its streams never reach on_log
     for t in (3_000..=12_000).step_by(1_000) {
         b.heartbeat(&store, t);
-        assert_eq!(total(&store), 7, "not before the heartbeat is stale ({t} ms)");
+        assert_eq!(total(&store), 6, "not before the heartbeat is stale ({t} ms)");
     }
     b.heartbeat(&store, 13_000);
-    assert_eq!(total(&store), 3, "a's four are taken back, b's stay");
+    assert_eq!(total(&store), 3, "a's three are taken back, b's stay");
     for r in &on_b {
         b.finish(&store, r, true);
     }
@@ -223,6 +234,38 @@ fn another_vm_sees_the_prefix() {
     let on_b = routed(&mut b, &store, &body(&format!("{prefix}2")));
     assert!(on_b.matched_bytes >= 384, "b matched {} bytes of a's 400-byte prefix", on_b.matched_bytes);
     assert_eq!(on_a.addr, on_b.addr);
+}
+
+/// A VM alone logs its inserts on its tick (one slot for all of them), and the moment it
+/// learns of another VM (its heartbeat) it writes what it kept: a VM that joins sees every
+/// prefix routed before it, one tick late at most.
+#[test]
+fn a_vm_alone_logs_its_inserts_on_its_tick_and_when_another_comes() {
+    let store = FakeStore::default();
+    let mut a = gateway(&store, "");
+    a.heartbeat(&store, 1_000);
+    a.heartbeat(&store, 2_000);
+    assert!(a.alone());
+    let first = routed(&mut a, &store, &body(&format!("{}1", "q".repeat(400))));
+    routed(&mut a, &store, &body(&format!("{}1", "s".repeat(400))));
+    assert_eq!(Inflight::load(&store).head(), 0, "nothing logged per request");
+    a.write_ended(&store); // its tick
+    assert_eq!(Inflight::load(&store).head(), 1, "both requests' inserts in one slot");
+    let mut b = Gateway::new(a.config().clone(), &store, 7);
+    let on_b = routed(&mut b, &store, &body(&format!("{}2", "q".repeat(400))));
+    assert!(on_b.matched_bytes >= 384, "b matched {} bytes", on_b.matched_bytes);
+    assert_eq!(on_b.addr, first.addr);
+    // b registers; a routes on, alone as far as it knows, until its next heartbeat.
+    b.heartbeat(&store, 2_100);
+    let before = routed(&mut a, &store, &body(&format!("{}x", "r".repeat(400))));
+    assert_eq!(Inflight::load(&store).head(), 2, "b's insert only");
+    a.heartbeat(&store, 3_000);
+    assert!(!a.alone());
+    let total: u32 = Inflight::counts(&store).iter().map(|c| c.in_flight).sum();
+    assert_eq!(total, 4, "a's three requests and b's one, all written");
+    let on_b = routed(&mut b, &store, &body(&format!("{}y", "r".repeat(400))));
+    assert!(on_b.matched_bytes >= 384, "b matched {} bytes of what a routed alone", on_b.matched_bytes);
+    assert_eq!(on_b.addr, before.addr);
 }
 
 #[test]
