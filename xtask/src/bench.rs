@@ -374,7 +374,7 @@ mod tests {
     }
 
     /// The instructions suite's harness runs: kvmesh's slow-tick build under callgrind, a few
-    /// requests counted. The count must be one request's worth (hundreds of thousands of
+    /// requests counted, in regular and PD mode. The count must be one request's worth (hundreds of thousands of
     /// instructions): not zero (nothing counted), not Envoy's start-up (billions, when the
     /// counters were not zeroed). Needs valgrind and what `cargo xtask test` builds.
     #[test]
@@ -392,9 +392,13 @@ mod tests {
         let doc: Value =
             serde_json::from_str(&std::fs::read_to_string(out.path().join("instructions.json")).unwrap()).unwrap();
         let results = doc["results"].as_array().unwrap();
-        assert_eq!(results.len(), 1, "{doc:#}");
-        assert_eq!(results[0]["config"], "kvmesh");
-        let per_request = results[0]["instructions_per_request"].as_f64().unwrap();
-        assert!((100e3..5e6).contains(&per_request), "{per_request} instructions a request");
+        let configs: Vec<&str> = results.iter().map(|r| r["config"].as_str().unwrap()).collect();
+        assert_eq!(configs, ["kvmesh", "kvmesh PD"], "{doc:#}");
+        for r in results {
+            let per_request = r["instructions_per_request"].as_f64().unwrap();
+            assert!((100e3..5e6).contains(&per_request), "{}: {per_request} instructions a request", r["config"]);
+        }
+        let md = std::fs::read_to_string(out.path().join("instructions.md")).unwrap();
+        assert!(md.contains("### PD mode") && md.contains("| kvmesh PD |"), "{md}");
     }
 }

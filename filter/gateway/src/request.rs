@@ -20,9 +20,10 @@ use kvmesh_core::{Endpoint, WorkerId};
 
 use crate::admission::{Entry, WaitRoom};
 use crate::gateway::{
-    endpoint_list, is_routing_header, Destination, Gateway, Now, Outcome, Plan, PrefillLeg, Reply, RequestInfo, Routed,
-    DECISION_KEY, FAILOVER_KEY, PREFILLER_HEADER,
+    endpoint_list, is_routing_header, Destination, Gateway, Now, Outcome, Plan, Prediction, PrefillLeg, Reply,
+    RequestInfo, Routed, DECISION_KEY, FAILOVER_KEY, PREFILLER_HEADER,
 };
+use crate::headers::Headers;
 use crate::host::{Action, Callout, Metric, ModelMetric, StreamHost};
 use crate::pd_leg::PdLeg;
 use crate::response_feedback::ResponseFeedback;
@@ -81,6 +82,8 @@ pub struct RequestFilter {
     /// looked up for one (a policy that wants a key was in force then).
     routing_key: Option<String>,
     key_checked: bool,
+    /// The client's request headers, kept in PD mode for the prefill leg (read once).
+    client_headers: Option<Headers>,
     /// The committed main leg (the worker, or the decode worker in PD mode).
     routed: Option<Routed>,
     pd: Option<PdLeg>,
@@ -227,6 +230,7 @@ impl RequestFilter {
             request_id: None,
             routing_key: None,
             key_checked: false,
+            client_headers: None,
             routed: None,
             pd: None,
             sidecar_prefill: None,
@@ -333,8 +337,13 @@ impl RequestFilter {
                 id
             }
         });
-        (self.key_checked, self.routing_key) =
-            self.with_gateway(|g| (g.wants_key(), g.routing_key(&headers))).unwrap_or_default();
+        let pd;
+        (self.key_checked, self.routing_key, pd) = self
+            .with_gateway(|g| (g.wants_key(), g.routing_key(&headers), g.config().pd.is_some()))
+            .unwrap_or_default();
+        if pd {
+            self.client_headers = Some(headers);
+        }
         self.endpoint = Some(endpoint);
         // The body is delivered to us only with `allow_on_headers_stop_iteration: true`.
         Action::Pause
@@ -512,7 +521,7 @@ impl RequestFilter {
             (Some(prefill), Some(token)) if sequential => {
                 Self::count_route(host, &prefill);
                 self.first = Some((token, prefill));
-                self.feedback = Some(ResponseFeedback::new(committed.prediction, committed.main.worker, now_ms));
+                self.feedback = self.feedback_for(committed.prediction, committed.main.worker, now_ms);
                 self.routed = Some(committed.main);
                 return Action::Pause;
             }
@@ -526,9 +535,17 @@ impl RequestFilter {
             _ => {}
         }
         // PD too: the decode response's completion metrics count (no prediction is judged).
-        self.feedback = Some(ResponseFeedback::new(committed.prediction, committed.main.worker, now_ms));
+        self.feedback = self.feedback_for(committed.prediction, committed.main.worker, now_ms);
         self.routed = Some(committed.main);
         Action::Continue
+    }
+
+    /// The response's engine feedback, when any is due: a prediction to judge, or completion
+    /// metrics for a control plane (nobody else reads them). Otherwise the response body is
+    /// not read at all.
+    fn feedback_for(&self, prediction: Option<Prediction>, worker: WorkerId, now_ms: u64) -> Option<ResponseFeedback> {
+        let due = prediction.is_some() || self.with_gateway(|g| g.reports_usage()).unwrap_or(false);
+        due.then(|| ResponseFeedback::new(prediction, worker, now_ms))
     }
 
     /// Everything that can fail before a decision commits: the destination header and, in
@@ -569,7 +586,15 @@ impl RequestFilter {
         }
         set_destination(host, plan.addr(), plan.fallbacks(), how)
             .map_err(|e| internal("cannot set the destination", e))?;
-        let client = host.request_headers();
+        // The headers as the client sent them (kept from `on_request_headers`), not read again.
+        let read;
+        let client = match &self.client_headers {
+            Some(kept) => kept,
+            None => {
+                read = host.request_headers();
+                &read
+            }
+        };
         let mut headers = callout_headers(&self.path, &pd.prefill.addr).to_vec();
         if let Some(id) = self.request_id.as_deref() {
             headers.push(("x-request-id", id));

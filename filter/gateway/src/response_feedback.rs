@@ -169,7 +169,11 @@ mod tests {
     fn a_response_without_e2e_latency_is_timed_by_the_gateway() {
         let host = MockHost::new();
         let gw = Rc::new(RefCell::new(Gateway::new(
-            Config::from_json(br#"{"policy":"round_robin","worker_urls":["http://127.0.0.1:30001"]}"#).unwrap(),
+            // A control plane receives completion metrics (without one they are not read).
+            Config::from_json(
+                br#"{"policy":"round_robin","worker_urls":["http://127.0.0.1:30001"],"control_plane_cluster":"cp"}"#,
+            )
+            .unwrap(),
             &host,
             9,
         )));

@@ -35,6 +35,8 @@ struct Config {
     filter: Value,
     wasm: Option<PathBuf>,
     native: Option<PathBuf>,
+    /// PD mode: `envoy/envoy-pd.yaml`, the PD workers (`--no-pd` leaves these out).
+    pd: bool,
 }
 
 /// The slow-tick build of the filter (`cargo xtask bench` builds it).
@@ -50,26 +52,29 @@ fn configs(o: &Opts, urls: &[String]) -> Vec<Config> {
     other["route_sets_worker_header"] = Value::Null;
     other["original_dst_header"] = Value::Null;
     let mut list = vec![
-        Config { name: "plain Envoy".into(), filter: json!({"worker_urls": []}), wasm: None, native: None },
+        Config { name: "plain Envoy".into(), filter: json!({"worker_urls": []}), wasm: None, native: None, pd: false },
         Config {
             name: "naive body filter".into(),
             filter: json!({"worker_urls": urls}),
             wasm: Some(naive),
             native: None,
+            pd: false,
         },
         Config {
             name: "naive filter, native".into(),
             filter: json!({"worker_urls": urls}),
             wasm: None,
             native: Some(super::stack::naive_module_path()),
+            pd: false,
         },
-        Config { name: "kvmesh".into(), filter: kvmesh.clone(), wasm: Some(slow_tick_wasm()), native: None },
+        Config { name: "kvmesh".into(), filter: kvmesh.clone(), wasm: Some(slow_tick_wasm()), native: None, pd: false },
         Config {
             // Not "kvmesh…": `--only kvmesh` (the test's) picks the shipped filter alone.
             name: "native build (the filter as a dynamic module)".into(),
             filter: kvmesh,
             wasm: None,
             native: Some(super::stack::kvmesh_module_path()),
+            pd: false,
         },
     ];
     let named =
@@ -81,13 +86,26 @@ fn configs(o: &Opts, urls: &[String]) -> Vec<Config> {
             filter: other.clone(),
             wasm: Some(slow_tick_wasm()),
             native: None,
+            pd: false,
         });
     }
     if let Some(w) = &o.baseline_wasm {
-        list.push(Config { name: named("baseline", w), filter: other.clone(), wasm: Some(w.clone()), native: None });
+        list.push(Config {
+            name: named("baseline", w),
+            filter: other.clone(),
+            wasm: Some(w.clone()),
+            native: None,
+            pd: false,
+        });
     }
     for w in &o.variant_wasm {
-        list.push(Config { name: named("variant", w), filter: other.clone(), wasm: Some(w.clone()), native: None });
+        list.push(Config {
+            name: named("variant", w),
+            filter: other.clone(),
+            wasm: Some(w.clone()),
+            native: None,
+            pd: false,
+        });
     }
     if let Some(module) = &o.baseline_native {
         list.push(Config {
@@ -95,13 +113,62 @@ fn configs(o: &Opts, urls: &[String]) -> Vec<Config> {
             filter: other.clone(),
             wasm: None,
             native: Some(super::stack::kvmesh_module_path()),
+            pd: false,
         });
         list.push(Config {
             name: format!("native baseline {}", module.display()),
             filter: other.clone(),
             wasm: None,
             native: Some(module.clone()),
+            pd: false,
         });
+    }
+    list.retain(|c| o.wants(&c.name));
+    list
+}
+
+/// PD mode (2 prefill and 2 decode workers, SGLang's protocol): a request is the decode leg
+/// through Envoy's router and the prefill leg as the filter's callout, both counted.
+fn pd_configs(o: &Opts, prefill: &[(String, u16)], decode: &[String]) -> Vec<Config> {
+    let filter = json!({
+        "pd_disaggregation": true,
+        "prefill": prefill.iter().map(|(u, b)| json!([u, b])).collect::<Vec<_>>(),
+        "decode": decode,
+        "prefill_policy": "cache_aware",
+        "decode_policy": super::stack::PD_DECODE_POLICY,
+    });
+    let mut list = vec![
+        Config {
+            name: "kvmesh PD".into(),
+            filter: filter.clone(),
+            wasm: Some(slow_tick_wasm()),
+            native: None,
+            pd: true,
+        },
+        Config {
+            name: "native build PD".into(),
+            filter,
+            wasm: None,
+            native: Some(super::stack::kvmesh_module_path()),
+            pd: true,
+        },
+    ];
+    // Other builds as the regular rows run them: without the newer keys.
+    let mut other = list[0].filter.clone();
+    other["route_sets_worker_header"] = Value::Null;
+    other["original_dst_header"] = Value::Null;
+    if let Some(w) = &o.baseline_wasm {
+        let name = format!("kvmesh baseline {} PD", w.file_name().unwrap_or_default().to_string_lossy());
+        list.push(Config { name, filter: other.clone(), wasm: Some(w.clone()), native: None, pd: true });
+        let name = "kvmesh without the newer keys PD".to_string();
+        list.push(Config { name, filter: other.clone(), wasm: Some(slow_tick_wasm()), native: None, pd: true });
+    }
+    if let Some(module) = &o.baseline_native {
+        let name = "native build without the newer keys PD".to_string();
+        let this = Some(super::stack::kvmesh_module_path());
+        list.push(Config { name, filter: other.clone(), wasm: None, native: this, pd: true });
+        let name = format!("native baseline {} PD", module.display());
+        list.push(Config { name, filter: other, wasm: None, native: Some(module.clone()), pd: true });
     }
     list.retain(|c| o.wants(&c.name));
     list
@@ -142,6 +209,9 @@ fn count(o: &Opts, c: &Config, upstreams: &[String], stream: &[Vec<u8>], dir: &P
     let out_file = dir.join(format!("callgrind.{slug}"));
     let mut opts = EnvoyOptions::new(c.filter.clone())?;
     opts.concurrency = o.threads;
+    if c.pd {
+        opts.template = kvmesh_testkit::repo_root().join("envoy/envoy-pd.yaml");
+    }
     match (&c.wasm, &c.native) {
         (Some(w), _) => opts.wasm = w.clone(),
         (None, Some(module)) => {
@@ -204,24 +274,61 @@ pub fn run(o: &Opts) -> anyhow::Result<(Value, String)> {
         step(&format!("{}: {:.1}k instructions a request", c.name, per_request / 1e3));
         results.push(json!({"config": c.name, "instructions_per_request": per_request}));
     }
+    drop(sims);
+    if o.pd {
+        step("PD mode: 2 prefill and 2 decode simulated workers (--time-scale 0)");
+        let mut prefill = Vec::new();
+        for _ in 0..2 {
+            let boot = kvmesh_testkit::free_port()?.to_string();
+            let args = ["--role", "prefill", "--bootstrap-port", &boot, "--time-scale", "0", "--max-running", "4096"];
+            prefill.push((Sim::start(&args)?, boot));
+        }
+        let decode: Vec<Sim> = (0..2)
+            .map(|_| Sim::start(&["--role", "decode", "--time-scale", "0", "--max-running", "4096"]))
+            .collect::<Result<_, _>>()?;
+        let prefill_urls: Vec<(String, u16)> =
+            prefill.iter().map(|(s, b)| (s.url(), b.parse().unwrap_or_default())).collect();
+        let decode_urls: Vec<String> = decode.iter().map(Sim::url).collect();
+        for c in pd_configs(o, &prefill_urls, &decode_urls) {
+            let per_request = count(o, &c, &[], &stream, &dir)?;
+            step(&format!("{}: {:.1}k instructions a request", c.name, per_request / 1e3));
+            results.push(json!({"config": c.name, "instructions_per_request": per_request}));
+        }
+    }
     let of =
         |name: &str| results.iter().find(|r| r["config"] == name).and_then(|r| r["instructions_per_request"].as_f64());
     let (plain, naive) = (of("plain Envoy"), of("naive body filter"));
+    let is_pd = |r: &&Value| r["config"].as_str().is_some_and(|c| c.ends_with(" PD"));
     let rows: Vec<Vec<String>> = results
         .iter()
+        .filter(|r| !is_pd(r))
         .map(|r| {
             let v = r["instructions_per_request"].as_f64().unwrap_or(f64::NAN);
             let over = |base: Option<f64>| base.map_or("-".to_string(), |b| format!("{:+.1}k", (v - b) / 1e3));
             vec![r["config"].as_str().unwrap_or("").to_string(), f(v / 1e3, 1) + "k", over(plain), over(naive)]
         })
         .collect();
-    let md = format!(
+    let pd_rows: Vec<Vec<String>> = results
+        .iter()
+        .filter(is_pd)
+        .map(|r| {
+            let v = r["instructions_per_request"].as_f64().unwrap_or(f64::NAN);
+            vec![r["config"].as_str().unwrap_or("").to_string(), f(v / 1e3, 1) + "k"]
+        })
+        .collect();
+    let mut md = format!(
         "### Instructions per request (callgrind; Envoy with {} thread(s), {} warm-up and {} counted requests, 4 workers at --time-scale 0)\n\n{}",
         o.threads,
         o.warmup,
         o.requests,
         table(&["configuration", "instructions", "over plain Envoy", "over the naive filter"], &rows)
     );
+    if !pd_rows.is_empty() {
+        md.push_str(&format!(
+            "\n\n### PD mode (2 prefill + 2 decode workers; both legs, the prefill as the filter's callout)\n\n{}",
+            table(&["configuration", "instructions"], &pd_rows)
+        ));
+    }
     let doc = json!({"threads": o.threads, "warmup": o.warmup, "requests": o.requests, "results": results});
     Ok((doc, md))
 }
