@@ -88,9 +88,13 @@ pub fn sync(cp: &ControlPlane, envoy: &Envoy) {
     envoy.wait_for_version(cp.settled_version().unwrap());
 }
 
-/// kvmesh's native build (`target/release/libkvmesh_native.so`).
+/// kvmesh's native build (`target/release/libkvmesh_native.so`), or `KVMESH_NATIVE_MODULE`
+/// (`cargo xtask matrix`: the build for another Envoy release's ABI).
 pub fn native_module() -> PathBuf {
-    repo_root().join("target/release/libkvmesh_native.so")
+    match std::env::var_os("KVMESH_NATIVE_MODULE").filter(|v| !v.is_empty()) {
+        Some(path) => PathBuf::from(path),
+        None => repo_root().join("target/release/libkvmesh_native.so"),
+    }
 }
 
 /// Options for the shipped PD configuration (`envoy/envoy-pd.yaml`) with `filter` settings,

@@ -255,9 +255,33 @@ pub fn extension_config(envoy_filter: &Value) -> &Value {
     &patches(envoy_filter, "EXTENSION_CONFIG").next().expect("an EXTENSION_CONFIG patch")["patch"]["value"]
 }
 
-/// The filter's plugin configuration (JSON) in an EnvoyFilter's EXTENSION_CONFIG patch.
+/// The type of the dynamic-modules HTTP filter's configuration (the native build's).
+pub const DYNAMIC_MODULE_FILTER: &str =
+    "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter";
+
+/// Where an extension configuration (`typed_config`) holds the filter's plugin JSON string:
+/// the Wasm filter's `config.configuration`, or the native build's `filter_config`.
+pub fn filter_json_at(typed_config: &mut Value) -> &mut Value {
+    if typed_config["@type"] == DYNAMIC_MODULE_FILTER {
+        &mut typed_config["filter_config"]["value"]
+    } else {
+        &mut typed_config["config"]["configuration"]["value"]
+    }
+}
+
+/// The filter's plugin configuration (JSON) in an EnvoyFilter's EXTENSION_CONFIG patch, the
+/// `.wasm`'s or the native build's.
 pub fn filter_json(envoy_filter: &Value) -> Value {
-    let wasm = &extension_config(envoy_filter)["typed_config"]["config"];
+    let typed = &extension_config(envoy_filter)["typed_config"];
+    if typed["@type"] == DYNAMIC_MODULE_FILTER {
+        let module = &typed["dynamic_module_config"];
+        assert_eq!(module["name"], "kvmesh_native", "{}: Envoy loads lib<name>.so", name(envoy_filter));
+        assert_eq!(typed["filter_name"], "kvmesh_native", "{}", name(envoy_filter));
+        // The .wasm's stat names, so that dashboards and alerts fit either build.
+        assert_eq!(module["metrics_namespace"], "wasmcustom", "{}", name(envoy_filter));
+        return serde_json::from_str(typed["filter_config"]["value"].as_str().unwrap()).unwrap();
+    }
+    let wasm = &typed["config"];
     assert_eq!(wasm["allow_on_headers_stop_iteration"], true, "{}: LLM requests would hang", name(envoy_filter));
     assert_eq!(wasm["failure_policy"], "FAIL_RELOAD", "{}", name(envoy_filter));
     serde_json::from_str(wasm["configuration"]["value"].as_str().unwrap()).unwrap()

@@ -18,14 +18,14 @@ use std::collections::{BTreeMap, HashSet};
 
 use base64::Engine as _;
 use kvmesh_testkit::manifests::{
-    check, check_ties, cp_config, documents, extension_config, filter_json, find, helm_lint, helm_template, kustomize,
-    labels, name, Place,
+    check, check_ties, cp_config, documents, extension_config, filter_json, filter_json_at, find, helm_lint,
+    helm_template, kustomize, labels, name, Place,
 };
 use kvmesh_testkit::repo_root;
 use serde_json::{json, Value};
 
 /// The overlays the chart reproduces, each with `ci/<overlay>-values.yaml`.
-const OVERLAYS: [&str; 5] = ["regular", "pd", "pd-vllm", "pd-llm-d", "multi-model"];
+const OVERLAYS: [&str; 6] = ["regular", "pd", "pd-vllm", "pd-llm-d", "multi-model", "native"];
 
 /// Labels Helm's templates add to every object's metadata (the kustomize tree has none).
 const HELM_LABELS: [&str; 4] =
@@ -72,7 +72,7 @@ fn normalized(o: &Value) -> Value {
         let parsed = filter_json(&o);
         let patch =
             o["spec"]["configPatches"].as_array_mut().unwrap().iter_mut().find(|p| p["applyTo"] == "EXTENSION_CONFIG");
-        patch.unwrap()["patch"]["value"]["typed_config"]["config"]["configuration"]["value"] = parsed;
+        *filter_json_at(&mut patch.unwrap()["patch"]["value"]["typed_config"]) = parsed;
     }
     o
 }

@@ -22,8 +22,8 @@ use std::time::Duration;
 
 use kvmesh_testkit::kube_fake::{pod, FakeKube};
 use kvmesh_testkit::manifests::{
-    check, check_ties, core_errors, discovered_role, find, istio_dir, kustomize, labels, load, name, patches,
-    schema_errors, selector, Place, POD_CIDR_PLACEHOLDER, TOKEN_PLACEHOLDER,
+    check, check_ties, core_errors, discovered_role, filter_json_at, find, istio_dir, kustomize, labels, load, name,
+    patches, schema_errors, selector, Place, DYNAMIC_MODULE_FILTER, POD_CIDR_PLACEHOLDER, TOKEN_PLACEHOLDER,
 };
 use kvmesh_testkit::{envoy_bin, free_port, http, repo_root, wait_until, wasm_path, ControlPlane, Proc, Sim};
 use serde_json::{json, Value};
@@ -50,8 +50,9 @@ fn yaml_files() -> Vec<PathBuf> {
 }
 
 /// The folders users install with `kubectl kustomize DIR | kubectl apply -f -`.
-const KUSTOMIZATIONS: [&str; 8] = [
+const KUSTOMIZATIONS: [&str; 9] = [
     "overlays/regular",
+    "overlays/native",
     "overlays/multi-model",
     "overlays/pd",
     "overlays/pd-vllm",
@@ -128,6 +129,7 @@ fn the_checks_catch_mistakes() {
 fn the_names_that_tie_the_install_together_agree() {
     for (dir, worker_deployments) in [
         ("overlays/regular", 1),
+        ("overlays/native", 1),
         ("overlays/multi-model", 2),
         ("overlays/pd", 2),
         ("overlays/pd-vllm", 2),
@@ -192,6 +194,9 @@ fn the_names_that_tie_the_install_together_agree() {
                 }
             }
         }
+        if dir == "overlays/native" {
+            native_ties(&objs, &filter);
+        }
         if dir == "overlays/multi-model" {
             // Two models behind the one gateway: each model's own Service selects its pods
             // only, and routing by model is on.
@@ -233,6 +238,43 @@ fn the_names_that_tie_the_install_together_agree() {
     }
     let plugin = std::fs::read_to_string(istio_dir().join("examples/wasmplugin/kvmesh-wasmplugin.yaml")).unwrap();
     assert!(plugin.starts_with("# NOT ENOUGH ON ITS OWN"), "the WasmPlugin file must state its limitation first");
+}
+
+/// The native overlay: the module reaches Envoy where it looks for it, the filter inserted
+/// before the router takes the dynamic-modules type, and the module's own control-plane
+/// connection goes through the loopback listener to kvmesh-cp's mTLS cluster.
+fn native_ties(objs: &[Value], filter: &Value) {
+    let gateway = &find(objs, "Deployment", "kvmesh-gateway")["spec"]["template"]["spec"];
+    let proxy = gateway["containers"].as_array().unwrap().iter().find(|c| c["name"] == "istio-proxy").unwrap();
+    let search = proxy["env"].as_array().unwrap().iter().find(|e| e["name"] == "ENVOY_DYNAMIC_MODULES_SEARCH_PATH");
+    let search = search.expect("Envoy's module search path")["value"].as_str().unwrap();
+    let mount_of = |mounts: &Value, path: &str| {
+        mounts.as_array().unwrap().iter().find(|m| m["mountPath"] == path).map(|m| m["name"].clone())
+    };
+    let volume = mount_of(&proxy["volumeMounts"], search).expect("the search path is a volume");
+    let init = &gateway["initContainers"][0];
+    let copied_to = init["command"].as_array().unwrap().last().unwrap().as_str().unwrap();
+    let (dir, file) = copied_to.rsplit_once('/').unwrap();
+    assert_eq!(file, "libkvmesh_native.so", "Envoy loads lib<name>.so for the name kvmesh_native");
+    assert_eq!(mount_of(&init["volumeMounts"], dir), Some(volume.clone()), "the module lands in the proxy's volume");
+    assert!(gateway["volumes"].as_array().unwrap().iter().any(|v| v["name"] == volume && v["emptyDir"].is_object()));
+    assert!(init["image"].as_str().unwrap().ends_with("-envoy1.39"), "Istio 1.31's Envoy: {}", init["image"]);
+
+    let ef = find(objs, "EnvoyFilter", "kvmesh-gateway");
+    let inserted = ef["spec"]["configPatches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["patch"]["value"]["name"] == "kvmesh.filter" && p["applyTo"] == "HTTP_FILTER");
+    assert_eq!(inserted.unwrap()["patch"]["value"]["config_discovery"]["type_urls"], json!([DYNAMIC_MODULE_FILTER]));
+    let link = find(objs, "EnvoyFilter", "kvmesh-gateway-cp-link");
+    let listener = &patches(link, "LISTENER").next().unwrap()["patch"]["value"];
+    let socket = &listener["address"]["socket_address"];
+    assert_eq!(socket["address"], "127.0.0.1", "the link is the gateway pod's own");
+    let address = format!("http://127.0.0.1:{}", socket["port_value"]);
+    assert_eq!(filter["control_plane_address"], address, "the module dials the link");
+    let proxy = &listener["filter_chains"][0]["filters"][0]["typed_config"];
+    assert_eq!(proxy["cluster"], CP_CLUSTER, "the link leads to kvmesh-cp over the mesh");
 }
 
 // ---- The gateway's Envoy configuration, built from the EnvoyFilters ----
@@ -355,6 +397,7 @@ fn bootstrap(gw: &Gateway, envoy_filters: &[&Value], vs: &Value, mut clusters: V
         "address": {"socket_address": {"address": "127.0.0.1", "port_value": gw.listener_port}},
     });
     let mut ecds = Vec::new();
+    let mut added_listeners = Vec::new();
     for ef in envoy_filters {
         for p in ef["spec"]["configPatches"].as_array().unwrap() {
             let value = &p["patch"]["value"];
@@ -363,8 +406,11 @@ fn bootstrap(gw: &Gateway, envoy_filters: &[&Value], vs: &Value, mut clusters: V
                 ("EXTENSION_CONFIG", "ADD") => {
                     let mut ext = value.clone();
                     ext["@type"] = json!("type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig");
-                    fetched_locally(&mut ext["typed_config"]["config"]);
-                    with_token(&mut ext["typed_config"]["config"], token);
+                    if ext["typed_config"]["@type"] != DYNAMIC_MODULE_FILTER {
+                        fetched_locally(&mut ext["typed_config"]["config"]);
+                    }
+                    let settings = filter_json_at(&mut ext["typed_config"]);
+                    *settings = settings.as_str().unwrap().replace(TOKEN_PLACEHOLDER, token).into();
                     ecds.push(ext);
                 }
                 ("HTTP_FILTER", "INSERT_BEFORE") => {
@@ -402,6 +448,7 @@ fn bootstrap(gw: &Gateway, envoy_filters: &[&Value], vs: &Value, mut clusters: V
                     merge(&mut hcm, &value["typed_config"]);
                 }
                 ("LISTENER", "MERGE") => merge(&mut listener, value),
+                ("LISTENER", "ADD") => added_listeners.push(value.clone()),
                 ("HTTP_ROUTE", "MERGE") => {
                     assert_eq!(p["match"]["routeConfiguration"]["vhost"]["route"]["name"], http["name"]);
                     merge(&mut route, value);
@@ -436,10 +483,11 @@ fn bootstrap(gw: &Gateway, envoy_filters: &[&Value], vs: &Value, mut clusters: V
     listener["filter_chains"] =
         json!([{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}]);
     gw.write("ecds.json", &json!({"version_info": "1", "resources": ecds}));
+    let listeners = [vec![listener], added_listeners].concat();
     json!({
         "node": {"id": "router~127.0.0.1~kvmesh-gateway.kvmesh~kvmesh.svc.cluster.local", "cluster": "kvmesh-gateway.kvmesh"},
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": gw.admin_port}}},
-        "static_resources": {"listeners": [listener], "clusters": clusters},
+        "static_resources": {"listeners": listeners, "clusters": clusters},
     })
 }
 
@@ -567,6 +615,36 @@ fn the_gateway_envoyfilters_route_in_a_real_envoy_behind_kvmesh_cp_from_the_conf
     assert_eq!(r.status, 400, "{}", r.text());
     // A read-only path goes to a worker.
     assert_eq!(http::get(&url("/v1/models")).unwrap().status, 200);
+}
+
+/// The native overlay's gateway configuration, as istiod and istio-agent would hand it to
+/// Envoy, is one Envoy takes with the native build (built for this Envoy) loaded: the
+/// dynamic-modules filter over ECDS, the loopback link to kvmesh-cp's cluster.
+#[test]
+fn the_native_overlay_loads_the_module_in_envoy() {
+    let objs = kustomize("overlays/native");
+    let endpoints = vec![("127.0.0.1".to_string(), free_port().unwrap())];
+    let clusters =
+        vec![service_cluster(WORKERS_CLUSTER, &endpoints, false), service_cluster(CP_CLUSTER, &endpoints, true)];
+    let efs: Vec<&Value> = ["kvmesh-gateway", "kvmesh-gateway-listener", "kvmesh-gateway-cp-link"]
+        .iter()
+        .map(|n| find(&objs, "EnvoyFilter", n))
+        .collect();
+    let gw = Gateway::new("native");
+    let mut config = bootstrap(&gw, &efs, find(&objs, "VirtualService", "llm"), clusters, "t0ken");
+    // The link on a free port here (18000 may be taken on this machine).
+    let link = &mut config["static_resources"]["listeners"][1];
+    assert_eq!(link["name"], "kvmesh-cp-link");
+    link["address"]["socket_address"]["port_value"] = json!(free_port().unwrap());
+    // Validation does not fetch ECDS: the served configuration goes inline, so the module loads.
+    let ecds: Value = serde_json::from_slice(&std::fs::read(gw.dir.path().join("ecds.json")).unwrap()).unwrap();
+    let filters = &mut config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        ["http_filters"];
+    let inserted = filters.as_array_mut().unwrap().iter_mut().find(|f| f["name"] == "kvmesh.filter").unwrap();
+    *inserted = json!({"name": "kvmesh.filter", "typed_config": ecds["resources"][0]["typed_config"]});
+    let path = gw.write("envoy.json", &config);
+    let module = kvmesh_testkit::e2e::native_module();
+    kvmesh_testkit::envoy::validate_with_modules(&path, module.parent()).unwrap();
 }
 
 #[test]

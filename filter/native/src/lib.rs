@@ -191,6 +191,27 @@ impl Streamed {
     /// Runs `f` as the hook of Envoy's stream `envoy`; a panic (or a re-entered filter)
     /// answers `otherwise`.
     fn with<T>(&self, envoy: *mut c_void, otherwise: T, f: impl FnOnce(&mut RequestFilter, &NativeHost) -> T) -> T {
+        self.held().with(envoy, otherwise, f)
+    }
+
+    /// The stream's thread and filter, owned by the hook that runs.
+    fn held(&self) -> Held {
+        Held { thread: Rc::clone(&self.thread), filter: Rc::clone(&self.filter) }
+    }
+}
+
+/// What a hook needs of its stream, kept alive by the hook itself: where a hook runs outside
+/// the filter chain's iteration (a scheduled event, a callout's answer), an answer it sends
+/// can end the stream at once, and Envoy 1.39 then destroys the module's filter (the
+/// [`Streamed`]) before the call returns (1.40 waits for the hook to return).
+struct Held {
+    thread: Rc<Thread>,
+    filter: Rc<RefCell<RequestFilter>>,
+}
+
+impl Held {
+    /// As [`Streamed::with`].
+    fn with<T>(&self, envoy: *mut c_void, otherwise: T, f: impl FnOnce(&mut RequestFilter, &NativeHost) -> T) -> T {
         self.thread.host.run_for(envoy);
         let Ok(mut filter) = self.filter.try_borrow_mut() else { return otherwise };
         catch_unwind(AssertUnwindSafe(|| f(&mut filter, &self.thread.host))).unwrap_or(otherwise)
@@ -347,11 +368,13 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
         }
     }
     let size = body.len();
-    s.thread.host.set_callout_answer(status, body);
+    // `s` may be destroyed by the answer the filter sends: only `held` is used from here on.
+    let held = s.held();
+    held.thread.host.set_callout_answer(status, body);
     // The filter knows callouts by the low 32 bits (Envoy numbers them from 1).
     let token = callout_id as u32;
-    s.with(f, (), |filter, host| filter.on_callout_response(host, token, size));
-    s.thread.host.set_callout_answer(None, Vec::new());
+    held.with(f, (), |filter, host| filter.on_callout_response(host, token, size));
+    held.thread.host.set_callout_answer(None, Vec::new());
 }
 
 /// A worker thread queued callouts for the main thread ([`outbox`]): they are sent now.
@@ -380,10 +403,12 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done()
 #[no_mangle]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(f: *mut c_void, m: *mut c_void, _event: u64) {
     if let Some(s) = Streamed::of(m) {
-        s.thread.tick(f, true);
+        // The tick may answer this very stream, which can destroy `s` (see [`Held`]).
+        let held = s.held();
+        held.thread.tick(f, true);
         // Admitted or answered meanwhile: the thread needs no more waking for this stream.
-        if s.filter.try_borrow().is_ok_and(|filter| !filter.is_waiting()) {
-            s.thread.waiting.remove(f as usize);
+        if held.filter.try_borrow().is_ok_and(|filter| !filter.is_waiting()) {
+            held.thread.waiting.remove(f as usize);
         }
     }
 }

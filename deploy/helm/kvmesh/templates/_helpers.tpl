@@ -19,6 +19,14 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 {{- include "kvmesh.cluster" (list (dict "name" "kvmesh-cp" "ns" .Release.Namespace "domain" .Values.clusterDomain) 18000) -}}
 {{- end -}}
 
+{{/* Where the native build reaches kvmesh-cp: the gateway's loopback link
+(istio/overlays/native/envoyfilter-cp-link.yaml). */}}
+{{- define "kvmesh.cpLinkAddress" -}}
+{{- $link := .Files.Get "files/envoyfilter-cp-link.yaml" | fromYaml -}}
+{{- $socket := (index $link.spec.configPatches 0).patch.value.address.socket_address -}}
+{{- printf "http://%s:%d" $socket.address (int $socket.port_value) -}}
+{{- end -}}
+
 {{/* The Secret holding grpc-token and api-keys. */}}
 {{- define "kvmesh.authSecret" -}}
 {{- default "kvmesh-cp-auth" .Values.auth.existingSecret -}}
