@@ -12,6 +12,7 @@ mod auth;
 mod capacity;
 mod discovery;
 mod eds;
+mod election;
 mod feedback;
 mod grpc;
 mod inference_pool;
@@ -46,6 +47,13 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    let election = match args.leader.config(args.service_discovery_namespace.as_deref()) {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("kvmesh-cp: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let settings = match args.load() {
         Ok(s) => s,
         Err(e) => {
@@ -68,7 +76,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let code = match runtime.block_on(run(settings)) {
+    let code = match runtime.block_on(run(settings, election)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("kvmesh-cp: {e:#}");
@@ -79,7 +87,7 @@ fn main() -> ExitCode {
     code
 }
 
-async fn run(settings: settings::Settings) -> anyhow::Result<()> {
+async fn run(settings: settings::Settings, election: Option<election::Config>) -> anyhow::Result<()> {
     for warning in &settings.warnings {
         tracing::warn!("{warning}");
     }
@@ -134,16 +142,28 @@ async fn run(settings: settings::Settings) -> anyhow::Result<()> {
         });
     }
     tokio::spawn(eviction_loop(state.clone()));
+    let leadership = match election {
+        None => election::Leadership::always(),
+        Some(cfg) => {
+            let (leading, leadership) = election::Leadership::elected();
+            tokio::spawn(async move {
+                if let Err(e) = election::run(cfg, leading).await {
+                    tracing::error!("leader election stopped (this replica stays a standby): {e:#}");
+                }
+            });
+            leadership
+        }
+    };
 
     // Filters send their full index in chunks well under this limit.
     let service = tonic::service::interceptor::InterceptedService::new(
-        KvmeshServer::new(grpc::Service { state: state.clone() })
+        KvmeshServer::new(grpc::Service { state: state.clone(), leadership: leadership.clone() })
             .max_decoding_message_size(state.settings.limits.max_message_bytes),
         auth::GrpcAuth { state: state.clone() },
     );
     // Envoy's EDS client for the workers' cluster, behind the same token.
     let eds = tonic::service::interceptor::InterceptedService::new(
-        EndpointDiscoveryServiceServer::new(eds::Service { state: state.clone() }),
+        EndpointDiscoveryServiceServer::new(eds::Service { state: state.clone(), leadership: leadership.clone() }),
         auth::GrpcAuth { state: state.clone() },
     );
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc);
@@ -151,7 +171,8 @@ async fn run(settings: settings::Settings) -> anyhow::Result<()> {
         .add_service(service)
         .add_service(eds)
         .serve_with_incoming_shutdown(incoming, shutdown());
-    let http_server = axum::serve(http, admin::router(state, metrics)).with_graceful_shutdown(shutdown());
+    let http_server = axum::serve(http, admin::router(state, metrics).merge(election::ready_router(leadership)))
+        .with_graceful_shutdown(shutdown());
     let (g, h) = tokio::join!(grpc_server, http_server);
     g.context("gRPC server failed")?;
     h.context("HTTP server failed")?;
