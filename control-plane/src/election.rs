@@ -23,13 +23,15 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::PostParams;
 use kube::{Api, Client};
 use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 
 mod elector;
 
 pub use elector::{Attempt, Elector};
 
-/// What a standby answers the filters' streams with.
-pub const STANDBY: &str = "kvmesh-cp standby: not the leader (the gateways reconnect to the leader)";
+/// What a standby (or a replica shutting down) answers the filters' streams with.
+pub const STANDBY: &str =
+    "kvmesh-cp is not serving the gateways (a standby, or stopping): they reconnect to the leader";
 
 /// The leader-election flags (kvmesh; client-go's defaults).
 #[derive(Clone, Debug, Default, PartialEq, clap::Args)]
@@ -133,7 +135,8 @@ impl LeaderElectArgs {
 pub struct Leadership(watch::Receiver<bool>);
 
 impl Leadership {
-    /// The leadership of a replica that takes part in no election.
+    /// The leadership of a replica that takes part in no election and never stops.
+    #[cfg(test)]
     pub fn always() -> Self {
         Self(watch::channel(true).1)
     }
@@ -255,8 +258,24 @@ async fn try_acquire_or_renew(
     }
 }
 
-/// Takes part in the election for good: publishes on `leading` whether this replica leads.
-pub async fn run(cfg: Config, leading: watch::Sender<bool>) -> anyhow::Result<()> {
+/// Gives the Lease up if this replica holds it (see [`Elector::release`]): Ok(true) when it did.
+async fn release(api: &Api<Lease>, cfg: &Config, elector: &Elector) -> Result<bool, ElectionError> {
+    let Some(mut lease) = api.get_opt(&cfg.lease_name).await? else { return Ok(false) };
+    let current = lease.spec.clone().unwrap_or_default();
+    let Some(released) = elector.release(&current, MicroTime(Timestamp::now())) else { return Ok(false) };
+    lease.spec = Some(released);
+    match api.replace(&cfg.lease_name, &PostParams::default(), &lease).await {
+        Ok(_) => Ok(true),
+        Err(kube::Error::Api(s)) if s.is_conflict() => Err(ElectionError::Conflict),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Takes part in the election until `stop`: publishes on `leading` whether this replica
+/// leads. On `stop` it steps down (the streams end, `/ready` answers 503) and then releases
+/// the Lease, so that a standby takes over on its next round instead of after the lease
+/// duration (client-go's `ReleaseOnCancel`).
+pub async fn run(cfg: Config, leading: watch::Sender<bool>, stop: CancellationToken) -> anyhow::Result<()> {
     let client = Client::try_default().await.map_err(|e| anyhow::anyhow!("cannot reach the Kubernetes API: {e}"))?;
     let namespace = cfg.namespace.clone().unwrap_or_else(|| client.default_namespace().to_string());
     let api: Api<Lease> = Api::namespaced(client, &namespace);
@@ -269,19 +288,21 @@ pub async fn run(cfg: Config, leading: watch::Sender<bool>) -> anyhow::Result<()
     // While leading: when the Lease was last renewed.
     let mut renewed: Option<Instant> = None;
     let mut last_holder = String::new();
-    loop {
+    let step_down = |why: &str, renewed: &mut Option<Instant>| {
+        if renewed.take().is_some() {
+            tracing::warn!(lease = %cfg.lease_name, "stepping down: {why}; refusing the gateways' streams");
+            leading.send_replace(false);
+        }
+    };
+    while !stop.is_cancelled() {
         let deadline = renewed.map(|r| r + cfg.renew_deadline);
-        let step_down = |why: &str, renewed: &mut Option<Instant>| {
-            if renewed.take().is_some() {
-                tracing::warn!(lease = %cfg.lease_name, "stepping down: {why}; refusing the gateways' streams");
-                leading.send_replace(false);
-            }
-        };
         if deadline.is_some_and(|d| Instant::now() >= d) {
             step_down("no renewal within the renew deadline", &mut renewed);
         }
         let limit = deadline.unwrap_or_else(|| Instant::now() + cfg.renew_deadline);
-        match tokio::time::timeout_at(limit.into(), try_acquire_or_renew(&api, &cfg, &mut elector)).await {
+        let attempt = tokio::time::timeout_at(limit.into(), try_acquire_or_renew(&api, &cfg, &mut elector));
+        let Some(attempt) = stop.run_until_cancelled(attempt).await else { break };
+        match attempt {
             Ok(Ok(None)) => {
                 if renewed.is_none() {
                     tracing::info!(lease = %cfg.lease_name, identity = %cfg.identity, "leading: serving the gateways");
@@ -303,8 +324,21 @@ pub async fn run(cfg: Config, leading: watch::Sender<bool>) -> anyhow::Result<()
         if let Some(d) = renewed.map(|r| r + cfg.renew_deadline) {
             pause = pause.min(d.saturating_duration_since(Instant::now()));
         }
-        tokio::time::sleep(pause).await;
+        stop.run_until_cancelled(tokio::time::sleep(pause)).await;
     }
+    // Stopping: no more serving, then the Lease goes back (whatever this replica believed,
+    // a write it had in flight may have renewed it: `release` reads it first).
+    step_down("shutting down", &mut renewed);
+    leading.send_replace(false);
+    match tokio::time::timeout(cfg.renew_deadline, release(&api, &cfg, &elector)).await {
+        Ok(Ok(true)) => tracing::info!(lease = %cfg.lease_name, "released the Lease: a standby takes it over now"),
+        Ok(Ok(false)) => {}
+        Ok(Err(e)) => tracing::warn!(lease = %cfg.lease_name, "cannot release the Lease: {e}"),
+        Err(_) => {
+            tracing::warn!(lease = %cfg.lease_name, "cannot release the Lease: the API server did not answer in time")
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -396,9 +430,10 @@ mod tests {
 
     /// Against the in-process API server: the first replica creates the Lease, the second
     /// sees it held, and a write carrying a resourceVersion that is no longer current (a
-    /// replica that read before another wrote) is refused with 409.
+    /// replica that read before another wrote) is refused with 409; the holder releases it
+    /// and the second takes it without waiting for the lease duration.
     #[tokio::test]
-    async fn one_replica_holds_the_lease_and_a_stale_write_is_refused() {
+    async fn one_replica_holds_the_lease_a_stale_write_is_refused_and_a_release_hands_it_over() {
         let kube = kvmesh_testkit::kube_fake::FakeKube::start().unwrap();
         let url = format!("http://127.0.0.1:{}", kube.port).parse().unwrap();
         let api: Api<Lease> = Api::namespaced(Client::try_from(kube::Config::new(url)).unwrap(), "kvmesh");
@@ -426,5 +461,12 @@ mod tests {
         assert_eq!(kube.leases.holder("kvmesh", "kvmesh-cp").as_deref(), Some("a"));
         let spec = kube.leases.get("kvmesh", "kvmesh-cp").unwrap().spec.unwrap();
         assert_eq!((spec.lease_duration_seconds, spec.lease_transitions), (Some(2), Some(0)));
+        // Stopping: only the holder gives the Lease up, and the other replica takes it at once.
+        assert!(!release(&api, &b, &eb).await.unwrap(), "b holds nothing to release");
+        assert!(release(&api, &a, &ea).await.unwrap());
+        assert_eq!(kube.leases.holder("kvmesh", "kvmesh-cp"), None, "no holder");
+        assert_eq!(try_acquire_or_renew(&api, &b, &mut eb).await.unwrap(), None, "taken at once");
+        let spec = kube.leases.get("kvmesh", "kvmesh-cp").unwrap().spec.unwrap();
+        assert_eq!((spec.holder_identity.as_deref(), spec.lease_transitions), (Some("b"), Some(1)));
     }
 }

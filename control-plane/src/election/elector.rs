@@ -76,6 +76,24 @@ impl Elector {
         })
     }
 
+    /// Giving the Lease up (this replica is stopping), as client-go's `ReleaseOnCancel` does:
+    /// the record `current` replaced by one with no holder, a one-second lease and the same
+    /// transitions, which a standby takes over on its next round; None when another replica
+    /// holds it (nothing to give up).
+    pub fn release(&self, current: &LeaseSpec, wall: MicroTime) -> Option<LeaseSpec> {
+        if current.holder_identity.as_deref() != Some(self.identity.as_str()) {
+            return None;
+        }
+        Some(LeaseSpec {
+            holder_identity: Some(String::new()),
+            lease_duration_seconds: Some(1),
+            acquire_time: Some(wall.clone()),
+            renew_time: Some(wall),
+            lease_transitions: current.lease_transitions,
+            ..Default::default()
+        })
+    }
+
     /// The write of `spec` succeeded at `now`: it is the record last seen.
     pub fn wrote(&mut self, spec: LeaseSpec, now: Instant) {
         self.observed = Some((spec, now));
@@ -164,6 +182,33 @@ mod tests {
         let a = b.attempt(Some(&free), Instant::now(), wall(0));
         assert_eq!(holder(&a), Some("b"));
         assert!(matches!(a, Attempt::Replace(_)));
+    }
+
+    #[test]
+    fn the_holder_releases_to_no_holder_and_a_standby_takes_it_on_its_next_round() {
+        let a = Elector::new("a", Duration::from_secs(15));
+        let mine = LeaseSpec {
+            holder_identity: Some("a".into()),
+            lease_duration_seconds: Some(15),
+            acquire_time: Some(wall(0)),
+            renew_time: Some(wall(5)),
+            lease_transitions: Some(3),
+            ..Default::default()
+        };
+        let theirs = LeaseSpec { holder_identity: Some("b".into()), ..mine.clone() };
+        assert_eq!(a.release(&theirs, wall(6)), None, "not ours to give up");
+        let released = a.release(&mine, wall(6)).unwrap();
+        assert_eq!(released.holder_identity.as_deref(), Some(""));
+        assert_eq!((released.lease_duration_seconds, released.lease_transitions), (Some(1), Some(3)));
+        assert_eq!((released.acquire_time.clone(), released.renew_time.clone()), (Some(wall(6)), Some(wall(6))));
+        // A standby that has just seen a's fresh renewal still takes the released record at once.
+        let mut b = Elector::new("b", Duration::from_secs(15));
+        let t0 = Instant::now();
+        assert!(matches!(b.attempt(Some(&mine), t0, wall(5)), Attempt::Held { .. }));
+        let taken = b.attempt(Some(&released), t0 + Duration::from_millis(1), wall(6));
+        assert_eq!(holder(&taken), Some("b"));
+        let Attempt::Replace(spec) = taken else { panic!("take over") };
+        assert_eq!(spec.lease_transitions, Some(4));
     }
 
     /// Two standbys that both see the lease run out both try to replace it: only the API
