@@ -118,8 +118,11 @@ pub fn native_conformance() -> Option<PathBuf> {
     std::env::var_os("KVMESH_TEST_NATIVE").filter(|v| !v.is_empty() && v != "0").map(|_| crate::e2e::native_module())
 }
 
-/// The control plane's cluster over `replicas` (`(gRPC port, HTTP port)`), each
-/// health-checked on `/ready` (HTTP/2 without TLS: the admin listener speaks both) at its HTTP port.
+/// The control plane's cluster over `replicas` (`(gRPC port, HTTP port)`) as a Kubernetes
+/// Service with kvmesh-cp's readiness probe makes it: each endpoint health-checked on `/ready`
+/// at its HTTP port (HTTP/1.1, as the kubelet probes), and no panic routing (Envoy's default
+/// sends to every host once under half are healthy), so that a replica that is not ready gets
+/// no streams, as an endpoint a Service does not list.
 fn replicated_control_plane(cp: &mut Yaml, replicas: &[(u16, u16)]) -> anyhow::Result<()> {
     let endpoints = at(cp, &["load_assignment", "endpoints", "0", "lb_endpoints"])?;
     let first = endpoints.get(0).cloned().ok_or_else(|| anyhow!("no control-plane endpoint"))?;
@@ -139,13 +142,17 @@ fn replicated_control_plane(cp: &mut Yaml, replicas: &[(u16, u16)]) -> anyhow::R
     let checks = serde_json::json!([{
         "timeout": "1s",
         "interval": "0.2s",
+        // Envoy checks a cluster that has carried no traffic yet only every 60 s by default:
+        // one timed-out first check (a busy start) would keep both replicas unhealthy.
+        "no_traffic_interval": "0.2s",
         "unhealthy_threshold": 1,
         "healthy_threshold": 1,
-        "http_health_check": {"path": "/ready", "codec_client_type": "HTTP2"},
+        "http_health_check": {"path": "/ready"},
     }]);
-    cp.as_mapping_mut()
-        .ok_or_else(|| anyhow!("the control plane's cluster is not a mapping"))?
-        .insert("health_checks".into(), serde_norway::to_value(checks)?);
+    let cluster = cp.as_mapping_mut().ok_or_else(|| anyhow!("the control plane's cluster is not a mapping"))?;
+    cluster.insert("health_checks".into(), serde_norway::to_value(checks)?);
+    let no_panic = serde_json::json!({"healthy_panic_threshold": {"value": 0}});
+    cluster.insert("common_lb_config".into(), serde_norway::to_value(no_panic)?);
     Ok(())
 }
 
