@@ -215,6 +215,8 @@ pub struct Args {
     #[arg(long, help_heading = "Limits")]
     pub max_index_entries: Option<u64>,
     #[command(flatten)]
+    pub leader: crate::election::LeaderElectArgs,
+    #[command(flatten)]
     pub peer: PeerFlags,
     /// Ids of the arguments given (on the command line or in the file).
     #[arg(skip)]

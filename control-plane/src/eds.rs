@@ -25,6 +25,7 @@ use kvmesh_proto::{Message, CLUSTER_LOAD_ASSIGNMENT};
 use tokio::sync::broadcast::error::RecvError;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::election::Leadership;
 use crate::state::{State, WorkerEntry};
 
 /// Most cluster names one stream may ask for.
@@ -91,6 +92,9 @@ fn check(req: &DiscoveryRequest) -> Result<(), Status> {
 
 pub struct Service {
     pub state: Arc<State>,
+    /// A standby refuses the stream (UNAVAILABLE; Envoy keeps the endpoints it has and
+    /// retries) and ends it when it stops leading.
+    pub leadership: Leadership,
 }
 
 type Responses = Pin<Box<dyn Stream<Item = Result<DiscoveryResponse, Status>> + Send>>;
@@ -103,6 +107,7 @@ impl EndpointDiscoveryService for Service {
         &self,
         request: Request<Streaming<DiscoveryRequest>>,
     ) -> Result<Response<Self::StreamEndpointsStream>, Status> {
+        self.leadership.check()?;
         let peer = request.remote_addr();
         let mut requests = request.into_inner();
         let state = self.state.clone();
@@ -151,7 +156,7 @@ impl EndpointDiscoveryService for Service {
                 sent = Some((names.clone(), now));
             }
         };
-        Ok(Response::new(Box::pin(stream)))
+        Ok(Response::new(self.leadership.guard(Box::pin(stream))))
     }
 }
 

@@ -10,6 +10,7 @@ use kvmesh_proto::v1::{ReportAck, ReportBatch, Snapshot, WatchRequest};
 use tokio::sync::broadcast::error::RecvError;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::election::Leadership;
 use crate::state::{GatewayError, State};
 use crate::telemetry::SPANS;
 
@@ -102,6 +103,8 @@ impl Drop for Watching {
 
 pub struct Service {
     pub state: Arc<State>,
+    /// A standby refuses both streams (UNAVAILABLE) and ends them when it stops leading.
+    pub leadership: Leadership,
 }
 
 type Snapshots = Pin<Box<dyn Stream<Item = Result<Snapshot, Status>> + Send>>;
@@ -111,6 +114,7 @@ impl Kvmesh for Service {
     type WatchStream = Snapshots;
 
     async fn watch(&self, request: Request<WatchRequest>) -> Result<Response<Snapshots>, Status> {
+        self.leadership.check()?;
         let gateway = request.into_inner().gateway_id;
         let state = self.state.clone();
         if let Err(e) = state.gateway_connected(&gateway) {
@@ -147,16 +151,21 @@ impl Kvmesh for Service {
                 }
             }
         };
-        Ok(Response::new(Box::pin(stream)))
+        Ok(Response::new(self.leadership.guard(Box::pin(stream))))
     }
 
     async fn report(&self, request: Request<Streaming<ReportBatch>>) -> Result<Response<ReportAck>, Status> {
+        self.leadership.check()?;
         let mut stream = request.into_inner();
         let mut batches = 0;
         // One stream is one gateway: the id of its first batch, tracked until it ends.
         let mut reporting: Option<Reporting> = None;
         loop {
-            match stream.message().await {
+            let message = tokio::select! {
+                message = stream.message() => message,
+                () = self.leadership.lost() => return Err(Status::unavailable(crate::election::STANDBY)),
+            };
+            match message {
                 Ok(Some(batch)) => {
                     match reporting.as_ref().map(|r| r.gateway == batch.gateway_id) {
                         Some(true) => {}

@@ -12,6 +12,7 @@ mod auth;
 mod capacity;
 mod discovery;
 mod eds;
+mod election;
 mod feedback;
 mod grpc;
 mod inference_pool;
@@ -30,6 +31,7 @@ use std::time::Duration;
 use anyhow::Context;
 use kvmesh_proto::eds::endpoint_discovery_service_server::EndpointDiscoveryServiceServer;
 use kvmesh_proto::v1::kvmesh_server::KvmeshServer;
+use tokio_util::sync::CancellationToken;
 
 fn main() -> ExitCode {
     let args = match args::Args::parse_from(std::env::args_os()) {
@@ -43,6 +45,13 @@ fn main() -> ExitCode {
         }
         Err(e) => {
             eprintln!("kvmesh-cp: {}", e.one_line());
+            return ExitCode::from(2);
+        }
+    };
+    let election = match args.leader.config(args.service_discovery_namespace.as_deref()) {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("kvmesh-cp: {e}");
             return ExitCode::from(2);
         }
     };
@@ -68,7 +77,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let code = match runtime.block_on(run(settings)) {
+    let code = match runtime.block_on(run(settings, election)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("kvmesh-cp: {e:#}");
@@ -79,7 +88,7 @@ fn main() -> ExitCode {
     code
 }
 
-async fn run(settings: settings::Settings) -> anyhow::Result<()> {
+async fn run(settings: settings::Settings, election: Option<election::Config>) -> anyhow::Result<()> {
     for warning in &settings.warnings {
         tracing::warn!("{warning}");
     }
@@ -93,6 +102,8 @@ async fn run(settings: settings::Settings) -> anyhow::Result<()> {
             settings.host, settings.http_host
         );
     }
+    let stop = CancellationToken::new();
+    on_signals(stop.clone())?;
     let grpc_addr = format!("{}:{}", settings.host, settings.grpc_port);
     let http_addr = format!("{}:{}", settings.http_host, settings.http_port);
     let state = state::State::open(settings).map_err(anyhow::Error::msg)?;
@@ -134,32 +145,84 @@ async fn run(settings: settings::Settings) -> anyhow::Result<()> {
         });
     }
     tokio::spawn(eviction_loop(state.clone()));
+    // Whether this replica serves the gateways: the election says (with --leader-elect),
+    // else always until shutdown; either way it stops serving on SIGTERM or SIGINT.
+    let (leading, leadership) = election::Leadership::elected();
+    let election_task = match election {
+        None => {
+            leading.send_replace(true);
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                stop.cancelled().await;
+                leading.send_replace(false);
+            })
+        }
+        Some(cfg) => {
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                if let Err(e) = election::run(cfg, leading, stop).await {
+                    tracing::error!("leader election stopped (this replica stays a standby): {e:#}");
+                }
+            })
+        }
+    };
 
     // Filters send their full index in chunks well under this limit.
     let service = tonic::service::interceptor::InterceptedService::new(
-        KvmeshServer::new(grpc::Service { state: state.clone() })
+        KvmeshServer::new(grpc::Service { state: state.clone(), leadership: leadership.clone() })
             .max_decoding_message_size(state.settings.limits.max_message_bytes),
         auth::GrpcAuth { state: state.clone() },
     );
     // Envoy's EDS client for the workers' cluster, behind the same token.
     let eds = tonic::service::interceptor::InterceptedService::new(
-        EndpointDiscoveryServiceServer::new(eds::Service { state: state.clone() }),
+        EndpointDiscoveryServiceServer::new(eds::Service { state: state.clone(), leadership: leadership.clone() }),
         auth::GrpcAuth { state: state.clone() },
     );
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc);
     let grpc_server = tonic::transport::Server::builder()
         .add_service(service)
         .add_service(eds)
-        .serve_with_incoming_shutdown(incoming, shutdown());
-    let http_server = axum::serve(http, admin::router(state, metrics)).with_graceful_shutdown(shutdown());
-    let (g, h) = tokio::join!(grpc_server, http_server);
-    g.context("gRPC server failed")?;
-    h.context("HTTP server failed")?;
+        .serve_with_incoming_shutdown(incoming, stop.clone().cancelled_owned());
+    let http_server = axum::serve(http, admin::router(state, metrics).merge(election::ready_router(leadership)))
+        .with_graceful_shutdown(stop.clone().cancelled_owned());
+    // The streams end as this replica stops leading; a connection that lingers after that
+    // does not hold the exit up for long.
+    let drained = async {
+        stop.cancelled().await;
+        tokio::time::sleep(DRAIN).await;
+    };
+    tokio::select! {
+        (g, h) = async { tokio::join!(grpc_server, http_server) } => {
+            g.context("gRPC server failed")?;
+            h.context("HTTP server failed")?;
+        }
+        () = drained => tracing::warn!("connections still open {DRAIN:?} after the shutdown began: closing them"),
+    }
+    // With --leader-elect: the Lease released (or given up on after DRAIN).
+    if tokio::time::timeout(DRAIN, election_task).await.is_err() {
+        tracing::warn!("the leader election did not finish within {DRAIN:?}");
+    }
+    tracing::info!("kvmesh-cp stopped");
     Ok(())
 }
 
-async fn shutdown() {
-    let _ = tokio::signal::ctrl_c().await;
+/// How long a shutdown waits for the servers to drain, and then for the Lease's release.
+const DRAIN: Duration = Duration::from_secs(5);
+
+/// Cancels `stop` on the first SIGTERM (Kubernetes stopping the pod) or SIGINT.
+fn on_signals(stop: CancellationToken) -> anyhow::Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
+    let mut int = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
+    tokio::spawn(async move {
+        let name = tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+        };
+        tracing::info!("{name}: stopping (streams end, the Lease is released)");
+        stop.cancel();
+    });
+    Ok(())
 }
 
 /// Pushes a delta whenever something changed, every `push_interval_ms`.

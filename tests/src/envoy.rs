@@ -31,6 +31,10 @@ pub struct EnvoyOptions {
     pub control_plane: Option<u16>,
     /// The token the filter presents to the control plane (`control_plane_token`).
     pub control_plane_token: Option<String>,
+    /// Replicas of a control plane with leader election, `(gRPC port, HTTP port)`: the
+    /// control plane's cluster lists them all and health-checks their `/ready` (only the
+    /// leader's answers 200), as a Kubernetes Service with that readiness probe would.
+    pub control_plane_replicas: Vec<(u16, u16)>,
     /// The workers' cluster's `circuit_breakers.max_requests` (the concurrency limit).
     pub max_requests: Option<u32>,
     /// Hot restart `(base id, epoch)`: epoch 0 starts normally, epoch 1 with the same base id
@@ -76,6 +80,7 @@ impl EnvoyOptions {
             plain_upstreams: None,
             control_plane: None,
             control_plane_token: None,
+            control_plane_replicas: Vec::new(),
             max_requests: None,
             hot_restart: None,
             remove_http_filters: Vec::new(),
@@ -95,6 +100,14 @@ impl EnvoyOptions {
         self.control_plane = Some(cp.grpc_port);
         self.control_plane_token = cp.token.clone();
     }
+
+    /// Connects the filter to the leader among `replicas` (see `control_plane_replicas`).
+    pub fn use_control_plane_replicas(&mut self, replicas: &[&crate::ControlPlane]) {
+        if let Some(first) = replicas.first() {
+            self.use_control_plane(first);
+        }
+        self.control_plane_replicas = replicas.iter().map(|c| (c.grpc_port, c.http_port)).collect();
+    }
 }
 
 /// `KVMESH_TEST_NATIVE=1`: every Envoy the tests start runs kvmesh's native build
@@ -103,6 +116,44 @@ impl EnvoyOptions {
 /// the lease moving between VMs, Istio's manifests) fail under it by design.
 pub fn native_conformance() -> Option<PathBuf> {
     std::env::var_os("KVMESH_TEST_NATIVE").filter(|v| !v.is_empty() && v != "0").map(|_| crate::e2e::native_module())
+}
+
+/// The control plane's cluster over `replicas` (`(gRPC port, HTTP port)`) as a Kubernetes
+/// Service with kvmesh-cp's readiness probe makes it: each endpoint health-checked on `/ready`
+/// at its HTTP port (HTTP/1.1, as the kubelet probes), and no panic routing (Envoy's default
+/// sends to every host once under half are healthy), so that a replica that is not ready gets
+/// no streams, as an endpoint a Service does not list.
+fn replicated_control_plane(cp: &mut Yaml, replicas: &[(u16, u16)]) -> anyhow::Result<()> {
+    let endpoints = at(cp, &["load_assignment", "endpoints", "0", "lb_endpoints"])?;
+    let first = endpoints.get(0).cloned().ok_or_else(|| anyhow!("no control-plane endpoint"))?;
+    let mut all = Vec::new();
+    for (grpc, http) in replicas {
+        let mut endpoint = first.clone();
+        *at(&mut endpoint, &["endpoint", "address", "socket_address", "port_value"])? = (*grpc).into();
+        let check = serde_json::json!({"port_value": http});
+        endpoint
+            .get_mut("endpoint")
+            .and_then(Yaml::as_mapping_mut)
+            .ok_or_else(|| anyhow!("lb_endpoints[0].endpoint is not a mapping"))?
+            .insert("health_check_config".into(), serde_norway::to_value(check)?);
+        all.push(endpoint);
+    }
+    *endpoints = Yaml::Sequence(all);
+    let checks = serde_json::json!([{
+        "timeout": "1s",
+        "interval": "0.2s",
+        // Envoy checks a cluster that has carried no traffic yet only every 60 s by default:
+        // one timed-out first check (a busy start) would keep both replicas unhealthy.
+        "no_traffic_interval": "0.2s",
+        "unhealthy_threshold": 1,
+        "healthy_threshold": 1,
+        "http_health_check": {"path": "/ready"},
+    }]);
+    let cluster = cp.as_mapping_mut().ok_or_else(|| anyhow!("the control plane's cluster is not a mapping"))?;
+    cluster.insert("health_checks".into(), serde_norway::to_value(checks)?);
+    let no_panic = serde_json::json!({"healthy_panic_threshold": {"value": 0}});
+    cluster.insert("common_lb_config".into(), serde_norway::to_value(no_panic)?);
+    Ok(())
 }
 
 fn at<'a>(v: &'a mut Yaml, path: &[&str]) -> anyhow::Result<&'a mut Yaml> {
@@ -207,6 +258,9 @@ pub fn render(opts: &EnvoyOptions) -> anyhow::Result<String> {
                 "port_value",
             ],
         )? = port.into();
+        if !opts.control_plane_replicas.is_empty() {
+            replicated_control_plane(cp, &opts.control_plane_replicas)?;
+        }
     }
     if let Some(upstreams) = &opts.plain_upstreams {
         make_plain(&mut doc, upstreams)?;

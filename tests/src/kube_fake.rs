@@ -40,6 +40,9 @@ impl Kind {
 /// (kind, namespace, name).
 type Key = (Kind, String, String);
 
+mod lease;
+pub use lease::Leases;
+
 #[derive(Default)]
 struct Inner {
     rv: u64,
@@ -62,6 +65,8 @@ pub struct FakeKube {
     thread: Option<std::thread::JoinHandle<()>>,
     /// Holds the kubeconfig files written for clients; removed with the server.
     dir: tempfile::TempDir,
+    /// `coordination.k8s.io/v1` Leases (leader election).
+    pub leases: Leases,
 }
 
 #[derive(serde::Deserialize, Default)]
@@ -162,12 +167,14 @@ impl FakeKube {
         listener.set_nonblocking(true)?;
         let port = listener.local_addr()?.port();
         let shared = Shared::default();
+        let leases = Leases::default();
         let app = Router::new()
             .route("/api/v1/pods", get(all_pods))
             .route("/api/v1/namespaces/{ns}/pods", get(ns_pods))
             .route("/apis/inference.networking.k8s.io/v1/inferencepools", get(all_pools))
             .route("/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools", get(ns_pools))
-            .with_state(shared.clone());
+            .with_state(shared.clone())
+            .merge(leases.router());
         let (stop, stopped) = oneshot::channel::<()>();
         let thread = std::thread::spawn(move || {
             let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
@@ -180,7 +187,7 @@ impl FakeKube {
                     .await;
             });
         });
-        Ok(FakeKube { port, shared, stop: Some(stop), thread: Some(thread), dir: crate::scratch_dir("kube")? })
+        Ok(FakeKube { port, shared, stop: Some(stop), thread: Some(thread), dir: crate::scratch_dir("kube")?, leases })
     }
 
     fn record(&self, event: &'static str, kind: Kind, mut obj: Value) {

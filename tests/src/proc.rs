@@ -60,6 +60,22 @@ impl Proc {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+
+    /// Sends SIGTERM (what Kubernetes sends a pod it stops) and waits up to `limit` for the
+    /// process to exit: its exit status.
+    pub fn terminate(&mut self, limit: Duration) -> anyhow::Result<std::process::ExitStatus> {
+        let sent = Command::new("kill").args(["-TERM", &self.pid().to_string()]).status().context("cannot run kill")?;
+        if !sent.success() {
+            bail!("kill -TERM {} failed ({sent})", self.pid());
+        }
+        let mut status = None;
+        wait_until(&format!("{} to exit after SIGTERM", self.name), limit, || {
+            status = self.exited();
+            status.is_some()
+        })
+        .map_err(|e| e.context(self.log_tail()))?;
+        status.context("no exit status")
+    }
 }
 
 impl Drop for Proc {

@@ -91,6 +91,7 @@ readable (helm install/upgrade) or given (helm template).
   "selector" (include "kvmesh.selectorList" .Values.workers.selector | fromJsonArray)
   "worker-cidrs" .Values.workerCidrs
   "health-check-interval-secs" .Values.controlPlane.healthCheckIntervalSecs
+  "leader-elect" true
   "log-level" .Values.controlPlane.logLevel
 -}}
 {{- if eq .Values.mode "pd" -}}
