@@ -3,7 +3,7 @@
 //! waiting a bounded time for the prefill to get there. A wrong host, port or room, or a KV
 //! computed for another prompt, fails the decode — so a wrong pairing is visible.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -26,25 +26,44 @@ pub struct RoomKv {
 /// The rooms a prefill worker holds.
 #[derive(Default)]
 pub struct Rooms {
-    kv: Mutex<HashMap<u64, (RoomKv, Instant)>>,
+    kv: Mutex<Held>,
     published: Notify,
 }
 
+/// The rooms held and the order they were published in, so that the oldest go first, one at a
+/// time: past [`MAX_ROOMS`] or [`KEEP`]. (A scan of every room once the table was full made
+/// each publish of a busy prefill worker cost milliseconds under the lock.)
+#[derive(Default)]
+struct Held {
+    map: HashMap<u64, (RoomKv, Instant)>,
+    order: VecDeque<(u64, Instant)>,
+}
+
 const KEEP: Duration = Duration::from_secs(120);
+const MAX_ROOMS: usize = 100_000;
 
 impl Rooms {
     pub fn publish(&self, room: u64, kv: RoomKv) {
-        if let Ok(mut map) = self.kv.lock() {
-            if map.len() > 100_000 {
-                map.retain(|_, (_, at)| at.elapsed() < KEEP);
+        if let Ok(mut held) = self.kv.lock() {
+            let now = Instant::now();
+            held.map.insert(room, (kv, now));
+            held.order.push_back((room, now));
+            while let Some(&(old, at)) = held.order.front() {
+                if held.order.len() <= MAX_ROOMS && at.elapsed() < KEEP {
+                    break;
+                }
+                held.order.pop_front();
+                // Unless the room was published again since.
+                if held.map.get(&old).is_some_and(|(_, t)| *t == at) {
+                    held.map.remove(&old);
+                }
             }
-            map.insert(room, (kv, Instant::now()));
         }
         self.published.notify_waiters();
     }
 
     fn get(&self, room: u64) -> Option<RoomKv> {
-        self.kv.lock().ok()?.get(&room).map(|(kv, _)| *kv)
+        self.kv.lock().ok()?.map.get(&room).map(|(kv, _)| *kv)
     }
 
     /// The room's KV, waiting up to `wait` for it to be published.
@@ -106,5 +125,26 @@ pub async fn fetch(host: &str, port: u16, room: u64, wait: Duration) -> Result<R
     match tokio::time::timeout(wait + Duration::from_secs(2), attempt).await {
         Ok(r) => r.map_err(|e| format!("cannot fetch KV for bootstrap_room {room} from {target}: {e}")),
         Err(_) => Err(format!("cannot fetch KV for bootstrap_room {room} from {target}: timed out")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_table_lets_the_oldest_rooms_go_one_by_one() {
+        let rooms = Rooms::default();
+        let kv = |n: u64| RoomKv { prompt_hash: n, tokens: 1 };
+        for room in 0..(MAX_ROOMS as u64 + 10) {
+            rooms.publish(room, kv(room));
+        }
+        // Room 3 published again: it stays while its first publication goes.
+        rooms.publish(3, kv(33));
+        assert_eq!(rooms.get(3), Some(kv(33)));
+        assert_eq!((rooms.get(2), rooms.get(10), rooms.get(11)), (None, None, Some(kv(11))));
+        let held = rooms.kv.lock().unwrap();
+        assert_eq!(held.order.len(), MAX_ROOMS, "one room in, the oldest out");
+        assert!(held.map.len() <= MAX_ROOMS);
     }
 }
