@@ -243,10 +243,19 @@ pub struct Root {
     host: Rc<EnvoyHost>,
     plugin: Plugin,
     /// The tick period last asked of Envoy.
-    tick_period: std::time::Duration,
+    tick_period: std::cell::Cell<std::time::Duration>,
 }
 
 impl Root {
+    /// Asks Envoy for the tick period the plugin wants now, if it changed.
+    fn retune_tick(&self) {
+        let period = self.plugin.tick_period(TICK);
+        if period != self.tick_period.get() {
+            self.tick_period.set(period);
+            let _ = hostcalls::set_tick_period(period);
+        }
+    }
+
     pub fn new(context_id: u32) -> Self {
         let mut root = Self::default();
         root.plugin.set_context_id(context_id);
@@ -292,8 +301,8 @@ impl RootContext for Root {
             log::error!("{e}");
             return false;
         }
-        self.tick_period = self.plugin.tick_period(TICK);
-        let _ = hostcalls::set_tick_period(self.tick_period);
+        self.tick_period.set(self.plugin.tick_period(TICK));
+        let _ = hostcalls::set_tick_period(self.tick_period.get());
         true
     }
 
@@ -304,14 +313,12 @@ impl RootContext for Root {
             stop_if_lease_owner(self.host.as_ref(), vm);
         }
         self.plugin.on_tick(self.host.as_ref());
-        let period = self.plugin.tick_period(TICK);
-        if period != self.tick_period {
-            self.tick_period = period;
-            let _ = hostcalls::set_tick_period(period);
-        }
+        self.retune_tick();
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        // A VM's first requests can shorten a profiling build's tick (no host call otherwise).
+        self.retune_tick();
         Some(Box::new(Http { host: Rc::clone(&self.host), filter: self.plugin.new_request(context_id) }))
     }
 

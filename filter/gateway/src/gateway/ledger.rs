@@ -30,8 +30,12 @@ pub(super) struct Ledger {
     pub(super) alone: bool,
     /// The registry held only this VM at the last heartbeat.
     only_me: bool,
-    /// Registry checks so far (two tell whether the VM is alone).
+    /// Heartbeats so far, and those since the VM routed its first request (two registry
+    /// checks tell whether it routes alone).
     pub(super) checks: u32,
+    serving_checks: u32,
+    /// The VM has routed a request (see [`Ledger::serve`]).
+    serving: bool,
     /// `mine` changed since it was last published.
     mine_changed: bool,
     last_heartbeat_ms: u64,
@@ -46,6 +50,8 @@ impl Ledger {
             alone: false,
             only_me: false,
             checks: 0,
+            serving_checks: 0,
+            serving: false,
             mine_changed: false,
             last_heartbeat_ms: 0,
         }
@@ -160,11 +166,31 @@ impl Ledger {
     /// second as a heartbeat), and takes back the counts of VMs that died (see [`VmLedger`]).
     pub(super) fn heartbeat(&mut self, store: &dyn SharedStore, vm: u32, now_ms: u64) {
         let due = now_ms.saturating_sub(self.last_heartbeat_ms) >= 1_000;
+        if !self.serving {
+            // Envoy's main-thread VM (it ticks, may hold the control-plane streams, never
+            // routes), or a worker thread's before its first request: nothing to count, and
+            // not one of the VMs the others must share with.
+            if due {
+                self.last_heartbeat_ms = now_ms;
+                self.checks = self.checks.saturating_add(1);
+            }
+            return;
+        }
         if due {
-            let only_me = VmLedger::register(store, vm) == [vm];
+            let registered = VmLedger::register(store, vm);
             self.checks = self.checks.saturating_add(1);
-            self.alone = only_me && self.only_me;
+            self.serving_checks = self.serving_checks.saturating_add(1);
+            let only_me = registered == [vm];
+            self.set_alone(vm, only_me && self.only_me, &registered);
             self.only_me = only_me;
+        } else if self.alone {
+            // Alone, it reads nobody's changes per request: a VM that starts routing is
+            // noticed on the next tick, not a second later.
+            let registered = VmLedger::registered(store);
+            if registered != [vm] {
+                self.only_me = false;
+                self.set_alone(vm, false, &registered);
+            }
         }
         if self.mine_changed || due {
             let counts: Vec<(WorkerId, u32)> = self.mine.iter().map(|(&w, &n)| (w, n)).collect();
@@ -177,6 +203,34 @@ impl Ledger {
                 log::warn!("a VM that died had {n} requests in flight to worker {worker}: taken back");
                 Inflight::add(store, worker, -i32::try_from(n).unwrap_or(i32::MAX));
             }
+        }
+    }
+
+    fn set_alone(&mut self, vm: u32, alone: bool, registered: &[u32]) {
+        if alone != self.alone {
+            match alone {
+                true => log::info!("VM {vm:08x} routes alone in its Envoy: its shared data goes out on its tick"),
+                false => log::info!("VM {vm:08x} no longer routes alone (VMs {registered:08x?})"),
+            }
+        }
+        self.alone = alone;
+    }
+
+    /// The VM routes its first request: from now on it is one of the VMs that count requests
+    /// (registered at once, so that a VM alone until now notices it on its next tick).
+    pub(super) fn serve(&mut self, store: &dyn SharedStore, vm: u32) {
+        if !self.serving {
+            self.serving = true;
+            VmLedger::register(store, vm);
+        }
+    }
+
+    /// Whether the VM knows if it routes alone: two registry checks a second apart while
+    /// routing (one that routes nothing: two checks at all).
+    pub(super) fn settled(&self) -> bool {
+        match self.serving {
+            true => self.serving_checks >= 2,
+            false => self.checks >= 2,
         }
     }
 }

@@ -207,11 +207,27 @@ impl Gateway {
         if self.ledger.alone {
             return self.ledger.local_loads(&self.seen);
         }
-        self.follower.sync(store, &mut self.view);
+        self.sync(store);
         let inflight = Inflight::load(store).discount(self.ledger.ended());
         self.catch_up(store, inflight.head(), CATCH_UP_PER_REQUEST);
         self.view.health.sync_if_changed(store, inflight.breakers());
         inflight
+    }
+
+    /// Adopts the table the stream owner published, if it changed (see [`TableFollower::sync`]).
+    fn sync(&mut self, store: &dyn SharedStore) {
+        self.follower.sync(store, &mut self.view);
+        self.drop_forgotten();
+    }
+
+    /// Inserts not logged yet under ids a new table took away are dropped: logged, the other
+    /// VMs would read them under the new table.
+    fn drop_forgotten(&mut self) {
+        let gone = self.view.take_forgotten();
+        if !gone.is_empty() && !self.unlogged.is_empty() {
+            self.unlogged.retain(|d| !gone.contains(&d.worker));
+            self.unlogged_hashes = self.unlogged.iter().map(|d| d.hashes.len()).sum();
+        }
     }
 
     /// Applies the prefix inserts other VMs made (and queues them for the report, on the
@@ -248,6 +264,7 @@ impl Gateway {
             Ok(p) => p,
             Err(e) => return Outcome::Reply(Reply::request(&e)),
         };
+        self.serve(store);
         let inflight = self.refresh(store);
         self.view.decide(endpoint, body, &parsed, info, inflight)
     }
@@ -345,14 +362,15 @@ impl Gateway {
             Some(rest) => Some(rest.strip_prefix('/')?),
             None => return None,
         };
-        self.follower.sync(store, &mut self.view);
+        self.sync(store);
         self.view.models_reply(id)
     }
 
     /// Routes a request on another path (models, health, info) to any available worker (a
     /// decode worker in PD mode). Not counted, nothing to commit.
     pub fn route_other(&mut self, store: &dyn SharedStore, now: Now) -> Result<(Routed, Vec<String>), Reply> {
-        self.follower.sync(store, &mut self.view);
+        self.serve(store);
+        self.sync(store);
         let loads = match self.ledger.alone {
             true => self.ledger.local_loads(&self.seen),
             false => Inflight::load(store).discount(self.ledger.ended()),
@@ -388,9 +406,16 @@ impl Gateway {
         }
     }
 
+    /// This VM routes requests (it is then one of the VMs that count them: Envoy's main-thread
+    /// VM never is). Called with every request; registers the VM the first time.
+    pub fn serve(&mut self, store: &dyn SharedStore) {
+        let vm = self.vm_id();
+        self.ledger.serve(store, vm);
+    }
+
     /// Whether this VM knows if it is alone in its Envoy (two heartbeats a second apart).
     pub fn settled(&self) -> bool {
-        self.ledger.checks >= 2
+        self.ledger.settled()
     }
 
     /// Whether this VM is the only one in its Envoy (it then reads no shared data per request).
@@ -501,13 +526,14 @@ impl Gateway {
         if snapshot.full || snapshot.workers_changed || snapshot.settings.is_some() {
             // A VM that has just taken the streams over starts from what the last owner
             // published (the records it shares name that table's version).
-            self.follower.sync(store, &mut self.view);
+            self.sync(store);
             if snapshot.full {
                 // A connection's first snapshot: its versions may repeat ones already
                 // published (a restarted kvmesh-cp counts from the start again).
                 self.publisher.epoch = self.view.rng.next_u64();
             }
             self.follower.publish(store, &mut self.view, snapshot, self.publisher.epoch);
+            self.drop_forgotten();
         }
         let mut deltas: Vec<Delta> = Vec::with_capacity(snapshot.inserts.len() + snapshot.evictions.len());
         // This Envoy's own inserts, echoed back by the control plane, are in its index already.
@@ -534,7 +560,7 @@ impl Gateway {
     /// Adopts the table the stream owner published, when it changed (every VM, on its tick
     /// and before each request: one small shared-data read).
     pub fn sync_table(&mut self, store: &dyn SharedStore) {
-        self.follower.sync(store, &mut self.view);
+        self.sync(store);
     }
 
     /// What the stream owner sends on its report tick (at `now`): see

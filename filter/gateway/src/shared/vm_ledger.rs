@@ -26,7 +26,8 @@ impl VmLedger {
         format!("kvmesh.vm.v1.{vm:08x}")
     }
 
-    fn registered(store: &dyn SharedStore) -> Vec<u32> {
+    /// The registered VMs (one read).
+    pub fn registered(store: &dyn SharedStore) -> Vec<u32> {
         let value = store.get(Self::REGISTRY).0.unwrap_or_default();
         value.chunks_exact(4).filter_map(|c| u32_at(c, 0)).collect()
     }

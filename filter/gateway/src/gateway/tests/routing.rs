@@ -94,6 +94,7 @@ fn shared_prefix_sticks_and_inflight_is_tracked() {
     let store = FakeStore::default();
     let mut g = gateway(&store, "");
     let prefix = "p".repeat(400);
+    g.serve(&store);
     g.heartbeat(&store, 1_000); // registered, and the Envoy's only VM two heartbeats running
     g.heartbeat(&store, 2_000);
     let first = routed(&mut g, &store, &body(&format!("{prefix}a")));
@@ -121,6 +122,7 @@ fn shared_prefix_sticks_and_inflight_is_tracked() {
     assert_eq!(Inflight::read(&store), vec![(first.worker, 0)]);
     // With another VM, an end is written at once: it would count it as load meanwhile.
     let mut other = Gateway::new(g.config().clone(), &store, 7);
+    other.serve(&store);
     other.heartbeat(&store, 1_000);
     g.heartbeat(&store, 3_000);
     let fourth = routed(&mut g, &store, &body(&format!("{prefix}d")));
@@ -132,6 +134,7 @@ fn shared_prefix_sticks_and_inflight_is_tracked() {
 fn a_vms_own_ended_requests_count_at_once_in_its_decisions() {
     let store = FakeStore::default();
     let mut g = gateway(&store, "");
+    g.serve(&store);
     g.heartbeat(&store, 1_000);
     g.heartbeat(&store, 2_000);
     let held = routed(&mut g, &store, &body(&"x".repeat(400)));
@@ -166,11 +169,13 @@ fn the_requests_of_a_vm_that_died_do_not_stay_in_flight() {
     let store = FakeStore::default();
     let mut a = gateway(&store, "");
     // a has been the Envoy's only VM for two heartbeats: it keeps its ends.
+    a.serve(&store);
     a.heartbeat(&store, 1_000);
     a.heartbeat(&store, 2_000);
     let mut b = Gateway::new(a.config().clone(), &store, 7);
+    b.serve(&store);
     b.heartbeat(&store, 2_000);
-    assert!(a.ledger.alone && !b.ledger.alone, "b just came: a learns of it at its next heartbeat");
+    assert!(a.ledger.alone && !b.ledger.alone, "b just came: a learns of it on its next tick");
     let mut on_b = Vec::new();
     for i in 0..3 {
         routed(&mut a, &store, &body(&format!("on a {i}")));
@@ -180,10 +185,12 @@ fn the_requests_of_a_vm_that_died_do_not_stay_in_flight() {
     assert_eq!(total(&store), 3, "b's, written at once; a writes its own on its tick");
     a.write_ended(&store);
     assert_eq!(total(&store), 6);
-    // One more request on a, routed and ended, not written when a dies: never counted.
+    // One more request on a, routed and ended: written (in and out) when a learns of b on its
+    // next tick, which also publishes what a has in flight.
     let ended_on_a = routed(&mut a, &store, &body("on a, ended"));
     a.finish(&store, &ended_on_a, true);
-    a.heartbeat(&store, 2_500); // publishes what a has in flight (not a registry check)
+    a.heartbeat(&store, 2_500);
+    assert!(!a.ledger.alone);
     b.heartbeat(&store, 2_500);
     assert_eq!(total(&store), 6);
     drop(a); // trapped: its streams never reach on_log
@@ -204,6 +211,8 @@ fn vms_that_start_together_never_take_themselves_for_alone() {
     let store = FakeStore::default();
     let mut a = gateway(&store, "");
     let mut b = Gateway::new(a.config().clone(), &store, 7);
+    a.serve(&store);
+    b.serve(&store);
     // a registers a moment before b: alone at that check, but not at the next.
     a.heartbeat(&store, 1_000);
     b.heartbeat(&store, 1_001);
@@ -212,12 +221,21 @@ fn vms_that_start_together_never_take_themselves_for_alone() {
     b.heartbeat(&store, 2_001);
     assert!(!a.ledger.alone && !b.ledger.alone);
     // A VM on its own is, from its second heartbeat.
+    // Envoy's main-thread VM ticks too but routes nothing: not counted as another VM.
     let lone_store = FakeStore::default();
     let mut c = gateway(&lone_store, "");
-    c.heartbeat(&lone_store, 1_000);
-    assert!(!c.ledger.alone);
-    c.heartbeat(&lone_store, 2_000);
-    assert!(c.ledger.alone);
+    let mut main = Gateway::new(c.config().clone(), &lone_store, 9);
+    c.serve(&lone_store);
+    for t in [1_000, 2_000] {
+        main.heartbeat(&lone_store, t);
+        c.heartbeat(&lone_store, t + 1);
+        assert_eq!(c.ledger.alone, t == 2_000, "at {t} ms");
+    }
+    assert!(!main.ledger.alone && main.settled());
+    // It routes a request (a passthrough path, say): from then on it counts.
+    main.serve(&lone_store);
+    c.heartbeat(&lone_store, 2_021);
+    assert!(!c.ledger.alone, "noticed on c's next tick");
 }
 
 #[test]
@@ -243,6 +261,7 @@ fn another_vm_sees_the_prefix() {
 fn a_vm_alone_logs_its_inserts_on_its_tick_and_when_another_comes() {
     let store = FakeStore::default();
     let mut a = gateway(&store, "");
+    a.serve(&store);
     a.heartbeat(&store, 1_000);
     a.heartbeat(&store, 2_000);
     assert!(a.alone());

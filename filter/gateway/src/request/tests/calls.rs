@@ -15,6 +15,7 @@ fn one_request_makes_only_the_host_calls_it_needs() {
         if !alone {
             crate::shared::VmLedger::register(&host, 7);
         }
+        gw.borrow_mut().serve(&host);
         gw.borrow_mut().heartbeat(&host, 1_000);
         gw.borrow_mut().heartbeat(&host, 2_000);
         assert_eq!(gw.borrow().alone(), alone);
@@ -64,6 +65,7 @@ fn one_request_makes_only_the_host_calls_it_needs() {
 fn one_pd_request_makes_only_the_host_calls_it_needs() {
     let host = MockHost::new();
     let gw = gateway(&host, PD);
+    gw.borrow_mut().serve(&host);
     gw.borrow_mut().heartbeat(&host, 1_000);
     gw.borrow_mut().heartbeat(&host, 2_000);
     for round in 0..2 {
