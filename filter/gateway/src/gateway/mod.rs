@@ -396,8 +396,10 @@ impl Gateway {
     /// inserts it has not logged yet; then reads `kvmesh.state` afresh for its next decisions.
     pub fn write_ended(&mut self, store: &dyn SharedStore) {
         if self.ledger.alone {
-            self.write_unwritten(store);
-            self.seen = Inflight::load(store);
+            if !self.write_unwritten(store) {
+                // Nothing of its own to write; a VM that died may have been taken back.
+                self.seen = Inflight::load(store);
+            }
         } else if self.ledger.started_any() || !self.unlogged.is_empty() {
             // Left from a time alone (a write that did not go through): out now.
             self.write_unwritten(store);
@@ -425,9 +427,11 @@ impl Gateway {
 
     /// A VM alone: its routed and ended requests into `kvmesh.state` and its inserts into the
     /// delta log, one write each.
-    fn write_unwritten(&mut self, store: &dyn SharedStore) {
+    /// Returns whether it wrote; a VM alone then decides on what it wrote from now on (its
+    /// written requests are in `seen`, no longer in its own counts).
+    fn write_unwritten(&mut self, store: &dyn SharedStore) -> bool {
         if !self.ledger.unwritten() && self.unlogged.is_empty() {
-            return;
+            return false;
         }
         let batch = std::mem::take(&mut self.unlogged);
         self.unlogged_hashes = 0;
@@ -441,6 +445,8 @@ impl Gateway {
             None if !batch.is_empty() => self.log.append(store, &batch),
             None => {}
         }
+        self.seen = Inflight::load(store);
+        true
     }
 
     /// On the tick: publishes what this VM has in flight and takes back the counts of VMs
@@ -451,7 +457,9 @@ impl Gateway {
         self.ledger.heartbeat(store, vm, now_ms);
         match (was_alone, self.ledger.alone) {
             // Another VM registered: what this one kept for its tick goes out now.
-            (true, false) => self.write_unwritten(store),
+            (true, false) => {
+                self.write_unwritten(store);
+            }
             // From now on it decides on what it last saw and its own requests.
             (false, true) => self.seen = Inflight::load(store),
             _ => {}

@@ -130,6 +130,27 @@ fn shared_prefix_sticks_and_inflight_is_tracked() {
     assert_eq!(Inflight::read(&store), vec![(first.worker, 0)]);
 }
 
+/// A VM alone writes at once when half a log slot of inserts waits, between ticks: its own
+/// requests in flight still count as load in its next decisions.
+#[test]
+fn a_vm_alone_that_writes_between_ticks_still_counts_its_requests() {
+    let store = FakeStore::default();
+    let mut g = gateway(&store, "");
+    g.serve(&store);
+    g.heartbeat(&store, 1_000);
+    g.heartbeat(&store, 2_000);
+    let mut routed_so_far = 0;
+    while Inflight::load(&store).head() == 0 {
+        assert!(routed_so_far < 200, "no write after {routed_so_far} long prompts");
+        let text: String = (0..8_000).map(|i| format!("{routed_so_far}-{i} ")).collect();
+        routed(&mut g, &store, &body(&text));
+        routed_so_far += 1;
+    }
+    let p = plan(req(&mut g, &store, Endpoint::Generate, &body("one more")));
+    let total: u32 = g.view.table.workers.iter().map(|w| p.inflight.count(w.id)).sum();
+    assert_eq!(total, routed_so_far, "every request in flight counts, written or not");
+}
+
 #[test]
 fn a_vms_own_ended_requests_count_at_once_in_its_decisions() {
     let store = FakeStore::default();
