@@ -200,11 +200,13 @@ impl Gateway {
     /// moved — the breakers. Returns the in-flight counts read for the decision (less this
     /// VM's ended requests not written yet).
     ///
-    /// A VM alone in its Envoy reads nothing: no other VM publishes a table, logs inserts,
-    /// moves a breaker or counts a request, and what the tick finds (a VM that joined, one that
-    /// died) it applies then. Its loads are the last value seen with its own requests since.
+    /// A VM alone in its Envoy without a control plane reads nothing: no other VM publishes a
+    /// table, logs inserts, moves a breaker or counts a request, and what the tick finds (a VM
+    /// that joined, one that died) it applies then. Its loads are the last value seen with its
+    /// own requests since. With a control plane, Envoy's main-thread VM may hold the streams
+    /// and publish other gateways' inserts and loads: those are read before each decision.
     fn refresh(&mut self, store: &dyn SharedStore) -> Inflight {
-        if self.ledger.alone {
+        if self.ledger.alone && !self.has_control_plane() {
             return self.ledger.local_loads(&self.seen);
         }
         self.sync(store);
@@ -217,17 +219,6 @@ impl Gateway {
     /// Adopts the table the stream owner published, if it changed (see [`TableFollower::sync`]).
     fn sync(&mut self, store: &dyn SharedStore) {
         self.follower.sync(store, &mut self.view);
-        self.drop_forgotten();
-    }
-
-    /// Inserts not logged yet under ids a new table took away are dropped: logged, the other
-    /// VMs would read them under the new table.
-    fn drop_forgotten(&mut self) {
-        let gone = self.view.take_forgotten();
-        if !gone.is_empty() && !self.unlogged.is_empty() {
-            self.unlogged.retain(|d| !gone.contains(&d.worker));
-            self.unlogged_hashes = self.unlogged.iter().map(|d| d.hashes.len()).sum();
-        }
     }
 
     /// Applies the prefix inserts other VMs made (and queues them for the report, on the
@@ -371,7 +362,7 @@ impl Gateway {
     pub fn route_other(&mut self, store: &dyn SharedStore, now: Now) -> Result<(Routed, Vec<String>), Reply> {
         self.serve(store);
         self.sync(store);
-        let loads = match self.ledger.alone {
+        let loads = match self.ledger.alone && !self.has_control_plane() {
             true => self.ledger.local_loads(&self.seen),
             false => Inflight::load(store).discount(self.ledger.ended()),
         };
@@ -541,7 +532,6 @@ impl Gateway {
                 self.publisher.epoch = self.view.rng.next_u64();
             }
             self.follower.publish(store, &mut self.view, snapshot, self.publisher.epoch);
-            self.drop_forgotten();
         }
         let mut deltas: Vec<Delta> = Vec::with_capacity(snapshot.inserts.len() + snapshot.evictions.len());
         // This Envoy's own inserts, echoed back by the control plane, are in its index already.

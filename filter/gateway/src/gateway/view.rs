@@ -63,9 +63,6 @@ pub(super) struct RoutingView {
     /// The model pools of `table` under the configuration's rules.
     pools: Pools,
     last_eviction_secs: u64,
-    /// Workers whose prefixes a new table made this VM forget, not taken yet (see
-    /// [`RoutingView::take_forgotten`]).
-    forgotten: Vec<WorkerId>,
 }
 
 /// The pools of `table`'s workers under `config`'s model rules.
@@ -83,7 +80,6 @@ impl RoutingView {
             stalls: Stalls::new(config.worker_stall_ms),
             pools: pools_of(&config.workers, &config),
             last_eviction_secs: 0,
-            forgotten: Vec::new(),
             config,
         }
     }
@@ -118,7 +114,6 @@ impl RoutingView {
             })
             .map(|w| w.id)
             .collect();
-        self.forgotten.extend_from_slice(&stale);
         for id in stale {
             match &mut self.mode {
                 Mode::Regular(r) => r.forget_worker(id),
@@ -130,12 +125,6 @@ impl RoutingView {
         }
         self.pools = pools_of(&table, &self.config);
         self.table = table;
-    }
-
-    /// The workers whose prefixes were forgotten since the last call (ids that a new table
-    /// dropped or gave to another worker).
-    pub(super) fn take_forgotten(&mut self) -> Vec<WorkerId> {
-        std::mem::take(&mut self.forgotten)
     }
 
     /// The routers whose indexes hold `worker`'s prefixes (both PD routers' for a worker of

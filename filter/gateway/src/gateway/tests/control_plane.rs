@@ -297,37 +297,3 @@ fn reports_carry_new_inserts_once_and_the_counts() {
     assert!(sizes.iter().all(|&n| (1..=3).contains(&n)), "{sizes:?}");
     assert!(chunks.iter().all(|b| b.gateway_id == "gw" && b.counts.is_empty()));
 }
-
-/// A VM routing alone keeps its inserts for its tick; when a new table (a restarted control
-/// plane's) gives an id to another worker first, the inserts it kept under that id are not
-/// logged: the other VMs would read them under the new table.
-#[test]
-fn inserts_kept_for_the_tick_are_dropped_when_a_new_table_gives_their_id_away() {
-    for restarted in [false, true] {
-        let store = FakeStore::default();
-        let (mut owner, mut alone) = (gateway(&store, 1), gateway(&store, 2));
-        alone.set_reporting(false);
-        let table = |port| proto::Snapshot {
-            version: 1,
-            full: true,
-            workers: vec![worker(10, port)],
-            workers_changed: true,
-            ..Default::default()
-        };
-        owner.apply_snapshot(&store, &table(20));
-        alone.serve(&store);
-        alone.heartbeat(&store, 1_000);
-        alone.heartbeat(&store, 2_000);
-        assert!(alone.alone(), "the owner routes nothing: not another VM");
-        alone.sync_table(&store);
-        assert_eq!(route(&mut alone, &store, &"p".repeat(300)), "127.0.0.1:20");
-        let head = crate::shared::Inflight::load(&store).head();
-        if restarted {
-            owner.apply_snapshot(&store, &table(30));
-        }
-        alone.sync_table(&store); // its tick: the table first, then what it kept
-        alone.write_ended(&store);
-        let logged = crate::shared::Inflight::load(&store).head() - head;
-        assert_eq!(logged, u64::from(!restarted), "restarted {restarted}");
-    }
-}

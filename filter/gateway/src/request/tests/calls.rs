@@ -94,3 +94,19 @@ fn one_pd_request_makes_only_the_host_calls_it_needs() {
     f.on_response_body(&host, DECODE_ANSWER.len(), true);
     assert_eq!(host.calls.borrow().iter().filter(|c| **c == "response_body").count(), 1);
 }
+
+/// With a control plane, Envoy's main-thread VM may hold the streams and publish other
+/// gateways' loads and inserts: a VM routing alone still reads them before each decision.
+#[test]
+fn a_vm_alone_with_a_control_plane_reads_the_shared_view_per_request() {
+    let host = MockHost::new();
+    let with_cp = REGULAR.replacen('{', r#"{"control_plane_cluster":"cp","#, 1);
+    let gw = gateway(&host, &with_cp);
+    gw.borrow_mut().serve(&host);
+    gw.borrow_mut().heartbeat(&host, 1_000);
+    gw.borrow_mut().heartbeat(&host, 2_000);
+    assert!(gw.borrow().alone());
+    host.calls.borrow_mut().clear();
+    send(&host, &gw, "/generate", r#"{"text":"hello"}"#);
+    assert!(host.calls.borrow().contains(&"get"), "{:?}", host.calls.borrow());
+}
