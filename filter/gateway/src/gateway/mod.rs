@@ -206,7 +206,7 @@ impl Gateway {
     /// own requests since. With a control plane, Envoy's main-thread VM may hold the streams
     /// and publish other gateways' inserts and loads: those are read before each decision.
     fn refresh(&mut self, store: &dyn SharedStore) -> Inflight {
-        if self.ledger.alone && !self.has_control_plane() {
+        if self.routes_locally() {
             return self.ledger.local_loads(&self.seen);
         }
         self.sync(store);
@@ -219,6 +219,12 @@ impl Gateway {
     /// Adopts the table the stream owner published, if it changed (see [`TableFollower::sync`]).
     fn sync(&mut self, store: &dyn SharedStore) {
         self.follower.sync(store, &mut self.view);
+    }
+
+    /// Whether this VM decides on its own counts alone, reading no shared data per request:
+    /// it routes alone in its Envoy and no control plane publishes through another VM.
+    fn routes_locally(&self) -> bool {
+        self.ledger.alone && !self.has_control_plane()
     }
 
     /// Applies the prefix inserts other VMs made (and queues them for the report, on the
@@ -362,7 +368,7 @@ impl Gateway {
     pub fn route_other(&mut self, store: &dyn SharedStore, now: Now) -> Result<(Routed, Vec<String>), Reply> {
         self.serve(store);
         self.sync(store);
-        let loads = match self.ledger.alone && !self.has_control_plane() {
+        let loads = match self.routes_locally() {
             true => self.ledger.local_loads(&self.seen),
             false => Inflight::load(store).discount(self.ledger.ended()),
         };
