@@ -15,10 +15,10 @@ pub(super) struct Ledger {
     /// What this VM has in flight, per worker, as counted in [`Inflight`] (published by
     /// [`Ledger::heartbeat`]): requests that ended leave it when their end is written.
     mine: BTreeMap<WorkerId, u32>,
-    /// Requests that ended here and are not written to [`Inflight`] yet (the next commit or
-    /// tick writes them). Only while this VM is the Envoy's only one (`alone`): another VM
-    /// would count them as load until then (a session's next turn, sent as the last one
-    /// ended, could be moved off its worker), so with others each end is written at once.
+    /// Requests that ended here and are not written to [`Inflight`] yet: this VM's next commit
+    /// (its next routed request's compare-and-swap) or tick writes them, and its own decisions
+    /// discount them meanwhile. Other VMs count them as load until then: at most one tick
+    /// (20 ms), less while this VM routes.
     ended: EndedBy,
     /// Requests this VM routed and has not counted in [`Inflight`] yet: a VM `alone` counts
     /// them with its next write (its tick's), not one compare-and-swap each; its own decisions
@@ -115,29 +115,20 @@ impl Ledger {
 
     /// A counted leg that never ran to its end (a prefill callout cancelled with its stream):
     /// off the in-flight table, not counted as finished.
-    pub(super) fn release(&mut self, store: &dyn SharedStore, routed: &Routed) {
+    pub(super) fn release(&mut self, routed: &Routed) {
         if routed.counted {
             self.ended.entry(routed.worker).or_default().left += 1;
-            self.write_unless_alone(store);
         }
     }
 
-    /// The stream of a counted request ended (completed, failed or reset): written at once
-    /// when other VMs route too; by a VM alone, with its next commit or tick (its own
-    /// decisions discount it until then).
-    pub(super) fn finish(&mut self, store: &dyn SharedStore, routed: &Routed, ok: bool) {
+    /// The stream of a counted request ended (completed, failed or reset): written with this
+    /// VM's next commit or tick, not on its own (its own decisions discount it until then).
+    pub(super) fn finish(&mut self, routed: &Routed, ok: bool) {
         if routed.counted {
             let e = self.ended.entry(routed.worker).or_default();
             e.left += 1;
             e.finished += 1;
             e.failed += u32::from(!ok);
-            self.write_unless_alone(store);
-        }
-    }
-
-    fn write_unless_alone(&mut self, store: &dyn SharedStore) {
-        if !self.alone {
-            self.write_ended(store);
         }
     }
 
