@@ -227,11 +227,42 @@ fn an_open_breaker_is_obeyed_by_every_thread_at_once() {
     let mut opts = kvmesh_testkit::EnvoyOptions::new(json!({"worker_urls": []})).unwrap();
     opts.concurrency = 4;
     let envoy = kvmesh_testkit::e2e::gateway_with(&cp, opts);
+    only_two_reach_the_failing_worker(&envoy, &sims);
+}
+
+/// The same without kvmesh-cp (the VMs learn of the breaker from shared data alone, no stream
+/// owner publishing anything).
+#[test]
+fn without_a_control_plane_too_an_open_breaker_is_obeyed_by_every_thread_at_once() {
+    let sims = sims(2, FAST);
+    let config = json!({
+        "worker_urls": sims.iter().map(|s| s.url()).collect::<Vec<_>>(),
+        "policy": "round_robin",
+        "disable_retries": true,
+        "cb_failure_threshold": 2,
+        "cb_timeout_duration_secs": 120,
+        "cb_window_duration_secs": 120,
+    });
+    let mut opts = kvmesh_testkit::EnvoyOptions::new(config).unwrap();
+    opts.concurrency = 4;
+    let envoy = Envoy::start(&opts).unwrap();
+    only_two_reach_the_failing_worker(&envoy, &sims);
+}
+
+/// Every thread has routed before the worker fails (so each VM learns of the breaker while
+/// routing, not when it starts), then 200 requests: only the two that open the breaker reach
+/// the failing worker.
+fn only_two_reach_the_failing_worker(envoy: &Envoy, sims: &[Sim]) {
     let (bad, ok) = (&sims[0], &sims[1]);
+    let count = |sim: &Sim| sim.stats().unwrap()["requests"].as_u64().unwrap();
+    for i in 0..40 {
+        assert_eq!(good(envoy, 1_000 + i).status, 200);
+    }
+    let (bad_before, ok_before) = (count(bad), count(ok));
     set_fail_rate(bad, 1.0);
     let mut failures = Vec::new();
     for i in 0..200 {
-        let r = good(&envoy, i);
+        let r = good(envoy, i);
         if worker_of(&r) == bad.addr() {
             assert_eq!(r.status, 500, "{}", r.text());
             failures.push(i);
@@ -239,9 +270,9 @@ fn an_open_breaker_is_obeyed_by_every_thread_at_once() {
             assert_eq!(r.status, 200, "request {i} after {failures:?} failed: {}", r.text());
         }
     }
-    let reached = bad.stats().unwrap()["requests"].as_u64().unwrap();
+    let reached = count(bad) - bad_before;
     eprintln!("failing worker: requests {failures:?} of 200 reached it ({reached} by its own count)");
     assert_eq!(failures.len(), 2, "requests that reached the failing worker: {failures:?}");
     assert_eq!(reached, 2);
-    assert_eq!(ok.stats().unwrap()["requests"].as_u64(), Some(198));
+    assert_eq!(count(ok) - ok_before, 198);
 }

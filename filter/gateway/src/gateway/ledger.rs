@@ -209,9 +209,13 @@ impl Ledger {
 
     /// The VM routes its first request: from now on it is one of the VMs that count requests
     /// (registered at once, so that a VM alone until now notices it on its next tick).
-    pub(super) fn serve(&mut self, store: &dyn SharedStore, vm: u32) {
+    /// Its heartbeat goes out with the registration: a VM registered without one looks long
+    /// dead to the others, whose next heartbeat would take it off the registry (and a VM alone
+    /// until then could take itself for alone again).
+    pub(super) fn serve(&mut self, store: &dyn SharedStore, vm: u32, now_ms: u64) {
         if !self.serving {
             self.serving = true;
+            VmLedger::publish(store, vm, now_ms, &[]);
             VmLedger::register(store, vm);
         }
     }

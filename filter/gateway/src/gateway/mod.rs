@@ -261,7 +261,7 @@ impl Gateway {
             Ok(p) => p,
             Err(e) => return Outcome::Reply(Reply::request(&e)),
         };
-        self.serve(store);
+        self.serve(store, info.now.ms());
         let inflight = self.refresh(store);
         self.view.decide(endpoint, body, &parsed, info, inflight)
     }
@@ -366,7 +366,7 @@ impl Gateway {
     /// Routes a request on another path (models, health, info) to any available worker (a
     /// decode worker in PD mode). Not counted, nothing to commit.
     pub fn route_other(&mut self, store: &dyn SharedStore, now: Now) -> Result<(Routed, Vec<String>), Reply> {
-        self.serve(store);
+        self.serve(store, now.ms());
         self.sync(store);
         let loads = match self.routes_locally() {
             true => self.ledger.local_loads(&self.seen),
@@ -408,9 +408,9 @@ impl Gateway {
 
     /// This VM routes requests (it is then one of the VMs that count them: Envoy's main-thread
     /// VM never is). Called with every request; registers the VM the first time.
-    pub fn serve(&mut self, store: &dyn SharedStore) {
+    pub fn serve(&mut self, store: &dyn SharedStore, now_ms: u64) {
         let vm = self.vm_id();
-        self.ledger.serve(store, vm);
+        self.ledger.serve(store, vm, now_ms);
     }
 
     /// Whether this VM knows if it is alone in its Envoy (two heartbeats a second apart).

@@ -70,7 +70,7 @@ fn profile_the_request_path() {
     let urls: Vec<String> = (0..env("PROFILE_WORKERS", 4)).map(|i| format!("http://127.0.0.1:{}", 30001 + i)).collect();
     let gw = gateway(&host, &serde_json::json!({ "worker_urls": urls }).to_string());
     // The Envoy's only VM, as in the benchmarks' one-thread Envoy.
-    gw.borrow_mut().serve(&host);
+    gw.borrow_mut().serve(&host, 0);
     gw.borrow_mut().heartbeat(&host, 1_000);
     gw.borrow_mut().heartbeat(&host, 2_000);
     let repeat = env("PROFILE_PROMPT_REPEAT", 20);

@@ -94,7 +94,7 @@ fn shared_prefix_sticks_and_inflight_is_tracked() {
     let store = FakeStore::default();
     let mut g = gateway(&store, "");
     let prefix = "p".repeat(400);
-    g.serve(&store);
+    g.serve(&store, 0);
     g.heartbeat(&store, 1_000); // registered, and the Envoy's only VM two heartbeats running
     g.heartbeat(&store, 2_000);
     let first = routed(&mut g, &store, &body(&format!("{prefix}a")));
@@ -123,7 +123,7 @@ fn shared_prefix_sticks_and_inflight_is_tracked() {
     // With another VM, a request is counted at its commit; its end goes with the VM's next
     // commit (or tick), not on its own: the other VM counts it as load until then.
     let mut other = Gateway::new(g.config().clone(), &store, 7);
-    other.serve(&store);
+    other.serve(&store, 0);
     other.heartbeat(&store, 1_000);
     g.heartbeat(&store, 3_000);
     let fourth = routed(&mut g, &store, &body(&format!("{prefix}d")));
@@ -149,7 +149,7 @@ fn shared_prefix_sticks_and_inflight_is_tracked() {
 fn a_vm_alone_that_writes_between_ticks_still_counts_its_requests() {
     let store = FakeStore::default();
     let mut g = gateway(&store, "");
-    g.serve(&store);
+    g.serve(&store, 0);
     g.heartbeat(&store, 1_000);
     g.heartbeat(&store, 2_000);
     let mut routed_so_far = 0;
@@ -168,7 +168,7 @@ fn a_vm_alone_that_writes_between_ticks_still_counts_its_requests() {
 fn a_vms_own_ended_requests_count_at_once_in_its_decisions() {
     let store = FakeStore::default();
     let mut g = gateway(&store, "");
-    g.serve(&store);
+    g.serve(&store, 0);
     g.heartbeat(&store, 1_000);
     g.heartbeat(&store, 2_000);
     let held = routed(&mut g, &store, &body(&"x".repeat(400)));
@@ -203,11 +203,11 @@ fn the_requests_of_a_vm_that_died_do_not_stay_in_flight() {
     let store = FakeStore::default();
     let mut a = gateway(&store, "");
     // a has been the Envoy's only VM for two heartbeats: it keeps its ends.
-    a.serve(&store);
+    a.serve(&store, 0);
     a.heartbeat(&store, 1_000);
     a.heartbeat(&store, 2_000);
     let mut b = Gateway::new(a.config().clone(), &store, 7);
-    b.serve(&store);
+    b.serve(&store, 0);
     b.heartbeat(&store, 2_000);
     assert!(a.ledger.alone && !b.ledger.alone, "b just came: a learns of it on its next tick");
     let mut on_b = Vec::new();
@@ -247,8 +247,8 @@ fn vms_that_start_together_never_take_themselves_for_alone() {
     let store = FakeStore::default();
     let mut a = gateway(&store, "");
     let mut b = Gateway::new(a.config().clone(), &store, 7);
-    a.serve(&store);
-    b.serve(&store);
+    a.serve(&store, 0);
+    b.serve(&store, 0);
     // a registers a moment before b: alone at that check, but not at the next.
     a.heartbeat(&store, 1_000);
     b.heartbeat(&store, 1_001);
@@ -261,7 +261,7 @@ fn vms_that_start_together_never_take_themselves_for_alone() {
     let lone_store = FakeStore::default();
     let mut c = gateway(&lone_store, "");
     let mut main = Gateway::new(c.config().clone(), &lone_store, 9);
-    c.serve(&lone_store);
+    c.serve(&lone_store, 0);
     for t in [1_000, 2_000] {
         main.heartbeat(&lone_store, t);
         c.heartbeat(&lone_store, t + 1);
@@ -269,7 +269,7 @@ fn vms_that_start_together_never_take_themselves_for_alone() {
     }
     assert!(!main.ledger.alone && main.settled());
     // It routes a request (a passthrough path, say): from then on it counts.
-    main.serve(&lone_store);
+    main.serve(&lone_store, 0);
     c.heartbeat(&lone_store, 2_021);
     assert!(!c.ledger.alone, "noticed on c's next tick");
 }
@@ -297,7 +297,7 @@ fn another_vm_sees_the_prefix() {
 fn a_vm_alone_logs_its_inserts_on_its_tick_and_when_another_comes() {
     let store = FakeStore::default();
     let mut a = gateway(&store, "");
-    a.serve(&store);
+    a.serve(&store, 0);
     a.heartbeat(&store, 1_000);
     a.heartbeat(&store, 2_000);
     assert!(a.alone());
@@ -703,4 +703,22 @@ fn routing_headers_are_recognised() {
     for h in ["x-request-id", "content-type", "x-envoy-expected-rq-timeout-ms"] {
         assert!(!is_routing_header(h), "{h}");
     }
+}
+
+/// A VM is registered from its first request: the others' next heartbeat must not take it for
+/// a dead one before it has published its own (VMs alone would then go on deciding alone).
+#[test]
+fn a_vm_that_just_started_routing_is_not_taken_for_dead() {
+    let store = FakeStore::default();
+    let mut a = gateway(&store, "");
+    a.serve(&store, 50_000);
+    a.heartbeat(&store, 50_000);
+    a.heartbeat(&store, 51_000);
+    assert!(a.alone());
+    let mut b = Gateway::new(a.config().clone(), &store, 7);
+    b.serve(&store, 51_500);
+    a.heartbeat(&store, 52_000);
+    a.heartbeat(&store, 53_000);
+    assert_eq!(crate::shared::VmLedger::registered(&store).len(), 2, "b was reaped before its first heartbeat");
+    assert!(!a.alone(), "a went on deciding alone");
 }

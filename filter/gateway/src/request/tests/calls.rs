@@ -15,7 +15,7 @@ fn one_request_makes_only_the_host_calls_it_needs() {
         if !alone {
             crate::shared::VmLedger::register(&host, 7);
         }
-        gw.borrow_mut().serve(&host);
+        gw.borrow_mut().serve(&host, 0);
         gw.borrow_mut().heartbeat(&host, 1_000);
         gw.borrow_mut().heartbeat(&host, 2_000);
         assert_eq!(gw.borrow().alone(), alone);
@@ -65,7 +65,7 @@ fn one_request_makes_only_the_host_calls_it_needs() {
 fn one_pd_request_makes_only_the_host_calls_it_needs() {
     let host = MockHost::new();
     let gw = gateway(&host, PD);
-    gw.borrow_mut().serve(&host);
+    gw.borrow_mut().serve(&host, 0);
     gw.borrow_mut().heartbeat(&host, 1_000);
     gw.borrow_mut().heartbeat(&host, 2_000);
     for round in 0..2 {
@@ -102,7 +102,7 @@ fn a_vm_alone_with_a_control_plane_reads_the_shared_view_per_request() {
     let host = MockHost::new();
     let with_cp = REGULAR.replacen('{', r#"{"control_plane_cluster":"cp","#, 1);
     let gw = gateway(&host, &with_cp);
-    gw.borrow_mut().serve(&host);
+    gw.borrow_mut().serve(&host, 0);
     gw.borrow_mut().heartbeat(&host, 1_000);
     gw.borrow_mut().heartbeat(&host, 2_000);
     assert!(gw.borrow().alone());
