@@ -742,7 +742,7 @@ impl RequestFilter {
             let now_ms = crate::host::now_ms(host);
             self.with_gateway(|g| {
                 g.ended(prefill.worker, false, now_ms);
-                g.release(&prefill);
+                g.release(host, &prefill);
             });
         }
         let routed = self.routed.take();
@@ -774,11 +774,11 @@ impl RequestFilter {
                         None => Verdict::WorkerFailed,
                     },
                 };
-                g.finish(&routed, verdict.health() != Some(false) && !self.failed_over);
+                g.finish(host, &routed, verdict.health() != Some(false) && !self.failed_over);
             }
             // A prefill callout still out when the stream ends serves nobody: release it.
             if let Some(leg) = leg.as_ref().filter(|l| l.pending()) {
-                g.release(leg.prefill());
+                g.release(host, leg.prefill());
             }
         });
         if let Some(leg) = leg.filter(PdLeg::pending) {

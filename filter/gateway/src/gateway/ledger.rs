@@ -17,8 +17,10 @@ pub(super) struct Ledger {
     mine: BTreeMap<WorkerId, u32>,
     /// Requests that ended here and are not written to [`Inflight`] yet: this VM's next commit
     /// (its next routed request's compare-and-swap) or tick writes them, and its own decisions
-    /// discount them meanwhile. Other VMs count them as load until then: at most one tick
-    /// (20 ms), less while this VM routes.
+    /// discount them meanwhile. Other VMs count them as load until then — so a VM that is not
+    /// alone writes them at once when its last request in flight ended (a session's next turn,
+    /// sent as the last one ended, could land on another VM and be moved off its worker);
+    /// while it has others in flight, its next commit is near.
     ended: EndedBy,
     /// Requests this VM routed and has not counted in [`Inflight`] yet: a VM `alone` counts
     /// them with its next write (its tick's), not one compare-and-swap each; its own decisions
@@ -115,20 +117,31 @@ impl Ledger {
 
     /// A counted leg that never ran to its end (a prefill callout cancelled with its stream):
     /// off the in-flight table, not counted as finished.
-    pub(super) fn release(&mut self, routed: &Routed) {
+    pub(super) fn release(&mut self, store: &dyn SharedStore, routed: &Routed) {
         if routed.counted {
             self.ended.entry(routed.worker).or_default().left += 1;
+            self.write_if_idle(store);
         }
     }
 
     /// The stream of a counted request ended (completed, failed or reset): written with this
-    /// VM's next commit or tick, not on its own (its own decisions discount it until then).
-    pub(super) fn finish(&mut self, routed: &Routed, ok: bool) {
+    /// VM's next commit or tick (its own decisions discount it until then), or at once when
+    /// other VMs route too and it was this VM's last request in flight.
+    pub(super) fn finish(&mut self, store: &dyn SharedStore, routed: &Routed, ok: bool) {
         if routed.counted {
             let e = self.ended.entry(routed.worker).or_default();
             e.left += 1;
             e.finished += 1;
             e.failed += u32::from(!ok);
+            self.write_if_idle(store);
+        }
+    }
+
+    fn write_if_idle(&mut self, store: &dyn SharedStore) {
+        let held: u32 = self.mine.values().sum();
+        let left: u32 = self.ended.values().map(|e| e.left).sum();
+        if !self.alone && self.started.is_empty() && held <= left {
+            self.write_ended(store);
         }
     }
 

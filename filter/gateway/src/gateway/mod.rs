@@ -377,16 +377,16 @@ impl Gateway {
 
     /// A counted leg that never ran to its end (a prefill callout cancelled with its stream):
     /// off the in-flight table, not counted as finished (see [`Gateway::finish`] for when).
-    pub fn release(&mut self, routed: &Routed) {
-        self.ledger.release(routed);
+    pub fn release(&mut self, store: &dyn SharedStore, routed: &Routed) {
+        self.ledger.release(store, routed);
     }
 
     /// The stream of a counted request ended (completed, failed or reset): written with this
-    /// VM's next commit or tick, not on its own — a shared-data read and compare-and-swap
-    /// saved per request. Its own decisions discount it at once; other VMs of the Envoy count
-    /// it as load until then (at most a tick, 20 ms).
-    pub fn finish(&mut self, routed: &Routed, ok: bool) {
-        self.ledger.finish(routed, ok);
+    /// VM's next commit or tick — a shared-data read and compare-and-swap saved per request
+    /// under load — or at once when other VMs route too and it was this VM's last request in
+    /// flight (see [`ledger::Ledger`]'s `ended`). Its own decisions discount it at once.
+    pub fn finish(&mut self, store: &dyn SharedStore, routed: &Routed, ok: bool) {
+        self.ledger.finish(store, routed, ok);
     }
 
     /// Writes the requests that ended here since the last write (on the tick: when no request

@@ -45,7 +45,7 @@ impl RequestFilter {
         let now = Now::from_nanos(host.now_nanos());
         let deferred = std::mem::take(&mut self.deferred);
         self.with_gateway(|g| {
-            g.finish(&prefill, worker_ok);
+            g.finish(host, &prefill, worker_ok);
             g.outcome(host, &prefill, worker_ok, now);
             g.ended(prefill.worker, status.is_some(), now.ms());
             // The prefill did its part: decode failures seen meanwhile were the decode's own.
@@ -90,7 +90,7 @@ impl RequestFilter {
             .and_then(|_| kvmesh_core::vllm::transfer_params(&host.callout_body(body_size)));
         let now = Now::from_nanos(host.now_nanos());
         self.with_gateway(|g| {
-            g.finish(&prefill, worker_ok);
+            g.finish(host, &prefill, worker_ok);
             g.outcome(host, &prefill, worker_ok, now);
             g.ended(prefill.worker, status.is_some(), now.ms());
         });

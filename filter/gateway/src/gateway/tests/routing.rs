@@ -108,8 +108,8 @@ fn shared_prefix_sticks_and_inflight_is_tracked() {
     assert_eq!(p.inflight.count(first.worker), 2, "its own requests count as load at once");
     g.write_ended(&store);
     assert_eq!(Inflight::read(&store), vec![(first.worker, 2)]);
-    g.finish(&first, true);
-    g.finish(&again, false);
+    g.finish(&store, &first, true);
+    g.finish(&store, &again, false);
     // Ending touches no shared data either: the tick writes the ends with the new requests.
     assert_eq!(Inflight::read(&store), vec![(first.worker, 2)]);
     let third = routed(&mut g, &store, &body(&format!("{prefix}c")));
@@ -117,30 +117,33 @@ fn shared_prefix_sticks_and_inflight_is_tracked() {
     g.write_ended(&store);
     let c = Inflight::counts(&store);
     assert_eq!((c[0].in_flight, c[0].finished, c[0].failed), (1, 2, 1));
-    g.finish(&third, true);
+    g.finish(&store, &third, true);
     g.write_ended(&store);
     assert_eq!(Inflight::read(&store), vec![(first.worker, 0)]);
     // With another VM, a request is counted at its commit; its end goes with the VM's next
-    // commit (or tick), not on its own: the other VM counts it as load until then.
+    // commit (or tick) while the VM has others in flight — the other VM counts it as load
+    // until then — and at once when it was the VM's last.
     let mut other = Gateway::new(g.config().clone(), &store, 7);
     other.serve(&store, 0);
     other.heartbeat(&store, 1_000);
     g.heartbeat(&store, 3_000);
     let fourth = routed(&mut g, &store, &body(&format!("{prefix}d")));
-    assert_eq!(Inflight::read(&store), vec![(first.worker, 1)], "counted at its commit");
-    g.finish(&fourth, true);
-    assert_eq!(Inflight::read(&store), vec![(first.worker, 1)], "its end waits for the next write");
+    let held = routed(&mut g, &store, &body(&format!("{prefix}held")));
+    assert_eq!(Inflight::read(&store), vec![(first.worker, 2)], "counted at their commits");
+    g.finish(&store, &fourth, true);
+    assert_eq!(Inflight::read(&store), vec![(first.worker, 2)], "its end waits for the next write");
     let p = plan(req(&mut other, &store, Endpoint::Generate, &body(&format!("{prefix}e"))));
-    assert_eq!(p.inflight.count(first.worker), 1, "the other VM sees it in flight meanwhile");
+    assert_eq!(p.inflight.count(first.worker), 2, "the other VM sees it in flight meanwhile");
     let p = plan(req(&mut g, &store, Endpoint::Generate, &body(&format!("{prefix}e"))));
-    assert_eq!(p.inflight.count(first.worker), 0, "its own VM does not");
+    assert_eq!(p.inflight.count(first.worker), 1, "its own VM does not");
     let fifth = routed(&mut g, &store, &body(&format!("{prefix}f")));
     assert_eq!(fifth.worker, first.worker);
     let c = Inflight::counts(&store);
-    assert_eq!((c[0].in_flight, c[0].finished), (1, 4), "the fifth's commit wrote the fourth's end");
-    g.finish(&fifth, true);
-    g.write_ended(&store);
-    assert_eq!(Inflight::read(&store), vec![(first.worker, 0)], "and the tick the fifth's");
+    assert_eq!((c[0].in_flight, c[0].finished), (2, 4), "the fifth's commit wrote the fourth's end");
+    g.finish(&store, &fifth, true);
+    assert_eq!(Inflight::read(&store), vec![(first.worker, 2)]);
+    g.finish(&store, &held, true);
+    assert_eq!(Inflight::read(&store), vec![(first.worker, 0)], "the last one's end: both at once");
 }
 
 /// A VM alone writes at once when half a log slot of inserts waits, between ticks: its own
@@ -172,7 +175,7 @@ fn a_vms_own_ended_requests_count_at_once_in_its_decisions() {
     g.heartbeat(&store, 1_000);
     g.heartbeat(&store, 2_000);
     let held = routed(&mut g, &store, &body(&"x".repeat(400)));
-    g.finish(&held, true);
+    g.finish(&store, &held, true);
     let p = plan(req(&mut g, &store, Endpoint::Generate, &body(&"y".repeat(400))));
     assert_eq!(p.inflight.count(held.worker), 0, "not written yet, but not counted as load");
     assert_eq!(Inflight::read(&store), vec![], "nothing written before the tick");
@@ -222,7 +225,7 @@ fn the_requests_of_a_vm_that_died_do_not_stay_in_flight() {
     // One more request on a, routed and ended: written (in and out) when a learns of b on its
     // next tick, which also publishes what a has in flight.
     let ended_on_a = routed(&mut a, &store, &body("on a, ended"));
-    a.finish(&ended_on_a, true);
+    a.finish(&store, &ended_on_a, true);
     a.heartbeat(&store, 2_500);
     assert!(!a.ledger.alone);
     b.heartbeat(&store, 2_500);
@@ -235,11 +238,9 @@ fn the_requests_of_a_vm_that_died_do_not_stay_in_flight() {
     b.heartbeat(&store, 13_000);
     assert_eq!(total(&store), 3, "a's three are taken back, b's stay");
     for r in &on_b {
-        b.finish(r, true);
+        b.finish(&store, r, true);
     }
-    assert_eq!(total(&store), 3, "b's ends go with its next write");
-    b.write_ended(&store);
-    assert_eq!(total(&store), 0, "its tick's");
+    assert_eq!(total(&store), 0, "b's last end wrote them all");
 }
 
 #[test]
