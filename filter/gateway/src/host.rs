@@ -204,6 +204,11 @@ pub trait VmHost: SharedStore {
     fn record(&self, metric: Metric, value: u64);
     /// Adds one to `metric`'s series for `model` (a host without labelled stats keeps none).
     fn increment_model(&self, _metric: ModelMetric, _model: &str) {}
+    /// Whether the plugin's tick comes on a timer, also while its streams are idle (a Wasm
+    /// VM's does; the native build's worker threads tick only on their streams' hooks).
+    fn has_timer(&self) -> bool {
+        true
+    }
 }
 
 /// The control-plane streams, for the plugin that holds them: gRPC streams opened, written and

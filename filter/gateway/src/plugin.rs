@@ -61,7 +61,10 @@ impl Plugin {
             ),
         }
         self.control_plane = ControlPlaneClient::new(&config, seed)?;
-        let gateway = Gateway::new(config, host, seed);
+        let mut gateway = Gateway::new(config, host, seed);
+        if !host.has_timer() {
+            gateway.write_ends_at_once();
+        }
         self.gateway = Some(Rc::new(RefCell::new(gateway)));
         Ok(())
     }

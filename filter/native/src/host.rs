@@ -144,6 +144,10 @@ impl SharedStore for NativeHost {
 }
 
 impl VmHost for NativeHost {
+    /// A worker thread's plugin ticks on its streams' hooks alone.
+    fn has_timer(&self) -> bool {
+        false
+    }
     fn now_nanos(&self) -> u64 {
         now_nanos()
     }

@@ -38,6 +38,9 @@ pub(super) struct Ledger {
     serving_checks: u32,
     /// The VM has routed a request (see [`Ledger::serve`]).
     serving: bool,
+    /// The host ticks this VM only on its streams' hooks: with other VMs, every end is
+    /// written at once (see [`Gateway::write_ends_at_once`](super::Gateway::write_ends_at_once)).
+    pub(super) untimed: bool,
     /// `mine` changed since it was last published.
     mine_changed: bool,
     last_heartbeat_ms: u64,
@@ -54,6 +57,7 @@ impl Ledger {
             checks: 0,
             serving_checks: 0,
             serving: false,
+            untimed: false,
             mine_changed: false,
             last_heartbeat_ms: 0,
         }
@@ -140,7 +144,7 @@ impl Ledger {
     fn write_if_idle(&mut self, store: &dyn SharedStore) {
         let held: u32 = self.mine.values().sum();
         let left: u32 = self.ended.values().map(|e| e.left).sum();
-        if !self.alone && self.started.is_empty() && held <= left {
+        if !self.alone && self.started.is_empty() && (self.untimed || held <= left) {
             self.write_ended(store);
         }
     }

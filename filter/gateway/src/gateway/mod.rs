@@ -381,6 +381,13 @@ impl Gateway {
         self.ledger.release(store, routed);
     }
 
+    /// For a host whose plugins tick only on their streams' hooks: every end is written at
+    /// once when other VMs route too (a busy stream without hooks would keep the ends of the
+    /// requests before it from the others, and from the Envoy-wide gauge, while it runs).
+    pub fn write_ends_at_once(&mut self) {
+        self.ledger.untimed = true;
+    }
+
     /// The stream of a counted request ended (completed, failed or reset): written with this
     /// VM's next commit or tick — a shared-data read and compare-and-swap saved per request
     /// under load — or at once when other VMs route too and it was this VM's last request in

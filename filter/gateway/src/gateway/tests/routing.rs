@@ -723,3 +723,19 @@ fn a_vm_that_just_started_routing_is_not_taken_for_dead() {
     assert_eq!(crate::shared::VmLedger::registered(&store).len(), 2, "b was reaped before its first heartbeat");
     assert!(!a.alone(), "a went on deciding alone");
 }
+
+/// A host whose plugins tick only on their streams' hooks (the native build) writes each end
+/// at once when other VMs route: its next hook may be long in coming.
+#[test]
+fn without_a_timer_each_end_is_written_at_once() {
+    let store = FakeStore::default();
+    let mut g = gateway(&store, "");
+    g.write_ends_at_once();
+    g.serve(&store, 0);
+    crate::shared::VmLedger::register(&store, 7);
+    let (one, two) = (routed(&mut g, &store, &body("one")), routed(&mut g, &store, &body("two")));
+    g.finish(&store, &one, true);
+    assert_eq!(Inflight::read(&store).iter().map(|&(_, n)| n).sum::<u32>(), 1, "with another in flight");
+    g.finish(&store, &two, true);
+    assert_eq!(Inflight::read(&store).iter().map(|&(_, n)| n).sum::<u32>(), 0);
+}
