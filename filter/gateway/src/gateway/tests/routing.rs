@@ -30,6 +30,14 @@ fn routed(g: &mut Gateway, store: &FakeStore, body: &[u8]) -> Routed {
     c.main
 }
 
+/// Registers `g` as a routing VM and gives it the two heartbeats a second apart after which it
+/// knows that it routes alone (at 1 s and 2 s: later clock values in a test build on these).
+fn settle_alone(g: &mut Gateway, store: &FakeStore) {
+    g.serve(store, 0);
+    g.heartbeat(store, 1_000);
+    g.heartbeat(store, 2_000);
+}
+
 fn reply(o: Outcome) -> Reply {
     match o {
         Outcome::Reply(r) => r,
@@ -94,9 +102,7 @@ fn shared_prefix_sticks_and_inflight_is_tracked() {
     let store = FakeStore::default();
     let mut g = gateway(&store, "");
     let prefix = "p".repeat(400);
-    g.serve(&store, 0);
-    g.heartbeat(&store, 1_000); // registered, and the Envoy's only VM two heartbeats running
-    g.heartbeat(&store, 2_000);
+    settle_alone(&mut g, &store); // registered, and the Envoy's only VM two heartbeats running
     let first = routed(&mut g, &store, &body(&format!("{prefix}a")));
     assert!(first.counted);
     let again = routed(&mut g, &store, &body(&format!("{prefix}b")));
@@ -152,9 +158,7 @@ fn shared_prefix_sticks_and_inflight_is_tracked() {
 fn a_vm_alone_that_writes_between_ticks_still_counts_its_requests() {
     let store = FakeStore::default();
     let mut g = gateway(&store, "");
-    g.serve(&store, 0);
-    g.heartbeat(&store, 1_000);
-    g.heartbeat(&store, 2_000);
+    settle_alone(&mut g, &store);
     let mut routed_so_far = 0;
     while Inflight::load(&store).head() == 0 {
         assert!(routed_so_far < 200, "no write after {routed_so_far} long prompts");
@@ -171,9 +175,7 @@ fn a_vm_alone_that_writes_between_ticks_still_counts_its_requests() {
 fn a_vms_own_ended_requests_count_at_once_in_its_decisions() {
     let store = FakeStore::default();
     let mut g = gateway(&store, "");
-    g.serve(&store, 0);
-    g.heartbeat(&store, 1_000);
-    g.heartbeat(&store, 2_000);
+    settle_alone(&mut g, &store);
     let held = routed(&mut g, &store, &body(&"x".repeat(400)));
     g.finish(&store, &held, true);
     let p = plan(req(&mut g, &store, Endpoint::Generate, &body(&"y".repeat(400))));
@@ -206,9 +208,7 @@ fn the_requests_of_a_vm_that_died_do_not_stay_in_flight() {
     let store = FakeStore::default();
     let mut a = gateway(&store, "");
     // a has been the Envoy's only VM for two heartbeats: it keeps its ends.
-    a.serve(&store, 0);
-    a.heartbeat(&store, 1_000);
-    a.heartbeat(&store, 2_000);
+    settle_alone(&mut a, &store);
     let mut b = Gateway::new(a.config().clone(), &store, 7);
     b.serve(&store, 0);
     b.heartbeat(&store, 2_000);
@@ -298,9 +298,7 @@ fn another_vm_sees_the_prefix() {
 fn a_vm_alone_logs_its_inserts_on_its_tick_and_when_another_comes() {
     let store = FakeStore::default();
     let mut a = gateway(&store, "");
-    a.serve(&store, 0);
-    a.heartbeat(&store, 1_000);
-    a.heartbeat(&store, 2_000);
+    settle_alone(&mut a, &store);
     assert!(a.alone());
     let first = routed(&mut a, &store, &body(&format!("{}1", "q".repeat(400))));
     routed(&mut a, &store, &body(&format!("{}1", "s".repeat(400))));
