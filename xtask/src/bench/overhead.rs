@@ -1,8 +1,8 @@
 //! The overhead suite: workers answer at once (`--time-scale 0`), so what is measured is the
 //! proxy. Regular mode: direct to the workers, plain Envoy, kvmesh (Envoy with the filter),
 //! SMG, sglang-router, and the mesh path (plain Envoy in front of each peer); Envoy with 1 and
-//! 2 worker threads, the peers with their defaults. PD mode: kvmesh, the peers and the mesh
-//! path over 2 prefill and 2 decode workers.
+//! 2 worker threads, the peers with their defaults. PD mode: kvmesh (the `.wasm` and the
+//! native build), the peers and the mesh path over 2 prefill and 2 decode workers.
 
 use kvmesh_testkit::{free_port, Sim};
 use serde_json::{json, Value};
@@ -339,16 +339,21 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
         let decode: Vec<Sim> = (0..2)
             .map(|_| Sim::start(&["--role", "decode", "--time-scale", "0", "--max-running", "4096"]))
             .collect::<Result<_, _>>()?;
-        let workers = Workers::Pd {
-            prefill: prefill.iter().map(|(s, b)| (s.url(), *b)).collect(),
-            decode: decode.iter().map(Sim::url).collect(),
-        };
+        let prefill_urls: Vec<(String, u16)> = prefill.iter().map(|(s, b)| (s.url(), *b)).collect();
+        let decode_urls: Vec<String> = decode.iter().map(Sim::url).collect();
+        let workers = Workers::Pd { prefill: prefill_urls.clone(), decode: decode_urls.clone() };
         let m = "pd";
         for round in 0..o.rounds {
             if o.rounds > 1 {
                 step(&format!("PD mode, round {} of {}", round + 1, o.rounds));
             }
             kvmesh_configs(o, &mut rows, &mut failures, m, &workers, &requests, (" PD", ""));
+            for t in threads {
+                let name = format!("kvmesh PD, native build ({t} thread{})", if t > 1 { "s" } else { "" });
+                config(o, &mut rows, &mut failures, m, "kvmesh-native", &name, Some(t), &requests, || {
+                    stack::kvmesh_native_pd(&prefill_urls, &decode_urls, t)
+                });
+            }
             for &p in &peers {
                 let name = format!("{} PD", p.label());
                 config(o, &mut rows, &mut failures, m, p.name(), &name, None, &requests, || {
@@ -387,8 +392,13 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
 /// threads apply: throughput, added p50 latency, proxy CPU per request.
 fn ratios(rows: &[Row], floor: Option<f64>) -> Vec<Value> {
     let mut out = Vec::new();
-    for k in rows.iter().filter(|r| r.router == "kvmesh") {
-        for p in rows.iter().filter(|r| r.mode == k.mode && r.router != "kvmesh" && r.router != "direct") {
+    // kvmesh's `.wasm` against everything; its native build against the peers only.
+    let versus = |k: &Row, p: &Row| match k.router {
+        "kvmesh" => p.router != "kvmesh" && p.router != "direct",
+        _ => matches!(p.router, "smg" | "sglang-router"),
+    };
+    for k in rows.iter().filter(|r| matches!(r.router, "kvmesh" | "kvmesh-native")) {
+        for p in rows.iter().filter(|r| r.mode == k.mode && versus(k, r)) {
             // Envoy-based floors compare at equal worker threads.
             if matches!(p.router, "plain-envoy" | "naive-filter" | "naive-module" | "kvmesh-native" | "kvmesh-baseline")
                 && p.threads != k.threads

@@ -202,15 +202,19 @@ pub fn naive_filter(urls: &[String], threads: u32) -> anyhow::Result<Running> {
 /// The same reference filter built natively, as an Envoy dynamic module
 /// (`target/release/libkvmesh_naive_filter.so`): what the filter costs without the Wasm VM.
 pub fn naive_module(urls: &[String], threads: u32) -> anyhow::Result<Running> {
-    native(naive_module_path(), json!({"worker_urls": urls}), threads)
+    native(naive_module_path(), json!({"worker_urls": urls}), threads, false)
 }
 
-/// Envoy with a native filter (`module`, a dynamic module) in the Wasm filter's place.
-fn native(module: PathBuf, filter: Value, threads: u32) -> anyhow::Result<Running> {
+/// Envoy with a native filter (`module`, a dynamic module) in the Wasm filter's place; `pd`:
+/// Envoy's PD template (the prefill callout's cluster).
+fn native(module: PathBuf, filter: Value, threads: u32, pd: bool) -> anyhow::Result<Running> {
     let what = module.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let mut opts = EnvoyOptions::new(filter)?;
     opts.concurrency = threads;
     opts.native_module = Some(module);
+    if pd {
+        opts.template = repo_root().join("envoy/envoy-pd.yaml");
+    }
     let mut envoy = Envoy::start(&opts)?;
     let port = envoy.port;
     wait_serving(&what, port, || envoy.proc().exited().is_none())?;
@@ -227,7 +231,24 @@ pub fn naive_module_path() -> PathBuf {
 /// kvmesh's native build (`kvmesh_module_path`) on static workers, cache_aware: the
 /// same filter and configuration as [`kvmesh`] without a control plane, with no Wasm VM.
 pub fn kvmesh_native(urls: &[String], threads: u32) -> anyhow::Result<Running> {
-    native(kvmesh_module_path(), json!({"worker_urls": urls, "policy": "cache_aware"}), threads)
+    native(kvmesh_module_path(), json!({"worker_urls": urls, "policy": "cache_aware"}), threads, false)
+}
+
+/// kvmesh's native build in PD mode on static workers: the filter configuration and the
+/// Envoy template [`kvmesh`] uses for PD without a control plane.
+pub fn kvmesh_native_pd(prefill: &[(String, u16)], decode: &[String], threads: u32) -> anyhow::Result<Running> {
+    native(kvmesh_module_path(), pd_filter(prefill, decode, "cache_aware"), threads, true)
+}
+
+/// The filter configuration of PD mode on static workers (SGLang's protocol).
+fn pd_filter(prefill: &[(String, u16)], decode: &[String], policy: &str) -> Value {
+    json!({
+        "pd_disaggregation": true,
+        "prefill": prefill.iter().map(|(u, b)| json!([u, b])).collect::<Vec<_>>(),
+        "decode": decode,
+        "prefill_policy": policy,
+        "decode_policy": PD_DECODE_POLICY,
+    })
 }
 
 /// Where `cargo xtask bench` builds kvmesh's native module (`filter/native`): the filter
@@ -290,13 +311,7 @@ pub fn kvmesh_with(
         let mut filter = match (workers, &cp) {
             (_, Some(_)) => json!({"worker_urls": [], "policy": policy}),
             (Workers::Regular(urls), None) => json!({"worker_urls": urls, "policy": policy}),
-            (Workers::Pd { prefill, decode }, None) => json!({
-                "pd_disaggregation": true,
-                "prefill": prefill.iter().map(|(u, b)| json!([u, b])).collect::<Vec<_>>(),
-                "decode": decode,
-                "prefill_policy": policy,
-                "decode_policy": PD_DECODE_POLICY,
-            }),
+            (Workers::Pd { prefill, decode }, None) => pd_filter(prefill, decode, policy),
         };
         if wasm.is_some() {
             // Another build (a baseline from before the keys existed would refuse them): the
