@@ -102,7 +102,8 @@ pub(crate) fn splice(body: &[u8], fields: &[(&str, Value)]) -> Option<Vec<u8>> {
         out.push(b'"');
         out.extend_from_slice(k.as_bytes());
         out.extend_from_slice(b"\":");
-        out.extend_from_slice(v.to_string().as_bytes());
+        // Straight into the body (a `Value` is always serializable): no string in between.
+        serde_json::to_writer(&mut out, v).ok()?;
     }
     out.extend_from_slice(tail);
     Some(out)
