@@ -65,6 +65,10 @@ pub struct EnvoyOptions {
     /// Where the template's access logs write (its `access_log` entries, format unchanged);
     /// `None` takes them out, so that tests and benchmarks pay for no log line per request.
     pub access_log: Option<PathBuf>,
+    /// Each new connection to the worker thread with the fewest (the listener's
+    /// `exact_balance`, without `SO_REUSEPORT`) in place of the kernel's hash: a benchmark
+    /// with one connection per thread then loads every thread alike, run after run.
+    pub balance_connections: bool,
 }
 
 impl EnvoyOptions {
@@ -92,6 +96,7 @@ impl EnvoyOptions {
             request_timeout: None,
             heap_budget: None,
             access_log: None,
+            balance_connections: false,
         })
     }
 
@@ -205,6 +210,13 @@ pub fn render(opts: &EnvoyOptions) -> anyhow::Result<String> {
         *at(overload, &["resource_monitors", "0", "typed_config", "max_heap_size_bytes"])? = bytes.into();
         let scaled = at(overload, &["actions", "0", "typed_config", "timer_scale_factors", "0"])?;
         *at(scaled, &["min_timeout"])? = format!("{}s", floor.as_secs_f64()).into();
+    }
+    if opts.balance_connections {
+        let listener = at(&mut doc, &["static_resources", "listeners", "0"])?;
+        let map = listener.as_mapping_mut().ok_or_else(|| anyhow!("the listener is not a map"))?;
+        map.insert("enable_reuse_port".into(), false.into());
+        let exact: Yaml = serde_norway::from_str("{exact_balance: {}}")?;
+        map.insert("connection_balance_config".into(), exact);
     }
     access_logs(&mut doc, opts.access_log.as_deref())?;
     let config = wasm_config(&mut doc)?;

@@ -209,6 +209,9 @@ fn count(o: &Opts, c: &Config, upstreams: &[String], stream: &[Vec<u8>], dir: &P
     let out_file = dir.join(format!("callgrind.{slug}"));
     let mut opts = EnvoyOptions::new(c.filter.clone())?;
     opts.concurrency = o.threads;
+    // One connection per thread, each thread its own (the kernel's hash put both on one
+    // thread in some runs: 2-thread counts moved by ±25k).
+    opts.balance_connections = o.threads > 1;
     if c.pd {
         opts.template = kvmesh_testkit::repo_root().join("envoy/envoy-pd.yaml");
     }
