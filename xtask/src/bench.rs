@@ -83,7 +83,7 @@ pub struct Opts {
     /// Overhead: experiment builds of the filter, each measured beside this one (1 Envoy
     /// thread), named by their file.
     pub variant_wasm: Vec<PathBuf>,
-    /// Instructions: Envoy worker threads (and connections).
+    /// Instructions: Envoy worker threads (and connections); quality: each kvmesh gateway's.
     pub threads: u32,
     /// Instructions: requests sent before counting.
     pub warmup: usize,
@@ -138,7 +138,7 @@ impl Opts {
 }
 
 const OPTIONS: &str =
-    "overhead | quality | scale (default: all) | instructions (only when named; needs valgrind), --quick, --seconds N, --connections N, --no-pd, --no-peers, --out DIR, --workload NAME (quality; repeatable), --only TEXT (overhead, quality: configurations named with it; scale: its parts micro, control-plane, propagation; repeatable), --rounds N (overhead, quality, scale's gateway at 10^6 blocks: each configuration N times, interleaved), --baseline-wasm FILE (overhead, instructions, scale's gateway at 10^6 blocks: that filter build beside this one), --baseline-native FILE (instructions: that native module beside this one), --variant-wasm FILE (overhead, repeatable: an experiment build beside this one, 1 thread), --pin (overhead: the proxy on the last core, everything else on the first), --threads N, --warmup N, --requests N (instructions: Envoy threads, requests before and while counting), --trace FILE (quality: replay that Mooncake-format trace; implies --workload trace), --trace-requests N (its first N requests; 0: all), --speed-up X (the trace's times divided by X), --kv-capacity TOKENS (each worker's KV cache in the trace workload)";
+    "overhead | quality | scale (default: all) | instructions (only when named; needs valgrind), --quick, --seconds N, --connections N, --no-pd, --no-peers, --out DIR, --workload NAME (quality; repeatable), --only TEXT (overhead, quality: configurations named with it; scale: its parts micro, control-plane, propagation; repeatable), --rounds N (overhead, quality, scale's gateway at 10^6 blocks: each configuration N times, interleaved), --baseline-wasm FILE (overhead, instructions, scale's gateway at 10^6 blocks: that filter build beside this one), --baseline-native FILE (instructions: that native module beside this one), --variant-wasm FILE (overhead, repeatable: an experiment build beside this one, 1 thread), --pin (overhead: the proxy on the last core, everything else on the first), --threads N (instructions, quality: Envoy threads; instructions: as many connections), --warmup N, --requests N (instructions: requests before and while counting), --trace FILE (quality: replay that Mooncake-format trace; implies --workload trace), --trace-requests N (its first N requests; 0: all), --speed-up X (the trace's times divided by X), --kv-capacity TOKENS (each worker's KV cache in the trace workload)";
 
 fn parse(args: &[String]) -> anyhow::Result<Opts> {
     let mut o = Opts::new(args.iter().any(|a| a == "--quick"));

@@ -225,7 +225,7 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
                 step(&format!("quality: {} round {} of {}", w.name, round + 1, o.rounds));
             }
             for c in &configs {
-                match start(bins, c, &workers) {
+                match start(bins, c, &workers, o.threads) {
                     Ok(running) => {
                         let mut r = measure(w, c, &sims, &running);
                         r["round"] = json!(round);
@@ -251,7 +251,7 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
         "params": {
             "seed": SEED, "requests_per_workload": n, "concurrency": CONCURRENCY, "workers": 4,
             "sim": "real-time latency model (--time-scale 1), --max-running 32, KV capacity per workload",
-            "kvmesh_envoy_threads": 1,
+            "kvmesh_envoy_threads": o.threads.max(1),
             "rounds": o.rounds,
             "workloads": workloads.iter().map(|w| json!({"name": w.name, "what": w.what, "kv_capacity_tokens": w.kv_capacity_tokens})).collect::<Vec<_>>(),
             "trace": trace,

@@ -28,10 +28,11 @@ impl Config {
     }
 }
 
-pub(super) fn start(bins: &PeerBins, c: &Config, workers: &Workers) -> anyhow::Result<Running> {
+/// `threads`: each kvmesh gateway's Envoy worker threads (1 by default: eight gateways share
+/// two cores; `--threads 2` has every gateway's VMs share its counts and inserts as well).
+pub(super) fn start(bins: &PeerBins, c: &Config, workers: &Workers, threads: u32) -> anyhow::Result<Running> {
     match c.router {
-        // One Envoy worker thread per gateway: eight gateways share two cores.
-        "kvmesh" => stack::kvmesh(workers, 1, c.replicas, c.policy, true),
+        "kvmesh" => stack::kvmesh(workers, threads.max(1), c.replicas, c.policy, true),
         "smg" => stack::peer(bins, Peer::Smg, workers, c.replicas, c.mesh, c.policy),
         _ => stack::peer(bins, Peer::SglangRouter, workers, c.replicas, false, c.policy),
     }

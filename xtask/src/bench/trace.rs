@@ -445,7 +445,7 @@ pub fn run(o: &Opts, bins: &PeerBins, results: &mut Vec<Value>, failures: &mut V
             step(&format!("quality: trace round {} of {}", round + 1, o.rounds));
         }
         for c in &configs {
-            match start(bins, c, &workers) {
+            match start(bins, c, &workers, o.threads) {
                 Ok(running) => {
                     let mut row = measure(&r, c, &sims, &running.targets);
                     row["round"] = json!(round);
