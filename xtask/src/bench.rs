@@ -361,6 +361,12 @@ mod tests {
             let row = results.iter().find(|r| r["router"] == router);
             assert!(row.unwrap_or_else(|| panic!("no {router}"))["requests_ok"].as_u64().unwrap() > 0, "{router}");
         }
+        // The native build in PD mode too, compared with the peers.
+        let native_pd = results.iter().find(|r| r["mode"] == "pd" && r["router"] == "kvmesh-native");
+        assert!(native_pd.is_some_and(|r| r["requests_ok"].as_u64().unwrap() > 0), "no native PD row: {doc:#}");
+        assert!(ratios_of(&doc).iter().any(|r| r["mode"] == "pd"
+            && r["kvmesh"].as_str().is_some_and(|k| k.contains("native"))
+            && r["versus_router"] == "sglang-router"));
         // The floors' ratios carry the CPU kvmesh adds over them.
         assert!(ratios_of(&doc).iter().any(|r| r["versus_router"] == "naive-filter" && r["cpu_added_us"].is_number()));
         let ratios = doc["ratios"].as_array().unwrap();
