@@ -95,12 +95,16 @@ impl Ledger {
     }
 
     /// Counts the started and ended requests in [`Inflight`] (one read, one compare-and-swap)
-    /// and, with `take_seq`, takes a log sequence number in the same write. Returns whether it
-    /// went through and the number taken.
-    pub(super) fn write_started(&mut self, store: &dyn SharedStore, take_seq: bool) -> (bool, Option<u64>) {
+    /// and, given a `batch` to encode, takes a log sequence number and carries the batch in the
+    /// same write. Returns whether it went through and the number taken.
+    pub(super) fn write_started(
+        &mut self,
+        store: &dyn SharedStore,
+        batch: Option<&dyn Fn(u64) -> Vec<u8>>,
+    ) -> (bool, Option<u64>) {
         let counts: Vec<(WorkerId, i32)> =
             self.started.iter().map(|(&w, &n)| (w, i32::try_from(n).unwrap_or(i32::MAX))).collect();
-        let (ok, seq) = Inflight::load(store).commit(store, &counts, &self.ended, take_seq);
+        let (ok, seq) = Inflight::load(store).commit(store, &counts, &self.ended, batch);
         if ok {
             self.written();
             for (worker, n) in std::mem::take(&mut self.started) {

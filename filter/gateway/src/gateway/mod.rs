@@ -211,7 +211,7 @@ impl Gateway {
         }
         self.sync(store);
         let inflight = Inflight::load(store).discount(self.ledger.ended());
-        self.catch_up(store, inflight.head(), CATCH_UP_PER_REQUEST);
+        self.catch_up(store, &inflight, CATCH_UP_PER_REQUEST);
         self.view.health.sync_if_changed(store, inflight.breakers());
         inflight
     }
@@ -229,12 +229,12 @@ impl Gateway {
 
     /// Applies the prefix inserts other VMs made (and queues them for the report, on the
     /// stream owner), up to about `max_hashes` of them: the rest on the next call.
-    fn catch_up(&mut self, store: &dyn SharedStore, head: u64, max_hashes: usize) {
+    fn catch_up(&mut self, store: &dyn SharedStore, read: &Inflight, max_hashes: usize) {
         if !self.view.uses_text() {
             return;
         }
         let cp = self.has_control_plane();
-        for delta in self.log.poll(store, head, max_hashes) {
+        for delta in self.log.poll(store, read.recent(), read.head(), max_hashes) {
             self.view.apply_delta(&delta);
             match (delta.evict, delta.from_cp) {
                 (false, false) => self.publisher.queue_insert(cp, delta.worker, delta.hashes),
@@ -312,7 +312,10 @@ impl Gateway {
             }
             true
         } else {
-            let (counted, seq) = inflight.commit(store, &counts, self.ledger.ended(), !deltas.is_empty());
+            let vm = self.vm_id();
+            let encode = |seq: u64| DeltaLog::encode(seq, vm, &deltas);
+            let batch: Option<&dyn Fn(u64) -> Vec<u8>> = (!deltas.is_empty()).then_some(&encode);
+            let (counted, seq) = inflight.commit(store, &counts, self.ledger.ended(), batch);
             if counted {
                 self.ledger.written();
             }
@@ -442,7 +445,9 @@ impl Gateway {
         self.unlogged_hashes = 0;
         let one_slot =
             !batch.is_empty() && batch.iter().map(|d| d.hashes.len()).sum::<usize>() <= DeltaLog::SLOT_HASHES;
-        let (_, seq) = self.ledger.write_started(store, one_slot);
+        let vm = self.vm_id();
+        let encode = |seq: u64| DeltaLog::encode(seq, vm, &batch);
+        let (_, seq) = self.ledger.write_started(store, one_slot.then_some(&encode as &dyn Fn(u64) -> Vec<u8>));
         match seq {
             Some(seq) => self.log.write(store, seq, &batch),
             // Past one slot, or the counts not written (kept for the next try): the inserts
@@ -515,7 +520,7 @@ impl Gateway {
     /// number of blocks evicted when that ran.
     pub fn tick(&mut self, store: &dyn SharedStore, now_secs: u64) -> Option<usize> {
         self.view.health.sync(store);
-        self.catch_up(store, Inflight::load(store).head(), CATCH_UP_PER_TICK);
+        self.catch_up(store, &Inflight::load(store), CATCH_UP_PER_TICK);
         self.view.bound_indexes();
         self.view.evict_when_due(now_secs)
     }
@@ -578,7 +583,7 @@ impl Gateway {
     /// What the stream owner sends on its report tick (at `now`): see
     /// [`publisher::Publisher::report`]; the other VMs' inserts are caught up with first.
     pub fn take_report(&mut self, store: &dyn SharedStore, gateway_id: &str, now: Now) -> ReportBatch {
-        self.catch_up(store, Inflight::load(store).head(), CATCH_UP_PER_TICK);
+        self.catch_up(store, &Inflight::load(store), CATCH_UP_PER_TICK);
         self.publisher.report(store, &self.view, gateway_id, now)
     }
 

@@ -3,7 +3,7 @@
 
 use kvmesh_core::WorkerId;
 
-use super::inflight::Inflight;
+use super::inflight::{Inflight, Recent};
 use super::{u32_at, u64_at, SharedStore};
 
 /// One change to the prefix index, as passed between the VMs of one Envoy.
@@ -73,12 +73,13 @@ impl DeltaLog {
         }
     }
 
-    /// Writes the batch of sequence number `seq` (taken by [`Inflight::commit`]).
-    pub fn write(&mut self, store: &dyn SharedStore, seq: u64, deltas: &[Delta]) {
+    /// The bytes of batch `seq` written by VM `vm`: what its slot holds (and what
+    /// [`Inflight::commit`] carries among the recent batches).
+    pub fn encode(seq: u64, vm: u32, deltas: &[Delta]) -> Vec<u8> {
         let size: usize = deltas.iter().map(|d| 12 + d.hashes.len() * 8).sum();
         let mut entry = Vec::with_capacity(12 + size);
         entry.extend_from_slice(&seq.to_le_bytes());
-        entry.extend_from_slice(&self.vm.to_le_bytes());
+        entry.extend_from_slice(&vm.to_le_bytes());
         for d in deltas {
             let flags = u32::from(d.evict) | (u32::from(d.from_cp) << 1);
             entry.extend_from_slice(&d.worker.to_le_bytes());
@@ -88,6 +89,12 @@ impl DeltaLog {
                 entry.extend_from_slice(&h.to_le_bytes());
             }
         }
+        entry
+    }
+
+    /// Writes the batch of sequence number `seq` (taken by [`Inflight::commit`]).
+    pub fn write(&mut self, store: &dyn SharedStore, seq: u64, deltas: &[Delta]) {
+        let entry = Self::encode(seq, self.vm, deltas);
         // The slot belongs to this sequence number; no CAS needed.
         let _ = store.set(&Self::slot_key(seq), &entry, None);
         // Read up to just before it: nothing to read back (a VM alone pays no read per write).
@@ -99,10 +106,11 @@ impl DeltaLog {
     }
 
     /// The batches other VMs wrote up to `head` (from [`Inflight::head`]) since the last
-    /// call, oldest first; it stops after the slot that brings them to `max_hashes` hashes
-    /// (the rest is read by the next call) — unless this VM is half the ring behind, when
-    /// stopping could let writers overwrite slots it has not read.
-    pub fn poll(&mut self, store: &dyn SharedStore, head: u64, max_hashes: usize) -> Vec<Delta> {
+    /// call, oldest first, each from `recent` (the batches the same read carried) or else
+    /// its slot; it stops after the batch that brings them to `max_hashes` hashes (the rest
+    /// is read by the next call) — unless this VM is half the ring behind, when stopping
+    /// could let writers overwrite slots it has not read.
+    pub fn poll(&mut self, store: &dyn SharedStore, recent: Recent<'_>, head: u64, max_hashes: usize) -> Vec<Delta> {
         if head <= self.cursor {
             return Vec::new();
         }
@@ -121,12 +129,19 @@ impl DeltaLog {
                 seq += 1;
                 continue;
             }
-            let entry = store.get(&Self::slot_key(seq)).0.unwrap_or_default();
-            let written = u64_at(&entry, 0).unwrap_or(0);
+            let read;
+            let entry = match recent.get(seq) {
+                Some(carried) => carried,
+                None => {
+                    read = store.get(&Self::slot_key(seq)).0.unwrap_or_default();
+                    &read
+                }
+            };
+            let written = u64_at(entry, 0).unwrap_or(0);
             if written < seq {
                 break; // Taken but not written yet: read it next time.
             }
-            if written == seq && u32_at(&entry, 8) != Some(self.vm) {
+            if written == seq && u32_at(entry, 8) != Some(self.vm) {
                 let before = out.len();
                 decode_deltas(entry.get(12..).unwrap_or_default(), &mut out);
                 hashes += out.get(before..).unwrap_or_default().iter().map(|d| d.hashes.len()).sum::<usize>();
@@ -167,12 +182,43 @@ mod tests {
         a.append(&store, &[ins(5, &[10, 11])]);
         let evict = Delta { worker: 7, evict: true, from_cp: true, hashes: vec![13] };
         b.append(&store, &[ins(6, &[12]), evict.clone()]);
-        assert_eq!(a.poll(&store, Inflight::load(&store).head(), usize::MAX), vec![ins(6, &[12]), evict]);
-        assert_eq!(b.poll(&store, Inflight::load(&store).head(), usize::MAX), vec![ins(5, &[10, 11])]);
-        assert!(a.poll(&store, Inflight::load(&store).head(), usize::MAX).is_empty());
+        assert_eq!(
+            a.poll(&store, Recent::default(), Inflight::load(&store).head(), usize::MAX),
+            vec![ins(6, &[12]), evict]
+        );
+        assert_eq!(
+            b.poll(&store, Recent::default(), Inflight::load(&store).head(), usize::MAX),
+            vec![ins(5, &[10, 11])]
+        );
+        assert!(a.poll(&store, Recent::default(), Inflight::load(&store).head(), usize::MAX).is_empty());
         // A VM started later replays what the ring still holds.
         let mut c = DeltaLog::new(&store, 3);
-        assert_eq!(c.poll(&store, Inflight::load(&store).head(), usize::MAX).len(), 3);
+        assert_eq!(c.poll(&store, Recent::default(), Inflight::load(&store).head(), usize::MAX).len(), 3);
+    }
+
+    #[test]
+    fn batches_carried_in_the_state_are_read_with_it_not_from_their_slots() {
+        use super::super::inflight::EndedBy;
+        let store = FakeStore::default();
+        let mut a = DeltaLog::new(&store, 1);
+        let mut b = DeltaLog::new(&store, 2);
+        for i in 0..3 {
+            let deltas = [ins(5, &[i])];
+            let encode = |seq| DeltaLog::encode(seq, 1, &deltas);
+            let (_, seq) = Inflight::load(&store).commit(&store, &[], &EndedBy::new(), Some(&encode));
+            a.write(&store, seq.unwrap(), &deltas);
+        }
+        let read = Inflight::load(&store);
+        let before = store.gets();
+        let got = b.poll(&store, read.recent(), read.head(), usize::MAX);
+        assert_eq!(got, vec![ins(5, &[0]), ins(5, &[1]), ins(5, &[2])]);
+        assert_eq!(store.gets(), before, "no slot read: the three came with the counts");
+        // A batch that took its number on its own is not carried: read from its slot.
+        a.append(&store, &[ins(6, &[9])]);
+        let read = Inflight::load(&store);
+        let before = store.gets();
+        assert_eq!(b.poll(&store, read.recent(), read.head(), usize::MAX), vec![ins(6, &[9])]);
+        assert_eq!(store.gets() - before, 1);
     }
 
     #[test]
@@ -184,13 +230,13 @@ mod tests {
         }
         let head = Inflight::load(&store).head();
         let before = store.gets();
-        assert!(a.poll(&store, head, usize::MAX).is_empty());
+        assert!(a.poll(&store, Recent::default(), head, usize::MAX).is_empty());
         assert_eq!(store.gets(), before, "no slot read: they were all its own");
         let mut b = DeltaLog::new(&store, 2);
         b.append(&store, &[ins(2, &[9])]);
         a.append(&store, &[ins(1, &[10])]);
         assert_eq!(
-            a.poll(&store, Inflight::load(&store).head(), usize::MAX),
+            a.poll(&store, Recent::default(), Inflight::load(&store).head(), usize::MAX),
             vec![ins(2, &[9])],
             "another VM's slot is read"
         );
@@ -201,10 +247,10 @@ mod tests {
         }
         let head = Inflight::load(&store).head();
         let before = store.gets();
-        let got = a.poll(&store, head, usize::MAX);
+        let got = a.poll(&store, Recent::default(), head, usize::MAX);
         assert_eq!(got.iter().map(|d| d.hashes[0]).collect::<Vec<_>>(), [100, 101, 102, 103]);
         assert_eq!(store.gets() - before, 4, "the other VM's four slots, not its own");
-        assert!(a.poll(&store, Inflight::load(&store).head(), usize::MAX).is_empty());
+        assert!(a.poll(&store, Recent::default(), Inflight::load(&store).head(), usize::MAX).is_empty());
     }
 
     #[test]
@@ -215,7 +261,7 @@ mod tests {
         for i in 0..(DeltaLog::SLOTS + 10) {
             a.append(&store, &[ins(1, &[i])]);
         }
-        let got = b.poll(&store, Inflight::load(&store).head(), usize::MAX);
+        let got = b.poll(&store, Recent::default(), Inflight::load(&store).head(), usize::MAX);
         assert_eq!(got.len() as u64, DeltaLog::SLOTS);
         assert_eq!(got[0].hashes, vec![10]);
     }
@@ -231,16 +277,16 @@ mod tests {
         a.append(&store, &batch);
         assert_eq!(Inflight::load(&store).head(), 10, "split into slots of 2^14 hashes");
         let head = Inflight::load(&store).head();
-        let first = b.poll(&store, head, 20_000);
+        let first = b.poll(&store, Recent::default(), head, 20_000);
         assert_eq!(first.len(), 8, "two slots: the budget is passed after the second");
-        let rest = b.poll(&store, head, usize::MAX);
+        let rest = b.poll(&store, Recent::default(), head, usize::MAX);
         assert_eq!([first, rest].concat(), batch, "nothing lost or repeated");
         // Half the ring behind, a reader reads on whatever its budget: nothing is overwritten
         // before it is read.
         for i in 0..(DeltaLog::SLOTS / 2 + 1) {
             a.append(&store, &[ins(1, &[i])]);
         }
-        let behind = b.poll(&store, Inflight::load(&store).head(), 1);
+        let behind = b.poll(&store, Recent::default(), Inflight::load(&store).head(), 1);
         assert_eq!(behind.len() as u64, DeltaLog::SLOTS / 2 + 1);
     }
 
@@ -250,7 +296,7 @@ mod tests {
         let mut b = DeltaLog::new(&store, 2);
         // Another VM took sequence 1 but has not written its slot yet.
         assert_eq!(Inflight::take_seq(&store), Some(1));
-        assert!(b.poll(&store, Inflight::load(&store).head(), usize::MAX).is_empty());
+        assert!(b.poll(&store, Recent::default(), Inflight::load(&store).head(), usize::MAX).is_empty());
         let mut entry = 1u64.to_le_bytes().to_vec();
         entry.extend_from_slice(&9u32.to_le_bytes());
         for v in [4u32, 0, 1] {
@@ -258,6 +304,6 @@ mod tests {
         }
         entry.extend_from_slice(&77u64.to_le_bytes());
         store.set("kvmesh.log.v1.1", &entry, None).unwrap();
-        assert_eq!(b.poll(&store, Inflight::load(&store).head(), usize::MAX), vec![ins(4, &[77])]);
+        assert_eq!(b.poll(&store, Recent::default(), Inflight::load(&store).head(), usize::MAX), vec![ins(4, &[77])]);
     }
 }

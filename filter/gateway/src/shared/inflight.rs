@@ -1,13 +1,15 @@
 //! `kvmesh.state`: in-flight, finished and failed requests per worker of this Envoy, the head
-//! of the delta log and the breakers' generation, in one value updated by compare-and-swap.
+//! of the delta log, the breakers' generation and the log's latest batches, in one value
+//! updated by compare-and-swap.
 
 use kvmesh_core::WorkerId;
 
 use super::{u32_at, u64_at, update, SetError, SharedStore};
 
-/// Per-worker request counts of this Envoy, the head of the [`DeltaLog`] and the breakers'
-/// generation, in one value: `head u64, breakers u64` then 16-byte entries `(worker u32, in
-/// flight u32, finished u32, failed u32)`, updated by compare-and-swap. One read per routed
+/// Per-worker request counts of this Envoy, the head of the [`DeltaLog`], the breakers'
+/// generation and the log's latest batches, in one value: `head u64, breakers u64, workers
+/// u32, 0 u32`, then `workers` 16-byte entries `(worker u32, in flight u32, finished u32,
+/// failed u32)`, then the recent batches (see [`RECENT_BATCHES`]), updated by compare-and-swap. One read per routed
 /// request serves the loads, the log and the breakers (a VM that sees a new generation reads
 /// `kvmesh.breakers` before it decides: a breaker opened on another thread is obeyed by the
 /// next request anywhere); one CAS counts the request, takes a log sequence number and writes the requests that
@@ -42,9 +44,20 @@ pub struct Ended {
 pub type EndedBy = std::collections::BTreeMap<WorkerId, Ended>;
 
 const ENTRY: usize = 16;
-const HEAD: usize = 16;
+const HEAD: usize = 24;
 /// Where the breakers' generation is in the head.
 const BREAKERS: usize = 8;
+/// Where the number of worker entries is in the head.
+const WORKERS: usize = 16;
+
+/// The latest log batches a commit carries in the value itself, each as `(length u32, the
+/// slot's bytes)`: a VM catching up with the others reads them with the counts it reads
+/// anyway, not slot by slot (with N threads routing, each request found up to N - 1 new
+/// slots). At most this many, and [`RECENT_BYTES`] in all; older or larger batches are read
+/// from their slots. The slots are still written, for readers further behind.
+pub const RECENT_BATCHES: usize = 8;
+/// See [`RECENT_BATCHES`].
+pub const RECENT_BYTES: usize = 2048;
 
 /// One worker's counts (finished and failed wrap at 2^32).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -55,8 +68,14 @@ pub struct Counts {
     pub failed: u32,
 }
 
+/// Where the worker entries end (and the recent batches start).
+fn entries_end(value: &[u8]) -> usize {
+    let n = u32_at(value, WORKERS).unwrap_or(0) as usize;
+    HEAD.saturating_add(n.saturating_mul(ENTRY)).min(value.len().max(HEAD))
+}
+
 fn entries(value: &[u8]) -> impl Iterator<Item = Counts> + '_ {
-    value.get(HEAD..).unwrap_or_default().chunks_exact(ENTRY).filter_map(|c| {
+    value.get(HEAD..entries_end(value)).unwrap_or_default().chunks_exact(ENTRY).filter_map(|c| {
         Some(Counts {
             worker: u32_at(c, 0)?,
             in_flight: u32_at(c, 4)?,
@@ -87,7 +106,7 @@ fn next_seq(value: &mut Vec<u8>) -> u64 {
 }
 
 impl Inflight {
-    pub(crate) const KEY: &'static str = "kvmesh.state.v2";
+    pub(crate) const KEY: &'static str = "kvmesh.state.v3";
 
     /// Reads the current counts and log head (one host call), keeping the version for a
     /// later update.
@@ -104,6 +123,11 @@ impl Inflight {
         head_of(&self.value)
     }
 
+    /// The latest log batches as read (see [`RECENT_BATCHES`]): for [`DeltaLog::poll`].
+    pub fn recent(&self) -> Recent<'_> {
+        Recent(self.value.get(entries_end(&self.value)..).unwrap_or_default())
+    }
+
     /// The breakers' generation as read: it moves whenever a breaker changes what it admits.
     pub fn breakers(&self) -> u64 {
         breakers_of(&self.value)
@@ -117,7 +141,7 @@ impl Inflight {
                 value.resize(HEAD, 0);
             }
             let generation = breakers_of(value).wrapping_add(1);
-            if let Some(slot) = value.get_mut(BREAKERS..HEAD) {
+            if let Some(slot) = value.get_mut(BREAKERS..WORKERS) {
                 slot.copy_from_slice(&generation.to_le_bytes());
             }
         })
@@ -178,15 +202,16 @@ impl Inflight {
     }
 
     /// Applies in-flight `deltas` and the `ended` requests to the value loaded by
-    /// [`load`](Self::load) and, with `take_seq`, takes a log sequence number, in one CAS
-    /// (falling back to a read-modify-write loop if another VM wrote in between). Returns
-    /// whether the counts were written (`ended` with them) and the sequence number taken.
+    /// [`load`](Self::load) and, given `batch`, takes a log sequence number and carries the
+    /// batch `batch` encodes for it among the recent ones, in one CAS (falling back to a
+    /// read-modify-write loop if another VM wrote in between). Returns whether the counts were
+    /// written (`ended` with them) and the sequence number taken.
     pub fn commit(
         mut self,
         store: &dyn SharedStore,
         deltas: &[(WorkerId, i32)],
         ended: &EndedBy,
-        take_seq: bool,
+        batch: Option<&dyn Fn(u64) -> Vec<u8>>,
     ) -> (bool, Option<u64>) {
         if self.local {
             return (false, None); // a view for deciding, not a value to write back
@@ -196,7 +221,11 @@ impl Inflight {
                 apply(value, worker, delta);
             }
             write_ended(value, ended);
-            take_seq.then(|| next_seq(value))
+            batch.map(|encode| {
+                let seq = next_seq(value);
+                push_recent(value, &encode(seq));
+                seq
+            })
         };
         let seq = change(&mut self.value);
         match store.set(Self::KEY, &self.value, self.cas) {
@@ -244,20 +273,78 @@ fn write_ended(value: &mut Vec<u8>, ended: &EndedBy) {
     }
 }
 
-/// The offset of `worker`'s entry in `value`, added (zeroed) if it has none.
+/// The offset of `worker`'s entry in `value`, added (zeroed, after the others) if it has none.
 fn entry_at(value: &mut Vec<u8>, worker: WorkerId) -> usize {
     if value.len() < HEAD {
         value.resize(HEAD, 0);
     }
-    let existing = value.get(HEAD..).unwrap_or_default().chunks_exact(ENTRY).position(|c| u32_at(c, 0) == Some(worker));
+    let end = entries_end(value);
+    let existing =
+        value.get(HEAD..end).unwrap_or_default().chunks_exact(ENTRY).position(|c| u32_at(c, 0) == Some(worker));
     match existing {
         Some(i) => HEAD + i * ENTRY,
         None => {
-            value.extend_from_slice(&worker.to_le_bytes());
-            value.extend_from_slice(&[0; ENTRY - 4]);
-            value.len() - ENTRY
+            let entry = worker.to_le_bytes().into_iter().chain([0; ENTRY - 4]);
+            value.splice(end..end, entry);
+            let n = u32_at(value, WORKERS).unwrap_or(0).saturating_add(1);
+            if let Some(slot) = value.get_mut(WORKERS..WORKERS + 4) {
+                slot.copy_from_slice(&n.to_le_bytes());
+            }
+            end
         }
     }
+}
+
+/// The recent batches of a value as read: `(length u32, bytes)` each, oldest first.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Recent<'a>(&'a [u8]);
+
+impl<'a> Recent<'a> {
+    fn batches(self) -> impl Iterator<Item = &'a [u8]> {
+        let mut rest = self.0;
+        std::iter::from_fn(move || {
+            let len = u32_at(rest, 0)? as usize;
+            let batch = rest.get(4..4usize.checked_add(len)?)?;
+            rest = rest.get(4 + len..)?;
+            Some(batch)
+        })
+    }
+
+    /// The batch of sequence number `seq` (a slot's bytes: it starts with `seq`), if carried.
+    pub fn get(self, seq: u64) -> Option<&'a [u8]> {
+        self.batches().find(|b| u64_at(b, 0) == Some(seq))
+    }
+}
+
+/// Adds `batch` to the recent batches of `value`, dropping the oldest past [`RECENT_BATCHES`]
+/// or [`RECENT_BYTES`] (a batch larger than that alone is not carried: read from its slot).
+fn push_recent(value: &mut Vec<u8>, batch: &[u8]) {
+    let start = entries_end(value);
+    if value.len() < start {
+        value.resize(start, 0);
+    }
+    let Some(section) = value.get(start..) else { return };
+    let mut kept: Vec<&[u8]> = Recent(section).batches().collect();
+    if batch.len() + 4 > RECENT_BYTES {
+        return;
+    }
+    let mut bytes = batch.len() + 4;
+    let mut keep = 0;
+    for b in kept.iter().rev() {
+        if keep + 1 >= RECENT_BATCHES || bytes + b.len() + 4 > RECENT_BYTES {
+            break;
+        }
+        bytes += b.len() + 4;
+        keep += 1;
+    }
+    let old = kept.split_off(kept.len() - keep);
+    let mut out = Vec::with_capacity(bytes);
+    for b in old.into_iter().chain(std::iter::once(batch)) {
+        out.extend_from_slice(&(b.len() as u32).to_le_bytes());
+        out.extend_from_slice(b);
+    }
+    value.truncate(start);
+    value.extend_from_slice(&out);
 }
 
 fn bump(value: &mut [u8], at: usize, f: impl Fn(u32) -> u32) {
@@ -277,6 +364,51 @@ fn apply(value: &mut Vec<u8>, worker: WorkerId, delta: i32) {
 mod tests {
     use super::super::fake::FakeStore;
     use super::*;
+
+    /// A log batch of sequence number `seq` (its bytes start with it), `extra` bytes long after.
+    fn sized(seq: u64, extra: usize) -> Vec<u8> {
+        let mut b = seq.to_le_bytes().to_vec();
+        b.resize(8 + extra, 7);
+        b
+    }
+
+    fn batch(seq: u64) -> Vec<u8> {
+        sized(seq, 4)
+    }
+
+    #[test]
+    fn a_commit_carries_the_latest_batches_within_their_bounds_and_keeps_the_counts() {
+        let store = FakeStore::default();
+        for i in 1..=(RECENT_BATCHES as u64 + 3) {
+            // A new worker each time: its entry goes before the batches, which stay whole.
+            let (ok, seq) = Inflight::load(&store).commit(&store, &[(i as u32, 1)], &EndedBy::new(), Some(&batch));
+            assert_eq!((ok, seq), (true, Some(i)));
+        }
+        let read = Inflight::load(&store);
+        let head = read.head();
+        assert_eq!(head, RECENT_BATCHES as u64 + 3);
+        let carried: Vec<u64> = (1..=head).filter(|&s| read.recent().get(s).is_some()).collect();
+        assert_eq!(carried, ((head - RECENT_BATCHES as u64 + 1)..=head).collect::<Vec<_>>(), "the latest, in order");
+        assert_eq!(read.recent().get(head), Some(&batch(head)[..]));
+        assert_eq!(Inflight::read(&store).len(), head as usize, "every worker's count kept");
+        assert!(Inflight::end(&store, &EndedBy::from([(1, Ended { left: 1, finished: 1, failed: 0 })])));
+        assert!(Inflight::breakers_changed(&store) && Inflight::add(&store, 99, 1));
+        assert!(Inflight::load(&store).recent().get(head).is_some(), "kept by every other write");
+        // Bytes bound them too; a batch past the bound alone is not carried (its slot is read).
+        let big = |seq: u64| sized(seq, RECENT_BYTES / 2);
+        let (_, first) = Inflight::load(&store).commit(&store, &[], &EndedBy::new(), Some(&big));
+        let read = Inflight::load(&store);
+        assert!(read.recent().get(first.unwrap()).is_some() && read.recent().get(head).is_some());
+        let (_, seq) = Inflight::load(&store).commit(&store, &[], &EndedBy::new(), Some(&big));
+        let (read, seq) = (Inflight::load(&store), seq.unwrap());
+        assert!(read.recent().get(seq).is_some());
+        assert!(read.recent().get(seq - 1).is_none() && read.recent().get(head).is_none(), "dropped for the bytes");
+        let huge = |seq: u64| sized(seq, RECENT_BYTES);
+        let (_, last) = Inflight::load(&store).commit(&store, &[], &EndedBy::new(), Some(&huge));
+        let read = Inflight::load(&store);
+        assert!(read.recent().get(last.unwrap()).is_none() && read.recent().get(seq).is_some());
+        assert_eq!(Inflight::read(&store).len(), head as usize + 1);
+    }
 
     #[test]
     fn inflight_counts_per_worker_and_never_negative() {
@@ -306,11 +438,15 @@ mod tests {
         Inflight::add(&store, 1, 2);
         let snap = Inflight::load(&store);
         assert_eq!((snap.count(1), snap.count(9)), (2, 0));
-        assert_eq!(snap.commit(&store, &[(1, 1)], &EndedBy::new(), false), (true, None));
+        assert_eq!(snap.commit(&store, &[(1, 1)], &EndedBy::new(), None), (true, None));
         let stale = Inflight::load(&store);
         Inflight::add(&store, 1, 1); // another VM
         let ended = EndedBy::from([(1, Ended { left: 2, finished: 1, failed: 1 })]);
-        assert_eq!(stale.commit(&store, &[(1, 1)], &ended, true), (true, Some(1)), "retried after the conflict");
+        assert_eq!(
+            stale.commit(&store, &[(1, 1)], &ended, Some(&batch)),
+            (true, Some(1)),
+            "retried after the conflict"
+        );
         assert_eq!(Inflight::counts(&store), vec![Counts { worker: 1, in_flight: 3, finished: 1, failed: 1 }]);
     }
 
@@ -343,7 +479,7 @@ mod tests {
         // `commit`: the value loaded for routing is stale by the time the request is counted.
         let racing = Racing::new(&store, |other| assert!(Inflight::finish(other, 1, false)));
         let loaded = Inflight::load(&racing);
-        assert_eq!(loaded.commit(&racing, &[(1, 1), (2, 1)], &EndedBy::new(), true), (true, Some(1)));
+        assert_eq!(loaded.commit(&racing, &[(1, 1), (2, 1)], &EndedBy::new(), Some(&batch)), (true, Some(1)));
         assert_eq!(racing.writes(), (2, 1), "the stale commit was refused, then redone on fresh data");
         assert_eq!(
             Inflight::counts(&store),

@@ -69,7 +69,7 @@ pub(crate) fn u64_at(bytes: &[u8], at: usize) -> Option<u64> {
 /// Every key (a pattern where the key names a VM or a slot) and the file that owns it.
 /// `docs/ARCHITECTURE.md` lists the same keys; a test checks that both agree.
 pub const KEYS: &[(&str, &str)] = &[
-    ("kvmesh.state.v2", "inflight.rs"),
+    ("kvmesh.state.v3", "inflight.rs"),
     ("kvmesh.log.v1.<slot>", "delta_log.rs"),
     ("kvmesh.vms.v1", "vm_ledger.rs"),
     ("kvmesh.vm.v1.<vm>", "vm_ledger.rs"),
