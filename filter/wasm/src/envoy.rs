@@ -307,12 +307,14 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
+        self.plugin.on_tick(self.host.as_ref());
+        // After the tick's work: the VM stops with its in-flight counts published (a VM that
+        // traps mid-tick loses what it counted since its last heartbeat; see internals.md).
         #[cfg(feature = "test-crash")]
         {
             let vm = self.plugin.gateway().and_then(|g| g.try_borrow().ok().map(|g| g.vm_id()));
             stop_if_lease_owner(self.host.as_ref(), vm);
         }
-        self.plugin.on_tick(self.host.as_ref());
         self.retune_tick();
     }
 
