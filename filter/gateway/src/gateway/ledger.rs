@@ -95,12 +95,12 @@ impl Ledger {
     }
 
     /// Counts the started and ended requests in [`Inflight`] (one read, one compare-and-swap)
-    /// and, given a `batch` to encode, takes a log sequence number and carries the batch in the
-    /// same write. Returns whether it went through and the number taken.
+    /// and, given an encoded `batch`, takes a log sequence number (stamped into the batch) and
+    /// carries the batch in the same write. Returns whether it went through and the number taken.
     pub(super) fn write_started(
         &mut self,
         store: &dyn SharedStore,
-        batch: Option<&dyn Fn(u64) -> Vec<u8>>,
+        batch: Option<&mut Vec<u8>>,
     ) -> (bool, Option<u64>) {
         let counts: Vec<(WorkerId, i32)> =
             self.started.iter().map(|(&w, &n)| (w, i32::try_from(n).unwrap_or(i32::MAX))).collect();

@@ -312,15 +312,14 @@ impl Gateway {
             }
             true
         } else {
-            let vm = self.vm_id();
-            let encode = |seq: u64| DeltaLog::encode(seq, vm, &deltas);
-            let batch: Option<&dyn Fn(u64) -> Vec<u8>> = (!deltas.is_empty()).then_some(&encode);
-            let (counted, seq) = inflight.commit(store, &counts, self.ledger.ended(), batch);
+            // Encoded once: the commit stamps the sequence number it takes.
+            let mut batch = (!deltas.is_empty()).then(|| DeltaLog::encode(0, self.vm_id(), &deltas));
+            let (counted, seq) = inflight.commit(store, &counts, self.ledger.ended(), batch.as_mut());
             if counted {
                 self.ledger.written();
             }
-            if let Some(seq) = seq {
-                self.log.write(store, seq, &deltas);
+            if let (Some(seq), Some(batch)) = (seq, &batch) {
+                self.log.write_encoded(store, seq, batch);
             }
             if counted {
                 self.ledger.counted(legs.iter().map(|d| d.worker));
@@ -445,15 +444,15 @@ impl Gateway {
         self.unlogged_hashes = 0;
         let one_slot =
             !batch.is_empty() && batch.iter().map(|d| d.hashes.len()).sum::<usize>() <= DeltaLog::SLOT_HASHES;
-        let vm = self.vm_id();
-        let encode = |seq: u64| DeltaLog::encode(seq, vm, &batch);
-        let (_, seq) = self.ledger.write_started(store, one_slot.then_some(&encode as &dyn Fn(u64) -> Vec<u8>));
-        match seq {
-            Some(seq) => self.log.write(store, seq, &batch),
+        let mut encoded = one_slot.then(|| DeltaLog::encode(0, self.vm_id(), &batch));
+        let (_, seq) = self.ledger.write_started(store, encoded.as_mut());
+        match (seq, &encoded) {
+            (Some(seq), Some(encoded)) => self.log.write_encoded(store, seq, encoded),
+            (Some(seq), None) => self.log.write(store, seq, &batch),
             // Past one slot, or the counts not written (kept for the next try): the inserts
             // are logged all the same.
-            None if !batch.is_empty() => self.log.append(store, &batch),
-            None => {}
+            (None, _) if !batch.is_empty() => self.log.append(store, &batch),
+            (None, _) => {}
         }
         self.seen = Inflight::load(store);
         true

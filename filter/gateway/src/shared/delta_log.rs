@@ -95,8 +95,13 @@ impl DeltaLog {
     /// Writes the batch of sequence number `seq` (taken by [`Inflight::commit`]).
     pub fn write(&mut self, store: &dyn SharedStore, seq: u64, deltas: &[Delta]) {
         let entry = Self::encode(seq, self.vm, deltas);
+        self.write_encoded(store, seq, &entry);
+    }
+
+    /// Writes batch `seq` as [`DeltaLog::encode`] gave it (with `seq` stamped in).
+    pub fn write_encoded(&mut self, store: &dyn SharedStore, seq: u64, entry: &[u8]) {
         // The slot belongs to this sequence number; no CAS needed.
-        let _ = store.set(&Self::slot_key(seq), &entry, None);
+        let _ = store.set(&Self::slot_key(seq), entry, None);
         // Read up to just before it: nothing to read back (a VM alone pays no read per write).
         if self.cursor + 1 == seq {
             self.cursor = seq;
@@ -203,10 +208,9 @@ mod tests {
         let mut a = DeltaLog::new(&store, 1);
         let mut b = DeltaLog::new(&store, 2);
         for i in 0..3 {
-            let deltas = [ins(5, &[i])];
-            let encode = |seq| DeltaLog::encode(seq, 1, &deltas);
-            let (_, seq) = Inflight::load(&store).commit(&store, &[], &EndedBy::new(), Some(&encode));
-            a.write(&store, seq.unwrap(), &deltas);
+            let mut batch = DeltaLog::encode(0, 1, &[ins(5, &[i])]);
+            let (_, seq) = Inflight::load(&store).commit(&store, &[], &EndedBy::new(), Some(&mut batch));
+            a.write_encoded(&store, seq.unwrap(), &batch);
         }
         let read = Inflight::load(&store);
         let before = store.gets();

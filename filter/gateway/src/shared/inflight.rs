@@ -202,28 +202,32 @@ impl Inflight {
     }
 
     /// Applies in-flight `deltas` and the `ended` requests to the value loaded by
-    /// [`load`](Self::load) and, given `batch`, takes a log sequence number and carries the
-    /// batch `batch` encodes for it among the recent ones, in one CAS (falling back to a
-    /// read-modify-write loop if another VM wrote in between). Returns whether the counts were
-    /// written (`ended` with them) and the sequence number taken.
+    /// [`load`](Self::load) and, given an encoded log `batch` (a slot's bytes, which start with
+    /// its sequence number), takes a sequence number, stamps it into the batch and carries the
+    /// batch among the recent ones, in one CAS (falling back to a read-modify-write loop if
+    /// another VM wrote in between). Returns whether the counts were written (`ended` with
+    /// them) and the sequence number taken.
     pub fn commit(
         mut self,
         store: &dyn SharedStore,
         deltas: &[(WorkerId, i32)],
         ended: &EndedBy,
-        batch: Option<&dyn Fn(u64) -> Vec<u8>>,
+        mut batch: Option<&mut Vec<u8>>,
     ) -> (bool, Option<u64>) {
         if self.local {
             return (false, None); // a view for deciding, not a value to write back
         }
-        let change = |value: &mut Vec<u8>| {
+        let mut change = |value: &mut Vec<u8>| {
             for &(worker, delta) in deltas {
                 apply(value, worker, delta);
             }
             write_ended(value, ended);
-            batch.map(|encode| {
+            batch.as_deref_mut().map(|bytes| {
                 let seq = next_seq(value);
-                push_recent(value, &encode(seq));
+                if let Some(at) = bytes.get_mut(..8) {
+                    at.copy_from_slice(&seq.to_le_bytes());
+                }
+                push_recent(value, bytes);
                 seq
             })
         };
@@ -381,7 +385,8 @@ mod tests {
         let store = FakeStore::default();
         for i in 1..=(RECENT_BATCHES as u64 + 3) {
             // A new worker each time: its entry goes before the batches, which stay whole.
-            let (ok, seq) = Inflight::load(&store).commit(&store, &[(i as u32, 1)], &EndedBy::new(), Some(&batch));
+            let (ok, seq) =
+                Inflight::load(&store).commit(&store, &[(i as u32, 1)], &EndedBy::new(), Some(&mut batch(0)));
             assert_eq!((ok, seq), (true, Some(i)));
         }
         let read = Inflight::load(&store);
@@ -396,18 +401,40 @@ mod tests {
         assert!(Inflight::load(&store).recent().get(head).is_some(), "kept by every other write");
         // Bytes bound them too; a batch past the bound alone is not carried (its slot is read).
         let big = |seq: u64| sized(seq, RECENT_BYTES / 2);
-        let (_, first) = Inflight::load(&store).commit(&store, &[], &EndedBy::new(), Some(&big));
+        let (_, first) = Inflight::load(&store).commit(&store, &[], &EndedBy::new(), Some(&mut big(0)));
         let read = Inflight::load(&store);
         assert!(read.recent().get(first.unwrap()).is_some() && read.recent().get(head).is_some());
-        let (_, seq) = Inflight::load(&store).commit(&store, &[], &EndedBy::new(), Some(&big));
+        let (_, seq) = Inflight::load(&store).commit(&store, &[], &EndedBy::new(), Some(&mut big(0)));
         let (read, seq) = (Inflight::load(&store), seq.unwrap());
         assert!(read.recent().get(seq).is_some());
         assert!(read.recent().get(seq - 1).is_none() && read.recent().get(head).is_none(), "dropped for the bytes");
         let huge = |seq: u64| sized(seq, RECENT_BYTES);
-        let (_, last) = Inflight::load(&store).commit(&store, &[], &EndedBy::new(), Some(&huge));
+        let (_, last) = Inflight::load(&store).commit(&store, &[], &EndedBy::new(), Some(&mut huge(0)));
         let read = Inflight::load(&store);
         assert!(read.recent().get(last.unwrap()).is_none() && read.recent().get(seq).is_some());
         assert_eq!(Inflight::read(&store).len(), head as usize + 1);
+    }
+
+    /// A value another build or a bug left malformed: a worker count past its end, batches
+    /// whose lengths overrun. Read and written without a panic; nothing bogus is carried.
+    #[test]
+    fn a_malformed_value_is_read_and_written_without_panicking() {
+        let store = FakeStore::default();
+        let mut value = vec![0u8; HEAD];
+        value[WORKERS..WORKERS + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+        value.extend_from_slice(&[1, 0, 0, 0, 5, 0, 0, 0]);
+        store.set(Inflight::KEY, &value, None).unwrap();
+        let read = Inflight::load(&store);
+        assert_eq!((read.count(1), read.recent().get(0)), (0, None));
+        let mut value = vec![0u8; HEAD];
+        value.extend_from_slice(&u32::MAX.to_le_bytes()); // a batch longer than the value
+        value.extend_from_slice(&[9; 12]);
+        store.set(Inflight::KEY, &value, None).unwrap();
+        assert!(Inflight::load(&store).recent().get(0).is_none());
+        let (ok, seq) = Inflight::load(&store).commit(&store, &[(3, 1)], &EndedBy::new(), Some(&mut batch(0)));
+        assert_eq!((ok, seq), (true, Some(1)));
+        let read = Inflight::load(&store);
+        assert_eq!((read.count(3), read.recent().get(1)), (1, Some(&batch(1)[..])));
     }
 
     #[test]
@@ -443,7 +470,7 @@ mod tests {
         Inflight::add(&store, 1, 1); // another VM
         let ended = EndedBy::from([(1, Ended { left: 2, finished: 1, failed: 1 })]);
         assert_eq!(
-            stale.commit(&store, &[(1, 1)], &ended, Some(&batch)),
+            stale.commit(&store, &[(1, 1)], &ended, Some(&mut batch(0))),
             (true, Some(1)),
             "retried after the conflict"
         );
@@ -479,7 +506,7 @@ mod tests {
         // `commit`: the value loaded for routing is stale by the time the request is counted.
         let racing = Racing::new(&store, |other| assert!(Inflight::finish(other, 1, false)));
         let loaded = Inflight::load(&racing);
-        assert_eq!(loaded.commit(&racing, &[(1, 1), (2, 1)], &EndedBy::new(), Some(&batch)), (true, Some(1)));
+        assert_eq!(loaded.commit(&racing, &[(1, 1), (2, 1)], &EndedBy::new(), Some(&mut batch(0))), (true, Some(1)));
         assert_eq!(racing.writes(), (2, 1), "the stale commit was refused, then redone on fresh data");
         assert_eq!(
             Inflight::counts(&store),
