@@ -99,6 +99,10 @@ pub struct Args {
     /// How often pending changes are pushed to the filters, in milliseconds (kvmesh). Default 10.
     #[arg(long, help_heading = "Workers: health, load, discovery")]
     pub push_interval_ms: Option<u64>,
+    /// Longest a worker table that adds or heals workers waits for every Envoy's EDS to list
+    /// them before going to the filters, in milliseconds (kvmesh). 0: no wait. Default 1000.
+    #[arg(long, help_heading = "Workers: health, load, discovery")]
+    pub eds_wait_ms: Option<u64>,
     /// Discover workers as Kubernetes pods (in-cluster, or KUBECONFIG).
     #[arg(long, help_heading = "Workers: health, load, discovery")]
     pub service_discovery: bool,
@@ -465,6 +469,7 @@ impl Args {
             health_endpoint: self.health_check_endpoint.clone().unwrap_or_else(|| "/health".into()),
             load_poll_interval_ms: self.positive("load_poll_interval_ms", self.load_poll_interval_ms, 1000)?,
             push_interval_ms: self.positive("push_interval_ms", self.push_interval_ms, 10)?,
+            eds_wait_ms: self.eds_wait_ms.unwrap_or(1000),
             unresponsive_ms: if self.disable_health_check {
                 0
             } else {

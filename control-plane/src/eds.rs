@@ -26,20 +26,32 @@ use tokio::sync::broadcast::error::RecvError;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::election::Leadership;
+use crate::endpoint_acks::EndpointAcks;
 use crate::state::{State, WorkerEntry};
 
 /// Most cluster names one stream may ask for.
 const MAX_RESOURCE_NAMES: usize = 64;
 
-/// A worker as an EDS endpoint: `(ip, port, healthy)`; `None` when its URL has no IP address.
-fn endpoint_of(w: &WorkerEntry) -> Option<(String, u32, bool)> {
-    let rest = w.url.strip_prefix("http://")?;
+/// A worker URL's EDS endpoint: `(ip, port)`; `None` when its host is not an IP address.
+fn ip_endpoint(url: &str) -> Option<crate::endpoint_acks::Endpoint> {
+    let rest = url.strip_prefix("http://")?;
     let authority = rest.split('/').next()?;
     let (host, port) = authority.rsplit_once(':')?;
     let host = host.trim_start_matches('[').trim_end_matches(']');
     let ip: IpAddr = host.parse().ok()?;
     let port: u32 = port.parse().ok().filter(|p| (1..=65535).contains(p))?;
-    Some((ip.to_string(), port, w.healthy))
+    Some((ip.to_string(), port))
+}
+
+/// A worker as an EDS endpoint: `(ip, port, healthy)`; `None` when its URL has no IP address.
+fn endpoint_of(w: &WorkerEntry) -> Option<(String, u32, bool)> {
+    ip_endpoint(&w.url).map(|(ip, port)| (ip, port, w.healthy))
+}
+
+/// The endpoints a table's healthy workers need in Envoy's cluster before a filter may pick
+/// them (see [`crate::endpoint_acks`]).
+pub fn healthy_endpoints(workers: &[kvmesh_proto::v1::Worker]) -> Vec<crate::endpoint_acks::Endpoint> {
+    workers.iter().filter(|w| w.healthy).filter_map(|w| ip_endpoint(&w.url)).collect()
 }
 
 /// The endpoints of every worker, sorted (so that an unchanged table compares equal).
@@ -92,6 +104,8 @@ fn check(req: &DiscoveryRequest) -> Result<(), Status> {
 
 pub struct Service {
     pub state: Arc<State>,
+    /// Where each stream records what Envoy acknowledged.
+    pub acks: Arc<EndpointAcks>,
     /// A standby refuses the stream (UNAVAILABLE; Envoy keeps the endpoints it has and
     /// retries) and ends it when it stops leading.
     pub leadership: Leadership,
@@ -112,6 +126,7 @@ impl EndpointDiscoveryService for Service {
         let mut requests = request.into_inner();
         let state = self.state.clone();
         let mut changes = state.subscribe();
+        let acks = self.acks.open();
         let stream = async_stream::try_stream! {
             let mut names: BTreeSet<String> = BTreeSet::new();
             let mut sent: Option<(BTreeSet<String>, Vec<(String, u32, bool)>)> = None;
@@ -135,6 +150,9 @@ impl EndpointDiscoveryService for Service {
                     check(&req)?;
                     if let Some(e) = &req.error_detail {
                         tracing::warn!(?peer, version = %req.version_info, "Envoy refused endpoints: {}", e.message);
+                    } else if let Some((_, endpoints)) = sent.as_ref().filter(|_| req.response_nonce == version.to_string()) {
+                        // Envoy applied the last assignment (an ACK names its nonce).
+                        acks.acked(endpoints);
                     }
                     names = req.resource_names.into_iter().collect();
                 }

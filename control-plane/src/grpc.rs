@@ -11,6 +11,7 @@ use tokio::sync::broadcast::error::RecvError;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::election::Leadership;
+use crate::endpoint_acks::EndpointAcks;
 use crate::state::{GatewayError, State};
 use crate::telemetry::SPANS;
 
@@ -101,8 +102,23 @@ impl Drop for Watching {
     }
 }
 
+/// Waits (bounded) until Envoy's cluster lists the healthy workers of a snapshot that carries
+/// the worker table (see [`crate::endpoint_acks`]).
+async fn endpoints_in_envoy(acks: &EndpointAcks, snapshot: &Snapshot, gateway: &str) {
+    if !snapshot.workers_changed {
+        return;
+    }
+    let needed = crate::eds::healthy_endpoints(&snapshot.workers);
+    if !acks.wait_for(&needed).await {
+        tracing::warn!(%gateway, version = snapshot.version,
+            "Envoy's endpoints do not list every healthy worker yet (--eds-wait-ms passed): the table goes out anyway");
+    }
+}
+
 pub struct Service {
     pub state: Arc<State>,
+    /// What Envoy's EDS streams acknowledged: a table waits for its healthy workers there.
+    pub acks: Arc<EndpointAcks>,
     /// A standby refuses both streams (UNAVAILABLE) and ends them when it stops leading.
     pub leadership: Leadership,
 }
@@ -126,9 +142,11 @@ impl Kvmesh for Service {
         let full = full_snapshot(&state, &gateway);
         tracing::info!(%gateway, version = full.version, blocks = full.inserts.iter().map(|i| i.hashes.len()).sum::<usize>(), "gateway watching");
         let watching = Watching { state: state.clone(), gateway: gateway.clone() };
+        let acks = self.acks.clone();
         let stream = async_stream::stream! {
             let _watching = watching;
             let mut seen = full.version;
+            endpoints_in_envoy(&acks, &full, &gateway).await;
             for part in split_full(full, FULL_CHUNK_HASHES) {
                 yield Ok(part);
             }
@@ -136,6 +154,7 @@ impl Kvmesh for Service {
                 match deltas.recv().await {
                     Ok(delta) if delta.version > seen => {
                         seen = delta.version;
+                        endpoints_in_envoy(&acks, &delta, &gateway).await;
                         yield Ok((*delta).clone());
                     }
                     Ok(_) => {}
@@ -143,6 +162,7 @@ impl Kvmesh for Service {
                         tracing::warn!(%gateway, missed, "gateway fell behind; sending a full snapshot");
                         let full = full_snapshot(&state, &gateway);
                         seen = full.version;
+                        endpoints_in_envoy(&acks, &full, &gateway).await;
                         for part in split_full(full, FULL_CHUNK_HASHES) {
                             yield Ok(part);
                         }

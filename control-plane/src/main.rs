@@ -1,7 +1,8 @@
 //! `kvmesh-cp`: the kvmesh control plane.
 //!
 //! Wires the parts: flags and config ([`args`]), the state ([`state`]), the gRPC snapshot
-//! service ([`grpc`]), Envoy's endpoint discovery for the workers' cluster ([`eds`]), the HTTP admin API ([`admin`]), health checks and load polling
+//! service ([`grpc`]), Envoy's endpoint discovery for the workers' cluster ([`eds`]) and what
+//! Envoy acknowledged of it ([`endpoint_acks`]), the HTTP admin API ([`admin`]), health checks and load polling
 //! ([`probe`]), Kubernetes discovery ([`discovery`], [`inference_pool`]), and the periodic
 //! eviction and delta push.
 
@@ -13,6 +14,7 @@ mod capacity;
 mod discovery;
 mod eds;
 mod election;
+mod endpoint_acks;
 mod feedback;
 mod grpc;
 mod inference_pool;
@@ -167,15 +169,21 @@ async fn run(settings: settings::Settings, election: Option<election::Config>) -
         }
     };
 
+    // A table naming a worker goes to the filters once Envoy's EDS lists it (bounded wait).
+    let acks = endpoint_acks::EndpointAcks::new(Duration::from_millis(state.settings.eds_wait_ms));
     // Filters send their full index in chunks well under this limit.
     let service = tonic::service::interceptor::InterceptedService::new(
-        KvmeshServer::new(grpc::Service { state: state.clone(), leadership: leadership.clone() })
+        KvmeshServer::new(grpc::Service { state: state.clone(), acks: acks.clone(), leadership: leadership.clone() })
             .max_decoding_message_size(state.settings.limits.max_message_bytes),
         auth::GrpcAuth { state: state.clone() },
     );
     // Envoy's EDS client for the workers' cluster, behind the same token.
     let eds = tonic::service::interceptor::InterceptedService::new(
-        EndpointDiscoveryServiceServer::new(eds::Service { state: state.clone(), leadership: leadership.clone() }),
+        EndpointDiscoveryServiceServer::new(eds::Service {
+            state: state.clone(),
+            acks,
+            leadership: leadership.clone(),
+        }),
         auth::GrpcAuth { state: state.clone() },
     );
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc);

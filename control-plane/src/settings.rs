@@ -57,6 +57,8 @@ pub struct Settings {
     /// `--lora-adapter`: adapters kept loaded on a worker of their base model.
     pub lora_adapters: Vec<AdapterSpec>,
     pub push_interval_ms: u64,
+    /// How long a table naming new healthy workers waits for Envoy's EDS (`--eds-wait-ms`).
+    pub eds_wait_ms: u64,
     pub discovery: Option<DiscoveryConfig>,
     /// `--log-level` (`RUST_LOG` wins).
     pub log_level: String,

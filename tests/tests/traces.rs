@@ -4,15 +4,16 @@
 //! access-log line of each request carries the filter's decision record (the worker that
 //! served it, what the index believed it held, both PD legs, a failover), and the client's
 //! `traceparent`/`tracestate` reach every worker leg: the regular and decode legs through
-//! Envoy's router, SGLang's prefill callout and vLLM's first leg from the filter.
+//! Envoy's router, SGLang's prefill callout and vLLM's first leg from the filter. And the
+//! metrics the shipped Grafana dashboard queries exist on a running stack.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kvmesh_testkit::e2e::{fast_decode, fast_prefill, pd_options, sims, FAST};
+use kvmesh_testkit::e2e::{control_plane, fast_decode, fast_prefill, gateway, generate, pd_options, sims, sync, FAST};
 use kvmesh_testkit::http::{self, Response};
-use kvmesh_testkit::{scratch_dir, wait_until, Envoy, EnvoyOptions, Sim};
+use kvmesh_testkit::{repo_root, scratch_dir, wait_until, Envoy, EnvoyOptions, Sim};
 use serde_json::{json, Value};
 
 const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
@@ -165,4 +166,65 @@ fn vllm_pd_sends_the_trace_context_on_the_first_leg_and_the_decode_leg() {
     assert_eq!(rec["worker"], decode.addr());
     assert_traced(&prefill, "vllm-1");
     assert_traced(&decode, "vllm-1");
+}
+
+/// Every metric the shipped Grafana dashboard (docs/grafana/kvmesh.json) queries exists: in
+/// kvmesh-cp's `/metrics` or in Envoy's `/stats/prometheus` (the filter's stats and Envoy's
+/// own), scraped from a running stack after a request.
+#[test]
+fn the_grafana_dashboard_queries_metrics_that_exist() {
+    let workers = sims(2, FAST);
+    let cp = control_plane(&workers, &[]);
+    let envoy = gateway(&cp);
+    sync(&cp, &envoy);
+    assert_eq!(generate(&envoy, "a question for the dashboard").status, 200);
+    let path = repo_root().join("docs/grafana/kvmesh.json");
+    let dashboard: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let exprs: Vec<String> = dashboard["panels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|p| p["targets"].as_array().unwrap().iter().map(|t| t["expr"].as_str().unwrap().to_string()))
+        .collect();
+    assert!(exprs.len() >= 10, "{} queries", exprs.len());
+    let scraped = |text: &str| -> HashSet<String> {
+        text.lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|l| l.split(['{', ' ']).next())
+            .map(String::from)
+            .collect()
+    };
+    let mut names = scraped(&cp.metrics());
+    // kvmesh-cp's reports reach it at least once a second; scrape until the per-worker failover
+    // series (made on the first report) is there.
+    wait_until("kvmesh-cp's per-worker series", Duration::from_secs(10), || {
+        names = scraped(&cp.metrics());
+        names.iter().any(|n| n.starts_with("kvmesh_worker_failovers"))
+    })
+    .unwrap();
+    // The native build's stats scrape as `envoy_wasmcustom_kvmesh_*` (Envoy strips that
+    // namespace only where a Wasm filter registered it): the chart's PodMonitor renames them.
+    let monitor = std::fs::read_to_string(repo_root().join("deploy/helm/kvmesh/templates/monitoring.yaml")).unwrap();
+    assert!(monitor.contains("regex: envoy_wasmcustom_(kvmesh_.*)"), "the PodMonitor's rename");
+    let envoy_names = scraped(&http::get(&envoy.admin_url("/stats/prometheus")).unwrap().text());
+    names.extend(envoy_names.iter().map(|n| n.strip_prefix("envoy_wasmcustom_").unwrap_or(n).to_string()));
+    for expr in &exprs {
+        // Label matchers (`{envoy_cluster_name="..."}`) are not metric names.
+        let mut bare = String::new();
+        let mut depth = 0;
+        for c in expr.chars() {
+            match c {
+                '{' => depth += 1,
+                '}' => depth -= 1,
+                _ if depth == 0 => bare.push(c),
+                _ => {}
+            }
+        }
+        for name in bare
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .filter(|w| w.starts_with("kvmesh_") || w.starts_with("sgl_router_") || w.starts_with("envoy_"))
+        {
+            assert!(names.contains(name), "the dashboard queries `{name}` ({expr}), which no scrape has");
+        }
+    }
 }
