@@ -100,7 +100,8 @@ pub struct Args {
     #[arg(long, help_heading = "Workers: health, load, discovery")]
     pub push_interval_ms: Option<u64>,
     /// Longest a worker table that adds or heals workers waits for every Envoy's EDS to list
-    /// them before going to the filters, in milliseconds (kvmesh). 0: no wait. Default 1000.
+    /// them before going to the filters, and how long a removed worker stays in EDS after, in
+    /// milliseconds (kvmesh). 0: no wait. Default 1000.
     #[arg(long, help_heading = "Workers: health, load, discovery")]
     pub eds_wait_ms: Option<u64>,
     /// Discover workers as Kubernetes pods (in-cluster, or KUBECONFIG).

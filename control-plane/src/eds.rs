@@ -10,10 +10,11 @@
 //! warning. A worker the control plane finds unhealthy is sent as UNHEALTHY, which
 //! `override_host` does not pick.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures_util::{Stream, StreamExt};
 use kvmesh_proto::eds::endpoint_discovery_service_server::EndpointDiscoveryService;
@@ -23,6 +24,7 @@ use kvmesh_proto::eds::{
 };
 use kvmesh_proto::{Message, CLUSTER_LOAD_ASSIGNMENT};
 use tokio::sync::broadcast::error::RecvError;
+use tokio::time::{sleep_until, Instant};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::election::Leadership;
@@ -91,6 +93,48 @@ fn assignment(cluster: &str, endpoints: &[(String, u32, bool)]) -> Any {
     Any { type_url: CLUSTER_LOAD_ASSIGNMENT.to_string(), value: cla.encode_to_vec() }
 }
 
+/// Endpoints that left the table stay in the assignment (as they were) for the table wait
+/// longer: a filter that has not applied the table without them yet may still name one, and
+/// Envoy can then still send to it (the cluster has no fallback). A dead worker's lingering
+/// endpoint gets nothing: no filter names it once its table has gone out.
+struct Linger {
+    wait: Duration,
+    /// `(ip, port)` → its last `healthy`, and when it goes.
+    gone: BTreeMap<(String, u32), (bool, Instant)>,
+}
+
+impl Linger {
+    fn new(wait: Duration) -> Self {
+        Self { wait, gone: BTreeMap::new() }
+    }
+
+    /// The endpoints to send at `at`: `now`, plus those of `previous` that left it less than
+    /// the wait ago (sorted).
+    fn apply(
+        &mut self,
+        now: Vec<(String, u32, bool)>,
+        previous: &[(String, u32, bool)],
+        at: Instant,
+    ) -> Vec<(String, u32, bool)> {
+        let present: BTreeSet<(&str, u32)> = now.iter().map(|(ip, port, _)| (ip.as_str(), *port)).collect();
+        for (ip, port, healthy) in previous {
+            if !self.wait.is_zero() && !present.contains(&(ip.as_str(), *port)) {
+                self.gone.entry((ip.clone(), *port)).or_insert((*healthy, at + self.wait));
+            }
+        }
+        self.gone.retain(|(ip, port), (_, until)| *until > at && !present.contains(&(ip.as_str(), *port)));
+        let mut out = now;
+        out.extend(self.gone.iter().map(|((ip, port), (healthy, _))| (ip.clone(), *port, *healthy)));
+        out.sort();
+        out
+    }
+
+    /// When the next lingering endpoint goes (far off when none does).
+    fn next_expiry(&self) -> Instant {
+        self.gone.values().map(|(_, until)| *until).min().unwrap_or_else(|| Instant::now() + Duration::from_secs(3600))
+    }
+}
+
 /// A request kvmesh-cp can answer.
 fn check(req: &DiscoveryRequest) -> Result<(), Status> {
     if req.type_url != CLUSTER_LOAD_ASSIGNMENT {
@@ -127,13 +171,18 @@ impl EndpointDiscoveryService for Service {
         let state = self.state.clone();
         let mut changes = state.subscribe();
         let acks = self.acks.open();
+        let wait = self.acks.wait();
         let stream = async_stream::try_stream! {
             let mut names: BTreeSet<String> = BTreeSet::new();
             let mut sent: Option<(BTreeSet<String>, Vec<(String, u32, bool)>)> = None;
             let mut version = 0u64;
+            let mut linger = Linger::new(wait);
             loop {
-                // Wait for a request or a change of the worker table.
+                // Wait for a request, a change of the worker table, or a removed endpoint's
+                // time to go.
+                let expiry = linger.next_expiry();
                 let event = tokio::select! {
+                    () = sleep_until(expiry) => None,
                     req = requests.next() => match req {
                         None => break,
                         Some(Err(e)) => { tracing::debug!(?peer, "EDS stream ended: {e}"); break }
@@ -159,7 +208,8 @@ impl EndpointDiscoveryService for Service {
                 if names.is_empty() {
                     continue;
                 }
-                let now = endpoints(&state.workers());
+                let previous = sent.as_ref().map(|(_, e)| e.as_slice()).unwrap_or_default();
+                let now = linger.apply(endpoints(&state.workers()), previous, Instant::now());
                 if sent.as_ref().is_some_and(|(n, e)| *n == names && *e == now) {
                     continue;
                 }
@@ -202,6 +252,28 @@ mod tests {
                 ("::1".to_string(), 30003, true)
             ]
         );
+    }
+
+    #[test]
+    fn a_removed_endpoint_lingers_for_the_wait_then_goes() {
+        let ep = |port: u32, healthy: bool| ("127.0.0.1".to_string(), port, healthy);
+        let t0 = Instant::now();
+        let wait = Duration::from_secs(1);
+        let mut linger = Linger::new(wait);
+        let sent = linger.apply(vec![ep(1, true), ep(2, true)], &[], t0);
+        // 2 leaves the table: still sent, as it was, until the wait is over.
+        let sent = linger.apply(vec![ep(1, true)], &sent, t0);
+        assert_eq!(sent, vec![ep(1, true), ep(2, true)]);
+        assert_eq!(linger.next_expiry(), t0 + wait);
+        let later = linger.apply(vec![ep(1, true)], &sent, t0 + wait / 2);
+        assert_eq!(later, sent, "the wait counts from when it left");
+        assert_eq!(linger.apply(vec![ep(1, true)], &later, t0 + wait), vec![ep(1, true)]);
+        // Back in the table before it went: the table's health wins.
+        let sent = linger.apply(vec![ep(1, true)], &[ep(1, true), ep(2, true)], t0);
+        assert_eq!(linger.apply(vec![ep(1, true), ep(2, false)], &sent, t0), vec![ep(1, true), ep(2, false)]);
+        assert!(linger.gone.is_empty());
+        // No wait: gone at once.
+        assert_eq!(Linger::new(Duration::ZERO).apply(vec![], &[ep(1, true)], t0), vec![]);
     }
 
     #[test]

@@ -56,6 +56,11 @@ impl EndpointAcks {
         self.changed.send_modify(|n| *n = n.wrapping_add(1));
     }
 
+    /// The longest a table waits (`--eds-wait-ms`).
+    pub fn wait(&self) -> Duration {
+        self.wait
+    }
+
     /// A new EDS stream, which has acknowledged nothing yet.
     pub fn open(self: &Arc<Self>) -> AckStream {
         let mut streams = self.lock();

@@ -460,8 +460,9 @@ fn unauthenticated_streams_and_admin_calls_are_refused_and_authenticated_ones_wo
 /// A table naming a worker healthy goes to the filters only once every Envoy's endpoint
 /// discovery acknowledged it (`--eds-wait-ms`): else a filter could pick a worker that Envoy's
 /// cluster cannot send to yet. Here an EDS client of its own holds its acknowledgement back.
+/// A removed worker leaves the table first, Envoy's endpoints after the same wait.
 #[test]
-fn a_healed_worker_reaches_the_filters_only_once_envoys_endpoints_list_it() {
+fn a_worker_reaches_the_filters_after_envoys_endpoints_and_leaves_them_before() {
     use kvmesh_proto::eds::endpoint_discovery_service_client::EndpointDiscoveryServiceClient as Eds;
     use kvmesh_proto::eds::{ClusterLoadAssignment, DiscoveryRequest, DiscoveryResponse, HealthStatus};
     use kvmesh_proto::v1::{Snapshot, WatchRequest};
@@ -505,8 +506,7 @@ fn a_healed_worker_reaches_the_filters_only_once_envoys_endpoints_list_it() {
             .await
             .unwrap()
             .into_inner()
-            .map(Result::unwrap)
-            .filter(|s: &Snapshot| names_it(s));
+            .map(Result::unwrap);
         let _late = Sim::start_on(port, FAST).unwrap();
         let healed = loop {
             let r = assignments.next().await.unwrap().unwrap();
@@ -516,14 +516,37 @@ fn a_healed_worker_reaches_the_filters_only_once_envoys_endpoints_list_it() {
             tx.send(request(&r.nonce)).await.unwrap();
         };
         // EDS lists it healthy, unacknowledged: no table names it healthy.
-        let early = tokio::time::timeout(Duration::from_millis(500), watch.next()).await;
-        assert!(early.is_err(), "a table named the worker before Envoy's endpoints did: {early:?}");
+        let early = table_where(&mut watch, Duration::from_millis(500), names_it).await;
+        assert!(early.is_none(), "a table named the worker before Envoy's endpoints did: {early:?}");
         tx.send(request(&healed.nonce)).await.unwrap();
-        tokio::time::timeout(Duration::from_secs(10), watch.next())
-            .await
-            .expect("the table after Envoy acknowledged the endpoint")
-            .unwrap();
+        let acked = table_where(&mut watch, Duration::from_secs(10), names_it).await;
+        assert!(acked.is_some(), "the table after Envoy acknowledged the endpoint");
+        // Removed: the table drops it at once, Envoy's endpoints only after the wait (a filter
+        // still on the old table may name it).
+        assert_eq!(cp.post(&format!("/remove_worker?url={url}")).unwrap().status, 200);
+        let without = |s: &Snapshot| s.workers_changed && !s.workers.iter().any(|w| w.url == url);
+        assert!(table_where(&mut watch, Duration::from_secs(10), without).await.is_some());
+        let dropped = tokio::time::timeout(Duration::from_millis(500), assignments.next()).await;
+        assert!(dropped.is_err(), "Envoy's endpoints changed with the table: {dropped:?}");
     });
+}
+
+/// The next snapshot from `watch`, within `limit`, for which `pred` holds.
+async fn table_where(
+    watch: &mut (impl tokio_stream::Stream<Item = kvmesh_proto::v1::Snapshot> + Unpin),
+    limit: Duration,
+    pred: impl Fn(&kvmesh_proto::v1::Snapshot) -> bool,
+) -> Option<kvmesh_proto::v1::Snapshot> {
+    use tokio_stream::StreamExt;
+    let found = async {
+        while let Some(s) = watch.next().await {
+            if pred(&s) {
+                return Some(s);
+            }
+        }
+        None
+    };
+    tokio::time::timeout(limit, found).await.ok().flatten()
 }
 
 #[test]
