@@ -146,7 +146,8 @@ fn the_standby_takes_over_a_killed_or_terminated_leader_under_load_and_no_reques
     let took_over = killed.elapsed();
     assert_eq!(kube.leases.holder(NS, LEASE).as_deref(), Some("cp-b"));
     // The full report on reconnect: the new leader knows where the old prefixes are. The
-    // filter reconnects after its backoff (up to 5 s); a cold CI run once needed more than 10 s.
+    // filter reconnects after its backoff (up to 1 s; a cold CI run once needed more than 10 s
+    // when it was 5 s).
     wait_until("the gateway's index on the new leader", Duration::from_secs(20), || knows(&b, &texts, &first)).unwrap();
     let reported = killed.elapsed();
 
