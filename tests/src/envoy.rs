@@ -279,7 +279,13 @@ pub fn render(opts: &EnvoyOptions) -> anyhow::Result<String> {
     }
     if let Some(module) = opts.native_module.as_ref().filter(|_| opts.plain_upstreams.is_none()) {
         let mut filter = filter.clone();
-        if let (Some(port), Some(keys)) = (opts.control_plane, filter.as_object_mut()) {
+        if let (Some(mut port), Some(keys)) = (opts.control_plane, filter.as_object_mut()) {
+            if !opts.control_plane_replicas.is_empty() {
+                // As the Istio overlay does (its Service's endpoints are the ready replica):
+                // the module's connections go through Envoy's health-checked cluster.
+                port = crate::free_port()?;
+                cp_link(&mut doc, port)?;
+            }
             // The native build opens its control-plane streams itself.
             keys.insert("control_plane_address".into(), format!("http://127.0.0.1:{port}").into());
         }
@@ -301,6 +307,27 @@ pub fn render(opts: &EnvoyOptions) -> anyhow::Result<String> {
         }
     }
     Ok(serde_norway::to_string(&doc)?)
+}
+
+/// A loopback listener on `port` handing each connection to the `kvmesh_control_plane`
+/// cluster (`istio/overlays/native/envoyfilter-cp-link.yaml`'s link, without the mesh).
+fn cp_link(doc: &mut Yaml, port: u16) -> anyhow::Result<()> {
+    let listener = serde_norway::to_value(serde_json::json!({
+        "name": "kvmesh_cp_link",
+        "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+        "filter_chains": [{"filters": [{
+            "name": "envoy.filters.network.tcp_proxy",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
+                "stat_prefix": "kvmesh_cp_link",
+                "cluster": "kvmesh_control_plane",
+                "idle_timeout": "0s",
+            },
+        }]}],
+    }))?;
+    let listeners = at(doc, &["static_resources", "listeners"])?;
+    listeners.as_sequence_mut().ok_or_else(|| anyhow!("listeners is not a list"))?.push(listener);
+    Ok(())
 }
 
 /// The listener's access logs written to `path`, or taken out (`None`).
@@ -335,8 +362,8 @@ fn native_filter(doc: &mut Yaml, module: &Path, filter: &Json) -> anyhow::Result
         "name": "envoy.filters.http.dynamic_modules",
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
-            // The stats under the `.wasm`'s namespace: the same names in `/stats` and
-            // `/stats/prometheus` (where Envoy strips it), so dashboards fit either build.
+            // The stats under the `.wasm`'s namespace: the same names in `/stats` (Envoy's
+            // `/stats/prometheus` strips it only where a Wasm filter registered it).
             "dynamic_module_config": {"name": name, "metrics_namespace": "wasmcustom"},
             "filter_name": name,
             "filter_config": {

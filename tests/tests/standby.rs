@@ -6,7 +6,10 @@
 //! SIGKILLed under load: the standby takes the Lease over within the lease duration, the
 //! gateway reconnects to it and re-reports its index, and no request fails meanwhile. The
 //! killed replica comes back as the standby and the leader gets SIGTERM: it releases the
-//! Lease and exits 0, and the standby takes over at once.
+//! Lease and exits 0, and the standby takes over at once. Last, the Lease is handed to the
+//! standby behind the live leader's back: the leader steps down without exiting, and the
+//! gateway's streams move all the same. `cargo xtask test` runs it on the native build too
+//! (its own connection, through a loopback link into Envoy's control-plane cluster).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -172,6 +175,18 @@ fn the_standby_takes_over_a_killed_or_terminated_leader_under_load_and_no_reques
     wait_until("the gateway's index on cp-a again", Duration::from_secs(10), || knows(&a, &texts, &first)).unwrap();
     let re_reported = terminated.elapsed();
 
+    // A leader that loses the Lease without exiting (it could not renew: here the Lease is
+    // handed to the standby) stops serving but keeps its connections: the gateway's streams
+    // must move to the new leader all the same (the native build opens a new connection).
+    b.restart().unwrap();
+    wait_until("cp-b to stand by again", Duration::from_secs(10), || b.workers().len() == 3 && ready(&b) == 503)
+        .unwrap();
+    kube.leases.hand_to(NS, LEASE, "cp-b");
+    let handed = Instant::now();
+    wait_until("cp-a to step down", Duration::from_secs(5), || ready(&a) == 503 && ready(&b) == 200).unwrap();
+    wait_until("the gateway's index on cp-b", Duration::from_secs(10), || knows(&b, &texts, &first)).unwrap();
+    let stepped_down = handed.elapsed();
+
     let after = count(&seen);
     wait_until("load after the takeovers", Duration::from_secs(10), || count(&seen) >= after + 30).unwrap();
     stop.store(true, Ordering::Relaxed);
@@ -182,12 +197,14 @@ fn the_standby_takes_over_a_killed_or_terminated_leader_under_load_and_no_reques
     let during = seen.iter().filter(|(at, ..)| *at >= killed && *at <= killed + took_over).count();
     eprintln!(
         "SIGKILL: the standby led {:.2} s after the kill (lease {LEASE_SECS} s) and held the gateway's index at \
-         {:.2} s; SIGTERM: the standby led {:.2} s after it and held the index at {:.2} s; {} requests, \
-         {during} while no replica led, {} failed",
+         {:.2} s; SIGTERM: the standby led {:.2} s after it and held the index at {:.2} s; a leader that \
+         lost the Lease alive: the index on the new one at {:.2} s; {} requests, {during} while no replica \
+         led, {} failed",
         took_over.as_secs_f64(),
         reported.as_secs_f64(),
         handed_over.as_secs_f64(),
         re_reported.as_secs_f64(),
+        stepped_down.as_secs_f64(),
         seen.len(),
         failed.len()
     );
@@ -199,7 +216,7 @@ fn the_standby_takes_over_a_killed_or_terminated_leader_under_load_and_no_reques
     drop(seen);
 
     // Every prefix routed before the kill still goes where it went.
-    sync(&a, &envoy);
+    sync(&b, &envoy);
     for (t, w) in texts.iter().zip(&first) {
         assert_eq!(&served(&generate(&envoy, t)), w, "{t:.20}… moved");
     }

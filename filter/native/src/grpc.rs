@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use tonic::codegen::http::uri::PathAndQuery;
 use tonic::metadata::{AsciiMetadataValue, MetadataKey};
-use tonic::transport::Channel;
+use tonic::transport::{Channel, Endpoint};
 use tonic::Status;
 
 /// Largest message accepted from the control plane: a full snapshot at 10^6 index blocks is
@@ -74,7 +74,9 @@ impl Decoder for Raw {
 
 /// The open streams, by the token the plugin knows them by.
 pub struct Streams {
-    channel: Channel,
+    endpoint: Endpoint,
+    /// The connection new streams go over (replaced after a stream closes).
+    channel: RefCell<Channel>,
     events: mpsc::Sender<Event>,
     open: RefCell<HashMap<u32, Open>>,
     next: std::cell::Cell<u32>,
@@ -96,7 +98,8 @@ impl Streams {
     pub fn new(address: &str, events: mpsc::Sender<Event>) -> Result<Self, String> {
         let endpoint =
             Channel::from_shared(address.to_string()).map_err(|e| format!("control_plane_address `{address}`: {e}"))?;
-        Ok(Self { channel: endpoint.connect_lazy(), events, open: RefCell::default(), next: 1.into() })
+        let channel = RefCell::new(endpoint.connect_lazy());
+        Ok(Self { endpoint, channel, events, open: RefCell::default(), next: 1.into() })
     }
 
     /// Opens `/{service}/{method}` with `metadata`; the answer's messages and end arrive as
@@ -112,7 +115,7 @@ impl Streams {
         let token = self.next.get();
         self.next.set(token.wrapping_add(1).max(1));
         let (tx, rx) = mpsc::channel::<Vec<u8>>(OUTBOX);
-        let (channel, events) = (self.channel.clone(), self.events.clone());
+        let (channel, events) = (self.channel.borrow().clone(), self.events.clone());
         let task = tokio::spawn(async move {
             let status = run(channel, path, headers, rx, token, &events).await;
             let _ = events.send(Event::Closed(token, status)).await;
@@ -142,9 +145,12 @@ impl Streams {
         }
     }
 
-    /// Forgets a stream that ended by itself.
+    /// Forgets a stream that ended by itself. The next streams go over a new connection: a
+    /// replica that stopped leading refuses streams on the connection it still holds, and
+    /// behind a Service or Envoy's loopback link a new one reaches whichever replica serves.
     pub fn closed(&self, token: u32) {
         self.open.borrow_mut().remove(&token);
+        *self.channel.borrow_mut() = self.endpoint.connect_lazy();
     }
 }
 

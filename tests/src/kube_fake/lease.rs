@@ -109,6 +109,26 @@ impl Leases {
         self.get(ns, name).and_then(|l| l.spec?.holder_identity).filter(|h| !h.is_empty())
     }
 
+    /// Makes `holder` the holder of the Lease `ns/name`, renewed now, as its own write would
+    /// (a new resourceVersion): the replica that held it finds it held by another at its next
+    /// renewal, while `holder` finds it its own.
+    pub fn hand_to(&self, ns: &str, name: &str, holder: &str) {
+        let mut store = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        store.rv += 1;
+        let rv = store.rv;
+        if let Some(lease) = store.leases.get_mut(&(ns.to_string(), name.to_string())) {
+            let spec = lease.spec.get_or_insert_with(Default::default);
+            spec.holder_identity = Some(holder.to_string());
+            let now_ms = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+            spec.renew_time = k8s_openapi::jiff::Timestamp::from_millisecond(now_ms)
+                .ok()
+                .map(k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime);
+            lease.metadata.resource_version = Some(rv.to_string());
+        }
+    }
+
     /// Writes refused with 409 so far.
     pub fn conflicts(&self) -> u64 {
         self.0.lock().unwrap_or_else(|p| p.into_inner()).conflicts
