@@ -381,6 +381,25 @@ fn no_decode_worker_sees_a_bootstrap_field_the_gateway_did_not_write() {
     }
 }
 
+/// Regular mode too: a vLLM worker launched with a KV connector would act on a client's
+/// `kv_transfer_params` (pull KV from the host they name, and serve it to later prefixes).
+#[test]
+fn no_regular_worker_sees_transfer_parameters_from_a_client() {
+    let sim = Sim::start(&["--engine", "vllm", "--time-scale", "0"]).unwrap();
+    let envoy = Envoy::start(&EnvoyOptions::new(json!({"worker_urls": [sim.url()]})).unwrap()).unwrap();
+    let params = json!({"do_remote_prefill": true, "remote_host": "6.6.6.6", "remote_port": 1});
+    let evil = json!({"model": "kvmesh-sim", "prompt": "smuggle", "max_tokens": 1, "kv_transfer_params": params});
+    let refused = http::post_json(&envoy.url("/v1/completions"), &evil).unwrap();
+    assert_json_error(&refused, 400, "kv_transfer_params");
+    assert_eq!(refused.json().unwrap()["error"]["code"], "invalid_field", "the gateway's answer, not the worker's");
+    let ok = json!({"model": "kvmesh-sim", "prompt": "fine", "max_tokens": 1});
+    assert_eq!(http::post_json(&envoy.url("/v1/completions"), &ok).unwrap().status, 200);
+    let seen = http::get(&format!("{}/sim/requests", sim.url())).unwrap().json().unwrap();
+    let bodies = seen.as_array().cloned().unwrap_or_default();
+    assert_eq!(bodies.len(), 1, "the good request alone: {bodies:?}");
+    assert!(!bodies[0].to_string().contains("6.6.6.6"));
+}
+
 #[test]
 fn without_the_wasm_filter_a_client_still_cannot_pick_the_destination() {
     let sim = Sim::start(FAST).unwrap();

@@ -155,8 +155,8 @@ pub struct ParsedRequest<'a> {
     pub return_logprob: bool,
     /// Whether the client set `rid` itself.
     pub has_rid: bool,
-    /// The first field the client sent that only the gateway may set in PD mode, if any
-    /// (`bootstrap_*`, vLLM's `kv_transfer_params`): there the request is refused.
+    /// The first field the client sent that only the gateway may set, if any (`bootstrap_*`,
+    /// vLLM's `kv_transfer_params`): the request is refused, in every mode.
     pub client_bootstrap: Option<&'static str>,
     /// The `model` the request names (a string of at most
     /// [`crate::models::MAX_MODEL_NAME`] bytes), if any.

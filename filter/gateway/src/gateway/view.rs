@@ -277,9 +277,11 @@ impl RoutingView {
             Mode::Pd(_) => self.candidates(&inflight, Role::Prefill, now, Probes::Allowed, &pool),
             Mode::Regular(_) => (Vec::new(), false),
         };
-        // PD: only the gateway writes transfer parameters (a client's could name any host),
-        // whether the request is split or not.
-        if let (Mode::Pd(_), Some(field)) = (&self.mode, parsed.client_bootstrap) {
+        // Only the gateway writes transfer parameters, in every mode: a client's could name
+        // any host for a worker to exchange KV with (a regular vLLM worker launched with a KV
+        // connector acts on `kv_transfer_params`, and the blocks it pulls would serve other
+        // clients' prefixes from its cache).
+        if let Some(field) = parsed.client_bootstrap {
             return Outcome::Reply(Reply::request(&RequestError::Reserved(field)));
         }
         // A decode worker takes a request only with a partner, or alone as a `both` worker.

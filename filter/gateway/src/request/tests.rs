@@ -535,6 +535,25 @@ fn pd_client_bootstrap_fields_are_refused() {
 }
 
 #[test]
+fn transfer_parameters_from_a_client_are_refused_in_regular_mode_too() {
+    let host = MockHost::new();
+    let gw = gateway(&host, REGULAR);
+    for body in [
+        r#"{"model":"m","prompt":"hi","kv_transfer_params":{"do_remote_prefill":true,"remote_host":"6.6.6.6"}}"#,
+        r#"{"text":"hi","bootstrap_host":"6.6.6.6","bootstrap_port":1,"bootstrap_room":7}"#,
+    ] {
+        let path = if body.contains("prompt") { "/v1/completions" } else { "/generate" };
+        let (_, action) = send(&host, &gw, path, body);
+        assert_eq!(action, Action::Pause);
+        let r = host.reply().unwrap();
+        assert_eq!(r.status, 400, "{body}");
+        assert_eq!(r.json()["error"]["code"], "invalid_field");
+        assert!(host.request_header("x-gateway-destination-endpoint").is_none(), "routed nowhere");
+    }
+    assert_eq!(inflight(&host, &gw), 0);
+}
+
+#[test]
 fn pd_refused_callout_is_a_502_and_nothing_is_committed() {
     let host = MockHost::new();
     let gw = gateway(&host, PD);
