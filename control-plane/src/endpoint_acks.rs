@@ -72,7 +72,15 @@ impl EndpointAcks {
 
     /// Whether every stream that acknowledged an assignment lists all of `needed` healthy.
     pub fn covers(&self, needed: &[Endpoint]) -> bool {
-        self.lock().acked.values().flatten().all(|acked| needed.iter().all(|e| acked.contains(e)))
+        self.missing(needed).is_empty()
+    }
+
+    /// Those of `needed` that some stream which acknowledged an assignment does not list
+    /// healthy.
+    pub fn missing(&self, needed: &[Endpoint]) -> Vec<Endpoint> {
+        let streams = self.lock();
+        let acked: Vec<&BTreeSet<Endpoint>> = streams.acked.values().flatten().collect();
+        needed.iter().filter(|e| acked.iter().any(|a| !a.contains(*e))).cloned().collect()
     }
 
     /// Waits until [`covers`](Self::covers) holds, at most the configured wait. Returns false
@@ -140,6 +148,7 @@ mod tests {
         };
         b.acked(&[("127.0.0.1".into(), 1, true)]);
         assert!(waiting.await.unwrap());
+        assert_eq!(acks.missing(&[ep(1), ep(2)]), vec![ep(2)]);
         // A stream that ends is no longer waited for.
         let c = acks.open();
         c.acked(&[]);

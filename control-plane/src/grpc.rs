@@ -1,6 +1,7 @@
 //! The gRPC service the filters connect to: `Watch` (a full snapshot, then every delta) and
 //! `Report` (prefix inserts and in-flight counts from one gateway).
 
+use std::collections::BTreeSet;
 use std::pin::Pin;
 use std::sync::Arc;
 
@@ -11,7 +12,7 @@ use tokio::sync::broadcast::error::RecvError;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::election::Leadership;
-use crate::endpoint_acks::EndpointAcks;
+use crate::endpoint_acks::{Endpoint, EndpointAcks};
 use crate::state::{GatewayError, State};
 use crate::telemetry::SPANS;
 
@@ -103,15 +104,21 @@ impl Drop for Watching {
 }
 
 /// Waits (bounded) until Envoy's cluster lists the healthy workers of a snapshot that carries
-/// the worker table (see [`crate::endpoint_acks`]).
-async fn endpoints_in_envoy(acks: &EndpointAcks, snapshot: &Snapshot, gateway: &str) {
+/// the worker table (see [`crate::endpoint_acks`]). An endpoint waited for in vain is not
+/// waited for again while it stays in the table (`waived`): an Envoy that stopped
+/// acknowledging holds each table up once, not every table after it.
+async fn endpoints_in_envoy(acks: &EndpointAcks, snapshot: &Snapshot, gateway: &str, waived: &mut BTreeSet<Endpoint>) {
     if !snapshot.workers_changed {
         return;
     }
-    let needed = crate::eds::healthy_endpoints(&snapshot.workers);
+    let mut needed = crate::eds::healthy_endpoints(&snapshot.workers);
+    waived.retain(|e| needed.contains(e));
+    needed.retain(|e| !waived.contains(e));
     if !acks.wait_for(&needed).await {
-        tracing::warn!(%gateway, version = snapshot.version,
-            "Envoy's endpoints do not list every healthy worker yet (--eds-wait-ms passed): the table goes out anyway");
+        let missing = acks.missing(&needed);
+        tracing::warn!(%gateway, version = snapshot.version, ?missing,
+            "Envoy's endpoints do not list these healthy workers yet (--eds-wait-ms passed): the table goes out anyway");
+        waived.extend(missing);
     }
 }
 
@@ -146,7 +153,8 @@ impl Kvmesh for Service {
         let stream = async_stream::stream! {
             let _watching = watching;
             let mut seen = full.version;
-            endpoints_in_envoy(&acks, &full, &gateway).await;
+            let mut waived = BTreeSet::new();
+            endpoints_in_envoy(&acks, &full, &gateway, &mut waived).await;
             for part in split_full(full, FULL_CHUNK_HASHES) {
                 yield Ok(part);
             }
@@ -154,7 +162,7 @@ impl Kvmesh for Service {
                 match deltas.recv().await {
                     Ok(delta) if delta.version > seen => {
                         seen = delta.version;
-                        endpoints_in_envoy(&acks, &delta, &gateway).await;
+                        endpoints_in_envoy(&acks, &delta, &gateway, &mut waived).await;
                         yield Ok((*delta).clone());
                     }
                     Ok(_) => {}
@@ -162,7 +170,7 @@ impl Kvmesh for Service {
                         tracing::warn!(%gateway, missed, "gateway fell behind; sending a full snapshot");
                         let full = full_snapshot(&state, &gateway);
                         seen = full.version;
-                        endpoints_in_envoy(&acks, &full, &gateway).await;
+                        endpoints_in_envoy(&acks, &full, &gateway, &mut waived).await;
                         for part in split_full(full, FULL_CHUNK_HASHES) {
                             yield Ok(part);
                         }
@@ -261,5 +269,30 @@ mod tests {
         assert_eq!(one[0].inserts[0].hashes, [4, 3, 2, 1, 0]);
         let empty = Snapshot { version: 1, full: true, ..Default::default() };
         assert_eq!(split_full(empty.clone(), 3), vec![empty]);
+    }
+
+    #[tokio::test]
+    async fn an_endpoint_waited_for_in_vain_is_not_waited_for_again_while_it_stays() {
+        let acks = EndpointAcks::new(std::time::Duration::from_millis(10));
+        let stuck = acks.open();
+        stuck.acked(&[]);
+        let worker =
+            |port: u16| Worker { url: format!("http://127.0.0.1:{port}"), healthy: true, ..Default::default() };
+        let table = |ports: &[u16]| Snapshot {
+            workers_changed: true,
+            workers: ports.iter().map(|p| worker(*p)).collect(),
+            ..Default::default()
+        };
+        let mut waived = BTreeSet::new();
+        endpoints_in_envoy(&acks, &table(&[1]), "g", &mut waived).await;
+        assert_eq!(waived, BTreeSet::from([("127.0.0.1".to_string(), 1)]), "given up on once");
+        endpoints_in_envoy(&acks, &table(&[1, 2]), "g", &mut waived).await;
+        assert_eq!(waived.len(), 2, "the new one is waited for, then waived too");
+        // Gone from the table: waited for again should it come back.
+        endpoints_in_envoy(&acks, &table(&[2]), "g", &mut waived).await;
+        assert_eq!(waived, BTreeSet::from([("127.0.0.1".to_string(), 2)]));
+        stuck.acked(&[("127.0.0.1".into(), 1, true)]);
+        endpoints_in_envoy(&acks, &table(&[1]), "g", &mut waived).await;
+        assert!(waived.is_empty(), "covered: nothing waived");
     }
 }
