@@ -39,7 +39,8 @@ pub fn set(key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
     }
     entry.0.clear();
     entry.0.extend_from_slice(value);
-    entry.1 = entry.1.wrapping_add(1);
+    // Never 0 again once written: a reader holding version 0 would write unconditionally.
+    entry.1 = entry.1.checked_add(1).unwrap_or(1);
     Ok(())
 }
 
@@ -122,6 +123,21 @@ mod tests {
         set(key, b"d", None).unwrap();
         set(key, b"e", Some(0)).unwrap();
         assert_eq!(get(key).0.as_deref(), Some(&b"e"[..]));
+    }
+
+    #[test]
+    fn the_version_wraps_past_zero() {
+        let key = "test.store.wrap";
+        set(key, b"a", None).unwrap();
+        if let Ok(mut guard) = SHARED.lock() {
+            if let Some(entry) = guard.as_mut().and_then(|m| m.get_mut(key)) {
+                entry.1 = u32::MAX;
+            }
+        }
+        set(key, b"b", Some(u32::MAX)).unwrap();
+        let (_, cas) = get(key);
+        assert_eq!(cas, Some(1), "not 0, which means no check");
+        assert_eq!(set(key, b"c", Some(u32::MAX)), Err(SetError::CasMismatch));
     }
 
     /// Envoy's worker threads share one process here: compare-and-swap must lose no update
