@@ -79,17 +79,31 @@ impl UsageScanner {
         loop {
             if self.idle() {
                 // Only a quote or a backslash can change an idle scanner: skip to the next one.
-                match rest.iter().position(|&c| c == b'"' || c == b'\\') {
+                match quote_or_backslash(rest) {
                     Some(at) => rest = rest.get(at..).unwrap_or_default(),
                     None => return,
                 }
-                // A quote followed by a byte no key continues with (nor a quote, nor a
-                // backslash) leaves the scanner idle again: most strings of a response
-                // (`"text"`, `"id"`, a closing quote before `:` or `,`) take one step, not two.
-                if let [b'"', next, tail @ ..] = rest {
-                    if *next != b'"' && *next != b'\\' && !KEYS.iter().any(|k| k.get(1) == Some(next)) {
-                        rest = tail;
+                // An unescaped quote with the bytes after it in this chunk: compared with each
+                // key at once, not byte by byte. No key there leaves the scanner idle after the
+                // quote (a key starts only at a quote); a whole key leaves it before the colon.
+                if let [b'"', next, ..] = rest {
+                    // Most strings of a response (`"text"`, `"id"`, a closing quote before
+                    // `:` or `,`) start with a byte no key starts with: one step.
+                    if !KEYS.iter().any(|k| k.get(1) == Some(next)) {
+                        rest = rest.get(1..).unwrap_or_default();
                         continue;
+                    }
+                    match key_at(rest) {
+                        KeyAt::None => {
+                            rest = rest.get(1..).unwrap_or_default();
+                            continue;
+                        }
+                        KeyAt::Key(k, len) => {
+                            self.step = Step::Colon(k);
+                            rest = rest.get(len..).unwrap_or_default();
+                        }
+                        // The chunk ends inside what may be a key: byte by byte from here.
+                        KeyAt::Cut => {}
                     }
                 }
             }
@@ -205,6 +219,53 @@ impl UsageScanner {
     }
 }
 
+/// Where the first `"` or `\\` in `bytes` is: eight bytes a step (the gaps between a JSON
+/// body's quotes are short, too short for a vector search's set-up to pay).
+fn quote_or_backslash(bytes: &[u8]) -> Option<usize> {
+    const ONES: u64 = u64::from_ne_bytes([0x01; 8]);
+    const HIGHS: u64 = u64::from_ne_bytes([0x80; 8]);
+    // The lowest byte of `v` that is zero has its high bit set in the result (bits above it
+    // may be set too, by the borrow: only the lowest is used).
+    let zero_byte = |v: u64| v.wrapping_sub(ONES) & !v & HIGHS;
+    let mut words = bytes.chunks_exact(8);
+    for (i, word) in words.by_ref().enumerate() {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(word);
+        let w = u64::from_le_bytes(w);
+        let hits = zero_byte(w ^ u64::from_ne_bytes([b'"'; 8])) | zero_byte(w ^ u64::from_ne_bytes([b'\\'; 8]));
+        if hits != 0 {
+            return Some(i * 8 + (hits.trailing_zeros() / 8) as usize);
+        }
+    }
+    let tail = words.remainder();
+    let at = tail.iter().position(|&c| c == b'"' || c == b'\\')?;
+    Some(bytes.len() - tail.len() + at)
+}
+
+/// What starts at a quote: one of [`KEYS`] (its index and length), none, or the chunk ends
+/// before that is known.
+enum KeyAt {
+    None,
+    Key(u8, usize),
+    Cut,
+}
+
+/// Which of [`KEYS`] `rest` (starting with a quote) starts with.
+fn key_at(rest: &[u8]) -> KeyAt {
+    let mut cut = false;
+    for (k, key) in KEYS.iter().enumerate() {
+        if rest.starts_with(key) {
+            return KeyAt::Key(k as u8, key.len());
+        }
+        cut |= rest.len() < key.len() && key.starts_with(rest);
+    }
+    if cut {
+        KeyAt::Cut
+    } else {
+        KeyAt::None
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -292,7 +353,7 @@ mod tests {
     }
 
     #[test]
-    fn skipping_idle_bytes_reads_what_every_byte_reads() {
+    fn skipping_idle_bytes_and_whole_keys_reads_what_every_byte_reads() {
         let pieces: [&[u8]; 17] = [
             b"\"cached_tokens\"",
             b"\"completion_tokens\"",
@@ -322,6 +383,32 @@ mod tests {
             assert_eq!(scan(&[&body]), want, "{}", String::from_utf8_lossy(&body));
             let cut = (next() as usize) % (body.len() + 1);
             assert_eq!(scan(&[&body[..cut], &body[cut..]]), want, "{}", String::from_utf8_lossy(&body));
+            // Three chunks: a key can begin in one and end two chunks later.
+            let (a, b) = (cut.min(body.len()), (cut + (next() as usize) % 20).min(body.len()));
+            assert_eq!(scan(&[&body[..a], &body[a..b], &body[b..]]), want, "{}", String::from_utf8_lossy(&body));
+        }
+    }
+
+    #[test]
+    fn the_word_search_finds_the_first_quote_or_backslash() {
+        for len in 0..40 {
+            for at in 0..=len {
+                for c in [b'"', b'\\'] {
+                    let mut bytes = vec![b'a'; len];
+                    // Bytes that differ from a quote or a backslash by one bit, and one above 0x7f.
+                    for (i, b) in bytes.iter_mut().enumerate() {
+                        *b = [b'#', b'!', b']', b'|', 0xa2, 0xdc, 0, b'a'][i % 8];
+                    }
+                    if at < len {
+                        bytes[at] = c;
+                        if at + 1 < len {
+                            bytes[at + 1] = b'"';
+                        }
+                    }
+                    let want = bytes.iter().position(|&b| b == b'"' || b == b'\\');
+                    assert_eq!(quote_or_backslash(&bytes), want, "{bytes:?}");
+                }
+            }
         }
     }
 

@@ -83,6 +83,21 @@ impl Headers {
         let (_, v) = self.raw_pairs().find(|(n, _)| n.eq_ignore_ascii_case(name.as_bytes()))?;
         std::str::from_utf8(v).ok()
     }
+
+    /// [`Headers::get`] for each of `names` (lower case), in one pass over the map.
+    pub fn lookup<const N: usize>(&self, names: [&str; N]) -> [Option<&str>; N] {
+        let mut found = [None; N];
+        let mut seen = [false; N];
+        for (name, value) in self.raw_pairs() {
+            for ((wanted, slot), seen) in names.iter().zip(&mut found).zip(&mut seen) {
+                if !*seen && name.len() == wanted.len() && name.eq_ignore_ascii_case(wanted.as_bytes()) {
+                    *seen = true;
+                    *slot = std::str::from_utf8(value).ok();
+                }
+            }
+        }
+        found
+    }
 }
 
 #[cfg(test)]
@@ -98,6 +113,21 @@ mod tests {
         assert_eq!(h.get("x-missing"), None);
         assert_eq!(h.pairs().count(), 3);
         assert_eq!(Headers::default().pairs().count(), 0);
+    }
+
+    #[test]
+    fn a_lookup_finds_what_get_finds() {
+        let h = Headers::from_pairs([
+            (":path", &b"/generate"[..]),
+            ("X-Request-Id", b"caf\xe9"),
+            ("x-request-id", b"r2"),
+            ("Content-Length", b"12"),
+            (":path", b"/second"),
+        ]);
+        let names = [":path", "x-request-id", "content-length", "x-missing", ":method"];
+        assert_eq!(h.lookup(names), names.map(|n| h.get(n)));
+        assert_eq!(h.lookup(names), [Some("/generate"), None, Some("12"), None, None]);
+        assert_eq!(Headers::default().lookup([":path"]), [None]);
     }
 
     #[test]

@@ -304,11 +304,14 @@ impl RequestFilter {
     pub fn on_request_headers(&mut self, host: &dyn StreamHost, end_of_stream: bool) -> Action {
         let headers = host.request_headers();
         // By name, whatever the value (one that is not UTF-8 is still a routing header).
-        for name in headers.names().filter(|n| is_routing_header(n)) {
+        let maybe_routing = |(n, _): &(&[u8], &[u8])| n.first().is_some_and(|c| c.eq_ignore_ascii_case(&b'x'));
+        let names = headers.raw_pairs().filter(maybe_routing).filter_map(|(n, _)| std::str::from_utf8(n).ok());
+        for name in names.filter(|n| is_routing_header(n)) {
             let _ = host.set_request_header(name, None);
         }
-        let method = headers.get(":method").unwrap_or("");
-        let path = headers.get(":path").unwrap_or("/");
+        let [method, path, content_length, request_id] =
+            headers.lookup([":method", ":path", "content-length", "x-request-id"]);
+        let (method, path) = (method.unwrap_or(""), path.unwrap_or("/"));
         let Some(class) = self.with_gateway(|g| g.classify(method, path)) else {
             return self.not_configured(host);
         };
@@ -318,7 +321,7 @@ impl RequestFilter {
             PathClass::NotFound => return self.reply(host, Reply::not_found(method, path)),
             PathClass::Passthrough => return self.route_other(host, path, Now::from_nanos(host.now_nanos())),
         };
-        let content_length = headers.get("content-length").and_then(|v| v.trim().parse().ok());
+        let content_length = content_length.and_then(|v| v.trim().parse().ok());
         let Some(reply) =
             self.with_gateway(|g| g.check_length(content_length).or_else(|| end_of_stream.then(|| g.empty_body())))
         else {
@@ -328,7 +331,7 @@ impl RequestFilter {
             return self.reply(host, reply);
         }
         self.path = path.to_string();
-        self.request_id = Some(match headers.get("x-request-id").filter(|id| valid_request_id(id)) {
+        self.request_id = Some(match request_id.filter(|id| valid_request_id(id)) {
             Some(id) => id.to_string(),
             None => {
                 // Absent, too long or not visible ASCII: both legs and the logs get ours.
