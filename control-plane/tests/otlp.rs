@@ -1,7 +1,7 @@
 //! `--enable-trace`: a real kvmesh-cp exports its spans over OTLP/gRPC to a collector (an
 //! in-process tonic server implementing OpenTelemetry's `TraceService` on a free loopback
 //! port), as service `kvmesh-cp`: an admin call's span names its path and status, and the
-//! startup snapshot's publish is there too. Without the flag nothing is sent.
+//! startup snapshot's publish is there too. Without the flag nothing is sent, the collector named or not.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -115,16 +115,19 @@ fn an_admin_call_and_a_snapshot_reach_the_collector_as_kvmesh_cp_spans() {
 }
 
 #[test]
-fn without_an_endpoint_nothing_is_exported_and_a_bad_one_is_refused() {
+fn without_enable_trace_nothing_is_exported_and_a_bad_endpoint_is_refused() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let collector = Collector::default();
-    let _port = collector.serve(&runtime);
-    // Off by default: the collector listens, nobody names it (and the environment names no
-    // other).
-    let cp = control_plane(&[]);
+    let port = collector.serve(&runtime);
+    // Off without --enable-trace, as in sglang-router, even with the collector named: after
+    // a call and a stop that flushes what the exporter holds (SIGTERM), the collector has
+    // nothing, and the log says why.
+    let mut cp = control_plane(&["--otlp-traces-endpoint", &format!("127.0.0.1:{port}")]);
     http::get(&cp.url("/health")).unwrap();
-    drop(cp);
-    assert!(collector.spans().is_empty());
+    let status = cp.proc().terminate(Duration::from_secs(10)).unwrap();
+    assert!(status.success(), "{status}");
+    assert!(collector.spans().is_empty(), "{:?}", collector.spans());
+    assert!(cp.proc().log_text().contains("has no effect without --enable-trace"), "{}", cp.proc().log_text());
     let mut child = std::process::Command::new(kvmesh_testkit::cp_bin())
         .args(["--worker-urls", "http://127.0.0.1:1", "--enable-trace", "--otlp-traces-endpoint", "grpc://c:4317"])
         .stdout(std::process::Stdio::null())
