@@ -1,7 +1,8 @@
 //! `--enable-trace`: a real kvmesh-cp exports its spans over OTLP/gRPC to a collector (an
 //! in-process tonic server implementing OpenTelemetry's `TraceService` on a free loopback
 //! port), as service `kvmesh-cp`: an admin call's span names its path and status, and the
-//! startup snapshot's publish is there too. Without the flag nothing is sent, the collector named or not.
+//! startup snapshot's publish is there too. Without the flag nothing is sent, the collector
+//! named or not.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
