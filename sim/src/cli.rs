@@ -85,10 +85,11 @@ pub struct Args {
     /// `--served-model-name` is given.
     #[arg(long, default_value = "kvmesh-sim")]
     pub model: String,
-    /// A name the model is served under (repeatable; default: `--model`). The first one is
-    /// the name answers carry. A request naming a model that is not served (nor a `--lora`
-    /// adapter) is a 404; with `--engine sglang` only when this or `--lora` is given.
-    #[arg(long = "served-model-name", value_name = "NAME")]
+    /// The names the model is served under (one or more, as vLLM takes them; repeatable;
+    /// default: `--model`). The first one is the name answers carry. A request naming a model
+    /// that is not served (nor a `--lora` adapter) is a 404; with `--engine sglang` only when
+    /// this or `--lora` is given.
+    #[arg(long = "served-model-name", value_name = "NAME", num_args = 1..)]
     pub served_model_names: Vec<String>,
     /// A LoRA adapter served on top of the model (repeatable): listed in `/v1/models` with
     /// `parent` = the first served name; its prompts never hit the base model's cache.

@@ -328,7 +328,6 @@ async fn served_names_and_adapters_pick_the_model_and_unknown_ones_are_404() {
         "vllm",
         "--served-model-name",
         "base",
-        "--served-model-name",
         "alias",
         "--lora",
         "sql",

@@ -250,3 +250,38 @@ fn a_configured_adapter_is_loaded_where_its_base_runs_and_again_when_lost() {
     assert!(holder().is_some());
     assert!(cp.metrics().lines().any(|l| l.starts_with("kvmesh_adapter_load_failures_total 0")));
 }
+
+/// vLLM serving one model under two names (`--served-model-name llama chat`: one engine, one
+/// KV cache): a prompt cached under one name is a hit under the other, so it goes back to the
+/// worker that holds it, and the global index answers for either name.
+#[test]
+fn names_one_engine_serves_share_its_cache() {
+    let sims: Vec<Sim> = (0..3).map(|_| vllm(&["--served-model-name", "llama", "chat"])).collect();
+    let cp = control_plane(&sims, &["--health-check-interval-secs", "1", "--cache-threshold", "0.1"]);
+    for sim in &sims {
+        wait_until("kvmesh-cp to learn the served names", Duration::from_secs(20), || {
+            cp.worker(&sim.url())["models"].as_array().is_some_and(|m| m.len() == 2)
+        })
+        .unwrap();
+    }
+    let envoy = gateway(&cp);
+    sync(&cp, &envoy);
+    let cached = |r: &Response| r.json().unwrap()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+    for i in 0..8 {
+        let prompt = format!("conversation {i} about {}", format!("topic {i} ").repeat(60));
+        let first = ask(&envoy, "/v1/completions", "llama", &prompt);
+        assert_eq!((first.status, cached(&first)), (200, Some(0)), "{}", first.text());
+        let again = ask(&envoy, "/v1/completions", "chat", &prompt);
+        assert_eq!(again.status, 200, "{}", again.text());
+        assert_eq!(again.header("x-kvmesh-worker"), first.header("x-kvmesh-worker"), "prompt {i}: back to its worker");
+        assert!(cached(&again).is_some_and(|n| n > 0), "prompt {i}: a hit under the other name: {}", again.text());
+    }
+    // A prompt only ever sent as `llama` is found asking for `chat`.
+    let prompt = format!("sent once {}", "as llama ".repeat(60));
+    assert_eq!(ask(&envoy, "/v1/completions", "llama", &prompt).status, 200);
+    wait_until("the prompt in the global index under the other name", Duration::from_secs(10), || {
+        let held = cp.match_model(prompt.as_bytes(), Some("chat")).unwrap();
+        held.as_array().unwrap().iter().any(|e| e["blocks"].as_u64() > Some(0))
+    })
+    .unwrap();
+}

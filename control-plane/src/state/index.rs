@@ -33,7 +33,7 @@ impl State {
         let rules = ModelRules::from_settings(&self.settings.routing).unwrap_or_default();
         let served: Vec<Vec<ServedModel>> = inner.workers.values().map(|w| w.served()).collect();
         let pools = Pools::new(served.iter().map(|m| &m[..]), &rules);
-        let seed = model_seed(pools.resolve(model)?.name);
+        let seed = model_seed(pools.resolve(model)?.key);
         let hashes = block_hashes_from(text, self.settings.block_size, seed);
         let mut out: Vec<(String, usize)> = inner
             .index

@@ -5,7 +5,9 @@
 //! A pool is every worker that serves one name. The gateway routes a request only within the
 //! pool its `model` names, and keys its prefix-index entries by that name
 //! ([`crate::blocks::model_seed`]), so that a prompt sent to two models (or to an adapter and
-//! its base) is never a hit across them.
+//! its base) is never a hit across them. Names one engine serves as its base model (vLLM's
+//! `--served-model-name a b`: one KV cache) share one key, the first of them in byte order,
+//! so that a prompt cached under one is a hit under the other.
 //!
 //! One model served under one name and no `--enable-igw` is sglang-router's single-model
 //! case: every request goes to that model whatever it names (SGLang answers any name; many
@@ -86,17 +88,19 @@ pub enum ModelError {
 /// The pool a request goes to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Pool<'a> {
-    /// The served name the pool is keyed by (the prefix index's seed); none when no worker
-    /// has said what it serves.
+    /// The served name of the pool; none when no worker has said what it serves.
     pub name: Option<&'a str>,
     /// Only workers serving `name` may take the request (false in the single-model case,
     /// where a worker that has not said what it serves still takes it).
     pub only_serving: bool,
+    /// What the prefix index keys the pool's prompts by (its seed): `name`, or the name it
+    /// shares its workers' KV caches with (see [`Pools`]).
+    pub key: Option<&'a str>,
 }
 
 impl Pool<'_> {
     /// Every worker, unkeyed: what a gateway that knows no model names routes on.
-    pub const ANY: Pool<'static> = Pool { name: None, only_serving: false };
+    pub const ANY: Pool<'static> = Pool { name: None, only_serving: false, key: None };
 }
 
 /// The names the workers of one table serve: what requests are resolved against.
@@ -104,6 +108,10 @@ impl Pool<'_> {
 pub struct Pools {
     /// Every name some worker serves, sorted, once each.
     names: Vec<String>,
+    /// For each of `names`, the index in `names` of its prefix-index key: the least name
+    /// served as a base model by one engine with it (linked through any worker), itself for
+    /// an adapter's name and for a base name served alone.
+    keys: Vec<usize>,
     /// Whether some name is an adapter's (then a request's name always picks the pool).
     adapters: bool,
     rules: ModelRules,
@@ -112,17 +120,19 @@ pub struct Pools {
 impl Pools {
     /// The pools of workers serving `served` (one list per worker), under `rules`.
     pub fn new<'a>(served: impl IntoIterator<Item = &'a [ServedModel]>, rules: &ModelRules) -> Self {
+        let served: Vec<&[ServedModel]> = served.into_iter().collect();
         let mut names: Vec<String> = Vec::new();
         let mut adapters = false;
-        for models in served {
-            for m in models {
+        for models in &served {
+            for m in *models {
                 adapters |= m.parent.is_some();
                 names.push(m.id.clone());
             }
         }
         names.sort_unstable();
         names.dedup();
-        Self { names, adapters, rules: rules.clone() }
+        let keys = shared_keys(&names, &served);
+        Self { names, keys, adapters, rules: rules.clone() }
     }
 
     /// Every name some worker serves, sorted.
@@ -140,7 +150,7 @@ impl Pools {
     pub fn resolve<'a>(&'a self, requested: Option<&'a str>) -> Result<Pool<'a>, ModelError> {
         let Some(only) = self.names.first() else { return Ok(Pool::ANY) };
         if !self.by_model() {
-            return Ok(Pool { name: Some(only), only_serving: false });
+            return Ok(Pool { name: Some(only), only_serving: false, key: Some(only) });
         }
         let name = match requested {
             Some(r) => self.rules.canonical(r),
@@ -148,10 +158,55 @@ impl Pools {
             None => return Err(ModelError::Required(self.names.join(", "))),
         };
         match self.names.binary_search_by(|n| n.as_str().cmp(name)) {
-            Ok(_) => Ok(Pool { name: Some(name), only_serving: true }),
+            Ok(at) => {
+                let key = self.keys.get(at).and_then(|&k| self.names.get(k)).map_or(name, String::as_str);
+                Ok(Pool { name: Some(name), only_serving: true, key: Some(key) })
+            }
             Err(_) => Err(ModelError::Unknown(requested.unwrap_or(name).to_string())),
         }
     }
+}
+
+/// For each of `names` (sorted), the index of its key (see [`Pools`]'s `keys`): the base names
+/// each worker serves are linked, and each takes the least name it is linked to. A name some
+/// worker serves as an adapter is never linked (an adapter's KV is its own).
+fn shared_keys(names: &[String], served: &[&[ServedModel]]) -> Vec<usize> {
+    let at = |id: &str| names.binary_search_by(|n| n.as_str().cmp(id)).ok();
+    let adapter: Vec<bool> =
+        names.iter().map(|n| served.iter().any(|w| w.iter().any(|m| m.id == *n && m.parent.is_some()))).collect();
+    // Union-find over indices, the least index as each set's root.
+    let mut root: Vec<usize> = (0..names.len()).collect();
+    fn find(root: &mut [usize], mut i: usize) -> usize {
+        while let Some(&r) = root.get(i) {
+            if r == i {
+                break;
+            }
+            let up = root.get(r).copied().unwrap_or(r);
+            if let Some(slot) = root.get_mut(i) {
+                *slot = up;
+            }
+            i = r;
+        }
+        i
+    }
+    for models in served {
+        let bases: Vec<usize> = models
+            .iter()
+            .filter(|m| m.parent.is_none())
+            .filter_map(|m| at(&m.id))
+            .filter(|&i| !adapter.get(i).copied().unwrap_or(true))
+            .collect();
+        for pair in bases.windows(2) {
+            if let [a, b] = *pair {
+                let (ra, rb) = (find(&mut root, a), find(&mut root, b));
+                let (low, high) = (ra.min(rb), ra.max(rb));
+                if let Some(slot) = root.get_mut(high) {
+                    *slot = low;
+                }
+            }
+        }
+    }
+    (0..names.len()).map(|i| find(&mut root, i)).collect()
 }
 
 /// Whether a worker serving `models` belongs to `pool`.
@@ -183,7 +238,7 @@ mod tests {
     fn one_model_takes_every_request_whatever_it_names() {
         let w = [model("llama", None)];
         let pools = Pools::new([&w[..], &w[..]], &ModelRules::default());
-        let pool = Pool { name: Some("llama"), only_serving: false };
+        let pool = Pool { name: Some("llama"), only_serving: false, key: Some("llama") };
         assert_eq!(pools.resolve(Some("default")), Ok(pool));
         assert_eq!(pools.resolve(None), Ok(pool));
         assert!(serves(&[], &pool), "a worker that has not said what it serves still serves");
@@ -203,7 +258,7 @@ mod tests {
         assert!(pools.by_model());
         assert_eq!(pools.names(), ["a", "a-lora", "b"]);
         let lora = pools.resolve(Some("a-lora")).unwrap();
-        assert_eq!(lora, Pool { name: Some("a-lora"), only_serving: true });
+        assert_eq!(lora, Pool { name: Some("a-lora"), only_serving: true, key: Some("a-lora") });
         assert!(serves(&a, &lora) && !serves(&b, &lora));
         assert_eq!(pools.resolve(Some("c")), Err(ModelError::Unknown("c".into())));
         assert_eq!(pools.resolve(None), Err(ModelError::Required("a, a-lora, b".into())));
@@ -216,7 +271,31 @@ mod tests {
         let one = [model("m", None)];
         let igw = Pools::new([&one[..]], &rules(true, &[]));
         assert_eq!(igw.resolve(Some("other")), Err(ModelError::Unknown("other".into())));
-        assert_eq!(igw.resolve(None), Ok(Pool { name: Some("m"), only_serving: true }));
+        assert_eq!(igw.resolve(None), Ok(Pool { name: Some("m"), only_serving: true, key: Some("m") }));
+    }
+
+    #[test]
+    fn names_one_engine_serves_share_a_key_and_adapters_keep_their_own() {
+        // Engine 1 serves `llama` and `chat` (one KV cache); engine 2 `chat` and `assistant`:
+        // the three are one key, the least name. An adapter, and a model served alone, are not.
+        let one = [model("llama", None), model("chat", None), model("sql", Some("llama"))];
+        let two = [model("chat", None), model("assistant", None)];
+        let three = [model("other", None)];
+        let four = [model("mixed", None), model("sql", None)];
+        let pools = Pools::new([&one[..], &two[..], &three[..], &four[..]], &ModelRules::default());
+        let key = |name: &'static str| pools.resolve(Some(name)).unwrap().key;
+        for name in ["llama", "chat", "assistant"] {
+            assert_eq!(key(name), Some("assistant"), "{name}");
+            assert_eq!(pools.resolve(Some(name)).unwrap().name, Some(name), "the pool stays the name's");
+        }
+        assert_eq!(key("other"), Some("other"));
+        assert_eq!(key("sql"), Some("sql"), "an adapter somewhere: never shared");
+        assert_eq!(key("mixed"), Some("mixed"), "linked only through an adapter's name");
+        // Worker order does not matter.
+        let reversed = Pools::new([&four[..], &three[..], &two[..], &one[..]], &ModelRules::default());
+        for name in ["llama", "chat", "assistant", "other", "sql", "mixed"] {
+            assert_eq!(reversed.resolve(Some(name)).unwrap().key, key(name), "{name}");
+        }
     }
 
     #[test]

@@ -270,7 +270,7 @@ impl RoutingView {
             Ok(pool) => pool,
             Err(e) => return Outcome::Reply(Reply::model(&e)),
         };
-        let text = RoutingText::from(parsed).with_key(key).for_model(pool.name);
+        let text = RoutingText::from(parsed).with_key(key).for_model(pool.key);
         let model = pool.name.map(Box::from);
         let (main_cands, main_full) = self.candidates(&inflight, self.main_role(), now, Probes::Allowed, &pool);
         let (prefill, prefill_full) = match self.mode {
