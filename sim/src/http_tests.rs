@@ -323,16 +323,7 @@ async fn the_llm_d_sidecar_runs_the_prefill_named_by_its_header_first() {
 
 #[tokio::test]
 async fn served_names_and_adapters_pick_the_model_and_unknown_ones_are_404() {
-    let sim = Sim::start(&[
-        "--engine",
-        "vllm",
-        "--served-model-name",
-        "base",
-        "alias",
-        "--lora",
-        "sql",
-    ])
-    .await;
+    let sim = Sim::start(&["--engine", "vllm", "--served-model-name", "base", "alias", "--lora", "sql"]).await;
     let ids: Vec<Value> =
         sim.json("/v1/models").await["data"].as_array().unwrap().iter().map(|c| c["id"].clone()).collect();
     assert_eq!(ids, vec![json!("base"), json!("alias"), json!("sql")]);

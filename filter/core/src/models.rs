@@ -172,8 +172,13 @@ impl Pools {
 /// worker serves as an adapter is never linked (an adapter's KV is its own).
 fn shared_keys(names: &[String], served: &[&[ServedModel]]) -> Vec<usize> {
     let at = |id: &str| names.binary_search_by(|n| n.as_str().cmp(id)).ok();
-    let adapter: Vec<bool> =
-        names.iter().map(|n| served.iter().any(|w| w.iter().any(|m| m.id == *n && m.parent.is_some()))).collect();
+    // One pass over what every worker serves (a look-up each): bounded by the workers' lists.
+    let mut adapter = vec![false; names.len()];
+    for m in served.iter().flat_map(|w| w.iter()).filter(|m| m.parent.is_some()) {
+        if let Some(flag) = at(&m.id).and_then(|i| adapter.get_mut(i)) {
+            *flag = true;
+        }
+    }
     // Union-find over indices, the least index as each set's root.
     let mut root: Vec<usize> = (0..names.len()).collect();
     fn find(root: &mut [usize], mut i: usize) -> usize {
@@ -296,6 +301,30 @@ mod tests {
         for name in ["llama", "chat", "assistant", "other", "sql", "mixed"] {
             assert_eq!(reversed.resolve(Some(name)).unwrap().key, key(name), "{name}");
         }
+    }
+
+    /// The most a table can carry: 64 workers of 256 names each, every worker sharing one name
+    /// with the next, so all are linked into one key; an adapter name on the last worker.
+    #[test]
+    fn the_largest_tables_link_names_through_every_worker() {
+        let workers: Vec<Vec<ServedModel>> = (0..64)
+            .map(|w| {
+                let mut names: Vec<ServedModel> =
+                    (0..MAX_MODELS_PER_WORKER - 1).map(|i| model(&format!("m{:05}", w * 255 + i), None)).collect();
+                names.push(if w == 63 {
+                    model("adapter", Some("m00000"))
+                } else {
+                    model(&format!("m{:05}", w * 255 + 255), None)
+                });
+                names
+            })
+            .collect();
+        let pools = Pools::new(workers.iter().map(Vec::as_slice), &ModelRules::default());
+        assert_eq!(pools.names().len(), 64 * 255 + 1);
+        for name in ["m00000", "m08000", "m16319"] {
+            assert_eq!(pools.resolve(Some(name)).unwrap().key, Some("m00000"), "{name}");
+        }
+        assert_eq!(pools.resolve(Some("adapter")).unwrap().key, Some("adapter"));
     }
 
     #[test]
