@@ -60,7 +60,7 @@ pub async fn keep_loaded(state: Arc<State>, specs: Vec<AdapterSpec>) {
                 continue;
             };
             let body = serde_json::json!({"lora_name": spec.name, "lora_path": spec.path}).to_string();
-            let answer = crate::probe::post_json(&addr, &path, &body, timeout).await;
+            let answer = crate::probe::post_json(&addr, &path, &body, timeout, state.settings.worker_key()).await;
             // An engine that has it already (a load racing another) says so with a 400.
             let loaded = match &answer {
                 Ok((200..=299, _)) => true,

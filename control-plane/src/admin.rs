@@ -126,10 +126,11 @@ async fn remove_worker(Axum(state): Shared, Query(q): Query<WorkerQuery>) -> (St
 /// confirmed, 502 otherwise; the body says per worker.
 async fn flush_cache(Axum(state): Shared) -> (StatusCode, Json<Value>) {
     let timeout = std::time::Duration::from_secs(state.settings.health_timeout_secs);
+    let key = state.settings.worker_key();
     // Once per worker: its data-parallel ranks share one cache flush.
     let calls = state.workers().into_iter().filter(|w| w.dp_rank.is_none_or(|r| r == 0)).map(|w| async move {
         let outcome = match kvmesh_core::worker::socket_addr(&w.url) {
-            Ok(addr) => crate::probe::request("POST", &addr.to_string(), "/flush_cache", timeout).await,
+            Ok(addr) => crate::probe::request("POST", &addr.to_string(), "/flush_cache", timeout, key).await,
             Err(e) => Err(e.to_string()),
         };
         match outcome {

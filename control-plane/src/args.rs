@@ -19,7 +19,7 @@ use kvmesh_core::RoutingSettings;
 use kvmesh_proto::v1::Role;
 
 use crate::peer_flags::{PeerFlags, NOT_YET, NO_EFFECT, REFUSED};
-use crate::settings::{ApiKey, AuthSettings, DiscoveryConfig, Limits, Settings, WorkerPolicy};
+use crate::settings::{worker_api_key, ApiKey, AuthSettings, DiscoveryConfig, Limits, Settings, WorkerPolicy};
 use crate::urls::Cidr;
 
 mod config_file;
@@ -82,8 +82,7 @@ pub struct Args {
     /// Health check path. Default /health.
     #[arg(long, help_heading = "Workers: health, load, discovery")]
     pub health_check_endpoint: Option<String>,
-    /// No active health checks: workers stay healthy unless passive health (circuit
-    /// breakers) takes them out.
+    /// No active health checks: workers stay healthy unless passive health (breakers) takes them out.
     #[arg(long, help_heading = "Workers: health, load, discovery")]
     pub disable_health_check: bool,
     /// How often worker load is polled (`/get_load`, else `/metrics`), in milliseconds
@@ -166,7 +165,7 @@ pub struct Args {
     /// URL. Default: OTEL_EXPORTER_OTLP_ENDPOINT, else localhost:4317.
     #[arg(long, help_heading = "Logging and authentication")]
     pub otlp_traces_endpoint: Option<String>,
-    /// Accepted, not yet enforced: the API key kvmesh-cp sends to the workers.
+    /// The API key kvmesh-cp sends the workers (`Authorization: Bearer KEY`; visible ASCII).
     #[arg(long, help_heading = "Logging and authentication")]
     pub api_key: Option<String>,
     /// Admin API keys: `id:name:role:key` (as SMG) or a bare key; clients send
@@ -468,6 +467,7 @@ impl Args {
             health_failure_threshold: self.threshold("health_failure_threshold", self.health_failure_threshold, 3)?,
             health_success_threshold: self.threshold("health_success_threshold", self.health_success_threshold, 2)?,
             health_endpoint: self.health_check_endpoint.clone().unwrap_or_else(|| "/health".into()),
+            worker_api_key: worker_api_key(self.api_key.as_deref()).map_err(|e| self.bad("api_key", e))?,
             load_poll_interval_ms: self.positive("load_poll_interval_ms", self.load_poll_interval_ms, 1000)?,
             push_interval_ms: self.positive("push_interval_ms", self.push_interval_ms, 10)?,
             eds_wait_ms: self.eds_wait_ms.unwrap_or(1000),

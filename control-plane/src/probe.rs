@@ -13,20 +13,35 @@ use crate::state::{Pressure, RankLoad, State};
 /// broken worker cannot make it hold more).
 pub const MAX_RESPONSE_BYTES: u64 = 4 << 20;
 
+/// The workers' API key (`--api-key`), sent with every request to a worker when set.
+pub type Key<'a> = Option<&'a str>;
+
 /// `GET path` on `addr`: the status and body, or why not.
-pub async fn get(addr: &str, path: &str, timeout: Duration) -> Result<(u16, String), String> {
-    request("GET", addr, path, timeout).await
+pub async fn get(addr: &str, path: &str, timeout: Duration, key: Key<'_>) -> Result<(u16, String), String> {
+    request("GET", addr, path, timeout, key).await
 }
 
 /// `method path` (no body) on `addr`: the status and at most [`MAX_RESPONSE_BYTES`] of the
 /// answer, or why not.
-pub async fn request(method: &str, addr: &str, path: &str, timeout: Duration) -> Result<(u16, String), String> {
-    send(method, addr, path, None, timeout).await
+pub async fn request(
+    method: &str,
+    addr: &str,
+    path: &str,
+    timeout: Duration,
+    key: Key<'_>,
+) -> Result<(u16, String), String> {
+    send(method, addr, path, None, timeout, key).await
 }
 
 /// `POST path` with a JSON `body` on `addr`, as [`request`].
-pub async fn post_json(addr: &str, path: &str, body: &str, timeout: Duration) -> Result<(u16, String), String> {
-    send("POST", addr, path, Some(body), timeout).await
+pub async fn post_json(
+    addr: &str,
+    path: &str,
+    body: &str,
+    timeout: Duration,
+    key: Key<'_>,
+) -> Result<(u16, String), String> {
+    send("POST", addr, path, Some(body), timeout, key).await
 }
 
 async fn send(
@@ -35,6 +50,7 @@ async fn send(
     path: &str,
     body: Option<&str>,
     timeout: Duration,
+    key: Key<'_>,
 ) -> Result<(u16, String), String> {
     let attempt = async {
         let mut conn = tokio::net::TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
@@ -42,8 +58,10 @@ async fn send(
             Some(b) => ("content-type: application/json\r\n", b),
             None => ("", ""),
         };
+        // The key was checked at startup: visible ASCII, nothing that could end the line.
+        let auth = key.map(|k| format!("authorization: Bearer {k}\r\n")).unwrap_or_default();
         let req = format!(
-            "{method} {path} HTTP/1.0\r\nhost: {addr}\r\nuser-agent: kvmesh-cp\r\n{kind}content-length: {}\r\n\r\n{body}",
+            "{method} {path} HTTP/1.0\r\nhost: {addr}\r\nuser-agent: kvmesh-cp\r\n{auth}{kind}content-length: {}\r\n\r\n{body}",
             body.len()
         );
         conn.write_all(req.as_bytes()).await.map_err(|e| e.to_string())?;
@@ -158,7 +176,7 @@ async fn health_check(state: &Arc<State>, url: &str, id: u32, timeout: Duration)
     let addr = addr.to_string();
     let ids: Vec<u32> = state.ranks_of(id).into_iter().map(|(id, _)| id).collect();
     ids.iter().for_each(|&id| state.asking(id));
-    let answer = get(&addr, &state.settings.health_endpoint, timeout).await;
+    let answer = get(&addr, &state.settings.health_endpoint, timeout, state.settings.worker_key()).await;
     let ok = matches!(answer, Ok((200, _)));
     for &id in &ids {
         state.health_result(id, ok);
@@ -195,13 +213,14 @@ pub async fn health_loop(state: Arc<State>) {
 /// Asks the worker at `addr` what it serves and records the answer for its entries `ids`
 /// (nothing when it does not say: what was known stays).
 pub async fn poll_models(state: &Arc<State>, ids: &[u32], addr: &str, timeout: Duration) {
-    let served = match get(addr, "/v1/models", timeout).await {
+    let key = state.settings.worker_key();
+    let served = match get(addr, "/v1/models", timeout, key).await {
         Ok((200, body)) => crate::models::parse_models(&body),
         _ => None,
     };
     let served = match served {
         Some(s) => Some(s),
-        None => match get(addr, "/get_model_info", timeout).await {
+        None => match get(addr, "/get_model_info", timeout, key).await {
             Ok((200, body)) => crate::models::parse_model_info(&body),
             _ => None,
         },
@@ -280,7 +299,7 @@ async fn poll_one(state: &State, id: u32, url: &str, ask_capacity: bool) {
         let (addr, ids) = (addr.clone(), &ids);
         async move {
             ids.iter().for_each(|&id| state.asking(id));
-            let answer = get(&addr, path, POLL_TIMEOUT).await;
+            let answer = get(&addr, path, POLL_TIMEOUT, state.settings.worker_key()).await;
             if answer.is_ok() {
                 ids.iter().for_each(|&id| state.answered(id));
             }
@@ -394,7 +413,7 @@ mod bounded {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         rt.block_on(async {
             let addr = endless_worker().await;
-            let (status, body) = get(&addr, "/metrics", Duration::from_secs(20)).await.unwrap();
+            let (status, body) = get(&addr, "/metrics", Duration::from_secs(20), None).await.unwrap();
             assert_eq!(status, 200);
             assert!(body.len() as u64 <= MAX_RESPONSE_BYTES, "{} bytes kept", body.len());
             assert!(body.len() as u64 > MAX_RESPONSE_BYTES / 2, "the bound, not an early stop");

@@ -47,6 +47,8 @@ pub struct Settings {
     pub health_failure_threshold: u32,
     pub health_success_threshold: u32,
     pub health_endpoint: String,
+    /// `--api-key`: sent to the workers with every request kvmesh-cp makes of them.
+    pub worker_api_key: Option<WorkerKey>,
     /// `--dp-aware`: each data-parallel rank of a regular worker is a routing target.
     pub dp_aware: bool,
     pub load_poll_interval_ms: u64,
@@ -75,6 +77,34 @@ pub struct Settings {
     pub limits: Limits,
     /// Where API-added workers and every worker's id are kept across restarts.
     pub state_file: Option<std::path::PathBuf>,
+}
+
+impl Settings {
+    /// The key to send the workers, if any (see [`crate::probe::Key`]).
+    pub fn worker_key(&self) -> Option<&str> {
+        self.worker_api_key.as_ref().map(|k| k.0.as_str())
+    }
+}
+
+/// The workers' API key (its `Debug` leaves it out).
+#[derive(Clone, PartialEq)]
+pub struct WorkerKey(String);
+
+impl std::fmt::Debug for WorkerKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("WorkerKey(..)")
+    }
+}
+
+/// `--api-key` as kvmesh-cp sends it in a header: 1 to 1024 bytes of visible ASCII.
+pub fn worker_api_key(key: Option<&str>) -> Result<Option<WorkerKey>, String> {
+    match key {
+        None => Ok(None),
+        Some(k) if !k.is_empty() && k.len() <= 1024 && k.bytes().all(|b| b.is_ascii_graphic()) => {
+            Ok(Some(WorkerKey(k.into())))
+        }
+        Some(_) => Err("the key must be 1 to 1024 bytes of visible ASCII (no spaces or line breaks)".into()),
+    }
 }
 
 /// Authentication of the gRPC streams and of the admin API.

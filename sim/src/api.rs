@@ -56,6 +56,23 @@ pub fn router(engine: Arc<Engine>) -> Router {
             .route("/sim/kv/pull", post(vllm::pull_handler).with_state(Arc::clone(&engine.transfers)))
             .fallback(not_found),
     };
+    let app = match engine.args.api_key.clone() {
+        Some(key) => {
+            let engine_kind = engine.args.engine;
+            app.layer(axum::middleware::from_fn(move |req: axum::extract::Request, next: axum::middleware::Next| {
+                let allowed = !needs_key(engine_kind, req.uri().path())
+                    || req.headers().get("authorization").and_then(|v| v.to_str().ok())
+                        == Some(format!("Bearer {key}").as_str());
+                async move {
+                    match allowed {
+                        true => next.run(req).await,
+                        false => (StatusCode::UNAUTHORIZED, Json(json!({"error": "Unauthorized"}))).into_response(),
+                    }
+                }
+            }))
+        }
+        None => app,
+    };
     app.layer(DefaultBodyLimit::disable())
         .layer(axum::middleware::map_response(move |mut r: Response| {
             let addr = addr.clone();
@@ -66,6 +83,16 @@ pub fn router(engine: Arc<Engine>) -> Router {
             }
         }))
         .with_state(engine)
+}
+
+/// Whether `--api-key` guards `path`, as the engine does: SGLang every path but its health and
+/// metrics, vLLM its OpenAI API; never the simulator's own controls.
+fn needs_key(engine: EngineKind, path: &str) -> bool {
+    match engine {
+        _ if path.starts_with("/sim/") => false,
+        EngineKind::Sglang => !path.starts_with("/health") && path != "/metrics",
+        EngineKind::Vllm => path.starts_with("/v1"),
+    }
 }
 
 async fn not_found() -> Response {

@@ -81,6 +81,11 @@ pub struct Args {
     /// bootstrap room; vLLM: the pull from `remote_host:remote_port`).
     #[arg(long, default_value_t = 5000)]
     pub bootstrap_timeout_ms: u64,
+    /// A key every request must carry as `Authorization: Bearer <key>`, as the engine checks
+    /// it: SGLang all but `/health*` and `/metrics`, vLLM only `/v1/*` (the `/sim/*` controls
+    /// never). A request without it is a 401.
+    #[arg(long)]
+    pub api_key: Option<String>,
     /// The model (vLLM's `root` in `/v1/models`); also its served name unless
     /// `--served-model-name` is given.
     #[arg(long, default_value = "kvmesh-sim")]

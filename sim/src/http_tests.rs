@@ -351,3 +351,25 @@ fn the_sidecar_flag_needs_a_vllm_decode() {
     assert!(parse(&["--lora", "kvmesh-sim"]).unwrap_err().contains("twice"));
     assert!(parse(&["--served-model-name", ""]).is_err());
 }
+
+/// `--api-key`, as each engine checks it: SGLang everything but health and metrics, vLLM its
+/// OpenAI API; the simulator's own controls never.
+#[tokio::test]
+async fn an_api_key_guards_what_each_engine_guards() {
+    let bearer = [("authorization", "Bearer k1")];
+    let sglang = Sim::start(&["--api-key", "k1"]).await;
+    for path in ["/health", "/health_generate", "/metrics", "/sim/stats"] {
+        assert_eq!(sglang.get(path).await.status, 200, "{path}");
+    }
+    for path in ["/get_load", "/get_model_info", "/v1/models"] {
+        assert_eq!(sglang.get(path).await.status, 401, "{path}");
+        assert_eq!(sglang.call("GET", path, &bearer, b"").await.status, 200, "{path}");
+    }
+    let wrong = [("authorization", "Bearer k2")];
+    assert_eq!(sglang.call("GET", "/get_load", &wrong, b"").await.status, 401);
+    let vllm = Sim::start(&["--engine", "vllm", "--api-key", "k1"]).await;
+    assert_eq!(vllm.get("/v1/models").await.status, 401);
+    assert_eq!(vllm.call("GET", "/v1/models", &bearer, b"").await.status, 200);
+    assert_eq!(vllm.get("/health").await.status, 200);
+    assert_eq!(vllm.get("/metrics").await.status, 200);
+}

@@ -162,7 +162,7 @@ fn everything() -> Value {
         "clusterDomain": "corp.local",
         "trustDomain": "corp.example",
         "namespace": {"create": true},
-        "workers": {"port": 9000, "selector": {"app": "model-server", "tier": "gpu"}},
+        "workers": {"port": 9000, "selector": {"app": "model-server", "tier": "gpu"}, "apiKeySecret": "worker-key"},
         "mode": "pd",
         "pd": {"protocol": "llm-d"},
         "multiModel": {"enabled": true, "aliases": ["small=Qwen/Qwen2.5-0.5B-Instruct"]},
@@ -292,7 +292,14 @@ fn the_names_tie_together_wherever_and_however_it_is_installed() {
             format!("{}/{}", mount("auth"), volume("auth")["secret"]["items"][0]["path"].as_str().unwrap());
         assert_eq!(cfg["grpc-token-file"], token_path, "{what}");
         assert_eq!(volume("config")["configMap"]["name"], "kvmesh-cp");
-        assert_eq!(container["args"], json!(["--config", format!("{}/kvmesh-cp.yaml", mount("config"))]), "{what}");
+        // The workers' key: from its Secret, through the environment, into --api-key.
+        let config = format!("{}/kvmesh-cp.yaml", mount("config"));
+        assert_eq!(container["args"], json!(["--config", config, "--api-key", "$(KVMESH_WORKER_API_KEY)"]), "{what}");
+        assert_eq!(
+            container["env"][1],
+            json!({"name": "KVMESH_WORKER_API_KEY", "valueFrom": {"secretKeyRef": {"name": "worker-key", "key": "api-key"}}}),
+            "{what}"
+        );
         assert_eq!(container["image"], "example.org/kvmesh-cp:1.2.3");
 
         // The module, the gateway's Service and routes, the monitors.

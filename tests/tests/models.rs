@@ -285,3 +285,31 @@ fn names_one_engine_serves_share_its_cache() {
     })
     .unwrap();
 }
+
+/// Workers launched with `--api-key` (vLLM guards its `/v1/*`): kvmesh-cp learns what each
+/// serves only with `--api-key`, and routes by model; a client's own `Authorization` reaches
+/// the worker unchanged (without it, the worker's 401 comes back).
+#[test]
+fn kvmesh_cp_sends_the_workers_api_key_and_clients_send_theirs() {
+    let key = "sk-worker-7f3a";
+    let sims = vec![
+        vllm(&["--served-model-name", "llama", "--api-key", key]),
+        vllm(&["--served-model-name", "qwen", "--api-key", key]),
+    ];
+    let cp = control_plane(&sims, &["--health-check-interval-secs", "1", "--api-key", key]);
+    for sim in &sims {
+        wait_until("kvmesh-cp to learn the served model through the key", Duration::from_secs(20), || {
+            cp.worker(&sim.url())["models"].as_array().is_some_and(|m| m.len() == 1)
+        })
+        .unwrap();
+    }
+    let envoy = gateway(&cp);
+    sync(&cp, &envoy);
+    let bearer = format!("Bearer {key}");
+    for (model, sim) in [("llama", &sims[0]), ("qwen", &sims[1])] {
+        let body = json!({"model": model, "prompt": "hello", "max_tokens": 2}).to_string();
+        let r = http::post(&envoy.url("/v1/completions"), body.as_bytes(), &[("authorization", &bearer)]).unwrap();
+        assert_eq!((r.status, r.header("x-kvmesh-worker")), (200, Some(sim.addr().as_str())), "{}", r.text());
+    }
+    assert_eq!(ask(&envoy, "/v1/completions", "qwen", "hello").status, 401, "the client's request, without its key");
+}

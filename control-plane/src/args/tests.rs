@@ -323,6 +323,14 @@ fn api_keys_and_tokens_parse_without_echoing_secrets() {
     let empty = config_file("empty.token", "\n");
     assert!(parse(&["--grpc-token-file", path_str(&empty)]).unwrap_err().contains("empty"));
     assert!(parse(&["--protect-read-endpoints"]).unwrap_err().contains("needs --control-plane-api-keys"));
+    // The workers' key goes into a header: nothing that could end the line, and never logged.
+    let s = parse(&["--api-key", "sk-w0rker"]).unwrap();
+    assert_eq!(s.worker_key(), Some("sk-w0rker"));
+    assert!(!format!("{s:?}").contains("sk-w0rker"), "Debug leaves the workers' key out");
+    for bad in ["", "two words", "a\r\nx-injected: 1", "caf\u{e9}"] {
+        let e = parse(&["--api-key", bad]).unwrap_err();
+        assert!(e.contains("--api-key") && e.contains("visible ASCII"), "{bad:?}: {e}");
+    }
     let s = parse(&["--protect-read-endpoints", "--control-plane-api-keys", "k"]).unwrap();
     assert!(s.auth.protect_reads);
 }
