@@ -162,7 +162,7 @@ fn everything() -> Value {
         "clusterDomain": "corp.local",
         "trustDomain": "corp.example",
         "namespace": {"create": true},
-        "workers": {"port": 9000, "selector": {"app": "model-server", "tier": "gpu"}, "apiKeySecret": "worker-key"},
+        "workers": {"port": 9000, "selector": {"app": "model-server", "tier": "gpu"}, "apiKey": "wk-7f3a"},
         "mode": "pd",
         "pd": {"protocol": "llm-d"},
         "multiModel": {"enabled": true, "aliases": ["small=Qwen/Qwen2.5-0.5B-Instruct"]},
@@ -297,9 +297,11 @@ fn the_names_tie_together_wherever_and_however_it_is_installed() {
         assert_eq!(container["args"], json!(["--config", config, "--api-key", "$(KVMESH_WORKER_API_KEY)"]), "{what}");
         assert_eq!(
             container["env"][1],
-            json!({"name": "KVMESH_WORKER_API_KEY", "valueFrom": {"secretKeyRef": {"name": "worker-key", "key": "api-key"}}}),
+            json!({"name": "KVMESH_WORKER_API_KEY", "valueFrom": {"secretKeyRef": {"name": "kvmesh-cp-auth", "key": "worker-api-key"}}}),
             "{what}"
         );
+        assert_eq!(b64("worker-api-key"), "wk-7f3a", "{what}");
+        assert_eq!(filter["worker_api_key"], "wk-7f3a", "{what}: the gateway sends the same key");
         assert_eq!(container["image"], "example.org/kvmesh-cp:1.2.3");
 
         // The module, the gateway's Service and routes, the monitors.

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use kvmesh_testkit::e2e::{control_plane, gateway, gateway_with, pd_options, sync};
 use kvmesh_testkit::http::{self, Response};
-use kvmesh_testkit::{wait_until, ControlPlane, Envoy, Sim};
+use kvmesh_testkit::{wait_until, ControlPlane, Envoy, EnvoyOptions, Sim};
 use serde_json::{json, Value};
 
 /// `llama` on two workers (the second with adapter `sql` loaded), `qwen` on a third.
@@ -287,10 +287,11 @@ fn names_one_engine_serves_share_its_cache() {
 }
 
 /// Workers launched with `--api-key` (vLLM guards its `/v1/*`): kvmesh-cp learns what each
-/// serves only with `--api-key`, and routes by model; a client's own `Authorization` reaches
-/// the worker unchanged (without it, the worker's 401 comes back).
+/// serves only with `--api-key`, and routes by model; the gateway's `worker_api_key` goes to
+/// the worker in place of the client's credential. Without it the client's passes unchanged
+/// (without a key of its own, the worker's 401 comes back).
 #[test]
-fn kvmesh_cp_sends_the_workers_api_key_and_clients_send_theirs() {
+fn the_workers_api_key_reaches_them_from_kvmesh_cp_and_from_the_gateway() {
     let key = "sk-worker-7f3a";
     let sims = vec![
         vllm(&["--served-model-name", "llama", "--api-key", key]),
@@ -303,13 +304,23 @@ fn kvmesh_cp_sends_the_workers_api_key_and_clients_send_theirs() {
         })
         .unwrap();
     }
-    let envoy = gateway(&cp);
-    sync(&cp, &envoy);
+    let keyed = gateway_with(&cp, EnvoyOptions::new(json!({"worker_urls": [], "worker_api_key": key})).unwrap());
+    let plain = gateway(&cp);
+    sync(&cp, &keyed);
+    sync(&cp, &plain);
+    let post = |envoy: &Envoy, model: &str, auth: Option<&str>| {
+        let body = json!({"model": model, "prompt": "hello", "max_tokens": 2}).to_string();
+        let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("authorization", *a)).collect();
+        http::post(&envoy.url("/v1/completions"), body.as_bytes(), &headers).unwrap()
+    };
     let bearer = format!("Bearer {key}");
     for (model, sim) in [("llama", &sims[0]), ("qwen", &sims[1])] {
-        let body = json!({"model": model, "prompt": "hello", "max_tokens": 2}).to_string();
-        let r = http::post(&envoy.url("/v1/completions"), body.as_bytes(), &[("authorization", &bearer)]).unwrap();
+        for auth in [None, Some("Bearer the-clients-own")] {
+            let r = post(&keyed, model, auth);
+            assert_eq!((r.status, r.header("x-kvmesh-worker")), (200, Some(sim.addr().as_str())), "{}", r.text());
+        }
+        let r = post(&plain, model, Some(&bearer));
         assert_eq!((r.status, r.header("x-kvmesh-worker")), (200, Some(sim.addr().as_str())), "{}", r.text());
     }
-    assert_eq!(ask(&envoy, "/v1/completions", "qwen", "hello").status, 401, "the client's request, without its key");
+    assert_eq!(post(&plain, "qwen", None).status, 401, "the client's request, without a key");
 }

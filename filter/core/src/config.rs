@@ -4,7 +4,7 @@
 //! reads the filter's plugin JSON: the routing settings plus the keys only the filter has
 //! (`worker_urls`, `prefill`, `decode`, `upstream_cluster`, `control_plane_cluster`,
 //! `control_plane_address`, `report_interval_ms`, `control_plane_token`,
-//! `route_sets_worker_header`, `original_dst_header`).
+//! `route_sets_worker_header`, `original_dst_header`, `worker_api_key`).
 
 use serde::Deserialize;
 use serde_json::{Map, Value};
@@ -96,6 +96,10 @@ pub struct Config {
     /// The bearer token presented to the control plane on both streams (its
     /// `--grpc-token-file`); none sends no credential.
     pub control_plane_token: Option<String>,
+    /// `Authorization: Bearer <worker_api_key>`, written on every request the filter sends a
+    /// worker (both PD legs), in place of the client's: workers launched with `--api-key`
+    /// (sglang-router's `--api-key`). None: the client's passes unchanged.
+    pub worker_authorization: Option<String>,
     /// Read-only worker paths that pass through (see [`crate::paths`]).
     pub passthrough_paths: Vec<String>,
     /// The route adds `x-kvmesh-worker: %UPSTREAM_REMOTE_ADDRESS%` to every response
@@ -189,9 +193,10 @@ struct FilterKeys {
     #[serde(default)]
     route_sets_worker_header: bool,
     original_dst_header: Option<bool>,
+    worker_api_key: Option<String>,
 }
 
-const FILTER_KEYS: [&str; 10] = [
+const FILTER_KEYS: [&str; 11] = [
     "worker_urls",
     "prefill",
     "decode",
@@ -202,6 +207,7 @@ const FILTER_KEYS: [&str; 10] = [
     "control_plane_token",
     "route_sets_worker_header",
     "original_dst_header",
+    "worker_api_key",
 ];
 
 /// Deserialises `map` as `T`; when that fails, names the first key that fails on its own.
@@ -284,6 +290,7 @@ impl Default for Config {
             control_plane_address: None,
             report_interval_ms: DEFAULT_REPORT_INTERVAL_MS,
             control_plane_token: None,
+            worker_authorization: None,
             route_sets_worker_header: false,
             original_dst_header: true,
             passthrough_paths: crate::paths::DEFAULT_PASSTHROUGH.iter().map(|p| p.to_string()).collect(),
@@ -587,6 +594,7 @@ impl Config {
             control_plane_address: self.control_plane_address.clone(),
             report_interval_ms: self.report_interval_ms,
             control_plane_token: self.control_plane_token.clone(),
+            worker_authorization: self.worker_authorization.clone(),
             route_sets_worker_header: self.route_sets_worker_header,
             original_dst_header: self.original_dst_header,
             ..Self::from_settings(s)?
@@ -634,6 +642,15 @@ impl Config {
                 ))
             }
             t => t,
+        };
+        config.worker_authorization = match keys.worker_api_key {
+            None => None,
+            Some(k) if !k.is_empty() && k.len() <= 1024 && k.bytes().all(|b| b.is_ascii_graphic()) => {
+                Some(format!("Bearer {k}"))
+            }
+            Some(_) => {
+                return Err(invalid("worker_api_key", "must be 1 to 1024 visible ASCII characters, without spaces"))
+            }
         };
         config.workers = if config.pd.is_none() {
             if !keys.prefill.is_empty() || !keys.decode.is_empty() {

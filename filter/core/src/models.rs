@@ -7,7 +7,9 @@
 //! ([`crate::blocks::model_seed`]), so that a prompt sent to two models (or to an adapter and
 //! its base) is never a hit across them. Names one engine serves as its base model (vLLM's
 //! `--served-model-name a b`: one KV cache) share one key, the first of them in byte order,
-//! so that a prompt cached under one is a hit under the other.
+//! so that a prompt cached under one is a hit under the other. Only vLLM and SGLang workers
+//! (`owned_by` `vllm` or `sglang`) are known to serve one model each; the base names of any
+//! other server (one that serves several models, each with its own cache) keep their own keys.
 //!
 //! One model served under one name and no `--enable-igw` is sglang-router's single-model
 //! case: every request goes to that model whatever it names (SGLang answers any name; many
@@ -168,8 +170,8 @@ impl Pools {
 }
 
 /// For each of `names` (sorted), the index of its key (see [`Pools`]'s `keys`): the base names
-/// each worker serves are linked, and each takes the least name it is linked to. A name some
-/// worker serves as an adapter is never linked (an adapter's KV is its own).
+/// each vLLM or SGLang worker serves are linked, and each takes the least name it is linked to.
+/// A name some worker serves as an adapter is never linked (an adapter's KV is its own).
 fn shared_keys(names: &[String], served: &[&[ServedModel]]) -> Vec<usize> {
     let at = |id: &str| names.binary_search_by(|n| n.as_str().cmp(id)).ok();
     // One pass over what every worker serves (a look-up each): bounded by the workers' lists.
@@ -197,7 +199,7 @@ fn shared_keys(names: &[String], served: &[&[ServedModel]]) -> Vec<usize> {
     for models in served {
         let bases: Vec<usize> = models
             .iter()
-            .filter(|m| m.parent.is_none())
+            .filter(|m| m.parent.is_none() && one_model_engine(&m.owned_by))
             .filter_map(|m| at(&m.id))
             .filter(|&i| !adapter.get(i).copied().unwrap_or(true))
             .collect();
@@ -212,6 +214,12 @@ fn shared_keys(names: &[String], served: &[&[ServedModel]]) -> Vec<usize> {
         }
     }
     (0..names.len()).map(|i| find(&mut root, i)).collect()
+}
+
+/// Whether a worker whose model list says `owned_by` is an engine that serves one model (its
+/// several base names are aliases of it).
+fn one_model_engine(owned_by: &str) -> bool {
+    matches!(owned_by, "vllm" | "sglang")
 }
 
 /// Whether a worker serving `models` belongs to `pool`.
@@ -296,6 +304,12 @@ mod tests {
         assert_eq!(key("other"), Some("other"));
         assert_eq!(key("sql"), Some("sql"), "an adapter somewhere: never shared");
         assert_eq!(key("mixed"), Some("mixed"), "linked only through an adapter's name");
+        // A server of several models (Ollama's `owned_by` is `library`): a cache each.
+        let library = |id: &str| ServedModel { owned_by: "library".into(), ..model(id, None) };
+        let ollama = [library("qwen"), library("gemma")];
+        let separate = Pools::new([&ollama[..]], &ModelRules::default());
+        assert_eq!(separate.resolve(Some("qwen")).unwrap().key, Some("qwen"));
+        assert_eq!(separate.resolve(Some("gemma")).unwrap().key, Some("gemma"));
         // Worker order does not matter.
         let reversed = Pools::new([&four[..], &three[..], &two[..], &one[..]], &ModelRules::default());
         for name in ["llama", "chat", "assistant", "other", "sql", "mixed"] {

@@ -192,7 +192,7 @@ fn set_destination(
     host: &dyn StreamHost,
     addr: &str,
     fallbacks: &[String],
-    how: Destination,
+    how: &Destination,
 ) -> Result<(), crate::host::HostError> {
     let (endpoints, retries) = (endpoint_list(addr, fallbacks), fallbacks.len().to_string());
     let timeout = how.timeout_secs.saturating_mul(1000).to_string();
@@ -201,9 +201,12 @@ fn set_destination(
         (ENDPOINTS_HEADER, Some(endpoints.as_str())),
         (RETRIES_HEADER, Some(retries.as_str())),
         (TIMEOUT_HEADER, Some(timeout.as_str())),
+        ("authorization", how.authorization.as_deref()),
     ];
-    // Without the original_dst header, the first write is left out.
-    host.set_request_headers(all.get(usize::from(!how.original_dst)..).unwrap_or_default())
+    // Without the original_dst header, the first write is left out; without a workers' key,
+    // the last (the client's authorization passes).
+    let (start, end) = (usize::from(!how.original_dst), all.len() - usize::from(how.authorization.is_none()));
+    host.set_request_headers(all.get(start..end).unwrap_or_default())
 }
 
 /// A JSON POST of `path` to the worker at `addr`, through the workers' cluster.
@@ -364,7 +367,7 @@ impl RequestFilter {
         match outcome {
             (Err(reply), _) => self.reply(host, reply),
             // Nothing to commit but the destination.
-            (Ok((routed, fallbacks)), how) => match set_destination(host, &routed.addr, &fallbacks, how) {
+            (Ok((routed, fallbacks)), how) => match set_destination(host, &routed.addr, &fallbacks, &how) {
                 Ok(()) => {
                     self.routed = Some(routed);
                     Action::Continue
@@ -563,7 +566,7 @@ impl RequestFilter {
                 host.set_request_header("content-length", Some(&body.len().to_string()))
                     .map_err(|e| internal("cannot set content-length", e))?;
             }
-            set_destination(host, plan.addr(), plan.fallbacks(), how)
+            set_destination(host, plan.addr(), plan.fallbacks(), &how)
                 .map_err(|e| internal("cannot set the destination", e))?;
             return Ok(None);
         };
@@ -571,7 +574,7 @@ impl RequestFilter {
             PrefillLeg::Callout { body, .. } => (body, false),
             PrefillLeg::First { body } => (body, true),
             PrefillLeg::Sidecar => {
-                set_destination(host, plan.addr(), plan.fallbacks(), how)
+                set_destination(host, plan.addr(), plan.fallbacks(), &how)
                     .map_err(|e| internal("cannot set the destination", e))?;
                 host.set_request_header(PREFILLER_HEADER, Some(&pd.prefill.addr))
                     .map_err(|e| internal("cannot name the prefill pod", e))?;
@@ -587,7 +590,7 @@ impl RequestFilter {
             host.set_request_header("content-length", Some(&length))
                 .map_err(|e| internal("cannot set content-length", e))?;
         }
-        set_destination(host, plan.addr(), plan.fallbacks(), how)
+        set_destination(host, plan.addr(), plan.fallbacks(), &how)
             .map_err(|e| internal("cannot set the destination", e))?;
         // The headers as the client sent them (kept from `on_request_headers`), not read again.
         let read;
@@ -602,8 +605,14 @@ impl RequestFilter {
         if let Some(id) = self.request_id.as_deref() {
             headers.push(("x-request-id", id));
         }
-        // The client's end-to-end headers (authorization, trace context, ...) go to both legs.
-        headers.extend(client.pairs().filter(|(n, _)| forwarded_to_prefill(n)));
+        // The client's end-to-end headers (authorization, trace context, ...) go to both legs;
+        // with a workers' key, that in place of the client's authorization.
+        let ours = how.authorization.as_deref();
+        if let Some(auth) = ours {
+            headers.push(("authorization", auth));
+        }
+        let theirs = |n: &str| ours.is_none() || !n.eq_ignore_ascii_case("authorization");
+        headers.extend(client.pairs().filter(|(n, _)| forwarded_to_prefill(n) && theirs(n)));
         let callout =
             Callout { cluster: &cluster, headers: &headers, body, timeout: Duration::from_secs(how.timeout_secs) };
         let token = host.dispatch(callout).map_err(|e| {

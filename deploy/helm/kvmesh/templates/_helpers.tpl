@@ -47,6 +47,8 @@ readable (helm install/upgrade) or given (helm template).
 {{- if and (not $token) (hasKey $data "grpc-token") -}}{{- $token = index $data "grpc-token" | b64dec -}}{{- end -}}
 {{- $keys := .Values.auth.apiKeys -}}
 {{- if and (not $keys) (hasKey $data "api-keys") -}}{{- $keys = index $data "api-keys" | b64dec -}}{{- end -}}
+{{- $workerKey := .Values.workers.apiKey -}}
+{{- if and (not $workerKey) (hasKey $data "worker-api-key") -}}{{- $workerKey = index $data "worker-api-key" | b64dec -}}{{- end -}}
 {{- if .Values.auth.existingSecret -}}
 {{- if not $token -}}
 {{- fail (printf "auth.existingSecret: no grpc-token could be read from the Secret %s in %s (helm template cannot read the cluster: pass the same token as auth.grpcToken)" .Values.auth.existingSecret .Release.Namespace) -}}
@@ -55,7 +57,7 @@ readable (helm install/upgrade) or given (helm template).
 {{- if not $token -}}{{- $token = randAlphaNum 48 -}}{{- end -}}
 {{- if not $keys -}}{{- $keys = printf "ops:ops:admin:%s" (randAlphaNum 48) -}}{{- end -}}
 {{- end -}}
-{{- $_ := set . "kvmeshAuth" (dict "token" $token "apiKeys" $keys) -}}
+{{- $_ := set . "kvmeshAuth" (dict "token" $token "apiKeys" $keys "workerKey" $workerKey) -}}
 {{- end -}}
 {{- end -}}
 
@@ -122,6 +124,7 @@ readable (helm install/upgrade) or given (helm template).
   "control_plane_cluster" (include "kvmesh.cpCluster" .)
   "control_plane_token" .kvmeshAuth.token
 -}}
+{{- with .kvmeshAuth.workerKey -}}{{- $_ := set $f "worker_api_key" . -}}{{- end -}}
 {{- if eq .Values.mode "pd" -}}
 {{- $s := include "kvmesh.pdSettings" . | fromJson -}}
 {{- $_ := set $f "pd_disaggregation" true -}}

@@ -129,6 +129,15 @@ fn bad_values_name_the_field() {
     assert!(err(r#"{"retry_jitter_factor":2}"#).contains("`retry_jitter_factor`"));
     assert!(err(r#"{"control_plane_token":"two words"}"#).contains("`control_plane_token`"));
     assert!(err(r#"{"control_plane_token":7}"#).contains("`control_plane_token`"));
+    for bad in [r#""""#, r#""two words""#, r#""a\r\nx: 1""#, "7"] {
+        assert!(err(&format!(r#"{{"worker_api_key":{bad}}}"#)).contains("`worker_api_key`"), "{bad}");
+    }
+    let keyed = Config::from_json(br#"{"worker_api_key":"wk-1"}"#).unwrap();
+    assert_eq!(keyed.worker_authorization.as_deref(), Some("Bearer wk-1"));
+    assert_eq!(
+        keyed.with_settings(&RoutingSettings::default()).unwrap().worker_authorization,
+        keyed.worker_authorization
+    );
     assert!(err(r#"{"control_plane_address":"http://127.0.0.1:18000"}"#).contains("without control_plane_cluster"));
     let no_scheme = r#"{"control_plane_cluster":"cp","control_plane_address":"127.0.0.1:18000"}"#;
     assert!(err(no_scheme).contains("`control_plane_address`"));

@@ -137,7 +137,11 @@ impl Gateway {
     /// prefill leg).
     pub fn destination(&self) -> Destination {
         let config = &self.view.config;
-        Destination { timeout_secs: config.request_timeout_secs, original_dst: config.original_dst_header }
+        Destination {
+            timeout_secs: config.request_timeout_secs,
+            original_dst: config.original_dst_header,
+            authorization: config.worker_authorization.clone(),
+        }
     }
 
     /// The Envoy cluster the prefill callouts go through.

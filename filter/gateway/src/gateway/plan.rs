@@ -158,18 +158,24 @@ pub struct Committed {
 }
 
 /// How a routed request's destination headers are written (from the configuration).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Destination {
     /// The whole request's budget, for `x-envoy-upstream-rq-timeout-ms`.
     pub timeout_secs: u64,
     /// Also write `x-envoy-original-dst-host` (`original_dst_header`).
     pub original_dst: bool,
+    /// The `authorization` the workers get (`worker_api_key`), in place of the client's.
+    pub authorization: Option<String>,
 }
 
 impl Default for Destination {
     /// As configured by default.
     fn default() -> Self {
-        Self { timeout_secs: kvmesh_core::config::DEFAULT_REQUEST_TIMEOUT_SECS, original_dst: true }
+        Self {
+            timeout_secs: kvmesh_core::config::DEFAULT_REQUEST_TIMEOUT_SECS,
+            original_dst: true,
+            authorization: None,
+        }
     }
 }
 /// Per-request facts from the host.

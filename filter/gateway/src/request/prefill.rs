@@ -142,10 +142,14 @@ impl RequestFilter {
     /// the request (answers are not awaited: the stream is gone).
     pub(super) fn abort_prefill(&self, host: &dyn StreamHost, leg: &PdLeg) {
         let cluster = self.with_gateway(|g| g.upstream_cluster().to_string()).unwrap_or_default();
+        let authorization = self.with_gateway(|g| g.destination().authorization).flatten();
         let addr = leg.prefill().addr.as_str();
         for rid in &self.abort_rids {
             let body = serde_json::json!({ "rid": rid }).to_string();
-            let headers = callout_headers("/abort_request", addr);
+            let mut headers = callout_headers("/abort_request", addr).to_vec();
+            if let Some(auth) = authorization.as_deref() {
+                headers.push(("authorization", auth));
+            }
             let callout = Callout {
                 cluster: &cluster,
                 headers: &headers,

@@ -506,6 +506,34 @@ fn pd_the_prefill_leg_carries_the_clients_end_to_end_headers_only() {
     assert_eq!(dst, vec![&(DST_HEADER.to_string(), "127.0.0.1:30001".to_string())], "only the gateway's choice");
 }
 
+/// `worker_api_key`: both legs carry the workers' key in place of the client's credential.
+#[test]
+fn a_workers_key_replaces_the_clients_authorization_on_both_legs() {
+    let host = MockHost::new();
+    let gw = gateway(&host, &PD.replacen('{', r#"{"worker_api_key":"wk-1","#, 1));
+    let body = r#"{"text":"hi"}"#;
+    host.request(
+        "POST",
+        "/generate",
+        &[("authorization", "Bearer client"), ("traceparent", "00-a-b-01")],
+        body.as_bytes(),
+    );
+    let mut f = RequestFilter::new(Some(gw));
+    f.on_request_headers(&host, false);
+    assert_eq!(f.on_request_body(&host, body.len(), true), Action::Continue);
+    assert_eq!(host.request_header("authorization").as_deref(), Some("Bearer wk-1"), "the decode leg");
+    let prefill: Vec<_> = callout(&host).headers.into_iter().filter(|(n, _)| n == "authorization").collect();
+    assert_eq!(prefill, vec![("authorization".to_string(), "Bearer wk-1".to_string())], "the prefill leg");
+    // Without the key, the client's passes.
+    let host = MockHost::new();
+    let gw = gateway(&host, r#"{"worker_urls":["http://127.0.0.1:30001"]}"#);
+    host.request("POST", "/generate", &[("authorization", "Bearer client")], body.as_bytes());
+    let mut f = RequestFilter::new(Some(gw));
+    f.on_request_headers(&host, false);
+    f.on_request_body(&host, body.len(), true);
+    assert_eq!(host.request_header("authorization").as_deref(), Some("Bearer client"));
+}
+
 #[test]
 fn pd_a_client_error_from_the_prefill_fails_the_request_but_not_the_worker() {
     let host = MockHost::new();

@@ -85,9 +85,11 @@ fn a_prompt_cached_for_one_model_is_no_hit_for_another() {
     let store = FakeStore::default();
     let mut g = gateway(&store, 1, r#","cache_threshold":0.1"#);
     let mut snap = two_models();
-    // Both models on both workers: only the index's keys tell them apart.
+    // Both models on both workers (servers of several models, each with its cache, as
+    // Ollama's): only the index's keys tell them apart.
     for w in &mut snap.workers {
-        w.models = vec![served("a", ""), served("b", "")];
+        let own = |id: &str| proto::ServedModel { owned_by: "library".into(), ..served(id, "") };
+        w.models = vec![own("a"), own("b")];
         w.healthy = true;
     }
     g.apply_snapshot(&store, &snap);
