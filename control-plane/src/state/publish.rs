@@ -35,6 +35,8 @@ impl State {
             inserts: std::mem::take(&mut inner.pending_inserts),
             evictions: std::mem::take(&mut inner.pending_evictions),
             settings: None,
+            // Full snapshots only (a delta keeps the last).
+            worker_authorization: String::new(),
             sent_at_ms: now_ms(),
         };
         let version = delta.version;
@@ -63,6 +65,7 @@ impl State {
                 .collect(),
             evictions: Vec::new(),
             settings: Some((&self.settings.routing).into()),
+            worker_authorization: self.settings.worker_key().map(|k| format!("Bearer {k}")).unwrap_or_default(),
             sent_at_ms: now_ms(),
         }
     }

@@ -27,11 +27,15 @@ pub(super) struct TableFollower {
     /// The settings message `cp_settings` came from, as received (a republished table
     /// carries the same one: compared before converting).
     cp_settings_wire: Option<proto::RoutingSettings>,
+    /// The workers' authorization of the plugin configuration (`worker_api_key`), and the
+    /// control plane's (its `--api-key`, on full snapshots), which wins when it has one.
+    plugin_authorization: Option<String>,
+    cp_authorization: Option<String>,
 }
 
 impl TableFollower {
     /// A follower of nothing yet, whose settings start as `base` (the plugin configuration's).
-    pub(super) fn new(base: RoutingSettings) -> Self {
+    pub(super) fn new(base: RoutingSettings, plugin_authorization: Option<String>) -> Self {
         Self {
             base,
             table_version: None,
@@ -39,6 +43,8 @@ impl TableFollower {
             shared_table_version: None,
             cp_settings: None,
             cp_settings_wire: None,
+            plugin_authorization,
+            cp_authorization: None,
         }
     }
 
@@ -61,6 +67,7 @@ impl TableFollower {
             let value = SharedTable::value(store);
             let Some(snapshot) = value.and_then(|b| proto::Snapshot::decode(b.as_slice()).ok()) else { return };
             self.set_settings(view, snapshot.settings.as_ref());
+            self.set_authorization(view, &snapshot.worker_authorization);
             self.adopt_table(view, &snapshot);
             self.shared_table_version = Some(snapshot.version);
         }
@@ -95,12 +102,18 @@ impl TableFollower {
         // What the other VMs adopt: the table, with the settings in force (a delta without
         // settings keeps the last ones).
         let settings = snapshot.settings.clone().or_else(|| self.cp_settings.as_ref().map(Into::into));
+        // A full snapshot says whether kvmesh-cp has a workers' key; a delta keeps the last.
+        let authorization = match snapshot.full {
+            true => snapshot.worker_authorization.clone(),
+            false => self.cp_authorization.clone().unwrap_or_default(),
+        };
         let shared = proto::Snapshot {
             version: snapshot.version,
             full: true,
             workers: snapshot.workers.clone(),
             workers_changed: true,
             settings,
+            worker_authorization: authorization,
             ..Default::default()
         };
         let structure = snapshot.full
@@ -108,6 +121,7 @@ impl TableFollower {
             || self.shared_table_version.is_none()
             || !same_workers(&view.table, &shared);
         self.set_settings(view, shared.settings.as_ref());
+        self.set_authorization(view, &shared.worker_authorization);
         self.adopt_table(view, &shared);
         let encoded = structure.then(|| shared.encode_to_vec());
         if structure {
@@ -145,6 +159,14 @@ impl TableFollower {
             Ok(config) => view.reconfigure(config),
             Err(e) => log::warn!("control plane settings ignored: {e}"),
         }
+    }
+
+    /// The control plane's workers' authorization (`wire`; empty: none), in force over the
+    /// plugin configuration's when it has one. A value that could not be a header is ignored.
+    fn set_authorization(&mut self, view: &mut RoutingView, wire: &str) {
+        let header_safe = |v: &str| v.len() <= 1100 && v.bytes().all(|b| b == b' ' || b.is_ascii_graphic());
+        self.cp_authorization = Some(wire).filter(|w| !w.is_empty() && header_safe(w)).map(str::to_string);
+        view.config.worker_authorization = self.cp_authorization.clone().or_else(|| self.plugin_authorization.clone());
     }
 
     /// Takes `snapshot`'s worker table. Most tables the control plane sends carry new loads

@@ -85,7 +85,7 @@ impl Gateway {
     /// plane's settings are overlaid on.
     pub fn new(config: Config, store: &dyn SharedStore, seed: u64) -> Self {
         Self {
-            follower: TableFollower::new(config.settings.clone()),
+            follower: TableFollower::new(config.settings.clone(), config.worker_authorization.clone()),
             view: RoutingView::new(config, seed),
             publisher: Publisher::default(),
             ledger: Ledger::new(),

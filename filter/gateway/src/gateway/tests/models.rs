@@ -195,3 +195,33 @@ fn model_labels_are_bounded_and_never_confuse_tag_extraction() {
         "model=.=m0;.;kvmesh_model_requests_total"
     );
 }
+
+/// The control plane's workers' key (its `--api-key`, on full snapshots) wins over the
+/// plugin's on the VM that holds the streams and on the others; a delta keeps it; a full
+/// snapshot without one brings the plugin's back.
+#[test]
+fn the_control_planes_workers_key_reaches_every_vm_over_the_plugins() {
+    let store = FakeStore::default();
+    let (mut owner, mut other) =
+        (gateway(&store, 1, r#","worker_api_key":"mine""#), gateway(&store, 2, r#","worker_api_key":"mine""#));
+    let auth = |g: &Gateway| g.destination().authorization;
+    assert_eq!(auth(&owner).as_deref(), Some("Bearer mine"));
+    let mut full = two_models();
+    full.worker_authorization = "Bearer cp-key".into();
+    owner.apply_snapshot(&store, &full);
+    other.sync_table(&store);
+    assert_eq!((auth(&owner).as_deref(), auth(&other).as_deref()), (Some("Bearer cp-key"), Some("Bearer cp-key")));
+    let delta =
+        proto::Snapshot { version: 2, workers: full.workers.clone(), workers_changed: true, ..Default::default() };
+    owner.apply_snapshot(&store, &delta);
+    other.sync_table(&store);
+    assert_eq!((auth(&owner).as_deref(), auth(&other).as_deref()), (Some("Bearer cp-key"), Some("Bearer cp-key")));
+    // A value that could not be a header is not sent.
+    let bad = proto::Snapshot { version: 3, worker_authorization: "Bearer a\r\nx: 1".into(), ..two_models() };
+    owner.apply_snapshot(&store, &bad);
+    assert_eq!(auth(&owner).as_deref(), Some("Bearer mine"));
+    let none = proto::Snapshot { version: 4, ..two_models() };
+    owner.apply_snapshot(&store, &none);
+    other.sync_table(&store);
+    assert_eq!((auth(&owner).as_deref(), auth(&other).as_deref()), (Some("Bearer mine"), Some("Bearer mine")));
+}
