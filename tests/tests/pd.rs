@@ -91,7 +91,16 @@ fn assert_same_bootstrap(pd: &Pd, prefill: &str, decode: &str, id: &str, batch: 
             assert_eq!(rooms.len(), n, "distinct rooms per item");
         }
     }
-    assert!(p.get("rid").is_some(), "the request id is set as rid: {p}");
+    assert_eq!(p["rid"], d["rid"], "one rid on both legs");
+    let rids = match &p["rid"] {
+        Value::Array(items) => items.clone(),
+        one => vec![one.clone()],
+    };
+    for rid in rids {
+        // The gateway's own (`kvmesh-<16 hex>-<item>`), never the client's.
+        let rid = rid.as_str().unwrap_or_else(|| panic!("rid not a string: {p}"));
+        assert!(rid.starts_with("kvmesh-") && rid.len() == 28, "the gateway's rid: {p}");
+    }
     p
 }
 
@@ -119,7 +128,12 @@ fn every_endpoint_pairs_correctly(native: bool) {
                 Some(k) => json!((0..k).map(prompt).collect::<Vec<_>>()),
             };
             let mut cases = vec![
-                ("/generate", json!({"text": text, "stream": stream, "sampling_params": {"max_new_tokens": 3}})),
+                // A client's rid, a prefix of every rid the gateway makes: replaced on both legs.
+                (
+                    "/generate",
+                    json!({"text": text, "stream": stream, "sampling_params": {"max_new_tokens": 3},
+                                     "rid": batch.map_or(json!("kvmesh-"), |k| json!(vec!["kvmesh-"; k]))}),
+                ),
                 ("/v1/completions", json!({"prompt": text, "stream": stream, "max_tokens": 3})),
             ];
             if batch.is_none() {
@@ -265,6 +279,8 @@ fn shared_prefixes_keep_their_prefill_worker_while_decode_spreads() {
         assert_ne!(decodes[0], decodes[1], "pair {pair}: the second went to the more loaded decode worker");
     }
     assert_eq!(prefills.len(), 1, "{prefills:?}");
+    // Every request after the first found the shared prompt on its prefill worker.
+    assert_eq!(envoy.filter_stat("sgl_router_pd_cache_hits_total"), 27);
 }
 
 fn assert_prefill_error(r: &Response, prefill: &str) {

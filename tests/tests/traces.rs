@@ -205,7 +205,7 @@ fn the_grafana_dashboard_queries_metrics_that_exist() {
     // The native build's stats scrape as `envoy_wasmcustom_kvmesh_*` (Envoy strips that
     // namespace only where a Wasm filter registered it): the chart's PodMonitor renames them.
     let monitor = std::fs::read_to_string(repo_root().join("deploy/helm/kvmesh/templates/monitoring.yaml")).unwrap();
-    assert!(monitor.contains("regex: envoy_wasmcustom_(kvmesh_.*)"), "the PodMonitor's rename");
+    assert!(monitor.contains("regex: envoy_wasmcustom_((kvmesh|sgl_router)_.*)"), "the PodMonitor's rename");
     let envoy_names = scraped(&http::get(&envoy.admin_url("/stats/prometheus")).unwrap().text());
     names.extend(envoy_names.iter().map(|n| n.strip_prefix("envoy_wasmcustom_").unwrap_or(n).to_string()));
     for expr in &exprs {

@@ -3,11 +3,13 @@
 //! `bootstrap_host` (the prefill worker's host), `bootstrap_port` (its bootstrap port, or
 //! null for `none`) and `bootstrap_room` (a random 63-bit id the decode worker uses to fetch
 //! the KV) go into the body, identical for both legs; for a batch of N each is a list of N
-//! (rooms distinct). The gateway's own request id becomes `rid` when the client set none (never
-//! the client's `x-request-id`: SGLang aborts every request whose rid starts with the one it is
-//! given, so a client's id could name other clients' requests). Every other field passes
-//! through byte for byte: the fields are spliced in before the object's closing brace. A client may not send `bootstrap_*` fields itself: the decode worker would fetch KV
-//! from a host the client picked.
+//! (rooms distinct). The gateway's own request id is always the `rid`, in place of any the
+//! client set (SGLang aborts every request whose rid starts with the one it is given, so
+//! neither a client's `rid` nor its `x-request-id` may name what a worker aborts; and a
+//! client's rid could repeat another's on the same worker). Every other field passes through
+//! byte for byte: the fields are spliced in before the object's closing brace. A client may
+//! not send `bootstrap_*` fields itself: the decode worker would fetch KV from a host the
+//! client picked.
 
 use serde_json::Value;
 
@@ -20,8 +22,8 @@ pub struct Bootstrap {
     pub port: Option<u16>,
     /// One room per item (one for a single request).
     pub rooms: Vec<u64>,
-    /// The gateway's id for this request (random), used as `rid` when the client gave none.
-    pub rid: Option<u64>,
+    /// The gateway's id for this request (random): the `rid`s are made from it.
+    pub rid: u64,
 }
 
 /// The rid of item `item` of the request the gateway numbered `id`: `kvmesh-<16 hex>-<4 digits>`,
@@ -53,35 +55,50 @@ impl Bootstrap {
                 ("bootstrap_room", Value::from(self.rooms.first().copied().unwrap_or(0))),
             ],
         };
-        if let (false, Some(id)) = (parsed.has_rid, self.rid) {
-            let value = match (parsed.endpoint, parsed.batch) {
-                // SGLang's batch /generate takes one rid per item.
-                (Endpoint::Generate, Some(n)) => Value::Array((0..n).map(|i| Value::from(rid(id, i))).collect()),
-                _ => Value::from(rid(id, 0)),
-            };
-            fields.push(("rid", value));
+        if parsed.rid_at.is_none() {
+            fields.push(("rid", self.rid_value(parsed)));
         }
         fields
     }
 
-    /// The rids the gateway gives the request's items (none when the client set its own):
-    /// what the prefill leg can be aborted by (`/abort_request`). At most `max` of them.
-    pub fn injected_rids(&self, parsed: &ParsedRequest<'_>, max: usize) -> Vec<String> {
-        let Some(id) = self.rid.filter(|_| !parsed.has_rid) else { return Vec::new() };
+    /// The `rid` field's value: one rid, or for a batch `/generate` (SGLang takes one rid per
+    /// item there) a list of them.
+    fn rid_value(&self, parsed: &ParsedRequest<'_>) -> Value {
         match (parsed.endpoint, parsed.batch) {
-            (Endpoint::Generate, Some(n)) => (0..n.min(max)).map(|i| rid(id, i)).collect(),
-            _ => vec![rid(id, 0)],
+            (Endpoint::Generate, Some(n)) => Value::Array((0..n).map(|i| Value::from(rid(self.rid, i))).collect()),
+            _ => Value::from(rid(self.rid, 0)),
         }
     }
 
-    /// The body both legs receive: `body` with the fields spliced in before its closing
-    /// brace, every other byte unchanged. A body carrying its own `bootstrap_*` fields is
-    /// refused (only the gateway writes them).
+    /// The rids the gateway gives the request's items: what the prefill leg can be aborted by
+    /// (`/abort_request`). At most `max` of them.
+    pub fn injected_rids(&self, parsed: &ParsedRequest<'_>, max: usize) -> Vec<String> {
+        match (parsed.endpoint, parsed.batch) {
+            (Endpoint::Generate, Some(n)) => (0..n.min(max)).map(|i| rid(self.rid, i)).collect(),
+            _ => vec![rid(self.rid, 0)],
+        }
+    }
+
+    /// The body both legs receive: `body` with the client's `rid` value (if any) replaced by
+    /// the gateway's and the other fields spliced in before its closing brace, every other
+    /// byte unchanged. A body carrying its own `bootstrap_*` fields is refused (only the
+    /// gateway writes them).
     pub fn inject(&self, body: &[u8], parsed: &ParsedRequest<'_>) -> Result<Vec<u8>, RequestError> {
         if let Some(field) = parsed.client_bootstrap {
             return Err(RequestError::Reserved(field));
         }
-        splice(body, &self.fields(parsed)).ok_or(RequestError::NotAnObject)
+        let fields = self.fields(parsed);
+        let Some(at) = parsed.rid_at.clone() else {
+            return splice(body, &fields).ok_or(RequestError::NotAnObject);
+        };
+        let (Some(head), Some(tail)) = (body.get(..at.start), body.get(at.end..)) else {
+            return Err(RequestError::NotAnObject);
+        };
+        let mut replaced = Vec::with_capacity(body.len() + 64);
+        replaced.extend_from_slice(head);
+        serde_json::to_writer(&mut replaced, &self.rid_value(parsed)).map_err(|_| RequestError::NotAnObject)?;
+        replaced.extend_from_slice(tail);
+        splice(&replaced, &fields).ok_or(RequestError::NotAnObject)
     }
 }
 
@@ -115,7 +132,7 @@ mod tests {
     use crate::request::parse;
 
     fn boot(port: Option<u16>, rooms: Vec<u64>) -> Bootstrap {
-        Bootstrap { host: "10.0.0.7".into(), port, rooms, rid: Some(0xabc) }
+        Bootstrap { host: "10.0.0.7".into(), port, rooms, rid: 0xabc }
     }
 
     fn inject(endpoint: Endpoint, body: &str, b: &Bootstrap) -> Value {
@@ -150,14 +167,41 @@ mod tests {
             "capped"
         );
         let own = parse(Endpoint::Generate, br#"{"text":"a","rid":"mine"}"#).unwrap();
-        assert!(b.injected_rids(&own, 16).is_empty(), "the client's own rid is not ours to abort");
+        assert_eq!(b.injected_rids(&own, 16), vec!["kvmesh-0000000000000abc-0000"], "the client's rid is replaced");
     }
 
     #[test]
-    fn none_port_is_json_null_and_client_rid_is_kept() {
-        let v = inject(Endpoint::Generate, r#"{"text":"a","rid":"mine"}"#, &boot(None, vec![1]));
+    fn none_port_is_json_null() {
+        let v = inject(Endpoint::Generate, r#"{"text":"a"}"#, &boot(None, vec![1]));
         assert!(v["bootstrap_port"].is_null() && v.get("bootstrap_port").is_some());
-        assert_eq!(v["rid"], "mine");
+    }
+
+    /// A client's `rid` (a prefix of other requests' rids, or another client's) never reaches
+    /// a worker: the gateway's stands in its place, once, the other bytes unchanged.
+    #[test]
+    fn the_clients_rid_is_replaced_in_place() {
+        let b = boot(Some(1), vec![7, 8]);
+        for (endpoint, body, want) in [
+            (Endpoint::Generate, r#"{"rid":"kvmesh-","text":"a"}"#, serde_json::json!(rid(0xabc, 0))),
+            (Endpoint::Generate, r#"{"text":"a", "rid" : null}"#, serde_json::json!(rid(0xabc, 0))),
+            (
+                Endpoint::Generate,
+                r#"{"text":["a","b"],"rid":["x","y"]}"#,
+                serde_json::json!([rid(0xabc, 0), rid(0xabc, 1)]),
+            ),
+            (
+                Endpoint::ChatCompletions,
+                r#"{"messages":[{"role":"user","content":"hi"}],"rid":{"nested":"}"}}"#,
+                serde_json::json!(rid(0xabc, 0)),
+            ),
+        ] {
+            let parsed = parse(endpoint, body.as_bytes()).unwrap();
+            let out = String::from_utf8(b.inject(body.as_bytes(), &parsed).unwrap()).unwrap();
+            assert_eq!(out.matches("\"rid\"").count(), 1, "one rid: {out}");
+            let v: Value = serde_json::from_str(&out).unwrap();
+            assert_eq!(v["rid"], want, "{body}");
+            assert!(out.starts_with(&body[..body.find("\"rid\"").unwrap()]), "bytes before it unchanged: {out}");
+        }
     }
 
     #[test]

@@ -11,6 +11,7 @@
 
 use std::borrow::Cow;
 use std::fmt;
+use std::ops::Range;
 
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
@@ -153,8 +154,9 @@ pub struct ParsedRequest<'a> {
     pub batch: Option<usize>,
     /// SGLang's `return_logprob` (any item, for batches).
     pub return_logprob: bool,
-    /// Whether the client set `rid` itself.
-    pub has_rid: bool,
+    /// Where the value of the client's own `rid` is in the body (`null` included), if it set
+    /// one: in PD mode the gateway writes its own there.
+    pub rid_at: Option<Range<usize>>,
     /// The first field the client sent that only the gateway may set, if any (`bootstrap_*`,
     /// vLLM's `kv_transfer_params`): the request is refused, in every mode.
     pub client_bootstrap: Option<&'static str>,
@@ -180,7 +182,8 @@ struct Fields<'a> {
     stream: Option<&'a RawValue>,
     #[serde(borrow)]
     return_logprob: Option<&'a RawValue>,
-    #[serde(borrow)]
+    /// `null` included (a value the gateway replaces, see [`ParsedRequest::rid_at`]).
+    #[serde(default, borrow, deserialize_with = "raw_even_null")]
     rid: Option<&'a RawValue>,
     #[serde(borrow)]
     bootstrap_host: Option<&'a RawValue>,
@@ -195,6 +198,11 @@ struct Fields<'a> {
     /// Present at all (null included).
     #[serde(default, deserialize_with = "is_present")]
     data_parallel_rank: bool,
+}
+
+/// A field's raw value, `null` included (`Option<&RawValue>` reads `null` as absent).
+fn raw_even_null<'de: 'a, 'a, D: Deserializer<'de>>(de: D) -> Result<Option<&'a RawValue>, D::Error> {
+    <&'a RawValue>::deserialize(de).map(Some)
 }
 
 /// A field's mere presence, whatever its value (`null` included).
@@ -330,7 +338,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest<'_>, Reque
         stream,
         batch: routing.batch,
         return_logprob: logprob_requested(fields.return_logprob)?,
-        has_rid: present(fields.rid).is_some(),
+        rid_at: fields.rid.and_then(|raw| span_in(body, raw.get())),
         client_bootstrap: [
             ("bootstrap_host", fields.bootstrap_host),
             ("bootstrap_port", fields.bootstrap_port),
@@ -404,6 +412,13 @@ fn parse_object(body: &[u8]) -> Result<Fields<'_>, RequestError> {
         };
     }
     serde_json::from_slice::<Fields<'_>>(body).map_err(|e| RequestError::MalformedJson(e.to_string()))
+}
+
+/// Where `value` (a slice of `body`, as serde_json's borrowed values are) lies in `body`.
+fn span_in(body: &[u8], value: &str) -> Option<Range<usize>> {
+    let start = (value.as_ptr() as usize).checked_sub(body.as_ptr() as usize)?;
+    let span = start..start.checked_add(value.len())?;
+    (body.get(span.clone()) == Some(value.as_bytes())).then_some(span)
 }
 
 /// A field that is present and not `null`.

@@ -136,22 +136,36 @@ proptest! {
         extra in any_json(),
         host in "[a-z0-9.-]{1,40}",
         port in prop::option::of(any::<u16>()),
-        rid in prop::option::of(any::<u64>()),
+        rid in any::<u64>(),
+        client_rid in prop::option::of(any_json()),
     ) {
         let text = if batch { json!(items) } else { json!(items[0]) };
-        let body = json!({"text": text, "extra": extra}).to_string().into_bytes();
-        let parsed = parse(Endpoint::Generate, &body).unwrap();
+        let mut fields = json!({"text": text, "extra": extra});
+        if let Some(r) = &client_rid {
+            fields["rid"] = r.clone();
+        }
+        let body = fields.to_string().into_bytes();
+        let Ok(parsed) = parse(Endpoint::Generate, &body) else {
+            // A client rid list of the wrong length for a batch: refused before routing.
+            prop_assert!(batch && client_rid.as_ref().is_some_and(Value::is_array));
+            return Ok(());
+        };
         let n = parsed.batch.unwrap_or(1);
         let boot = Bootstrap { host: host.clone(), port, rooms: (0..n as u64).collect(), rid };
         let out = boot.inject(&body, &parsed).unwrap();
         // Per item: a host, a port, a room and an rid, each with its JSON punctuation.
-        let per_item = host.len() + 6 + 20 + rid.map_or(0, |_| 28 + 12) + 8;
+        let per_item = host.len() + 6 + 20 + 28 + 12 + 8;
         prop_assert!(out.len() <= body.len() + 128 + n * per_item, "{} > bound", out.len());
-        // Every byte the client sent is kept, in place: the fields go before the closing brace.
-        let kept = body.strip_suffix(b"}").unwrap();
-        prop_assert!(out.starts_with(kept), "the body's bytes are kept");
+        if client_rid.is_none() {
+            // Every byte the client sent is kept, in place: the fields go before the closing brace.
+            let kept = body.strip_suffix(b"}").unwrap();
+            prop_assert!(out.starts_with(kept), "the body's bytes are kept");
+        }
         let v: Value = serde_json::from_slice(&out).unwrap();
         prop_assert_eq!(v["bootstrap_host"].clone(), if batch { json!(vec![host; n]) } else { json!(host) });
+        // The gateway's rids, whatever the client sent: the ones the prefill leg is aborted by.
+        let rids = boot.injected_rids(&parsed, usize::MAX);
+        prop_assert_eq!(v["rid"].clone(), if batch { json!(rids) } else { json!(rids[0]) });
     }
 
     #[test]

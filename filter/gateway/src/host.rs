@@ -52,6 +52,9 @@ pub enum Metric {
     PredictionsOver,
     /// Counter: of those, the worker held more than predicted.
     PredictionsUnder,
+    /// PD requests whose prefill worker was believed to hold part of the prompt (named as
+    /// sglang-router's).
+    PdCacheHits,
     /// Histogram: each VM's linear memory in bytes, recorded once a second (the largest
     /// value is the largest VM).
     VmMemory,
@@ -124,13 +127,14 @@ impl Metric {
             | Metric::Predictions
             | Metric::PredictionsAccurate
             | Metric::PredictionsOver
-            | Metric::PredictionsUnder => MetricKind::Counter,
+            | Metric::PredictionsUnder
+            | Metric::PdCacheHits => MetricKind::Counter,
             Metric::DecisionNs | Metric::VmMemory => MetricKind::Histogram,
             Metric::IndexBlocks | Metric::SnapshotVersion | Metric::InFlight | Metric::Queued => MetricKind::Gauge,
         }
     }
 
-    pub const ALL: [Metric; 16] = [
+    pub const ALL: [Metric; 17] = [
         Metric::Requests,
         Metric::LocalReplies,
         Metric::CacheHits,
@@ -146,6 +150,7 @@ impl Metric {
         Metric::PredictionsAccurate,
         Metric::PredictionsOver,
         Metric::PredictionsUnder,
+        Metric::PdCacheHits,
         Metric::VmMemory,
     ];
 
@@ -166,6 +171,7 @@ impl Metric {
             Metric::PredictionsAccurate => "kvmesh_predictions_accurate_total",
             Metric::PredictionsOver => "kvmesh_predictions_over_total",
             Metric::PredictionsUnder => "kvmesh_predictions_under_total",
+            Metric::PdCacheHits => "sgl_router_pd_cache_hits_total",
             Metric::VmMemory => "kvmesh_vm_memory_bytes",
         }
     }

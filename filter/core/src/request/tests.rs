@@ -137,7 +137,8 @@ fn malformed_empty_and_non_objects() {
 fn batch_fields_must_match_the_batch() {
     let ok = r#"{"text":["a","b"],"sampling_params":[{},{}],"rid":["x","y"],"return_logprob":[false,true]}"#;
     let p = parse(Endpoint::Generate, ok.as_bytes()).unwrap();
-    assert!(p.return_logprob && p.has_rid && p.client_bootstrap.is_none());
+    assert!(p.return_logprob && p.client_bootstrap.is_none());
+    assert_eq!(p.rid_at.map(|r| &ok.as_bytes()[r]), Some(&br#"["x","y"]"#[..]), "the client's rid, found in the body");
     let e = err(Endpoint::Generate, r#"{"text":["a","b","c"],"sampling_params":[{},{}]}"#);
     assert_eq!(e, RequestError::BatchLength { field: "sampling_params".into(), expected: 3, got: 2 });
     assert!(e.to_string().contains("`sampling_params`"));
@@ -149,7 +150,13 @@ fn batch_fields_must_match_the_batch() {
 #[test]
 fn logprob_and_bootstrap_flags() {
     let p = parse(Endpoint::Generate, br#"{"text":"a","return_logprob":true,"bootstrap_room":5}"#).unwrap();
-    assert!(p.return_logprob && p.client_bootstrap == Some("bootstrap_room") && !p.has_rid);
+    assert!(p.return_logprob && p.client_bootstrap == Some("bootstrap_room") && p.rid_at.is_none());
+    let body = br#"{"text":"a","rid" : null }"#;
+    assert_eq!(
+        parse(Endpoint::Generate, body).unwrap().rid_at.map(|r| &body[r]),
+        Some(&b"null"[..]),
+        "null is a rid too"
+    );
     assert!(!parse(Endpoint::Generate, br#"{"text":"a","return_logprob":false}"#).unwrap().return_logprob);
     assert!(err(Endpoint::Generate, r#"{"text":"a","return_logprob":"yes"}"#).to_string().contains("`return_logprob`"));
 }

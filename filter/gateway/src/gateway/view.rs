@@ -383,7 +383,7 @@ impl RoutingView {
             host: worker.host.clone(),
             port: worker.bootstrap_port,
             rooms: random_rooms(parsed.batch.unwrap_or(1), || random_u64().unwrap_or_else(|_| rng.next_u64())),
-            rid: Some(random_u64().unwrap_or_else(|_| rng.next_u64())),
+            rid: random_u64().unwrap_or_else(|_| rng.next_u64()),
         };
         let body = boot.inject(body, parsed).map_err(|e| Reply::request(&e))?;
         Ok(Box::new(PdPlan {
