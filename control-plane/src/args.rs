@@ -19,7 +19,7 @@ use kvmesh_core::RoutingSettings;
 use kvmesh_proto::v1::Role;
 
 use crate::peer_flags::{PeerFlags, NOT_YET, NO_EFFECT, REFUSED};
-use crate::settings::{worker_api_key, ApiKey, AuthSettings, DiscoveryConfig, Limits, Settings, WorkerPolicy};
+use crate::settings::{worker_api_key_or_env, ApiKey, AuthSettings, DiscoveryConfig, Limits, Settings, WorkerPolicy};
 use crate::urls::Cidr;
 
 mod config_file;
@@ -165,7 +165,7 @@ pub struct Args {
     /// URL. Default: OTEL_EXPORTER_OTLP_ENDPOINT, else localhost:4317.
     #[arg(long, help_heading = "Logging and authentication")]
     pub otlp_traces_endpoint: Option<String>,
-    /// The API key kvmesh-cp sends the workers (`Authorization: Bearer KEY`; visible ASCII).
+    /// The key kvmesh-cp sends the workers (`Authorization: Bearer KEY`); default KVMESH_WORKER_API_KEY.
     #[arg(long, help_heading = "Logging and authentication")]
     pub api_key: Option<String>,
     /// Admin API keys: `id:name:role:key` (as SMG) or a bare key; clients send
@@ -467,7 +467,7 @@ impl Args {
             health_failure_threshold: self.threshold("health_failure_threshold", self.health_failure_threshold, 3)?,
             health_success_threshold: self.threshold("health_success_threshold", self.health_success_threshold, 2)?,
             health_endpoint: self.health_check_endpoint.clone().unwrap_or_else(|| "/health".into()),
-            worker_api_key: worker_api_key(self.api_key.as_deref()).map_err(|e| self.bad("api_key", e))?,
+            worker_api_key: worker_api_key_or_env(self.api_key.as_deref()).map_err(|e| self.bad("api_key", e))?,
             load_poll_interval_ms: self.positive("load_poll_interval_ms", self.load_poll_interval_ms, 1000)?,
             push_interval_ms: self.positive("push_interval_ms", self.push_interval_ms, 10)?,
             eds_wait_ms: self.eds_wait_ms.unwrap_or(1000),

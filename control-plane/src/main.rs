@@ -94,6 +94,11 @@ async fn run(settings: settings::Settings, election: Option<election::Config>) -
     for warning in &settings.warnings {
         tracing::warn!("{warning}");
     }
+    if settings.worker_key().is_some() && settings.auth.grpc_token.is_none() {
+        tracing::warn!(
+            "the gRPC streams take no token (--grpc-token-file): any client that can open one receives the workers' --api-key"
+        );
+    }
     if settings.auth.insecure {
         eprintln!(
             "\n********************************************************************************\n\

@@ -107,6 +107,19 @@ pub fn worker_api_key(key: Option<&str>) -> Result<Option<WorkerKey>, String> {
     }
 }
 
+/// Where `--api-key` is read when the flag is not given: the environment keeps the key off
+/// the command line (`ps`, `/proc/PID/cmdline`), as the Helm chart passes it.
+pub const WORKER_KEY_ENV: &str = "KVMESH_WORKER_API_KEY";
+
+/// `--api-key`, else [`WORKER_KEY_ENV`] when set and not empty.
+pub fn worker_api_key_or_env(flag: Option<&str>) -> Result<Option<WorkerKey>, String> {
+    if flag.is_some() {
+        return worker_api_key(flag);
+    }
+    let env = std::env::var(WORKER_KEY_ENV).ok().filter(|v| !v.is_empty());
+    worker_api_key(env.as_deref()).map_err(|why| format!("{WORKER_KEY_ENV}: {why}"))
+}
+
 /// Authentication of the gRPC streams and of the admin API.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct AuthSettings {

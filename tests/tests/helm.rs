@@ -292,16 +292,17 @@ fn the_names_tie_together_wherever_and_however_it_is_installed() {
             format!("{}/{}", mount("auth"), volume("auth")["secret"]["items"][0]["path"].as_str().unwrap());
         assert_eq!(cfg["grpc-token-file"], token_path, "{what}");
         assert_eq!(volume("config")["configMap"]["name"], "kvmesh-cp");
-        // The workers' key: from its Secret, through the environment, into --api-key.
+        // The workers' key: from its Secret into kvmesh-cp's environment, never on its
+        // command line, nor in the filter's configuration (kvmesh-cp ships it to the gateways).
         let config = format!("{}/kvmesh-cp.yaml", mount("config"));
-        assert_eq!(container["args"], json!(["--config", config, "--api-key", "$(KVMESH_WORKER_API_KEY)"]), "{what}");
+        assert_eq!(container["args"], json!(["--config", config]), "{what}");
         assert_eq!(
             container["env"][1],
-            json!({"name": "KVMESH_WORKER_API_KEY", "valueFrom": {"secretKeyRef": {"name": "kvmesh-cp-auth", "key": "worker-api-key"}}}),
+            json!({"name": "KVMESH_WORKER_API_KEY", "valueFrom": {"secretKeyRef": {"name": "kvmesh-cp-auth", "key": "worker-api-key", "optional": true}}}),
             "{what}"
         );
         assert_eq!(b64("worker-api-key"), "wk-7f3a", "{what}");
-        assert_eq!(filter["worker_api_key"], "wk-7f3a", "{what}: the gateway sends the same key");
+        assert!(filter.get("worker_api_key").is_none(), "{what}: the key is in the plugin's configuration");
         assert_eq!(container["image"], "example.org/kvmesh-cp:1.2.3");
 
         // The module, the gateway's Service and routes, the monitors.
@@ -375,4 +376,9 @@ fn values_that_cannot_work_are_refused() {
     assert_eq!(filter_json(find(&objs, "EnvoyFilter", "kvmesh-gateway"))["control_plane_token"], "t0ken");
     let pod = &find(&objs, "Deployment", "kvmesh-cp")["spec"]["template"]["spec"];
     assert_eq!(pod["volumes"][1]["secret"]["secretName"], "mine");
+    // The workers' key comes from that Secret too, when it holds one (read at start, not at
+    // render time, so `helm template` cannot lose it); the chart never writes it there.
+    assert_eq!(pod["containers"][0]["env"][1]["valueFrom"]["secretKeyRef"]["name"], "mine");
+    let mine = json!({"existingSecret": "mine", "grpcToken": "t0ken"});
+    refused(with(json!({"auth": mine, "workers": {"apiKey": "k"}})), "worker-api-key");
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use kvmesh_testkit::e2e::{control_plane, gateway, gateway_with, pd_options, sync};
 use kvmesh_testkit::http::{self, Response};
-use kvmesh_testkit::{wait_until, ControlPlane, Envoy, EnvoyOptions, Sim};
+use kvmesh_testkit::{free_port, wait_until, ControlPlane, Envoy, EnvoyOptions, Sim};
 use serde_json::{json, Value};
 
 /// `llama` on two workers (the second with adapter `sql` loaded), `qwen` on a third.
@@ -287,7 +287,7 @@ fn names_one_engine_serves_share_its_cache() {
 }
 
 /// Workers launched with `--api-key` (vLLM guards its `/v1/*`): kvmesh-cp learns what each
-/// serves only with `--api-key`, and ships the key to the gateways, which send it to the
+/// serves only with its key (`--api-key`, here KVMESH_WORKER_API_KEY), and ships the key to the gateways, which send it to the
 /// workers in place of the client's credential (over the filter's own `worker_api_key`).
 #[test]
 fn the_workers_api_key_reaches_them_from_kvmesh_cp_and_through_the_gateways() {
@@ -296,7 +296,17 @@ fn the_workers_api_key_reaches_them_from_kvmesh_cp_and_through_the_gateways() {
         vllm(&["--served-model-name", "llama", "--api-key", key]),
         vllm(&["--served-model-name", "qwen", "--api-key", key]),
     ];
-    let cp = control_plane(&sims, &["--health-check-interval-secs", "1", "--api-key", key]);
+    // Through the environment, as the Helm chart passes it (off the command line).
+    let mut args = vec!["--health-check-interval-secs", "1", "--worker-urls"];
+    let urls: Vec<String> = sims.iter().map(Sim::url).collect();
+    args.extend(urls.iter().map(String::as_str));
+    let cp = ControlPlane::start_with_env(
+        free_port().unwrap(),
+        free_port().unwrap(),
+        &args,
+        &[("KVMESH_WORKER_API_KEY", key)],
+    )
+    .unwrap();
     for sim in &sims {
         wait_until("kvmesh-cp to learn the served model through the key", Duration::from_secs(20), || {
             cp.worker(&sim.url())["models"].as_array().is_some_and(|m| m.len() == 1)

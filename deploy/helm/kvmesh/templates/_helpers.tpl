@@ -50,6 +50,9 @@ readable (helm install/upgrade) or given (helm template).
 {{- $workerKey := .Values.workers.apiKey -}}
 {{- if and (not $workerKey) (hasKey $data "worker-api-key") -}}{{- $workerKey = index $data "worker-api-key" | b64dec -}}{{- end -}}
 {{- if .Values.auth.existingSecret -}}
+{{- if .Values.workers.apiKey -}}
+{{- fail (printf "workers.apiKey: the chart does not write into auth.existingSecret (%s): put the key there as worker-api-key instead" .Values.auth.existingSecret) -}}
+{{- end -}}
 {{- if not $token -}}
 {{- fail (printf "auth.existingSecret: no grpc-token could be read from the Secret %s in %s (helm template cannot read the cluster: pass the same token as auth.grpcToken)" .Values.auth.existingSecret .Release.Namespace) -}}
 {{- end -}}
@@ -124,7 +127,6 @@ readable (helm install/upgrade) or given (helm template).
   "control_plane_cluster" (include "kvmesh.cpCluster" .)
   "control_plane_token" .kvmeshAuth.token
 -}}
-{{- with .kvmeshAuth.workerKey -}}{{- $_ := set $f "worker_api_key" . -}}{{- end -}}
 {{- if eq .Values.mode "pd" -}}
 {{- $s := include "kvmesh.pdSettings" . | fromJson -}}
 {{- $_ := set $f "pd_disaggregation" true -}}
