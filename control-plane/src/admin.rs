@@ -31,7 +31,7 @@ pub fn router(state: Arc<State>, metrics: Arc<Metrics>) -> Router {
     let admin = Router::new()
         .route("/add_worker", post(add_worker))
         .route("/remove_worker", post(remove_worker))
-        .route("/flush_cache", post(flush_cache))
+        .merge(crate::worker_ops::routes())
         .route_layer(from_fn_with_state(state.clone(), auth::admin));
     let read = Router::new()
         .route("/list_workers", get(list_workers))
@@ -118,31 +118,6 @@ async fn remove_worker(Axum(state): Shared, Query(q): Query<WorkerQuery>) -> (St
     } else {
         (StatusCode::NOT_FOUND, format!("Worker {url} not found"))
     }
-}
-
-/// Worker administration fans out from here, as sglang-router does (the gateway never
-/// forwards it): `POST /flush_cache` empties every worker's prefix cache — and, since the
-/// index would no longer be true, the global prefix index too. 200 when every worker
-/// confirmed, 502 otherwise; the body says per worker.
-async fn flush_cache(Axum(state): Shared) -> (StatusCode, Json<Value>) {
-    let timeout = std::time::Duration::from_secs(state.settings.health_timeout_secs);
-    let key = state.settings.worker_key();
-    // Once per worker: its data-parallel ranks share one cache flush.
-    let calls = state.workers().into_iter().filter(|w| w.dp_rank.is_none_or(|r| r == 0)).map(|w| async move {
-        let outcome = match kvmesh_core::worker::socket_addr(&w.url) {
-            Ok(addr) => crate::probe::request("POST", &addr.to_string(), "/flush_cache", timeout, key).await,
-            Err(e) => Err(e.to_string()),
-        };
-        match outcome {
-            Ok((status, _)) => json!({"url": w.url, "status": status, "ok": (200..300).contains(&status)}),
-            Err(e) => json!({"url": w.url, "error": e, "ok": false}),
-        }
-    });
-    let results: Vec<Value> = futures_util::future::join_all(calls).await;
-    state.forget_index();
-    let all_ok = results.iter().all(|r| r["ok"] == true);
-    let status = if all_ok { StatusCode::OK } else { StatusCode::BAD_GATEWAY };
-    (status, Json(json!({"flushed": all_ok, "workers": results})))
 }
 
 async fn list_workers(Axum(state): Shared) -> Json<Value> {

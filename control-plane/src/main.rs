@@ -25,6 +25,7 @@ mod settings;
 mod state;
 mod telemetry;
 mod urls;
+mod worker_ops;
 
 use std::process::ExitCode;
 use std::sync::Arc;

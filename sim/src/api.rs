@@ -42,6 +42,7 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/sim/stats", get(stats))
         .route("/sim/requests", get(recent))
         .route("/sim/fault", post(fault));
+    let common = common.merge(crate::admin::routes(engine.args.engine));
     let app = match engine.args.engine {
         EngineKind::Sglang => common
             .route("/generate", post(generate))

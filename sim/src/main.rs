@@ -1,5 +1,6 @@
 //! `kvmesh-sim`: a simulated SGLang or vLLM worker.
 
+mod admin;
 mod api;
 mod bootstrap;
 mod cache;

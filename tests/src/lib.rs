@@ -185,9 +185,14 @@ impl ControlPlane {
 
     /// POSTs with the admin API key.
     pub fn post(&self, path_and_query: &str) -> anyhow::Result<http::Response> {
+        self.post_body(path_and_query, b"")
+    }
+
+    /// POSTs `body` with the admin API key.
+    pub fn post_body(&self, path_and_query: &str, body: &[u8]) -> anyhow::Result<http::Response> {
         let auth = self.api_key.as_ref().map(|k| format!("Bearer {k}"));
         let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("authorization", a.as_str())).collect();
-        http::post(&self.url(path_and_query), b"", &headers)
+        http::post(&self.url(path_and_query), body, &headers)
     }
 
     /// `POST /match` with `text` (with the API key, which it needs): which workers hold how

@@ -1,0 +1,217 @@
+//! Worker administration, fanned out from kvmesh-cp (the gateway never forwards it): the
+//! engines' own admin endpoints, called on every worker or on the ones a query selects, each
+//! once per server (data-parallel ranks share one), with what the caller sent.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{Query, State as Axum};
+use axum::http::StatusCode;
+use axum::routing::post;
+use axum::{Json, Router};
+use kvmesh_proto::v1::Role;
+use serde_json::{json, Value};
+
+use crate::state::{role_name, State, WorkerEntry};
+
+/// One engine admin endpoint kvmesh-cp fans out.
+#[derive(Clone, Copy, Debug)]
+pub struct Op {
+    pub path: &'static str,
+    /// Whether it empties the worker's KV cache: the global prefix index (and so every
+    /// filter's) forgets then, as it would otherwise send prompts to caches no longer there.
+    pub drops_cache: bool,
+}
+
+/// SGLang's (`flush_cache`, weight updates, profiling, abort, memory release) and vLLM's
+/// (`reset_prefix_cache`, profiling, sleep): each worker answers the ones its engine has.
+pub const OPS: [Op; 10] = [
+    Op { path: "/flush_cache", drops_cache: true },
+    Op { path: "/update_weights_from_disk", drops_cache: true },
+    Op { path: "/start_profile", drops_cache: false },
+    Op { path: "/stop_profile", drops_cache: false },
+    Op { path: "/abort_request", drops_cache: false },
+    Op { path: "/release_memory_occupation", drops_cache: true },
+    Op { path: "/resume_memory_occupation", drops_cache: false },
+    Op { path: "/reset_prefix_cache", drops_cache: true },
+    Op { path: "/sleep", drops_cache: true },
+    Op { path: "/wake_up", drops_cache: false },
+];
+
+/// Largest body passed on (the ops take a few small fields).
+pub const MAX_BODY: usize = 64 * 1024;
+/// Most bytes of each worker's answer put in the reply.
+const MAX_ANSWER: usize = 4096;
+
+/// The ops' routes (the caller adds the admin-key guard).
+pub fn routes() -> Router<Arc<State>> {
+    OPS.iter().fold(Router::new(), |r, &op| {
+        r.route(
+            op.path,
+            post(move |state: Axum<Arc<State>>, query: Query<Vec<(String, String)>>, body: Bytes| {
+                fan_out(op, state, query, body)
+            }),
+        )
+    })
+}
+
+type Reply = (StatusCode, Json<Value>);
+
+fn refuse(status: StatusCode, why: impl Into<String>) -> Reply {
+    (status, Json(json!({"error": why.into()})))
+}
+
+/// Which workers, and the query passed on: `url=` (a worker as `/list_workers` names it, its
+/// server for a rank) and `role=` select, every other parameter goes to the workers.
+#[derive(Debug)]
+struct Selection {
+    url: Option<String>,
+    role: Option<Role>,
+    forwarded: Vec<(String, String)>,
+}
+
+fn selection(query: Vec<(String, String)>, pd: bool) -> Result<Selection, String> {
+    let mut s = Selection { url: None, role: None, forwarded: Vec::new() };
+    for (k, v) in query {
+        match k.as_str() {
+            "url" => s.url = Some(v.trim_end_matches('/').to_string()),
+            "role" => {
+                s.role = Some(match (v.as_str(), pd) {
+                    ("prefill", true) => Role::Prefill,
+                    ("decode", true) => Role::Decode,
+                    ("regular", false) => Role::Regular,
+                    _ => return Err(format!("role `{v}` does not fit this control plane's mode")),
+                })
+            }
+            _ if k.len() + v.len() > 1024 => return Err(format!("query parameter `{k}` is too long")),
+            _ => s.forwarded.push((k, v)),
+        }
+    }
+    Ok(s)
+}
+
+impl Selection {
+    fn picks(&self, w: &WorkerEntry) -> bool {
+        // A worker that prefills and decodes (`both`) answers to either role.
+        let role_ok = self.role.is_none_or(|r| w.role == r || w.role == Role::Both);
+        let url_ok = self.url.as_deref().is_none_or(|u| w.url.trim_end_matches('/') == u || w.name() == u);
+        role_ok && url_ok
+    }
+
+    /// The path with the forwarded parameters (encoded again: nothing the caller sent can
+    /// end the request line).
+    fn target(&self, path: &str) -> String {
+        if self.forwarded.is_empty() {
+            return path.to_string();
+        }
+        let mut q = form_urlencoded::Serializer::new(String::new());
+        q.extend_pairs(&self.forwarded);
+        format!("{path}?{}", q.finish())
+    }
+}
+
+/// `POST <op>[?url=…][&role=…]` with the engine's JSON body (or none): the op on each selected
+/// worker at once. 200 when every one answered 2xx, 502 otherwise (the body says per worker),
+/// 404 when none is selected.
+async fn fan_out(
+    op: Op,
+    Axum(state): Axum<Arc<State>>,
+    Query(query): Query<Vec<(String, String)>>,
+    body: Bytes,
+) -> Reply {
+    let sel = match selection(query, state.settings.pd) {
+        Ok(s) => s,
+        Err(e) => return refuse(StatusCode::BAD_REQUEST, e),
+    };
+    if body.len() > MAX_BODY {
+        return refuse(StatusCode::PAYLOAD_TOO_LARGE, format!("the body is over {MAX_BODY} bytes"));
+    }
+    let body = match std::str::from_utf8(&body) {
+        Ok(b) if b.trim().is_empty() => None,
+        Ok(b) if serde_json::from_str::<serde_json::Map<String, Value>>(b).is_ok() => Some(b),
+        _ => return refuse(StatusCode::BAD_REQUEST, "the body must be a JSON object (or empty)"),
+    };
+    // Once per server: its data-parallel ranks share it.
+    let mut servers: Vec<WorkerEntry> = state.workers().into_iter().filter(|w| sel.picks(w)).collect();
+    servers.sort_by(|a, b| (&a.url, a.dp_rank).cmp(&(&b.url, b.dp_rank)));
+    servers.dedup_by(|a, b| a.url == b.url);
+    if servers.is_empty() {
+        return refuse(StatusCode::NOT_FOUND, "no worker matches (see /list_workers)");
+    }
+    let secs = state.settings.routing.request_timeout_secs.unwrap_or(1800);
+    let timeout =
+        Duration::from_secs(if op.path == "/flush_cache" { state.settings.health_timeout_secs } else { secs });
+    let key = state.settings.worker_key();
+    let target = sel.target(op.path);
+    let calls = servers.iter().map(|w| call(w, &target, body, timeout, key));
+    let results: Vec<Value> = futures_util::future::join_all(calls).await;
+    let all_ok = results.iter().all(|r| r["ok"] == true);
+    if op.drops_cache && results.iter().any(|r| r["ok"] == true) {
+        state.forget_index();
+    }
+    tracing::info!(op = op.path, workers = results.len(), ok = all_ok, "worker administration");
+    let status = if all_ok { StatusCode::OK } else { StatusCode::BAD_GATEWAY };
+    let mut reply = json!({"ok": all_ok, "workers": results});
+    if op.path == "/flush_cache" {
+        reply["flushed"] = json!(all_ok);
+    }
+    (status, Json(reply))
+}
+
+async fn call(w: &WorkerEntry, target: &str, body: Option<&str>, timeout: Duration, key: Option<&str>) -> Value {
+    let addr = match kvmesh_core::worker::socket_addr(&w.url) {
+        Ok(addr) => addr.to_string(),
+        Err(e) => return json!({"url": w.url, "role": role_name(w.role), "error": e.to_string(), "ok": false}),
+    };
+    let outcome = match body {
+        Some(b) => crate::probe::post_json(&addr, target, b, timeout, key).await,
+        None => crate::probe::request("POST", &addr, target, timeout, key).await,
+    };
+    match outcome {
+        Ok((status, text)) => {
+            let answer = serde_json::from_str::<Value>(&text).unwrap_or_else(|_| json!(truncated(&text)));
+            json!({"url": w.url, "role": role_name(w.role), "status": status,
+                   "ok": (200..300).contains(&status), "answer": answer})
+        }
+        Err(e) => json!({"url": w.url, "role": role_name(w.role), "error": e, "ok": false}),
+    }
+}
+
+fn truncated(text: &str) -> &str {
+    let mut end = text.len().min(MAX_ANSWER);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pairs(q: &[(&str, &str)]) -> Vec<(String, String)> {
+        q.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn the_selectors_stay_here_and_the_rest_goes_on_encoded() {
+        let s =
+            selection(pairs(&[("url", "http://10.0.0.1:8000/"), ("level", "1"), ("tags", "a b&c")]), false).unwrap();
+        assert_eq!(s.url.as_deref(), Some("http://10.0.0.1:8000"));
+        assert_eq!(s.target("/sleep"), "/sleep?level=1&tags=a+b%26c");
+        assert_eq!(selection(pairs(&[]), true).unwrap().target("/stop_profile"), "/stop_profile");
+        let crlf = selection(pairs(&[("x", "1 HTTP/1.1\r\nhost: evil")]), false).unwrap().target("/wake_up");
+        assert!(!crlf.contains(['\r', '\n', ' ']), "{crlf}");
+        assert!(selection(pairs(&[("role", "prefill")]), false).unwrap_err().contains("mode"));
+        assert_eq!(selection(pairs(&[("role", "prefill")]), true).unwrap().role, Some(Role::Prefill));
+        assert!(selection(pairs(&[("k", &"v".repeat(2000))]), false).is_err());
+    }
+
+    #[test]
+    fn answers_are_cut_on_a_character() {
+        let long = "é".repeat(MAX_ANSWER);
+        assert!(truncated(&long).len() <= MAX_ANSWER && truncated(&long).ends_with('é'));
+        assert_eq!(truncated("short"), "short");
+    }
+}

@@ -1,0 +1,78 @@
+//! Worker administration fans out from kvmesh-cp (the gateway never forwards it): the
+//! engines' own admin endpoints on every worker, or on those `url=` / `role=` select, with the
+//! caller's body and query, behind the admin key; an op that empties the workers' KV caches
+//! empties the prefix index too.
+
+use std::time::Duration;
+
+use kvmesh_testkit::e2e::{control_plane, gateway, sims, FAST};
+use kvmesh_testkit::{http, wait_until, Sim};
+use serde_json::{json, Value};
+
+/// The calls of `path` a simulated worker recorded.
+fn seen(sim: &Sim, path: &str) -> Vec<Value> {
+    let log = http::get(&format!("{}/sim/requests", sim.url())).unwrap().json().unwrap();
+    log.as_array().unwrap().iter().filter(|r| r["path"] == path).cloned().collect()
+}
+
+#[test]
+fn worker_admin_reaches_the_selected_workers_with_what_the_caller_sent() {
+    let mut workers = sims(2, FAST);
+    workers.push(Sim::start(&["--engine", "vllm", "--time-scale", "0"]).unwrap());
+    let cp = control_plane(&workers, &[]);
+    let index = || cp.snapshot().unwrap()["index_entries"].as_u64().unwrap_or(0);
+    let envoy = gateway(&cp);
+    let r = http::post_json(&envoy.url("/v1/completions"), &json!({"prompt": "words ".repeat(200), "max_tokens": 1}))
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    wait_until("the control plane to index the prompt", Duration::from_secs(10), || index() > 0).unwrap();
+
+    // Every worker, the body as sent; nothing without the admin key.
+    let profile = json!({"output_dir": "/tmp/trace", "num_steps": 3});
+    let anonymous = http::post(&cp.url("/start_profile"), profile.to_string().as_bytes(), &[]).unwrap();
+    assert_eq!(anonymous.status, 401, "{}", anonymous.text());
+    assert!(workers.iter().all(|w| seen(w, "/start_profile").is_empty()), "an unauthenticated call reached a worker");
+    let r = cp.post_body("/start_profile", profile.to_string().as_bytes()).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json().unwrap()["workers"].as_array().map(Vec::len), Some(3));
+    for w in &workers {
+        let calls = seen(w, "/start_profile");
+        assert_eq!(calls.len(), 1, "{}: {calls:?}", w.addr());
+        assert_eq!(calls[0]["body"], profile);
+    }
+    assert!(index() > 0, "profiling keeps the KV caches, and so the index");
+
+    // A weight update drops the KV cache: the index forgets what the gateway placed.
+    let update = json!({"model_path": "/models/v2"});
+    let r = cp.post_body(&format!("/update_weights_from_disk?url={}", workers[0].url()), update.to_string().as_bytes());
+    assert_eq!(r.unwrap().status, 200);
+    assert_eq!(seen(&workers[0], "/update_weights_from_disk")[0]["body"], update);
+    assert!(seen(&workers[1], "/update_weights_from_disk").is_empty(), "only the worker named");
+    assert_eq!(index(), 0, "the index forgot the caches the update emptied");
+
+    // One worker by its URL, the rest of the query passed on (vLLM's `/sleep?level=1`).
+    let vllm = &workers[2];
+    let r = cp.post_body(&format!("/sleep?url={}&level=1", vllm.url()), b"").unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(seen(vllm, "/sleep")[0]["query"], "level=1");
+    let r = cp.post_body("/stop_profile?role=regular", b"").unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(workers.iter().all(|w| seen(w, "/stop_profile").len() == 1), "every regular worker");
+    // An op some workers' engine lacks: 502, saying which.
+    let r = cp.post_body("/reset_prefix_cache", b"").unwrap();
+    assert_eq!(r.status, 502, "{}", r.text());
+    let body = r.json().unwrap();
+    let failed: Vec<&Value> = body["workers"].as_array().unwrap().iter().filter(|w| w["ok"] == false).collect();
+    assert_eq!(failed.len(), 2, "the SGLang workers have no /reset_prefix_cache: {body}");
+    assert!(failed.iter().all(|w| w["status"] == 404), "{body}");
+    // Refused before any worker sees it: a body that is no JSON object, an unknown worker, a
+    // role this mode has not.
+    for (path, bad, status) in [
+        ("/wake_up", &b"[1]"[..], 400),
+        ("/wake_up?url=http://127.0.0.1:1", b"", 404),
+        ("/wake_up?role=prefill", b"", 400),
+    ] {
+        assert_eq!(cp.post_body(path, bad).unwrap().status, status, "{path}");
+    }
+    assert!(seen(vllm, "/wake_up").is_empty(), "a refused call reached a worker");
+}
