@@ -169,7 +169,7 @@ pub struct Args {
     #[arg(long, help_heading = "Logging and authentication")]
     pub api_key: Option<String>,
     /// Admin API keys: `id:name:role:key` (as SMG) or a bare key; clients send
-    /// `Authorization: Bearer KEY`. Role `admin` (and a bare key) may add and remove workers,
+    /// `Authorization: Bearer KEY`. Role `admin` (and a bare key) may add, remove and administer workers,
     /// other roles may only read. Default: KVMESH_CP_API_KEYS (space or comma separated); none
     /// leaves the admin API open (refused off loopback, see --allow-insecure).
     #[arg(long, num_args = 0.., help_heading = "Logging and authentication")]

@@ -19,8 +19,9 @@ use crate::state::{role_name, State, WorkerEntry};
 #[derive(Clone, Copy, Debug)]
 pub struct Op {
     pub path: &'static str,
-    /// Whether it empties the worker's KV cache: the global prefix index (and so every
-    /// filter's) forgets then, as it would otherwise send prompts to caches no longer there.
+    /// Whether the worker's KV cache is empty after it (or was while the worker slept): its
+    /// part of the global prefix index (and so of every filter's) is forgotten then, as it
+    /// would otherwise send prompts to a cache no longer there.
     pub drops_cache: bool,
 }
 
@@ -33,10 +34,10 @@ pub const OPS: [Op; 10] = [
     Op { path: "/stop_profile", drops_cache: false },
     Op { path: "/abort_request", drops_cache: false },
     Op { path: "/release_memory_occupation", drops_cache: true },
-    Op { path: "/resume_memory_occupation", drops_cache: false },
+    Op { path: "/resume_memory_occupation", drops_cache: true },
     Op { path: "/reset_prefix_cache", drops_cache: true },
     Op { path: "/sleep", drops_cache: true },
-    Op { path: "/wake_up", drops_cache: false },
+    Op { path: "/wake_up", drops_cache: true },
 ];
 
 /// Largest body passed on (the ops take a few small fields).
@@ -142,39 +143,74 @@ async fn fan_out(
     let secs = state.settings.routing.request_timeout_secs.unwrap_or(1800);
     let timeout =
         Duration::from_secs(if op.path == "/flush_cache" { state.settings.health_timeout_secs } else { secs });
-    let key = state.settings.worker_key();
-    let target = sel.target(op.path);
-    let calls = servers.iter().map(|w| call(w, &target, body, timeout, key));
-    let results: Vec<Value> = futures_util::future::join_all(calls).await;
-    let all_ok = results.iter().all(|r| r["ok"] == true);
-    if op.drops_cache && results.iter().any(|r| r["ok"] == true) {
-        state.forget_index();
-    }
+    let call = Call {
+        target: sel.target(op.path),
+        body: body.map(str::to_string),
+        timeout,
+        key: state.settings.worker_key().map(str::to_string),
+    };
+    // A task of its own: a caller that goes away (or a proxy's idle timeout) does not stop
+    // the index from forgetting what the workers emptied.
+    let task = tokio::spawn(async move {
+        let results: Vec<(bool, Value)> = futures_util::future::join_all(servers.iter().map(|w| call.on(w))).await;
+        if op.drops_cache {
+            let emptied: Vec<&str> =
+                servers.iter().zip(&results).filter(|(_, (ok, _))| *ok).map(|(w, _)| w.url.as_str()).collect();
+            // Every rank of each server that did it.
+            for w in state.workers().iter().filter(|w| emptied.contains(&w.url.as_str())) {
+                state.forget_worker_index(w.id);
+            }
+        }
+        results
+    });
+    let results = match task.await {
+        Ok(r) => r,
+        Err(e) => return refuse(StatusCode::INTERNAL_SERVER_ERROR, format!("the fan-out stopped: {e}")),
+    };
+    let all_ok = results.iter().all(|(ok, _)| *ok);
     tracing::info!(op = op.path, workers = results.len(), ok = all_ok, "worker administration");
     let status = if all_ok { StatusCode::OK } else { StatusCode::BAD_GATEWAY };
-    let mut reply = json!({"ok": all_ok, "workers": results});
+    let workers: Vec<Value> = results.into_iter().map(|(_, v)| v).collect();
+    let mut reply = json!({"ok": all_ok, "workers": workers});
     if op.path == "/flush_cache" {
         reply["flushed"] = json!(all_ok);
     }
     (status, Json(reply))
 }
 
-async fn call(w: &WorkerEntry, target: &str, body: Option<&str>, timeout: Duration, key: Option<&str>) -> Value {
-    let addr = match kvmesh_core::worker::socket_addr(&w.url) {
-        Ok(addr) => addr.to_string(),
-        Err(e) => return json!({"url": w.url, "role": role_name(w.role), "error": e.to_string(), "ok": false}),
-    };
-    let outcome = match body {
-        Some(b) => crate::probe::post_json(&addr, target, b, timeout, key).await,
-        None => crate::probe::request("POST", &addr, target, timeout, key).await,
-    };
-    match outcome {
-        Ok((status, text)) => {
-            let answer = serde_json::from_str::<Value>(&text).unwrap_or_else(|_| json!(truncated(&text)));
-            json!({"url": w.url, "role": role_name(w.role), "status": status,
-                   "ok": (200..300).contains(&status), "answer": answer})
+/// One op as each worker receives it.
+struct Call {
+    target: String,
+    body: Option<String>,
+    timeout: Duration,
+    key: Option<String>,
+}
+
+impl Call {
+    /// Whether `w` answered 2xx, and what to report of it.
+    async fn on(&self, w: &WorkerEntry) -> (bool, Value) {
+        let addr = match kvmesh_core::worker::socket_addr(&w.url) {
+            Ok(addr) => addr.to_string(),
+            Err(e) => {
+                return (false, json!({"url": w.url, "role": role_name(w.role), "error": e.to_string(), "ok": false}))
+            }
+        };
+        let (target, key) = (self.target.as_str(), self.key.as_deref());
+        let outcome = match &self.body {
+            Some(b) => crate::probe::post_json(&addr, target, b, self.timeout, key).await,
+            None => crate::probe::request("POST", &addr, target, self.timeout, key).await,
+        };
+        match outcome {
+            Ok((status, text)) => {
+                let ok = (200..300).contains(&status);
+                let answer = (text.len() <= MAX_ANSWER)
+                    .then(|| serde_json::from_str::<Value>(&text).ok())
+                    .flatten()
+                    .unwrap_or_else(|| json!(truncated(&text)));
+                (ok, json!({"url": w.url, "role": role_name(w.role), "status": status, "ok": ok, "answer": answer}))
+            }
+            Err(e) => (false, json!({"url": w.url, "role": role_name(w.role), "error": e, "ok": false})),
         }
-        Err(e) => json!({"url": w.url, "role": role_name(w.role), "error": e, "ok": false}),
     }
 }
 

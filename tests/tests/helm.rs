@@ -302,7 +302,10 @@ fn the_names_tie_together_wherever_and_however_it_is_installed() {
             "{what}"
         );
         assert_eq!(b64("worker-api-key"), "wk-7f3a", "{what}");
-        assert!(filter.get("worker_api_key").is_none(), "{what}: the key is in the plugin's configuration");
+        assert!(
+            filter.get("worker_api_key").is_none(),
+            "{what}: the workers' key is not for the plugin's configuration"
+        );
         assert_eq!(container["image"], "example.org/kvmesh-cp:1.2.3");
 
         // The module, the gateway's Service and routes, the monitors.

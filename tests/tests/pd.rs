@@ -281,6 +281,7 @@ fn shared_prefixes_keep_their_prefill_worker_while_decode_spreads() {
     assert_eq!(prefills.len(), 1, "{prefills:?}");
     // Every request after the first found the shared prompt on its prefill worker.
     assert_eq!(envoy.filter_stat("sgl_router_pd_cache_hits_total"), 27);
+    assert_eq!(envoy.filter_stat("sgl_router_pd_cache_misses_total"), 1);
 }
 
 fn assert_prefill_error(r: &Response, prefill: &str) {
@@ -622,11 +623,15 @@ fn prefix_hash_and_consistent_hashing_choose_the_legs_and_the_prefix_decider_sti
     let first = send(&pd, "/generate", &json!({"text": text, "sampling_params": {"max_new_tokens": 1}}), "dec-1");
     let (_, decode) = legs(&first);
     let again = format!("{text}Now?");
-    let r = send(&pd, "/generate", &json!({"text": again, "sampling_params": {"max_new_tokens": 1}}), "dec-2");
+    let body = json!({"text": again, "sampling_params": {"max_new_tokens": 1}, "rid": "dec"});
+    let r = send(&pd, "/generate", &body, "dec-2");
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.header("x-kvmesh-prefill"), None, "the decode worker holds all but a few tokens: no prefill leg");
     assert_eq!(r.header("x-kvmesh-worker"), Some(decode.as_str()));
-    assert!(pd.received(&decode, "dec-2").get("bootstrap_room").is_none(), "run on the decode worker alone");
+    let alone = pd.received(&decode, "dec-2");
+    assert!(alone.get("bootstrap_room").is_none(), "run on the decode worker alone");
+    // Alone too, the worker sees the gateway's rid, never the client's.
+    assert!(alone["rid"].as_str().is_some_and(|rid| rid.starts_with("kvmesh-") && rid.len() == 28), "{alone}");
 }
 
 /// The `rid` worker `sim` received for the request the client sent as `x-request-id: id`.

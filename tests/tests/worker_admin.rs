@@ -1,7 +1,7 @@
 //! Worker administration fans out from kvmesh-cp (the gateway never forwards it): the
 //! engines' own admin endpoints on every worker, or on those `url=` / `role=` select, with the
-//! caller's body and query, behind the admin key; an op that empties the workers' KV caches
-//! empties the prefix index too.
+//! caller's body and query, behind the admin key; an op that empties a worker's KV cache
+//! empties its part of the prefix index too.
 
 use std::time::Duration;
 
@@ -25,6 +25,7 @@ fn worker_admin_reaches_the_selected_workers_with_what_the_caller_sent() {
     let r = http::post_json(&envoy.url("/v1/completions"), &json!({"prompt": "words ".repeat(200), "max_tokens": 1}))
         .unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
+    let holder = r.header("x-kvmesh-worker").unwrap().to_string();
     wait_until("the control plane to index the prompt", Duration::from_secs(10), || index() > 0).unwrap();
 
     // Every worker, the body as sent; nothing without the admin key.
@@ -42,13 +43,22 @@ fn worker_admin_reaches_the_selected_workers_with_what_the_caller_sent() {
     }
     assert!(index() > 0, "profiling keeps the KV caches, and so the index");
 
-    // A weight update drops the KV cache: the index forgets what the gateway placed.
+    // A weight update empties the KV cache: the index forgets that worker's part, only.
+    let other = workers[..2].iter().find(|w| w.addr() != holder).unwrap();
     let update = json!({"model_path": "/models/v2"});
-    let r = cp.post_body(&format!("/update_weights_from_disk?url={}", workers[0].url()), update.to_string().as_bytes());
-    assert_eq!(r.unwrap().status, 200);
-    assert_eq!(seen(&workers[0], "/update_weights_from_disk")[0]["body"], update);
-    assert!(seen(&workers[1], "/update_weights_from_disk").is_empty(), "only the worker named");
-    assert_eq!(index(), 0, "the index forgot the caches the update emptied");
+    let on = |op: &str, w: &Sim| cp.post_body(&format!("{op}?url={}", w.url()), update.to_string().as_bytes()).unwrap();
+    assert_eq!(on("/update_weights_from_disk", other).status, 200);
+    assert_eq!(seen(other, "/update_weights_from_disk")[0]["body"], update);
+    assert!(workers
+        .iter()
+        .filter(|w| w.addr() != other.addr())
+        .all(|w| seen(w, "/update_weights_from_disk").is_empty()));
+    assert!(index() > 0, "another worker's update leaves the holder's entries");
+    let holder = workers.iter().find(|w| w.addr() == holder).unwrap();
+    // vLLM has no weight update from disk; its prefix-cache reset empties the cache as well.
+    let op = if holder.addr() == workers[2].addr() { "/reset_prefix_cache" } else { "/update_weights_from_disk" };
+    assert_eq!(on(op, holder).status, 200);
+    assert_eq!(index(), 0, "the index forgot the cache {op} emptied");
 
     // One worker by its URL, the rest of the query passed on (vLLM's `/sleep?level=1`).
     let vllm = &workers[2];

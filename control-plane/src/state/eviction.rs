@@ -39,10 +39,10 @@ impl State {
         self.evict_with(|index| index.evict_worker_to(id, bound).into_iter().map(|h| (h, id)).collect());
     }
 
-    /// Forgets the whole global index (the workers' caches were flushed); the evictions go
-    /// out in the next delta, so every filter forgets it too.
-    pub fn forget_index(&self) -> usize {
-        self.evict_with(|index| index.evict_total_to(0))
+    /// Forgets one worker's part of the global index (its cache was emptied); the evictions
+    /// go out in the next delta, so every filter forgets it too.
+    pub fn forget_worker_index(&self, id: u32) -> usize {
+        self.evict_with(|index| index.evict_worker_to(id, 0).into_iter().map(|h| (h, id)).collect())
     }
 
     /// Runs `evict` on the index; its evictions are counted and go out in the next delta.
@@ -81,7 +81,7 @@ mod tests {
     }
 
     #[test]
-    fn forgetting_the_index_evicts_everything_and_tells_the_filters() {
+    fn forgetting_a_workers_index_evicts_its_entries_only_and_tells_the_filters() {
         let s = state(&["--worker-urls", "http://127.0.0.1:1", "http://127.0.0.1:2"]);
         s.publish();
         let mut rx = s.subscribe();
@@ -94,11 +94,11 @@ mod tests {
         }
         s.publish();
         let _ = rx.try_recv();
-        assert_eq!(s.forget_index(), 10);
-        assert_eq!(s.index_stats(), (0, 0));
+        assert_eq!(s.forget_worker_index(1), 5);
+        assert_eq!(s.index_stats().0, 5, "worker 0's entries stay");
         s.publish();
         let d = rx.try_recv().unwrap();
-        assert_eq!(d.evictions.iter().map(|e| e.hashes.len()).sum::<usize>(), 10);
+        assert_eq!(d.evictions.iter().map(|e| (e.worker, e.hashes.len())).collect::<Vec<_>>(), [(1, 5)]);
     }
 
     #[test]

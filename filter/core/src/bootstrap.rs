@@ -88,18 +88,28 @@ impl Bootstrap {
             return Err(RequestError::Reserved(field));
         }
         let fields = self.fields(parsed);
-        let Some(at) = parsed.rid_at.clone() else {
-            return splice(body, &fields).ok_or(RequestError::NotAnObject);
-        };
-        let (Some(head), Some(tail)) = (body.get(..at.start), body.get(at.end..)) else {
-            return Err(RequestError::NotAnObject);
-        };
-        let mut replaced = Vec::with_capacity(body.len() + 64);
-        replaced.extend_from_slice(head);
-        serde_json::to_writer(&mut replaced, &self.rid_value(parsed)).map_err(|_| RequestError::NotAnObject)?;
-        replaced.extend_from_slice(tail);
-        splice(&replaced, &fields).ok_or(RequestError::NotAnObject)
+        match own_rid(body, parsed, self.rid)? {
+            Some(replaced) => splice(&replaced, &fields),
+            None => splice(body, &fields),
+        }
+        .ok_or(RequestError::NotAnObject)
     }
+}
+
+/// `body` with the gateway's rids (made from `id`) in place of the client's `rid`, every other
+/// byte unchanged; None when the client set none. For a PD request that goes to one worker
+/// alone (no bootstrap fields), as for both legs of a split.
+pub fn own_rid(body: &[u8], parsed: &ParsedRequest<'_>, id: u64) -> Result<Option<Vec<u8>>, RequestError> {
+    let Some(at) = parsed.rid_at.clone() else { return Ok(None) };
+    let (Some(head), Some(tail)) = (body.get(..at.start), body.get(at.end..)) else {
+        return Err(RequestError::NotAnObject);
+    };
+    let value = Bootstrap { host: String::new(), port: None, rooms: Vec::new(), rid: id }.rid_value(parsed);
+    let mut replaced = Vec::with_capacity(body.len() + 64);
+    replaced.extend_from_slice(head);
+    serde_json::to_writer(&mut replaced, &value).map_err(|_| RequestError::NotAnObject)?;
+    replaced.extend_from_slice(tail);
+    Ok(Some(replaced))
 }
 
 /// Appends `fields` inside the top-level object, before its closing brace.
@@ -174,6 +184,16 @@ mod tests {
     fn none_port_is_json_null() {
         let v = inject(Endpoint::Generate, r#"{"text":"a"}"#, &boot(None, vec![1]));
         assert!(v["bootstrap_port"].is_null() && v.get("bootstrap_port").is_some());
+    }
+
+    #[test]
+    fn a_request_without_a_split_gets_the_gateways_rid_only_in_place_of_the_clients() {
+        let body = br#"{"text":"a","rid":"req-1"}"#;
+        let parsed = parse(Endpoint::Generate, body).unwrap();
+        let out: Value = serde_json::from_slice(&own_rid(body, &parsed, 0xabc).unwrap().unwrap()).unwrap();
+        assert_eq!(out, serde_json::json!({"text": "a", "rid": rid(0xabc, 0)}));
+        let none = parse(Endpoint::Generate, br#"{"text":"a"}"#).unwrap();
+        assert_eq!(own_rid(br#"{"text":"a"}"#, &none, 1), Ok(None), "nothing to replace: the body stays");
     }
 
     /// A client's `rid` (a prefix of other requests' rids, or another client's) never reaches

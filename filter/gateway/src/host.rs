@@ -52,9 +52,10 @@ pub enum Metric {
     PredictionsOver,
     /// Counter: of those, the worker held more than predicted.
     PredictionsUnder,
-    /// PD requests whose prefill worker was believed to hold part of the prompt (named as
-    /// sglang-router's).
+    /// PD requests whose prefill worker was believed to hold more than `cache_threshold` of
+    /// the prompt, and the others (named and counted as sglang-router's).
     PdCacheHits,
+    PdCacheMisses,
     /// Histogram: each VM's linear memory in bytes, recorded once a second (the largest
     /// value is the largest VM).
     VmMemory,
@@ -128,13 +129,14 @@ impl Metric {
             | Metric::PredictionsAccurate
             | Metric::PredictionsOver
             | Metric::PredictionsUnder
-            | Metric::PdCacheHits => MetricKind::Counter,
+            | Metric::PdCacheHits
+            | Metric::PdCacheMisses => MetricKind::Counter,
             Metric::DecisionNs | Metric::VmMemory => MetricKind::Histogram,
             Metric::IndexBlocks | Metric::SnapshotVersion | Metric::InFlight | Metric::Queued => MetricKind::Gauge,
         }
     }
 
-    pub const ALL: [Metric; 17] = [
+    pub const ALL: [Metric; 18] = [
         Metric::Requests,
         Metric::LocalReplies,
         Metric::CacheHits,
@@ -151,6 +153,7 @@ impl Metric {
         Metric::PredictionsOver,
         Metric::PredictionsUnder,
         Metric::PdCacheHits,
+        Metric::PdCacheMisses,
         Metric::VmMemory,
     ];
 
@@ -172,6 +175,7 @@ impl Metric {
             Metric::PredictionsOver => "kvmesh_predictions_over_total",
             Metric::PredictionsUnder => "kvmesh_predictions_under_total",
             Metric::PdCacheHits => "sgl_router_pd_cache_hits_total",
+            Metric::PdCacheMisses => "sgl_router_pd_cache_misses_total",
             Metric::VmMemory => "kvmesh_vm_memory_bytes",
         }
     }

@@ -232,13 +232,6 @@ impl RequestFilter {
         }
     }
 
-    /// A PD request's prefill pick: also sglang-router's `sgl_router_pd_cache_hits_total`.
-    fn count_prefill_hit(host: &dyn StreamHost, prefill: &Routed) {
-        if prefill.matched_bytes > 0 {
-            host.increment(Metric::PdCacheHits);
-        }
-    }
-
     pub fn on_request_headers(&mut self, host: &dyn StreamHost, end_of_stream: bool) -> Action {
         let headers = host.request_headers();
         // By name, whatever the value (one that is not UTF-8 is still a routing header).
@@ -457,8 +450,11 @@ impl RequestFilter {
         if self.awaiting {
             self.wait_for_answer(committed.main.worker);
         }
-        if let Some(prefill) = &committed.prefill {
-            Self::count_prefill_hit(host, prefill);
+        // sglang-router's PD counters: the prefill worker held more than cache_threshold.
+        match committed.pd_cache_hit {
+            Some(true) => host.increment(Metric::PdCacheHits),
+            Some(false) => host.increment(Metric::PdCacheMisses),
+            None => {}
         }
         match (committed.prefill, token) {
             // vLLM: the request waits for its prefill leg (see `on_callout_response`).

@@ -55,7 +55,7 @@ fn configs(o: &Opts, urls: &[String]) -> Vec<Config> {
         Config { name: "plain Envoy".into(), filter: json!({"worker_urls": []}), wasm: None, native: None, pd: false },
         Config {
             name: "naive body filter".into(),
-            filter: json!({"worker_urls": urls}),
+            filter: json!({"worker_urls": urls, "probe": super::stack::naive_probe()}),
             wasm: Some(naive),
             native: None,
             pd: false,

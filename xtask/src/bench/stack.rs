@@ -182,13 +182,7 @@ pub fn plain_envoy(upstreams: &[String], threads: u32) -> anyhow::Result<Running
 /// configuration and static workers, the filter swapped for one that only buffers the body,
 /// parses it whole and sets the destination. What any body-routing Wasm filter costs at least.
 pub fn naive_filter(urls: &[String], threads: u32) -> anyhow::Result<Running> {
-    // Profiling only: KVMESH_BENCH_NAIVE_PROBE='{"shared_get": 10}' adds that many host calls
-    // of a kind to every request (xtask/naive-filter's `Probe`), to price each kind.
-    let probe: Value = std::env::var("KVMESH_BENCH_NAIVE_PROBE")
-        .ok()
-        .and_then(|p| serde_json::from_str(&p).ok())
-        .unwrap_or(Value::Null);
-    let mut opts = EnvoyOptions::new(json!({"worker_urls": urls, "probe": probe}))?;
+    let mut opts = EnvoyOptions::new(json!({"worker_urls": urls, "probe": naive_probe()}))?;
     opts.concurrency = threads;
     opts.wasm = repo_root().join("target/wasm32-wasip1/release/kvmesh_naive_filter.wasm");
     let mut envoy = Envoy::start(&opts)?;
@@ -197,6 +191,13 @@ pub fn naive_filter(urls: &[String], threads: u32) -> anyhow::Result<Running> {
     let mut r = Running::new(vec![addr(port)]);
     r.envoy(envoy);
     Ok(r)
+}
+
+/// Profiling only: KVMESH_BENCH_NAIVE_PROBE='{"shared_get": 10}' adds that many host calls of
+/// a kind to every request of the naive `.wasm` (xtask/naive-filter's `Probe`), to price each
+/// kind (overhead and instructions suites).
+pub fn naive_probe() -> Value {
+    std::env::var("KVMESH_BENCH_NAIVE_PROBE").ok().and_then(|p| serde_json::from_str(&p).ok()).unwrap_or(Value::Null)
 }
 
 /// The same reference filter built natively, as an Envoy dynamic module

@@ -336,6 +336,7 @@ impl Gateway {
             self.publisher.queue_insert(cp, d.worker, d.hashes);
         }
         main.counted = counted;
+        let pd_cache_hit = pd.as_ref().map(|p| p.cache_hit);
         let (prefill, merge_logprobs, stream) = match pd {
             Some(p) => {
                 let counted = counted && p.sent_by_gateway();
@@ -346,7 +347,7 @@ impl Gateway {
         // Per-model counters only where the gateway routes by model (several names, adapters,
         // aliases or --enable-igw): one model alone is the gateway's own totals.
         let model = model.filter(|_| self.view.routes_by_model());
-        Committed { main, prediction, prefill, merge_logprobs, stream, model, record }
+        Committed { main, prediction, prefill, pd_cache_hit, merge_logprobs, stream, model, record }
     }
 
     /// The worker at `addr` (`ip:port`, as Envoy reports the upstream it used) of

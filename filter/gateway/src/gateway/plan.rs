@@ -93,6 +93,9 @@ pub struct PdPlan {
     /// Whether the prefill's input logprobs must be merged into the decode response.
     pub merge_logprobs: bool,
     pub stream: bool,
+    /// Whether the prefill worker was believed to hold more than `cache_threshold` of the
+    /// routing text (sglang-router's PD cache hit).
+    pub cache_hit: bool,
 }
 
 impl PdPlan {
@@ -148,6 +151,8 @@ pub struct Committed {
     pub main: Routed,
     pub prediction: Option<Prediction>,
     pub prefill: Option<Routed>,
+    /// A PD request's prefill pick: a cache hit or not (see [`PdPlan::cache_hit`]).
+    pub pd_cache_hit: Option<bool>,
     pub merge_logprobs: bool,
     pub stream: bool,
     /// The model, for the per-model counters: only where the gateway routes by model.

@@ -4,7 +4,7 @@
 
 use std::borrow::Cow;
 
-use kvmesh_core::bootstrap::{random_rooms, Bootstrap};
+use kvmesh_core::bootstrap::{self, random_rooms, Bootstrap};
 use kvmesh_core::breaker::BreakerState;
 use kvmesh_core::models::{serves, Pool, Pools, ServedModel};
 use kvmesh_core::pd::{Partners, PdDecision, PdRouter};
@@ -328,12 +328,18 @@ impl RoutingView {
         let fallbacks = self.fallbacks(main_cands, main.worker, now);
         // A data-parallel rank is named in the body (regular mode; see docs/configuration.md
         // for PD).
+        let pd_mode = matches!(self.mode, Mode::Pd(_));
         let ranked = match (prefill, main_routed.dp_rank) {
-            (None, Some(rank)) if matches!(self.mode, Mode::Regular(_)) => match dp::with_rank(body, parsed, rank) {
-                Ok(b) => Some(b.into_boxed_slice()),
-                Err(e) => return Outcome::Reply(Reply::request(&e)),
-            },
-            _ => None,
+            (None, Some(rank)) if !pd_mode => dp::with_rank(body, parsed, rank).map(Some),
+            // PD without a split, SGLang's protocol: the gateway's rid all the same.
+            (None, _) if pd_mode && protocol == PdProtocol::Sglang && parsed.rid_at.is_some() => {
+                bootstrap::own_rid(body, parsed, random_u64().unwrap_or_else(|_| self.rng.next_u64()))
+            }
+            _ => Ok(None),
+        };
+        let ranked = match ranked {
+            Ok(b) => b.map(Vec::into_boxed_slice),
+            Err(e) => return Outcome::Reply(Reply::request(&e)),
         };
         let pd = match prefill {
             None => None,
@@ -368,6 +374,8 @@ impl RoutingView {
             return Err(Reply::no_worker("prefill worker"));
         };
         let stream = parsed.stream;
+        let cache_hit =
+            prefill.matched_bytes as f64 > self.config.cache_aware.cache_threshold * parsed.text.len() as f64;
         let leg = match protocol {
             PdProtocol::Sglang => None,
             PdProtocol::LlmD => Some(PrefillLeg::Sidecar),
@@ -376,7 +384,7 @@ impl RoutingView {
             }
         };
         if let Some(leg) = leg {
-            return Ok(Box::new(PdPlan { prefill: routed, leg, merge_logprobs: false, stream }));
+            return Ok(Box::new(PdPlan { prefill: routed, leg, merge_logprobs: false, stream, cache_hit }));
         }
         let rng = &mut self.rng;
         let boot = Bootstrap {
@@ -391,6 +399,7 @@ impl RoutingView {
             leg: PrefillLeg::Callout { body, abort_rids: boot.injected_rids(parsed, MAX_ABORTS) },
             merge_logprobs: parsed.return_logprob && endpoint == Endpoint::Generate,
             stream,
+            cache_hit,
         }))
     }
 
