@@ -428,12 +428,13 @@ async fn sidecar(
     })
 }
 
-/// `POST /abort_request {"rid": ...}`, as SGLang: the request with that rid stops (its
-/// computation and, for a PD prefill, the KV it would publish). Streams already answering are
-/// not stopped.
+/// `POST /abort_request {"rid": ...}` (or `{"abort_all": true}`), as SGLang: the requests whose
+/// rid starts with that one stop (their computation and, for a PD prefill, the KV it would
+/// publish). Streams already answering are not stopped.
 async fn abort_request(State(e): Shared, body: Bytes) -> Response {
     let recorded = serde_json::from_slice::<Value>(&body).unwrap_or(Value::Null);
-    let rid = recorded["rid"].as_str().map(String::from);
+    let all = recorded["abort_all"] == true;
+    let rid = recorded["rid"].as_str().map(String::from).or_else(|| all.then(String::new));
     e.counters.abort_requests.fetch_add(1, Relaxed);
     e.record(json!({"path": "/abort_request", "x_request_id": null, "body": recorded}));
     let Some(rid) = rid else { return error(StatusCode::BAD_REQUEST, "`rid` (a string) is required") };

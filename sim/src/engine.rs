@@ -187,10 +187,17 @@ impl Engine {
         Abortable { engine: Arc::clone(self), rids, signal }
     }
 
-    /// SGLang's `/abort_request`: stops the request with `rid`; false if there is none.
+    /// SGLang's `/abort_request`: stops every request whose rid starts with `rid` (SGLang
+    /// aborts by prefix; `""` is every one, as `abort_all`); false if there is none.
     pub fn abort(&self, rid: &str) -> bool {
-        let signal = self.aborts.lock().ok().and_then(|map| map.get(rid).cloned());
-        signal.map(|s| s.notify_one()).is_some()
+        let signals: Vec<Arc<Notify>> = match self.aborts.lock() {
+            Ok(map) => map.iter().filter(|(r, _)| r.starts_with(rid)).map(|(_, s)| Arc::clone(s)).collect(),
+            Err(_) => Vec::new(),
+        };
+        for s in &signals {
+            s.notify_one();
+        }
+        !signals.is_empty()
     }
 
     /// Remembers a request (bounded to the last 64).
@@ -367,6 +374,7 @@ impl Engine {
 mod tests {
     use super::*;
     use clap::Parser;
+    use futures_util::FutureExt;
 
     #[test]
     fn the_fail_rate_changes_at_run_time_within_its_range() {
@@ -376,5 +384,20 @@ mod tests {
         assert!(e.accept().is_ok());
         assert!(e.set_fail_rate(1.5).is_err() && e.set_fail_rate(f64::NAN).is_err());
         assert_eq!(e.fail_rate(), 0.0);
+    }
+
+    /// As SGLang: an abort stops every request whose rid starts with the one given.
+    #[test]
+    fn aborts_go_by_rid_prefix() {
+        let e = Arc::new(Engine::new(Args::parse_from(["kvmesh-sim"])));
+        let one = e.abortable(vec!["req-1".into()]);
+        let ten = e.abortable(vec!["req-10".into()]);
+        assert!(!e.abort("other"));
+        assert!(e.abort("req-1"), "req-1 and, by prefix, req-10");
+        for (a, name) in [(&one, "req-1"), (&ten, "req-10")] {
+            assert!(a.signal.notified().now_or_never().is_some(), "{name} was stopped");
+        }
+        drop((one, ten));
+        assert!(!e.abort(""), "nothing left to stop");
     }
 }

@@ -281,6 +281,7 @@ impl Gateway {
             &chosen,
             &main.addr,
             pd.as_ref().map(|p| p.prefill.addr.as_str()),
+            pd.as_ref().and_then(|p| p.abort_rids().first()).map(String::as_str),
             model.as_deref(),
         );
         let decisions: Vec<&Decision> = match &chosen {

@@ -14,6 +14,7 @@
 //! | `prefill` | PD split: `ip:port` of the prefill worker |
 //! | `prefill_policy` | PD split: the prefill policy |
 //! | `prefill_cached_bytes` | PD split: as `cached_bytes`, for the prefill worker |
+//! | `rid` | SGLang PD split: the `rid` the gateway gave the request (a batch's first item; the others end in their own index) |
 //! | `model` | the model pool the request was routed in, when workers name their models |
 //!
 //! e.g. `policy=cache_aware;worker=10.0.0.7:8000;cached_bytes=1536;model=llama-3-8b`. When
@@ -51,12 +52,13 @@ fn push_clean(out: &mut String, value: &str) {
 }
 
 /// The record of a decision under `config`: `chosen`, sent to `worker` (and `prefill`'s
-/// address on a split), in the pool of `model`.
+/// address on a split, with the `rid` it can be aborted by), in the pool of `model`.
 pub(super) fn decision_record(
     config: &Config,
     chosen: &Chosen,
     worker: &str,
     prefill: Option<&str>,
+    rid: Option<&str>,
     model: Option<&str>,
 ) -> String {
     let (main_policy, prefill_policy) = match &config.pd {
@@ -84,6 +86,10 @@ pub(super) fn decision_record(
             prefill_policy.name(),
             cached_bytes(p, config.block_size)
         );
+    }
+    if let Some(rid) = rid {
+        out.push_str(";rid=");
+        push_clean(&mut out, rid);
     }
     if let Some(model) = model {
         out.push_str(";model=");
@@ -120,11 +126,11 @@ mod tests {
     fn a_regular_decision_names_policy_worker_cached_bytes_and_model() {
         let c = Config { policy: PolicyKind::CacheAware, ..config(false) };
         let chosen = Chosen::Regular(decision(1, 100, 3));
-        let r = decision_record(&c, &chosen, "10.0.0.1:30001", None, Some("llama"));
+        let r = decision_record(&c, &chosen, "10.0.0.1:30001", None, None, Some("llama"));
         // Three blocks of 64 bytes held beat the 100 bytes matched.
         assert_eq!(r, "policy=cache_aware;worker=10.0.0.1:30001;cached_bytes=192;model=llama");
         assert_eq!(
-            decision_record(&c, &chosen, "10.0.0.1:30001", None, None),
+            decision_record(&c, &chosen, "10.0.0.1:30001", None, None, None),
             "policy=cache_aware;worker=10.0.0.1:30001;cached_bytes=192"
         );
     }
@@ -134,13 +140,20 @@ mod tests {
         let c = config(true);
         let split = Chosen::Pd(PdDecision::Split { prefill: decision(2, 640, 0), decode: decision(1, 0, 0) });
         assert_eq!(
-            decision_record(&c, &split, "10.0.0.1:8000", Some("10.0.0.2:8000"), None),
+            decision_record(
+                &c,
+                &split,
+                "10.0.0.1:8000",
+                Some("10.0.0.2:8000"),
+                Some("kvmesh-0000000000000abc-0000"),
+                None
+            ),
             "policy=power_of_two;worker=10.0.0.1:8000;cached_bytes=0;decider=split;prefill=10.0.0.2:8000;\
-             prefill_policy=cache_aware;prefill_cached_bytes=640"
+             prefill_policy=cache_aware;prefill_cached_bytes=640;rid=kvmesh-0000000000000abc-0000"
         );
         let alone = Chosen::Pd(PdDecision::DecodeOnly(decision(1, 64, 1)));
         assert_eq!(
-            decision_record(&c, &alone, "10.0.0.1:8000", None, Some("m")),
+            decision_record(&c, &alone, "10.0.0.1:8000", None, None, Some("m")),
             "policy=power_of_two;worker=10.0.0.1:8000;cached_bytes=64;decider=decode_only;model=m"
         );
     }
@@ -149,7 +162,7 @@ mod tests {
     fn values_cannot_break_the_record_or_the_log_line() {
         let c = config(false);
         let chosen = Chosen::Regular(decision(1, 0, 0));
-        let r = decision_record(&c, &chosen, "a;b", None, Some("x=y \"z\"\n;é"));
+        let r = decision_record(&c, &chosen, "a;b", None, None, Some("x=y \"z\"\n;é"));
         assert_eq!(r, "policy=cache_aware;worker=a_b;cached_bytes=0;model=x_y__z____");
     }
 }

@@ -90,10 +90,15 @@ fn a_pd_split_records_both_workers_and_the_deciders_outcome() {
         "decode":["http://127.0.0.1:30003"]}"#;
     let gw = gateway(&host, pd);
     send(&host, &gw, "/generate", r#"{"text":"hi"}"#);
+    // The rid both legs carry: what kvmesh-cp's `/abort_request` can stop it by.
+    let sent: serde_json::Value = serde_json::from_slice(&host.callouts.borrow().last().unwrap().body).unwrap();
     assert_eq!(
         record(&host),
-        "policy=power_of_two;worker=127.0.0.1:30003;cached_bytes=0;decider=split;prefill=127.0.0.1:30001;\
-         prefill_policy=cache_aware;prefill_cached_bytes=0"
+        format!(
+            "policy=power_of_two;worker=127.0.0.1:30003;cached_bytes=0;decider=split;prefill=127.0.0.1:30001;\
+             prefill_policy=cache_aware;prefill_cached_bytes=0;rid={}",
+            sent["rid"].as_str().unwrap()
+        )
     );
     // The prefill callout carries the client's trace context (the decode leg goes through
     // Envoy's router with the request's own headers).
