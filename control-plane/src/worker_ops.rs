@@ -152,10 +152,12 @@ async fn fan_out(
     // A task of its own: a caller that goes away (or a proxy's idle timeout) does not stop
     // the index from forgetting what the workers emptied.
     let task = tokio::spawn(async move {
-        let results: Vec<(bool, Value)> = futures_util::future::join_all(servers.iter().map(|w| call.on(w))).await;
+        let results: Vec<(Outcome, Value)> = futures_util::future::join_all(servers.iter().map(|w| call.on(w))).await;
         if op.drops_cache {
+            // A worker that gave no answer (a timeout, a reset) may have done it all the same.
+            let maybe = |o: &Outcome| *o != Outcome::Refused;
             let emptied: Vec<&str> =
-                servers.iter().zip(&results).filter(|(_, (ok, _))| *ok).map(|(w, _)| w.url.as_str()).collect();
+                servers.iter().zip(&results).filter(|(_, (o, _))| maybe(o)).map(|(w, _)| w.url.as_str()).collect();
             // Every rank of each server that did it.
             for w in state.workers().iter().filter(|w| emptied.contains(&w.url.as_str())) {
                 state.forget_worker_index(w.id);
@@ -167,7 +169,7 @@ async fn fan_out(
         Ok(r) => r,
         Err(e) => return refuse(StatusCode::INTERNAL_SERVER_ERROR, format!("the fan-out stopped: {e}")),
     };
-    let all_ok = results.iter().all(|(ok, _)| *ok);
+    let all_ok = results.iter().all(|(o, _)| *o == Outcome::Done);
     tracing::info!(op = op.path, workers = results.len(), ok = all_ok, "worker administration");
     let status = if all_ok { StatusCode::OK } else { StatusCode::BAD_GATEWAY };
     let workers: Vec<Value> = results.into_iter().map(|(_, v)| v).collect();
@@ -176,6 +178,17 @@ async fn fan_out(
         reply["flushed"] = json!(all_ok);
     }
     (status, Json(reply))
+}
+
+/// What one worker made of an op.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Outcome {
+    /// It answered 2xx.
+    Done,
+    /// It answered otherwise (the op did not run, as far as it says).
+    Refused,
+    /// No answer: not reached, timed out, or cut off.
+    Unknown,
 }
 
 /// One op as each worker receives it.
@@ -187,13 +200,18 @@ struct Call {
 }
 
 impl Call {
-    /// Whether `w` answered 2xx, and what to report of it.
-    async fn on(&self, w: &WorkerEntry) -> (bool, Value) {
+    /// How `w` took it, and what to report of it.
+    async fn on(&self, w: &WorkerEntry) -> (Outcome, Value) {
+        let report = |fields: Value| {
+            let mut v = json!({"url": w.url, "role": role_name(w.role)});
+            if let (Some(v), Value::Object(f)) = (v.as_object_mut(), fields) {
+                v.extend(f);
+            }
+            v
+        };
         let addr = match kvmesh_core::worker::socket_addr(&w.url) {
             Ok(addr) => addr.to_string(),
-            Err(e) => {
-                return (false, json!({"url": w.url, "role": role_name(w.role), "error": e.to_string(), "ok": false}))
-            }
+            Err(e) => return (Outcome::Refused, report(json!({"error": e.to_string(), "ok": false}))),
         };
         let (target, key) = (self.target.as_str(), self.key.as_deref());
         let outcome = match &self.body {
@@ -207,9 +225,10 @@ impl Call {
                     .then(|| serde_json::from_str::<Value>(&text).ok())
                     .flatten()
                     .unwrap_or_else(|| json!(truncated(&text)));
-                (ok, json!({"url": w.url, "role": role_name(w.role), "status": status, "ok": ok, "answer": answer}))
+                let outcome = if ok { Outcome::Done } else { Outcome::Refused };
+                (outcome, report(json!({"status": status, "ok": ok, "answer": answer})))
             }
-            Err(e) => (false, json!({"url": w.url, "role": role_name(w.role), "error": e, "ok": false})),
+            Err(e) => (Outcome::Unknown, report(json!({"error": e, "ok": false}))),
         }
     }
 }

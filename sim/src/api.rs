@@ -428,17 +428,20 @@ async fn sidecar(
     })
 }
 
-/// `POST /abort_request {"rid": ...}` (or `{"abort_all": true}`), as SGLang: the requests whose
-/// rid starts with that one stop (their computation and, for a PD prefill, the KV it would
-/// publish). Streams already answering are not stopped.
+/// `POST /abort_request {"rid": ...}` (or `{"abort_all": true}`), as SGLang: a rid it knows
+/// stops the requests whose rid starts with it (their computation and, for a PD prefill, the
+/// KV it would publish); anything else stops nothing, and is still a 200. Streams already
+/// answering are not stopped.
 async fn abort_request(State(e): Shared, body: Bytes) -> Response {
     let recorded = serde_json::from_slice::<Value>(&body).unwrap_or(Value::Null);
-    let all = recorded["abort_all"] == true;
-    let rid = recorded["rid"].as_str().map(String::from).or_else(|| all.then(String::new));
     e.counters.abort_requests.fetch_add(1, Relaxed);
     e.record(json!({"path": "/abort_request", "x_request_id": null, "body": recorded}));
-    let Some(rid) = rid else { return error(StatusCode::BAD_REQUEST, "`rid` (a string) is required") };
-    Json(json!({"rid": rid, "aborted": e.abort(&rid)})).into_response()
+    let aborted = match (recorded["abort_all"] == true, recorded["rid"].as_str()) {
+        (true, _) => e.abort(None),
+        (false, Some(rid)) => e.abort(Some(rid)),
+        (false, None) => false,
+    };
+    Json(json!({"rid": recorded["rid"], "aborted": aborted})).into_response()
 }
 
 async fn serve_job(e: Arc<Engine>, endpoint: Endpoint, job: Job, ctx: Ctx) -> Response {

@@ -187,12 +187,18 @@ impl Engine {
         Abortable { engine: Arc::clone(self), rids, signal }
     }
 
-    /// SGLang's `/abort_request`: stops every request whose rid starts with `rid` (SGLang
-    /// aborts by prefix; `""` is every one, as `abort_all`); false if there is none.
-    pub fn abort(&self, rid: &str) -> bool {
-        let signals: Vec<Arc<Notify>> = match self.aborts.lock() {
-            Ok(map) => map.iter().filter(|(r, _)| r.starts_with(rid)).map(|(_, s)| Arc::clone(s)).collect(),
-            Err(_) => Vec::new(),
+    /// SGLang's `/abort_request`: a rid it does not know exactly stops nothing; one it knows
+    /// stops every request whose rid starts with it (its scheduler matches by prefix); `None`
+    /// (`abort_all`) stops every one. False if nothing stopped.
+    pub fn abort(&self, rid: Option<&str>) -> bool {
+        let signals: Vec<Arc<Notify>> = match (self.aborts.lock(), rid) {
+            (Ok(map), Some(rid)) if !map.contains_key(rid) => Vec::new(),
+            (Ok(map), rid) => map
+                .iter()
+                .filter(|(r, _)| rid.is_none_or(|rid| r.starts_with(rid)))
+                .map(|(_, s)| Arc::clone(s))
+                .collect(),
+            (Err(_), _) => Vec::new(),
         };
         for s in &signals {
             s.notify_one();
@@ -386,18 +392,23 @@ mod tests {
         assert_eq!(e.fail_rate(), 0.0);
     }
 
-    /// As SGLang: an abort stops every request whose rid starts with the one given.
+    /// As SGLang: a rid it knows stops every request whose rid starts with it; one it does
+    /// not know (a mere prefix included) stops nothing; `abort_all` stops every one.
     #[test]
-    fn aborts_go_by_rid_prefix() {
+    fn aborts_go_by_a_known_rid_then_by_prefix() {
         let e = Arc::new(Engine::new(Args::parse_from(["kvmesh-sim"])));
         let one = e.abortable(vec!["req-1".into()]);
         let ten = e.abortable(vec!["req-10".into()]);
-        assert!(!e.abort("other"));
-        assert!(e.abort("req-1"), "req-1 and, by prefix, req-10");
+        assert!(!e.abort(Some("req-")) && !e.abort(Some("")), "not a rid it knows");
+        assert!(one.signal.notified().now_or_never().is_none());
+        assert!(e.abort(Some("req-1")), "req-1 and, by prefix, req-10");
         for (a, name) in [(&one, "req-1"), (&ten, "req-10")] {
             assert!(a.signal.notified().now_or_never().is_some(), "{name} was stopped");
         }
-        drop((one, ten));
-        assert!(!e.abort(""), "nothing left to stop");
+        let other = e.abortable(vec!["x".into()]);
+        assert!(e.abort(None), "abort_all");
+        assert!(other.signal.notified().now_or_never().is_some());
+        drop((one, ten, other));
+        assert!(!e.abort(None), "nothing left to stop");
     }
 }

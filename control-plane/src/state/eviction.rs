@@ -1,6 +1,7 @@
 //! Evictions from the global index: every worker to its bound (the periodic eviction), one
-//! worker to a KV capacity it newly reported (at once), all of it (the workers' caches were
-//! flushed). They go out in the next delta, so that every filter forgets them too.
+//! worker to a KV capacity it newly reported (at once), all of one worker's (its cache was
+//! emptied by worker administration). They go out in the next delta, so that every filter
+//! forgets them too.
 
 use kvmesh_core::index::PrefixIndex;
 

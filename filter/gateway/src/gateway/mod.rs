@@ -274,14 +274,14 @@ impl Gateway {
     /// flight, and the new blocks go to the other VMs (one CAS for counts and log sequence,
     /// plus the log slot) and into the next report.
     pub fn commit(&mut self, store: &dyn SharedStore, plan: Plan) -> Committed {
-        let Plan { chosen, mut main, pd, inflight, now, fallbacks: _, body: _, batch, model } = plan;
+        let Plan { chosen, mut main, pd, inflight, now, fallbacks: _, body: _, rid, batch, model } = plan;
         let prediction = self.view.prediction(&chosen, batch);
         let record = record::decision_record(
             &self.view.config,
             &chosen,
             &main.addr,
             pd.as_ref().map(|p| p.prefill.addr.as_str()),
-            pd.as_ref().and_then(|p| p.abort_rids().first()).map(String::as_str),
+            pd.as_ref().and_then(|p| p.abort_rids().first()).or(rid.as_ref()).map(String::as_str),
             model.as_deref(),
         );
         let decisions: Vec<&Decision> = match &chosen {

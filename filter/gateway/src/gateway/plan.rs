@@ -46,9 +46,14 @@ pub struct Plan {
     pub(super) fallbacks: Vec<String>,
     /// Boxed: `Outcome` stays small for the regular requests.
     pub(super) pd: Option<Box<PdPlan>>,
-    /// Regular mode, a data-parallel rank chosen: the body it gets (the client's with
-    /// `data_parallel_rank`); none: the client's body goes unchanged.
+    /// The body the worker gets when it is not the client's: regular mode with a data-parallel
+    /// rank chosen (the client's with `data_parallel_rank`), or a PD request run on the decode
+    /// worker alone whose client set a `rid` (the gateway's in its place); none: the client's
+    /// body goes unchanged.
     pub(super) body: Option<Box<[u8]>>,
+    /// The `rid` the gateway gave a PD request run on the decode worker alone (see `body`),
+    /// for the decision record.
+    pub(super) rid: Option<String>,
     /// The shared counts as read for this decision (the commit's CAS starts from them).
     pub(super) inflight: Inflight,
     /// When the decision was made: a half-open worker's probe slot is taken at that time.
@@ -94,7 +99,7 @@ pub struct PdPlan {
     pub merge_logprobs: bool,
     pub stream: bool,
     /// Whether the prefill worker was believed to hold more than `cache_threshold` of the
-    /// routing text (sglang-router's PD cache hit).
+    /// routing text (sglang-router's PD cache hit; a text-blind policy's pick never is).
     pub cache_hit: bool,
 }
 

@@ -327,13 +327,15 @@ impl RoutingView {
         }
         let fallbacks = self.fallbacks(main_cands, main.worker, now);
         // A data-parallel rank is named in the body (regular mode; see docs/configuration.md
-        // for PD).
+        // for PD); a PD request run on the decode worker alone gets the gateway's rid.
         let pd_mode = matches!(self.mode, Mode::Pd(_));
+        let mut rid = None;
         let ranked = match (prefill, main_routed.dp_rank) {
             (None, Some(rank)) if !pd_mode => dp::with_rank(body, parsed, rank).map(Some),
-            // PD without a split, SGLang's protocol: the gateway's rid all the same.
             (None, _) if pd_mode && protocol == PdProtocol::Sglang && parsed.rid_at.is_some() => {
-                bootstrap::own_rid(body, parsed, random_u64().unwrap_or_else(|_| self.rng.next_u64()))
+                let id = random_u64().unwrap_or_else(|_| self.rng.next_u64());
+                rid = Some(bootstrap::rid(id, 0));
+                bootstrap::own_rid(body, parsed, id)
             }
             _ => Ok(None),
         };
@@ -349,7 +351,18 @@ impl RoutingView {
             },
         };
         let batch = parsed.batch.is_some();
-        Outcome::Route(Plan { chosen, main: main_routed, fallbacks, pd, body: ranked, inflight, now, batch, model })
+        Outcome::Route(Plan {
+            chosen,
+            main: main_routed,
+            fallbacks,
+            pd,
+            body: ranked,
+            rid,
+            inflight,
+            now,
+            batch,
+            model,
+        })
     }
 
     /// The deployment's PD protocol (a worker may speak another, [`kvmesh_core::Worker::protocol`]).
@@ -374,8 +387,9 @@ impl RoutingView {
             return Err(Reply::no_worker("prefill worker"));
         };
         let stream = parsed.stream;
-        let cache_hit =
-            prefill.matched_bytes as f64 > self.config.cache_aware.cache_threshold * parsed.text.len() as f64;
+        // Over the whole routing text, as sglang-router's match rate.
+        let text_len = parsed.text_len.max(parsed.text.len()) as f64;
+        let cache_hit = prefill.matched_bytes as f64 > self.config.cache_aware.cache_threshold * text_len;
         let leg = match protocol {
             PdProtocol::Sglang => None,
             PdProtocol::LlmD => Some(PrefillLeg::Sidecar),
