@@ -147,6 +147,10 @@ fn sglang_pd_records_both_legs_and_both_workers_get_the_trace_context() {
     assert_eq!(rec["worker"], decode.addr(), "{line}");
     assert_eq!((rec["decider"].as_str(), rec["prefill"].as_str()), ("split", prefill.addr().as_str()), "{line}");
     assert_eq!(rec["prefill_policy"], "cache_aware", "{line}");
+    // The rid both legs carry: what an operator aborts the request by (through kvmesh-cp).
+    for sim in [&prefill, &decode] {
+        assert_eq!(received(sim, "pd-1")["body"]["rid"], rec["rid"].as_str(), "{line}");
+    }
     assert_traced(&prefill, "pd-1");
     assert_traced(&decode, "pd-1");
 }
