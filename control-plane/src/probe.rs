@@ -96,7 +96,7 @@ pub fn ranks_from_get_load(body: &str) -> Vec<RankLoad> {
         .take(kvmesh_core::dp::MAX_DP_SIZE as usize)
         .filter_map(|r| {
             let rank = u32::try_from(u64_of(r, "dp_rank")?).ok()?;
-            Some(RankLoad { rank, load: u64_of(r, "num_reqs"), waiting: u64_of(r, "num_waiting_reqs") })
+            Some(RankLoad { rank, load: u64_of(r, "num_reqs"), waiting: u64_of(r, "num_waiting_reqs"), kv_usage: None })
         })
         .collect()
 }
@@ -137,6 +137,44 @@ pub fn parse_pressure(text: &str) -> Pressure {
         }
     }
     p
+}
+
+/// Each data-parallel rank's KV usage from SGLang's `/metrics` (`sglang:token_usage` with a
+/// `dp_rank` label, as its schedulers export it under data parallelism), into `ranks` (a rank
+/// `/get_load` did not list is added); at most [`kvmesh_core::dp::MAX_DP_SIZE`] ranks.
+pub fn rank_kv_usage(text: &str, ranks: &mut Vec<RankLoad>) {
+    for line in text.lines().filter(|l| l.starts_with("sglang:token_usage{")) {
+        let Some((name_labels, value)) = line.rsplit_once(' ') else { continue };
+        let Ok(v) = value.trim().parse::<f64>() else { continue };
+        let rank = label(name_labels, "dp_rank").and_then(|r| r.parse::<u32>().ok());
+        let Some(rank) = rank.filter(|_| v.is_finite() && v >= 0.0) else { continue };
+        let at = match ranks.iter().position(|r| r.rank == rank) {
+            Some(at) => at,
+            None if ranks.len() < kvmesh_core::dp::MAX_DP_SIZE as usize => {
+                ranks.push(RankLoad { rank, ..RankLoad::default() });
+                ranks.len() - 1
+            }
+            None => continue,
+        };
+        if let Some(r) = ranks.get_mut(at) {
+            r.kv_usage = Some(r.kv_usage.unwrap_or(0.0).max(v.min(1.0)));
+        }
+    }
+}
+
+/// The value of label `name` in a series' `name{k="v",...}` (a whole label name: `dp_rank` is
+/// not `attn_dp_rank`).
+fn label<'a>(series: &'a str, name: &str) -> Option<&'a str> {
+    let labels = series.split_once('{')?.1;
+    let mut rest = labels;
+    while let Some((key, after)) = rest.split_once("=\"") {
+        let (value, next) = after.split_once('"')?;
+        if key.trim_start_matches(',').trim() == name {
+            return Some(value);
+        }
+        rest = next;
+    }
+    None
 }
 
 /// Load (running + queued) and cache hit rate from Prometheus text (SGLang or vLLM names).
@@ -331,9 +369,10 @@ async fn poll_one(state: &State, id: u32, url: &str, ask_capacity: bool) {
         hit = h;
         let p = parse_pressure(&body);
         pressure = Pressure { waiting: pressure.waiting.or(p.waiting), kv_usage: p.kv_usage };
+        rank_kv_usage(&body, &mut ranks);
     }
-    for (id, load, waiting) in state.rank_loads(id, load, pressure.waiting, &ranks) {
-        state.pressure_result(id, Pressure { waiting, ..pressure });
+    for (id, load, pressure) in state.rank_loads(id, load, pressure, &ranks) {
+        state.pressure_result(id, pressure);
         state.load_result(id, load, hit);
     }
 }
@@ -366,6 +405,20 @@ mod tests {
         assert_eq!(parse_pressure(sglang), Pressure { waiting: Some(2), kv_usage: Some(0.25) });
         let vllm = "vllm:num_requests_waiting 7.0\nvllm:kv_cache_usage_perc 0.9\n";
         assert_eq!(parse_pressure(vllm), Pressure { waiting: Some(7), kv_usage: Some(0.9) });
+        // Under data parallelism each rank's scheduler exports its own series.
+        let dp = "sglang:token_usage{model_name=\"m\",dp_rank=\"0\",tp_rank=\"0\"} 0.8\n\
+                  sglang:token_usage{model_name=\"m\",dp_rank=\"1\",tp_rank=\"0\"} 0.2\n\
+                  sglang:token_usage{model_name=\"m\",dp_rank=\"x\"} 0.5\nsglang:token_usage{dp_rank=\"2\"} NaN\n\
+                  sglang:token_usage{attn_dp_rank=\"3\"} 0.5\n";
+        let mut ranks = vec![RankLoad { rank: 1, load: Some(3), ..RankLoad::default() }];
+        rank_kv_usage(dp, &mut ranks);
+        let kv: Vec<(u32, Option<u64>, Option<f64>)> = ranks.iter().map(|r| (r.rank, r.load, r.kv_usage)).collect();
+        assert_eq!(kv, [(1, Some(3), Some(0.2)), (0, None, Some(0.8))], "a bad rank or value is skipped");
+        assert_eq!(parse_pressure(dp).kv_usage, Some(0.8), "the worker's: its fullest rank");
+        let many: String = (0..1000).map(|r| format!("sglang:token_usage{{dp_rank=\"{r}\"}} 0.1\n")).collect();
+        let mut ranks = Vec::new();
+        rank_kv_usage(&many, &mut ranks);
+        assert_eq!(ranks.len(), kvmesh_core::dp::MAX_DP_SIZE as usize, "bounded");
         let hostile = "sglang:num_queue_reqs -5\nsglang:token_usage NaN\nsglang:token_usage 1e9\n";
         assert_eq!(
             parse_pressure(hostile),

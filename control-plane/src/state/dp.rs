@@ -10,16 +10,18 @@ use kvmesh_core::dp::MAX_DP_SIZE;
 use kvmesh_proto::v1::Role;
 
 use super::store::{Inner, State};
-use super::worker::WorkerEntry;
+use super::worker::{Pressure, WorkerEntry};
 
-/// One rank's entry of SGLang's `/get_load` list.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// One rank's entry of SGLang's `/get_load` list, with its KV usage from `/metrics`.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct RankLoad {
     pub rank: u32,
     /// Running and waiting requests (`num_reqs`).
     pub load: Option<u64>,
     /// Waiting requests (`num_waiting_reqs`).
     pub waiting: Option<u64>,
+    /// `sglang:token_usage{dp_rank="N"}`: the rank's own KV cache use (0..1).
+    pub kv_usage: Option<f64>,
 }
 
 /// The ids registered for the worker at `url` (all its ranks, or its one entry).
@@ -86,14 +88,17 @@ impl State {
         &self,
         id: u32,
         load: Option<u64>,
-        waiting: Option<u64>,
+        pressure: Pressure,
         ranks: &[RankLoad],
-    ) -> Vec<(u32, Option<u64>, Option<u64>)> {
+    ) -> Vec<(u32, Option<u64>, Pressure)> {
         self.ranks_of(id)
             .into_iter()
             .map(|(entry, rank)| match rank.and_then(|r| ranks.iter().find(|l| l.rank == r)) {
-                Some(own) => (entry, own.load.or(load), own.waiting.or(waiting)),
-                None => (entry, load, waiting),
+                Some(own) => {
+                    let waiting = own.waiting.or(pressure.waiting);
+                    (entry, own.load.or(load), Pressure { waiting, kv_usage: own.kv_usage.or(pressure.kv_usage) })
+                }
+                None => (entry, load, pressure),
             })
             .collect()
     }
@@ -185,10 +190,18 @@ mod tests {
     fn each_rank_gets_its_own_load_from_get_load() {
         let s = state(&["--dp-aware", "--worker-urls", "http://127.0.0.1:1"]);
         s.dp_size_result(0, Some(3));
-        let ranks =
-            [RankLoad { rank: 0, load: Some(5), waiting: Some(1) }, RankLoad { rank: 1, load: Some(0), waiting: None }];
-        let got = s.rank_loads(1, Some(5), Some(1), &ranks);
-        let want = [(1, Some(5), Some(1)), (2, Some(0), Some(1)), (3, Some(5), Some(1))];
+        let ranks = [
+            RankLoad { rank: 0, load: Some(5), waiting: Some(1), kv_usage: Some(0.9) },
+            RankLoad { rank: 1, load: Some(0), waiting: None, kv_usage: Some(0.1) },
+        ];
+        let total = Pressure { waiting: Some(1), kv_usage: Some(0.9) };
+        let got = s.rank_loads(1, Some(5), total, &ranks);
+        let p = |waiting, kv_usage| Pressure { waiting, kv_usage };
+        let want = [
+            (1, Some(5), p(Some(1), Some(0.9))),
+            (2, Some(0), p(Some(1), Some(0.1))),
+            (3, Some(5), p(Some(1), Some(0.9))),
+        ];
         assert_eq!(got, want, "rank 2 is not listed: the worker's totals");
     }
 }
