@@ -75,9 +75,13 @@ fn worker_admin_reaches_the_selected_workers_with_what_the_caller_sent() {
     let failed: Vec<&Value> = body["workers"].as_array().unwrap().iter().filter(|w| w["ok"] == false).collect();
     assert_eq!(failed.len(), 2, "the SGLang workers have no /reset_prefix_cache: {body}");
     assert!(failed.iter().all(|w| w["status"] == 404), "{body}");
-    // Refused before any worker sees it: a body that is no JSON object, an unknown worker, a
-    // role this mode has not.
+    // Refused before any worker sees it: a body over 64 KiB (a million-item list too), one that
+    // is no JSON object, an unknown worker, a role this mode has not.
+    let huge = format!(r#"{{"pad":"{}"}}"#, "x".repeat(65 * 1024));
+    let flood = format!("[{}]", vec!["0"; 1_000_000].join(","));
     for (path, bad, status) in [
+        ("/wake_up", huge.as_bytes(), 413),
+        ("/wake_up", flood.as_bytes(), 413),
         ("/wake_up", &b"[1]"[..], 400),
         ("/wake_up?url=http://127.0.0.1:1", b"", 404),
         ("/wake_up?role=prefill", b"", 400),
