@@ -33,6 +33,15 @@ pub fn rid(id: u64, item: usize) -> String {
     format!("kvmesh-{id:016x}-{item:04}")
 }
 
+/// The `rid` field's value for the request numbered `id`: one rid, or for a batch `/generate`
+/// (SGLang takes one rid per item there) a list of them.
+fn rid_value(parsed: &ParsedRequest<'_>, id: u64) -> Value {
+    match (parsed.endpoint, parsed.batch) {
+        (Endpoint::Generate, Some(n)) => Value::Array((0..n).map(|i| Value::from(rid(id, i))).collect()),
+        _ => Value::from(rid(id, 0)),
+    }
+}
+
 /// `n` random rooms below 2^63 (sglang-router masks a random u64 to 63 bits).
 pub fn random_rooms(n: usize, rng: impl FnMut() -> u64) -> Vec<u64> {
     let mut next = rng;
@@ -56,18 +65,9 @@ impl Bootstrap {
             ],
         };
         if parsed.rid_at.is_none() {
-            fields.push(("rid", self.rid_value(parsed)));
+            fields.push(("rid", rid_value(parsed, self.rid)));
         }
         fields
-    }
-
-    /// The `rid` field's value: one rid, or for a batch `/generate` (SGLang takes one rid per
-    /// item there) a list of them.
-    fn rid_value(&self, parsed: &ParsedRequest<'_>) -> Value {
-        match (parsed.endpoint, parsed.batch) {
-            (Endpoint::Generate, Some(n)) => Value::Array((0..n).map(|i| Value::from(rid(self.rid, i))).collect()),
-            _ => Value::from(rid(self.rid, 0)),
-        }
     }
 
     /// The rids the gateway gives the request's items: what the prefill leg can be aborted by
@@ -104,7 +104,7 @@ pub fn own_rid(body: &[u8], parsed: &ParsedRequest<'_>, id: u64) -> Result<Optio
     let (Some(head), Some(tail)) = (body.get(..at.start), body.get(at.end..)) else {
         return Err(RequestError::NotAnObject);
     };
-    let value = Bootstrap { host: String::new(), port: None, rooms: Vec::new(), rid: id }.rid_value(parsed);
+    let value = rid_value(parsed, id);
     let mut replaced = Vec::with_capacity(body.len() + 64);
     replaced.extend_from_slice(head);
     serde_json::to_writer(&mut replaced, &value).map_err(|_| RequestError::NotAnObject)?;
