@@ -192,6 +192,7 @@ async fn snapshot(Axum(state): Shared) -> Json<Value> {
 }
 
 use crate::feedback::WorkerLabels;
+use crate::label::LabelValue;
 
 /// The `/metrics` registry, built once at startup. The control plane's own counters are the
 /// state's handles; the per-worker families and the index gauges are brought up to date on
@@ -222,10 +223,10 @@ pub struct Metrics {
 /// A model a worker serves, as `kvmesh_worker_model` labels it.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
 struct ModelLabels {
-    worker: String,
-    model: String,
+    worker: LabelValue,
+    model: LabelValue,
     /// A LoRA adapter's base model (empty for a base model).
-    parent: String,
+    parent: LabelValue,
 }
 
 impl Metrics {
@@ -327,11 +328,15 @@ impl Metrics {
         let mut now_models = HashSet::new();
         for w in self.state.workers() {
             for m in w.served() {
-                let labels = ModelLabels { worker: w.name(), model: m.id, parent: m.parent.unwrap_or_default() };
+                let labels = ModelLabels {
+                    worker: w.name().into(),
+                    model: m.id.into(),
+                    parent: m.parent.unwrap_or_default().into(),
+                };
                 self.models.get_or_create(&labels).set(1);
                 now_models.insert(labels);
             }
-            let labels = WorkerLabels { worker: w.name(), role: role_name(w.role).into() };
+            let labels = WorkerLabels { worker: w.name().into(), role: role_name(w.role).into() };
             self.healthy.get_or_create(&labels).set(i64::from(w.healthy));
             self.load.get_or_create(&labels).set(w.load() as i64);
             self.inflight.get_or_create(&labels).set(w.inflight_total() as i64);

@@ -14,11 +14,13 @@ use serde_json::{json, Value};
 
 use prometheus_client::encoding::EncodeLabelSet;
 
+use crate::label::LabelValue;
+
 /// The labels of every per-worker `/metrics` series.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WorkerLabels {
-    pub worker: String,
-    pub role: String,
+    pub worker: LabelValue,
+    pub role: LabelValue,
 }
 
 /// One worker's totals over every gateway.

@@ -18,6 +18,7 @@ mod endpoint_acks;
 mod feedback;
 mod grpc;
 mod inference_pool;
+mod label;
 mod models;
 mod peer_flags;
 mod probe;

@@ -23,22 +23,33 @@ pub struct Op {
     /// part of the global prefix index (and so of every filter's) is forgotten then, as it
     /// would otherwise send prompts to a cache no longer there.
     pub drops_cache: bool,
+    /// How long a worker has to answer, unless the caller says (`timeout_secs`); never more
+    /// than `--request-timeout-secs`. `/flush_cache` has the health checks' timeout.
+    pub timeout_secs: u64,
 }
 
 /// SGLang's (`flush_cache`, weight updates, profiling, abort, memory release) and vLLM's
 /// (`reset_prefix_cache`, profiling, sleep): each worker answers the ones its engine has.
+/// Loading weights from disk takes minutes; moving memory and sleeping, seconds; the rest, less.
 pub const OPS: [Op; 10] = [
-    Op { path: "/flush_cache", drops_cache: true },
-    Op { path: "/update_weights_from_disk", drops_cache: true },
-    Op { path: "/start_profile", drops_cache: false },
-    Op { path: "/stop_profile", drops_cache: false },
-    Op { path: "/abort_request", drops_cache: false },
-    Op { path: "/release_memory_occupation", drops_cache: true },
-    Op { path: "/resume_memory_occupation", drops_cache: true },
-    Op { path: "/reset_prefix_cache", drops_cache: true },
-    Op { path: "/sleep", drops_cache: true },
-    Op { path: "/wake_up", drops_cache: true },
+    Op { path: "/flush_cache", drops_cache: true, timeout_secs: 0 },
+    Op { path: "/update_weights_from_disk", drops_cache: true, timeout_secs: 600 },
+    Op { path: "/start_profile", drops_cache: false, timeout_secs: 30 },
+    Op { path: "/stop_profile", drops_cache: false, timeout_secs: 120 },
+    Op { path: "/abort_request", drops_cache: false, timeout_secs: 30 },
+    Op { path: "/release_memory_occupation", drops_cache: true, timeout_secs: 120 },
+    Op { path: "/resume_memory_occupation", drops_cache: true, timeout_secs: 120 },
+    Op { path: "/reset_prefix_cache", drops_cache: true, timeout_secs: 30 },
+    Op { path: "/sleep", drops_cache: true, timeout_secs: 120 },
+    Op { path: "/wake_up", drops_cache: true, timeout_secs: 120 },
 ];
+
+/// The longest a caller may give the workers (`timeout_secs`).
+pub const MAX_TIMEOUT_SECS: u64 = 3600;
+/// Most admin calls to workers in flight at once, over every fan-out: a pool of thousands
+/// of workers, or many callers, is worked through this many at a time.
+pub const MAX_CONCURRENT_CALLS: usize = 32;
+static CALLS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(MAX_CONCURRENT_CALLS);
 
 /// Largest body passed on (the ops take a few small fields).
 pub const MAX_BODY: usize = 64 * 1024;
@@ -64,19 +75,27 @@ fn refuse(status: StatusCode, why: impl Into<String>) -> Reply {
 }
 
 /// Which workers, and the query passed on: `url=` (a worker as `/list_workers` names it, its
-/// server for a rank) and `role=` select, every other parameter goes to the workers.
+/// server for a rank) and `role=` select, `timeout_secs=` bounds each worker's answer, every
+/// other parameter goes to the workers.
 #[derive(Debug)]
 struct Selection {
     url: Option<String>,
     role: Option<Role>,
+    timeout_secs: Option<u64>,
     forwarded: Vec<(String, String)>,
 }
 
 fn selection(query: Vec<(String, String)>, pd: bool) -> Result<Selection, String> {
-    let mut s = Selection { url: None, role: None, forwarded: Vec::new() };
+    let mut s = Selection { url: None, role: None, timeout_secs: None, forwarded: Vec::new() };
     for (k, v) in query {
         match k.as_str() {
             "url" => s.url = Some(v.trim_end_matches('/').to_string()),
+            "timeout_secs" => {
+                s.timeout_secs = match v.parse::<u64>() {
+                    Ok(n) if (1..=MAX_TIMEOUT_SECS).contains(&n) => Some(n),
+                    _ => return Err(format!("timeout_secs `{v}` must be a whole number from 1 to {MAX_TIMEOUT_SECS}")),
+                }
+            }
             "role" => {
                 s.role = Some(match (v.as_str(), pd) {
                     ("prefill", true) => Role::Prefill,
@@ -140,9 +159,9 @@ async fn fan_out(
     if servers.is_empty() {
         return refuse(StatusCode::NOT_FOUND, "no worker matches (see /list_workers)");
     }
-    let secs = state.settings.routing.request_timeout_secs.unwrap_or(1800);
-    let timeout =
-        Duration::from_secs(if op.path == "/flush_cache" { state.settings.health_timeout_secs } else { secs });
+    let most = state.settings.routing.request_timeout_secs.unwrap_or(1800);
+    let default = if op.timeout_secs == 0 { state.settings.health_timeout_secs } else { op.timeout_secs };
+    let timeout = Duration::from_secs(sel.timeout_secs.unwrap_or(default).min(most).max(1));
     let call = Call {
         target: sel.target(op.path),
         body: body.map(str::to_string),
@@ -152,7 +171,8 @@ async fn fan_out(
     // A task of its own: a caller that goes away (or a proxy's idle timeout) does not stop
     // the index from forgetting what the workers emptied.
     let task = tokio::spawn(async move {
-        let results: Vec<(Outcome, Value)> = futures_util::future::join_all(servers.iter().map(|w| call.on(w))).await;
+        let results: Vec<(Outcome, Value)> =
+            futures_util::future::join_all(servers.iter().map(|w| call.bounded(w))).await;
         if op.drops_cache {
             // A worker that gave no answer (a timeout, a reset) may have done it all the same.
             let maybe = |o: &Outcome| *o != Outcome::Refused;
@@ -200,6 +220,13 @@ struct Call {
 }
 
 impl Call {
+    /// [`Call::on`] once one of the [`MAX_CONCURRENT_CALLS`] places is free.
+    async fn bounded(&self, w: &WorkerEntry) -> (Outcome, Value) {
+        // The semaphore is never closed: a permit always comes.
+        let _permit = CALLS.acquire().await.ok();
+        self.on(w).await
+    }
+
     /// How `w` took it, and what to report of it.
     async fn on(&self, w: &WorkerEntry) -> (Outcome, Value) {
         let report = |fields: Value| {
@@ -261,6 +288,35 @@ mod tests {
         assert!(selection(pairs(&[("role", "prefill")]), false).unwrap_err().contains("mode"));
         assert_eq!(selection(pairs(&[("role", "prefill")]), true).unwrap().role, Some(Role::Prefill));
         assert!(selection(pairs(&[("k", &"v".repeat(2000))]), false).is_err());
+        let t = selection(pairs(&[("timeout_secs", "5"), ("level", "1")]), false).unwrap();
+        assert_eq!((t.timeout_secs, t.target("/sleep").as_str()), (Some(5), "/sleep?level=1"));
+        for bad in ["0", "-1", "3601", "x", ""] {
+            assert!(selection(pairs(&[("timeout_secs", bad)]), false).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn every_op_has_a_bounded_default() {
+        assert!(OPS.iter().all(|op| op.timeout_secs <= 600), "{OPS:?}");
+        assert!(OPS.iter().filter(|op| op.timeout_secs == 0).all(|op| op.path == "/flush_cache"));
+    }
+
+    #[tokio::test]
+    async fn at_most_the_bound_of_calls_is_in_flight() {
+        use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+        use std::sync::Arc;
+        let (now, peak) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let tasks = (0..4 * MAX_CONCURRENT_CALLS).map(|_| {
+            let (now, peak) = (Arc::clone(&now), Arc::clone(&peak));
+            async move {
+                let _permit = CALLS.acquire().await.ok();
+                peak.fetch_max(now.fetch_add(1, SeqCst) + 1, SeqCst);
+                tokio::task::yield_now().await;
+                now.fetch_sub(1, SeqCst);
+            }
+        });
+        futures_util::future::join_all(tasks).await;
+        assert_eq!(peak.load(SeqCst), MAX_CONCURRENT_CALLS);
     }
 
     #[test]

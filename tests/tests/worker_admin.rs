@@ -90,3 +90,27 @@ fn worker_admin_reaches_the_selected_workers_with_what_the_caller_sent() {
     }
     assert!(seen(vllm, "/wake_up").is_empty(), "a refused call reached a worker");
 }
+
+/// A worker that hangs (SIGSTOP) holds a fan-out only as long as the op's timeout, which the
+/// caller can shorten (`timeout_secs`, kvmesh-cp's own parameter, not passed on): the others'
+/// answers come back with the hung one's as unknown, and the call ends.
+#[test]
+fn a_hung_worker_holds_worker_administration_only_until_its_timeout() {
+    let mut workers = sims(2, FAST);
+    let cp = control_plane(&workers, &[]);
+    let hung = workers[1].url();
+    let pid = workers[1].proc().pid().to_string();
+    assert!(std::process::Command::new("kill").args(["-STOP", &pid]).status().unwrap().success());
+    let r = cp.post("/start_profile?timeout_secs=1&num_steps=2");
+    assert!(std::process::Command::new("kill").args(["-CONT", &pid]).status().unwrap().success());
+    let r = r.unwrap();
+    assert_eq!(r.status, 502, "{}", r.text());
+    let answers = r.json().unwrap()["workers"].as_array().cloned().unwrap_or_default();
+    let ok_of = |url: &str| answers.iter().find(|w| w["url"] == url).map(|w| w["ok"].clone());
+    assert_eq!((ok_of(&workers[0].url()), ok_of(&hung)), (Some(json!(true)), Some(json!(false))), "{answers:?}");
+    let calls = seen(&workers[0], "/start_profile");
+    assert_eq!(calls.len(), 1, "{calls:?}");
+    assert!(!calls[0].to_string().contains("timeout_secs"), "kvmesh-cp's own parameter went on: {calls:?}");
+    let refused = cp.post("/start_profile?timeout_secs=0").unwrap();
+    assert_eq!(refused.status, 400, "{}", refused.text());
+}
