@@ -746,7 +746,8 @@ async fn model_info(State(e): Shared) -> Json<Value> {
 async fn server_info(State(e): Shared) -> Json<Value> {
     let (_, cap) = e.cache_usage();
     Json(
-        json!({"model_path": e.args.model, "port": e.args.port, "disaggregation_mode": format!("{:?}", e.args.role).to_lowercase(), "max_running_requests": e.args.max_running, "max_total_num_tokens": cap, "dp_size": e.ranks.size()}),
+        // SGLang answers with its server_args, its `api_key` among them.
+        json!({"model_path": e.args.model, "port": e.args.port, "disaggregation_mode": format!("{:?}", e.args.role).to_lowercase(), "max_running_requests": e.args.max_running, "max_total_num_tokens": cap, "dp_size": e.ranks.size(), "api_key": e.args.api_key}),
     )
 }
 

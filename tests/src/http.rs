@@ -49,6 +49,15 @@ pub fn get(url: &str) -> anyhow::Result<Response> {
     collect(finish(agent().get(url).call())?)
 }
 
+/// GETs `url` with extra `headers`.
+pub fn get_with(url: &str, headers: &[(&str, &str)]) -> anyhow::Result<Response> {
+    let mut req = agent().get(url);
+    for (n, v) in headers {
+        req = req.set(n, v);
+    }
+    collect(finish(req.call())?)
+}
+
 /// POSTs `body` as JSON with extra `headers`.
 pub fn post(url: &str, body: &[u8], headers: &[(&str, &str)]) -> anyhow::Result<Response> {
     let mut req = agent().post(url).set("content-type", "application/json");

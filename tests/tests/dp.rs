@@ -137,9 +137,30 @@ fn without_dp_aware_a_worker_is_one_target_and_no_rank_is_written() {
             assert_eq!(r.status, 200, "{}", r.text());
         }
     }
+    // A client's own rank never reaches a worker whose ranks the gateway does not split:
+    // SGLang's DP controller would index its schedulers by it.
+    for (family, own) in [(4, json!(7)), (5, json!(-1)), (6, json!(4096)), (7, json!("1"))] {
+        let text = prompt(family, 0);
+        let (path, body) = match family % 3 {
+            0 => (
+                "/generate",
+                json!({"text": text, "data_parallel_rank": own, "sampling_params": {"max_new_tokens": 1}}),
+            ),
+            1 => (
+                "/v1/completions",
+                json!({"model": "kvmesh-sim", "prompt": text, "data_parallel_rank": own, "max_tokens": 1}),
+            ),
+            _ => (
+                "/v1/chat/completions",
+                json!({"model": "kvmesh-sim", "messages": [{"role": "user", "content": text}], "data_parallel_rank": own, "max_tokens": 1}),
+            ),
+        };
+        let r = http::post(&envoy.url(path), body.to_string().as_bytes(), &[]).unwrap();
+        assert_eq!(r.status, 200, "{own}: {}", r.text());
+    }
     let urls: Vec<Value> = cp.workers().iter().map(|w| w["url"].clone()).collect();
     assert_eq!(urls, sims.iter().map(|s| Value::from(s.url())).collect::<Vec<_>>(), "no ranks listed");
     let seen: Vec<(usize, Option<u64>)> = sims.iter().flat_map(seen).collect();
-    assert_eq!(seen.len(), 12);
-    assert!(seen.iter().all(|(_, rank)| rank.is_none()), "a rank was written: {seen:?}");
+    assert_eq!(seen.len(), 16);
+    assert!(seen.iter().all(|(_, rank)| rank.is_none()), "a rank reached a worker: {seen:?}");
 }

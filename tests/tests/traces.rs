@@ -41,30 +41,40 @@ impl Logged {
     }
 
     /// The access-log line of request `id` (Envoy writes it once the stream ends and flushes
-    /// its log every second or so).
-    fn line(&self, id: &str) -> String {
-        let needle = format!(" id={id} ");
+    /// its log every second or so), parsed: the shipped format is one JSON object a line.
+    fn line(&self, id: &str) -> Value {
         let mut found = None;
         wait_until(&format!("the access log line of {id}"), Duration::from_secs(15), || {
-            let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-            found = text.lines().find(|l| l.contains(&needle)).map(String::from);
+            found = self.lines().into_iter().find(|l| l["id"] == id);
             found.is_some()
         })
         .unwrap_or_else(|e| panic!("{e}: {}", std::fs::read_to_string(&self.log).unwrap_or_default()));
         found.unwrap_or_default()
     }
+
+    /// Every line written so far, each of which must be one JSON object.
+    fn lines(&self) -> Vec<Value> {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let parse =
+            |l: &str| serde_json::from_str::<Value>(l).unwrap_or_else(|e| panic!("not one JSON object: {e}: {l}"));
+        text.lines().map(parse).inspect(|v| assert!(v.is_object(), "{v}")).collect()
+    }
 }
 
-/// The decision record of an access-log line (`kvmesh="k=v;..."`) as a map.
-fn record(line: &str) -> BTreeMap<String, String> {
-    let value = line.split("kvmesh=\"").nth(1).and_then(|r| r.split('"').next()).unwrap_or_default();
+/// The decision record of an access-log line (`"kvmesh": "k=v;..."`) as a map.
+fn record(line: &Value) -> BTreeMap<String, String> {
+    let value = line["kvmesh"].as_str().unwrap_or_default();
     assert!(value.starts_with("policy="), "no decision record in: {line}");
     value.split(';').filter_map(|kv| kv.split_once('=')).map(|(k, v)| (k.to_string(), v.to_string())).collect()
 }
 
-/// The value of a `key=value` field of an access-log line.
-fn field<'a>(line: &'a str, key: &str) -> &'a str {
-    line.split(' ').find_map(|f| f.strip_prefix(&format!("{key}="))).unwrap_or_default()
+/// A field of an access-log line as text (`-` where Envoy had no value).
+fn field(line: &Value, key: &str) -> String {
+    match &line[key] {
+        Value::String(s) => s.clone(),
+        Value::Null => "-".to_string(),
+        v => v.to_string(),
+    }
 }
 
 /// What `sim` recorded of request `id`: its body and the headers it got.
@@ -104,9 +114,58 @@ fn each_access_log_line_carries_the_decision_and_the_worker_its_trace_context() 
         let cached: usize = rec["cached_bytes"].parse().unwrap();
         // The second time the index believes the worker holds the prompt.
         assert_eq!(cached > 0, i == 1, "{line}");
-        assert_eq!((field(&line, "upstream"), field(&line, "failover")), (worker, "-"), "{line}");
+        assert_eq!((field(&line, "upstream").as_str(), field(&line, "failover").as_str()), (worker, "-"), "{line}");
         assert_eq!(field(&line, "traceparent"), TRACEPARENT, "{line}");
         assert_traced(sim_at(&sims, worker), id);
+    }
+}
+
+/// A client's trace context and request id reach the access log and the workers only well
+/// formed: values built to forge fields (`upstream=`, `kvmesh=`) end as what they are, one
+/// JSON string, on every kind of path, and no worker gets a trace context that is not W3C's.
+#[test]
+fn no_header_a_client_sends_adds_a_field_to_the_access_log_or_reaches_a_worker_malformed() {
+    let sims = sims(1, FAST);
+    let gw = regular(&sims);
+    let forged = format!("{TRACEPARENT} upstream=6.6.6.6:1 kvmesh=\"policy=forged;worker=6.6.6.6:1\"");
+    let generate = json!({"text": "forge me", "sampling_params": {"max_new_tokens": 1}});
+    let completion = json!({"prompt": "forge me", "max_tokens": 1});
+    let cases: [(&str, &str, Option<&Value>); 4] = [
+        ("POST", "/generate?case=0", Some(&generate)),
+        ("POST", "/v1/completions?case=1", Some(&completion)),
+        ("GET", "/health?case=2", None),
+        ("GET", "/no/such/path?case=3", None),
+    ];
+    for (i, (_, path, body)) in cases.iter().enumerate() {
+        for (name, value) in [("traceparent", forged.as_str()), ("x-request-id", forged.as_str())] {
+            let headers = [(name, value), ("tracestate", TRACESTATE)];
+            let url = gw.envoy.url(path);
+            let r = match body {
+                Some(b) => http::post(&url, b.to_string().as_bytes(), &headers).unwrap(),
+                None => http::get_with(&url, &headers).unwrap(),
+            };
+            assert_eq!(r.status, if i == 3 { 404 } else { 200 }, "{path} {name}: {}", r.text());
+        }
+    }
+    let mut lines = Vec::new();
+    wait_until("a line for each request", Duration::from_secs(15), || {
+        lines = gw.lines();
+        lines.len() >= 2 * cases.len()
+    })
+    .unwrap();
+    assert_eq!(lines.len(), 2 * cases.len(), "{lines:?}");
+    for line in &lines {
+        assert_ne!(field(line, "upstream"), "6.6.6.6:1", "{line}");
+        let path = field(line, "path");
+        assert_ne!(field(line, "traceparent"), forged, "{line}");
+        assert_ne!(field(line, "id"), forged, "{line}");
+        if path.starts_with("/generate") || path.starts_with("/v1/") {
+            assert_eq!(record(line)["worker"], sims[0].addr(), "{line}");
+        }
+    }
+    let seen = http::get(&format!("{}/sim/requests", sims[0].url())).unwrap().json().unwrap();
+    for r in seen.as_array().unwrap() {
+        assert!(!r.to_string().contains("6.6.6.6"), "a worker got a forged header: {r}");
     }
 }
 

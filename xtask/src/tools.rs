@@ -403,7 +403,7 @@ pub fn native_conformance(envoy: &Path, totals: &mut Totals) -> anyhow::Result<(
     let mut suites = cargo();
     suites.args(["test", "-p", "kvmesh-testkit", "--test", "pd", "--test", "pd_vllm", "--test", "pd_llm_d"]);
     suites.args(["--test", "admission", "--test", "breaker", "--test", "models", "--test", "traces", "--test", "dp"]);
-    suites.args(["--test", "standby"]);
+    suites.args(["--test", "standby", "--test", "secrets"]);
     stack_env(&mut suites, envoy);
     run_tests(suites.env("KVMESH_TEST_NATIVE", "1"), totals)?;
     let mut control_plane = cargo();

@@ -3,7 +3,8 @@
 //! plane lists each rank as a worker of its own (same address, own id, load and prefix index),
 //! and the body sent to a rank names it: `"data_parallel_rank": <rank>`, which SGLang's DP
 //! controller obeys. The gateway's rank replaces any the client sent (a client does not pick
-//! where its request runs); every other byte of the body is kept.
+//! where its request runs), and a rank the gateway does not write is taken out of the body
+//! ([`without_rank`]): a worker never sees a client's; every other byte of the body is kept.
 
 use serde_json::Value;
 
@@ -25,6 +26,14 @@ pub fn with_rank(body: &[u8], parsed: &ParsedRequest<'_>, rank: u32) -> Result<V
     }
     let kept: Vec<_> = members(body)?.into_iter().filter(|(k, _)| k != FIELD).collect();
     Ok(object(&kept, &format!("\"{FIELD}\":{rank}"), body.len()))
+}
+
+/// `body` without its top-level `data_parallel_rank` (every one, should the client have sent
+/// several): what a worker gets when the gateway names no rank. SGLang's DP controller indexes
+/// its schedulers by the value, so a client's would pick (or break) the scheduler.
+pub fn without_rank(body: &[u8]) -> Result<Vec<u8>, RequestError> {
+    let kept: Vec<_> = members(body)?.into_iter().filter(|(k, _)| k != FIELD).collect();
+    Ok(object(&kept, "", body.len()))
 }
 
 #[cfg(test)]
@@ -65,5 +74,20 @@ mod tests {
         }
         let parsed = parse(Endpoint::Generate, br#"{"text":"a"}"#).unwrap();
         assert!(!parsed.client_dp_rank);
+    }
+
+    #[test]
+    fn a_rank_the_gateway_does_not_write_is_taken_out() {
+        for (i, own) in ["7", "-1", "4096", "\"1\"", "null"].into_iter().enumerate() {
+            // Spelled with an escape too: it is the same key to the worker's JSON parser.
+            let key = if i % 2 == 0 { "data_parallel_rank" } else { "data_parall\\u0065l_rank" };
+            let body = format!(r#"{{"text":"hi","{key}":{own},"x":[1]}}"#);
+            let parsed = parse(Endpoint::Generate, body.as_bytes()).unwrap();
+            assert!(parsed.client_dp_rank, "{own}");
+            let out = without_rank(body.as_bytes()).unwrap();
+            let v: Value = serde_json::from_slice(&out).unwrap();
+            assert_eq!(v, serde_json::json!({"text": "hi", "x": [1]}), "{own}");
+            assert!(!parse(Endpoint::Generate, &out).unwrap().client_dp_rank);
+        }
     }
 }

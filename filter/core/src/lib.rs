@@ -40,6 +40,7 @@ pub mod policy;
 pub mod request;
 pub mod rng;
 pub mod router;
+pub mod secrets;
 pub mod settings;
 pub mod usage;
 pub mod vllm;

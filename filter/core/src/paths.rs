@@ -57,9 +57,42 @@ fn allowed(entry: &str, path: &str) -> bool {
 }
 
 /// Whether a client's request id is used as is (1 to 128 visible ASCII characters, as SMG
-/// honours); any other value is replaced by one the gateway generates.
+/// honours, other than `"` and `\`, which would end or escape a quoted log field); any other
+/// value is replaced by one the gateway generates.
 pub fn valid_request_id(id: &str) -> bool {
-    (1..=128).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_graphic())
+    (1..=128).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_graphic() && b != b'"' && b != b'\\')
+}
+
+/// Whether a `traceparent` header is W3C Trace Context (`version-trace_id-parent_id-flags`:
+/// lowercase hex, 2-32-16-2 digits, neither id all zeros, version `ff` invalid; a later
+/// version may append `-` and fields of its own, version `00` may not). Any other value is not
+/// propagated: it would reach the workers, their logs and the access log as the client wrote it.
+pub fn valid_traceparent(value: &str) -> bool {
+    let hex = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+    let nonzero = |s: &str| s.bytes().any(|b| b != b'0');
+    let (Some(head), rest) = (value.get(..55), value.get(55..).unwrap_or_default()) else {
+        return false;
+    };
+    let mut parts = head.split('-');
+    let (Some(version), Some(trace), Some(parent), Some(flags), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return false;
+    };
+    let sized = version.len() == 2 && trace.len() == 32 && parent.len() == 16 && flags.len() == 2;
+    let tail_ok = match version {
+        "00" => rest.is_empty(),
+        _ => {
+            rest.is_empty()
+                || (rest.starts_with('-') && rest.len() <= 256 && rest.bytes().all(|b| b.is_ascii_graphic()))
+        }
+    };
+    sized
+        && [version, trace, parent, flags].iter().all(|p| hex(p))
+        && version != "ff"
+        && nonzero(trace)
+        && nonzero(parent)
+        && tail_ok
 }
 
 #[cfg(test)]
@@ -110,6 +143,28 @@ mod tests {
     }
 
     #[test]
+    fn traceparents() {
+        let good = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        assert!(valid_traceparent(good));
+        assert!(valid_traceparent("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00-extra"));
+        for bad in [
+            "",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01 upstream=6.6.6.6:1 kvmesh=\"x\"",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-x",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e473-600f067aa0ba902b7-01",
+            "00_4bf92f3577b34da6a3ce929d0e0e4736_00f067aa0ba902b7_01",
+            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00-a b",
+            "0é-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-0",
+        ] {
+            assert!(!valid_traceparent(bad), "{bad}");
+        }
+    }
+
+    #[test]
     fn request_ids() {
         assert!(valid_request_id("abc-123_X.y"));
         assert!(valid_request_id(&"a".repeat(128)));
@@ -118,5 +173,7 @@ mod tests {
         assert!(!valid_request_id("has space"));
         assert!(!valid_request_id("tab\there"));
         assert!(!valid_request_id("é"));
+        assert!(!valid_request_id("a\"b"));
+        assert!(!valid_request_id("a\\b"));
     }
 }

@@ -82,20 +82,51 @@ impl ModelMetric {
     }
 }
 
-/// The most model names one VM keeps series for; requests for others count under `other`.
+/// The most model names one Envoy keeps series for; requests for others count under `other`.
 pub const MAX_MODEL_SERIES: usize = 64;
 
-/// The `model` label values one VM has given out: a name as served (`;` and `=` replaced,
-/// which Envoy's tag extraction reserves), up to [`MAX_MODEL_SERIES`] of them, then `other`.
+/// The `model` label values a VM has given out: a name as served, with every character but
+/// letters, digits and `-._/:@+` as `_` (Envoy's tag extraction reserves `;` and `=`; quotes,
+/// backslashes and line ends would reach the Prometheus page), up to [`MAX_MODEL_SERIES`] of
+/// them for the whole Envoy (counted in shared data, [`crate::shared::model_series`]), then
+/// `other`.
 #[derive(Debug, Default)]
-pub struct ModelLabels(std::collections::HashSet<String>);
+pub struct ModelLabels {
+    given: std::collections::HashSet<String>,
+    /// Labels the Envoy had no room for (they stay without: given labels are never taken back).
+    refused: std::collections::HashSet<String>,
+}
+
+/// Most refusals a VM remembers (past them, it asks shared data again).
+const MAX_REFUSED: usize = 1024;
 
 impl ModelLabels {
-    pub fn label(&mut self, model: &str) -> String {
-        let clean: String = model.chars().map(|c| if matches!(c, ';' | '=') { '_' } else { c }).collect();
-        if self.0.contains(&clean) || self.0.len() < MAX_MODEL_SERIES {
-            self.0.insert(clean.clone());
+    /// `model`'s label; `shared`: the store the Envoy's VMs count their labels in (none: this
+    /// one counts for the Envoy, as the native build's single set does).
+    pub fn label(&mut self, model: &str, shared: Option<&dyn crate::shared::SharedStore>) -> String {
+        let clean: String = model
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_' | '/' | ':' | '@' | '+') {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        if self.given.contains(&clean) {
             return clean;
+        }
+        if self.given.len() >= MAX_MODEL_SERIES || self.refused.contains(&clean) {
+            return "other".to_string();
+        }
+        let admitted = shared.is_none_or(|store| crate::shared::model_series::admit(store, &clean, MAX_MODEL_SERIES));
+        if admitted {
+            self.given.insert(clean.clone());
+            return clean;
+        }
+        if self.refused.len() < MAX_REFUSED {
+            self.refused.insert(clean);
         }
         "other".to_string()
     }

@@ -15,7 +15,7 @@ use std::cell::RefCell;
 use std::rc::{Rc, Weak};
 use std::time::Duration;
 
-use kvmesh_core::paths::{valid_request_id, PathClass};
+use kvmesh_core::paths::PathClass;
 use kvmesh_core::{Endpoint, WorkerId};
 
 use crate::admission::{Entry, WaitRoom};
@@ -29,6 +29,7 @@ use crate::pd_leg::PdLeg;
 use crate::response_feedback::ResponseFeedback;
 use crate::shared::admission::SharedBucket;
 
+use hygiene::{redact_answer, TraceHeaders};
 use worker_headers::{callout_headers, forwarded_to_prefill, set_destination};
 pub use worker_headers::{DST_HEADER, ENDPOINTS_HEADER, RETRIES_HEADER, TIMEOUT_HEADER};
 pub const WORKER_HEADER: &str = "x-kvmesh-worker";
@@ -76,6 +77,8 @@ pub struct RequestFilter {
     key_checked: bool,
     /// The client's request headers, kept in PD mode for the prefill leg (read once).
     client_headers: Option<Headers>,
+    /// The client's trace context is not W3C's: it goes to no worker (see [`TraceHeaders`]).
+    bad_trace: bool,
     /// The committed main leg (the worker, or the decode worker in PD mode).
     routed: Option<Routed>,
     pd: Option<PdLeg>,
@@ -101,6 +104,9 @@ pub struct RequestFilter {
     feedback: Option<ResponseFeedback>,
     /// The response body reached its end.
     complete: bool,
+    /// A passthrough answer, read through before the client gets it: secrets and the
+    /// workers' key (this one, if any) taken out ([`kvmesh_core::secrets`]).
+    redact: Option<Option<String>>,
 }
 
 /// What a response says about the worker that was asked.
@@ -142,6 +148,14 @@ impl Verdict {
     }
 }
 
+/// The request's body replaced by `body` (the client's was `size` bytes), with its length.
+fn replace_body(host: &dyn StreamHost, size: usize, body: &[u8]) -> Result<(), Reply> {
+    let internal = |what: &str, e: crate::host::HostError| Reply::error(500, "internal", &format!("{what}: {e}"));
+    host.set_request_body(size, body).map_err(|e| internal("cannot rewrite the request body", e))?;
+    host.set_request_header("content-length", Some(&body.len().to_string()))
+        .map_err(|e| internal("cannot set content-length", e))
+}
+
 /// A fresh request id: 32 hex digits.
 fn new_request_id(host: &dyn StreamHost) -> String {
     let a = kvmesh_core::rng::random_u64().unwrap_or_else(|_| host.now_nanos());
@@ -162,6 +176,7 @@ impl RequestFilter {
             routing_key: None,
             key_checked: false,
             client_headers: None,
+            bad_trace: false,
             routed: None,
             pd: None,
             sidecar_prefill: None,
@@ -174,6 +189,7 @@ impl RequestFilter {
             abort_rids: Vec::new(),
             feedback: None,
             complete: false,
+            redact: None,
         }
     }
 
@@ -240,9 +256,24 @@ impl RequestFilter {
         for name in names.filter(|n| is_routing_header(n)) {
             let _ = host.set_request_header(name, None);
         }
-        let [method, path, content_length, request_id] =
-            headers.lookup([":method", ":path", "content-length", "x-request-id"]);
+        let [method, path, content_length] = headers.lookup([":method", ":path", "content-length"]);
         let (method, path) = (method.unwrap_or(""), path.unwrap_or("/"));
+        // Trace context and request id, on every path: what reaches the workers and the logs
+        // is well formed, or the gateway's own.
+        let trace = TraceHeaders::scan(&headers);
+        if !trace.traceparent_ok {
+            self.bad_trace = true;
+            let _ = host.set_request_header("traceparent", None);
+            let _ = host.set_request_header("tracestate", None);
+        }
+        let request_id = trace.request_id.map(str::to_string).or_else(|| {
+            // Present but not one usable id: replaced. Absent: ours on the LLM paths (below).
+            trace.request_id_seen.then(|| {
+                let id = new_request_id(host);
+                let _ = host.set_request_header("x-request-id", Some(&id));
+                id
+            })
+        });
         let Some(class) = self.with_gateway(|g| g.classify(method, path)) else {
             return self.not_configured(host);
         };
@@ -262,8 +293,8 @@ impl RequestFilter {
             return self.reply(host, reply);
         }
         self.path = path.to_string();
-        self.request_id = Some(match request_id.filter(|id| valid_request_id(id)) {
-            Some(id) => id.to_string(),
+        self.request_id = Some(match request_id {
+            Some(id) => id,
             None => {
                 // Absent, too long or not visible ASCII: both legs and the logs get ours.
                 let id = new_request_id(host);
@@ -298,6 +329,8 @@ impl RequestFilter {
             (Ok((routed, fallbacks)), how) => match set_destination(host, &routed.addr, &fallbacks, &how) {
                 Ok(()) => {
                     self.routed = Some(routed);
+                    let key = how.authorization.as_deref().and_then(|a| a.strip_prefix("Bearer "));
+                    self.redact = Some(key.map(str::to_string));
                     Action::Continue
                 }
                 Err(e) => self.reply(host, Reply::error(500, "internal", &format!("cannot set the destination: {e}"))),
@@ -417,6 +450,18 @@ impl RequestFilter {
     fn apply(&mut self, host: &dyn StreamHost, plan: Plan, body_size: usize, decided: Now) -> Action {
         self.abort_rids = plan.pd().map(|pd| pd.abort_rids().to_vec()).unwrap_or_default();
         let sequential = plan.pd().is_some_and(|pd| matches!(pd.leg, PrefillLeg::First { .. }));
+        // A PD leg that sends the client's body on (llm-d's sidecar, vLLM's decode leg) sends
+        // the gateway's version of it when there is one (a client's rank taken out).
+        let mut body_size = body_size;
+        if let (Some(body), Some(PrefillLeg::Sidecar | PrefillLeg::First { .. })) =
+            (plan.body(), plan.pd().map(|p| &p.leg))
+        {
+            if let Err(reply) = replace_body(host, body_size, body) {
+                return self.reply(host, reply);
+            }
+            body_size = body.len();
+            self.body_size = body_size;
+        }
         let token = match self.prepare(host, &plan, body_size) {
             Ok(token) => token,
             Err(reply) => return self.reply(host, reply),
@@ -495,10 +540,8 @@ impl RequestFilter {
         let how = self.with_gateway(|g| g.destination()).unwrap_or_default();
         let Some(pd) = plan.pd() else {
             if let Some(body) = plan.body() {
-                // A data-parallel rank: the body names it.
-                host.set_request_body(body_size, body).map_err(|e| internal("cannot rewrite the request body", e))?;
-                host.set_request_header("content-length", Some(&body.len().to_string()))
-                    .map_err(|e| internal("cannot set content-length", e))?;
+                // A data-parallel rank named, or a client's taken out; the gateway's rid.
+                replace_body(host, body_size, body)?;
             }
             set_destination(host, plan.addr(), plan.fallbacks(), &how)
                 .map_err(|e| internal("cannot set the destination", e))?;
@@ -546,7 +589,10 @@ impl RequestFilter {
             headers.push(("authorization", auth));
         }
         let theirs = |n: &str| ours.is_none() || !n.eq_ignore_ascii_case("authorization");
-        headers.extend(client.pairs().filter(|(n, _)| forwarded_to_prefill(n) && theirs(n)));
+        let traced = |n: &str| {
+            !self.bad_trace || !(n.eq_ignore_ascii_case("traceparent") || n.eq_ignore_ascii_case("tracestate"))
+        };
+        headers.extend(client.pairs().filter(|(n, _)| forwarded_to_prefill(n) && theirs(n) && traced(n)));
         let callout =
             Callout { cluster: &cluster, headers: &headers, body, timeout: Duration::from_secs(how.timeout_secs) };
         let token = host.dispatch(callout).map_err(|e| {
@@ -629,6 +675,10 @@ impl RequestFilter {
         if let Some(addr) = &self.sidecar_prefill {
             let _ = host.set_response_header(PREFILL_HEADER, Some(addr));
         }
+        if self.redact.is_some() {
+            // Read through whole, perhaps shortened.
+            let _ = host.set_response_header("content-length", None);
+        }
         let Some(leg) = self.pd.as_mut() else { return Action::Continue };
         let _ = host.set_response_header(PREFILL_HEADER, Some(&leg.prefill().addr));
         let (action, drop_length) = leg.decode_headers(status);
@@ -639,6 +689,9 @@ impl RequestFilter {
     }
 
     pub fn on_response_body(&mut self, host: &dyn StreamHost, body_size: usize, end_of_stream: bool) -> Action {
+        if let Some(key) = &self.redact {
+            return redact_answer(host, key.as_deref(), body_size, end_of_stream);
+        }
         if let Some(f) = self.feedback.as_mut() {
             f.body(host, body_size);
             if end_of_stream {
@@ -733,6 +786,7 @@ impl RequestFilter {
     }
 }
 
+mod hygiene;
 mod prefill;
 pub mod unanswered;
 mod worker_headers;

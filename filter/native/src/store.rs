@@ -92,7 +92,7 @@ impl Stats {
     pub fn record_model(&self, metric: ModelMetric, model: &str) {
         let pos = ModelMetric::ALL.iter().position(|m| *m == metric);
         let Some(id) = pos.and_then(|p| self.model_ids.get(p).copied().flatten()) else { return };
-        let Ok(label) = self.model_labels.lock().map(|mut labels| labels.label(model)) else { return };
+        let Ok(label) = self.model_labels.lock().map(|mut labels| labels.label(model, None)) else { return };
         // SAFETY: the configuration is alive (see `define`).
         unsafe { increment_tagged_counter(self.config as *mut c_void, id, &label, 1) }
     }

@@ -128,7 +128,7 @@ impl VmHost for EnvoyHost {
     fn increment_model(&self, metric: ModelMetric, model: &str) {
         let Ok(mut guard) = self.model_metrics.try_borrow_mut() else { return };
         let (labels, ids) = &mut *guard;
-        let label = labels.label(model);
+        let label = labels.label(model, Some(self));
         let id = *ids
             .entry((metric, label))
             .or_insert_with_key(|(m, l)| hostcalls::define_metric(MetricType::Counter, &tagged_name(*m, l)).ok());

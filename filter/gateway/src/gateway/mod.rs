@@ -267,7 +267,24 @@ impl Gateway {
         };
         self.serve(store, info.now.ms());
         let inflight = self.refresh(store);
-        self.view.decide(endpoint, body, &parsed, info, inflight)
+        if !parsed.client_dp_rank {
+            return self.view.decide(endpoint, body, &parsed, info, inflight);
+        }
+        // A client's data-parallel rank never reaches a worker: the request is decided on the
+        // body without it, which the worker gets unless the plan writes one of its own.
+        let body = match kvmesh_core::dp::without_rank(body) {
+            Ok(b) => b,
+            Err(e) => return Outcome::Reply(Reply::request(&e)),
+        };
+        let parsed = match request::parse(endpoint, &body) {
+            Ok(p) => p,
+            Err(e) => return Outcome::Reply(Reply::request(&e)),
+        };
+        let mut outcome = self.view.decide(endpoint, &body, &parsed, info, inflight);
+        if let Outcome::Route(plan) = &mut outcome {
+            plan.body.get_or_insert_with(|| body.clone().into_boxed_slice());
+        }
+        outcome
     }
 
     /// Records a plan that was applied: the index learns the prefix, the legs are counted in

@@ -6,6 +6,7 @@ use kvmesh_core::Config;
 use std::collections::HashSet;
 
 mod calls;
+mod hygiene;
 
 const REGULAR: &str = r#"{"worker_urls":["http://127.0.0.1:30001","http://127.0.0.1:30002"]}"#;
 const PD: &str = r#"{"pd_disaggregation":true,"prefill":[["http://127.0.0.1:30001",8998]],
@@ -483,7 +484,7 @@ fn pd_the_prefill_leg_carries_the_clients_end_to_end_headers_only() {
         "/generate",
         &[
             ("authorization", "Bearer sk-1"),
-            ("traceparent", "00-abc-def-01"),
+            ("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
             ("connection", "keep-alive"),
             ("transfer-encoding", "chunked"),
             ("x-envoy-original-dst-host", "6.6.6.6:1"),
@@ -498,7 +499,7 @@ fn pd_the_prefill_leg_carries_the_clients_end_to_end_headers_only() {
     let headers = callout(&host).headers;
     let has = |k: &str| headers.iter().any(|(n, _)| n == k);
     assert!(headers.contains(&("authorization".into(), "Bearer sk-1".into())));
-    assert!(headers.contains(&("traceparent".into(), "00-abc-def-01".into())));
+    assert!(headers.contains(&("traceparent".into(), "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into())));
     for k in ["connection", "transfer-encoding", "x-kvmesh-prefill", "x-envoy-internal"] {
         assert!(!has(k), "{k} is not forwarded");
     }

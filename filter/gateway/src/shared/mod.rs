@@ -16,6 +16,7 @@ pub mod feedback;
 mod gateway_id;
 mod inflight;
 mod lease;
+pub mod model_series;
 mod table;
 mod vm_ledger;
 
@@ -81,6 +82,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ("kvmesh.feedback.v1", "feedback.rs"),
     ("kvmesh.admission.v1", "admission.rs"),
     ("kvmesh.gateway.id.v1", "gateway_id.rs"),
+    ("kvmesh.models.v1", "model_series.rs"),
 ];
 
 #[cfg(test)]

@@ -96,10 +96,13 @@ fn without_ranks_the_body_goes_as_sent_and_a_changed_rank_forgets_the_index() {
     let mut plain = two_by_two([0; 4]);
     plain.workers = vec![rank(10, 20, None, 0), rank(11, 21, None, 0)];
     g.apply_snapshot(&store, &plain);
-    // Without --dp-aware the control plane names no rank: nothing is written, a client's own
-    // rank passes through to the worker's own DP controller (as sglang-router without it).
-    let p = plan(&mut g, &store, r#"{"data_parallel_rank":1,"text":"hello"}"#);
+    // Without --dp-aware the control plane names no rank: the body goes as sent, but for a
+    // client's own rank, which is taken out (the worker's DP controller would obey it).
+    let p = plan(&mut g, &store, r#"{"text":"hello"}"#);
     assert!(p.body().is_none() && p.main.dp_rank.is_none());
+    let p = plan(&mut g, &store, r#"{"data_parallel_rank":1,"text":"hello"}"#);
+    assert_eq!(p.body(), Some(&br#"{"text":"hello"}"#[..]));
+    assert!(p.main.dp_rank.is_none());
     assert_eq!(g.worker_at(p.addr(), None), Some(p.main.worker));
     let (home, _) = route(&mut g, &store, &prompt(0, 0));
     assert_eq!(route(&mut g, &store, &prompt(0, 1)).0, home);
