@@ -187,8 +187,9 @@ routing_settings! {
     /// One attempt per request: no failover to another worker.
     #[cfg_attr(feature = "cli", arg(num_args = 0, default_missing_value = "true"))]
     disable_retries: bool,
-    /// Requests admitted at once per Envoy (a token bucket of this size; every request that
-    /// ends gives its token back); past it, requests wait in the queue. -1 (default): no limit.
+    /// Requests admitted at once per Envoy, exactly (a token bucket of this size; every request
+    /// that ends gives its token back; the refill never admits past it); past it, requests wait
+    /// in the queue. -1 (default): no limit.
     #[cfg_attr(feature = "cli", arg(allow_negative_numbers = true))]
     max_concurrent_requests: i64,
     /// Requests that may wait for a token per Envoy (default 100); past it, a JSON 429. 0: 429
@@ -196,7 +197,8 @@ routing_settings! {
     queue_size: u64,
     /// Longest wait in the queue, in seconds (default 60); past it, a JSON 408.
     queue_timeout_secs: u64,
-    /// Tokens added to the bucket per second (default: `--max-concurrent-requests`).
+    /// Tokens added to the bucket per second (default: `--max-concurrent-requests`); never
+    /// admits past `--max-concurrent-requests`.
     #[cfg_attr(feature = "cli", arg(allow_negative_numbers = true))]
     rate_limit_tokens_per_second: i64,
     /// Read-only worker paths the gateway passes through (GET/HEAD) to one healthy worker;

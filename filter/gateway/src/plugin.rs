@@ -61,6 +61,14 @@ impl Plugin {
             ),
         }
         self.control_plane = ControlPlaneClient::new(&config, seed)?;
+        // The limit's shared value exists before this VM's first request (the main thread's VM
+        // is configured before any worker thread's takes one): requests then change it only by
+        // compare-and-swap.
+        if let Some(params) = &config.admission {
+            if SharedBucket::create(host, params, now_ms(host)).is_err() {
+                log::warn!("cannot create the concurrency limit's shared value");
+            }
+        }
         let mut gateway = Gateway::new(config, host, seed);
         if !host.has_timer() {
             gateway.write_ends_at_once();
@@ -186,21 +194,44 @@ impl Plugin {
                 Wake::Admit(ctx, w) => (ctx, w, true),
                 Wake::Expire(ctx, w) => (ctx, w, false),
             };
-            let Some(filter) = waiter.upgrade() else { continue };
-            if host.enter_context(ctx).is_err() {
-                continue; // the stream is gone; its on_log cleans up
-            }
-            let Ok(mut f) = filter.try_borrow_mut() else { continue };
-            if admit {
-                f.admitted(host);
-                if let Some(token) = f.callout_token() {
-                    self.callouts.insert(token, (ctx, Rc::downgrade(&filter)));
+            // A slot taken for a request that cannot take it (gone, or no longer waiting) goes
+            // back at once: nobody else would give it back.
+            let delivered = self.wake_one(host, ctx, &waiter, admit);
+            if admit && !delivered {
+                if let Some(params) = &params {
+                    SharedBucket::give_back(host, params, vm, now);
+                    if let Ok(mut room) = self.room.try_borrow_mut() {
+                        room.gave_back();
+                    }
                 }
-            } else {
-                f.expired(host);
             }
         }
         let _ = host.enter_context(self.context_id);
+    }
+
+    /// Admits or expires one waiting request in its own context; whether an admitted one took
+    /// its slot.
+    fn wake_one(
+        &mut self,
+        host: &dyn StreamHost,
+        ctx: u32,
+        waiter: &Weak<RefCell<RequestFilter>>,
+        admit: bool,
+    ) -> bool {
+        let Some(filter) = waiter.upgrade() else { return false };
+        if host.enter_context(ctx).is_err() {
+            return false; // the stream is gone; its on_log cleans up the rest
+        }
+        let Ok(mut f) = filter.try_borrow_mut() else { return false };
+        if !admit {
+            f.expired(host);
+            return false;
+        }
+        let took = f.admitted(host);
+        if let Some(token) = f.callout_token() {
+            self.callouts.insert(token, (ctx, Rc::downgrade(&filter)));
+        }
+        took
     }
 
     /// An HTTP callout answered to the root context: a prefill leg dispatched from the tick.

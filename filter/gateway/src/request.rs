@@ -374,9 +374,14 @@ impl RequestFilter {
         let now_ms = crate::host::now_ms(host);
         let Some(seat) = &self.seat else { return Entry::Admitted };
         let Ok(mut room) = seat.room.try_borrow_mut() else { return Entry::Admitted };
-        let entry = SharedBucket::enter(host, &params, vm, room.len(), now_ms);
+        // Shared data refusing the write: let the request through (holding nothing) rather
+        // than fail it.
+        let Some(entry) = SharedBucket::enter(host, &params, vm, room.len(), now_ms) else { return Entry::Admitted };
         match entry {
-            Entry::Admitted => self.admission = Admission::Holds,
+            Entry::Admitted => {
+                room.took(now_ms);
+                self.admission = Admission::Holds;
+            }
             Entry::Queued => {
                 room.push(seat.ctx, now_ms, seat.me.clone());
                 self.admission = Admission::Waiting;
@@ -386,10 +391,11 @@ impl RequestFilter {
         entry
     }
 
-    /// The tick admitted this waiting request (its context entered): route it and let it go.
-    pub fn admitted(&mut self, host: &dyn StreamHost) {
+    /// The tick admitted this waiting request (its context entered) and took a slot for it:
+    /// route it and let it go. False if it was not waiting (the slot is not its to keep).
+    pub fn admitted(&mut self, host: &dyn StreamHost) -> bool {
         if self.admission != Admission::Waiting {
-            return;
+            return false;
         }
         self.admission = Admission::Holds;
         if self.route_body(host) == Action::Continue {
@@ -397,6 +403,7 @@ impl RequestFilter {
                 log::warn!("cannot resume a request admitted from the queue: {e}");
             }
         }
+        true
     }
 
     /// The tick found this request waiting past the queue timeout (its context entered).
@@ -727,8 +734,11 @@ impl RequestFilter {
                 }
             }
             Admission::Holds => {
-                if let Some(Some(params)) = self.with_gateway(|g| g.config().admission) {
-                    SharedBucket::give_back(host, &params, crate::host::now_ms(host));
+                if let Some((Some(params), vm)) = self.with_gateway(|g| (g.config().admission, g.vm_id())) {
+                    SharedBucket::give_back(host, &params, vm, crate::host::now_ms(host));
+                    if let Some(Ok(mut room)) = self.seat.as_ref().map(|s| s.room.try_borrow_mut()) {
+                        room.gave_back();
+                    }
                 }
             }
         }

@@ -37,6 +37,7 @@ use envoy_dynamic_module::{
 use kvmesh_gateway::host::Action;
 use kvmesh_gateway::plugin::{own_link_address, Pacer, Plugin};
 use kvmesh_gateway::request::RequestFilter;
+use kvmesh_gateway::shared::admission::SharedBucket;
 
 mod grpc;
 mod host;
@@ -247,6 +248,10 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
         // Validated here once, so that a bad configuration is refused at load.
         let bytes = config.bytes().to_vec();
         let (parsed, address) = parse(&bytes)?;
+        // The concurrency limit's shared value, before any stream (see SharedBucket::create).
+        if let Some(params) = &parsed.admission {
+            let _ = SharedBucket::create(&store::Process, params, host::now_nanos() / 1_000_000);
+        }
         // Stats can only be defined now.
         let stats = Arc::new(Stats::define(envoy));
         let waiting = Arc::new(Waiting::default());

@@ -101,6 +101,8 @@ async fn run(link: Option<Link>, stats: Arc<Stats>, waiting: Arc<Waiting>, mut s
                 if now.saturating_sub(last_beat) >= 1_000 {
                     last_beat = now;
                     VmLedger::stand_in(&Process, me, now);
+                    // Threads idle under long requests keep the slots they hold.
+                    SharedBucket::keep_alive(&Process, now);
                 }
                 // Envoy-wide gauges, fresh while the worker threads are idle.
                 stats.record(Metric::InFlight, plugin::in_flight(&Process));

@@ -1,132 +1,240 @@
-//! `kvmesh.admission`: the Envoy-wide token bucket of the concurrency limit and how many
-//! requests each VM holds in its queue (the bucket's arithmetic is
-//! [`kvmesh_core::admission`]; the queue itself is [`crate::admission::WaitRoom`]).
+//! `kvmesh.admission`: the Envoy-wide concurrency limit — the token bucket (its arithmetic is
+//! [`kvmesh_core::admission`]) and, per VM, how many requests it holds admitted and how many
+//! wait in its queue (the queue itself is [`crate::admission::WaitRoom`]).
+//!
+//! The limit is exact: a request is admitted only while fewer than the capacity are held
+//! across every VM, whatever the bucket's refill says (sglang-router's refill admits past its
+//! limit while requests run). The held counts carry each VM's heartbeat, so those of a VM that
+//! died stop counting; every change is one compare-and-swap of the whole value, and the value
+//! exists before the first request (see [`SharedBucket::create`]).
 
 use kvmesh_core::admission::{AdmissionParams, Bucket};
 
-use super::{update, SharedStore};
+use super::{u32_at, u64_at, SetError, SharedStore, CAS_RETRIES};
 
 /// A VM's queue count no longer counts when its heartbeat is older than this.
 pub const QUEUE_STALE_MS: u64 = 2_000;
+/// A VM's held requests no longer count when its heartbeat is older than this (a VM that
+/// died: Envoy replaced it and its streams' `on_log` never runs). As the VM ledger's: far
+/// above any single callback.
+pub const HELD_STALE_MS: u64 = super::VmLedger::STALE_MS;
+/// How often a VM that holds requests but has none waiting refreshes its heartbeat.
+pub const BEAT_MS: u64 = 1_000;
+/// One VM's entry: `vm u32, queued u32, held u32, heartbeat u64`.
+const ENTRY: usize = 20;
 
 /// What a request that wants in is told.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Entry {
-    /// It took a token: on it goes (and gives the token back when it ends).
+    /// It took a slot: on it goes (and gives it back when it ends).
     Admitted,
     /// It waits in this VM's queue (counted in the shared value).
     Queued,
-    /// No token and the queue is full: 429.
+    /// No slot and the queue is full: 429.
     Full,
 }
 
-/// The shared value: the bucket (16 bytes), then `(vm u32, queued u32, heartbeat u64)`.
+/// One VM's line in the shared value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Line {
+    vm: u32,
+    queued: u32,
+    held: u32,
+    at_ms: u64,
+}
+
+/// The shared value: the bucket (16 bytes), then one [`Line`] per VM that holds or queues.
 struct State {
     bucket: Bucket,
-    queues: Vec<(u32, u32, u64)>,
+    lines: Vec<Line>,
 }
 
 impl State {
     /// The value in `bytes`; a missing or garbled bucket reads as `fresh`.
     fn decode(bytes: &[u8], fresh: Bucket, now_ms: u64) -> Self {
         let bucket = Bucket::decode(bytes).unwrap_or(fresh);
-        let queues = bytes
+        let lines = bytes
             .get(16..)
             .unwrap_or_default()
-            .chunks_exact(16)
+            .chunks_exact(ENTRY)
             .filter_map(|c| {
-                let vm = u32::from_le_bytes(c.get(..4)?.try_into().ok()?);
-                let n = u32::from_le_bytes(c.get(4..8)?.try_into().ok()?);
-                let at = u64::from_le_bytes(c.get(8..16)?.try_into().ok()?);
-                Some((vm, n, at))
+                Some(Line { vm: u32_at(c, 0)?, queued: u32_at(c, 4)?, held: u32_at(c, 8)?, at_ms: u64_at(c, 12)? })
             })
-            // Stale (a VM that died) or empty entries go.
-            .filter(|&(_, n, at)| n > 0 && now_ms.saturating_sub(at) <= QUEUE_STALE_MS)
+            // Empty lines and those of VMs that stopped beating go.
+            .filter(|l| {
+                let stale = if l.held > 0 { HELD_STALE_MS } else { QUEUE_STALE_MS };
+                (l.queued > 0 || l.held > 0) && now_ms.saturating_sub(l.at_ms) <= stale
+            })
             .collect();
-        Self { bucket, queues }
+        Self { bucket, lines }
     }
 
     fn encode(&self) -> Vec<u8> {
         let mut out = self.bucket.encode().to_vec();
-        for &(vm, n, at) in &self.queues {
-            out.extend_from_slice(&vm.to_le_bytes());
-            out.extend_from_slice(&n.to_le_bytes());
-            out.extend_from_slice(&at.to_le_bytes());
+        for l in &self.lines {
+            out.extend_from_slice(&l.vm.to_le_bytes());
+            out.extend_from_slice(&l.queued.to_le_bytes());
+            out.extend_from_slice(&l.held.to_le_bytes());
+            out.extend_from_slice(&l.at_ms.to_le_bytes());
         }
         out
     }
 
     fn queued(&self) -> u64 {
-        self.queues.iter().map(|&(_, n, _)| u64::from(n)).sum()
+        self.lines.iter().map(|l| u64::from(l.queued)).sum()
     }
 
-    fn set_queued(&mut self, vm: u32, n: u32, now_ms: u64) {
-        self.queues.retain(|&(v, _, _)| v != vm);
-        if n > 0 {
-            self.queues.push((vm, n, now_ms));
+    fn held(&self) -> u64 {
+        self.lines.iter().map(|l| u64::from(l.held)).sum()
+    }
+
+    /// A slot, if one is free: fewer than the capacity held, and a token in the bucket.
+    fn take(&mut self, p: &AdmissionParams, now_ms: u64) -> bool {
+        self.held() < u64::from(p.capacity) && self.bucket.take(p, now_ms)
+    }
+
+    /// Changes `vm`'s line, which beats at `now_ms` (a new line if it had none).
+    fn with_line(&mut self, vm: u32, now_ms: u64, f: impl FnOnce(&mut Line)) {
+        match self.lines.iter_mut().find(|l| l.vm == vm) {
+            Some(line) => {
+                line.at_ms = line.at_ms.max(now_ms);
+                f(line);
+            }
+            None => {
+                let mut line = Line { vm, queued: 0, held: 0, at_ms: now_ms };
+                f(&mut line);
+                self.lines.push(line);
+            }
         }
+        self.lines.retain(|l| l.queued > 0 || l.held > 0);
     }
 }
 
-/// The Envoy-wide bucket and queue counts, in shared data.
+/// Reads the value, applies `f` and writes it back by compare-and-swap, retrying on conflicts;
+/// returns whether the write went through. A missing value is first written as a full bucket
+/// with no lines — unconditionally: Envoy has no create-if-absent, and a write with a version
+/// to a missing key is not checked — and then changed by compare-and-swap like any other, so
+/// that no change is ever written blind. Two VMs that find it missing both write the same
+/// empty value; one that finds it missing while another has already changed it would wipe
+/// that change, which is why every VM creates it when it is configured
+/// ([`SharedBucket::create`]), before the first request.
+fn change(store: &dyn SharedStore, p: &AdmissionParams, now_ms: u64, mut f: impl FnMut(&mut State)) -> bool {
+    for _ in 0..CAS_RETRIES {
+        let (Some(value), Some(cas)) = store.get(SharedBucket::KEY) else {
+            if SharedBucket::create(store, p, now_ms).is_err() {
+                return false;
+            }
+            continue;
+        };
+        let mut state = State::decode(&value, Bucket::full(p, now_ms), now_ms);
+        f(&mut state);
+        match store.set(SharedBucket::KEY, &state.encode(), Some(cas)) {
+            Ok(()) => return true,
+            Err(SetError::CasMismatch) => continue,
+            Err(SetError::Other) => return false,
+        }
+    }
+    false
+}
+
+/// The Envoy-wide limit: the bucket, and each VM's held and queued counts, in shared data.
 pub struct SharedBucket;
 
 impl SharedBucket {
-    pub const KEY: &'static str = "kvmesh.admission.v1";
+    pub const KEY: &'static str = "kvmesh.admission.v2";
 
-    /// A request of VM `vm` wants in. It takes a token only when nobody waits (the queue is
-    /// first come, first served); else it queues if there is room. `queued_here` is what this
-    /// VM's queue holds before this request.
-    pub fn enter(store: &dyn SharedStore, p: &AdmissionParams, vm: u32, queued_here: u32, now_ms: u64) -> Entry {
+    /// Writes a full bucket with no lines unless the value exists: each VM when it is
+    /// configured (Envoy configures the main thread's before any worker thread takes a
+    /// request; the native build, its configuration on the main thread), so that requests
+    /// only ever change the value by compare-and-swap.
+    pub fn create(store: &dyn SharedStore, p: &AdmissionParams, now_ms: u64) -> Result<(), SetError> {
+        if store.get(Self::KEY).0.is_some() {
+            return Ok(());
+        }
+        let empty = State { bucket: Bucket::full(p, now_ms), lines: Vec::new() };
+        store.set(Self::KEY, &empty.encode(), None)
+    }
+
+    /// A request of VM `vm` wants in. It takes a slot only when nobody waits (the queue is
+    /// first come, first served) and fewer than the capacity are held; else it queues if there
+    /// is room. `queued_here` is what this VM's queue holds before this request. `None`:
+    /// shared data refused the write (the request goes on, holding nothing).
+    pub fn enter(
+        store: &dyn SharedStore,
+        p: &AdmissionParams,
+        vm: u32,
+        queued_here: u32,
+        now_ms: u64,
+    ) -> Option<Entry> {
         let mut entry = Entry::Full;
-        let written = update(store, Self::KEY, |value| {
-            let mut s = State::decode(value, Bucket::full(p, now_ms), now_ms);
-            entry = if s.queued() == 0 && s.bucket.take(p, now_ms) {
+        let written = change(store, p, now_ms, |s| {
+            entry = if s.queued() == 0 && s.take(p, now_ms) {
+                s.with_line(vm, now_ms, |l| {
+                    l.held = l.held.saturating_add(1);
+                    l.queued = queued_here;
+                });
                 Entry::Admitted
             } else if s.queued() < u64::from(p.queue_size) {
-                s.set_queued(vm, queued_here.saturating_add(1), now_ms);
+                s.with_line(vm, now_ms, |l| l.queued = queued_here.saturating_add(1));
                 Entry::Queued
             } else {
                 Entry::Full
             };
-            *value = s.encode();
         });
-        // Shared data refusing writes: let the request through rather than fail it.
-        if written {
-            entry
-        } else {
-            Entry::Admitted
-        }
+        written.then_some(entry)
     }
 
-    /// A request ended: its token goes back.
-    pub fn give_back(store: &dyn SharedStore, p: &AdmissionParams, now_ms: u64) {
-        update(store, Self::KEY, |value| {
-            let mut s = State::decode(value, Bucket::full(p, now_ms), now_ms);
+    /// A request of VM `vm` that held a slot ended: the slot and its token go back.
+    pub fn give_back(store: &dyn SharedStore, p: &AdmissionParams, vm: u32, now_ms: u64) {
+        change(store, p, now_ms, |s| {
             s.bucket.give_back(p, now_ms);
-            *value = s.encode();
+            s.with_line(vm, now_ms, |l| l.held = l.held.saturating_sub(1));
         });
     }
 
-    /// Takes up to `waiting` tokens for this VM's queue; publishes what is left waiting (with a
-    /// heartbeat). Returns how many were taken.
+    /// Takes up to `waiting` slots for VM `vm`'s queue; publishes what is left waiting, with a
+    /// heartbeat (also of what `vm` holds: with nothing waiting, this is the heartbeat).
+    /// Returns how many were taken.
     pub fn admit(store: &dyn SharedStore, p: &AdmissionParams, vm: u32, waiting: u32, now_ms: u64) -> u32 {
         let mut taken = 0;
-        update(store, Self::KEY, |value| {
-            let mut s = State::decode(value, Bucket::full(p, now_ms), now_ms);
+        change(store, p, now_ms, |s| {
             taken = 0;
-            while taken < waiting && s.bucket.take(p, now_ms) {
+            while taken < waiting && s.take(p, now_ms) {
                 taken += 1;
             }
-            s.set_queued(vm, waiting - taken, now_ms);
-            *value = s.encode();
+            s.with_line(vm, now_ms, |l| {
+                l.held = l.held.saturating_add(taken);
+                l.queued = waiting - taken;
+            });
         });
         taken
+    }
+
+    /// Refreshes the heartbeat of every VM's line (by CAS): for a host whose plugins cannot
+    /// die apart from their process and whose idle threads do not tick (the native build), so
+    /// that a thread idle under long requests keeps its held count. Once a second.
+    pub fn keep_alive(store: &dyn SharedStore, now_ms: u64) {
+        let (Some(value), Some(cas)) = store.get(Self::KEY) else { return };
+        let mut s = State::decode(&value, Bucket { tokens: 0.0, at_ms: now_ms }, now_ms);
+        if s.lines.is_empty() {
+            return;
+        }
+        for line in &mut s.lines {
+            line.at_ms = line.at_ms.max(now_ms);
+        }
+        // A conflict: whoever wrote is alive and beat anyway; the next second tries again.
+        let _ = store.set(Self::KEY, &s.encode(), Some(cas));
     }
 
     /// Requests waiting in every live VM's queue.
     pub fn queued(store: &dyn SharedStore, now_ms: u64) -> u64 {
         let Some(value) = store.get(Self::KEY).0 else { return 0 };
         State::decode(&value, Bucket { tokens: 0.0, at_ms: now_ms }, now_ms).queued()
+    }
+
+    /// Requests holding a slot in every live VM.
+    pub fn held(store: &dyn SharedStore, now_ms: u64) -> u64 {
+        let Some(value) = store.get(Self::KEY).0 else { return 0 };
+        State::decode(&value, Bucket { tokens: 0.0, at_ms: now_ms }, now_ms).held()
     }
 }

@@ -42,7 +42,7 @@ pub trait SharedStore {
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError>;
 }
 
-const CAS_RETRIES: usize = 32;
+pub(crate) const CAS_RETRIES: usize = 32;
 
 /// Reads `key`, applies `update` and writes it back with compare-and-swap, retrying on
 /// conflicts. Returns whether the write went through.
@@ -80,7 +80,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ("kvmesh.cp.polled.v1", "table.rs"),
     ("kvmesh.breakers.v1", "breakers.rs"),
     ("kvmesh.feedback.v1", "feedback.rs"),
-    ("kvmesh.admission.v1", "admission.rs"),
+    ("kvmesh.admission.v2", "admission.rs"),
     ("kvmesh.gateway.id.v1", "gateway_id.rs"),
     ("kvmesh.models.v1", "model_series.rs"),
 ];
