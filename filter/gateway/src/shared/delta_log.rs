@@ -294,6 +294,28 @@ mod tests {
         assert_eq!(behind.len() as u64, DeltaLog::SLOTS / 2 + 1);
     }
 
+    /// The bound the docs state: a poll within half the ring reads at most its budget plus one
+    /// slot (the slot that passes the budget is read whole); further behind, the whole ring.
+    #[test]
+    fn a_poll_reads_its_budget_and_at_most_one_slot_more() {
+        let store = FakeStore::default();
+        let mut a = DeltaLog::new(&store, 1);
+        let mut b = DeltaLog::new(&store, 2);
+        let full = |w: u32| ins(w, &(0..DeltaLog::SLOT_HASHES as u64).collect::<Vec<_>>());
+        for w in 0..8 {
+            a.append(&store, &[full(w)]);
+        }
+        let head = Inflight::load(&store).head();
+        let budget = 2 * DeltaLog::SLOT_HASHES + 1;
+        let read: usize = b.poll(&store, Recent::default(), head, budget).iter().map(|d| d.hashes.len()).sum();
+        assert_eq!(read, budget - 1 + DeltaLog::SLOT_HASHES, "the budget, then the slot that passed it");
+        for w in 0..DeltaLog::SLOTS as u32 {
+            a.append(&store, &[ins(w, &[u64::from(w)])]);
+        }
+        let behind = b.poll(&store, Recent::default(), Inflight::load(&store).head(), 1);
+        assert!(behind.len() as u64 > DeltaLog::SLOTS / 2 && behind.len() as u64 <= DeltaLog::SLOTS);
+    }
+
     #[test]
     fn a_taken_but_unwritten_slot_is_read_later() {
         let store = FakeStore::default();
