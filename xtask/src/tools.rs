@@ -445,6 +445,8 @@ pub fn test(args: &[String]) -> anyhow::Result<()> {
     step("the native build's conformance: the end-to-end suites where its host differs from the .wasm's");
     native_conformance(&envoy, &mut totals)?;
 
+    crate::matrix::older_release(&mut totals)?;
+
     step("routing core tests compiled to wasm32-wasip1 (run under Node's WASI)");
     run_tests(cargo().args(["test", "-p", "kvmesh-core", "--lib", "--target", "wasm32-wasip1"]), &mut totals)?;
     if totals.passed == 0 {

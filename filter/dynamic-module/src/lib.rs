@@ -760,3 +760,6 @@ macro_rules! empty_scheduled_and_callout_hooks {
         );
     };
 }
+
+#[cfg(test)]
+mod tests;
