@@ -669,3 +669,29 @@ fn trace_export_is_off_by_default_and_follows_sglang_routers_flags() {
     let warned = parse(&["--worker-urls", "http://127.0.0.1:1", "--otlp-traces-endpoint", "h:1"]).unwrap();
     assert!(warned.warnings.iter().any(|w| w.contains("without --enable-trace")), "{:?}", warned.warnings);
 }
+
+/// docs/configuration.md's default column says what the flag's definition does: a flag with
+/// a default value has exactly that value in its row (values joined by spaces), a switch
+/// `off` (or `—`).
+#[test]
+fn every_documented_default_is_the_flags_own() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/configuration.md");
+    let docs = std::fs::read_to_string(path).unwrap();
+    let mut wrong = Vec::new();
+    for arg in built().get_arguments() {
+        let Some(long) = arg.get_long() else { continue };
+        let defaults: Vec<String> = arg.get_default_values().iter().map(|v| v.to_string_lossy().into_owned()).collect();
+        if defaults.is_empty() || matches!(long, "help" | "version") {
+            continue;
+        }
+        let Some(row) = docs.lines().find(|l| l.starts_with(&format!("| `--{long}`"))) else { continue };
+        let column = row.split(" | ").nth(1).unwrap_or_default().trim();
+        // A switch is off unless given: the docs say so in words.
+        let switch = matches!(arg.get_action(), clap::ArgAction::SetTrue) && defaults == ["false"];
+        let off = column == "off" || column == "—" || column.starts_with("off (");
+        if (switch && !off) || (!switch && column != defaults.join(" ")) {
+            wrong.push(format!("--{long}: the docs say `{column}`, the flag `{}`", defaults.join(" ")));
+        }
+    }
+    assert!(wrong.is_empty(), "docs/configuration.md's defaults:\n{}", wrong.join("\n"));
+}
