@@ -4,6 +4,7 @@ mod bench;
 mod loadgen;
 mod matrix;
 mod package;
+mod suite;
 mod supervise;
 mod tools;
 mod up;
@@ -43,7 +44,7 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("up") => up::run(&args[1..]),
-        Some("test") => tools::test(&args[1..]),
+        Some("test") => suite::test(&args[1..]),
         Some("bench") => bench::run(&args[1..]),
         Some("package") => package::run_package(&args[1..]),
         Some("matrix") => matrix::run_matrix(&args[1..]),

@@ -225,7 +225,7 @@ fn ensure_apt_for(what: &str, present: impl Fn() -> bool, package: &str, why: &s
 }
 
 /// Node runs the wasm32 test binaries (WASI preview1; Node 18 or newer).
-fn ensure_node() -> anyhow::Result<()> {
+pub fn ensure_node() -> anyhow::Result<()> {
     ensure_apt("node", "nodejs", "to run the wasm32 tests (xtask/wasi-runner.mjs)")?;
     let out = Command::new("node").arg("--version").output()?;
     let version = String::from_utf8_lossy(&out.stdout);
@@ -242,7 +242,7 @@ pub fn ensure_valgrind() -> anyhow::Result<()> {
 }
 
 /// A TrueType font for the benchmark charts (and the test that draws one).
-fn ensure_font() -> anyhow::Result<()> {
+pub fn ensure_font() -> anyhow::Result<()> {
     ensure_apt_for(
         "a TrueType font under /usr/share/fonts",
         || crate::bench::charts::font_path().is_some(),
@@ -266,6 +266,10 @@ impl Totals {
 
     pub fn failed(&self) -> u64 {
         self.failed
+    }
+
+    pub fn ignored(&self) -> u64 {
+        self.ignored
     }
 }
 
@@ -362,7 +366,7 @@ pub fn build_slow_tick_wasm() -> anyhow::Result<()> {
 /// The test build of the `.wasm` (feature `test-crash`: a request can trap the VM, so that the
 /// safety tests see Envoy reload it), in its own target directory: the shipped `.wasm` never
 /// has the feature.
-fn build_crash_wasm() -> anyhow::Result<()> {
+pub fn build_crash_wasm() -> anyhow::Result<()> {
     step("building the test-only .wasm (feature test-crash) into target/crash");
     let args = ["build", "--release", "-p", "kvmesh-filter", "--target", "wasm32-wasip1", "--features", "test-crash"];
     run(cargo().args(args).args(["--target-dir", "target/crash"]))
@@ -411,49 +415,4 @@ pub fn native_conformance(envoy: &Path, totals: &mut Totals) -> anyhow::Result<(
     control_plane.args(NATIVE_CONTROL_PLANE_TESTS);
     stack_env(&mut control_plane, envoy);
     run_tests(control_plane.env("KVMESH_TEST_NATIVE", "1"), totals)
-}
-
-/// `cargo xtask test`.
-pub fn test(args: &[String]) -> anyhow::Result<()> {
-    if let Some(a) = args.first() {
-        bail!("`cargo xtask test` takes no arguments (got `{a}`)");
-    }
-    ensure_wasm_target()?;
-    ensure_node()?;
-    ensure_valgrind()?;
-    ensure_font()?;
-    let envoy = ensure_envoy()?;
-    let sglang_router = ensure_sglang_router()?;
-    let smg = ensure_smg()?;
-    let kubectl = ensure_kubectl()?;
-    let helm_python = ensure_helm()?;
-    lint()?;
-    build()?;
-    build_naive_filter()?;
-    build_crash_wasm()?;
-    build_slow_tick_wasm()?;
-
-    step("native tests: core, filter logic, simulator, end to end with real Envoy");
-    let mut totals = Totals::default();
-    let mut native = cargo();
-    native.args(["test", "--workspace"]);
-    stack_env(&mut native, &envoy);
-    native.env("SGLANG_ROUTER_PYTHON", &sglang_router).env("KVMESH_KUBECTL", &kubectl).env("KVMESH_SMG_BIN", &smg);
-    native.env("KVMESH_HELM_PYTHON", &helm_python);
-    run_tests(&mut native, &mut totals)?;
-
-    step("the native build's conformance: the end-to-end suites where its host differs from the .wasm's");
-    native_conformance(&envoy, &mut totals)?;
-
-    crate::matrix::older_release(&mut totals)?;
-
-    step("routing core tests compiled to wasm32-wasip1 (run under Node's WASI)");
-    run_tests(cargo().args(["test", "-p", "kvmesh-core", "--lib", "--target", "wasm32-wasip1"]), &mut totals)?;
-    if totals.passed == 0 {
-        bail!("no test ran");
-    }
-    step("all tests passed");
-    // The plain closing line CI reads.
-    println!("kvmesh: {} passed, {} failed, {} skipped", totals.passed, totals.failed, totals.ignored);
-    Ok(())
 }
