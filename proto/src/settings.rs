@@ -33,68 +33,23 @@ impl<T> Wire<T> for T {
     }
 }
 
-impl Wire<i32> for PolicyKind {
-    fn to_wire(self) -> i32 {
-        let p = match self {
-            PolicyKind::Random => v1::Policy::Random,
-            PolicyKind::RoundRobin => v1::Policy::RoundRobin,
-            PolicyKind::PowerOfTwo => v1::Policy::PowerOfTwo,
-            PolicyKind::CacheAware => v1::Policy::CacheAware,
-            PolicyKind::PrefixHash => v1::Policy::PrefixHash,
-            PolicyKind::MarginalUtility => v1::Policy::MarginalUtility,
-            PolicyKind::ConsistentHashing => v1::Policy::ConsistentHashing,
-        };
-        p as i32
-    }
-    fn from_wire(value: i32, field: &'static str) -> Result<Self, SettingsError> {
-        match v1::Policy::try_from(value) {
-            Ok(v1::Policy::Random) => Ok(PolicyKind::Random),
-            Ok(v1::Policy::RoundRobin) => Ok(PolicyKind::RoundRobin),
-            Ok(v1::Policy::PowerOfTwo) => Ok(PolicyKind::PowerOfTwo),
-            Ok(v1::Policy::CacheAware) => Ok(PolicyKind::CacheAware),
-            Ok(v1::Policy::PrefixHash) => Ok(PolicyKind::PrefixHash),
-            Ok(v1::Policy::MarginalUtility) => Ok(PolicyKind::MarginalUtility),
-            Ok(v1::Policy::ConsistentHashing) => Ok(PolicyKind::ConsistentHashing),
-            Ok(v1::Policy::Unspecified) | Err(_) => Err(SettingsError::UnknownValue { field, value }),
+/// The enums travel as their numbers, which the core declares with their names
+/// (`named_enum!`); the message's enums number the same values
+/// (`every_enum_matches_its_message_enum`).
+macro_rules! wire_by_number {
+    ($($ty:ty),*) => {$(
+        impl Wire<i32> for $ty {
+            fn to_wire(self) -> i32 {
+                self.number()
+            }
+            fn from_wire(value: i32, field: &'static str) -> Result<Self, SettingsError> {
+                <$ty>::from_number(value).ok_or(SettingsError::UnknownValue { field, value })
+            }
         }
-    }
+    )*};
 }
 
-impl Wire<i32> for PdDecider {
-    fn to_wire(self) -> i32 {
-        let d = match self {
-            PdDecider::Always => v1::PdDecider::Always,
-            PdDecider::Prefix => v1::PdDecider::Prefix,
-        };
-        d as i32
-    }
-    fn from_wire(value: i32, field: &'static str) -> Result<Self, SettingsError> {
-        match v1::PdDecider::try_from(value) {
-            Ok(v1::PdDecider::Always) => Ok(PdDecider::Always),
-            Ok(v1::PdDecider::Prefix) => Ok(PdDecider::Prefix),
-            Ok(v1::PdDecider::Unspecified) | Err(_) => Err(SettingsError::UnknownValue { field, value }),
-        }
-    }
-}
-
-impl Wire<i32> for PdProtocol {
-    fn to_wire(self) -> i32 {
-        let p = match self {
-            PdProtocol::Sglang => v1::PdProtocol::Sglang,
-            PdProtocol::LlmD => v1::PdProtocol::LlmD,
-            PdProtocol::Vllm => v1::PdProtocol::Vllm,
-        };
-        p as i32
-    }
-    fn from_wire(value: i32, field: &'static str) -> Result<Self, SettingsError> {
-        match v1::PdProtocol::try_from(value) {
-            Ok(v1::PdProtocol::Sglang) => Ok(PdProtocol::Sglang),
-            Ok(v1::PdProtocol::LlmD) => Ok(PdProtocol::LlmD),
-            Ok(v1::PdProtocol::Vllm) => Ok(PdProtocol::Vllm),
-            Ok(v1::PdProtocol::Unspecified) | Err(_) => Err(SettingsError::UnknownValue { field, value }),
-        }
-    }
-}
+wire_by_number!(PolicyKind, PdDecider, PdProtocol);
 
 /// A worker's PD protocol on the wire (`Worker.pd_protocol`).
 pub fn pd_protocol_to_wire(p: PdProtocol) -> i32 {
@@ -239,26 +194,41 @@ mod tests {
         assert_eq!(RoutingSettings::try_from(v1::RoutingSettings::from(&empty)).unwrap(), empty);
     }
 
+    /// Checks that the core's `$core` and the message's `$wire` (values `$prefix` + the
+    /// name in capitals) hold the same values under the same numbers, and that each value
+    /// round-trips through its name, serde and the wire.
+    macro_rules! same_enum {
+        ($core:ty, $wire:ty, $prefix:literal, $field:literal) => {{
+            let mut numbers = std::collections::BTreeSet::new();
+            for v in <$core>::ALL {
+                let n: i32 = v.to_wire();
+                assert!(numbers.insert(n), "{v} shares {n}");
+                assert_eq!(<$core>::from_wire(n, $field), Ok(v));
+                assert_eq!(v.name().parse::<$core>(), Ok(v));
+                assert_eq!(serde_json::from_value::<$core>(serde_json::to_value(v).unwrap()).unwrap(), v);
+                let wire = <$wire>::try_from(n).unwrap_or_else(|_| panic!("{v} ({n}) is not in kvmesh.proto"));
+                let name = format!("{}{}", $prefix, v.name().to_uppercase().replace('-', "_"));
+                assert_eq!(wire.as_str_name(), name, "{v}'s number in kvmesh.proto");
+            }
+            for n in 1..=64 {
+                if let Ok(w) = <$wire>::try_from(n) {
+                    assert!(
+                        numbers.contains(&n),
+                        "kvmesh.proto's {} is not in the core's {}",
+                        w.as_str_name(),
+                        stringify!($core)
+                    );
+                }
+            }
+            assert_eq!(<$wire>::try_from(0).map(|w| w.as_str_name()), Ok(concat!($prefix, "UNSPECIFIED")));
+        }};
+    }
+
     #[test]
-    fn every_enum_value_has_its_own_number() {
-        let mut numbers = std::collections::BTreeSet::new();
-        for p in PolicyKind::ALL {
-            let n: i32 = p.to_wire();
-            assert!(numbers.insert(n), "{p} shares {n}");
-            assert_eq!(PolicyKind::from_wire(n, "policy"), Ok(p));
-        }
-        numbers.clear();
-        for d in PdDecider::ALL {
-            let n: i32 = d.to_wire();
-            assert!(numbers.insert(n), "{d} shares {n}");
-            assert_eq!(PdDecider::from_wire(n, "pd_decider"), Ok(d));
-        }
-        numbers.clear();
-        for p in PdProtocol::ALL {
-            let n: i32 = p.to_wire();
-            assert!(numbers.insert(n), "{p} shares {n}");
-            assert_eq!(PdProtocol::from_wire(n, "pd_protocol"), Ok(p));
-        }
+    fn every_enum_matches_its_message_enum() {
+        same_enum!(PolicyKind, v1::Policy, "POLICY_", "policy");
+        same_enum!(PdDecider, v1::PdDecider, "PD_DECIDER_", "pd_decider");
+        same_enum!(PdProtocol, v1::PdProtocol, "PD_PROTOCOL_", "pd_protocol");
     }
 
     #[test]

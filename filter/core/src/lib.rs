@@ -10,7 +10,8 @@
 //! - [`index`]: the prefix index with LRU eviction.
 //! - [`usage`]: `cached_tokens` and completion metrics read from responses as they pass.
 //! - [`feedback`]: a worker's `cached_tokens` against the prefix the gateway predicted.
-//! - [`policy`]: the routing policies (one file each) over plain-data candidates.
+//! - [`policy`]: the routing policies (one file each, each owning its state) over plain-data
+//!   candidates.
 //! - [`settings`]: the routing settings, declared once (flags, plugin JSON, protobuf).
 //! - [`config`]: the configuration, validated once from the settings.
 //! - [`models`]: the names workers serve and the pool a request's `model` picks.
@@ -33,6 +34,7 @@ pub mod feedback;
 pub mod index;
 pub mod logprobs;
 pub mod models;
+mod named;
 pub mod paths;
 pub mod pd;
 pub mod pd_protocol;

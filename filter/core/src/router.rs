@@ -1,11 +1,10 @@
 //! The router: one policy plus the prefix index it consults, behind one call per request.
+//! The policy ([`Policy`]) carries its own state; the router keeps the index and its bounds.
 
-use crate::blocks::{block_hashes_from, covered_bytes, model_seed};
 use crate::index::PrefixIndex;
-use crate::policy::{
-    CacheAware, CacheAwareParams, Candidate, ConsistentHash, MarginalUtility, PolicyKind, PowerOfTwo, PrefixHash,
-    PrefixHashParams, Random, RoundRobin,
-};
+use crate::policy::{Candidate, Indexed, Policy, PolicyKind};
+// The vocabulary lives below the policies, which name it too; re-exported here where it was.
+pub use crate::policy::{Decision, RouterParams, RoutingText};
 use crate::worker::WorkerId;
 use rand::RngCore;
 
@@ -25,88 +24,10 @@ pub const MAX_NEW_BYTES_PER_REQUEST: usize = 64 << 10;
 /// The most blocks an index reserves room for in one step (its bound, past which it doubles).
 const MAX_EXPECTED_BLOCKS: usize = 1 << 21;
 
-/// A request's routing text: its first bytes (what is hashed, at most
-/// [`crate::request::MAX_ROUTING_BYTES`]) and its full length (what match ratios divide by),
-/// and its routing key (`consistent_hashing`), if it has one.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RoutingText<'a> {
-    pub head: &'a [u8],
-    pub len: usize,
-    pub key: Option<&'a [u8]>,
-    /// The first block's seed: the model pool's ([`model_seed`]), so that no prefix is a hit
-    /// across models.
-    pub seed: u64,
-}
-
-impl<'a> RoutingText<'a> {
-    /// The same text with a routing key.
-    pub fn with_key(self, key: Option<&'a [u8]>) -> Self {
-        Self { key, ..self }
-    }
-
-    /// The same text for the pool of `model`.
-    pub fn for_model(self, model: Option<&str>) -> Self {
-        Self { seed: model_seed(model), ..self }
-    }
-
-    /// The text's chained block hashes.
-    pub fn blocks(&self, block_size: usize) -> Vec<u64> {
-        block_hashes_from(self.head, block_size, self.seed)
-    }
-}
-
-impl<'a> From<&'a [u8]> for RoutingText<'a> {
-    fn from(head: &'a [u8]) -> Self {
-        Self { head, len: head.len(), key: None, seed: model_seed(None) }
-    }
-}
-
-impl<'a> From<&'a crate::request::ParsedRequest<'a>> for RoutingText<'a> {
-    fn from(p: &'a crate::request::ParsedRequest<'a>) -> Self {
-        Self { head: &p.text, len: p.text_len.max(p.text.len()), key: None, seed: model_seed(None) }
-    }
-}
-
-/// What the router decided for one request. Deciding changes nothing; the router learns of
-/// the decision only when the caller [commits](Router::commit) it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Decision {
-    pub worker: WorkerId,
-    /// Bytes of the routing text found in the chosen worker's index.
-    pub matched_bytes: usize,
-    /// Leading blocks the index believes the chosen worker holds, whether or not the policy
-    /// chose it for them (what engine feedback judges its answer against; 0 for text-blind
-    /// policies that do not track prefixes).
-    pub held_blocks: usize,
-    /// The request's blocks, indexed for the chosen worker when the decision commits (empty
-    /// for text-blind policies): what other threads and gateways must apply to their copies
-    /// of the index.
-    pub blocks: Vec<u64>,
-}
-
-/// What a router needs from the configuration (see `Config::router_params`).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct RouterParams {
-    pub cache_aware: CacheAwareParams,
-    pub prefix_hash: PrefixHashParams,
-    /// `marginal_utility`: weight of a request in flight against a unit of utility.
-    pub utility_load_weight: f64,
-    /// Bytes of routing text per index block.
-    pub block_size: usize,
-    /// Per-worker index budget in blocks (`max_tree_size / block_size`).
-    pub max_blocks: u64,
-    /// The hard bound on the index's `(worker, block)` entries ([`MAX_INDEX_ENTRIES`]).
-    pub max_entries: u64,
-}
-
 pub struct Router {
-    kind: PolicyKind,
+    policy: Policy,
     /// Index prefixes even under a text-blind policy (the PD prefix decider needs it).
     track: bool,
-    round_robin: RoundRobin,
-    cache_aware: CacheAware,
-    prefix_hash: PrefixHash,
-    utility: MarginalUtility,
     index: PrefixIndex,
     block_size: usize,
     max_blocks: u64,
@@ -120,21 +41,13 @@ impl Router {
         // What inserts between two ticks let the index reach: it may grow there in one step.
         let most = params.max_entries.saturating_add(params.max_entries / 4);
         index.expect_blocks(usize::try_from(most).unwrap_or(usize::MAX).min(MAX_EXPECTED_BLOCKS));
+        let policy = Policy::new(kind, &params);
         Self {
-            kind,
+            max_blocks: policy.max_blocks(params.max_blocks),
+            policy,
             track: false,
-            round_robin: RoundRobin::default(),
-            cache_aware: CacheAware::new(params.cache_aware),
-            prefix_hash: PrefixHash::new(params.prefix_hash),
-            utility: MarginalUtility { load_weight: params.utility_load_weight },
             index,
             block_size: params.block_size,
-            // llm-d's per-server LRU capacity bounds a prefix_hash index (within max_tree_size).
-            max_blocks: if kind == PolicyKind::PrefixHash {
-                params.max_blocks.min(params.prefix_hash.lru_capacity.max(1))
-            } else {
-                params.max_blocks
-            },
             max_entries: params.max_entries,
         }
     }
@@ -146,67 +59,24 @@ impl Router {
 
     /// Whether routing looks at (and indexes) the text.
     pub fn uses_text(&self) -> bool {
-        self.track || self.kind.uses_text()
+        self.track || self.policy.kind().uses_text()
     }
 
     /// Chooses a candidate for a request whose routing text is `text`. Changes nothing. The
     /// blocks it would index stop [`MAX_NEW_BYTES_PER_REQUEST`] past what the chosen worker holds.
     pub fn decide(&self, text: RoutingText<'_>, cands: &[Candidate], rng: &mut dyn RngCore) -> Option<Decision> {
-        let mut d = self.decide_all(text, cands, rng)?;
-        let share = match self.kind {
-            PolicyKind::CacheAware => (self.cache_aware.params.cache_threshold + 0.1).min(1.0),
-            _ => 0.0,
-        };
+        let at = Indexed { index: &self.index, block_size: self.block_size, track: self.track };
+        let mut d = self.policy.decide(at, text, cands, rng)?;
+        let share = self.policy.indexed_share();
         let bytes = MAX_NEW_BYTES_PER_REQUEST.max((text.len as f64 * share).ceil() as usize);
         d.blocks.truncate(d.held_blocks.saturating_add(bytes.div_ceil(self.block_size.max(1))));
         Some(d)
     }
 
-    fn decide_all(&self, text: RoutingText<'_>, cands: &[Candidate], rng: &mut dyn RngCore) -> Option<Decision> {
-        if self.kind == PolicyKind::CacheAware {
-            let blocks = text.blocks(self.block_size);
-            let c = self.cache_aware.pick(text.len, &blocks, self.block_size, cands, &self.index, rng)?;
-            let worker = cands.get(c.pos)?.id;
-            return Some(Decision { worker, matched_bytes: c.matched_bytes, held_blocks: c.held_blocks, blocks });
-        }
-        if self.kind == PolicyKind::PrefixHash {
-            let mut blocks = text.blocks(self.block_size);
-            let c = self.prefix_hash.pick(&blocks, cands, &self.index, rng)?;
-            let worker = cands.get(c.pos)?.id;
-            if self.track {
-                // The PD decider needs the whole match, and the whole prefix indexed.
-                return Some(self.tracked(worker, text, blocks));
-            }
-            // Only the blocks that count are indexed (llm-d's scorer does the same).
-            blocks.truncate(self.prefix_hash.considered(&blocks).len());
-            let matched_bytes = covered_bytes(c.blocks, self.block_size, text.len);
-            let held_blocks = self.index.depth_of(worker, &blocks);
-            return Some(Decision { worker, matched_bytes, held_blocks, blocks });
-        }
-        let worker = cands.get(self.pick_blind(text, cands, rng)?)?.id;
-        if !self.track {
-            return Some(Decision { worker, matched_bytes: 0, held_blocks: 0, blocks: Vec::new() });
-        }
-        Some(self.tracked(worker, text, text.blocks(self.block_size)))
-    }
-
-    /// A decision for `worker` that indexes every block and reports the whole prefix it holds.
-    fn tracked(&self, worker: WorkerId, text: RoutingText<'_>, blocks: Vec<u64>) -> Decision {
-        let held = self.index.depth_of(worker, &blocks);
-        Decision {
-            worker,
-            matched_bytes: covered_bytes(held, self.block_size, text.head.len()),
-            held_blocks: held,
-            blocks,
-        }
-    }
-
     /// Records a decision that went through: the chosen worker now holds the prefix (and
     /// round robin moves on).
     pub fn commit(&mut self, decision: &Decision) {
-        if self.kind == PolicyKind::RoundRobin {
-            self.round_robin.advance();
-        }
+        self.policy.commit();
         self.insert(decision.worker, &decision.blocks);
     }
 
@@ -233,29 +103,12 @@ impl Router {
     /// Chooses a candidate for a request that carries no routing text (other paths); round
     /// robin moves on at once (nothing is recorded for these).
     pub fn route_any(&mut self, cands: &[Candidate], rng: &mut dyn RngCore) -> Option<usize> {
-        match self.kind {
-            PolicyKind::RoundRobin => {
-                let pos = self.round_robin.pick(cands);
-                self.round_robin.advance();
-                pos
-            }
-            _ => PowerOfTwo.pick(cands, rng),
-        }
-    }
-
-    fn pick_blind(&self, text: RoutingText<'_>, cands: &[Candidate], rng: &mut dyn RngCore) -> Option<usize> {
-        match self.kind {
-            PolicyKind::RoundRobin => self.round_robin.pick(cands),
-            PolicyKind::PowerOfTwo => PowerOfTwo.pick(cands, rng),
-            PolicyKind::MarginalUtility => self.utility.pick(cands, rng),
-            PolicyKind::ConsistentHashing => ConsistentHash.pick(text.key, cands, rng),
-            PolicyKind::Random | PolicyKind::CacheAware | PolicyKind::PrefixHash => Random.pick(cands, rng),
-        }
+        self.policy.route_any(cands, rng)
     }
 
     /// The policy this router runs.
     pub fn kind(&self) -> PolicyKind {
-        self.kind
+        self.policy.kind()
     }
 
     /// Applies an insert decided elsewhere (another thread or gateway).
@@ -293,6 +146,7 @@ impl Router {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::CacheAwareParams;
     use crate::rng::{seeded, FastRng};
 
     fn params(block_size: usize, max_blocks: u64) -> RouterParams {

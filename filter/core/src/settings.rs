@@ -14,78 +14,21 @@
 //!
 //! Validation into a [`crate::Config`] happens in one place, [`crate::Config::from_settings`].
 
-use std::fmt;
-use std::str::FromStr;
-
 use serde::{Deserialize, Serialize};
 
 pub use crate::pd_protocol::PdProtocol;
 use crate::policy::PolicyKind;
 
-/// The PD decider's names (`--pd-decider`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PdDecider {
-    /// Split every request (sglang-router's behaviour).
-    Always,
-    /// Run a request on the decode worker alone when at most `non_cached_tokens` of its
-    /// prompt are not cached there (llm-d's decider).
-    Prefix,
-}
-
-impl PdDecider {
-    pub const ALL: [PdDecider; 2] = [Self::Always, Self::Prefix];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Always => "always",
-            Self::Prefix => "prefix",
-        }
+crate::named::named_enum! {
+    /// The PD decider's names (`--pd-decider`).
+    pub enum PdDecider as "decider" {
+        /// Split every request (sglang-router's behaviour).
+        Always = 1 => "always",
+        /// Run a request on the decode worker alone when at most `non_cached_tokens` of its
+        /// prompt are not cached there (llm-d's decider).
+        Prefix = 2 => "prefix",
     }
 }
-
-impl fmt::Display for PdDecider {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for PdDecider {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        Self::ALL.into_iter().find(|d| d.name() == s).ok_or_else(|| format!("unknown decider `{s}` (always, prefix)"))
-    }
-}
-
-/// Serde through the names, with the same messages as the flags.
-macro_rules! serde_by_name {
-    ($ty:ty, $what:literal) => {
-        impl Serialize for $ty {
-            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-                s.serialize_str(self.name())
-            }
-        }
-
-        impl<'de> Deserialize<'de> for $ty {
-            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-                struct Name;
-                impl serde::de::Visitor<'_> for Name {
-                    type Value = $ty;
-                    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                        f.write_str($what)
-                    }
-                    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<$ty, E> {
-                        v.parse().map_err(E::custom)
-                    }
-                }
-                d.deserialize_str(Name)
-            }
-        }
-    };
-}
-
-serde_by_name!(PolicyKind, "a policy name");
-serde_by_name!(PdDecider, "a decider name (always, prefix)");
-serde_by_name!(PdProtocol, "a PD protocol (sglang, llm-d, vllm)");
 
 /// Declares [`RoutingSettings`] from one list of fields: the struct (serde, and clap with the
 /// `cli` feature), its field names and the overlay, so that none of them can miss a field.

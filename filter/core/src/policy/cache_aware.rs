@@ -29,7 +29,7 @@
 //! The caller inserts the request's prefix for the chosen worker afterwards (see
 //! [`crate::router::Router`]), in both cases, as SGLang does.
 
-use super::{least_loaded, Candidate};
+use super::{least_loaded, Candidate, Decision, Indexed, RouterParams, RoutingPolicy, RoutingText};
 use crate::blocks::covered_bytes;
 use crate::index::PrefixIndex;
 use crate::worker::WorkerId;
@@ -193,6 +193,34 @@ pub fn placement_key(hashes: &[u64], text_len: usize, block_size: usize, thresho
     let last = hashes.len().checked_sub(1)?;
     let at = (threshold.clamp(0.0, 1.0) * text_len as f64) as usize / block_size.max(1);
     hashes.get(at.min(last)).copied()
+}
+
+impl RoutingPolicy for CacheAware {
+    const USES_TEXT: bool = true;
+
+    fn new(params: &RouterParams) -> Self {
+        Self::new(params.cache_aware)
+    }
+
+    /// Every block is indexed for the chosen worker (within the router's cap).
+    fn decide(
+        &self,
+        at: Indexed<'_>,
+        text: RoutingText<'_>,
+        cands: &[Candidate],
+        rng: &mut dyn RngCore,
+    ) -> Option<Decision> {
+        let blocks = text.blocks(at.block_size);
+        let c = self.pick(text.len, &blocks, at.block_size, cands, at.index, rng)?;
+        let worker = cands.get(c.pos)?.id;
+        Some(Decision { worker, matched_bytes: c.matched_bytes, held_blocks: c.held_blocks, blocks })
+    }
+
+    /// At least the share of the text a repeat needs to count as a hit, so that no prompt
+    /// loses its worker to the router's per-request cap.
+    fn indexed_share(&self) -> f64 {
+        (self.params.cache_threshold + 0.1).min(1.0)
+    }
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@
 //! every gateway agrees without talking. A request without a key is placed by load (two
 //! random choices).
 
-use super::{Candidate, PowerOfTwo};
+use super::{Candidate, Decision, Indexed, PowerOfTwo, RouterParams, RoutingPolicy, RoutingText};
 use rand::RngCore;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -23,6 +23,22 @@ impl ConsistentHash {
         // Ties (equal weights: same affinity) go to the first, so every gateway agrees.
         let weight = |c: &Candidate| (xxh3_64_with_seed(key, c.affinity), c.affinity);
         cands.iter().enumerate().max_by_key(|(_, c)| weight(c)).map(|(p, _)| p)
+    }
+}
+
+impl RoutingPolicy for ConsistentHash {
+    fn new(_: &RouterParams) -> Self {
+        Self
+    }
+
+    fn decide(
+        &self,
+        at: Indexed<'_>,
+        text: RoutingText<'_>,
+        cands: &[Candidate],
+        rng: &mut dyn RngCore,
+    ) -> Option<Decision> {
+        at.blind(self.pick(text.key, cands, rng), text, cands)
     }
 }
 

@@ -24,7 +24,7 @@
 
 use std::collections::VecDeque;
 
-use super::{best_scored, Candidate};
+use super::{best_scored, Candidate, Decision, Indexed, RouterParams, RoutingPolicy, RoutingText};
 use rand::RngCore;
 
 /// A window whose newest sample is older than this has no trend.
@@ -194,6 +194,22 @@ impl MarginalUtility {
 
     pub fn pick(&self, cands: &[Candidate], rng: &mut dyn RngCore) -> Option<usize> {
         best_scored(0..cands.len(), |p| cands.get(p).map_or(f64::NAN, |c| self.score(c)), rng)
+    }
+}
+
+impl RoutingPolicy for MarginalUtility {
+    fn new(params: &RouterParams) -> Self {
+        Self { load_weight: params.utility_load_weight }
+    }
+
+    fn decide(
+        &self,
+        at: Indexed<'_>,
+        text: RoutingText<'_>,
+        cands: &[Candidate],
+        rng: &mut dyn RngCore,
+    ) -> Option<Decision> {
+        at.blind(self.pick(cands, rng), text, cands)
     }
 }
 

@@ -1,6 +1,6 @@
 //! `power_of_two`: two distinct random healthy workers; the less loaded one wins.
 
-use super::Candidate;
+use super::{Candidate, Decision, Indexed, RouterParams, RoutingPolicy, RoutingText};
 use rand::{Rng, RngCore};
 
 #[derive(Debug, Default)]
@@ -22,6 +22,22 @@ impl PowerOfTwo {
                 Some(if load(b) < load(a) { b } else { a })
             }
         }
+    }
+}
+
+impl RoutingPolicy for PowerOfTwo {
+    fn new(_: &RouterParams) -> Self {
+        Self
+    }
+
+    fn decide(
+        &self,
+        at: Indexed<'_>,
+        text: RoutingText<'_>,
+        cands: &[Candidate],
+        rng: &mut dyn RngCore,
+    ) -> Option<Decision> {
+        at.blind(self.pick(cands, rng), text, cands)
     }
 }
 

@@ -16,7 +16,8 @@
 //! The chosen worker's blocks are inserted afterwards (see [`crate::router::Router`]); each
 //! worker's part of the index is LRU-evicted to `lru_capacity_per_server` blocks.
 
-use super::{best_scored, Candidate};
+use super::{best_scored, Candidate, Decision, Indexed, RouterParams, RoutingPolicy, RoutingText};
+use crate::blocks::covered_bytes;
 use crate::index::PrefixIndex;
 use rand::RngCore;
 
@@ -105,6 +106,40 @@ impl PrefixHash {
         let scores = self.scores_of(self.considered(hashes).len(), &depth, cands);
         let pos = best_scored(0..cands.len(), |p| scores.get(p).copied().flatten().unwrap_or(f64::NAN), rng)?;
         Some(PrefixChoice { pos, blocks: depth.get(pos).copied().unwrap_or(0) })
+    }
+}
+
+impl RoutingPolicy for PrefixHash {
+    const USES_TEXT: bool = true;
+
+    fn new(params: &RouterParams) -> Self {
+        Self::new(params.prefix_hash)
+    }
+
+    fn decide(
+        &self,
+        at: Indexed<'_>,
+        text: RoutingText<'_>,
+        cands: &[Candidate],
+        rng: &mut dyn RngCore,
+    ) -> Option<Decision> {
+        let mut blocks = text.blocks(at.block_size);
+        let c = self.pick(&blocks, cands, at.index, rng)?;
+        let worker = cands.get(c.pos)?.id;
+        if at.track {
+            // The PD decider needs the whole match, and the whole prefix indexed.
+            return Some(at.tracked(worker, text, blocks));
+        }
+        // Only the blocks that count are indexed (llm-d's scorer does the same).
+        blocks.truncate(self.considered(&blocks).len());
+        let matched_bytes = covered_bytes(c.blocks, at.block_size, text.len);
+        let held_blocks = at.index.depth_of(worker, &blocks);
+        Some(Decision { worker, matched_bytes, held_blocks, blocks })
+    }
+
+    /// llm-d's per-server LRU capacity bounds the index (within `max_tree_size`).
+    fn max_blocks(&self, budget: u64) -> u64 {
+        budget.min(self.params.lru_capacity.max(1))
     }
 }
 

@@ -1,6 +1,6 @@
 //! `random`: a uniformly random healthy worker.
 
-use super::Candidate;
+use super::{Candidate, Decision, Indexed, RouterParams, RoutingPolicy, RoutingText};
 use rand::{Rng, RngCore};
 
 #[derive(Debug, Default)]
@@ -9,6 +9,22 @@ pub struct Random;
 impl Random {
     pub fn pick(&self, cands: &[Candidate], rng: &mut dyn RngCore) -> Option<usize> {
         (!cands.is_empty()).then(|| rng.random_range(0..cands.len()))
+    }
+}
+
+impl RoutingPolicy for Random {
+    fn new(_: &RouterParams) -> Self {
+        Self
+    }
+
+    fn decide(
+        &self,
+        at: Indexed<'_>,
+        text: RoutingText<'_>,
+        cands: &[Candidate],
+        rng: &mut dyn RngCore,
+    ) -> Option<Decision> {
+        at.blind(self.pick(cands, rng), text, cands)
     }
 }
 

@@ -1,6 +1,7 @@
 //! `round_robin`: the healthy workers in turn.
 
-use super::Candidate;
+use super::{Candidate, Decision, Indexed, RouterParams, RoutingPolicy, RoutingText};
+use rand::RngCore;
 
 #[derive(Debug, Default)]
 pub struct RoundRobin {
@@ -16,6 +17,34 @@ impl RoundRobin {
     /// The turn passes to the next candidate.
     pub fn advance(&mut self) {
         self.next = self.next.wrapping_add(1);
+    }
+}
+
+impl RoutingPolicy for RoundRobin {
+    fn new(_: &RouterParams) -> Self {
+        Self::default()
+    }
+
+    fn decide(
+        &self,
+        at: Indexed<'_>,
+        text: RoutingText<'_>,
+        cands: &[Candidate],
+        _: &mut dyn RngCore,
+    ) -> Option<Decision> {
+        at.blind(self.pick(cands), text, cands)
+    }
+
+    /// The turn passes only with a decision that went through.
+    fn commit(&mut self) {
+        self.advance();
+    }
+
+    /// In turn too, and the turn passes at once (nothing is committed for these).
+    fn route_any(&mut self, cands: &[Candidate], _: &mut dyn RngCore) -> Option<usize> {
+        let pos = self.pick(cands);
+        self.advance();
+        pos
     }
 }
 
