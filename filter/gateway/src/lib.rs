@@ -1,8 +1,8 @@
 //! kvmesh's filter logic, independent of the host: the `.wasm` (`filter/wasm`, proxy-wasm) and
 //! the native build (`filter/native`, an Envoy dynamic module) are thin glues over it.
 //!
-//! [`request`] handles one HTTP request ([`pd_leg`] its PD legs, [`response_feedback`] its
-//! response), [`plugin`] one VM (configuration, tick, admission wake-ups) with [`cp_client`]
+//! [`request`] handles one HTTP request ([`pd`] the PD protocols, one module each, with
+//! [`pd_leg`] SGLang's legs; [`response_feedback`] its response), [`plugin`] one VM (configuration, tick, admission wake-ups) with [`cp_client`]
 //! and [`link`] for the control plane, over [`gateway`] (one VM's routing state: view,
 //! follower, publisher, ledger), [`shared`] (Envoy shared data, one file per key), [`health`]
 //! (passive health), [`stall`] (the stall window) and [`admission`] (the VM's queue).
@@ -25,9 +25,11 @@ pub mod health;
 pub mod host;
 pub mod link;
 pub mod now;
+pub mod pd;
 pub mod pd_leg;
 pub mod plugin;
 pub mod request;
 pub mod response_feedback;
+pub mod routed;
 pub mod shared;
 pub mod stall;

@@ -1,4 +1,5 @@
-//! The prefill leg of a PD request, as an explicit state machine.
+//! A prefill leg sent beside the decode leg (SGLang's protocol, `pd/sglang.rs`), as an
+//! explicit state machine.
 //!
 //! Two things happen concurrently after dispatch: the prefill callout answers (or fails), and
 //! the decode response arrives (headers, then body chunks). This type is told each event and
@@ -14,8 +15,8 @@
 use kvmesh_core::errors::error_json;
 use kvmesh_core::logprobs::{self, MergeError, MergeRoom, PrefillLogprobs, SseMerger};
 
-use crate::gateway::Routed;
 use crate::host::Action;
+use crate::routed::Routed;
 
 /// How the prefill callout ended, as far as the state machine cares.
 #[derive(Debug)]
@@ -35,6 +36,10 @@ pub enum Effect {
     ReplaceHeldBody { size: usize, body: Vec<u8> },
     /// Let the held response go on.
     ResumeResponse,
+    /// The held request's body becomes this (vLLM's decode leg, with the prefill's KV).
+    DecodeBody(Vec<u8>),
+    /// Send the held request on to the decode worker.
+    ResumeRequest,
 }
 
 /// The glue's answer to a decode response body chunk.
@@ -46,8 +51,8 @@ pub struct BodyStep {
 }
 
 impl BodyStep {
-    const CONTINUE: Self = Self { action: Action::Continue, replace: None };
-    const PAUSE: Self = Self { action: Action::Pause, replace: None };
+    pub const CONTINUE: Self = Self { action: Action::Continue, replace: None };
+    pub const PAUSE: Self = Self { action: Action::Pause, replace: None };
 }
 
 /// Merging the prefill's input logprobs into the decode response.
@@ -87,13 +92,14 @@ pub struct PdLeg {
 }
 
 impl PdLeg {
-    /// `merge`: the client asked for logprobs; they are held in this VM's room.
-    pub fn new(prefill: Routed, token: u32, stream: bool, merge: Option<MergeRoom>) -> Self {
+    /// `token`: the prefill callout's (none: none went out, nothing is awaited); `merge`: the
+    /// client asked for logprobs, held in this VM's room.
+    pub fn new(prefill: Routed, token: Option<u32>, stream: bool, merge: Option<MergeRoom>) -> Self {
         Self {
             prefill,
-            token,
+            token: token.unwrap_or_default(),
             stream,
-            pending: true,
+            pending: token.is_some(),
             merge: merge.map_or(Merge::No, Merge::Waiting),
             phase: Phase::Awaiting,
             error_event: None,
@@ -262,7 +268,7 @@ mod tests {
     fn leg(stream: bool, merge: bool) -> PdLeg {
         let prefill =
             Routed { worker: 1, addr: "127.0.0.1:30001".into(), counted: true, matched_bytes: 0, dp_rank: None };
-        PdLeg::new(prefill, 7, stream, merge.then(MergeRoom::default))
+        PdLeg::new(prefill, Some(7), stream, merge.then(MergeRoom::default))
     }
 
     fn prefill_body() -> Vec<u8> {
@@ -421,7 +427,7 @@ mod tests {
         let prefill =
             Routed { worker: 1, addr: "127.0.0.1:30001".into(), counted: true, matched_bytes: 0, dp_rank: None };
         let room = MergeRoom::with_cap(10);
-        let mut l = PdLeg::new(prefill, 7, true, Some(room.clone()));
+        let mut l = PdLeg::new(prefill, Some(7), true, Some(room.clone()));
         assert_eq!(l.decode_headers(200), (Action::Pause, false));
         assert_eq!(l.prefill_answered(ok(&l), no_read), vec![Effect::ResumeResponse]);
         assert_eq!(room.held(), 0, "nothing held past the cap");

@@ -8,7 +8,8 @@
 //!   408), then decide (nothing changes yet), apply the decision to the request (destination
 //!   header; in PD mode the new body and the prefill callout), and only when all of that
 //!   worked, commit it (index, in-flight counts, delta log).
-//! - prefill callout answer, response headers and body: driven through [`PdLeg`].
+//! - prefill callout answer, response headers and body: in PD mode through the split's
+//!   [`Leg`], which its protocol's module drives (`crate::pd`).
 //! - log (always called, also on resets): the in-flight counts go down.
 
 use std::cell::RefCell;
@@ -20,12 +21,11 @@ use kvmesh_core::{Endpoint, WorkerId};
 
 use crate::admission::{Entry, WaitRoom};
 use crate::gateway::{
-    is_routing_header, Gateway, Now, Outcome, Plan, Prediction, PrefillLeg, Reply, RequestInfo, Routed, DECISION_KEY,
-    FAILOVER_KEY, PREFILLER_HEADER,
+    is_routing_header, Gateway, Now, Outcome, Plan, Prediction, Reply, RequestInfo, Routed, DECISION_KEY, FAILOVER_KEY,
 };
 use crate::headers::Headers;
 use crate::host::{Action, Callout, Metric, ModelMetric, StreamHost};
-use crate::pd_leg::PdLeg;
+use crate::pd::Leg;
 use crate::response_feedback::ResponseFeedback;
 use crate::shared::admission::SharedBucket;
 
@@ -34,8 +34,6 @@ use worker_headers::{callout_headers, forwarded_to_prefill, set_destination};
 pub use worker_headers::{DST_HEADER, ENDPOINTS_HEADER, RETRIES_HEADER, TIMEOUT_HEADER};
 pub const WORKER_HEADER: &str = "x-kvmesh-worker";
 pub const PREFILL_HEADER: &str = "x-kvmesh-prefill";
-/// How much of a failed prefill's body goes into the error message.
-const ERROR_DETAIL_BYTES: usize = 512;
 
 /// One VM's admission queue of paused requests.
 pub type Room = WaitRoom<Weak<RefCell<RequestFilter>>>;
@@ -81,13 +79,8 @@ pub struct RequestFilter {
     bad_trace: bool,
     /// The committed main leg (the worker, or the decode worker in PD mode).
     routed: Option<Routed>,
-    pd: Option<PdLeg>,
-    /// The prefill worker to name in the response when no [`PdLeg`] follows it: the pod a
-    /// decode pod's sidecar ran the prefill on (llm-d), or the one whose KV the decode leg got
-    /// (vLLM).
-    sidecar_prefill: Option<String>,
-    /// vLLM's protocol: the prefill leg out, the request held until it answers.
-    first: Option<(u32, Routed)>,
+    /// A PD split: its prefill leg, as its protocol runs it.
+    leg: Option<Leg>,
     /// This filter answered locally.
     replied: bool,
     /// What the response said about the worker (`None`: no response headers seen).
@@ -98,8 +91,6 @@ pub struct RequestFilter {
     awaiting: bool,
     /// Decode workers whose failure counts only if the prefill leg succeeds.
     deferred: Vec<WorkerId>,
-    /// The rids the prefill leg can be aborted by (PD).
-    abort_rids: Vec<String>,
     /// Engine feedback on the response (regular requests).
     feedback: Option<ResponseFeedback>,
     /// The response body reached its end.
@@ -178,15 +169,12 @@ impl RequestFilter {
             client_headers: None,
             bad_trace: false,
             routed: None,
-            pd: None,
-            sidecar_prefill: None,
-            first: None,
+            leg: None,
             replied: false,
             verdict: None,
             failed_over: false,
             awaiting: false,
             deferred: Vec::new(),
-            abort_rids: Vec::new(),
             feedback: None,
             complete: false,
             redact: None,
@@ -425,7 +413,7 @@ impl RequestFilter {
     /// The prefill callout this request has out, if any (one dispatched from the tick is
     /// answered to the root context, which hands it on by this token).
     pub fn callout_token(&self) -> Option<u32> {
-        self.pd.as_ref().and_then(PdLeg::token).or(self.first.as_ref().map(|(token, _)| *token))
+        self.leg.as_ref().and_then(Leg::token)
     }
 
     /// The whole body is here and admitted: decide, apply, commit.
@@ -455,14 +443,11 @@ impl RequestFilter {
     /// Applies a decision (made at `decided`) to the request; commits it only when
     /// everything worked.
     fn apply(&mut self, host: &dyn StreamHost, plan: Plan, body_size: usize, decided: Now) -> Action {
-        self.abort_rids = plan.pd().map(|pd| pd.abort_rids().to_vec()).unwrap_or_default();
-        let sequential = plan.pd().is_some_and(|pd| matches!(pd.leg, PrefillLeg::First { .. }));
+        let sequential = plan.pd().is_some_and(|pd| pd.leg.waits_for_prefill());
         // A PD leg that sends the client's body on (llm-d's sidecar, vLLM's decode leg) sends
         // the gateway's version of it when there is one (a client's rank taken out).
         let mut body_size = body_size;
-        if let (Some(body), Some(PrefillLeg::Sidecar | PrefillLeg::First { .. })) =
-            (plan.body(), plan.pd().map(|p| &p.leg))
-        {
+        if let (Some(body), Some(None)) = (plan.body(), plan.pd().map(|p| p.leg.decode_body())) {
             if let Err(reply) = replace_body(host, body_size, body) {
                 return self.reply(host, reply);
             }
@@ -508,27 +493,21 @@ impl RequestFilter {
             Some(false) => host.increment(Metric::PdCacheMisses),
             None => {}
         }
-        match (committed.prefill, token) {
-            // vLLM: the request waits for its prefill leg (see `on_callout_response`).
-            (Some(prefill), Some(token)) if sequential => {
+        if let (Some(prefill), Some(leg)) = (committed.prefill, committed.leg) {
+            // A leg the gateway sends is a request routed (not one the decode pod's sidecar runs).
+            if token.is_some() {
                 Self::count_route(host, &prefill);
-                self.first = Some((token, prefill));
-                self.feedback = self.feedback_for(committed.prediction, committed.main.worker, now_ms);
-                self.routed = Some(committed.main);
-                return Action::Pause;
             }
-            (Some(prefill), Some(token)) => {
-                Self::count_route(host, &prefill);
-                let room = committed.merge_logprobs.then(|| self.with_gateway(|g| g.merge_room().clone())).flatten();
-                self.pd = Some(PdLeg::new(prefill, token, committed.stream, room));
-            }
-            // The decode pod's sidecar runs it: named in the response, nothing to follow.
-            (Some(prefill), None) => self.sidecar_prefill = Some(prefill.addr),
-            _ => {}
+            let room = committed.merge_logprobs.then(|| self.with_gateway(|g| g.merge_room().clone())).flatten();
+            self.leg = Some(Leg::start(leg, prefill, token, committed.stream, room));
         }
         // PD too: the decode response's completion metrics count (no prediction is judged).
         self.feedback = self.feedback_for(committed.prediction, committed.main.worker, now_ms);
         self.routed = Some(committed.main);
+        if sequential && token.is_some() {
+            // vLLM: the request waits for its prefill leg (see `on_callout_response`).
+            return Action::Pause;
+        }
         Action::Continue
     }
 
@@ -554,20 +533,7 @@ impl RequestFilter {
                 .map_err(|e| internal("cannot set the destination", e))?;
             return Ok(None);
         };
-        let (body, sequential) = match &pd.leg {
-            PrefillLeg::Callout { body, .. } => (body, false),
-            PrefillLeg::First { body } => (body, true),
-            PrefillLeg::Sidecar => {
-                set_destination(host, plan.addr(), plan.fallbacks(), &how)
-                    .map_err(|e| internal("cannot set the destination", e))?;
-                host.set_request_header(PREFILLER_HEADER, Some(&pd.prefill.addr))
-                    .map_err(|e| internal("cannot name the prefill pod", e))?;
-                return Ok(None);
-            }
-        };
-        let cluster =
-            self.with_gateway(|g| g.upstream_cluster().to_string()).unwrap_or_else(|| "kvmesh_workers".to_string());
-        if !sequential {
+        if let Some(body) = pd.leg.decode_body() {
             // Both legs get the same body, sent at once.
             let length = body.len().to_string();
             host.set_request_body(body_size, body).map_err(|e| internal("cannot rewrite the request body", e))?;
@@ -576,6 +542,13 @@ impl RequestFilter {
         }
         set_destination(host, plan.addr(), plan.fallbacks(), &how)
             .map_err(|e| internal("cannot set the destination", e))?;
+        if let Some(name) = pd.leg.decode_header() {
+            host.set_request_header(name, Some(&pd.prefill.addr))
+                .map_err(|e| internal("cannot name the prefill worker", e))?;
+        }
+        let Some(body) = pd.leg.callout_body() else { return Ok(None) };
+        let cluster =
+            self.with_gateway(|g| g.upstream_cluster().to_string()).unwrap_or_else(|| "kvmesh_workers".to_string());
         // The headers as the client sent them (kept from `on_request_headers`), not read again.
         let read;
         let client = match &self.client_headers {
@@ -661,7 +634,7 @@ impl RequestFilter {
         // In PD mode a decode failure may be the prefill's doing (the decode worker could not
         // fetch the KV from a prefill worker that died): while the prefill leg is out, decode
         // failures wait for its answer, and count only if the prefill succeeded.
-        let prefill_out = self.pd.as_ref().is_some_and(PdLeg::pending);
+        let prefill_out = self.leg.as_ref().is_some_and(Leg::defers_decode_failures);
         self.with_gateway(|g| {
             for &(worker, ok) in &judged {
                 if !ok && prefill_out {
@@ -679,15 +652,14 @@ impl RequestFilter {
         if named.as_deref() != Some(served.as_str()) {
             let _ = host.set_response_header(WORKER_HEADER, Some(&served));
         }
-        if let Some(addr) = &self.sidecar_prefill {
+        if let Some(addr) = self.leg.as_ref().and_then(Leg::named_prefill) {
             let _ = host.set_response_header(PREFILL_HEADER, Some(addr));
         }
         if self.redact.is_some() {
             // Read through whole, perhaps shortened.
             let _ = host.set_response_header("content-length", None);
         }
-        let Some(leg) = self.pd.as_mut() else { return Action::Continue };
-        let _ = host.set_response_header(PREFILL_HEADER, Some(&leg.prefill().addr));
+        let Some(leg) = self.leg.as_mut() else { return Action::Continue };
         let (action, drop_length) = leg.decode_headers(status);
         if drop_length {
             let _ = host.set_response_header("content-length", None);
@@ -705,7 +677,7 @@ impl RequestFilter {
                 self.complete = true;
             }
         }
-        let action = match self.pd.as_mut() {
+        let action = match self.leg.as_mut() {
             None => Action::Continue,
             Some(leg) => {
                 let step = leg.decode_body(body_size, end_of_stream, || host.response_body(0..body_size));
@@ -746,22 +718,14 @@ impl RequestFilter {
             let complete = self.complete;
             self.with_gateway(|g| f.finish(g, host, complete));
         }
-        // vLLM: the request ended before its prefill leg answered; that leg serves nobody.
-        if let Some((_, prefill)) = self.first.take() {
-            let now_ms = crate::host::now_ms(host);
-            self.with_gateway(|g| {
-                g.ended(prefill.worker, false, now_ms);
-                g.release(host, &prefill);
-            });
-        }
         let routed = self.routed.take();
-        let leg = self.pd.take();
+        let leg = self.leg.take();
         let awaiting = std::mem::take(&mut self.awaiting);
         if awaiting {
             self.answered();
         }
         // The clock only for a leg that got no answer (the stall window).
-        let prefill_out = leg.as_ref().is_some_and(PdLeg::pending);
+        let prefill_out = leg.as_ref().is_some_and(Leg::pending);
         let now_ms = if awaiting || prefill_out { crate::host::now_ms(host) } else { 0 };
         self.with_gateway(|g| {
             if let (true, Some(routed)) = (awaiting, &routed) {
@@ -785,12 +749,13 @@ impl RequestFilter {
                 };
                 g.finish(host, &routed, verdict.health() != Some(false) && !self.failed_over);
             }
-            // A prefill callout still out when the stream ends serves nobody: release it.
+            // A prefill callout still out when the stream ends serves nobody (vLLM's: the
+            // request ended before it answered): release it.
             if let Some(leg) = leg.as_ref().filter(|l| l.pending()) {
                 g.release(host, leg.prefill());
             }
         });
-        if let Some(leg) = leg.filter(PdLeg::pending) {
+        if let Some(leg) = leg.filter(Leg::pending) {
             self.abort_prefill(host, &leg);
         }
     }

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use kvmesh_core::WorkerId;
 
-use super::plan::Routed;
+use crate::routed::Routed;
 use crate::shared::{EndedBy, Inflight, SharedStore, VmLedger};
 
 /// One VM's in-flight bookkeeping.

@@ -29,15 +29,14 @@ use kvmesh_core::{Config, Decision, Endpoint, WorkerId};
 use kvmesh_proto::v1::{self as proto, IndexInsert, ReportBatch};
 
 pub use self::follower::table_from;
-pub use self::plan::{
-    endpoint_list, Committed, Destination, Outcome, PdPlan, Plan, Prediction, PrefillLeg, RequestInfo, Routed,
-    MAX_ABORTS,
-};
+pub use self::plan::{endpoint_list, Committed, Destination, Outcome, PdPlan, Plan, Prediction, RequestInfo};
 pub use self::publisher::REPORT_QUEUE_HASHES;
 pub use self::record::{DECISION_KEY, FAILOVER_KEY};
 pub use self::reply::Reply;
 pub use self::view::CONTROL_PLANE_EVICTION_CAP;
 pub use crate::now::Now;
+pub use crate::pd::{PrefillLeg, PREFILLER_HEADER};
+pub use crate::routed::Routed;
 
 use self::follower::TableFollower;
 use self::ledger::Ledger;
@@ -298,7 +297,7 @@ impl Gateway {
             &chosen,
             &main.addr,
             pd.as_ref().map(|p| p.prefill.addr.as_str()),
-            pd.as_ref().and_then(|p| p.abort_rids().first()).or(rid.as_ref()).map(String::as_str),
+            pd.as_ref().and_then(|p| p.leg.rid()).or(rid.as_deref()),
             model.as_deref(),
         );
         let decisions: Vec<&Decision> = match &chosen {
@@ -314,7 +313,7 @@ impl Gateway {
         // worker's probe): not a prefill that the decode pod's sidecar runs, whose end the
         // gateway never sees. Its prefix is indexed all the same: that pod computes it.
         let sent = match &pd {
-            Some(p) if !p.sent_by_gateway() => 1,
+            Some(p) if !p.leg.sent_by_gateway() => 1,
             _ => decisions.len(),
         };
         let legs = decisions.get(..sent).unwrap_or_default();
@@ -355,17 +354,18 @@ impl Gateway {
         }
         main.counted = counted;
         let pd_cache_hit = pd.as_ref().map(|p| p.cache_hit);
-        let (prefill, merge_logprobs, stream) = match pd {
+        let (prefill, leg, merge_logprobs, stream) = match pd {
             Some(p) => {
-                let counted = counted && p.sent_by_gateway();
-                (Some(Routed { counted, ..p.prefill }), p.merge_logprobs, p.stream)
+                let PdPlan { prefill, leg, merge_logprobs, stream, cache_hit: _ } = *p;
+                let counted = counted && leg.sent_by_gateway();
+                (Some(Routed { counted, ..prefill }), Some(leg), merge_logprobs, stream)
             }
-            None => (None, false, false),
+            None => (None, None, false, false),
         };
         // Per-model counters only where the gateway routes by model (several names, adapters,
         // aliases or --enable-igw): one model alone is the gateway's own totals.
         let model = model.filter(|_| self.view.routes_by_model());
-        Committed { main, prediction, prefill, pd_cache_hit, merge_logprobs, stream, model, record }
+        Committed { main, prediction, prefill, leg, pd_cache_hit, merge_logprobs, stream, model, record }
     }
 
     /// The worker at `addr` (`ip:port`, as Envoy reports the upstream it used) of
@@ -670,9 +670,6 @@ impl Gateway {
         self.follower.table_version
     }
 }
-
-/// llm-d's PD header: the prefill pod the decode pod's routing sidecar runs the prefill on.
-pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
 
 /// Whether a client-sent request header could steer routing and must be dropped.
 pub fn is_routing_header(name: &str) -> bool {

@@ -7,6 +7,8 @@ use kvmesh_core::{Decision, WorkerId};
 use super::reply::Reply;
 use crate::headers::Headers;
 use crate::now::Now;
+use crate::pd::PrefillLeg;
+use crate::routed::Routed;
 use crate::shared::Inflight;
 
 /// What the filter does with a request.
@@ -19,20 +21,6 @@ pub enum Outcome {
     Route(Plan),
     /// Answer locally with a JSON error.
     Reply(Reply),
-}
-
-/// A worker as the glue needs it: id, address, and what it was believed to hold.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Routed {
-    pub worker: WorkerId,
-    pub addr: String,
-    /// Whether it was added to the in-flight table (and must be taken off when done).
-    pub counted: bool,
-    /// Bytes of the routing text the worker was believed to hold already.
-    pub matched_bytes: usize,
-    /// The data-parallel rank it is (see [`kvmesh_core::Worker::dp_rank`]): with its address,
-    /// what tells it from the other ranks of its worker.
-    pub dp_rank: Option<u32>,
 }
 
 /// A decision not yet recorded anywhere: where to send the request and, in PD mode, what to
@@ -71,29 +59,11 @@ pub(super) enum Chosen {
     Pd(PdDecision),
 }
 
-/// Most `/abort_request` calls for one request's prefill leg (one per batch item).
-pub const MAX_ABORTS: usize = 16;
-
-/// How a split request's prefill leg runs (the deployment's PD protocol).
-#[derive(Debug, PartialEq)]
-pub enum PrefillLeg {
-    /// SGLang: the gateway sends `body` (bootstrap fields and `rid` injected), which the decode
-    /// leg gets too, to the prefill worker as a callout beside the decode leg; `abort_rids` can
-    /// stop it should the request end before it answers.
-    Callout { body: Vec<u8>, abort_rids: Vec<String> },
-    /// llm-d: the decode pod's routing sidecar runs it on the pod that `x-prefiller-host-port`
-    /// names; the body is the client's, unchanged.
-    Sidecar,
-    /// vLLM: the gateway sends `body` (one token, asking for a remote decode) to the prefill
-    /// worker first; the request waits, and goes to the decode worker with the client's body
-    /// and the answer's `kv_transfer_params`.
-    First { body: Vec<u8> },
-}
-
 /// The PD part of a plan.
 #[derive(Debug, PartialEq)]
 pub struct PdPlan {
     pub prefill: Routed,
+    /// How its prefill leg runs: the pair's PD protocol's plan (`crate::pd`).
     pub leg: PrefillLeg,
     /// Whether the prefill's input logprobs must be merged into the decode response.
     pub merge_logprobs: bool,
@@ -101,21 +71,6 @@ pub struct PdPlan {
     /// Whether the prefill worker was believed to hold more than `cache_threshold` of the
     /// routing text (sglang-router's PD cache hit; a text-blind policy's pick never is).
     pub cache_hit: bool,
-}
-
-impl PdPlan {
-    /// The rids the prefill leg can be aborted by (none for a leg the gateway does not send).
-    pub fn abort_rids(&self) -> &[String] {
-        match &self.leg {
-            PrefillLeg::Callout { abort_rids, .. } => abort_rids,
-            PrefillLeg::Sidecar | PrefillLeg::First { .. } => &[],
-        }
-    }
-
-    /// Whether the gateway sends the prefill leg itself (and so counts it in flight).
-    pub fn sent_by_gateway(&self) -> bool {
-        !matches!(self.leg, PrefillLeg::Sidecar)
-    }
 }
 
 impl Plan {
@@ -156,6 +111,8 @@ pub struct Committed {
     pub main: Routed,
     pub prediction: Option<Prediction>,
     pub prefill: Option<Routed>,
+    /// A split's prefill plan, which the request runs ([`crate::pd::Leg::start`]).
+    pub leg: Option<PrefillLeg>,
     /// A PD request's prefill pick: a cache hit or not (see [`PdPlan::cache_hit`]).
     pub pd_cache_hit: Option<bool>,
     pub merge_logprobs: bool,

@@ -4,22 +4,23 @@
 
 use std::borrow::Cow;
 
-use kvmesh_core::bootstrap::{self, random_rooms, Bootstrap};
 use kvmesh_core::breaker::BreakerState;
+use kvmesh_core::dp;
 use kvmesh_core::models::{serves, Pool, Pools, ServedModel};
 use kvmesh_core::pd::{Partners, PdDecision, PdRouter};
 use kvmesh_core::policy::{Candidate, PolicyKind};
 use kvmesh_core::request::{self, ParsedRequest, RequestError, MAX_ROUTING_KEY};
 use kvmesh_core::rng::{random_u64, seeded, FastRng, RngCore};
 use kvmesh_core::settings::PdProtocol;
-use kvmesh_core::{dp, vllm};
 use kvmesh_core::{Config, Decision, Endpoint, Role, Router, RoutingText, WorkerId, WorkerTable};
 
-use super::plan::{Chosen, Outcome, PdPlan, Plan, Prediction, PrefillLeg, RequestInfo, Routed, MAX_ABORTS};
+use super::plan::{Chosen, Outcome, PdPlan, Plan, Prediction, RequestInfo};
 use super::reply::Reply;
 use crate::headers::Headers;
 use crate::health::Health;
 use crate::now::Now;
+use crate::pd::{self, PrefillLeg, Split};
+use crate::routed::Routed;
 use crate::shared::{Delta, Inflight, SharedStore};
 use crate::stall::Stalls;
 
@@ -332,10 +333,15 @@ impl RoutingView {
         let mut rid = None;
         let ranked = match (prefill, main_routed.dp_rank) {
             (None, Some(rank)) if !pd_mode => dp::with_rank(body, parsed, rank).map(Some),
-            (None, _) if pd_mode && protocol == PdProtocol::Sglang && parsed.rid_at.is_some() => {
-                let id = random_u64().unwrap_or_else(|_| self.rng.next_u64());
-                rid = Some(bootstrap::rid(id, 0));
-                bootstrap::own_rid(body, parsed, id)
+            (None, _) if pd_mode => {
+                let rng = &mut self.rng;
+                let random = || random_u64().unwrap_or_else(|_| rng.next_u64());
+                PrefillLeg::alone(protocol, body, parsed, random).map(|alone| {
+                    alone.map(|(body, own)| {
+                        rid = Some(own);
+                        body
+                    })
+                })
             }
             _ => Ok(None),
         };
@@ -367,12 +373,11 @@ impl RoutingView {
 
     /// The deployment's PD protocol (a worker may speak another, [`kvmesh_core::Worker::protocol`]).
     fn default_protocol(&self) -> PdProtocol {
-        self.config.pd.as_ref().map_or(PdProtocol::Sglang, |pd| pd.protocol)
+        self.config.pd.as_ref().map_or(pd::DEFAULT, |pd| pd.protocol)
     }
 
-    /// The prefill leg of a split in the pair's `protocol`: its worker and, with SGLang's
-    /// protocol, the body both legs get (bootstrap fields and `rid` injected); with llm-d's,
-    /// the decode pod's sidecar runs it and the body stays the client's.
+    /// The prefill leg of a split in the pair's `protocol`: its worker and that protocol's
+    /// plan (`crate::pd`).
     fn pd_plan(
         &mut self,
         endpoint: Endpoint,
@@ -381,40 +386,21 @@ impl RoutingView {
         prefill: &Decision,
         protocol: PdProtocol,
     ) -> Result<Box<PdPlan>, Reply> {
-        let (Some(worker), Some(routed)) =
-            (self.table.get(prefill.worker), self.routed(prefill.worker, prefill.matched_bytes))
-        else {
+        let Some(routed) = self.routed(prefill.worker, prefill.matched_bytes) else {
             return Err(Reply::no_worker("prefill worker"));
         };
-        let stream = parsed.stream;
+        let Some(worker) = self.table.get(prefill.worker) else {
+            return Err(Reply::no_worker("prefill worker"));
+        };
         // Over the whole routing text, as sglang-router's match rate.
         let text_len = parsed.text_len.max(parsed.text.len()) as f64;
         let cache_hit = prefill.matched_bytes as f64 > self.config.cache_aware.cache_threshold * text_len;
-        let leg = match protocol {
-            PdProtocol::Sglang => None,
-            PdProtocol::LlmD => Some(PrefillLeg::Sidecar),
-            PdProtocol::Vllm => {
-                Some(PrefillLeg::First { body: vllm::prefill_body(body).map_err(|e| Reply::request(&e))? })
-            }
-        };
-        if let Some(leg) = leg {
-            return Ok(Box::new(PdPlan { prefill: routed, leg, merge_logprobs: false, stream, cache_hit }));
-        }
         let rng = &mut self.rng;
-        let boot = Bootstrap {
-            host: worker.host.clone(),
-            port: worker.bootstrap_port,
-            rooms: random_rooms(parsed.batch.unwrap_or(1), || random_u64().unwrap_or_else(|_| rng.next_u64())),
-            rid: random_u64().unwrap_or_else(|_| rng.next_u64()),
-        };
-        let body = boot.inject(body, parsed).map_err(|e| Reply::request(&e))?;
-        Ok(Box::new(PdPlan {
-            prefill: routed,
-            leg: PrefillLeg::Callout { body, abort_rids: boot.injected_rids(parsed, MAX_ABORTS) },
-            merge_logprobs: parsed.return_logprob && endpoint == Endpoint::Generate,
-            stream,
-            cache_hit,
-        }))
+        let random = || random_u64().unwrap_or_else(|_| rng.next_u64());
+        let split = Split { endpoint, body, parsed, prefill: worker };
+        let leg = PrefillLeg::plan(protocol, &split, random).map_err(|e| Reply::request(&e))?;
+        let merge_logprobs = leg.merges_logprobs();
+        Ok(Box::new(PdPlan { prefill: routed, leg, merge_logprobs, stream: parsed.stream, cache_hit }))
     }
 
     /// Where Envoy fails over to when `chosen` fails: the other candidates, least loaded

@@ -46,11 +46,7 @@ fn decide(g: &mut Gateway, store: &FakeStore, body: &str) -> Result<Pair, (u16, 
     match g.route_request(store, Endpoint::Completions, body.as_bytes(), &RequestInfo::default()) {
         Outcome::Route(p) => {
             let fallbacks = p.fallbacks().iter().map(|a| port(a)).collect();
-            let leg = |l: &PrefillLeg| match l {
-                PrefillLeg::Callout { .. } => "sglang",
-                PrefillLeg::Sidecar => "llm-d",
-                PrefillLeg::First { .. } => "vllm",
-            };
+            let leg = |l: &PrefillLeg| l.protocol().name();
             let prefill = p.pd().map(|pd| (port(&pd.prefill.addr), leg(&pd.leg)));
             let decode = port(p.addr());
             g.commit(store, p);

@@ -436,9 +436,9 @@ fn pd_gateway(store: &FakeStore, extra: &str) -> Gateway {
 /// A PD split, committed: the legs and the body both receive.
 fn split(g: &mut Gateway, store: &FakeStore, body: &[u8]) -> (Committed, Vec<u8>) {
     let p = plan(req(g, store, Endpoint::Generate, body));
-    let sent = match p.pd().map(|pd| &pd.leg) {
-        Some(PrefillLeg::Callout { body, .. }) => body.clone(),
-        other => panic!("a PD split with a callout, got {other:?}"),
+    let sent = match p.pd().and_then(|pd| pd.leg.callout_body()) {
+        Some(body) => body.to_vec(),
+        None => panic!("a PD split with a callout, got {:?}", p.pd()),
     };
     let c = g.commit(store, p);
     assert!(c.prefill.is_some());
@@ -456,8 +456,9 @@ fn llm_d_splits_name_the_prefill_pod_and_count_only_the_decode_leg() {
     let body = br#"{"text":"a long enough prompt for a few blocks of the index, and then some"}"#;
     let p = plan(req(&mut g, &store, Endpoint::Generate, body));
     let pd = p.pd().expect("a split");
-    assert_eq!(pd.leg, PrefillLeg::Sidecar, "no callout, no body rewrite");
-    assert!(pd.abort_rids().is_empty());
+    assert_eq!(pd.leg.protocol().name(), "llm-d");
+    assert!(pd.leg.callout_body().is_none() && pd.leg.decode_body().is_none(), "no callout, no body rewrite");
+    assert!(pd.leg.decode_header().is_some() && !pd.leg.sent_by_gateway() && pd.leg.rid().is_none());
     let (prefill, decode) = (pd.prefill.worker, p.main.worker);
     let c = g.commit(&store, p);
     assert!(c.main.counted, "the decode leg is counted");
