@@ -1,5 +1,6 @@
-//! The workspace's layout rules (issue 28): no import circles between the modules of a crate,
-//! and no source file over 800 lines under `filter/` and `control-plane/src`.
+//! The workspace's layout rules (issues 28 and 45): no import circles between the modules of a
+//! crate, no source file over 800 lines in any crate of the workspace, and no `pub(super)` field
+//! in kvmesh-cp's state (its parts are owners with private data).
 //!
 //! The module graph is read from the source text by a small scanner, not the compiler: one
 //! node per file under a crate's `src/` (`foo.rs` and `foo/mod.rs` are module `foo`,
@@ -581,7 +582,11 @@ fn no_import_circles() {
 fn no_file_over_800_lines() {
     let root = workspace_root();
     let mut long = Vec::new();
-    for dir in [root.join("filter"), root.join("control-plane/src")] {
+    // Every crate of the workspace, whole: its sources, tests, build scripts and benches.
+    let mut dirs = members(&root);
+    // A member nested in another (xtask/naive-filter) is read once, with its parent.
+    dirs.retain(|d| !members(&root).iter().any(|o| o != d && d.starts_with(o)));
+    for dir in dirs {
         for path in rust_files(&dir) {
             let lines = fs::read_to_string(&path).unwrap().lines().count();
             if lines > 800 {
@@ -590,6 +595,33 @@ fn no_file_over_800_lines() {
         }
     }
     assert!(long.is_empty(), "source files over 800 lines:\n  {}", long.join("\n  "));
+}
+
+/// kvmesh-cp's state (issue 45): the registry, the global index, the publication and the
+/// gateways each hold their data privately behind methods, so no field in `state/` is
+/// `pub(super)` (one that must be seen outside its file is a method of its owner).
+#[test]
+fn control_plane_state_has_no_pub_super_fields() {
+    let dir = workspace_root().join("control-plane/src/state");
+    let files = rust_files(&dir);
+    assert!(files.len() > 5, "control-plane/src/state/ holds the state's modules");
+    let mut fields = Vec::new();
+    for path in files {
+        let toks = tokenize(&fs::read_to_string(&path).unwrap());
+        for (i, t) in toks.iter().enumerate() {
+            // `pub(super) name:` (a named field), or `(pub(super) T` / `, pub(super) T` (a tuple field).
+            let at = |k: usize| toks.get(i + k).map(String::as_str);
+            if t != "pub" || at(1) != Some("(") || at(2) != Some("super") || at(3) != Some(")") {
+                continue;
+            }
+            let named = at(5) == Some(":") && at(6) != Some(":");
+            let tuple = i > 0 && matches!(toks[i - 1].as_str(), "(" | ",") && at(4) != Some("fn");
+            if named || tuple {
+                fields.push(format!("{}: {}", path.file_name().unwrap().to_string_lossy(), at(4).unwrap_or("")));
+            }
+        }
+    }
+    assert!(fields.is_empty(), "pub(super) fields in control-plane/src/state:\n  {}", fields.join("\n  "));
 }
 
 // ---- the scanner's own tests -------------------------------------------------------------
