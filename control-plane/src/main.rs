@@ -52,7 +52,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let election = match args.leader.config(args.service_discovery_namespace.as_deref()) {
+    let election = match args.leader.config(args.discovery.service_discovery_namespace.as_deref()) {
         Ok(e) => e,
         Err(e) => {
             eprintln!("kvmesh-cp: {e}");

@@ -9,8 +9,9 @@
 use kvmesh_core::dp::MAX_DP_SIZE;
 use kvmesh_proto::v1::Role;
 
-use super::store::{Inner, State};
-use super::worker::{Pressure, WorkerEntry};
+use super::registry::Registry;
+use super::store::State;
+use super::worker::Pressure;
 
 /// One rank's entry of SGLang's `/get_load` list, with its KV usage from `/metrics`.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -25,8 +26,8 @@ pub struct RankLoad {
 }
 
 /// The ids registered for the worker at `url` (all its ranks, or its one entry).
-fn entries_at(inner: &Inner, url: &str) -> Vec<u32> {
-    inner.workers.values().filter(|w| w.url == url).map(|w| w.id).collect()
+fn entries_at(registry: &Registry, url: &str) -> Vec<u32> {
+    registry.entries().filter(|w| w.url == url).map(|w| w.id).collect()
 }
 
 impl State {
@@ -34,11 +35,16 @@ impl State {
     /// alone when it has none), with their ranks.
     pub fn ranks_of(&self, id: u32) -> Vec<(u32, Option<u32>)> {
         let inner = self.lock();
-        let Some(w) = inner.workers.get(&id) else { return Vec::new() };
+        let Some(w) = inner.registry().get(id) else { return Vec::new() };
         if w.dp_rank.is_none() {
             return vec![(id, None)];
         }
-        inner.workers.values().filter(|o| o.url == w.url && o.dp_rank.is_some()).map(|o| (o.id, o.dp_rank)).collect()
+        inner
+            .registry()
+            .entries()
+            .filter(|o| o.url == w.url && o.dp_rank.is_some())
+            .map(|o| (o.id, o.dp_rank))
+            .collect()
     }
 
     /// What worker `id`'s `/get_server_info` says of its `dp_size` (none: nothing). With
@@ -48,7 +54,7 @@ impl State {
     pub fn dp_size_result(&self, id: u32, dp_size: Option<u64>) -> bool {
         let Some(n) = dp_size.filter(|_| self.settings.dp_aware) else { return false };
         let mut inner = self.lock();
-        let Some(template) = inner.workers.get(&id).filter(|w| w.role == Role::Regular).cloned() else {
+        let Some(template) = inner.registry().get(id).filter(|w| w.role == Role::Regular).cloned() else {
             return false;
         };
         if n == 0 || n > u64::from(MAX_DP_SIZE) {
@@ -56,26 +62,30 @@ impl State {
             return false;
         }
         let wanted: Vec<Option<u32>> = if n == 1 { vec![None] } else { (0..n as u32).map(Some).collect() };
-        let old = entries_at(&inner, &template.url);
-        let mut have: Vec<Option<u32>> = old.iter().filter_map(|i| inner.workers.get(i)).map(|w| w.dp_rank).collect();
+        let old = entries_at(inner.registry(), &template.url);
+        let mut have: Vec<Option<u32>> =
+            old.iter().filter_map(|&i| inner.registry().get(i)).map(|w| w.dp_rank).collect();
         have.sort_unstable();
         if have == wanted {
             return false;
         }
-        for old_id in &old {
-            if let Some(w) = inner.workers.remove(old_id) {
-                inner.ids.remove(&w.name());
-            }
-            inner.index.remove_worker(*old_id);
+        let (registry, index, publication, _) = inner.parts();
+        for &old_id in &old {
+            registry.remove(old_id);
+            index.remove_worker(old_id);
         }
         let mut ids = Vec::with_capacity(wanted.len());
         for rank in wanted {
-            let entry = rank_entry(&mut inner, &template, rank);
+            // Its id: the one the state file kept for `URL@rank`, else a new one.
+            let name = match rank {
+                Some(r) => format!("{}@{r}", template.url),
+                None => template.url.clone(),
+            };
+            let entry = template.rank_of(registry.new_id(&name), rank);
             ids.push(entry.id);
-            inner.ids.insert(entry.name(), entry.id);
-            inner.workers.insert(entry.id, entry);
+            registry.insert(entry);
         }
-        inner.workers_dirty = true;
+        publication.workers_changed();
         drop(inner);
         tracing::info!(url = %template.url, dp_size = n, ?ids, "worker's data-parallel ranks registered");
         self.persist();
@@ -104,36 +114,10 @@ impl State {
     }
 }
 
-/// A new entry for rank `rank` of `template`'s worker: its id (the one the state file kept for
-/// `URL@rank`, else a new one), its health and names; no load, counts or index yet.
-fn rank_entry(inner: &mut Inner, template: &WorkerEntry, rank: Option<u32>) -> WorkerEntry {
-    let name = match rank {
-        Some(r) => format!("{}@{r}", template.url),
-        None => template.url.clone(),
-    };
-    let id = match inner.remembered.remove(&name) {
-        Some(id) if !inner.workers.contains_key(&id) => id,
-        _ => inner.next_id,
-    };
-    inner.next_id = inner.next_id.max(id.saturating_add(1));
-    let mut entry = WorkerEntry::new(id, &template.url, template.role, template.bootstrap_port, template.source, false);
-    entry.healthy = template.healthy;
-    entry.awaiting_probe = template.awaiting_probe;
-    entry.unresponsive = template.unresponsive;
-    entry.fails = template.fails;
-    entry.oks = template.oks;
-    entry.pd_protocol = template.pd_protocol;
-    entry.models = template.models.clone();
-    entry.model_id = template.model_id.clone();
-    entry.kv_capacity_reported = template.kv_capacity_reported;
-    entry.dp_rank = rank;
-    entry
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::registry::tests::state;
+    use crate::state::workers::tests::state;
 
     fn names(s: &State) -> Vec<(String, u32, Option<u32>)> {
         s.workers().into_iter().map(|w| (w.name(), w.id, w.dp_rank)).collect()

@@ -3,9 +3,7 @@
 //! emptied by worker administration). They go out in the next delta, so that every filter
 //! forgets them too.
 
-use kvmesh_core::index::PrefixIndex;
-
-use super::publish::push_evictions;
+use super::global_index::GlobalIndex;
 use super::store::State;
 
 impl State {
@@ -14,7 +12,7 @@ impl State {
     pub fn evict(&self) -> usize {
         let bounds: Vec<(u32, u64)> = {
             let inner = self.lock();
-            inner.index.sizes().map(|(w, _)| (w, self.bound_of(&inner, w))).collect()
+            inner.index().workers().into_iter().map(|w| (w, self.bound_of(&inner, w))).collect()
         };
         self.evict_with(|index| {
             bounds
@@ -29,7 +27,7 @@ impl State {
     pub fn capacity_result(&self, id: u32, tokens: Option<u64>) {
         let bound = {
             let mut inner = self.lock();
-            let Some(w) = inner.workers.get_mut(&id) else { return };
+            let Some(w) = inner.registry_mut().get_mut(id) else { return };
             if w.kv_capacity_reported == tokens {
                 return;
             }
@@ -47,11 +45,12 @@ impl State {
     }
 
     /// Runs `evict` on the index; its evictions are counted and go out in the next delta.
-    fn evict_with(&self, evict: impl FnOnce(&mut PrefixIndex) -> Vec<(u64, u32)>) -> usize {
+    fn evict_with(&self, evict: impl FnOnce(&mut GlobalIndex) -> Vec<(u64, u32)>) -> usize {
         let mut inner = self.lock();
-        let evicted = evict(&mut inner.index);
+        let (_, index, publication, _) = inner.parts();
+        let evicted = evict(index);
         let n = evicted.len();
-        push_evictions(&mut inner, evicted);
+        publication.evicted_entries(evicted);
         drop(inner);
         self.counters.evicted_blocks.inc_by(n as u64);
         n
@@ -60,8 +59,8 @@ impl State {
 
 #[cfg(test)]
 mod tests {
-    use crate::state::registry::tests::state;
     use crate::state::reports::tests::{held, insert};
+    use crate::state::workers::tests::state;
     use kvmesh_proto::v1::{IndexInsert, ReportBatch};
 
     #[test]

@@ -1,14 +1,12 @@
-//! The gateways (one per Envoy) kvmesh-cp hears from: their ids (bounded in length and in
-//! number: kvmesh-cp takes one gRPC token, so the bound is that token's), their `Watch`
-//! streams (bounded per id) and `Report` streams (a gateway's in-flight counts and circuit
-//! breakers count while one is open and the gateway is not silent), how long an id without
-//! streams is remembered, and the budget of index hashes each may report. A new id is always
+//! The gateways' owner: the gateways (one per Envoy) kvmesh-cp hears from, by id (bounded in
+//! length and in number: kvmesh-cp takes one gRPC token, so the bound is that token's), their
+//! open `Watch` streams (bounded per id) and `Report` streams, when each was last seen, and the
+//! budget of index hashes each may report. Only this file writes them. A new id is always
 //! admitted while some id has no stream: the one idle longest is forgotten to make room, so a
 //! restarted Envoy (a new id) is never refused because of ids no one uses.
 
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
-
-use super::store::{Gateway, Inner, State};
 
 /// Most gateway ids kvmesh-cp keeps at once; past it, a new id takes the place of the one idle
 /// longest, and is refused only when every id has a stream open.
@@ -50,34 +48,81 @@ pub fn check_gateway_id(id: &str) -> Result<(), GatewayError> {
     Ok(())
 }
 
-impl State {
-    /// A `Report` stream of `gateway` opened: it is tracked (up to [`MAX_GATEWAYS`]) until the
-    /// last of its streams closes.
-    pub fn report_stream_opened(&self, gateway: &str) -> Result<(), GatewayError> {
-        check_gateway_id(gateway)?;
-        let mut inner = self.lock();
-        let g = self.admit(&mut inner, gateway)?;
-        g.reporting += 1;
-        Ok(())
+/// What kvmesh-cp keeps about one gateway (one Envoy).
+#[derive(Debug)]
+struct Gateway {
+    seen: Instant,
+    /// Open `Report` streams under this id (two while the stream moves between VMs).
+    reporting: u32,
+    /// Open `Watch` streams under this id (at most [`MAX_WATCHES`]).
+    watching: u32,
+    /// The insert budget: a token bucket of hashes.
+    budget: f64,
+    budget_at: Instant,
+}
+
+impl Gateway {
+    fn idle(&self) -> bool {
+        self.reporting == 0 && self.watching == 0
+    }
+}
+
+/// Which stream a gateway opens.
+#[derive(Clone, Copy)]
+pub(super) enum Stream {
+    Report,
+    Watch,
+}
+
+/// The gateways kvmesh-cp tracks (read through `&Gateways`, written through `&mut`).
+#[derive(Default)]
+pub(super) struct Gateways(HashMap<String, Gateway>);
+
+impl Gateways {
+    // ---- reads
+
+    pub(super) fn len(&self) -> usize {
+        self.0.len()
     }
 
-    /// `gateway`'s entry, made if new (a new id takes the place of the one idle longest when
-    /// [`MAX_GATEWAYS`] are kept), seen now.
-    fn admit<'a>(&self, inner: &'a mut Inner, gateway: &str) -> Result<&'a mut Gateway, GatewayError> {
+    pub(super) fn ids(&self) -> Vec<&String> {
+        self.0.keys().collect()
+    }
+
+    #[cfg(test)]
+    pub(super) fn contains(&self, id: &str) -> bool {
+        self.0.contains_key(id)
+    }
+
+    /// The gateways last seen [`INFLIGHT_TTL`] or more before `now`.
+    pub(super) fn silent(&self, now: Instant) -> Vec<String> {
+        self.0
+            .iter()
+            .filter(|(_, g)| now.saturating_duration_since(g.seen) >= INFLIGHT_TTL)
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+
+    // ---- writes
+
+    /// A `stream` of `gateway` opened (at most [`MAX_WATCHES`] `Watch` streams per id): its
+    /// entry, made if new with a full budget of `burst` hashes, seen now. A new id takes the
+    /// place of the one idle longest when [`MAX_GATEWAYS`] are kept: that id is returned, for
+    /// what it said to be forgotten too.
+    pub(super) fn opened(&mut self, gateway: &str, stream: Stream, burst: f64) -> Result<Option<String>, GatewayError> {
+        if matches!(stream, Stream::Watch) && self.0.get(gateway).is_some_and(|g| g.watching >= MAX_WATCHES) {
+            return Err(GatewayError::TooManyWatches);
+        }
         let now = Instant::now();
-        if !inner.gateways.contains_key(gateway) && inner.gateways.len() >= MAX_GATEWAYS {
-            let idle = inner
-                .gateways
-                .iter()
-                .filter(|(_, g)| g.reporting == 0 && g.watching == 0)
-                .min_by_key(|(_, g)| g.seen)
-                .map(|(id, _)| id.clone());
+        let mut forgotten = None;
+        if !self.0.contains_key(gateway) && self.0.len() >= MAX_GATEWAYS {
+            let idle = self.0.iter().filter(|(_, g)| g.idle()).min_by_key(|(_, g)| g.seen).map(|(id, _)| id.clone());
             let Some(idle) = idle else { return Err(GatewayError::TooMany) };
             tracing::info!(gateway = %idle, "gateway id forgotten to admit a new one (idle longest)");
-            Self::forget(inner, &idle);
+            self.0.remove(&idle);
+            forgotten = Some(idle);
         }
-        let burst = self.burst();
-        let g = inner.gateways.entry(gateway.to_string()).or_insert(Gateway {
+        let g = self.0.entry(gateway.to_string()).or_insert(Gateway {
             seen: now,
             reporting: 0,
             watching: 0,
@@ -85,172 +130,66 @@ impl State {
             budget_at: now,
         });
         g.seen = now;
-        Ok(g)
-    }
-
-    /// Forgets `gateway`: its id, in-flight counts, breakers and the cumulative counts it
-    /// reported.
-    fn forget(inner: &mut Inner, gateway: &str) {
-        Self::drop_inflight(inner, gateway);
-        inner.gateways.remove(gateway);
-        for w in inner.workers.values_mut() {
-            w.last_counts.remove(gateway);
+        match stream {
+            Stream::Report => g.reporting += 1,
+            Stream::Watch => g.watching += 1,
         }
+        Ok(forgotten)
     }
 
-    /// A `Report` stream of `gateway` ended. When it was the last one, the gateway's in-flight
-    /// counts are dropped (its requests no longer count as load), and so are its circuit
-    /// breakers; its cumulative counts are kept, so that the same gateway reporting again is
-    /// not counted twice.
-    pub fn report_stream_closed(&self, gateway: &str) {
-        let mut inner = self.lock();
-        let Some(g) = inner.gateways.get_mut(gateway) else { return };
-        g.reporting = g.reporting.saturating_sub(1);
+    /// A `stream` of `gateway` ended. Says whether it was its last `Report` stream (false for
+    /// an id not tracked).
+    pub(super) fn closed(&mut self, gateway: &str, stream: Stream) -> bool {
+        let Some(g) = self.0.get_mut(gateway) else { return false };
         g.seen = Instant::now();
-        if g.reporting == 0 {
-            Self::drop_inflight(&mut inner, gateway);
-        }
-    }
-
-    /// Forgets what `gateway` said about now: its in-flight counts and breaker states.
-    fn drop_inflight(inner: &mut Inner, gateway: &str) {
-        let mut changed = false;
-        for w in inner.workers.values_mut() {
-            w.breakers.remove(gateway);
-            if w.inflight.remove(gateway).is_some_and(|n| n != 0) && w.polled_load.is_none() {
-                changed = true;
+        match stream {
+            Stream::Report => {
+                g.reporting = g.reporting.saturating_sub(1);
+                g.reporting == 0
+            }
+            Stream::Watch => {
+                g.watching = g.watching.saturating_sub(1);
+                false
             }
         }
-        inner.workers_dirty |= changed;
     }
 
-    /// Forgets the in-flight counts of gateways silent for [`INFLIGHT_TTL`] and gateways gone
-    /// for [`GATEWAY_TTL`]. Returns how many gateways are left.
-    pub fn prune_gateways(&self, now: Instant) -> usize {
-        let mut inner = self.lock();
-        let silent: Vec<String> = inner
-            .gateways
+    /// Forgets the gateways without a stream last seen [`GATEWAY_TTL`] or more before `now`;
+    /// returns them.
+    pub(super) fn remove_gone(&mut self, now: Instant) -> Vec<String> {
+        let gone: Vec<String> = self
+            .0
             .iter()
-            .filter(|(_, g)| now.saturating_duration_since(g.seen) >= INFLIGHT_TTL)
-            .map(|(id, _)| id.clone())
-            .collect();
-        for id in &silent {
-            Self::drop_inflight(&mut inner, id);
-        }
-        let gone: Vec<String> = inner
-            .gateways
-            .iter()
-            .filter(|(_, g)| {
-                g.reporting == 0 && g.watching == 0 && now.saturating_duration_since(g.seen) >= GATEWAY_TTL
-            })
+            .filter(|(_, g)| g.idle() && now.saturating_duration_since(g.seen) >= GATEWAY_TTL)
             .map(|(id, _)| id.clone())
             .collect();
         for id in &gone {
-            Self::forget(&mut inner, id);
+            self.0.remove(id);
         }
-        inner.gateways.len()
+        gone
     }
 
-    /// A gateway opened `Watch` (at most [`MAX_WATCHES`] at once per id): tracked until the
-    /// stream closes ([`watch_closed`](Self::watch_closed)), then for [`GATEWAY_TTL`].
-    pub fn gateway_connected(&self, id: &str) -> Result<(), GatewayError> {
-        check_gateway_id(id)?;
-        let mut inner = self.lock();
-        if inner.gateways.get(id).is_some_and(|g| g.watching >= MAX_WATCHES) {
-            return Err(GatewayError::TooManyWatches);
-        }
-        let g = self.admit(&mut inner, id)?;
-        g.watching += 1;
-        Ok(())
-    }
-
-    /// A `Watch` stream of `id` ended.
-    pub fn watch_closed(&self, id: &str) {
-        let mut inner = self.lock();
-        if let Some(g) = inner.gateways.get_mut(id) {
-            g.watching = g.watching.saturating_sub(1);
-            g.seen = Instant::now();
-        }
-    }
-
-    /// Hashes a gateway may report at once (four seconds' worth).
-    fn burst(&self) -> f64 {
-        self.settings.limits.max_inserts_per_sec as f64 * 4.0
-    }
-
-    /// How many hashes `gateway` may report now: its budget refilled for the time since it
-    /// last reported, within the per-report limit.
-    pub(super) fn insert_allowance(&self, inner: &mut Inner, gateway: &str) -> usize {
+    /// How many hashes `gateway` may report now: its budget refilled at `rate` per second
+    /// (up to `burst`) for the time since it last reported, within `per_report` (a gateway
+    /// not tracked: `per_report`). It is seen now.
+    pub(super) fn allowance(&mut self, gateway: &str, rate: f64, burst: f64, per_report: usize) -> usize {
         let now = Instant::now();
-        let (rate, burst) = (self.settings.limits.max_inserts_per_sec as f64, self.burst());
-        match inner.gateways.get_mut(gateway) {
+        match self.0.get_mut(gateway) {
             Some(g) => {
                 g.seen = now;
                 g.budget = (g.budget + now.saturating_duration_since(g.budget_at).as_secs_f64() * rate).min(burst);
                 g.budget_at = now;
-                (g.budget as usize).min(self.settings.limits.max_inserts_per_report)
+                (g.budget as usize).min(per_report)
             }
             // Reports outside a tracked stream (tests): the per-report limit only.
-            None => self.settings.limits.max_inserts_per_report,
+            None => per_report,
         }
     }
-}
 
-/// `taken` hashes of `gateway`'s budget are spent.
-pub(super) fn spend_allowance(inner: &mut Inner, gateway: &str, taken: usize) {
-    if let Some(g) = inner.gateways.get_mut(gateway) {
-        g.budget = (g.budget - taken as f64).max(0.0);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::state::registry::tests::state;
-
-    #[test]
-    fn gateway_ids_are_bounded() {
-        let s = state(&[]);
-        assert!(matches!(s.report_stream_opened(&"x".repeat(MAX_GATEWAY_ID + 1)), Err(GatewayError::BadId(_))));
-        assert!(matches!(s.report_stream_opened(""), Err(GatewayError::BadId(_))));
-        assert!(matches!(s.gateway_connected("a b"), Err(GatewayError::BadId(_))));
-        for i in 0..MAX_GATEWAYS {
-            s.gateway_connected(&format!("gw-{i}")).unwrap();
+    /// `taken` hashes of `gateway`'s budget are spent.
+    pub(super) fn spend(&mut self, gateway: &str, taken: usize) {
+        if let Some(g) = self.0.get_mut(gateway) {
+            g.budget = (g.budget - taken as f64).max(0.0);
         }
-        assert_eq!(s.report_stream_opened("one-too-many"), Err(GatewayError::TooMany), "every id has a stream");
-        assert!(s.report_stream_opened("gw-7").is_ok(), "known ids still work");
-    }
-
-    #[test]
-    fn a_new_gateway_takes_the_place_of_the_one_idle_longest() {
-        let s = state(&["--worker-urls", "http://127.0.0.1:1"]);
-        // A token holder registers every id it may, each with a stream that then closes.
-        for i in 0..MAX_GATEWAYS {
-            let id = format!("gw-{i}");
-            s.gateway_connected(&id).unwrap();
-            s.watch_closed(&id);
-        }
-        s.report_stream_opened("gw-1").unwrap(); // one still reporting: never evicted
-                                                 // A restarted Envoy (a new id) is admitted: the id idle longest (gw-0) is forgotten.
-        s.gateway_connected("restarted").unwrap();
-        s.report_stream_opened("restarted").unwrap();
-        let known = |id: &str| s.lock().gateways.contains_key(id);
-        assert!(known("restarted") && known("gw-1") && !known("gw-0") && known("gw-2"));
-        assert_eq!(s.lock().gateways.len(), MAX_GATEWAYS);
-        // Ids without a stream expire after GATEWAY_TTL; those with one never do.
-        assert_eq!(s.prune_gateways(Instant::now() + GATEWAY_TTL + Duration::from_secs(1)), 2);
-        assert!(known("restarted") && known("gw-1"));
-    }
-
-    #[test]
-    fn watch_streams_per_id_are_bounded() {
-        let s = state(&[]);
-        for _ in 0..MAX_WATCHES {
-            s.gateway_connected("gw").unwrap();
-        }
-        assert_eq!(s.gateway_connected("gw"), Err(GatewayError::TooManyWatches));
-        s.watch_closed("gw");
-        assert!(s.gateway_connected("gw").is_ok(), "one closed: room for one more");
-        assert!(s.gateway_connected("other").is_ok(), "per id");
     }
 }

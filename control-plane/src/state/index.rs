@@ -5,14 +5,14 @@
 use kvmesh_core::blocks::{block_hashes_from, model_seed};
 use kvmesh_core::models::{ModelError, ModelRules, Pools, ServedModel};
 
-use super::store::{Inner, State};
+use super::store::{Locked, State};
 use super::worker::WorkerEntry;
 use crate::capacity;
 
 impl State {
     /// Blocks worker `id` holds in the index.
     pub fn index_size_of(&self, id: u32) -> u64 {
-        self.lock().index.size_of(id)
+        self.lock().index().size_of(id)
     }
 
     /// Tokens' worth of the blocks worker `id` holds in the index.
@@ -23,7 +23,7 @@ impl State {
     /// The index's blocks, and its (worker, block) entries.
     pub fn index_stats(&self) -> (usize, u64) {
         let inner = self.lock();
-        (inner.index.len(), inner.index.entries())
+        (inner.index().len(), inner.index().entries())
     }
 
     /// Which workers hold leading blocks of `text` (the routing text) for a request naming
@@ -31,15 +31,15 @@ impl State {
     pub fn match_text(&self, text: &[u8], model: Option<&str>) -> Result<Vec<(String, usize)>, ModelError> {
         let inner = self.lock();
         let rules = ModelRules::from_settings(&self.settings.routing).unwrap_or_default();
-        let served: Vec<Vec<ServedModel>> = inner.workers.values().map(|w| w.served()).collect();
+        let served: Vec<Vec<ServedModel>> = inner.registry().entries().map(|w| w.served()).collect();
         let pools = Pools::new(served.iter().map(|m| &m[..]), &rules);
         let seed = model_seed(pools.resolve(model)?.key);
         let hashes = block_hashes_from(text, self.settings.block_size, seed);
         let mut out: Vec<(String, usize)> = inner
-            .index
+            .index()
             .match_prefix(&hashes)
             .into_iter()
-            .filter_map(|m| Some((inner.workers.get(&m.worker)?.name(), m.blocks)))
+            .filter_map(|m| Some((inner.registry().get(m.worker)?.name(), m.blocks)))
             .collect();
         out.sort_by_key(|m| std::cmp::Reverse(m.1));
         Ok(out)
@@ -51,8 +51,8 @@ impl State {
     }
 
     /// The most blocks `worker`'s part of the index may hold.
-    pub(super) fn bound_of(&self, inner: &Inner, worker: u32) -> u64 {
-        let entry = inner.workers.get(&worker);
+    pub(super) fn bound_of(&self, inner: &Locked, worker: u32) -> u64 {
+        let entry = inner.registry().get(worker);
         let bound = capacity::bound_blocks(&self.settings, entry.and_then(|w| self.kv_capacity(w)));
         match entry {
             // prefix_hash keeps llm-d's per-server LRU capacity.

@@ -2,31 +2,44 @@
 //! health and load, the global prefix index merged from every gateway's reports, and the
 //! versioned snapshots streamed to the filters (full on connect, deltas after).
 //!
-//! [`State`] holds it all behind one lock (`store.rs`); each job on it is a module of its own.
+//! [`State`] holds it all behind one lock (`store.rs`), as four owners that keep their data
+//! private and change it only through their methods (each piece of data is written in its
+//! owner's file): the registry, the global index, the publication, the gateways. A job that
+//! spans parts holds the one guard and calls each part. The jobs are modules of their own.
 //! Listed from the bottom up, each imports only modules listed before it, and none imports
 //! this one (which only re-exports):
 //!
-//! - `worker.rs`: one worker's record and the views of it;
-//! - `store.rs`: the state, its lock, its counters;
+//! - `worker.rs`: one worker's record, its probe state, and the views of it; `counts.rs` (below
+//!   it) one gateway's cumulative counts for it and whether the next ones are plausible;
+//! - the owners: `registry.rs` (entries by id, ids by name, remembered ids, the next id),
+//!   `global_index.rs` (the prefix index), `publication.rs` (version, pending inserts,
+//!   evictions and table change; the deltas' channel), `gateways.rs` (gateway ids, their
+//!   streams and insert budgets);
+//! - `store.rs`: the state, its lock (the guard holding the four owners), its counters;
 //! - `persist.rs`: `--state-file`, read at the start and written on each change;
-//! - `registry.rs`: adding and removing workers (ids never reused), health thresholds, load;
+//! - `workers.rs`: adding and removing workers (ids never reused), health thresholds, load;
 //! - `dp.rs`: a worker's data-parallel ranks as entries of their own (`--dp-aware`);
-//! - `gateways.rs`: gateway ids, their report streams and insert budgets;
+//! - `streams.rs`: gateways' streams opening and closing, what a gateway gone quiet said;
 //! - `index.rs`: reads of the global index and each worker's bound in it;
-//! - `publish.rs`: pending changes, versioned deltas, full snapshots, their broadcast;
+//! - `publish.rs`: versioned deltas, full snapshots, their broadcast;
 //! - `reports.rs`: merging the gateways' reports (inserts, stale blocks, counts);
 //! - `eviction.rs`: evicting from the index (periodic, on a reported capacity, a flush).
 
+mod counts;
 mod dp;
 mod eviction;
 mod gateways;
+mod global_index;
 mod index;
 mod persist;
+mod publication;
 mod publish;
 mod registry;
 mod reports;
 mod store;
+mod streams;
 mod worker;
+mod workers;
 
 pub use dp::RankLoad;
 pub use gateways::GatewayError;
@@ -35,4 +48,4 @@ pub use worker::{role_name, Pressure, Source, WorkerEntry};
 
 /// A state from kvmesh-cp's command line (tests).
 #[cfg(test)]
-pub(crate) use registry::tests::state as test_state;
+pub(crate) use workers::tests::state as test_state;

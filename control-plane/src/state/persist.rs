@@ -63,15 +63,15 @@ impl State {
         let Some(path) = &self.settings.state_file else { return };
         let persisted = {
             let inner = self.lock();
+            let registry = inner.registry();
             let mut ids: BTreeMap<String, u32> =
-                inner.remembered.iter().take(MAX_REMEMBERED).map(|(u, &id)| (u.clone(), id)).collect();
-            ids.extend(inner.workers.values().map(|w| (w.name(), w.id)));
+                registry.remembered().take(MAX_REMEMBERED).map(|(u, id)| (u.clone(), id)).collect();
+            ids.extend(registry.entries().map(|w| (w.name(), w.id)));
             Persisted {
-                next_id: inner.next_id,
+                next_id: registry.next_id(),
                 ids,
-                api_workers: inner
-                    .workers
-                    .values()
+                api_workers: registry
+                    .entries()
                     // One entry per worker (its data-parallel ranks come back from its answer).
                     .filter(|w| w.source == Source::Api && w.dp_rank.is_none_or(|r| r == 0))
                     .map(|w| PersistedWorker {

@@ -1,50 +1,28 @@
-//! What the filters get: the changes not yet published (index inserts and evictions, a
-//! changed worker table) go out as versioned deltas on a broadcast channel; a gateway that
-//! (re)connects starts from the full snapshot; `/snapshot` shows where publishing stands.
+//! What the filters get: the changes not yet published ([`Publication`](super::publication))
+//! go out as versioned deltas on a broadcast channel; a gateway that (re)connects starts from
+//! the full snapshot; `/snapshot` shows where publishing stands.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Instant;
 
-use kvmesh_proto::v1::{IndexEvict, IndexInsert, ServedModel, Snapshot, Worker};
+use kvmesh_proto::v1::{IndexInsert, ServedModel, Snapshot, Worker};
 use serde_json::{json, Value};
 use tokio::sync::broadcast;
 
-use super::store::{now_ms, Inner, State};
+use super::store::{now_ms, State};
 use super::worker::{role_name, WorkerEntry};
 
 impl State {
     /// Sends a delta if anything changed. Returns its version.
     pub fn publish(&self) -> Option<u64> {
         let mut inner = self.lock();
-        if inner.pending_inserts.is_empty() && inner.pending_evictions.is_empty() && !inner.workers_dirty {
-            return None;
-        }
-        inner.version += 1;
-        inner.published_at = Some(Instant::now());
-        let workers_changed = std::mem::take(&mut inner.workers_dirty);
-        let delta = Snapshot {
-            version: inner.version,
-            full: false,
-            workers: if workers_changed {
-                inner.workers.values().map(WorkerEntry::proto).collect()
-            } else {
-                Vec::new()
-            },
-            workers_changed,
-            inserts: std::mem::take(&mut inner.pending_inserts),
-            evictions: std::mem::take(&mut inner.pending_evictions),
-            settings: None,
-            // Full snapshots only (a delta keeps the last).
-            worker_authorization: String::new(),
-            sent_at_ms: now_ms(),
-        };
-        let version = delta.version;
+        let (registry, _, publication, _) = inner.parts();
+        let delta = publication.next_delta(|| registry.entries().map(WorkerEntry::proto).collect(), now_ms())?;
         drop(inner);
+        let (version, workers_changed) = (delta.version, delta.workers_changed);
         let _span = tracing::info_span!(target: crate::telemetry::SPANS, "snapshot.publish", version, workers_changed,
-            inserts = delta.inserts.len(), evictions = delta.evictions.len(), watchers = self.deltas.receiver_count())
+            inserts = delta.inserts.len(), evictions = delta.evictions.len(), watchers = self.deltas().receivers())
         .entered();
-        let _ = self.deltas.send(Arc::new(delta));
+        self.deltas().send(delta);
         self.counters.deltas.inc();
         Some(version)
     }
@@ -53,12 +31,12 @@ impl State {
     pub fn full_snapshot(&self) -> Snapshot {
         let inner = self.lock();
         Snapshot {
-            version: inner.version,
+            version: inner.publication().version(),
             full: true,
-            workers: inner.workers.values().map(WorkerEntry::proto).collect(),
+            workers: inner.registry().entries().map(WorkerEntry::proto).collect(),
             workers_changed: true,
             inserts: inner
-                .index
+                .index()
                 .export()
                 .into_iter()
                 .map(|(worker, hashes)| IndexInsert { worker, hashes, ..Default::default() })
@@ -71,26 +49,25 @@ impl State {
     }
 
     pub fn subscribe(&self) -> broadcast::Receiver<Arc<Snapshot>> {
-        self.deltas.subscribe()
+        self.deltas().subscribe()
     }
 
     /// `/snapshot`: a debugging view.
     pub fn describe(&self) -> Value {
         let inner = self.lock();
         let workers: Vec<Value> = inner
-            .workers
-            .values()
+            .registry()
+            .entries()
             .map(|w| json!({"id": w.id, "url": w.name(), "role": role_name(w.role), "healthy": w.healthy, "load": w.load()}))
             .collect();
-        let pending = !inner.pending_inserts.is_empty() || !inner.pending_evictions.is_empty() || inner.workers_dirty;
         json!({
-            "version": inner.version,
-            "pending": pending,
-            "age_ms": inner.published_at.map(|t| t.elapsed().as_millis() as u64),
+            "version": inner.publication().version(),
+            "pending": inner.publication().pending(),
+            "age_ms": inner.publication().age_ms(),
             "workers": workers,
-            "index_blocks": inner.index.len(),
-            "index_entries": inner.index.entries(),
-            "gateways": inner.gateways.keys().collect::<Vec<_>>(),
+            "index_blocks": inner.index().len(),
+            "index_entries": inner.index().entries(),
+            "gateways": inner.gateways().ids(),
             "settings": self.settings.routing,
         })
     }
@@ -123,13 +100,4 @@ impl WorkerEntry {
             dp_rank: self.dp_rank,
         }
     }
-}
-
-/// Evicted `(hash, worker)` entries, grouped by worker, to go out in the next delta.
-pub(super) fn push_evictions(inner: &mut Inner, evicted: Vec<(u64, u32)>) {
-    let mut per_worker: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
-    for (hash, worker) in evicted {
-        per_worker.entry(worker).or_default().push(hash);
-    }
-    inner.pending_evictions.extend(per_worker.into_iter().map(|(worker, hashes)| IndexEvict { worker, hashes }));
 }

@@ -8,10 +8,10 @@
 use kvmesh_core::policy::{utility_scores, UtilityWindow};
 use kvmesh_proto::v1::{BreakerState, IndexEvict, IndexInsert, ReportBatch, Role, WorkerCounts};
 
-use super::gateways::spend_allowance;
-use super::publish::push_evictions;
-use super::store::{now_ms, Inner, State};
-use super::worker::{LastCounts, WorkerEntry};
+use super::counts::LastCounts;
+use super::registry::Registry;
+use super::store::{now_ms, Locked, State};
+use super::worker::WorkerEntry;
 use crate::capacity;
 
 impl State {
@@ -53,16 +53,19 @@ impl State {
     /// naming the gateway); returns the workers they named.
     fn merge_inserts(
         &self,
-        inner: &mut Inner,
+        inner: &mut Locked,
         gateway: &str,
         inserts: Vec<IndexInsert>,
         tally: &mut Tally,
     ) -> Vec<u32> {
-        let mut allowed = self.insert_allowance(inner, gateway);
+        let limits = &self.settings.limits;
+        let (registry, index, publication, gateways) = inner.parts();
+        let mut allowed =
+            gateways.allowance(gateway, limits.max_inserts_per_sec as f64, self.burst(), limits.max_inserts_per_report);
         let mut taken = 0usize;
         let mut touched: Vec<u32> = Vec::new();
         for insert in inserts {
-            if !inner.workers.contains_key(&insert.worker) {
+            if !registry.contains(insert.worker) {
                 tally.bad += 1;
                 continue;
             }
@@ -72,104 +75,100 @@ impl State {
             taken += n;
             let Some(hashes) = insert.hashes.get(..n) else { continue };
             let mut added = Vec::new();
-            inner.index.insert_reporting(insert.worker, hashes, |h| added.push(h));
+            index.insert(insert.worker, hashes, |h| added.push(h));
             if !touched.contains(&insert.worker) {
                 touched.push(insert.worker);
             }
-            if !added.is_empty() {
-                inner.pending_inserts.push(IndexInsert {
-                    worker: insert.worker,
-                    hashes: added,
-                    origin: gateway.to_string(),
-                });
-            }
+            publication.inserted(insert.worker, added, gateway);
         }
-        spend_allowance(inner, gateway, taken);
+        gateways.spend(gateway, taken);
         touched
     }
 
     /// Each worker with a known KV capacity stays within it: its least recently used blocks
     /// go at once (--max-tree-size waits for the periodic eviction, as in sglang-router,
     /// whether the capacity is known or not).
-    fn bound_to_capacity(&self, inner: &mut Inner, touched: Vec<u32>, tally: &mut Tally) {
+    fn bound_to_capacity(&self, inner: &mut Locked, touched: Vec<u32>, tally: &mut Tally) {
+        let (registry, index, publication, _) = inner.parts();
         for worker in touched {
-            let Some(capacity) = inner.workers.get(&worker).and_then(|w| self.kv_capacity(w)) else { continue };
+            let Some(capacity) = registry.get(worker).and_then(|w| self.kv_capacity(w)) else { continue };
             let bound = capacity::capacity_blocks(&self.settings, capacity);
-            let out = inner.index.evict_worker_to(worker, bound);
+            let out = index.evict_worker_to(worker, bound);
             if !out.is_empty() {
                 tally.evicted += out.len() as u64;
-                inner.pending_evictions.push(IndexEvict { worker, hashes: out });
+                publication.evicted(worker, out);
             }
         }
     }
 
     /// Blocks a worker's response showed it no longer held: every gateway forgets them.
-    fn forget_stale(&self, inner: &mut Inner, stale: Vec<IndexEvict>, tally: &mut Tally) {
+    fn forget_stale(&self, inner: &mut Locked, stale: Vec<IndexEvict>, tally: &mut Tally) {
+        let (registry, index, publication, _) = inner.parts();
         for stale in stale {
-            if !inner.workers.contains_key(&stale.worker) {
+            if !registry.contains(stale.worker) {
                 tally.bad += 1;
                 continue;
             }
             let n = stale.hashes.len().min(self.settings.limits.max_inserts_per_report);
             let Some(hashes) = stale.hashes.get(..n) else { continue };
-            let before = inner.index.size_of(stale.worker);
-            for &h in hashes {
-                inner.index.remove(h, stale.worker);
-            }
-            let gone = before.saturating_sub(inner.index.size_of(stale.worker));
+            let gone = index.remove(stale.worker, hashes);
             self.counters.stale_blocks.inc_by(gone);
             tally.evicted += gone;
-            inner.pending_evictions.push(IndexEvict { worker: stale.worker, hashes: hashes.to_vec() });
+            publication.evicted(stale.worker, hashes.to_vec());
         }
     }
 
     /// The global index stays within `max_index_entries`: past it and 1/8 slack, the least
     /// recently used entries go at once.
-    fn bound_total(&self, inner: &mut Inner, tally: &mut Tally) {
+    fn bound_total(&self, inner: &mut Locked, tally: &mut Tally) {
         let max = self.settings.limits.max_index_entries;
-        if inner.index.entries() > max.saturating_add(max / 8) {
-            let out = inner.index.evict_total_to(max);
+        let (_, index, publication, _) = inner.parts();
+        if index.entries() > max.saturating_add(max / 8) {
+            let out = index.evict_total_to(max);
             tally.evicted += out.len() as u64;
-            push_evictions(inner, out);
+            publication.evicted_entries(out);
         }
     }
 
     /// The gateway's counts: every worker's in-flight and breaker as this gateway sees them,
     /// its cumulative counts by difference, and the utility scores they give. A batch without
     /// counts (a chunk of the full report on connect) leaves them be.
-    fn merge_counts(&self, inner: &mut Inner, gateway: &str, counts: &[WorkerCounts], at_ms: u64, tally: &mut Tally) {
+    fn merge_counts(&self, inner: &mut Locked, gateway: &str, counts: &[WorkerCounts], at_ms: u64, tally: &mut Tally) {
         if counts.is_empty() {
             return;
         }
         let window = self.settings.utility.map(|u| u.window_size);
         let mut changed = false;
-        for w in inner.workers.values_mut() {
+        let registry = inner.registry_mut();
+        for w in registry.entries_mut() {
             changed |= match counts.iter().find(|c| c.worker == w.id) {
                 Some(c) => merge_worker_counts(w, gateway, c, window, at_ms),
                 None => not_counted(w, gateway),
             };
         }
-        tally.bad += counts.iter().filter(|c| !inner.workers.contains_key(&c.worker)).count() as u64;
-        changed |= self.score_utility(inner, at_ms);
-        inner.workers_dirty |= changed;
+        tally.bad += counts.iter().filter(|c| !registry.contains(c.worker)).count() as u64;
+        changed |= self.score_utility(registry, at_ms);
+        if changed {
+            inner.publication_mut().workers_changed();
+        }
     }
 
     /// marginal_utility: every worker's score from its window at `now_ms`, z-scored among the
     /// workers of its role (prefill, decode and regular workers are separate pools). Scores
     /// are rounded to 1/1000 so that noise does not republish the table; says whether one
     /// changed.
-    fn score_utility(&self, inner: &mut Inner, now_ms: u64) -> bool {
+    fn score_utility(&self, registry: &mut Registry, now_ms: u64) -> bool {
         let Some(params) = self.settings.utility else { return false };
         let mut changed = false;
         for role in [Role::Regular, Role::Prefill, Role::Decode, Role::Both] {
-            let ids: Vec<u32> = inner.workers.values().filter(|w| w.role == role).map(|w| w.id).collect();
+            let ids: Vec<u32> = registry.entries().filter(|w| w.role == role).map(|w| w.id).collect();
             let trends: Vec<_> = ids
                 .iter()
-                .map(|id| inner.workers.get(id).and_then(|w| w.window.trend(params.min_history, now_ms)))
+                .map(|&id| registry.get(id).and_then(|w| w.window.trend(params.min_history, now_ms)))
                 .collect();
             let scores = utility_scores(&trends, params.throughput_weight, params.latency_weight);
-            for (id, score) in ids.iter().zip(scores) {
-                let Some(w) = inner.workers.get_mut(id) else { continue };
+            for (&id, score) in ids.iter().zip(scores) {
+                let Some(w) = registry.get_mut(id) else { continue };
                 let score = score.map(|u| (u * 1000.0).round() / 1000.0);
                 changed |= w.utility != score;
                 w.utility = score;
@@ -217,78 +216,27 @@ fn merge_worker_counts(
     let changed = old != in_flight && w.polled_load.is_none();
     // The first report of a gateway counts from zero; the same gateway (one id per Envoy,
     // whichever VM holds its stream) is counted by differences.
-    let feedback = c.feedback.unwrap_or_default();
-    let now = LastCounts { requests: c.requests, errors: c.errors, failovers: c.failovers, feedback, at_ms };
-    let last = w.last_counts.get(gateway).cloned().unwrap_or_default();
+    let now = LastCounts::of(c, at_ms);
+    let last = w.last_counts(gateway);
     // Counts that went backwards, grew implausibly, or claim more errors than requests are not
     // added: the next report counts from them (a forged report cannot drive a total backwards,
     // wrap it, or add more than the bound a report).
-    let plausible = plausible_step(&last, &now);
-    if plausible {
+    if now.follows(&last) {
         if let Some(size) = window {
-            push_completions(w, size, &last, &now);
+            if w.window.capacity() != size {
+                w.window = UtilityWindow::new(size);
+            }
+            now.push_completions_since(&last, &mut w.window);
         }
-        w.requests = w.requests.saturating_add(u64::from(c.requests.wrapping_sub(last.requests)));
-        w.errors = w.errors.saturating_add(u64::from(c.errors.wrapping_sub(last.errors)));
-        w.failovers = w.failovers.saturating_add(u64::from(c.failovers.wrapping_sub(last.failovers)));
-        w.feedback.add(&last.feedback, &now.feedback);
+        let step = now.step_since(&last, &mut w.feedback);
+        w.requests = w.requests.saturating_add(step.requests);
+        w.errors = w.errors.saturating_add(step.errors);
+        w.failovers = w.failovers.saturating_add(step.failovers);
     } else {
         tracing::warn!(gateway, worker = w.id, "implausible cumulative counts in a report: not added");
     }
-    w.last_counts.insert(gateway.to_string(), now);
+    w.set_last_counts(gateway, now);
     changed
-}
-
-/// Most a gateway's cumulative count of one worker may grow between two of its reports
-/// (reports go every fraction of a second; a first report, made after kvmesh-cp restarted,
-/// may carry more than this: it is then taken as the starting point).
-pub const MAX_COUNT_STEP: u32 = 1 << 20;
-/// Most tokens, or milliseconds of latency, one response may add to the 64-bit sums.
-const MAX_PER_RESPONSE: u64 = 1 << 24;
-
-/// Whether `now` can follow `last` in one gateway's reports: every 32-bit count grew by at
-/// most [`MAX_COUNT_STEP`] (a count that went backwards grew by nearly 2^32), errors by no
-/// more than requests, accurate predictions by no more than predictions, the 64-bit sums
-/// never backwards and by at most [`MAX_PER_RESPONSE`] per response counted.
-fn plausible_step(last: &LastCounts, now: &LastCounts) -> bool {
-    let step = |a: u32, b: u32| b.wrapping_sub(a);
-    let (l, n) = (&last.feedback, &now.feedback);
-    let steps = [
-        step(last.requests, now.requests),
-        step(last.errors, now.errors),
-        step(last.failovers, now.failovers),
-        step(l.predictions, n.predictions),
-        step(l.accurate, n.accurate),
-        step(l.over, n.over),
-        step(l.under, n.under),
-        step(l.completions, n.completions),
-    ];
-    let sum_ok = |a: u64, b: u64, per: u32| b >= a && b - a <= u64::from(per) * MAX_PER_RESPONSE;
-    let (predictions, completions) = (step(l.predictions, n.predictions), step(l.completions, n.completions));
-    steps.iter().all(|&s| s <= MAX_COUNT_STEP)
-        && step(last.errors, now.errors) <= step(last.requests, now.requests)
-        && step(l.accurate, n.accurate) <= predictions
-        && sum_ok(l.predicted_tokens, n.predicted_tokens, predictions)
-        && sum_ok(l.cached_tokens, n.cached_tokens, predictions)
-        && sum_ok(l.completion_tokens, n.completion_tokens, completions)
-        && sum_ok(l.e2e_latency_ms, n.e2e_latency_ms, completions)
-}
-
-/// The completions since the gateway's `last` counts, spread over the time between the two
-/// reports (a first report: over the last second), into the worker's window of `size`.
-fn push_completions(w: &mut WorkerEntry, size: usize, last: &LastCounts, now: &LastCounts) {
-    if w.window.capacity() != size {
-        w.window = UtilityWindow::new(size);
-    }
-    let at_ms = now.at_ms;
-    let from = if last.at_ms == 0 { at_ms.saturating_sub(1000) } else { last.at_ms };
-    w.window.push_batch(
-        from.min(at_ms),
-        at_ms,
-        u64::from(now.feedback.completions.wrapping_sub(last.feedback.completions)),
-        now.feedback.completion_tokens.saturating_sub(last.feedback.completion_tokens),
-        now.feedback.e2e_latency_ms.saturating_sub(last.feedback.e2e_latency_ms),
-    );
 }
 
 /// A worker missing from the gateway's counts: nothing in flight there, breaker closed. Says
@@ -302,9 +250,10 @@ fn not_counted(w: &mut WorkerEntry, gateway: &str) -> bool {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::state::counts::MAX_COUNT_STEP;
     use crate::state::gateways::{GATEWAY_TTL, INFLIGHT_TTL};
-    use crate::state::registry::tests::state;
     use crate::state::worker::Source;
+    use crate::state::workers::tests::state;
     use kvmesh_proto::v1::Feedback;
     use std::time::Instant;
 

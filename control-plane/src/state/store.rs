@@ -1,47 +1,65 @@
-//! The state itself: what kvmesh-cp tracks, behind one lock (the workers, the global prefix
-//! index, the changes not yet published, the gateways), its counters, and the channel the
-//! deltas go out on. The jobs done on it are the sibling modules'.
+//! The state itself: what kvmesh-cp tracks, behind one lock (the registry, the global prefix
+//! index, the publication, the gateways: each an owner of its own), its counters, and the
+//! channel the deltas go out on. The jobs done on it are the sibling modules'.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
-use kvmesh_core::index::PrefixIndex;
-use kvmesh_proto::v1::{IndexEvict, IndexInsert, Snapshot};
 use prometheus_client::metrics::counter::Counter;
-use tokio::sync::broadcast;
 
-use super::worker::WorkerEntry;
+use super::gateways::Gateways;
+use super::global_index::GlobalIndex;
+use super::publication::{Deltas, Publication};
+use super::registry::Registry;
 use crate::settings::Settings;
 
-/// Everything behind the lock.
+/// Everything behind the lock: one owner per part, each holding its data privately. Where an
+/// invariant spans parts (an index change and the eviction the filters are told of; a worker
+/// removed and its index entries), the job holds this one guard and calls each part's methods.
 #[derive(Default)]
-pub(super) struct Inner {
-    pub(super) workers: BTreeMap<u32, WorkerEntry>,
-    pub(super) ids: HashMap<String, u32>,
-    /// Ids from the state file for URLs not registered (yet) since the start.
-    pub(super) remembered: HashMap<String, u32>,
-    pub(super) next_id: u32,
-    pub(super) index: PrefixIndex,
-    pub(super) version: u64,
-    pub(super) published_at: Option<Instant>,
-    pub(super) pending_inserts: Vec<IndexInsert>,
-    pub(super) pending_evictions: Vec<IndexEvict>,
-    pub(super) workers_dirty: bool,
-    pub(super) gateways: HashMap<String, Gateway>,
+pub(super) struct Locked {
+    registry: Registry,
+    index: GlobalIndex,
+    publication: Publication,
+    gateways: Gateways,
 }
 
-/// What kvmesh-cp keeps about one gateway (one Envoy).
-#[derive(Debug)]
-pub(super) struct Gateway {
-    pub(super) seen: Instant,
-    /// Open `Report` streams under this id (two while the stream moves between VMs).
-    pub(super) reporting: u32,
-    /// Open `Watch` streams under this id (at most [`super::gateways::MAX_WATCHES`]).
-    pub(super) watching: u32,
-    /// The insert budget: a token bucket of hashes.
-    pub(super) budget: f64,
-    pub(super) budget_at: Instant,
+impl Locked {
+    /// The registry (a reader's view).
+    pub(super) fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    pub(super) fn index(&self) -> &GlobalIndex {
+        &self.index
+    }
+
+    pub(super) fn publication(&self) -> &Publication {
+        &self.publication
+    }
+
+    pub(super) fn gateways(&self) -> &Gateways {
+        &self.gateways
+    }
+
+    /// The registry, to write (the publication is then told by the caller).
+    pub(super) fn registry_mut(&mut self) -> &mut Registry {
+        &mut self.registry
+    }
+
+    pub(super) fn publication_mut(&mut self) -> &mut Publication {
+        &mut self.publication
+    }
+
+    pub(super) fn gateways_mut(&mut self) -> &mut Gateways {
+        &mut self.gateways
+    }
+
+    /// Every part, to write together: the registry, the index, the publication, the gateways.
+    pub(super) fn parts(&mut self) -> (&mut Registry, &mut GlobalIndex, &mut Publication, &mut Gateways) {
+        (&mut self.registry, &mut self.index, &mut self.publication, &mut self.gateways)
+    }
 }
 
 /// Monotonic counters; the `/metrics` registry holds the same handles.
@@ -69,9 +87,9 @@ pub struct Counters {
 /// The control plane's state, shared by every task (see the sibling modules for what each does with it).
 pub struct State {
     pub settings: Settings,
-    pub(super) inner: Mutex<Inner>,
+    locked: Mutex<Locked>,
     pub counters: Counters,
-    pub(super) deltas: broadcast::Sender<Arc<Snapshot>>,
+    deltas: Deltas,
 }
 
 /// Now, in ms since the epoch.
@@ -83,19 +101,22 @@ impl State {
     /// A state without workers yet: new ids start at `next_id`, and the URLs in `remembered`
     /// get their old ids back.
     pub(super) fn empty(settings: Settings, next_id: u32, remembered: HashMap<String, u32>) -> Arc<Self> {
-        let (deltas, _) = broadcast::channel(1024);
-        let inner = Inner {
-            next_id,
-            remembered,
-            // Each report bounds the workers it names to their capacity: by recency, not scans.
-            index: PrefixIndex::with_recency(),
-            ..Default::default()
-        };
-        Arc::new(Self { settings, inner: Mutex::new(inner), counters: Counters::default(), deltas })
+        let locked = Locked { registry: Registry::new(next_id, remembered), ..Default::default() };
+        Arc::new(Self {
+            settings,
+            locked: Mutex::new(locked),
+            counters: Counters::default(),
+            deltas: Deltas::default(),
+        })
     }
 
     /// The state behind its lock, taken even when poisoned (a panic while it was held leaves it usable).
-    pub(super) fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    pub(super) fn lock(&self) -> MutexGuard<'_, Locked> {
+        self.locked.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The deltas' channel (sent on without the lock held).
+    pub(super) fn deltas(&self) -> &Deltas {
+        &self.deltas
     }
 }

@@ -7,7 +7,9 @@ use std::collections::HashMap;
 use kvmesh_core::models::ServedModel;
 use kvmesh_core::policy::UtilityWindow;
 use kvmesh_core::settings::PdProtocol;
-use kvmesh_proto::v1::{BreakerState, Feedback, Role};
+use kvmesh_proto::v1::{BreakerState, Role};
+
+use super::counts::LastCounts;
 
 use crate::feedback::FeedbackTotals;
 
@@ -40,15 +42,15 @@ pub struct WorkerEntry {
     pub healthy: bool,
     /// Added through the API and not yet probed: unhealthy (no traffic) until its first
     /// health check passes.
-    pub(super) awaiting_probe: bool,
-    pub(super) fails: u32,
-    pub(super) oks: u32,
+    awaiting_probe: bool,
+    fails: u32,
+    oks: u32,
     /// Taken out because it answered none of its health and load probes for
     /// `--worker-unresponsive-secs` (a hung worker); back as soon as it answers one.
     pub unresponsive: bool,
     /// When the oldest probe it has not answered since its last answer was sent (none: every
     /// probe sent was answered, or none was sent — a worker not asked is not silent).
-    pub(super) unanswered_since: Option<std::time::Instant>,
+    unanswered_since: Option<std::time::Instant>,
     /// Load the worker reports (`/get_load` or `/metrics`).
     pub polled_load: Option<u64>,
     /// The worker's own cache hit rate, when its `/metrics` says.
@@ -63,7 +65,7 @@ pub struct WorkerEntry {
     /// Requests the gateways moved from this worker to another, summed over gateways.
     pub failovers: u64,
     /// Each gateway's last cumulative (wrapping) counts, to add the differences.
-    pub(super) last_counts: HashMap<String, LastCounts>,
+    last_counts: HashMap<String, LastCounts>,
     /// The circuit breaker of each gateway with a live report stream, where it is not closed.
     pub breakers: HashMap<String, BreakerState>,
     /// The KV capacity in tokens the worker reported (`/get_server_info`).
@@ -82,17 +84,6 @@ pub struct WorkerEntry {
     /// `--dp-aware`: the data-parallel rank of the worker at `url` this entry is (every rank
     /// is an entry of its own: own id, load, index); none: the worker is one target.
     pub dp_rank: Option<u32>,
-}
-
-/// One gateway's last cumulative counts for one worker.
-#[derive(Clone, Debug, Default)]
-pub(super) struct LastCounts {
-    pub(super) requests: u32,
-    pub(super) errors: u32,
-    pub(super) failovers: u32,
-    pub(super) feedback: Feedback,
-    /// When these counts arrived (ms since the epoch; 0: never).
-    pub(super) at_ms: u64,
 }
 
 impl WorkerEntry {
@@ -179,6 +170,101 @@ impl WorkerEntry {
             model_id: None,
             dp_rank: None,
         }
+    }
+
+    /// A new entry for rank `rank` of this entry's worker, under `id`: its health, probe
+    /// state and names; no load, counts or index yet.
+    pub(super) fn rank_of(&self, id: u32, rank: Option<u32>) -> Self {
+        let mut entry = Self::new(id, &self.url, self.role, self.bootstrap_port, self.source, false);
+        entry.healthy = self.healthy;
+        entry.awaiting_probe = self.awaiting_probe;
+        entry.unresponsive = self.unresponsive;
+        entry.fails = self.fails;
+        entry.oks = self.oks;
+        entry.pd_protocol = self.pd_protocol;
+        entry.models = self.models.clone();
+        entry.model_id = self.model_id.clone();
+        entry.kv_capacity_reported = self.kv_capacity_reported;
+        entry.dp_rank = rank;
+        entry
+    }
+
+    /// One health-check result with the failure (`fail_at`) and success (`ok_at`)
+    /// thresholds. Says whether `healthy` changed.
+    pub(super) fn health_result(&mut self, ok: bool, fail_at: u32, ok_at: u32) -> bool {
+        let was = self.healthy;
+        if ok {
+            self.fails = 0;
+            self.oks += 1;
+            if !self.healthy && (self.oks >= ok_at || self.awaiting_probe) {
+                self.healthy = true;
+                self.unresponsive = false;
+                self.unanswered_since = None;
+            }
+            self.awaiting_probe = false;
+        } else {
+            self.oks = 0;
+            self.fails += 1;
+            if self.fails >= fail_at {
+                // Unhealthy by its health checks: an answer to a load poll no longer brings
+                // it back, only passed health checks do.
+                self.healthy = false;
+                self.unresponsive = false;
+            }
+        }
+        was != self.healthy
+    }
+
+    /// It answered a probe (any HTTP status). Taken out for not answering, it is back unless
+    /// `fail_at` health checks failed meanwhile. Says whether it is back in rotation.
+    pub(super) fn answered(&mut self, fail_at: u32) -> bool {
+        self.unanswered_since = None;
+        if !self.unresponsive {
+            return false;
+        }
+        self.unresponsive = false;
+        if self.fails < fail_at {
+            self.healthy = true;
+            return true;
+        }
+        false
+    }
+
+    /// A probe of it is being sent at `now`: its silence counts from the oldest one not answered.
+    pub(super) fn asking(&mut self, now: std::time::Instant) {
+        self.unanswered_since.get_or_insert(now);
+    }
+
+    /// Takes it out when healthy and silent for more than `silence` at `now`; says whether it did.
+    pub(super) fn take_out_if_silent(&mut self, now: std::time::Instant, silence: std::time::Duration) -> bool {
+        if self.healthy && self.unanswered_since.is_some_and(|at| now.saturating_duration_since(at) > silence) {
+            self.healthy = false;
+            self.unresponsive = true;
+            return true;
+        }
+        false
+    }
+
+    /// `gateway`'s last cumulative counts for it (zeros: none yet).
+    pub(super) fn last_counts(&self, gateway: &str) -> LastCounts {
+        self.last_counts.get(gateway).cloned().unwrap_or_default()
+    }
+
+    /// `gateway`'s cumulative counts for it are now `counts`.
+    pub(super) fn set_last_counts(&mut self, gateway: &str, counts: LastCounts) {
+        self.last_counts.insert(gateway.to_string(), counts);
+    }
+
+    /// Forgets what `gateway` says about it now: its in-flight count and breaker there. Says
+    /// whether the load the filters see changed.
+    pub(super) fn drop_gateway_now(&mut self, gateway: &str) -> bool {
+        self.breakers.remove(gateway);
+        self.inflight.remove(gateway).is_some_and(|n| n != 0) && self.polled_load.is_none()
+    }
+
+    /// Forgets `gateway`'s cumulative counts (the gateway is forgotten).
+    pub(super) fn forget_gateway_counts(&mut self, gateway: &str) {
+        self.last_counts.remove(gateway);
     }
 
     /// What the admin API, metrics and logs call it: its URL, with `@rank` for a

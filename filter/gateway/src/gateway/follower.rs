@@ -80,7 +80,7 @@ impl TableFollower {
                     _ => workers.iter().position(|w| w.id == p.id),
                 };
                 if let Some(w) = at.and_then(|i| workers.get_mut(i)) {
-                    apply_polled(w, p);
+                    p.apply_to(w);
                 }
             }
         }
@@ -127,7 +127,7 @@ impl TableFollower {
         if structure {
             self.shared_table_version = Some(snapshot.version);
         }
-        let polled: Vec<Polled> = view.table.workers.iter().map(polled_of).collect();
+        let polled: Vec<Polled> = view.table.workers.iter().map(Polled::from).collect();
         let table_version = self.shared_table_version.unwrap_or(snapshot.version);
         SharedTable::publish(store, snapshot.version, epoch, encoded.as_deref(), table_version, &polled);
         self.table_epoch = Some(epoch);
@@ -175,7 +175,7 @@ impl TableFollower {
     fn adopt_table(&mut self, view: &mut RoutingView, snapshot: &proto::Snapshot) {
         if same_workers(&view.table, snapshot) {
             for (worker, w) in view.table.workers.iter_mut().zip(&snapshot.workers) {
-                set_polled(worker, w);
+                Polled::from(w).apply_to(worker);
             }
             view.table.version = snapshot.version;
         } else {
@@ -246,43 +246,6 @@ fn role_of(role: i32) -> Role {
     }
 }
 
-/// What is shared of `worker` on every table change (see [`SharedTable::publish`]).
-fn polled_of(w: &Worker) -> Polled {
-    Polled {
-        id: w.id,
-        healthy: w.healthy,
-        load: w.load,
-        waiting: w.waiting,
-        kv_usage: w.kv_usage,
-        utility: w.utility,
-        unresponsive: w.unresponsive,
-    }
-}
-
-/// Copies what the control plane polls into `worker` (scores that are not finite: none).
-fn apply_polled(worker: &mut Worker, p: &Polled) {
-    worker.healthy = p.healthy;
-    worker.load = p.load;
-    worker.waiting = p.waiting;
-    worker.kv_usage = p.kv_usage.filter(|u| u.is_finite());
-    worker.utility = p.utility.filter(|u| u.is_finite());
-    worker.unresponsive = p.unresponsive;
-}
-
-/// [`apply_polled`] from the control plane's message.
-fn set_polled(worker: &mut Worker, w: &proto::Worker) {
-    let p = Polled {
-        id: w.id,
-        healthy: w.healthy,
-        load: w.load,
-        waiting: w.waiting,
-        kv_usage: w.kv_usage,
-        utility: w.utility,
-        unresponsive: w.unresponsive,
-    };
-    apply_polled(worker, &p);
-}
-
 /// The worker table of a control-plane snapshot (workers whose URL is not usable are left out
 /// and logged).
 pub fn table_from(snapshot: &proto::Snapshot) -> WorkerTable {
@@ -302,7 +265,7 @@ pub fn table_from(snapshot: &proto::Snapshot) -> WorkerTable {
                 worker.bootstrap_port = w.bootstrap_port.and_then(|p| u16::try_from(p).ok());
                 worker.models = models_of(w);
                 worker.pd_protocol = w.pd_protocol.and_then(kvmesh_proto::pd_protocol_from_wire);
-                set_polled(&mut worker, w);
+                Polled::from(w).apply_to(&mut worker);
                 Some(worker)
             }
             Err(e) => {

@@ -1,7 +1,8 @@
 //! `kvmesh.cp.version`, `kvmesh.cp.table`, `kvmesh.cp.polled`: the control plane's worker
 //! table as the stream owner last received it, for the other VMs.
 
-use kvmesh_core::WorkerId;
+use kvmesh_core::{Worker, WorkerId};
+use kvmesh_proto::v1 as proto;
 
 use super::{u32_at, u64_at, SharedStore};
 
@@ -21,6 +22,50 @@ pub struct Polled {
     pub utility: Option<f64>,
     /// Hung (see `kvmesh_core::worker::Worker::unresponsive`).
     pub unresponsive: bool,
+}
+
+/// The control plane's message: what it polled of the worker. A polled flag is added here,
+/// in [`Polled::apply_to`], `From<&Worker>` and the record's bytes below.
+impl From<&proto::Worker> for Polled {
+    fn from(w: &proto::Worker) -> Self {
+        Self {
+            id: w.id,
+            healthy: w.healthy,
+            load: w.load,
+            waiting: w.waiting,
+            kv_usage: w.kv_usage,
+            utility: w.utility,
+            unresponsive: w.unresponsive,
+        }
+    }
+}
+
+/// A worker of the table: what is shared of it on every table change.
+impl From<&Worker> for Polled {
+    fn from(w: &Worker) -> Self {
+        Self {
+            id: w.id,
+            healthy: w.healthy,
+            load: w.load,
+            waiting: w.waiting,
+            kv_usage: w.kv_usage,
+            utility: w.utility,
+            unresponsive: w.unresponsive,
+        }
+    }
+}
+
+impl Polled {
+    /// The way back into the table (not a `From`: a worker holds more than is polled): the
+    /// polled state into `worker` (scores that are not finite: none).
+    pub fn apply_to(&self, worker: &mut Worker) {
+        worker.healthy = self.healthy;
+        worker.load = self.load;
+        worker.waiting = self.waiting;
+        worker.kv_usage = self.kv_usage.filter(|u| u.is_finite());
+        worker.utility = self.utility.filter(|u| u.is_finite());
+        worker.unresponsive = self.unresponsive;
+    }
 }
 
 /// Bytes of one [`Polled`] record.
