@@ -96,6 +96,10 @@ pub struct RequestFilter {
     failed_over: bool,
     /// The main leg was sent and nothing came back yet (for the stall window).
     awaiting: bool,
+    /// What sending the request again takes, should its worker hang before answering (a
+    /// regular, non-streaming request with fallbacks), and the callout that did it.
+    resend: Option<Resend>,
+    moved: Option<(u32, String)>,
     /// Decode workers whose failure counts only if the prefill leg succeeds.
     deferred: Vec<WorkerId>,
     /// The rids the prefill leg can be aborted by (PD).
@@ -185,6 +189,8 @@ impl RequestFilter {
             verdict: None,
             failed_over: false,
             awaiting: false,
+            resend: None,
+            moved: None,
             deferred: Vec::new(),
             abort_rids: Vec::new(),
             feedback: None,
@@ -422,10 +428,17 @@ impl RequestFilter {
         self.admission == Admission::Waiting
     }
 
+    /// Whether this request was sent to a worker and waits for its answer (a tick may have to
+    /// move it: see [`unanswered`]).
+    pub fn awaits_answer(&self) -> bool {
+        self.awaiting && !self.replied
+    }
+
     /// The prefill callout this request has out, if any (one dispatched from the tick is
     /// answered to the root context, which hands it on by this token).
     pub fn callout_token(&self) -> Option<u32> {
-        self.pd.as_ref().and_then(PdLeg::token).or(self.first.as_ref().map(|(token, _)| *token))
+        let leg = self.pd.as_ref().and_then(PdLeg::token).or(self.first.as_ref().map(|(token, _)| *token));
+        leg.or(self.moved.as_ref().map(|(token, _)| *token))
     }
 
     /// The whole body is here and admitted: decide, apply, commit.
@@ -448,7 +461,10 @@ impl RequestFilter {
         host.record(Metric::DecisionNs, decided.saturating_sub(started));
         match outcome {
             Outcome::Reply(reply) => self.reply(host, reply),
-            Outcome::Route(plan) => self.apply(host, plan, body_size, Now::from_nanos(decided)),
+            Outcome::Route(plan) => {
+                self.resend = Resend::keep(&plan, body);
+                self.apply(host, plan, body_size, Now::from_nanos(decided))
+            }
         }
     }
 
@@ -525,6 +541,9 @@ impl RequestFilter {
             // The decode pod's sidecar runs it: named in the response, nothing to follow.
             (Some(prefill), None) => self.sidecar_prefill = Some(prefill.addr),
             _ => {}
+        }
+        if committed.stream {
+            self.resend = None;
         }
         // PD too: the decode response's completion metrics count (no prediction is judged).
         self.feedback = self.feedback_for(committed.prediction, committed.main.worker, now_ms);
@@ -614,9 +633,10 @@ impl RequestFilter {
             return Action::Continue;
         }
         let Some(routed) = self.routed.clone() else { return Action::Continue };
-        // Envoy says which worker answered: another than the chosen one means the chosen one
-        // failed and Envoy failed over (the ones in between failed too, unseen). A route that
-        // names it in the response saves asking (and the header needs no setting then).
+        self.resend = None; // the worker answered: nothing to send again
+                            // Envoy says which worker answered: another than the chosen one means the chosen one
+                            // failed and Envoy failed over (the ones in between failed too, unseen). A route that
+                            // names it in the response saves asking (and the header needs no setting then).
         let from_route = self.with_gateway(|g| g.config().route_sets_worker_header).unwrap_or(false);
         let names: &[&str] = if from_route { &[":status", WORKER_HEADER] } else { &[":status"] };
         let mut values = host.response_header_values(names).into_iter();
@@ -800,7 +820,8 @@ mod hygiene;
 mod prefill;
 pub mod unanswered;
 mod worker_headers;
-pub use unanswered::Unanswered;
+use unanswered::Resend;
+pub use unanswered::{Unanswered, RESEND_MAX_BYTES};
 #[cfg(test)]
 mod record_tests;
 #[cfg(test)]

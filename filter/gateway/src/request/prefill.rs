@@ -16,6 +16,9 @@ impl RequestFilter {
         if self.first.as_ref().is_some_and(|(t, _)| *t == token) {
             return self.first_answered(host, body_size);
         }
+        if self.moved.as_ref().is_some_and(|(t, _)| *t == token) {
+            return self.moved_answered(host, body_size);
+        }
         let Some(leg) = self.pd.as_mut().filter(|leg| leg.awaits(token)) else { return };
         let status = host.callout_status();
         let ok = status.is_some_and(|s| (200..300).contains(&s));
