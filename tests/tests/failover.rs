@@ -158,8 +158,9 @@ fn a_worker_killed_under_load_loses_no_request() {
 }
 
 /// One worker freezes (SIGSTOP: connections are accepted, nothing answers) under load, with no
-/// active health checks on Envoy's workers' cluster (the shipped ones move its requests:
-/// `hung.rs`). New requests leave it within seconds (the filter's stall window; kvmesh-cp's
+/// active health checks on Envoy's workers' cluster (the shipped ones would pass it over
+/// before the stall window does; `hung.rs` runs the shipped configuration). New requests
+/// leave it within seconds (the filter's stall window; kvmesh-cp's
 /// health checks, which time out only after a minute here, cannot, and its unresponsive-worker
 /// detection is off: the test after this one covers it); the requests it holds end in a JSON
 /// 504 at the request timeout.
