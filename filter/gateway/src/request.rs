@@ -30,6 +30,7 @@ use crate::response_feedback::ResponseFeedback;
 use crate::shared::admission::SharedBucket;
 
 use hygiene::{redact_answer, TraceHeaders};
+use verdict::Verdict;
 use worker_headers::{callout_headers, forwarded_to_prefill, set_destination};
 pub use worker_headers::{DST_HEADER, ENDPOINTS_HEADER, RETRIES_HEADER, TIMEOUT_HEADER};
 pub const WORKER_HEADER: &str = "x-kvmesh-worker";
@@ -111,45 +112,6 @@ pub struct RequestFilter {
     /// A passthrough answer, read through before the client gets it: secrets and the
     /// workers' key (this one, if any) taken out ([`kvmesh_core::secrets`]).
     redact: Option<Option<String>>,
-}
-
-/// What a response says about the worker that was asked.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Verdict {
-    /// The worker answered (`true`: not with a server error).
-    Worker(bool),
-    /// The worker could not be reached, reset the stream or timed out.
-    WorkerFailed,
-    /// Envoy answered for reasons that are not the worker's doing (its circuit breakers, no
-    /// healthy upstream, a client that went away, the filter's own replies).
-    NotTheWorker,
-}
-
-impl Verdict {
-    fn of(status: u16, details: Option<&str>) -> Self {
-        match details {
-            Some("via_upstream") => Verdict::Worker(status < 500),
-            Some(d)
-                if d.starts_with("upstream_reset_before_response_started")
-                    || d.starts_with("upstream_response_timeout")
-                    || d.starts_with("upstream_per_try_timeout") =>
-            {
-                Verdict::WorkerFailed
-            }
-            Some(_) => Verdict::NotTheWorker,
-            // A host that cannot say: judge by the status alone.
-            None => Verdict::Worker(status < 500),
-        }
-    }
-
-    /// For passive health: `Some(ok)` when this says something about the worker.
-    fn health(self) -> Option<bool> {
-        match self {
-            Verdict::Worker(ok) => Some(ok),
-            Verdict::WorkerFailed => Some(false),
-            Verdict::NotTheWorker => None,
-        }
-    }
 }
 
 /// The request's body replaced by `body` (the client's was `size` bytes), with its length.
@@ -426,12 +388,6 @@ impl RequestFilter {
     /// Whether this request waits in its VM's admission queue (only a tick moves it on).
     pub fn is_waiting(&self) -> bool {
         self.admission == Admission::Waiting
-    }
-
-    /// Whether this request was sent to a worker and waits for its answer (a tick may have to
-    /// move it: see [`unanswered`]).
-    pub fn awaits_answer(&self) -> bool {
-        self.awaiting && !self.replied
     }
 
     /// The prefill callout this request has out, if any (one dispatched from the tick is
@@ -819,6 +775,7 @@ impl RequestFilter {
 mod hygiene;
 mod prefill;
 pub mod unanswered;
+mod verdict;
 mod worker_headers;
 use unanswered::Resend;
 pub use unanswered::{Unanswered, RESEND_MAX_BYTES};

@@ -90,6 +90,12 @@ impl RequestFilter {
         }
     }
 
+    /// Whether this request was sent to a worker and waits for its answer (a tick may have to
+    /// move it: see [`crate::request::unanswered`]).
+    pub fn awaits_answer(&self) -> bool {
+        self.awaiting && !self.replied
+    }
+
     /// The worker answered (or the request ended).
     pub(super) fn answered(&self) {
         if let Some(seat) = &self.seat {
