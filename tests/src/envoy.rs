@@ -65,6 +65,10 @@ pub struct EnvoyOptions {
     /// Where the template's access logs write (its `access_log` entries, format unchanged);
     /// `None` takes them out, so that tests and benchmarks pay for no log line per request.
     pub access_log: Option<PathBuf>,
+    /// The workers' cluster keeps the shipped active health checks (and closes a failed
+    /// worker's connections); `false` takes them out, as a configuration without them would
+    /// have: a test of what the filter does alone about a hung worker.
+    pub workers_health_checks: bool,
     /// Each new connection to the worker thread with the fewest (the listener's
     /// `exact_balance`, without `SO_REUSEPORT`) in place of the kernel's hash: a benchmark
     /// with one connection per thread then loads every thread alike, run after run.
@@ -96,6 +100,7 @@ impl EnvoyOptions {
             request_timeout: None,
             heap_budget: None,
             access_log: None,
+            workers_health_checks: true,
             balance_connections: false,
         })
     }
@@ -419,6 +424,11 @@ fn workers_cluster(doc: &mut Yaml, opts: &EnvoyOptions, filter: &Json) -> anyhow
         .as_sequence_mut()
         .and_then(|c| c.iter_mut().find(|c| c.get("name").and_then(Yaml::as_str) == Some("kvmesh_workers")))
         .ok_or_else(|| anyhow!("no kvmesh_workers cluster"))?;
+    if !opts.workers_health_checks {
+        if let Some(map) = cluster.as_mapping_mut() {
+            map.remove("health_checks");
+        }
+    }
     if opts.control_plane.is_some() {
         if let Some(n) = opts.max_requests {
             *at(cluster, &["circuit_breakers", "thresholds", "0", "max_requests"])? = n.into();
@@ -519,6 +529,7 @@ fn make_plain(doc: &mut Yaml, upstreams: &[String]) -> anyhow::Result<()> {
     map.remove("eds_cluster_config");
     map.remove("load_balancing_policy");
     map.remove("outlier_detection");
+    map.remove("health_checks");
     map.insert("type".into(), "STATIC".into());
     map.insert("lb_policy".into(), "ROUND_ROBIN".into());
     let name = map.get("name").cloned().unwrap_or_else(|| "kvmesh_workers".into());

@@ -71,6 +71,14 @@ pub fn post_json(url: &str, body: &serde_json::Value) -> anyhow::Result<Response
     post(url, body.to_string().as_bytes(), &[])
 }
 
+/// POSTs `body` as JSON, giving up (an error) after `limit`: for a test that counts a request
+/// nobody answers as lost instead of waiting a minute for it.
+pub fn post_json_within(url: &str, body: &serde_json::Value, limit: Duration) -> anyhow::Result<Response> {
+    let agent = ureq::AgentBuilder::new().timeout(limit).build();
+    let req = agent.post(url).set("content-type", "application/json");
+    collect(finish(req.send_bytes(body.to_string().as_bytes()))?)
+}
+
 /// A response whose body is still being received.
 pub struct Streaming {
     pub status: u16,

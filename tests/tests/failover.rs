@@ -13,6 +13,11 @@ use serde_json::{json, Value};
 /// Four sims, kvmesh-cp with fast health checks, an Envoy with `threads` worker threads on
 /// kvmesh-cp; returns once Envoy's cluster and the filter both know every worker.
 fn stack(sim_args: &[&str], cp_args: &[&str], threads: u32) -> (Vec<Sim>, ControlPlane, Envoy) {
+    stack_with(sim_args, cp_args, threads, true)
+}
+
+/// [`stack`], with or without the workers' cluster's active health checks.
+fn stack_with(sim_args: &[&str], cp_args: &[&str], threads: u32, checks: bool) -> (Vec<Sim>, ControlPlane, Envoy) {
     let sims = sims(4, sim_args);
     let health = ["--health-check-interval-secs", "1", "--health-failure-threshold", "1"];
     let cp = control_plane(&sims, &[&health[..], cp_args].concat());
@@ -20,6 +25,7 @@ fn stack(sim_args: &[&str], cp_args: &[&str], threads: u32) -> (Vec<Sim>, Contro
     let mut opts = EnvoyOptions::new(json!({"worker_urls": urls})).unwrap();
     opts.use_control_plane(&cp);
     opts.concurrency = threads;
+    opts.workers_health_checks = checks;
     let envoy = Envoy::start(&opts).unwrap();
     wait_until("Envoy's cluster to list the four workers", Duration::from_secs(20), || {
         envoy.healthy_endpoints().len() == 4
@@ -151,17 +157,19 @@ fn a_worker_killed_under_load_loses_no_request() {
     assert_ne!(last.trim(), "[DONE]", "a stream cut by the worker's death cannot end cleanly");
 }
 
-/// One worker freezes (SIGSTOP: connections are accepted, nothing answers) under load. New
-/// requests leave it within seconds (the filter's stall window; kvmesh-cp's health checks,
-/// which time out only after a minute here, cannot, and its unresponsive-worker detection is
-/// off: the test after this one covers it); the requests it holds end in a JSON 504 at the
-/// request timeout.
+/// One worker freezes (SIGSTOP: connections are accepted, nothing answers) under load, with no
+/// active health checks on Envoy's workers' cluster (the shipped ones would pass it over
+/// before the stall window does; `hung.rs` runs the shipped configuration). New requests
+/// leave it within seconds (the filter's stall window; kvmesh-cp's
+/// health checks, which time out only after a minute here, cannot, and its unresponsive-worker
+/// detection is off: the test after this one covers it); the requests it holds end in a JSON
+/// 504 at the request timeout.
 #[test]
 fn a_frozen_worker_is_left_within_seconds_and_its_requests_end_in_a_json_504() {
     let timeout = Duration::from_secs(4);
     // One Envoy thread: each VM watches the requests it sent itself, and a second one could
     // send its first there after the first VM's requests timed out.
-    let (mut sims, _cp, envoy) = stack(
+    let (mut sims, _cp, envoy) = stack_with(
         &["--time-scale", "1"],
         &[
             "--worker-stall-secs",
@@ -174,6 +182,7 @@ fn a_frozen_worker_is_left_within_seconds_and_its_requests_end_in_a_json_504() {
             "0",
         ],
         1,
+        false,
     );
     let frozen = sims[0].addr();
     let stop = std::process::Command::new("kill").args(["-STOP", &sims[0].proc().pid().to_string()]).status().unwrap();
@@ -242,11 +251,12 @@ fn a_frozen_worker_is_left_within_seconds_and_its_requests_end_in_a_json_504() {
 /// A hung worker (SIGSTOP: connections accepted, nothing answered, `/health` and `/get_load`
 /// included) leaves every gateway within 5 s with kvmesh-cp's default probes: its probes go
 /// unanswered, kvmesh-cp takes it out (`--worker-unresponsive-secs`, default 3) and publishes
-/// that. The filter's own stall window and breakers are off here, so only kvmesh-cp can take it
-/// out (with health checks alone, every 60 s with three failures to go, it took minutes). The
-/// requests it held meanwhile get a JSON 503 (`worker_unresponsive`) as soon as the filters
-/// learn it, not an answer at the 30 s request timeout. A worker busy with long generations
-/// still answers its probes and stays in.
+/// that. The filter's own stall window and breakers are off here, and so are Envoy's active
+/// health checks of the workers, so only kvmesh-cp can take it out (with its health checks
+/// alone, every 60 s with three failures to go, it took minutes). Without retries
+/// (`--disable-retries`: Envoy could not move them) the requests it held meanwhile get a JSON
+/// 503 (`worker_unresponsive`) as soon as the filters learn it, not an answer at the 30 s
+/// request timeout. A worker busy with long generations still answers its probes and stays in.
 #[test]
 fn a_hung_worker_leaves_every_gateway_within_five_seconds_and_a_busy_one_stays() {
     let mut sims = sims(4, &["--time-scale", "1", "--decode-ms-per-token", "20"]);
@@ -256,6 +266,7 @@ fn a_hung_worker_leaves_every_gateway_within_five_seconds_and_a_busy_one_stays()
         "--worker-stall-secs",
         "0",
         "--disable-circuit-breaker",
+        "--disable-retries",
         "--request-timeout-secs",
         "30",
     ];
@@ -264,6 +275,7 @@ fn a_hung_worker_leaves_every_gateway_within_five_seconds_and_a_busy_one_stays()
     let mut opts = EnvoyOptions::new(json!({"worker_urls": urls})).unwrap();
     opts.use_control_plane(&cp);
     opts.concurrency = 2;
+    opts.workers_health_checks = false;
     let envoy = Envoy::start(&opts).unwrap();
     envoy.wait_for_version(1);
     let (frozen, busy) = (sims[0].addr(), sims[1].addr());

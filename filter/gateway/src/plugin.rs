@@ -32,8 +32,9 @@ pub struct Plugin {
     room: Rc<RefCell<Room>>,
     /// The VM's requests waiting for their worker's answer.
     unanswered: Rc<RefCell<Unanswered>>,
-    /// Prefill callouts dispatched from the tick (for requests admitted from the queue): the
-    /// host answers them to the root context, which hands them on.
+    /// Callouts dispatched from the tick (prefill legs of requests admitted from the queue,
+    /// requests sent again off a hung worker): the host answers them to the root context,
+    /// which hands them on.
     callouts: HashMap<u32, (u32, Weak<RefCell<RequestFilter>>)>,
     /// When this VM last recorded its memory (ms).
     memory_recorded_ms: u64,
@@ -107,8 +108,9 @@ impl Plugin {
         self.fail_hung(host);
     }
 
-    /// Requests waiting on a worker the control plane found hung get a 503, each in its own
-    /// context (see [`crate::request::unanswered`]); then back to the root's.
+    /// Requests waiting on a worker the control plane found hung are sent again to another
+    /// worker, or get a 503, each in its own context (see [`crate::request::unanswered`]);
+    /// then back to the root's.
     pub fn fail_hung(&mut self, host: &dyn StreamHost) {
         if self.unanswered.try_borrow().map_or(true, |u| u.is_empty()) {
             return;
@@ -131,9 +133,10 @@ impl Plugin {
             if host.enter_context(ctx).is_err() {
                 continue; // the stream is gone; its on_log cleans up
             }
-            if let Ok(mut f) = filter.try_borrow_mut() {
-                f.worker_hung(host);
-            };
+            let moved = filter.try_borrow_mut().ok().and_then(|mut f| f.worker_hung(host, &hung));
+            if let Some(token) = moved {
+                self.callouts.insert(token, (ctx, Rc::downgrade(&filter)));
+            }
         }
         let _ = host.enter_context(self.context_id);
     }
@@ -234,7 +237,7 @@ impl Plugin {
         took
     }
 
-    /// An HTTP callout answered to the root context: a prefill leg dispatched from the tick.
+    /// An HTTP callout answered to the root context: one dispatched from the tick.
     pub fn on_callout_response(&mut self, host: &dyn StreamHost, token: u32, body_size: usize) {
         let Some((ctx, waiter)) = self.callouts.remove(&token) else { return };
         let Some(filter) = waiter.upgrade() else { return };

@@ -30,6 +30,7 @@ use crate::response_feedback::ResponseFeedback;
 use crate::shared::admission::SharedBucket;
 
 use hygiene::{redact_answer, TraceHeaders};
+use verdict::Verdict;
 use worker_headers::{callout_headers, forwarded_to_prefill, set_destination};
 pub use worker_headers::{DST_HEADER, ENDPOINTS_HEADER, RETRIES_HEADER, TIMEOUT_HEADER};
 pub const WORKER_HEADER: &str = "x-kvmesh-worker";
@@ -89,6 +90,10 @@ pub struct RequestFilter {
     failed_over: bool,
     /// The main leg was sent and nothing came back yet (for the stall window).
     awaiting: bool,
+    /// What sending the request again takes, should its worker hang before answering (a
+    /// regular, non-streaming request with fallbacks), and the callout that did it.
+    resend: Option<Resend>,
+    moved: Option<(u32, String)>,
     /// Decode workers whose failure counts only if the prefill leg succeeds.
     deferred: Vec<WorkerId>,
     /// Engine feedback on the response (regular requests).
@@ -98,45 +103,6 @@ pub struct RequestFilter {
     /// A passthrough answer, read through before the client gets it: secrets and the
     /// workers' key (this one, if any) taken out ([`kvmesh_core::secrets`]).
     redact: Option<Option<String>>,
-}
-
-/// What a response says about the worker that was asked.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Verdict {
-    /// The worker answered (`true`: not with a server error).
-    Worker(bool),
-    /// The worker could not be reached, reset the stream or timed out.
-    WorkerFailed,
-    /// Envoy answered for reasons that are not the worker's doing (its circuit breakers, no
-    /// healthy upstream, a client that went away, the filter's own replies).
-    NotTheWorker,
-}
-
-impl Verdict {
-    fn of(status: u16, details: Option<&str>) -> Self {
-        match details {
-            Some("via_upstream") => Verdict::Worker(status < 500),
-            Some(d)
-                if d.starts_with("upstream_reset_before_response_started")
-                    || d.starts_with("upstream_response_timeout")
-                    || d.starts_with("upstream_per_try_timeout") =>
-            {
-                Verdict::WorkerFailed
-            }
-            Some(_) => Verdict::NotTheWorker,
-            // A host that cannot say: judge by the status alone.
-            None => Verdict::Worker(status < 500),
-        }
-    }
-
-    /// For passive health: `Some(ok)` when this says something about the worker.
-    fn health(self) -> Option<bool> {
-        match self {
-            Verdict::Worker(ok) => Some(ok),
-            Verdict::WorkerFailed => Some(false),
-            Verdict::NotTheWorker => None,
-        }
-    }
 }
 
 /// The request's body replaced by `body` (the client's was `size` bytes), with its length.
@@ -174,6 +140,8 @@ impl RequestFilter {
             verdict: None,
             failed_over: false,
             awaiting: false,
+            resend: None,
+            moved: None,
             deferred: Vec::new(),
             feedback: None,
             complete: false,
@@ -413,7 +381,8 @@ impl RequestFilter {
     /// The prefill callout this request has out, if any (one dispatched from the tick is
     /// answered to the root context, which hands it on by this token).
     pub fn callout_token(&self) -> Option<u32> {
-        self.leg.as_ref().and_then(Leg::token)
+        let leg = self.leg.as_ref().and_then(Leg::token);
+        leg.or(self.moved.as_ref().map(|(token, _)| *token))
     }
 
     /// The whole body is here and admitted: decide, apply, commit.
@@ -436,7 +405,10 @@ impl RequestFilter {
         host.record(Metric::DecisionNs, decided.saturating_sub(started));
         match outcome {
             Outcome::Reply(reply) => self.reply(host, reply),
-            Outcome::Route(plan) => self.apply(host, plan, body_size, Now::from_nanos(decided)),
+            Outcome::Route(plan) => {
+                self.resend = Resend::keep(&plan, body);
+                self.apply(host, plan, body_size, Now::from_nanos(decided))
+            }
         }
     }
 
@@ -500,6 +472,9 @@ impl RequestFilter {
             }
             let room = committed.merge_logprobs.then(|| self.with_gateway(|g| g.merge_room().clone())).flatten();
             self.leg = Some(Leg::start(leg, prefill, token, committed.stream, room));
+        }
+        if committed.stream {
+            self.resend = None;
         }
         // PD too: the decode response's completion metrics count (no prediction is judged).
         self.feedback = self.feedback_for(committed.prediction, committed.main.worker, now_ms);
@@ -587,9 +562,10 @@ impl RequestFilter {
             return Action::Continue;
         }
         let Some(routed) = self.routed.clone() else { return Action::Continue };
-        // Envoy says which worker answered: another than the chosen one means the chosen one
-        // failed and Envoy failed over (the ones in between failed too, unseen). A route that
-        // names it in the response saves asking (and the header needs no setting then).
+        self.resend = None; // the worker answered: nothing to send again
+                            // Envoy says which worker answered: another than the chosen one means the chosen one
+                            // failed and Envoy failed over (the ones in between failed too, unseen). A route that
+                            // names it in the response saves asking (and the header needs no setting then).
         let from_route = self.with_gateway(|g| g.config().route_sets_worker_header).unwrap_or(false);
         let names: &[&str] = if from_route { &[":status", WORKER_HEADER] } else { &[":status"] };
         let mut values = host.response_header_values(names).into_iter();
@@ -764,8 +740,10 @@ impl RequestFilter {
 mod hygiene;
 mod prefill;
 pub mod unanswered;
+mod verdict;
 mod worker_headers;
-pub use unanswered::Unanswered;
+use unanswered::Resend;
+pub use unanswered::{Unanswered, RESEND_MAX_BYTES};
 #[cfg(test)]
 mod record_tests;
 #[cfg(test)]

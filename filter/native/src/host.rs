@@ -69,6 +69,11 @@ impl NativeHost {
         self.contexts.borrow_mut().remove(&context);
     }
 
+    /// One of this thread's live streams (its Envoy pointer), if any.
+    pub fn any_stream(&self) -> Option<usize> {
+        self.contexts.borrow().values().next().copied()
+    }
+
     /// This thread's streams of the configuration that Envoy has not destroyed yet.
     pub fn live_streams(&self) -> usize {
         self.contexts.borrow().len()

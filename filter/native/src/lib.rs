@@ -178,8 +178,6 @@ struct Streamed {
     filter: Rc<RefCell<RequestFilter>>,
     context: u32,
     envoy: *mut c_void,
-    /// Whether this stream ever waited in the admission queue (its scheduler may be there).
-    queued: Cell<bool>,
 }
 
 impl Streamed {
@@ -221,10 +219,19 @@ impl Held {
 
 impl Drop for Streamed {
     fn drop(&mut self) {
-        if self.queued.get() {
-            self.thread.waiting.remove(self.envoy as usize);
-        }
         self.thread.host.forget(self.context);
+        // A waker made by a stream that ended before this one is not flagged here: every
+        // stream's end is looked up (one lock).
+        if self.thread.waiting.remove(self.envoy as usize) {
+            // The thread's waker ended: another live stream of the thread takes over.
+            if let Some(other) = self.thread.host.any_stream() {
+                self.thread.waiting.add_waker(other, || {
+                    // SAFETY: a stream of this thread that Envoy has not destroyed (streams
+                    // leave the host's registry, and this list, when destroyed).
+                    unsafe { Scheduler::new(other as *mut c_void) }
+                });
+            }
+        }
     }
 }
 
@@ -294,7 +301,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
         thread.next_context.set(context.wrapping_add(1).max(1));
         let filter = thread.plugin.try_borrow().ok()?.new_request(context);
         thread.host.register(context, envoy);
-        Some(Streamed { thread, filter, context, envoy, queued: Cell::new(false) })
+        Some(Streamed { thread, filter, context, envoy })
     }));
     into_envoy(made.ok().flatten())
 }
@@ -334,9 +341,15 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
     });
     if waiting {
         // In the admission queue: the ticker wakes this thread while it is there.
-        s.queued.set(true);
         s.thread.waiting.add(f as usize, || {
             // SAFETY: this hook's stream, on its thread; deleted in `Streamed::drop`.
+            unsafe { Scheduler::new(f) }
+        });
+    } else if s.held().filter.try_borrow().is_ok_and(|filter| filter.awaits_answer()) {
+        // Sent to a worker: the ticker wakes this thread while it has streams, so that a hung
+        // worker's requests are moved even if no hook runs here.
+        s.thread.waiting.add_waker(f as usize, || {
+            // SAFETY: as above.
             unsafe { Scheduler::new(f) }
         });
     }
@@ -401,7 +414,8 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done() {}
 
-/// The ticker woke this stream's thread (it holds requests in the admission queue).
+/// The ticker woke this stream's thread (it holds requests in the admission queue, or this
+/// stream is its waker: see [`waiting`]).
 ///
 /// # Safety
 /// See [`Streamed::of`].
@@ -410,10 +424,12 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(f: *mut c
     if let Some(s) = Streamed::of(m) {
         // The tick may answer this very stream, which can destroy `s` (see [`Held`]).
         let held = s.held();
-        held.thread.tick(f, true);
+        // A queued request's wake-up ticks at once; a waker's, when a tick is due anyway.
+        let queued = held.filter.try_borrow().is_ok_and(|filter| filter.is_waiting());
+        held.thread.tick(f, queued);
         // Admitted or answered meanwhile: the thread needs no more waking for this stream.
         if held.filter.try_borrow().is_ok_and(|filter| !filter.is_waiting()) {
-            held.thread.waiting.remove(f as usize);
+            held.thread.waiting.dequeue(f as usize);
         }
     }
 }

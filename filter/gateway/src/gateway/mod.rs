@@ -509,7 +509,7 @@ impl Gateway {
     }
 
     /// A request to `routed`'s worker succeeded or failed (at `now`): its circuit breaker
-    /// learns it. Only what the worker did counts (see `request.rs`'s `Verdict`): a
+    /// learns it. Only what the worker did counts (see `request/verdict.rs`): a
     /// 4xx is a success, Envoy's own refusals and clients that went away are not reported.
     pub fn outcome(&mut self, store: &dyn SharedStore, routed: &Routed, ok: bool, now: Now) {
         self.view.record_outcome(store, routed.worker, ok, now);

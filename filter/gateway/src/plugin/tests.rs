@@ -430,10 +430,14 @@ fn the_last_streams_end_flushes_what_the_tick_keeps() {
     assert_eq!(crate::shared::feedback::read(&host).len(), 1, "the last stream's end wrote it");
 }
 
-#[test]
-fn requests_waiting_on_a_worker_found_hung_get_a_503_the_others_go_on() {
+/// A plugin with `config` on two workers, twenty requests routed over them, the first answered
+/// one of those on the first worker, then kvmesh-cp finding the first worker hung. Returns the
+/// requests on it that wait (context ids) and the filters with their bodies.
+type Started = Vec<(u32, Rc<RefCell<RequestFilter>>, String)>;
+fn hung_first_worker(config: &str) -> (MockHost, Plugin, Vec<u32>, Started) {
     let host = MockHost::new();
-    let mut p = plugin(&host, 1);
+    let mut p = Plugin::default();
+    p.configure(&host, config.as_bytes(), 1).unwrap();
     p.set_context_id(1);
     p.on_tick(&host);
     let watch = host.grpc_opened.borrow()[0].0;
@@ -441,36 +445,116 @@ fn requests_waiting_on_a_worker_found_hung_get_a_503_the_others_go_on() {
     let mut on_first = Vec::new();
     let mut filters = Vec::new();
     for ctx in 10..30 {
-        let (f, _) = start(&host, &p, ctx, &format!("prompt {ctx} {}", "x".repeat(64)));
+        let text = format!("prompt {ctx} {}", "x".repeat(64));
+        let (f, _) = start(&host, &p, ctx, &text);
         if host.request_header(crate::request::DST_HEADER).as_deref() == Some("127.0.0.1:30001") {
             on_first.push(ctx);
         }
-        filters.push((ctx, f));
+        filters.push((ctx, f, format!(r#"{{"text":"{text}"}}"#)));
     }
-    assert!(!on_first.is_empty() && on_first.len() < 20, "both workers used: {on_first:?}");
-    // One request on the first worker got its answer's headers already: it is not failed.
-    let (answered_ctx, answered) = filters.iter().find(|(c, _)| *c == on_first[0]).unwrap();
+    assert!(on_first.len() > 1 && on_first.len() < 20, "both workers used: {on_first:?}");
+    // One request on the first worker got its answer's headers already: it is never touched.
+    let answered = on_first.remove(0);
     host.set_response(200, b"");
     *host.upstream.borrow_mut() = Some("127.0.0.1:30001".into());
-    answered.borrow_mut().on_response_headers(&host);
+    filters.iter().find(|(c, _, _)| *c == answered).unwrap().1.borrow_mut().on_response_headers(&host);
     p.on_tick(&host);
-    assert!(host.replies.borrow().is_empty(), "nobody hung yet");
-    // kvmesh-cp finds the first worker hung.
+    assert!(host.replies.borrow().is_empty() && host.callouts.borrow().is_empty(), "nobody hung yet");
     let mut hung = proto::Snapshot::decode(snapshot(2, &[30001, 30002]).as_slice()).unwrap();
     hung.workers[0].healthy = false;
     hung.workers[0].unresponsive = true;
     deliver(&host, &mut p, watch, &hung.encode_to_vec());
     host.entered.borrow_mut().clear();
-    p.on_tick(&host);
+    (host, p, on_first, filters)
+}
+
+fn assert_503s(host: &MockHost, n: usize) {
     let replies = host.replies.borrow();
-    assert_eq!(replies.len(), on_first.len() - 1, "each waiting request on it, once");
+    assert_eq!(replies.len(), n, "each waiting request on it, once");
     for r in replies.iter() {
         assert_eq!((r.status, r.json()["error"]["code"].as_str()), (503, Some("worker_unresponsive")));
     }
-    let entered = host.entered.borrow();
-    assert!(on_first.iter().filter(|c| *c != answered_ctx).all(|c| entered.contains(c)));
-    assert!(!entered.contains(answered_ctx) && entered.last() == Some(&1), "then back to the root");
-    drop((replies, entered));
+}
+
+/// Without fallbacks (`disable_retries`) there is nowhere to send them: a 503 each, once.
+#[test]
+fn requests_waiting_on_a_worker_found_hung_with_nowhere_to_go_get_a_503() {
+    let config = r#"{"control_plane_cluster":"kvmesh_cp","report_interval_ms":20,"disable_retries":true}"#;
+    let (host, mut p, waiting, _filters) = hung_first_worker(config);
     p.on_tick(&host);
-    assert_eq!(host.replies.borrow().len(), on_first.len() - 1, "not again");
+    assert_503s(&host, waiting.len());
+    assert!(host.callouts.borrow().is_empty());
+    let entered = host.entered.borrow().clone();
+    assert!(waiting.iter().all(|c| entered.contains(c)), "each in its own context");
+    assert_eq!(entered.last(), Some(&1), "then back to the root");
+    p.on_tick(&host);
+    assert_503s(&host, waiting.len());
+}
+
+/// With a fallback, each is sent again to it (the same body, the same path), and its answer
+/// is the client's, naming the worker that gave it; the hung worker's other requests too.
+#[test]
+fn requests_waiting_on_a_hung_worker_are_sent_again_and_answered_by_another() {
+    let (host, mut p, waiting, filters) = hung_first_worker(CONFIG);
+    p.on_tick(&host);
+    assert!(host.replies.borrow().is_empty(), "no 503");
+    let sent = host.callouts.borrow().clone();
+    assert_eq!(sent.len(), waiting.len(), "one callout each");
+    let mut bodies: Vec<&[u8]> = sent.iter().map(|c| c.body.as_slice()).collect();
+    let mut expected: Vec<&[u8]> =
+        filters.iter().filter(|(c, _, _)| waiting.contains(c)).map(|(_, _, b)| b.as_bytes()).collect();
+    bodies.sort();
+    expected.sort();
+    assert_eq!(bodies, expected, "the bodies the hung worker got");
+    for c in &sent {
+        let header = |n: &str| c.headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.as_str());
+        assert_eq!(header(crate::request::ENDPOINTS_HEADER), Some("127.0.0.1:30002"));
+        assert_eq!(header(":path"), Some("/generate"));
+    }
+    p.on_tick(&host);
+    assert_eq!(host.callouts.borrow().len(), waiting.len(), "not again");
+    // The second worker answers each: the root hands each answer on to its request.
+    *host.callout_answer.borrow_mut() = (Some(200), br#"{"text":"ok"}"#.to_vec());
+    for c in &sent {
+        p.on_callout_response(&host, c.token, 13);
+    }
+    assert_eq!(host.metric_sum(Metric::Failovers), waiting.len() as u64, "each a failover");
+    let replies = host.replies.borrow();
+    assert_eq!(replies.len(), waiting.len());
+    for r in replies.iter() {
+        assert_eq!((r.status, r.body.as_slice()), (200, br#"{"text":"ok"}"#.as_slice()));
+        assert!(r.headers.iter().any(|(k, v)| k == "x-kvmesh-worker" && v == "127.0.0.1:30002"), "{r:?}");
+    }
+}
+
+/// A fallback that gives no answer either: the 503 after all.
+#[test]
+fn a_request_sent_again_that_gets_no_answer_gets_the_503() {
+    let (host, mut p, waiting, _filters) = hung_first_worker(CONFIG);
+    p.on_tick(&host);
+    let sent = host.callouts.borrow().clone();
+    *host.callout_answer.borrow_mut() = (None, Vec::new());
+    for c in &sent {
+        p.on_callout_response(&host, c.token, 0);
+    }
+    assert_503s(&host, waiting.len());
+}
+
+/// The hung worker answers after all before the request sent again does: its response goes on,
+/// and the late answer is dropped.
+#[test]
+fn a_hung_worker_that_answers_first_keeps_its_response() {
+    let (host, mut p, waiting, filters) = hung_first_worker(CONFIG);
+    p.on_tick(&host);
+    let sent = host.callouts.borrow().clone();
+    let ctx = waiting[0];
+    let filter = &filters.iter().find(|(c, _, _)| *c == ctx).unwrap().1;
+    host.set_response(200, b"");
+    *host.upstream.borrow_mut() = Some("127.0.0.1:30001".into());
+    filter.borrow_mut().on_response_headers(&host);
+    let token = filter.borrow().callout_token().unwrap();
+    *host.callout_answer.borrow_mut() = (Some(200), br#"{"text":"late"}"#.to_vec());
+    p.on_callout_response(&host, token, 15);
+    assert!(host.replies.borrow().is_empty(), "no local reply over a response under way");
+    assert!(sent.iter().any(|c| c.token == token));
 }

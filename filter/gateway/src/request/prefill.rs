@@ -13,6 +13,9 @@ use crate::pd_leg::Effect;
 impl RequestFilter {
     /// The prefill callout answered (or failed).
     pub fn on_callout_response(&mut self, host: &dyn StreamHost, token: u32, body_size: usize) {
+        if self.moved.as_ref().is_some_and(|(t, _)| *t == token) {
+            return self.moved_answered(host, body_size);
+        }
         let prefill_fallback = self.with_gateway(|g| g.config().pd.as_ref().is_none_or(|pd| pd.prefill_fallback));
         let request_size = self.body_size;
         let Some(leg) = self.leg.as_mut().filter(|leg| leg.awaits(token)) else { return };
