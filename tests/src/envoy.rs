@@ -65,9 +65,11 @@ pub struct EnvoyOptions {
     /// Where the template's access logs write (its `access_log` entries, format unchanged);
     /// `None` takes them out, so that tests and benchmarks pay for no log line per request.
     pub access_log: Option<PathBuf>,
-    /// The workers' cluster keeps the shipped active health checks (and closes a failed
-    /// worker's connections); `false` takes them out, as a configuration without them would
-    /// have: a test of what the filter does alone about a hung worker.
+    /// The workers' cluster keeps the shipped active health checks; `false` (the default
+    /// here) takes them out. Envoy holds a newly added endpoint unhealthy until its first
+    /// check passes, so a test that adds a worker and routes to it at once could race that
+    /// check on a loaded machine; the tests about hung workers (`hung.rs`, `failover.rs`)
+    /// say which they run with.
     pub workers_health_checks: bool,
     /// Each new connection to the worker thread with the fewest (the listener's
     /// `exact_balance`, without `SO_REUSEPORT`) in place of the kernel's hash: a benchmark
@@ -100,7 +102,7 @@ impl EnvoyOptions {
             request_timeout: None,
             heap_budget: None,
             access_log: None,
-            workers_health_checks: true,
+            workers_health_checks: false,
             balance_connections: false,
         })
     }

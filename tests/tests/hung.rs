@@ -35,6 +35,7 @@ fn a_frozen_workers_unanswered_requests_move_to_another_worker_and_none_is_lost(
     let cp = control_plane(&sims, &[]);
     let urls: Vec<String> = sims.iter().map(Sim::url).collect();
     let mut opts = EnvoyOptions::new(json!({"worker_urls": urls})).unwrap();
+    opts.workers_health_checks = true; // as shipped
     opts.use_control_plane(&cp);
     let envoy = Envoy::start(&opts).unwrap();
     wait_until("Envoy's cluster to list the four workers", Duration::from_secs(20), || {
