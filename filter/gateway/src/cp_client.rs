@@ -54,12 +54,12 @@ impl ControlPlaneClient {
 
     /// The tick's turn at `now` (ms): the lease, then what the link answers.
     pub fn tick(&mut self, host: &dyn VmHost, link: &dyn LinkHost, gateway: &mut Gateway, now: u64) {
-        let holds = Lease::hold(host, gateway.vm_id(), now, LEASE_MS);
+        let holds = Lease::hold(host, gateway.ledger().vm(), now, LEASE_MS);
         match self.link.tick(now, holds) {
             Step::Nothing => {}
             Step::Connect => match self.connect(link) {
                 Ok((watch, report)) => {
-                    gateway.set_own_id(&self.gateway_id);
+                    gateway.publisher().set_own_id(&self.gateway_id);
                     self.link.connected(watch, report, now);
                     self.awaiting_table = true;
                 }

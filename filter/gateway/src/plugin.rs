@@ -72,7 +72,7 @@ impl Plugin {
         }
         let mut gateway = Gateway::new(config, host, seed);
         if !host.has_timer() {
-            gateway.write_ends_at_once();
+            gateway.ledger_mut().write_ends_at_once();
         }
         self.gateway = Some(Rc::new(RefCell::new(gateway)));
         Ok(())
@@ -115,7 +115,7 @@ impl Plugin {
         if self.unanswered.try_borrow().map_or(true, |u| u.is_empty()) {
             return;
         }
-        let hung = match self.gateway.as_ref().map(|g| g.try_borrow().map(|g| g.hung_workers())) {
+        let hung = match self.gateway.as_ref().map(|g| g.try_borrow().map(|g| g.front().hung_workers())) {
             Some(Ok(hung)) if !hung.is_empty() => hung,
             _ => return,
         };
@@ -162,7 +162,7 @@ impl Plugin {
     /// once the VM knows whether it is alone in its Envoy, which takes two heartbeats a second
     /// apart at the usual period — so that the counted requests take the production path.
     pub fn tick_period(&self, wanted: Duration) -> Duration {
-        let settled = self.gateway.as_ref().and_then(|g| g.try_borrow().ok()).is_none_or(|g| g.settled());
+        let settled = self.gateway.as_ref().and_then(|g| g.try_borrow().ok()).is_none_or(|g| g.ledger().settled());
         if settled {
             wanted
         } else {
@@ -175,7 +175,7 @@ impl Plugin {
     /// context, then back to the root's.
     pub fn wake_waiting(&mut self, host: &dyn StreamHost) {
         let Some((params, vm)) =
-            self.gateway.as_ref().and_then(|g| g.try_borrow().ok()).map(|g| (g.config().admission, g.vm_id()))
+            self.gateway.as_ref().and_then(|g| g.try_borrow().ok()).map(|g| (g.config().admission, g.ledger().vm()))
         else {
             return;
         };
@@ -255,13 +255,13 @@ impl Plugin {
         let now = now_ms(host);
         gateway.sync_table(host);
         gateway.write_ended(host);
-        gateway.flush_feedback(host);
+        gateway.feedback().flush(host);
         if let (Some(cp), Some(link)) = (self.control_plane.as_mut(), link) {
             cp.tick(host, link, &mut gateway, now);
         }
         gateway.heartbeat(host, now);
         if let Some(cp) = &self.control_plane {
-            gateway.set_reporting(cp.is_connected());
+            gateway.publisher().set_reporting(cp.is_connected());
         }
         host.record(Metric::InFlight, in_flight(host));
         if let Some(evicted) = gateway.tick(host, now / 1_000) {
@@ -282,7 +282,7 @@ impl Plugin {
         let Some(gateway) = &self.gateway else { return };
         let Ok(mut gateway) = gateway.try_borrow_mut() else { return };
         gateway.write_ended(host);
-        gateway.flush_feedback(host);
+        gateway.feedback().flush(host);
     }
 
     /// A stream of this plugin ended, `others` of its streams still live. For a host without
@@ -290,7 +290,7 @@ impl Plugin {
     /// tick keeps goes to shared data now — unless the VM is alone in its Envoy: then nobody
     /// else reads it, and its next tick writes it.
     pub fn on_stream_end(&self, host: &dyn VmHost, others: usize) {
-        let alone = self.gateway.as_ref().and_then(|g| g.try_borrow().ok()).is_some_and(|g| g.alone());
+        let alone = self.gateway.as_ref().and_then(|g| g.try_borrow().ok()).is_some_and(|g| g.ledger().alone());
         if others == 0 && !alone {
             self.flush(host);
         }

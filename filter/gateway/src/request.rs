@@ -20,12 +20,11 @@ use kvmesh_core::paths::PathClass;
 use kvmesh_core::{Endpoint, WorkerId};
 
 use crate::admission::{Entry, WaitRoom};
-use crate::gateway::{
-    is_routing_header, Gateway, Now, Outcome, Plan, Prediction, Reply, RequestInfo, Routed, DECISION_KEY, FAILOVER_KEY,
-};
+use crate::gateway::{Gateway, Now, Outcome, Plan, Prediction, Reply, RequestInfo, Routed, DECISION_KEY, FAILOVER_KEY};
 use crate::headers::Headers;
 use crate::host::{Action, Callout, Metric, ModelMetric, StreamHost};
 use crate::pd::Leg;
+use crate::request::worker_headers::is_routing_header;
 use crate::response_feedback::ResponseFeedback;
 use crate::shared::admission::SharedBucket;
 
@@ -230,7 +229,7 @@ impl RequestFilter {
                 id
             })
         });
-        let Some(class) = self.with_gateway(|g| g.classify(method, path)) else {
+        let Some(class) = self.with_gateway(|g| g.front().classify(method, path)) else {
             return self.not_configured(host);
         };
         let endpoint = match class {
@@ -240,9 +239,9 @@ impl RequestFilter {
             PathClass::Passthrough => return self.route_other(host, path, Now::from_nanos(host.now_nanos())),
         };
         let content_length = content_length.and_then(|v| v.trim().parse().ok());
-        let Some(reply) =
-            self.with_gateway(|g| g.check_length(content_length).or_else(|| end_of_stream.then(|| g.empty_body())))
-        else {
+        let Some(reply) = self.with_gateway(|g| {
+            g.front().check_length(content_length).or_else(|| end_of_stream.then(|| g.front().empty_body()))
+        }) else {
             return self.not_configured(host);
         };
         if let Some(reply) = reply {
@@ -260,7 +259,7 @@ impl RequestFilter {
         });
         let pd;
         (self.key_checked, self.routing_key, pd) = self
-            .with_gateway(|g| (g.wants_key(), g.routing_key(&headers), g.config().pd.is_some()))
+            .with_gateway(|g| (g.front().wants_key(), g.front().routing_key(&headers), g.config().pd.is_some()))
             .unwrap_or_default();
         if pd {
             self.client_headers = Some(headers);
@@ -276,7 +275,7 @@ impl RequestFilter {
         if let Some(Some(reply)) = self.with_gateway(|g| g.models_reply(host, path)) {
             return self.reply(host, reply);
         }
-        let Some(outcome) = self.with_gateway(|g| (g.route_other(host, now), g.destination())) else {
+        let Some(outcome) = self.with_gateway(|g| (g.route_other(host, now), g.front().destination())) else {
             return self.not_configured(host);
         };
         match outcome {
@@ -298,7 +297,8 @@ impl RequestFilter {
         if self.endpoint.is_none() || self.routed.is_some() || self.replied {
             return Action::Continue;
         }
-        let Some(too_large) = self.with_gateway(|g| g.over_limit(body_size).then(|| g.too_large())) else {
+        let Some(too_large) = self.with_gateway(|g| g.front().over_limit(body_size).then(|| g.front().too_large()))
+        else {
             return self.not_configured(host);
         };
         if let Some(reply) = too_large {
@@ -324,7 +324,7 @@ impl RequestFilter {
     /// Admission, when a concurrency limit is configured: a token, a place in the VM's queue,
     /// or a 429. Without a seat (no queue to wait in), a request that would wait is admitted.
     fn enter(&mut self, host: &dyn StreamHost) -> Entry {
-        let Some((Some(params), vm)) = self.with_gateway(|g| (g.config().admission, g.vm_id())) else {
+        let Some((Some(params), vm)) = self.with_gateway(|g| (g.config().admission, g.ledger().vm())) else {
             return Entry::Admitted;
         };
         let now_ms = crate::host::now_ms(host);
@@ -449,10 +449,10 @@ impl RequestFilter {
             // vLLM's decode worker gets the request only once its prefill answered: its stall
             // window starts then (`first_answered`), not while the prefill runs.
             if !sequential {
-                g.sent(committed.main.worker, now_ms);
+                g.outcomes().sent(committed.main.worker, now_ms);
             }
             if let (Some(p), Some(_)) = (&committed.prefill, token) {
-                g.sent(p.worker, now_ms);
+                g.outcomes().sent(p.worker, now_ms);
             }
         });
         self.awaiting = !sequential;
@@ -490,7 +490,7 @@ impl RequestFilter {
     /// metrics for a control plane (nobody else reads them). Otherwise the response body is
     /// not read at all.
     fn feedback_for(&self, prediction: Option<Prediction>, worker: WorkerId, now_ms: u64) -> Option<ResponseFeedback> {
-        let due = prediction.is_some() || self.with_gateway(|g| g.reports_usage()).unwrap_or(false);
+        let due = prediction.is_some() || self.with_gateway(|g| g.front().reports_usage()).unwrap_or(false);
         due.then(|| ResponseFeedback::new(prediction, worker, now_ms))
     }
 
@@ -498,7 +498,7 @@ impl RequestFilter {
     /// PD mode, the new body and the prefill callout (whose token is returned).
     fn prepare(&self, host: &dyn StreamHost, plan: &Plan, body_size: usize) -> Result<Option<u32>, Reply> {
         let internal = |what: &str, e: crate::host::HostError| Reply::error(500, "internal", &format!("{what}: {e}"));
-        let how = self.with_gateway(|g| g.destination()).unwrap_or_default();
+        let how = self.with_gateway(|g| g.front().destination()).unwrap_or_default();
         let Some(pd) = plan.pd() else {
             if let Some(body) = plan.body() {
                 // A data-parallel rank named, or a client's taken out; the gateway's rid.
@@ -522,8 +522,9 @@ impl RequestFilter {
                 .map_err(|e| internal("cannot name the prefill worker", e))?;
         }
         let Some(body) = pd.leg.callout_body() else { return Ok(None) };
-        let cluster =
-            self.with_gateway(|g| g.upstream_cluster().to_string()).unwrap_or_else(|| "kvmesh_workers".to_string());
+        let cluster = self
+            .with_gateway(|g| g.front().upstream_cluster().to_string())
+            .unwrap_or_else(|| "kvmesh_workers".to_string());
         // The headers as the client sent them (kept from `on_request_headers`), not read again.
         let read;
         let client = match &self.client_headers {
@@ -588,7 +589,7 @@ impl RequestFilter {
             self.answered();
             // The worker asked first answered itself, or did not (a timeout, a reset, a failover).
             let answered = matches!(verdict, Verdict::Worker(_)) && served == routed.addr;
-            self.with_gateway(|g| g.ended(routed.worker, answered, now.ms()));
+            self.with_gateway(|g| g.outcomes().ended(routed.worker, answered, now.ms()));
         }
         let mut judged: Vec<(WorkerId, bool)> = Vec::with_capacity(2);
         if served != routed.addr {
@@ -599,11 +600,11 @@ impl RequestFilter {
             log::info!("worker {} failed; Envoy failed over to {served}", routed.addr);
             judged.push((routed.worker, false));
             if let (Some(ok), Some(worker)) =
-                (verdict.health(), self.with_gateway(|g| g.worker_at(&served, routed.dp_rank)).flatten())
+                (verdict.health(), self.with_gateway(|g| g.front().worker_at(&served, routed.dp_rank)).flatten())
             {
                 judged.push((worker, ok));
             }
-            self.with_gateway(|g| g.failover(host, routed.worker));
+            self.with_gateway(|g| g.outcomes().failover(host, routed.worker));
         } else if let Some(ok) = verdict.health() {
             judged.push((routed.worker, ok));
         }
@@ -616,7 +617,7 @@ impl RequestFilter {
                 if !ok && prefill_out {
                     continue;
                 }
-                g.record(host, worker, ok, now);
+                g.outcomes().record(host, worker, ok, now);
             }
         });
         if prefill_out {
@@ -682,7 +683,7 @@ impl RequestFilter {
                 }
             }
             Admission::Holds => {
-                if let Some((Some(params), vm)) = self.with_gateway(|g| (g.config().admission, g.vm_id())) {
+                if let Some((Some(params), vm)) = self.with_gateway(|g| (g.config().admission, g.ledger().vm())) {
                     SharedBucket::give_back(host, &params, vm, crate::host::now_ms(host));
                     if let Some(Ok(mut room)) = self.seat.as_ref().map(|s| s.room.try_borrow_mut()) {
                         room.gave_back();
@@ -705,10 +706,10 @@ impl RequestFilter {
         let now_ms = if awaiting || prefill_out { crate::host::now_ms(host) } else { 0 };
         self.with_gateway(|g| {
             if let (true, Some(routed)) = (awaiting, &routed) {
-                g.ended(routed.worker, false, now_ms);
+                g.outcomes().ended(routed.worker, false, now_ms);
             }
             if let Some(leg) = leg.as_ref().filter(|l| l.pending()) {
-                g.ended(leg.prefill().worker, false, now_ms);
+                g.outcomes().ended(leg.prefill().worker, false, now_ms);
             }
             if let Some(routed) = routed {
                 let verdict = match self.verdict {
@@ -723,12 +724,12 @@ impl RequestFilter {
                         None => Verdict::WorkerFailed,
                     },
                 };
-                g.finish(host, &routed, verdict.health() != Some(false) && !self.failed_over);
+                g.ledger_mut().finish(host, &routed, verdict.health() != Some(false) && !self.failed_over);
             }
             // A prefill callout still out when the stream ends serves nobody (vLLM's: the
             // request ended before it answered): release it.
             if let Some(leg) = leg.as_ref().filter(|l| l.pending()) {
-                g.release(host, leg.prefill());
+                g.ledger_mut().release(host, leg.prefill());
             }
         });
         if let Some(leg) = leg.filter(Leg::pending) {

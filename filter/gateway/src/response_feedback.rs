@@ -1,7 +1,7 @@
 //! The response side of engine feedback, for one request: the response body is scanned as
 //! it passes (each chunk read, never held or changed: the client receives exactly what the
 //! worker sent), and when the stream ends the gateway compares the worker's `cached_tokens`
-//! with its prediction ([`Gateway::feedback`]). The completion metrics count whether or not a
+//! with its prediction ([`EngineFeedback::judge`](crate::gateway::EngineFeedback::judge)). The completion metrics count whether or not a
 //! prediction was made (PD decode legs, text-blind policies); a response that carries no
 //! `e2e_latency` (OpenAI's) is timed by the gateway, from the routing decision to the end of
 //! the response.
@@ -66,11 +66,11 @@ impl ResponseFeedback {
             if usage.completion_tokens.is_some() {
                 // No prediction (a batch, a blind policy): the completion metrics still count
                 // (only an answer of the chosen worker counts at all: no need to ask which).
-                gateway.count_usage(self.worker, &usage);
+                gateway.feedback().count(self.worker, &usage);
             }
             return;
         };
-        let Some(judged) = gateway.feedback(host, &prediction, &usage) else { return };
+        let Some(judged) = gateway.feedback().judge(host, &prediction, &usage) else { return };
         host.increment(Metric::Predictions);
         host.increment(match judged.verdict {
             Verdict::Accurate => Metric::PredictionsAccurate,
@@ -137,7 +137,7 @@ mod tests {
         assert_eq!(host.metric_sum(Metric::CacheHits), 1, "the stale prefix attracts no traffic");
         assert_eq!(host.metric_sum(Metric::Predictions), 3);
         assert!(crate::shared::feedback::read(&host).is_empty(), "counted on the tick, not per response");
-        gw.borrow_mut().flush_feedback(&host);
+        gw.borrow_mut().feedback().flush(&host);
         let counts = crate::shared::feedback::read(&host);
         let total: u32 = counts.iter().map(|(_, f)| f.predictions).sum();
         let completions: u64 = counts.iter().map(|(_, f)| f.completion_tokens).sum();
@@ -191,7 +191,7 @@ mod tests {
         *host.response_body.borrow_mut() = chunk.as_bytes().to_vec();
         f.on_response_body(&host, chunk.len(), true);
         f.on_log(&host);
-        gw.borrow_mut().flush_feedback(&host); // the tick's part
+        gw.borrow_mut().feedback().flush(&host); // the tick's part
         let counts = crate::shared::feedback::read(&host);
         let f = counts[0].1;
         assert_eq!((f.completions, f.completion_tokens, f.e2e_latency_ms), (1, 7, 250));

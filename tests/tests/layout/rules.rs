@@ -89,3 +89,20 @@ fn the_map_and_the_benchmark_results_stay_short() {
         assert!(lines <= max_lines && text.len() <= max_bytes, "{doc}: {lines} lines, {} bytes", text.len());
     }
 }
+
+/// `Gateway` composes its parts and lends them out (`Front`, `Outcomes`, the ledger, the
+/// publisher, engine feedback); it does not grow their methods back: at most 30 functions in
+/// its `impl`, and its file at most 400 lines.
+#[test]
+fn the_gateway_stays_a_composition() {
+    let path = workspace_root().join("filter/gateway/src/gateway/mod.rs");
+    let src = fs::read_to_string(&path).unwrap();
+    assert!(src.lines().count() <= 400, "gateway/mod.rs: {} lines", src.lines().count());
+    let toks = non_test_tokens(&src);
+    let start = toks.windows(2).position(|w| w[0] == "impl" && w[1] == "Gateway").expect("impl Gateway");
+    let open = start + toks[start..].iter().position(|t| t == "{").unwrap();
+    let end = skip_group(&toks, open);
+    let fns = toks[open..end].iter().filter(|t| *t == "fn").count();
+    assert!(fns > 10, "the scan found the impl ({fns} functions)");
+    assert!(fns <= 30, "Gateway has {fns} functions: lend a part out instead (see gateway/mod.rs's doc)");
+}

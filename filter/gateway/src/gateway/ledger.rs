@@ -8,10 +8,18 @@ use std::collections::BTreeMap;
 use kvmesh_core::WorkerId;
 
 use crate::routed::Routed;
-use crate::shared::{EndedBy, Inflight, SharedStore, VmLedger};
+use crate::shared::{Delta, DeltaLog, EndedBy, Inflight, SharedStore, VmLedger};
 
 /// One VM's in-flight bookkeeping.
-pub(super) struct Ledger {
+pub struct Ledger {
+    /// This VM's id in shared data.
+    vm: u32,
+    /// Alone in its Envoy, a VM reads and writes no shared data per request: `seen` is what
+    /// `kvmesh.state` held at its last write or tick, `unlogged` the index inserts not yet in
+    /// the delta log (both written on the tick, see [`Ledger::write_ended`]).
+    seen: Inflight,
+    unlogged: Vec<Delta>,
+    unlogged_hashes: usize,
     /// What this VM has in flight, per worker, as counted in [`Inflight`] (published by
     /// [`Ledger::heartbeat`]): requests that ended leave it when their end is written.
     mine: BTreeMap<WorkerId, u32>,
@@ -29,7 +37,7 @@ pub(super) struct Ledger {
     /// This VM was the only one registered at its last two heartbeats (a second apart): the
     /// VMs of one Envoy start together, and one that registered a moment before the others
     /// must not take itself for alone until they have registered.
-    pub(super) alone: bool,
+    alone: bool,
     /// The registry held only this VM at the last heartbeat.
     only_me: bool,
     /// Heartbeats so far, and those since the VM routed its first request (two registry
@@ -39,16 +47,20 @@ pub(super) struct Ledger {
     /// The VM has routed a request (see [`Ledger::serve`]).
     serving: bool,
     /// The host ticks this VM only on its streams' hooks: with other VMs, every end is
-    /// written at once (see [`Gateway::write_ends_at_once`](super::Gateway::write_ends_at_once)).
-    pub(super) untimed: bool,
+    /// written at once (see [`Ledger::write_ends_at_once`]).
+    untimed: bool,
     /// `mine` changed since it was last published.
     mine_changed: bool,
     last_heartbeat_ms: u64,
 }
 
 impl Ledger {
-    pub(super) fn new() -> Self {
+    pub(super) fn new(vm: u32, store: &dyn SharedStore) -> Self {
         Self {
+            vm,
+            seen: Inflight::load(store),
+            unlogged: Vec::new(),
+            unlogged_hashes: 0,
             mine: BTreeMap::new(),
             ended: EndedBy::new(),
             started: BTreeMap::new(),
@@ -90,8 +102,8 @@ impl Ledger {
     /// The loads this VM alone decides on: `seen` (what [`Inflight`] held at its last write or
     /// tick, which nobody else writes while it is alone) with its own requests since, started
     /// and ended.
-    pub(super) fn local_loads(&self, seen: &Inflight) -> Inflight {
-        seen.with_local(&self.started, &self.ended)
+    pub(super) fn local_loads(&self) -> Inflight {
+        self.seen.with_local(&self.started, &self.ended)
     }
 
     /// Counts the started and ended requests in [`Inflight`] (one read, one compare-and-swap)
@@ -125,7 +137,7 @@ impl Ledger {
 
     /// A counted leg that never ran to its end (a prefill callout cancelled with its stream):
     /// off the in-flight table, not counted as finished.
-    pub(super) fn release(&mut self, store: &dyn SharedStore, routed: &Routed) {
+    pub fn release(&mut self, store: &dyn SharedStore, routed: &Routed) {
         if routed.counted {
             self.ended.entry(routed.worker).or_default().left += 1;
             self.write_if_idle(store);
@@ -135,7 +147,7 @@ impl Ledger {
     /// The stream of a counted request ended (completed, failed or reset): written with this
     /// VM's next commit or tick (its own decisions discount it until then), or at once when
     /// other VMs route too and it was this VM's last request in flight.
-    pub(super) fn finish(&mut self, store: &dyn SharedStore, routed: &Routed, ok: bool) {
+    pub fn finish(&mut self, store: &dyn SharedStore, routed: &Routed, ok: bool) {
         if routed.counted {
             let e = self.ended.entry(routed.worker).or_default();
             e.left += 1;
@@ -152,13 +164,12 @@ impl Ledger {
         }
         let idle = || self.mine.values().sum::<u32>() <= self.ended.values().map(|e| e.left).sum::<u32>();
         if self.untimed || idle() {
-            self.write_ended(store);
+            self.write_ends(store);
         }
     }
 
-    /// Writes the requests that ended here since the last write (on the tick: when no request
-    /// was routed since, nothing else would).
-    pub(super) fn write_ended(&mut self, store: &dyn SharedStore) {
+    /// Writes the requests that ended here since the last write.
+    fn write_ends(&mut self, store: &dyn SharedStore) {
         if !self.ended.is_empty() && Inflight::end(store, &self.ended) {
             self.written();
         }
@@ -177,9 +188,10 @@ impl Ledger {
         }
     }
 
-    /// On the tick: publishes what VM `vm` has in flight (when it changed, and at least once a
+    /// Publishes what this VM has in flight (when it changed, and at least once a
     /// second as a heartbeat), and takes back the counts of VMs that died (see [`VmLedger`]).
-    pub(super) fn heartbeat(&mut self, store: &dyn SharedStore, vm: u32, now_ms: u64) {
+    fn beat(&mut self, store: &dyn SharedStore, now_ms: u64) {
+        let vm = self.vm;
         let due = now_ms.saturating_sub(self.last_heartbeat_ms) >= 1_000;
         if !self.serving {
             // Envoy's main-thread VM (it ticks, may hold the control-plane streams, never
@@ -236,7 +248,8 @@ impl Ledger {
     /// Its heartbeat goes out with the registration: a VM registered without one looks long
     /// dead to the others, whose next heartbeat would take it off the registry (and a VM alone
     /// until then could take itself for alone again).
-    pub(super) fn serve(&mut self, store: &dyn SharedStore, vm: u32, now_ms: u64) {
+    pub fn serve(&mut self, store: &dyn SharedStore, now_ms: u64) {
+        let vm = self.vm;
         if !self.serving {
             self.serving = true;
             VmLedger::publish(store, vm, now_ms, &[]);
@@ -246,10 +259,138 @@ impl Ledger {
 
     /// Whether the VM knows if it routes alone: two registry checks a second apart while
     /// routing (one that routes nothing: two checks at all).
-    pub(super) fn settled(&self) -> bool {
+    pub fn settled(&self) -> bool {
         match self.serving {
             true => self.serving_checks >= 2,
             false => self.checks >= 2,
         }
     }
+
+    /// This VM's id in shared data (lease owner, log writer).
+    pub fn vm(&self) -> u32 {
+        self.vm
+    }
+
+    /// Whether this VM is the only one in its Envoy (it then reads no shared data per request).
+    pub fn alone(&self) -> bool {
+        self.alone
+    }
+
+    /// For a host whose plugins tick only on their streams' hooks: every end is written at
+    /// once when other VMs route too (a busy stream without hooks would keep the ends of the
+    /// requests before it from the others, and from the Envoy-wide gauge, while it runs).
+    pub fn write_ends_at_once(&mut self) {
+        self.untimed = true;
+    }
+
+    /// A decision on `inflight` committed: its legs to `workers` counted in flight and its
+    /// index inserts `deltas` logged — in one compare-and-swap with the ends this VM has not
+    /// written (the insert batch encoded once, stamped with the sequence number it takes), or
+    /// for a VM alone with its tick's write. Returns whether the legs are counted.
+    pub(super) fn commit(
+        &mut self,
+        store: &dyn SharedStore,
+        log: &mut DeltaLog,
+        inflight: Inflight,
+        workers: impl Iterator<Item = WorkerId> + Clone,
+        deltas: &[Delta],
+    ) -> bool {
+        if inflight.is_local() {
+            self.start_alone(store, log, workers, deltas);
+            return true;
+        }
+        let counts: Vec<(WorkerId, i32)> = workers.clone().map(|w| (w, 1)).collect();
+        let mut batch = (!deltas.is_empty()).then(|| DeltaLog::encode(0, self.vm, deltas));
+        let (counted, seq) = inflight.commit(store, &counts, &self.ended, batch.as_mut());
+        if counted {
+            self.written();
+        }
+        if let (Some(seq), Some(batch)) = (seq, &batch) {
+            log.write_encoded(store, seq, batch);
+        }
+        if counted {
+            self.counted(workers);
+        }
+        counted
+    }
+
+    /// A VM alone committed `legs` with index inserts `deltas`: counted and logged with the
+    /// tick's write, or at once past [`UNLOGGED_HASHES`].
+    fn start_alone(
+        &mut self,
+        store: &dyn SharedStore,
+        log: &mut DeltaLog,
+        legs: impl IntoIterator<Item = WorkerId>,
+        deltas: &[Delta],
+    ) {
+        self.start(legs);
+        self.unlogged_hashes += deltas.iter().map(|d| d.hashes.len()).sum::<usize>();
+        self.unlogged.extend(deltas.iter().cloned());
+        if self.unlogged_hashes >= UNLOGGED_HASHES {
+            self.write_unwritten(store, log);
+        }
+    }
+
+    /// On the tick: writes the requests that ended here since the last write (when no request
+    /// was routed since, nothing else would) and, for a VM alone, those it routed and the
+    /// inserts it has not logged yet; then reads `kvmesh.state` afresh for its next decisions.
+    pub(super) fn write_ended(&mut self, store: &dyn SharedStore, log: &mut DeltaLog) {
+        if self.alone {
+            if !self.write_unwritten(store, log) {
+                // Nothing of its own to write; a VM that died may have been taken back.
+                self.seen = Inflight::load(store);
+            }
+        } else if self.started_any() || !self.unlogged.is_empty() {
+            // Left from a time alone (a write that did not go through): out now.
+            self.write_unwritten(store, log);
+        } else {
+            self.write_ends(store);
+        }
+    }
+
+    /// A VM alone: its routed and ended requests into `kvmesh.state` and its inserts into the
+    /// delta log, one write each. Returns whether it wrote; a VM alone then decides on what it
+    /// wrote from now on (its written requests are in `seen`, no longer in its own counts).
+    fn write_unwritten(&mut self, store: &dyn SharedStore, log: &mut DeltaLog) -> bool {
+        if !self.unwritten() && self.unlogged.is_empty() {
+            return false;
+        }
+        let batch = std::mem::take(&mut self.unlogged);
+        self.unlogged_hashes = 0;
+        let one_slot =
+            !batch.is_empty() && batch.iter().map(|d| d.hashes.len()).sum::<usize>() <= DeltaLog::SLOT_HASHES;
+        let mut encoded = one_slot.then(|| DeltaLog::encode(0, self.vm, &batch));
+        let (_, seq) = self.write_started(store, encoded.as_mut());
+        match (seq, &encoded) {
+            (Some(seq), Some(encoded)) => log.write_encoded(store, seq, encoded),
+            (Some(seq), None) => log.write(store, seq, &batch),
+            // Past one slot, or the counts not written (kept for the next try): the inserts
+            // are logged all the same.
+            (None, _) if !batch.is_empty() => log.append(store, &batch),
+            (None, _) => {}
+        }
+        self.seen = Inflight::load(store);
+        true
+    }
+
+    /// On the tick: publishes what this VM has in flight and takes back the counts of VMs
+    /// that died (see [`Ledger::beat`]); a VM that stops or starts being alone changes how it
+    /// writes.
+    pub(super) fn heartbeat(&mut self, store: &dyn SharedStore, now_ms: u64, log: &mut DeltaLog) {
+        let was_alone = self.alone;
+        self.beat(store, now_ms);
+        match (was_alone, self.alone) {
+            // Another VM registered: what this one kept for its tick goes out now.
+            (true, false) => {
+                self.write_unwritten(store, log);
+            }
+            // From now on it decides on what it last saw and its own requests.
+            (false, true) => self.seen = Inflight::load(store),
+            _ => {}
+        }
+    }
 }
+
+/// Index inserts a VM alone keeps for its tick's write: past these it writes them at once
+/// (half a delta-log slot, so that one request's inserts on top still fit in one slot).
+const UNLOGGED_HASHES: usize = DeltaLog::SLOT_HASHES / 2;

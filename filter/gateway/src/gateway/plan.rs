@@ -151,7 +151,7 @@ pub struct RequestInfo<'a> {
     /// The request id (`x-request-id`; logs and both PD legs carry it as a header, never as
     /// `rid`).
     pub request_id: Option<&'a str>,
-    /// The routing key a request header gave (`consistent_hashing`; see [`Gateway::routing_key`]).
+    /// The routing key a request header gave (`consistent_hashing`; see [`Front::routing_key`](super::Front::routing_key)).
     pub routing_key: Option<&'a str>,
     /// Reads the request headers again, for a VM that learns only at the body that a key is
     /// needed (its first snapshot, or new settings, arrived in between); none when the headers

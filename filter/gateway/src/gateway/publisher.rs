@@ -11,7 +11,7 @@ use kvmesh_proto::v1::{self as proto, IndexEvict, IndexInsert, ReportBatch, Work
 
 use super::view::{Mode, RoutingView};
 use crate::now::Now;
-use crate::shared::{Inflight, SharedStore};
+use crate::shared::{Delta, Inflight, SharedStore};
 
 /// Most block hashes held for the next report (8 MiB; the oldest batches go first).
 pub const REPORT_QUEUE_HASHES: usize = 1 << 20;
@@ -46,7 +46,7 @@ impl ReportQueue {
 /// The stream owner's reporting state (empty on every other VM: another VM's queue would
 /// never be sent; when a VM takes the streams over, its full report covers what it indexed).
 #[derive(Default)]
-pub(super) struct Publisher {
+pub struct Publisher {
     /// This VM holds the control-plane streams (the plugin says so on every tick).
     reporting: bool,
     /// This Envoy's gateway id: inserts a delta says it reported itself are not applied again.
@@ -60,9 +60,36 @@ pub(super) struct Publisher {
 }
 
 impl Publisher {
+    /// The gateway id this Envoy reports under (its own inserts, echoed back in snapshots,
+    /// are skipped: see [`super::Gateway::apply_snapshot`]).
+    pub fn set_own_id(&mut self, id: &str) {
+        self.own_id = Some(id.to_string());
+    }
+
+    /// A snapshot's index changes as delta-log entries, less this Envoy's own inserts
+    /// echoed back by the control plane (they are in its index already).
+    pub(super) fn deltas_of(&self, snapshot: &proto::Snapshot) -> Vec<Delta> {
+        let mut deltas: Vec<Delta> = Vec::with_capacity(snapshot.inserts.len() + snapshot.evictions.len());
+        let own_id = self.own_id.as_deref();
+        let own = |i: &&IndexInsert| !i.origin.is_empty() && own_id == Some(i.origin.as_str());
+        deltas.extend(snapshot.inserts.iter().filter(|i| !own(i)).map(|i| Delta {
+            worker: i.worker,
+            evict: false,
+            from_cp: true,
+            hashes: i.hashes.clone(),
+        }));
+        deltas.extend(snapshot.evictions.iter().map(|e| Delta {
+            worker: e.worker,
+            evict: true,
+            from_cp: true,
+            hashes: e.hashes.clone(),
+        }));
+        deltas
+    }
+
     /// Whether this VM holds the control-plane streams: only then are inserts queued for
     /// reports (a VM that stops holding them drops its queues).
-    pub(super) fn set_reporting(&mut self, on: bool) {
+    pub fn set_reporting(&mut self, on: bool) {
         if !on && self.reporting {
             self.unreported.take();
             self.stale.clear();
@@ -90,7 +117,7 @@ impl Publisher {
 
     /// Hashes queued for the next report.
     #[cfg(test)]
-    pub(super) fn unreported_hashes(&self) -> usize {
+    pub fn unreported_hashes(&self) -> usize {
         self.unreported.hashes
     }
 

@@ -21,7 +21,7 @@ use crate::health::Health;
 use crate::now::Now;
 use crate::pd::{self, PrefillLeg, Split};
 use crate::routed::Routed;
-use crate::shared::{Delta, Inflight, SharedStore};
+use crate::shared::{Delta, Inflight};
 use crate::stall::Stalls;
 
 /// With a control plane, a filter's own eviction only keeps its index under this many times
@@ -487,22 +487,6 @@ impl RoutingView {
     /// `rank` (a request's fallbacks are its own rank of other workers).
     pub(super) fn worker_at(&self, addr: &str, rank: Option<u32>) -> Option<WorkerId> {
         self.table.iter().find(|w| w.is_at(addr, rank)).map(|w| w.id)
-    }
-
-    /// What a request did to `worker` (`ok`: not a failure of the worker's), at `now`: its
-    /// circuit breaker learns it, and a change of state is logged.
-    pub(super) fn record_outcome(&mut self, store: &dyn SharedStore, worker: WorkerId, ok: bool, now: Now) {
-        let Some((from, to)) = self.health.record(store, worker, ok, now) else { return };
-        let addr = self.table.get(worker).map_or("?", |w| w.addr.as_str());
-        match to {
-            BreakerState::Open => log::warn!(
-                "worker {addr}: circuit breaker open ({} from {}); out of rotation for {} s",
-                if from == BreakerState::HalfOpen { "its probe failed" } else { "failures" },
-                from.name(),
-                self.health.params().timeout_ms / 1000
-            ),
-            _ => log::info!("worker {addr}: circuit breaker {} (was {})", to.name(), from.name()),
-        }
     }
 
     /// LRU eviction every `eviction_interval_secs`; returns the number of blocks evicted when

@@ -94,7 +94,7 @@ fn a_follower_routes_on_the_owners_table_and_never_holds_the_streams() {
 }
 
 fn owner_vm(p: &Plugin) -> u32 {
-    p.gateway().unwrap().borrow().vm_id()
+    p.gateway().unwrap().borrow().ledger().vm()
 }
 
 #[test]
@@ -183,7 +183,7 @@ fn one_vm_holds_the_streams_and_another_takes_over_when_it_stops_ticking() {
     for i in 0..5 {
         assert!(route(&b_host, &b, &format!("routed on b {i} {}", "x".repeat(64))).is_some());
     }
-    assert_eq!(b.gateway().unwrap().borrow().unreported_hashes(), 0, "a standby VM queues nothing");
+    assert_eq!(b.gateway().unwrap().borrow_mut().publisher().unreported_hashes(), 0, "a standby VM queues nothing");
     a_host.advance_ms(20);
     b_host.advance_ms(20);
     a.on_tick(&a_host);
@@ -420,10 +420,11 @@ fn the_last_streams_end_flushes_what_the_tick_keeps() {
     let mut p = Plugin::default();
     p.configure(&host, br#"{"worker_urls":["http://127.0.0.1:1"]}"#, 1).unwrap();
     let gateway = p.gateway().unwrap();
-    let worker = gateway.borrow().worker_at("127.0.0.1:1", None).unwrap();
+    let worker = gateway.borrow().front().worker_at("127.0.0.1:1", None).unwrap();
     gateway
         .borrow_mut()
-        .count_usage(worker, &kvmesh_core::usage::Usage { completion_tokens: Some(3), ..Default::default() });
+        .feedback()
+        .count(worker, &kvmesh_core::usage::Usage { completion_tokens: Some(3), ..Default::default() });
     p.on_stream_end(&host, 1);
     assert!(crate::shared::feedback::read(&host).is_empty(), "another stream is live: the tick will write it");
     p.on_stream_end(&host, 0);

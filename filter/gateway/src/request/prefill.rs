@@ -29,12 +29,12 @@ impl RequestFilter {
         let deferred = std::mem::take(&mut self.deferred);
         if let Some(prefill) = self.leg.as_ref().map(Leg::prefill) {
             self.with_gateway(|g| {
-                g.finish(host, prefill, worker_ok);
-                g.outcome(host, prefill, worker_ok, now);
-                g.ended(prefill.worker, status.is_some(), now.ms());
+                g.ledger_mut().finish(host, prefill, worker_ok);
+                g.outcomes().record(host, prefill.worker, worker_ok, now);
+                g.outcomes().ended(prefill.worker, status.is_some(), now.ms());
                 // The prefill did its part: decode failures seen meanwhile were the decode's own.
                 for &worker in deferred.iter().filter(|_| answer.ok()) {
-                    g.worker_failed(host, worker, now);
+                    g.outcomes().record(host, worker, false, now);
                 }
             });
         }
@@ -72,7 +72,7 @@ impl RequestFilter {
                 Effect::ResumeRequest => {
                     // The decode worker gets it now: its stall window starts here.
                     if let Some(decode) = self.routed.as_ref().map(|r| r.worker) {
-                        self.with_gateway(|g| g.sent(decode, now.ms()));
+                        self.with_gateway(|g| g.outcomes().sent(decode, now.ms()));
                         self.awaiting = true;
                         self.wait_for_answer(decode);
                     }
@@ -91,8 +91,8 @@ impl RequestFilter {
         if aborts.is_empty() {
             return;
         }
-        let cluster = self.with_gateway(|g| g.upstream_cluster().to_string()).unwrap_or_default();
-        let authorization = self.with_gateway(|g| g.destination().authorization).flatten();
+        let cluster = self.with_gateway(|g| g.front().upstream_cluster().to_string()).unwrap_or_default();
+        let authorization = self.with_gateway(|g| g.front().destination().authorization).flatten();
         let addr = leg.prefill().addr.as_str();
         for (path, body) in &aborts {
             let mut headers = callout_headers(path, addr).to_vec();

@@ -71,7 +71,7 @@ fn profile_the_request_path() {
     let urls: Vec<String> = (0..env("PROFILE_WORKERS", 4)).map(|i| format!("http://127.0.0.1:{}", 30001 + i)).collect();
     let gw = gateway(&host, &serde_json::json!({ "worker_urls": urls }).to_string());
     // The Envoy's only VM, as in the benchmarks' one-thread Envoy.
-    gw.borrow_mut().serve(&host, 0);
+    gw.borrow_mut().ledger_mut().serve(&host, 0);
     gw.borrow_mut().heartbeat(&host, 1_000);
     gw.borrow_mut().heartbeat(&host, 2_000);
     let repeat = env("PROFILE_PROMPT_REPEAT", 20);
@@ -105,7 +105,7 @@ fn profile_the_request_path() {
             host.calls.borrow_mut().clear();
             host.metrics.borrow_mut().clear();
             host.now_ms.set(host.now_ms.get() + 20);
-            gw.borrow_mut().flush_feedback(&host);
+            gw.borrow_mut().feedback().flush(&host);
             gw.borrow_mut().write_ended(&host);
         }
     }
@@ -699,7 +699,7 @@ fn pd_a_decode_failure_counts_against_the_decode_worker_only_if_the_prefill_succ
         answer_prefill(&host, &mut f, prefill_status, "");
         f.on_log(&host);
         let now = Now::from_nanos(host.now_nanos());
-        let state = gw.borrow().breaker_state(1, now);
+        let state = gw.borrow().front().breaker_state(1, now);
         assert_eq!(
             state != kvmesh_core::breaker::BreakerState::Closed,
             decode_blamed,

@@ -132,9 +132,9 @@ impl RequestFilter {
         let resend = self.resend.take()?;
         let rank = self.routed.as_ref()?.dp_rank;
         let (target, cluster, how) = self.with_gateway(|g| {
-            let usable = |addr: &&String| g.worker_at(addr, rank).is_some_and(|w| !hung.contains(&w));
+            let usable = |addr: &&String| g.front().worker_at(addr, rank).is_some_and(|w| !hung.contains(&w));
             let target = resend.fallbacks.iter().find(usable)?.clone();
-            Some((target, g.upstream_cluster().to_string(), g.destination()))
+            Some((target, g.front().upstream_cluster().to_string(), g.front().destination()))
         })??;
         let client = host.request_headers();
         let mut headers = callout_headers(&self.path, &target).to_vec();
@@ -185,7 +185,7 @@ impl RequestFilter {
         self.failed_over = true;
         let _ = host.set_filter_state(FAILOVER_KEY, &target);
         host.increment(Metric::Failovers);
-        self.with_gateway(|g| g.failover(host, hung.0));
+        self.with_gateway(|g| g.outcomes().failover(host, hung.0));
         let headers = [("content-type", "application/json"), ("x-kvmesh-worker", target.as_str())];
         if let Err(e) = host.send_reply(status, &headers, &body) {
             log::warn!("cannot send {target}'s answer: {e}");

@@ -1,8 +1,9 @@
 //! What the filter writes on the requests it sends workers: the destination headers Envoy's
 //! router and workers' cluster read, the workers' key, and the prefill callout's headers.
 
-use crate::gateway::{endpoint_list, is_routing_header, Destination};
+use crate::gateway::{endpoint_list, Destination};
 use crate::host::StreamHost;
+use crate::pd::PREFILLER_HEADER;
 
 /// The header Envoy's ORIGINAL_DST cluster (`use_http_header`) connects to: the chosen
 /// worker (for clusters that pin one host; no failover there).
@@ -76,4 +77,35 @@ pub(super) fn callout_headers<'a>(path: &'a str, addr: &'a str) -> [(&'a str, &'
         (ENDPOINTS_HEADER, addr),
         ("content-type", "application/json"),
     ]
+}
+
+/// Whether a client-sent request header could steer routing and must be dropped.
+pub fn is_routing_header(name: &str) -> bool {
+    // Every request header passes here: no allocation, and most leave at the first byte.
+    name.as_bytes().first().is_some_and(|c| c.eq_ignore_ascii_case(&b'x'))
+        && (name.eq_ignore_ascii_case("x-envoy-original-dst-host")
+            || name.eq_ignore_ascii_case("x-gateway-destination-endpoint")
+            || name.eq_ignore_ascii_case(PREFILLER_HEADER)
+            || name.get(..9).is_some_and(|p| p.eq_ignore_ascii_case("x-kvmesh-")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routing_headers_are_recognised() {
+        for h in [
+            "x-envoy-original-dst-host",
+            "X-Gateway-Destination-Endpoint",
+            "x-kvmesh-worker",
+            "x-kvmesh-anything",
+            "X-Prefiller-Host-Port",
+        ] {
+            assert!(is_routing_header(h), "{h}");
+        }
+        for h in ["x-request-id", "content-type", "x-envoy-expected-rq-timeout-ms"] {
+            assert!(!is_routing_header(h), "{h}");
+        }
+    }
 }

@@ -9,7 +9,7 @@ fn gateway(store: &FakeStore, seed: u64) -> Gateway {
     let json = r#"{"control_plane_cluster":"cp","worker_urls":["http://127.0.0.1:1"],"cache_threshold":0.2,
         "balance_abs_threshold":5}"#;
     let mut g = Gateway::new(kvmesh_core::Config::from_json(json.as_bytes()).unwrap(), store, seed);
-    g.set_reporting(true);
+    g.publisher().set_reporting(true);
     g
 }
 
@@ -244,7 +244,7 @@ fn an_id_that_changes_worker_loses_its_index_entries() {
 fn a_delta_does_not_echo_this_envoys_own_inserts() {
     let store = FakeStore::default();
     let (mut owner, mut other) = (gateway(&store, 1), gateway(&store, 2));
-    owner.set_own_id("envoy/a");
+    owner.publisher().set_own_id("envoy/a");
     let full = proto::Snapshot {
         version: 1,
         full: true,

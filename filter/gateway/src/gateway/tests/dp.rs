@@ -11,7 +11,7 @@ fn gateway(store: &FakeStore, seed: u64) -> Gateway {
     let json = r#"{"control_plane_cluster":"cp","worker_urls":["http://127.0.0.1:1"],"cache_threshold":0.2,
         "retry_max_retries":3}"#;
     let mut g = Gateway::new(kvmesh_core::Config::from_json(json.as_bytes()).unwrap(), store, seed);
-    g.set_reporting(true);
+    g.publisher().set_reporting(true);
     g
 }
 
@@ -84,9 +84,9 @@ fn a_clients_own_rank_is_replaced_and_the_fallbacks_are_the_same_rank_elsewhere(
     assert_eq!(sent["data_parallel_rank"], 1, "the gateway's rank, not the client's");
     assert_eq!(p.fallbacks(), ["127.0.0.1:21"], "rank 1 of the other worker only, not rank 0 of its own");
     // The upstream Envoy reports is told apart by the rank the request named.
-    assert_eq!(g.worker_at("127.0.0.1:21", Some(1)), Some(13));
-    assert_eq!(g.worker_at("127.0.0.1:21", Some(0)), Some(12));
-    assert_eq!(g.worker_at("127.0.0.1:21", None), None);
+    assert_eq!(g.front().worker_at("127.0.0.1:21", Some(1)), Some(13));
+    assert_eq!(g.front().worker_at("127.0.0.1:21", Some(0)), Some(12));
+    assert_eq!(g.front().worker_at("127.0.0.1:21", None), None);
 }
 
 #[test]
@@ -103,7 +103,7 @@ fn without_ranks_the_body_goes_as_sent_and_a_changed_rank_forgets_the_index() {
     let p = plan(&mut g, &store, r#"{"data_parallel_rank":1,"text":"hello"}"#);
     assert_eq!(p.body(), Some(&br#"{"text":"hello"}"#[..]));
     assert!(p.main.dp_rank.is_none());
-    assert_eq!(g.worker_at(p.addr(), None), Some(p.main.worker));
+    assert_eq!(g.front().worker_at(p.addr(), None), Some(p.main.worker));
     let (home, _) = route(&mut g, &store, &prompt(0, 0));
     assert_eq!(route(&mut g, &store, &prompt(0, 1)).0, home);
     // The same ids now ranks of one worker: what the index held for them is forgotten.

@@ -9,7 +9,7 @@ use kvmesh_core::Endpoint;
 fn gateway(store: &FakeStore, seed: u64, settings: &str) -> Gateway {
     let json = format!(r#"{{"control_plane_cluster":"cp","worker_urls":["http://127.0.0.1:1"]{settings}}}"#);
     let mut g = Gateway::new(kvmesh_core::Config::from_json(json.as_bytes()).unwrap(), store, seed);
-    g.set_reporting(true);
+    g.publisher().set_reporting(true);
     g
 }
 
@@ -224,7 +224,7 @@ fn the_control_planes_workers_key_reaches_every_vm_over_the_plugins() {
     let store = FakeStore::default();
     let (mut owner, mut other) =
         (gateway(&store, 1, r#","worker_api_key":"mine""#), gateway(&store, 2, r#","worker_api_key":"mine""#));
-    let auth = |g: &Gateway| g.destination().authorization;
+    let auth = |g: &Gateway| g.front().destination().authorization;
     assert_eq!(auth(&owner).as_deref(), Some("Bearer mine"));
     let mut full = two_models();
     full.worker_authorization = "Bearer cp-key".into();

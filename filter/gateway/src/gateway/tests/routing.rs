@@ -33,7 +33,7 @@ fn routed(g: &mut Gateway, store: &FakeStore, body: &[u8]) -> Routed {
 /// Registers `g` as a routing VM and gives it the two heartbeats a second apart after which it
 /// knows that it routes alone (at 1 s and 2 s: later clock values in a test build on these).
 fn settle_alone(g: &mut Gateway, store: &FakeStore) {
-    g.serve(store, 0);
+    g.ledger_mut().serve(store, 0);
     g.heartbeat(store, 1_000);
     g.heartbeat(store, 2_000);
 }
@@ -50,7 +50,7 @@ fn gateway(store: &FakeStore, extra: &str) -> Gateway {
         r#"{{"worker_urls":["http://127.0.0.1:30001","http://127.0.0.1:30002","http://127.0.0.1:30003"]{extra}}}"#
     );
     let mut g = Gateway::new(Config::from_json(json.as_bytes()).unwrap(), store, 42);
-    g.set_reporting(true);
+    g.publisher().set_reporting(true);
     g
 }
 
@@ -63,9 +63,9 @@ fn consistent_hashing_keys_come_from_the_headers_then_the_body_field() {
     let store = FakeStore::default();
     let mut g = gateway(&store, r#","policy":"consistent_hashing","routing_key_body_field":"user""#);
     let hdr = |v: &str| Headers::from_pairs([("X-Session-Id", v.as_bytes())]);
-    assert_eq!(g.routing_key(&hdr("s1")).as_deref(), Some("s1"), "a default header, any case");
-    assert_eq!(g.routing_key(&hdr("")), None);
-    assert_eq!(g.routing_key(&hdr(&"k".repeat(MAX_ROUTING_KEY + 1))), None, "too long");
+    assert_eq!(g.front().routing_key(&hdr("s1")).as_deref(), Some("s1"), "a default header, any case");
+    assert_eq!(g.front().routing_key(&hdr("")), None);
+    assert_eq!(g.front().routing_key(&hdr(&"k".repeat(MAX_ROUTING_KEY + 1))), None, "too long");
     let owner = |g: &mut Gateway, key: Option<&str>, body: &[u8]| {
         let info = RequestInfo { request_id: None, routing_key: key, headers: None, now: Now::from_secs(1000) };
         let p = plan(g.route_request(&store, Endpoint::Generate, body, &info));
@@ -94,7 +94,7 @@ fn consistent_hashing_keys_come_from_the_headers_then_the_body_field() {
     }
     // Another policy keeps no key.
     let g = gateway(&store, "");
-    assert_eq!(g.routing_key(&hdr("s1")), None);
+    assert_eq!(g.front().routing_key(&hdr("s1")), None);
 }
 
 #[test]
@@ -114,8 +114,8 @@ fn shared_prefix_sticks_and_inflight_is_tracked() {
     assert_eq!(p.inflight.count(first.worker), 2, "its own requests count as load at once");
     g.write_ended(&store);
     assert_eq!(Inflight::read(&store), vec![(first.worker, 2)]);
-    g.finish(&store, &first, true);
-    g.finish(&store, &again, false);
+    g.ledger_mut().finish(&store, &first, true);
+    g.ledger_mut().finish(&store, &again, false);
     // Ending touches no shared data either: the tick writes the ends with the new requests.
     assert_eq!(Inflight::read(&store), vec![(first.worker, 2)]);
     let third = routed(&mut g, &store, &body(&format!("{prefix}c")));
@@ -123,20 +123,20 @@ fn shared_prefix_sticks_and_inflight_is_tracked() {
     g.write_ended(&store);
     let c = Inflight::counts(&store);
     assert_eq!((c[0].in_flight, c[0].finished, c[0].failed), (1, 2, 1));
-    g.finish(&store, &third, true);
+    g.ledger_mut().finish(&store, &third, true);
     g.write_ended(&store);
     assert_eq!(Inflight::read(&store), vec![(first.worker, 0)]);
     // With another VM, a request is counted at its commit; its end goes with the VM's next
     // commit (or tick) while the VM has others in flight — the other VM counts it as load
     // until then — and at once when it was the VM's last.
     let mut other = Gateway::new(g.config().clone(), &store, 7);
-    other.serve(&store, 0);
+    other.ledger_mut().serve(&store, 0);
     other.heartbeat(&store, 1_000);
     g.heartbeat(&store, 3_000);
     let fourth = routed(&mut g, &store, &body(&format!("{prefix}d")));
     let held = routed(&mut g, &store, &body(&format!("{prefix}held")));
     assert_eq!(Inflight::read(&store), vec![(first.worker, 2)], "counted at their commits");
-    g.finish(&store, &fourth, true);
+    g.ledger_mut().finish(&store, &fourth, true);
     assert_eq!(Inflight::read(&store), vec![(first.worker, 2)], "its end waits for the next write");
     let p = plan(req(&mut other, &store, Endpoint::Generate, &body(&format!("{prefix}e"))));
     assert_eq!(p.inflight.count(first.worker), 2, "the other VM sees it in flight meanwhile");
@@ -146,9 +146,9 @@ fn shared_prefix_sticks_and_inflight_is_tracked() {
     assert_eq!(fifth.worker, first.worker);
     let c = Inflight::counts(&store);
     assert_eq!((c[0].in_flight, c[0].finished), (2, 4), "the fifth's commit wrote the fourth's end");
-    g.finish(&store, &fifth, true);
+    g.ledger_mut().finish(&store, &fifth, true);
     assert_eq!(Inflight::read(&store), vec![(first.worker, 2)]);
-    g.finish(&store, &held, true);
+    g.ledger_mut().finish(&store, &held, true);
     assert_eq!(Inflight::read(&store), vec![(first.worker, 0)], "the last one's end: both at once");
 }
 
@@ -177,7 +177,7 @@ fn a_vms_own_ended_requests_count_at_once_in_its_decisions() {
     let mut g = gateway(&store, "");
     settle_alone(&mut g, &store);
     let held = routed(&mut g, &store, &body(&"x".repeat(400)));
-    g.finish(&store, &held, true);
+    g.ledger_mut().finish(&store, &held, true);
     let p = plan(req(&mut g, &store, Endpoint::Generate, &body(&"y".repeat(400))));
     assert_eq!(p.inflight.count(held.worker), 0, "not written yet, but not counted as load");
     assert_eq!(Inflight::read(&store), vec![], "nothing written before the tick");
@@ -210,9 +210,9 @@ fn the_requests_of_a_vm_that_died_do_not_stay_in_flight() {
     // a has been the Envoy's only VM for two heartbeats: it keeps its ends.
     settle_alone(&mut a, &store);
     let mut b = Gateway::new(a.config().clone(), &store, 7);
-    b.serve(&store, 0);
+    b.ledger_mut().serve(&store, 0);
     b.heartbeat(&store, 2_000);
-    assert!(a.ledger.alone && !b.ledger.alone, "b just came: a learns of it on its next tick");
+    assert!(a.ledger.alone() && !b.ledger.alone(), "b just came: a learns of it on its next tick");
     let mut on_b = Vec::new();
     for i in 0..3 {
         routed(&mut a, &store, &body(&format!("on a {i}")));
@@ -225,9 +225,9 @@ fn the_requests_of_a_vm_that_died_do_not_stay_in_flight() {
     // One more request on a, routed and ended: written (in and out) when a learns of b on its
     // next tick, which also publishes what a has in flight.
     let ended_on_a = routed(&mut a, &store, &body("on a, ended"));
-    a.finish(&store, &ended_on_a, true);
+    a.ledger_mut().finish(&store, &ended_on_a, true);
     a.heartbeat(&store, 2_500);
-    assert!(!a.ledger.alone);
+    assert!(!a.ledger.alone());
     b.heartbeat(&store, 2_500);
     assert_eq!(total(&store), 6);
     drop(a); // trapped: its streams never reach on_log
@@ -238,7 +238,7 @@ fn the_requests_of_a_vm_that_died_do_not_stay_in_flight() {
     b.heartbeat(&store, 13_000);
     assert_eq!(total(&store), 3, "a's three are taken back, b's stay");
     for r in &on_b {
-        b.finish(&store, r, true);
+        b.ledger_mut().finish(&store, r, true);
     }
     assert_eq!(total(&store), 0, "b's last end wrote them all");
 }
@@ -248,31 +248,31 @@ fn vms_that_start_together_never_take_themselves_for_alone() {
     let store = FakeStore::default();
     let mut a = gateway(&store, "");
     let mut b = Gateway::new(a.config().clone(), &store, 7);
-    a.serve(&store, 0);
-    b.serve(&store, 0);
+    a.ledger_mut().serve(&store, 0);
+    b.ledger_mut().serve(&store, 0);
     // a registers a moment before b: alone at that check, but not at the next.
     a.heartbeat(&store, 1_000);
     b.heartbeat(&store, 1_001);
-    assert!(!a.ledger.alone && !b.ledger.alone);
+    assert!(!a.ledger.alone() && !b.ledger.alone());
     a.heartbeat(&store, 2_000);
     b.heartbeat(&store, 2_001);
-    assert!(!a.ledger.alone && !b.ledger.alone);
+    assert!(!a.ledger.alone() && !b.ledger.alone());
     // A VM on its own is, from its second heartbeat.
     // Envoy's main-thread VM ticks too but routes nothing: not counted as another VM.
     let lone_store = FakeStore::default();
     let mut c = gateway(&lone_store, "");
     let mut main = Gateway::new(c.config().clone(), &lone_store, 9);
-    c.serve(&lone_store, 0);
+    c.ledger_mut().serve(&lone_store, 0);
     for t in [1_000, 2_000] {
         main.heartbeat(&lone_store, t);
         c.heartbeat(&lone_store, t + 1);
-        assert_eq!(c.ledger.alone, t == 2_000, "at {t} ms");
+        assert_eq!(c.ledger.alone(), t == 2_000, "at {t} ms");
     }
-    assert!(!main.ledger.alone && main.settled());
+    assert!(!main.ledger.alone() && main.ledger().settled());
     // It routes a request (a passthrough path, say): from then on it counts.
-    main.serve(&lone_store, 0);
+    main.ledger_mut().serve(&lone_store, 0);
     c.heartbeat(&lone_store, 2_021);
-    assert!(!c.ledger.alone, "noticed on c's next tick");
+    assert!(!c.ledger.alone(), "noticed on c's next tick");
 }
 
 #[test]
@@ -299,7 +299,7 @@ fn a_vm_alone_logs_its_inserts_on_its_tick_and_when_another_comes() {
     let store = FakeStore::default();
     let mut a = gateway(&store, "");
     settle_alone(&mut a, &store);
-    assert!(a.alone());
+    assert!(a.ledger().alone());
     let first = routed(&mut a, &store, &body(&format!("{}1", "q".repeat(400))));
     routed(&mut a, &store, &body(&format!("{}1", "s".repeat(400))));
     assert_eq!(Inflight::load(&store).head(), 0, "nothing logged per request");
@@ -314,7 +314,7 @@ fn a_vm_alone_logs_its_inserts_on_its_tick_and_when_another_comes() {
     let before = routed(&mut a, &store, &body(&format!("{}x", "r".repeat(400))));
     assert_eq!(Inflight::load(&store).head(), 2, "b's insert only");
     a.heartbeat(&store, 3_000);
-    assert!(!a.alone());
+    assert!(!a.ledger().alone());
     let total: u32 = Inflight::counts(&store).iter().map(|c| c.in_flight).sum();
     assert_eq!(total, 4, "a's three requests and b's one, all written");
     let on_b = routed(&mut b, &store, &body(&format!("{}y", "r".repeat(400))));
@@ -331,8 +331,8 @@ fn bad_requests_get_json_errors_and_do_not_count() {
     assert!(String::from_utf8_lossy(&r.body).contains("`text`"));
     assert_eq!(reply(req(&mut g, &store, Endpoint::Generate, b"{")).status, 400);
     assert_eq!(reply(req(&mut g, &store, Endpoint::Generate, &[b' '; 100])).status, 413);
-    assert_eq!(g.check_length(Some(65)).map(|r| r.status), Some(413));
-    assert_eq!(g.check_length(Some(64)), None);
+    assert_eq!(g.front().check_length(Some(65)).map(|r| r.status), Some(413));
+    assert_eq!(g.front().check_length(Some(64)), None);
     assert!(Inflight::read(&store).is_empty());
 }
 
@@ -526,11 +526,11 @@ fn a_failing_worker_is_opened_probed_and_closed_on_every_vm() {
     let mut b = Gateway::new(a.config().clone(), &store, 7);
     let bad = routed(&mut a, &store, &body("x"));
     // Three failures, seen on two VMs, open it for both.
-    a.outcome(&store, &bad, false, Now::from_secs(100));
-    b.outcome(&store, &bad, false, Now::from_secs(100));
-    assert_eq!(a.breaker_state(bad.worker, Now::from_secs(100)), BreakerState::Closed);
-    b.worker_failed(&store, bad.worker, Now::from_secs(101));
-    assert_eq!(b.breaker_state(bad.worker, Now::from_secs(101)), BreakerState::Open);
+    a.outcomes().record(&store, bad.worker, false, Now::from_secs(100));
+    b.outcomes().record(&store, bad.worker, false, Now::from_secs(100));
+    assert_eq!(a.front().breaker_state(bad.worker, Now::from_secs(100)), BreakerState::Closed);
+    b.outcomes().record(&store, bad.worker, false, Now::from_secs(101));
+    assert_eq!(b.front().breaker_state(bad.worker, Now::from_secs(101)), BreakerState::Open);
     a.tick(&store, 101);
     for g in [&mut a, &mut b] {
         for i in 0..12 {
@@ -554,13 +554,13 @@ fn a_failing_worker_is_opened_probed_and_closed_on_every_vm() {
         "other paths never probe"
     );
     // It answers: the slot is free again; a second success closes it.
-    a.outcome(&store, &probes[0], true, Now::from_secs(107));
+    a.outcomes().record(&store, probes[0].worker, true, Now::from_secs(107));
     b.tick(&store, 107);
     let second =
         (0..6).find_map(|i| route_at(&mut b, &store, &format!("s{i}"), 107).ok().filter(|r| r.worker == bad.worker));
     let second = second.expect("a second probe");
-    b.outcome(&store, &second, true, Now::from_secs(108));
-    assert_eq!(b.breaker_state(bad.worker, Now::from_secs(108)), BreakerState::Closed);
+    b.outcomes().record(&store, second.worker, true, Now::from_secs(108));
+    assert_eq!(b.front().breaker_state(bad.worker, Now::from_secs(108)), BreakerState::Closed);
     a.tick(&store, 108);
     let back = (0..9).filter(|i| route_at(&mut a, &store, &format!("c{i}"), 108).unwrap().worker == bad.worker).count();
     assert_eq!(back, 3, "round robin over all three again");
@@ -571,12 +571,16 @@ fn a_failed_probe_opens_it_again() {
     let store = FakeStore::default();
     let mut g = gateway(&store, r#","cb_failure_threshold":1,"cb_timeout_duration_secs":5"#);
     let bad = routed(&mut g, &store, &body("x"));
-    g.outcome(&store, &bad, false, Now::from_secs(100));
+    g.outcomes().record(&store, bad.worker, false, Now::from_secs(100));
     let probe =
         (0..30).find_map(|i| route_at(&mut g, &store, &format!("p{i}"), 105).ok().filter(|r| r.worker == bad.worker));
-    g.outcome(&store, &probe.expect("a probe"), false, Now::from_secs(106));
-    assert_eq!(g.breaker_state(bad.worker, Now::from_secs(110)), BreakerState::Open, "for another 5 s from 106");
-    assert_eq!(g.breaker_state(bad.worker, Now::from_secs(111)), BreakerState::HalfOpen);
+    g.outcomes().record(&store, probe.expect("a probe").worker, false, Now::from_secs(106));
+    assert_eq!(
+        g.front().breaker_state(bad.worker, Now::from_secs(110)),
+        BreakerState::Open,
+        "for another 5 s from 106"
+    );
+    assert_eq!(g.front().breaker_state(bad.worker, Now::from_secs(111)), BreakerState::HalfOpen);
 }
 
 #[test]
@@ -584,9 +588,9 @@ fn breakers_keep_time_to_the_millisecond() {
     let store = FakeStore::default();
     let mut g = gateway(&store, r#","cb_failure_threshold":1,"cb_timeout_duration_secs":5"#);
     let w = routed(&mut g, &store, &body("x"));
-    g.outcome(&store, &w, false, Now::from_ms(100_900));
-    assert_eq!(g.breaker_state(w.worker, Now::from_ms(105_899)), BreakerState::Open);
-    assert_eq!(g.breaker_state(w.worker, Now::from_ms(105_900)), BreakerState::HalfOpen);
+    g.outcomes().record(&store, w.worker, false, Now::from_ms(100_900));
+    assert_eq!(g.front().breaker_state(w.worker, Now::from_ms(105_899)), BreakerState::Open);
+    assert_eq!(g.front().breaker_state(w.worker, Now::from_ms(105_900)), BreakerState::HalfOpen);
     assert_eq!(Now::from_nanos(1_234_567_890).ms(), 1_234);
 }
 
@@ -597,12 +601,12 @@ fn client_errors_and_disabled_breakers_never_take_a_worker_out() {
     let w = routed(&mut g, &store, &body("x"));
     // The filter reports a 4xx as a success (the worker answered).
     for t in 0..100 {
-        g.outcome(&store, &w, true, Now::from_secs(t));
+        g.outcomes().record(&store, w.worker, true, Now::from_secs(t));
     }
-    assert_eq!(g.breaker_state(w.worker, Now::from_secs(100)), BreakerState::Closed);
+    assert_eq!(g.front().breaker_state(w.worker, Now::from_secs(100)), BreakerState::Closed);
     let mut off = gateway(&store, r#","cb_failure_threshold":1,"disable_circuit_breaker":true"#);
     for t in 0..100 {
-        off.outcome(&store, &w, false, Now::from_secs(t));
+        off.outcomes().record(&store, w.worker, false, Now::from_secs(t));
     }
     assert!((0..30).any(|i| route_at(&mut off, &store, &format!("d{i}"), 100).unwrap().worker == w.worker));
 }
@@ -613,7 +617,7 @@ fn when_every_worker_is_open_the_answer_is_503() {
     let mut g = gateway(&store, r#","cb_failure_threshold":1"#);
     for port in 1..=3 {
         let w = g.view.table.workers.iter().find(|w| w.addr.ends_with(&format!(":3000{port}"))).unwrap().id;
-        g.worker_failed(&store, w, Now::from_secs(100));
+        g.outcomes().record(&store, w, false, Now::from_secs(100));
     }
     assert_eq!(route_at(&mut g, &store, "x", 101).unwrap_err(), 503);
     assert_eq!(g.route_other(&store, Now::from_secs(101)).unwrap_err().status, 503);
@@ -624,12 +628,12 @@ fn reports_carry_breaker_states_and_failovers() {
     let store = FakeStore::default();
     let mut g = gateway(&store, r#","cb_failure_threshold":1,"control_plane_cluster":"cp""#);
     let w = routed(&mut g, &store, &body("x"));
-    g.failover(&store, w.worker);
-    g.failover(&store, w.worker);
-    g.worker_failed(&store, w.worker, Now::from_secs(100));
+    g.outcomes().failover(&store, w.worker);
+    g.outcomes().failover(&store, w.worker);
+    g.outcomes().record(&store, w.worker, false, Now::from_secs(100));
     let other = g.view.table.workers.iter().map(|w| w.id).find(|&id| id != w.worker).unwrap();
-    g.failover(&store, other); // a worker with no request counts yet
-    g.failover(&store, 99); // not in the table: not reported
+    g.outcomes().failover(&store, other); // a worker with no request counts yet
+    g.outcomes().failover(&store, 99); // not in the table: not reported
     let report = g.take_report(&store, "gw", Now::from_ms(100_500));
     let c = report.counts.iter().find(|c| c.worker == w.worker).unwrap();
     assert_eq!((c.breaker(), c.failovers, c.in_flight), (kvmesh_proto::v1::BreakerState::Open, 2, 1));
@@ -648,7 +652,7 @@ fn pd_failed_prefill_is_avoided_next_time() {
     let text = format!(r#"{{"text":"{}"}}"#, "s".repeat(300));
     let (first, _) = split(&mut g, &store, text.as_bytes());
     let failed = first.prefill.unwrap();
-    g.outcome(&store, &failed, false, Now::from_secs(1000));
+    g.outcomes().record(&store, failed.worker, false, Now::from_secs(1000));
     for _ in 0..10 {
         let (next, _) = split(&mut g, &store, text.as_bytes());
         assert_ne!(next.prefill.unwrap().worker, failed.worker, "the failed prefill worker is out of rotation");
@@ -689,38 +693,22 @@ fn pd_bad_batches_are_refused_before_anything_is_counted() {
     assert_eq!(g.index_len(), 0);
 }
 
-#[test]
-fn routing_headers_are_recognised() {
-    for h in [
-        "x-envoy-original-dst-host",
-        "X-Gateway-Destination-Endpoint",
-        "x-kvmesh-worker",
-        "x-kvmesh-anything",
-        "X-Prefiller-Host-Port",
-    ] {
-        assert!(is_routing_header(h), "{h}");
-    }
-    for h in ["x-request-id", "content-type", "x-envoy-expected-rq-timeout-ms"] {
-        assert!(!is_routing_header(h), "{h}");
-    }
-}
-
 /// A VM is registered from its first request: the others' next heartbeat must not take it for
 /// a dead one before it has published its own (VMs alone would then go on deciding alone).
 #[test]
 fn a_vm_that_just_started_routing_is_not_taken_for_dead() {
     let store = FakeStore::default();
     let mut a = gateway(&store, "");
-    a.serve(&store, 50_000);
+    a.ledger_mut().serve(&store, 50_000);
     a.heartbeat(&store, 50_000);
     a.heartbeat(&store, 51_000);
-    assert!(a.alone());
+    assert!(a.ledger().alone());
     let mut b = Gateway::new(a.config().clone(), &store, 7);
-    b.serve(&store, 51_500);
+    b.ledger_mut().serve(&store, 51_500);
     a.heartbeat(&store, 52_000);
     a.heartbeat(&store, 53_000);
     assert_eq!(crate::shared::VmLedger::registered(&store).len(), 2, "b was reaped before its first heartbeat");
-    assert!(!a.alone(), "a went on deciding alone");
+    assert!(!a.ledger().alone(), "a went on deciding alone");
 }
 
 /// A host whose plugins tick only on their streams' hooks (the native build) writes each end
@@ -729,12 +717,12 @@ fn a_vm_that_just_started_routing_is_not_taken_for_dead() {
 fn without_a_timer_each_end_is_written_at_once() {
     let store = FakeStore::default();
     let mut g = gateway(&store, "");
-    g.write_ends_at_once();
-    g.serve(&store, 0);
+    g.ledger_mut().write_ends_at_once();
+    g.ledger_mut().serve(&store, 0);
     crate::shared::VmLedger::register(&store, 7);
     let (one, two) = (routed(&mut g, &store, &body("one")), routed(&mut g, &store, &body("two")));
-    g.finish(&store, &one, true);
+    g.ledger_mut().finish(&store, &one, true);
     assert_eq!(Inflight::read(&store).iter().map(|&(_, n)| n).sum::<u32>(), 1, "with another in flight");
-    g.finish(&store, &two, true);
+    g.ledger_mut().finish(&store, &two, true);
     assert_eq!(Inflight::read(&store).iter().map(|&(_, n)| n).sum::<u32>(), 0);
 }

@@ -15,10 +15,10 @@ fn one_request_makes_only_the_host_calls_it_needs() {
         if !alone {
             crate::shared::VmLedger::register(&host, 7);
         }
-        gw.borrow_mut().serve(&host, 0);
+        gw.borrow_mut().ledger_mut().serve(&host, 0);
         gw.borrow_mut().heartbeat(&host, 1_000);
         gw.borrow_mut().heartbeat(&host, 2_000);
-        assert_eq!(gw.borrow().alone(), alone);
+        assert_eq!(gw.borrow().ledger().alone(), alone);
         for round in 0..3 {
             host.calls.borrow_mut().clear();
             let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"hello there {round}"}}]}}"#);
@@ -67,7 +67,7 @@ fn one_request_makes_only_the_host_calls_it_needs() {
 fn one_pd_request_makes_only_the_host_calls_it_needs() {
     let host = MockHost::new();
     let gw = gateway(&host, PD);
-    gw.borrow_mut().serve(&host, 0);
+    gw.borrow_mut().ledger_mut().serve(&host, 0);
     gw.borrow_mut().heartbeat(&host, 1_000);
     gw.borrow_mut().heartbeat(&host, 2_000);
     for round in 0..2 {
@@ -104,10 +104,10 @@ fn a_vm_alone_with_a_control_plane_reads_the_shared_view_per_request() {
     let host = MockHost::new();
     let with_cp = REGULAR.replacen('{', r#"{"control_plane_cluster":"cp","#, 1);
     let gw = gateway(&host, &with_cp);
-    gw.borrow_mut().serve(&host, 0);
+    gw.borrow_mut().ledger_mut().serve(&host, 0);
     gw.borrow_mut().heartbeat(&host, 1_000);
     gw.borrow_mut().heartbeat(&host, 2_000);
-    assert!(gw.borrow().alone());
+    assert!(gw.borrow().ledger().alone());
     host.calls.borrow_mut().clear();
     send(&host, &gw, "/generate", r#"{"text":"hello"}"#);
     assert!(host.calls.borrow().contains(&"get"), "{:?}", host.calls.borrow());
