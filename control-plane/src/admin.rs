@@ -293,6 +293,11 @@ impl Metrics {
         );
         let c = &m.state.counters;
         registry.register("kvmesh_reports", "Gateway report batches merged", c.reports.clone());
+        registry.register(
+            "kvmesh_tables_held_for_endpoints",
+            "Worker tables a gateway's stream holds until Envoy's endpoints (EDS) list their healthy workers",
+            c.tables_held.clone(),
+        );
         registry.register("kvmesh_bad_reports", "Report entries or streams rejected", c.bad_reports.clone());
         registry.register("kvmesh_evicted_blocks", "Blocks evicted from the global index", c.evicted_blocks.clone());
         registry.register(

@@ -17,6 +17,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::watch;
 
 /// An endpoint as EDS sends it: IP address and port.
@@ -28,6 +29,8 @@ pub struct EndpointAcks {
     changed: watch::Sender<u64>,
     /// The longest a table waits (`--eds-wait-ms`; zero: it does not wait).
     wait: Duration,
+    /// Tables held now, waiting for an acknowledgement (`kvmesh_tables_held_for_endpoints`).
+    held: Gauge,
 }
 
 #[derive(Default)]
@@ -44,8 +47,8 @@ pub struct AckStream {
 }
 
 impl EndpointAcks {
-    pub fn new(wait: Duration) -> Arc<Self> {
-        Arc::new(Self { streams: Mutex::new(Streams::default()), changed: watch::Sender::new(0), wait })
+    pub fn new(wait: Duration, held: Gauge) -> Arc<Self> {
+        Arc::new(Self { streams: Mutex::new(Streams::default()), changed: watch::Sender::new(0), wait, held })
     }
 
     fn lock(&self) -> MutexGuard<'_, Streams> {
@@ -92,17 +95,35 @@ impl EndpointAcks {
         // Subscribed before each check, so that an acknowledgement in between wakes it.
         let mut changes = self.changed.subscribe();
         let deadline = tokio::time::Instant::now() + self.wait;
+        let mut holding = None;
         loop {
             changes.borrow_and_update();
             if self.covers(needed) {
                 return true;
             }
+            holding.get_or_insert_with(|| Held::new(&self.held));
             match tokio::time::timeout_at(deadline, changes.changed()).await {
                 Ok(Ok(())) => {}
                 // Timed out (the sender lives as long as `self`).
                 _ => return self.covers(needed),
             }
         }
+    }
+}
+
+/// One table counted in the held gauge while it waits (however the wait ends).
+struct Held(Gauge);
+
+impl Held {
+    fn new(gauge: &Gauge) -> Self {
+        gauge.inc();
+        Self(gauge.clone())
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
 
@@ -132,7 +153,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_table_waits_for_every_stream_that_acknowledged_and_no_longer() {
-        let acks = EndpointAcks::new(Duration::from_secs(60));
+        let acks = EndpointAcks::new(Duration::from_secs(60), Gauge::default());
         // No stream, or one that has acknowledged nothing: nothing to wait for.
         assert!(acks.covers(&[ep(1)]));
         let a = acks.open();
@@ -160,11 +181,11 @@ mod tests {
 
     #[tokio::test]
     async fn the_wait_is_bounded() {
-        let acks = EndpointAcks::new(Duration::from_millis(20));
+        let acks = EndpointAcks::new(Duration::from_millis(20), Gauge::default());
         let a = acks.open();
         a.acked(&[]);
         assert!(!acks.wait_for(&[ep(1)]).await, "gave up after the wait");
-        let no_wait = EndpointAcks::new(Duration::ZERO);
+        let no_wait = EndpointAcks::new(Duration::ZERO, Gauge::default());
         let b = no_wait.open();
         b.acked(&[]);
         assert!(no_wait.wait_for(&[ep(1)]).await, "zero: does not wait");

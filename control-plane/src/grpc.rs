@@ -273,7 +273,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_endpoint_waited_for_in_vain_is_not_waited_for_again_while_it_stays() {
-        let acks = EndpointAcks::new(std::time::Duration::from_millis(10));
+        let acks = EndpointAcks::new(std::time::Duration::from_millis(10), Default::default());
         let stuck = acks.open();
         stuck.acked(&[]);
         let worker =

@@ -177,7 +177,10 @@ async fn run(settings: settings::Settings, election: Option<election::Config>) -
     };
 
     // A table naming a worker goes to the filters once Envoy's EDS lists it (bounded wait).
-    let acks = endpoint_acks::EndpointAcks::new(Duration::from_millis(state.settings.eds_wait_ms));
+    let acks = endpoint_acks::EndpointAcks::new(
+        Duration::from_millis(state.settings.eds_wait_ms),
+        state.counters.tables_held.clone(),
+    );
     // Filters send their full index in chunks well under this limit.
     let service = tonic::service::interceptor::InterceptedService::new(
         KvmeshServer::new(grpc::Service { state: state.clone(), acks: acks.clone(), leadership: leadership.clone() })

@@ -515,9 +515,14 @@ fn a_worker_reaches_the_filters_after_envoys_endpoints_and_leaves_them_before() 
             }
             tx.send(request(&r.nonce)).await.unwrap();
         };
-        // EDS lists it healthy, unacknowledged: no table names it healthy.
-        let early = table_where(&mut watch, Duration::from_millis(500), names_it).await;
-        assert!(early.is_none(), "a table named the worker before Envoy's endpoints did: {early:?}");
+        // EDS lists it healthy, unacknowledged: kvmesh-cp holds the table that names it healthy
+        // (its gauge says so), and no table so far has named it.
+        let held = || cp.metric("kvmesh_tables_held_for_endpoints").unwrap_or(0.0) >= 1.0;
+        wait_until("kvmesh-cp to hold the table for Envoy's ack", Duration::from_secs(10), held).unwrap();
+        // (A zero timeout polls the stream once: the tables already received, none waited for.)
+        while let Ok(Some(s)) = tokio::time::timeout(Duration::ZERO, watch.next()).await {
+            assert!(!names_it(&s), "a table named the worker before Envoy's endpoints did: {s:?}");
+        }
         tx.send(request(&healed.nonce)).await.unwrap();
         let acked = table_where(&mut watch, Duration::from_secs(10), names_it).await;
         assert!(acked.is_some(), "the table after Envoy acknowledged the endpoint");
@@ -526,8 +531,26 @@ fn a_worker_reaches_the_filters_after_envoys_endpoints_and_leaves_them_before() 
         assert_eq!(cp.post(&format!("/remove_worker?url={url}")).unwrap().status, 200);
         let without = |s: &Snapshot| s.workers_changed && !s.workers.iter().any(|w| w.url == url);
         assert!(table_where(&mut watch, Duration::from_secs(10), without).await.is_some());
-        let dropped = tokio::time::timeout(Duration::from_millis(500), assignments.next()).await;
-        assert!(dropped.is_err(), "Envoy's endpoints changed with the table: {dropped:?}");
+        // The next endpoints Envoy gets (another worker healthy) still list it.
+        let other = Sim::start(FAST).unwrap();
+        assert_eq!(cp.post(&format!("/add_worker?url={}", other.url())).unwrap().status, 200);
+        let other_port = other.url().rsplit(':').next().unwrap().parse::<u32>().unwrap();
+        let next = loop {
+            let r = tokio::time::timeout(Duration::from_secs(10), assignments.next()).await.unwrap().unwrap().unwrap();
+            let cla = ClusterLoadAssignment::decode(r.resources[0].value.as_slice()).unwrap();
+            let ports: Vec<u32> = cla.endpoints[0]
+                .lb_endpoints
+                .iter()
+                .map(|e| {
+                    e.endpoint.as_ref().unwrap().address.as_ref().unwrap().socket_address.as_ref().unwrap().port_value
+                })
+                .collect();
+            tx.send(request(&r.nonce)).await.unwrap();
+            if ports.contains(&other_port) {
+                break ports;
+            }
+        };
+        assert!(next.contains(&u32::from(port)), "Envoy's endpoints changed with the table: {next:?}");
     });
 }
 

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
 
 use super::gateways::Gateways;
 use super::global_index::GlobalIndex;
@@ -82,6 +83,8 @@ pub struct Counters {
     /// `--lora-adapter` loads that worked, and that failed.
     pub adapter_loads: Counter,
     pub adapter_load_failures: Counter,
+    /// Worker tables a `Watch` stream holds until Envoy's endpoints list their healthy workers.
+    pub tables_held: Gauge,
 }
 
 /// The control plane's state, shared by every task (see the sibling modules for what each does with it).

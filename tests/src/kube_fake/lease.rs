@@ -21,6 +21,15 @@ struct Store {
     leases: BTreeMap<(String, String), Lease>,
     /// Writes refused with 409.
     conflicts: u64,
+    /// Every stored write, in order: the Lease's key and its holder after the write.
+    holders: Vec<((String, String), String)>,
+}
+
+impl Store {
+    fn record(&mut self, key: &(String, String), lease: &Lease) {
+        let holder = lease.spec.as_ref().and_then(|s| s.holder_identity.clone()).unwrap_or_default();
+        self.holders.push((key.clone(), holder));
+    }
 }
 
 /// The Leases the fake serves.
@@ -60,6 +69,7 @@ async fn create(State(leases): State<Leases>, UrlPath(ns): UrlPath<String>, Json
     }
     store.rv += 1;
     let lease = stored(lease, &ns, &name, store.rv);
+    store.record(&key, &lease);
     store.leases.insert(key, lease.clone());
     (StatusCode::CREATED, Json(lease)).into_response()
 }
@@ -86,6 +96,7 @@ async fn replace(
     }
     store.rv += 1;
     let lease = stored(lease, &ns, &name, store.rv);
+    store.record(&key, &lease);
     store.leases.insert(key, lease.clone());
     Json(lease).into_response()
 }
@@ -126,7 +137,23 @@ impl Leases {
                 .ok()
                 .map(k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime);
             lease.metadata.resource_version = Some(rv.to_string());
+            let lease = lease.clone();
+            store.record(&(ns.to_string(), name.to_string()), &lease);
         }
+    }
+
+    /// The holders of the Lease `ns/name` write after write, a run of renewals by one holder
+    /// counted once ("" where it was released).
+    pub fn holders(&self, ns: &str, name: &str) -> Vec<String> {
+        let store = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let key = (ns.to_string(), name.to_string());
+        let mut out: Vec<String> = Vec::new();
+        for (k, h) in &store.holders {
+            if *k == key && out.last() != Some(h) {
+                out.push(h.clone());
+            }
+        }
+        out
     }
 
     /// Writes refused with 409 so far.
