@@ -48,6 +48,8 @@ pub struct PdRouter {
 
 impl PdRouter {
     pub fn new(params: RouterParams, prefill_policy: PolicyKind, decode_policy: PolicyKind, decider: Decider) -> Self {
+        // The two legs' indexes share one index's memory bound: half its entries each.
+        let params = RouterParams { max_entries: params.max_entries / 2, ..params };
         let mut decode = Router::new(params, decode_policy);
         // The prefix decider needs to know what each decode worker has cached.
         decode.track_prefixes(matches!(decider, Decider::Prefix { .. }));
@@ -255,5 +257,25 @@ mod tests {
         assert!(pd.prefill_router().index().is_empty() && pd.decode_router().index().is_empty());
         pd.commit(&d);
         assert!(!pd.prefill_router().index().is_empty() && !pd.decode_router().index().is_empty());
+    }
+
+    /// PD's two indexes together stay within one index's entry bound (the filter's memory
+    /// bound holds for one index at its worst: `tests/index_memory.rs`).
+    #[test]
+    fn the_two_legs_share_one_index_bound() {
+        let mut cfg = crate::Config::default().router_params();
+        cfg.max_entries = 1_000;
+        let mut pd = PdRouter::new(cfg, PolicyKind::CacheAware, PolicyKind::CacheAware, Decider::Always);
+        for i in 0..40u64 {
+            let hashes: Vec<u64> = (0..100).map(|j| i * 1_000 + j).collect();
+            pd.prefill_router().apply_insert((i % 4) as u32, &hashes);
+            pd.decode_router().apply_insert((i % 4) as u32, &hashes);
+        }
+        let (p, d) = (pd.prefill_router().index().entries(), pd.decode_router().index().entries());
+        assert!(p + d <= 1_250 && p > 0 && d > 0, "prefill {p} + decode {d} entries");
+        pd.prefill_router().bound();
+        pd.decode_router().bound();
+        let (p, d) = (pd.prefill_router().index().entries(), pd.decode_router().index().entries());
+        assert!(p + d <= 1_000, "bounded: prefill {p} + decode {d} entries");
     }
 }
