@@ -7,6 +7,8 @@
 //! This is the bucket's arithmetic and its encoding; where it lives (Envoy's shared data, one
 //! bucket per Envoy) and the queue itself are the filter's.
 
+use crate::priority::ClassLimits;
+
 /// The validated admission settings; none at all when `max_concurrent_requests` is not set.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdmissionParams {
@@ -18,6 +20,8 @@ pub struct AdmissionParams {
     pub queue_size: u32,
     /// Longest wait in the queue before a 408.
     pub queue_timeout_ms: u64,
+    /// Reserved slots, queue bounds and timeouts per priority class ([`crate::priority`]).
+    pub classes: ClassLimits,
 }
 
 /// The bucket: tokens left (fractional, as refill is continuous) at a point in time.
@@ -88,8 +92,13 @@ impl Bucket {
 mod tests {
     use super::*;
 
-    const P: AdmissionParams =
-        AdmissionParams { capacity: 2, refill_per_sec: 4.0, queue_size: 1, queue_timeout_ms: 1000 };
+    const P: AdmissionParams = AdmissionParams {
+        capacity: 2,
+        refill_per_sec: 4.0,
+        queue_size: 1,
+        queue_timeout_ms: 1000,
+        classes: ClassLimits { reserved: [0; 4], queue_size: [None; 4], queue_timeout_ms: [None; 4] },
+    };
 
     #[test]
     fn a_full_bucket_admits_its_capacity_then_refills_over_time() {

@@ -14,6 +14,7 @@ use crate::admission::AdmissionParams;
 use crate::breaker::BreakerParams;
 use crate::models::ModelRules;
 use crate::policy::{CacheAwareParams, PolicyKind, PrefixHashParams, UtilityParams};
+use crate::priority::{parse_per_class, ClassLimits};
 use crate::router::RouterParams;
 use crate::settings::{PdDecider, PdProtocol, RoutingSettings};
 use crate::worker::{AddrError, WorkerTable};
@@ -445,7 +446,52 @@ fn admission(s: &RoutingSettings) -> Result<Option<AdmissionParams>, ConfigError
     if timeout > 86_400 {
         return Err(invalid("queue_timeout_secs", format!("{timeout} is over a day")));
     }
-    Ok(Some(AdmissionParams { capacity, refill_per_sec, queue_size, queue_timeout_ms: timeout * 1000 }))
+    let classes = class_limits(s, capacity)?;
+    Ok(Some(AdmissionParams { capacity, refill_per_sec, queue_size, queue_timeout_ms: timeout * 1000, classes }))
+}
+
+/// The per-class settings (`priority_reserved`, `priority_queue_size`,
+/// `priority_queue_timeout_secs`): reserves within the limit, bounds and timeouts as the
+/// global ones.
+fn class_limits(s: &RoutingSettings, capacity: u32) -> Result<ClassLimits, ConfigError> {
+    let entries = |v: &Option<Vec<String>>| v.as_deref().unwrap_or_default().to_vec();
+    let reserved = parse_per_class("priority_reserved", &entries(&s.priority_reserved))
+        .map_err(|e| invalid("priority_reserved", e))?;
+    let sizes = parse_per_class("priority_queue_size", &entries(&s.priority_queue_size))
+        .map_err(|e| invalid("priority_queue_size", e))?;
+    let timeouts = parse_per_class("priority_queue_timeout_secs", &entries(&s.priority_queue_timeout_secs))
+        .map_err(|e| invalid("priority_queue_timeout_secs", e))?;
+    let mut out = ClassLimits::default();
+    let mut total = 0u64;
+    for (i, r) in reserved.iter().enumerate() {
+        let r = r.unwrap_or(0);
+        total = total.saturating_add(r);
+        if let (Some(slot), Ok(r)) = (out.reserved.get_mut(i), u32::try_from(r)) {
+            *slot = r;
+        }
+    }
+    if total > u64::from(capacity) {
+        return Err(invalid("priority_reserved", format!("{total} reserved slots are over max_concurrent_requests")));
+    }
+    for (i, n) in sizes.iter().enumerate() {
+        if let (Some(slot), Some(n)) = (out.queue_size.get_mut(i), n) {
+            *slot = Some(
+                u32::try_from(*n)
+                    .ok()
+                    .filter(|n| *n <= 1_000_000)
+                    .ok_or_else(|| invalid("priority_queue_size", format!("{n} is over 1000000")))?,
+            );
+        }
+    }
+    for (i, t) in timeouts.iter().enumerate() {
+        if let (Some(slot), Some(t)) = (out.queue_timeout_ms.get_mut(i), t) {
+            if *t == 0 || *t > 86_400 {
+                return Err(invalid("priority_queue_timeout_secs", format!("{t} is not within 1..=86400")));
+            }
+            *slot = Some(t * 1000);
+        }
+    }
+    Ok(out)
 }
 
 fn positive(field: &'static str, v: Option<u64>, default: u64) -> Result<u64, ConfigError> {

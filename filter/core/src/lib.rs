@@ -18,6 +18,7 @@
 //! - [`worker`]: the worker table (a snapshot of workers) the policies choose from.
 //! - [`breaker`]: per-worker circuit breakers (a state machine, and its shared-data encoding).
 //! - [`admission`]: the token bucket behind the concurrency limit and queue.
+//! - [`priority`]: request classes, their reserved slots and queue bounds (issue 47).
 //! - [`errors`]: the OpenAI-style JSON error body the gateway answers with.
 
 // Linked into the `.wasm`: a panic there kills the VM and every request on its Envoy thread.
@@ -39,6 +40,7 @@ pub mod paths;
 pub mod pd;
 pub mod pd_protocol;
 pub mod policy;
+pub mod priority;
 pub mod request;
 pub mod rng;
 pub mod router;

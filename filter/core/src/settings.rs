@@ -221,6 +221,21 @@ routing_settings! {
     /// An extra client-facing name for a served model, `alias=canonical` (repeatable, as SMG).
     #[cfg_attr(feature = "cli", arg(action = clap::ArgAction::Append))]
     model_alias: Vec<String>,
+
+    // ---- Tenants and priorities (issue 47) ----
+    /// Slots of --max-concurrent-requests reserved for a priority class, `class=N`
+    /// (repeatable; classes sheddable, default, interactive, system): no lower class takes them
+    /// while that class does not use them (kvmesh, as SMG's reserved floors). Default none.
+    #[cfg_attr(feature = "cli", arg(action = clap::ArgAction::Append))]
+    priority_reserved: Vec<String>,
+    /// A class's own queue bound, `class=N` (repeatable); other classes share --queue-size
+    /// (kvmesh). Sheddable requests never queue. Default none.
+    #[cfg_attr(feature = "cli", arg(action = clap::ArgAction::Append))]
+    priority_queue_size: Vec<String>,
+    /// A class's own queue timeout in seconds, `class=N` (repeatable); others wait
+    /// --queue-timeout-secs (kvmesh). Default none.
+    #[cfg_attr(feature = "cli", arg(action = clap::ArgAction::Append))]
+    priority_queue_timeout_secs: Vec<String>,
 }
 
 #[cfg(test)]

@@ -80,7 +80,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ("kvmesh.cp.polled.v1", "table.rs"),
     ("kvmesh.breakers.v1", "breakers.rs"),
     ("kvmesh.feedback.v1", "feedback.rs"),
-    ("kvmesh.admission.v2", "admission.rs"),
+    ("kvmesh.admission.v3", "admission.rs"),
     ("kvmesh.gateway.id.v1", "gateway_id.rs"),
     ("kvmesh.models.v1", "model_series.rs"),
 ];
