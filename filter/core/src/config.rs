@@ -17,6 +17,7 @@ use crate::policy::{CacheAwareParams, PolicyKind, PrefixHashParams, UtilityParam
 use crate::priority::{parse_per_class, ClassLimits};
 use crate::router::RouterParams;
 use crate::settings::{PdDecider, PdProtocol, RoutingSettings};
+use crate::tenant::{valid_tenant, TenantParams, DEFAULT_TENANT_HEADER};
 use crate::worker::{AddrError, WorkerTable};
 
 #[derive(Debug, Error, PartialEq)]
@@ -81,6 +82,8 @@ pub struct Config {
     /// The concurrency limit and its queue (`max_concurrent_requests` and the rest); none when
     /// no limit is set (sglang-router's default).
     pub admission: Option<AdmissionParams>,
+    /// Tenant ids and their limits (issue 47); none when no tenant setting is given.
+    pub tenants: Option<TenantParams>,
     /// Passive health: the per-worker circuit breakers (sglang-router's `--cb-*` flags and
     /// `--disable-circuit-breaker`).
     pub breaker: BreakerParams,
@@ -285,6 +288,7 @@ impl Default for Config {
             overload_kv_usage: DEFAULT_OVERLOAD_KV_USAGE,
             max_attempts: DEFAULT_RETRY_MAX_RETRIES,
             admission: None,
+            tenants: None,
             breaker: BreakerParams::default(),
             upstream_cluster: DEFAULT_UPSTREAM_CLUSTER.to_string(),
             control_plane_cluster: None,
@@ -494,6 +498,43 @@ fn class_limits(s: &RoutingSettings, capacity: u32) -> Result<ClassLimits, Confi
     Ok(out)
 }
 
+/// The tenant settings: on when any is given.
+fn tenants(s: &RoutingSettings) -> Result<Option<TenantParams>, ConfigError> {
+    let (header, identity) = (s.tenant_header.as_deref(), s.tenant_identity.as_deref().filter(|i| !i.is_empty()));
+    let rps = s.tenant_requests_per_second;
+    if header.is_none() && identity.is_none() && rps.is_none() && s.max_tenants.is_none() {
+        return Ok(None);
+    }
+    let header = header.filter(|h| !h.is_empty()).unwrap_or(DEFAULT_TENANT_HEADER);
+    if !valid_tenant(header) || header.len() > 64 {
+        return Err(invalid("tenant_header", "not a header name"));
+    }
+    let xfcc = match identity {
+        Some(i) if i.eq_ignore_ascii_case("xfcc") => true,
+        Some(other) => return Err(invalid("tenant_identity", format!("`{other}` is not one of: xfcc"))),
+        None => false,
+    };
+    let requests_per_second = match rps {
+        None | Some(0) => None,
+        Some(n) => Some(
+            u32::try_from(n)
+                .ok()
+                .filter(|n| *n <= 1_000_000)
+                .ok_or_else(|| invalid("tenant_requests_per_second", format!("{n} is over 1000000")))?,
+        ),
+    };
+    let max_tenants = s.max_tenants.unwrap_or(64);
+    if !(1..=4096).contains(&max_tenants) {
+        return Err(invalid("max_tenants", format!("{max_tenants} is not within 1..=4096")));
+    }
+    Ok(Some(TenantParams {
+        header: header.to_ascii_lowercase(),
+        xfcc,
+        requests_per_second,
+        max_tenants: max_tenants as usize,
+    }))
+}
+
 fn positive(field: &'static str, v: Option<u64>, default: u64) -> Result<u64, ConfigError> {
     match v {
         Some(0) => Err(invalid(field, "must be greater than 0")),
@@ -623,6 +664,7 @@ impl Config {
                 s.retry_max_retries.unwrap_or(d.max_attempts).clamp(1, MAX_ATTEMPTS)
             },
             admission: admission(s)?,
+            tenants: tenants(s)?,
             breaker,
             pd,
             passthrough_paths,

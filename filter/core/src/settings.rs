@@ -236,6 +236,20 @@ routing_settings! {
     /// --queue-timeout-secs (kvmesh). Default none.
     #[cfg_attr(feature = "cli", arg(action = clap::ArgAction::Append))]
     priority_queue_timeout_secs: Vec<String>,
+    /// The request header naming a request's tenant, e.g. llm-d's
+    /// x-llm-d-inference-fairness-id, SMG's x-smg-tenant-id, or the header Istio's
+    /// RequestAuthentication copies a JWT claim into (kvmesh). Default kvmesh-tenant.
+    tenant_header: String,
+    /// An identity source for the tenant id a client cannot forge: `xfcc` (the caller's SPIFFE
+    /// id, from the x-forwarded-client-cert element this Envoy added); the tenant header is
+    /// then removed and not read (kvmesh). Default none.
+    tenant_identity: String,
+    /// Requests per second per tenant through one Envoy, across its threads; past it, a JSON
+    /// 429 with OpenAI's x-ratelimit-* headers (kvmesh). Default none.
+    tenant_requests_per_second: u64,
+    /// Tenants tracked at once per Envoy (1..4096); requests of others count as `other`
+    /// (kvmesh). Default 64.
+    max_tenants: u64,
 }
 
 #[cfg(test)]

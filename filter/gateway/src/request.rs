@@ -69,6 +69,8 @@ pub struct RequestFilter {
     admission: Admission,
     /// Its priority class (read only under a concurrency limit).
     class: Class,
+    /// Its tenant id (read only when tenants are configured).
+    tenant: Option<String>,
     /// The whole request body's size, once it is here.
     body_size: usize,
     endpoint: Option<Endpoint>,
@@ -131,6 +133,7 @@ impl RequestFilter {
             seat: None,
             admission: Admission::Free,
             class: Class::Default,
+            tenant: None,
             body_size: 0,
             endpoint: None,
             path: String::new(),
@@ -180,6 +183,7 @@ impl RequestFilter {
         if let Some(methods) = reply.allow {
             headers.push(("allow", methods));
         }
+        headers.extend(reply.headers.iter().map(|(n, v)| (*n, v.as_str())));
         if let Err(e) = host.send_reply(reply.status, &headers, &reply.body) {
             log::warn!("cannot send a local reply: {e}");
         }
@@ -263,12 +267,19 @@ impl RequestFilter {
                 id
             }
         });
-        let (pd, limited);
-        (self.key_checked, self.routing_key, pd, limited) = self
+        let (pd, limited, tenants);
+        (self.key_checked, self.routing_key, pd, limited, tenants) = self
             .with_gateway(|g| {
-                (g.wants_key(), g.routing_key(&headers), g.config().pd.is_some(), g.config().admission.is_some())
+                let c = g.config();
+                (g.wants_key(), g.routing_key(&headers), c.pd.is_some(), c.admission.is_some(), c.tenants.clone())
             })
             .unwrap_or_default();
+        if let Some(t) = tenants {
+            self.tenant = tenant::tenant_of(host, &t, &headers);
+            if let Err(reply) = tenant::check_limit(host, &t, self.tenant.as_deref()) {
+                return self.reply(host, reply);
+            }
+        }
         if limited {
             let [kvmesh, smg] = headers.lookup([PRIORITY_HEADER, SMG_PRIORITY_HEADER]);
             self.class = Class::from_headers(kvmesh, smg);
@@ -764,6 +775,7 @@ impl RequestFilter {
 
 mod hygiene;
 mod prefill;
+mod tenant;
 pub mod unanswered;
 mod verdict;
 mod worker_headers;

@@ -18,6 +18,7 @@ mod inflight;
 mod lease;
 pub mod model_series;
 mod table;
+pub mod tenants;
 mod vm_ledger;
 
 pub use breakers::SharedBreakers;
@@ -83,6 +84,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ("kvmesh.admission.v3", "admission.rs"),
     ("kvmesh.gateway.id.v1", "gateway_id.rs"),
     ("kvmesh.models.v1", "model_series.rs"),
+    ("kvmesh.tenants.v1", "tenants.rs"),
 ];
 
 #[cfg(test)]
