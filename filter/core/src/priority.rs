@@ -10,8 +10,6 @@
 //! of a lower class takes a slot while the reserve of a class above it is not in use. A higher
 //! class goes ahead of queued lower ones; a sheddable request never queues.
 
-use crate::admission::AdmissionParams;
-
 /// The number of classes: every per-class table has this many entries.
 pub const CLASSES: usize = 4;
 
@@ -107,42 +105,6 @@ pub struct ClassLimits {
     pub queue_timeout_ms: [Option<u64>; CLASSES],
 }
 
-impl AdmissionParams {
-    /// How long a request of `class` may wait.
-    pub fn timeout_ms(&self, class: Class) -> u64 {
-        self.classes.queue_timeout_ms.get(class.index()).copied().flatten().unwrap_or(self.queue_timeout_ms)
-    }
-
-    /// Whether a request of `class` may take a slot when `held[k]` requests of each class
-    /// hold one: fewer than the capacity held, counting as held the reserve of every class
-    /// above it that its own requests do not use.
-    pub fn slot_free(&self, held: &[u64; CLASSES], class: Class) -> bool {
-        let total: u64 = held.iter().sum();
-        let kept: u64 = Class::ALL
-            .iter()
-            .filter(|c| **c > class)
-            .map(|c| {
-                let reserved = u64::from(self.classes.reserved.get(c.index()).copied().unwrap_or(0));
-                reserved.saturating_sub(held.get(c.index()).copied().unwrap_or(0))
-            })
-            .sum();
-        total.saturating_add(kept) < u64::from(self.capacity)
-    }
-
-    /// Whether a request of `class` may queue when `queued[k]` wait in each class: a class with
-    /// its own bound counts against it alone, the others against `queue_size` with every
-    /// waiting request. Sheddable requests never queue.
-    pub fn queue_room(&self, queued: &[u64; CLASSES], class: Class) -> bool {
-        if class == Class::Sheddable {
-            return false;
-        }
-        match self.classes.queue_size.get(class.index()).copied().flatten() {
-            Some(bound) => queued.get(class.index()).copied().unwrap_or(0) < u64::from(bound),
-            None => queued.iter().sum::<u64>() < u64::from(self.queue_size),
-        }
-    }
-}
-
 /// Parses `class=N` entries (settings such as `priority_reserved`), one per class at most.
 pub fn parse_per_class(field: &str, entries: &[String]) -> Result<[Option<u64>; CLASSES], String> {
     let mut out = [None; CLASSES];
@@ -164,16 +126,6 @@ pub fn parse_per_class(field: &str, entries: &[String]) -> Result<[Option<u64>; 
 mod tests {
     use super::*;
 
-    fn params(capacity: u32, reserved: [u32; CLASSES]) -> AdmissionParams {
-        AdmissionParams {
-            capacity,
-            refill_per_sec: 1.0,
-            queue_size: 2,
-            queue_timeout_ms: 1_000,
-            classes: ClassLimits { reserved, ..Default::default() },
-        }
-    }
-
     #[test]
     fn priorities_and_smg_names_map_to_four_classes() {
         assert_eq!(Class::from_header("-5"), Some(Class::Sheddable));
@@ -187,33 +139,6 @@ mod tests {
         assert_eq!(Class::from_headers(Some("junk"), Some("system")), Class::System);
         assert_eq!(Class::from_headers(Some("-1"), Some("system")), Class::Sheddable, "kvmesh's first");
         assert_eq!(Class::from_headers(None, None), Class::Default);
-    }
-
-    #[test]
-    fn a_reserve_keeps_lower_classes_out_until_its_class_uses_it() {
-        let p = params(4, [0, 0, 2, 1]);
-        // Nothing held: the default class may take one slot (4 - 2 - 1 reserved).
-        assert!(p.slot_free(&[0, 0, 0, 0], Class::Default));
-        assert!(!p.slot_free(&[0, 1, 0, 0], Class::Default), "the rest is reserved");
-        assert!(p.slot_free(&[0, 1, 0, 0], Class::Interactive));
-        assert!(p.slot_free(&[0, 1, 1, 0], Class::Interactive));
-        assert!(!p.slot_free(&[0, 1, 2, 0], Class::Interactive), "the system slot is kept");
-        assert!(p.slot_free(&[0, 1, 2, 0], Class::System));
-        assert!(!p.slot_free(&[0, 1, 2, 1], Class::System), "full");
-        // Interactive requests beyond their reserve use the shared slots.
-        assert!(p.slot_free(&[0, 0, 2, 0], Class::Interactive));
-        assert!(!p.slot_free(&[0, 0, 3, 0], Class::Interactive));
-    }
-
-    #[test]
-    fn per_class_queue_bounds_and_sheddable_never_queues() {
-        let mut p = params(1, [0; CLASSES]);
-        p.classes.queue_size[Class::Interactive.index()] = Some(1);
-        assert!(!p.queue_room(&[0, 0, 0, 0], Class::Sheddable));
-        assert!(p.queue_room(&[0, 1, 0, 0], Class::Default));
-        assert!(!p.queue_room(&[0, 2, 0, 0], Class::Default), "queue_size 2 shared");
-        assert!(p.queue_room(&[0, 2, 0, 0], Class::Interactive), "its own bound");
-        assert!(!p.queue_room(&[0, 0, 1, 0], Class::Interactive));
     }
 
     #[test]

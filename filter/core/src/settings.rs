@@ -280,7 +280,7 @@ mod tests {
             .contains("polcy"));
         let e = serde_json::from_str::<RoutingSettings>(r#"{"policy":"fastest"}"#).unwrap_err().to_string();
         assert!(e.contains("unknown policy `fastest`"), "{e}");
-        assert_eq!(RoutingSettings::FIELDS.len(), 51);
+        assert_eq!(RoutingSettings::FIELDS.len(), 58);
         assert!(RoutingSettings::FIELDS.contains(&"rate_limit_tokens_per_second"));
     }
 }

@@ -120,7 +120,7 @@ impl Window {
 pub fn reset_text(ms: u64) -> String {
     match ms {
         0..=999 => format!("{ms}ms"),
-        1_000..=59_999 if ms % 1000 == 0 => format!("{}s", ms / 1000),
+        1_000..=59_999 if ms.is_multiple_of(1000) => format!("{}s", ms / 1000),
         1_000..=59_999 => format!("{:.3}s", ms as f64 / 1000.0),
         _ => format!("{}m{}s", ms / 60_000, (ms % 60_000) / 1000),
     }
