@@ -7,6 +7,8 @@
 //! This is the bucket's arithmetic and its encoding; where it lives (Envoy's shared data, one
 //! bucket per Envoy) and the queue itself are the filter's.
 
+use crate::priority::{Class, ClassLimits, CLASSES};
+
 /// The validated admission settings; none at all when `max_concurrent_requests` is not set.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdmissionParams {
@@ -18,6 +20,44 @@ pub struct AdmissionParams {
     pub queue_size: u32,
     /// Longest wait in the queue before a 408.
     pub queue_timeout_ms: u64,
+    /// Reserved slots, queue bounds and timeouts per priority class ([`crate::priority`]).
+    pub classes: ClassLimits,
+}
+
+impl AdmissionParams {
+    /// How long a request of `class` may wait.
+    pub fn timeout_ms(&self, class: Class) -> u64 {
+        self.classes.queue_timeout_ms.get(class.index()).copied().flatten().unwrap_or(self.queue_timeout_ms)
+    }
+
+    /// Whether a request of `class` may take a slot when `held[k]` requests of each class
+    /// hold one: fewer than the capacity held, counting as held the reserve of every class
+    /// above it that its own requests do not use.
+    pub fn slot_free(&self, held: &[u64; CLASSES], class: Class) -> bool {
+        let total: u64 = held.iter().sum();
+        let kept: u64 = Class::ALL
+            .iter()
+            .filter(|c| **c > class)
+            .map(|c| {
+                let reserved = u64::from(self.classes.reserved.get(c.index()).copied().unwrap_or(0));
+                reserved.saturating_sub(held.get(c.index()).copied().unwrap_or(0))
+            })
+            .sum();
+        total.saturating_add(kept) < u64::from(self.capacity)
+    }
+
+    /// Whether a request of `class` may queue when `queued[k]` wait in each class: a class with
+    /// its own bound counts against it alone, the others against `queue_size` with every
+    /// waiting request. Sheddable requests never queue.
+    pub fn queue_room(&self, queued: &[u64; CLASSES], class: Class) -> bool {
+        if class == Class::Sheddable {
+            return false;
+        }
+        match self.classes.queue_size.get(class.index()).copied().flatten() {
+            Some(bound) => queued.get(class.index()).copied().unwrap_or(0) < u64::from(bound),
+            None => queued.iter().sum::<u64>() < u64::from(self.queue_size),
+        }
+    }
 }
 
 /// The bucket: tokens left (fractional, as refill is continuous) at a point in time.
@@ -88,8 +128,50 @@ impl Bucket {
 mod tests {
     use super::*;
 
-    const P: AdmissionParams =
-        AdmissionParams { capacity: 2, refill_per_sec: 4.0, queue_size: 1, queue_timeout_ms: 1000 };
+    fn params(capacity: u32, reserved: [u32; CLASSES]) -> AdmissionParams {
+        AdmissionParams {
+            capacity,
+            refill_per_sec: 1.0,
+            queue_size: 2,
+            queue_timeout_ms: 1_000,
+            classes: ClassLimits { reserved, ..Default::default() },
+        }
+    }
+
+    #[test]
+    fn a_reserve_keeps_lower_classes_out_until_its_class_uses_it() {
+        let p = params(4, [0, 0, 2, 1]);
+        // Nothing held: the default class may take one slot (4 - 2 - 1 reserved).
+        assert!(p.slot_free(&[0, 0, 0, 0], Class::Default));
+        assert!(!p.slot_free(&[0, 1, 0, 0], Class::Default), "the rest is reserved");
+        assert!(p.slot_free(&[0, 1, 0, 0], Class::Interactive));
+        assert!(p.slot_free(&[0, 1, 1, 0], Class::Interactive));
+        assert!(!p.slot_free(&[0, 1, 2, 0], Class::Interactive), "the system slot is kept");
+        assert!(p.slot_free(&[0, 1, 2, 0], Class::System));
+        assert!(!p.slot_free(&[0, 1, 2, 1], Class::System), "full");
+        // Interactive requests beyond their reserve use the shared slots.
+        assert!(p.slot_free(&[0, 0, 2, 0], Class::Interactive));
+        assert!(!p.slot_free(&[0, 0, 3, 0], Class::Interactive));
+    }
+
+    #[test]
+    fn per_class_queue_bounds_and_sheddable_never_queues() {
+        let mut p = params(1, [0; CLASSES]);
+        p.classes.queue_size[Class::Interactive.index()] = Some(1);
+        assert!(!p.queue_room(&[0, 0, 0, 0], Class::Sheddable));
+        assert!(p.queue_room(&[0, 1, 0, 0], Class::Default));
+        assert!(!p.queue_room(&[0, 2, 0, 0], Class::Default), "queue_size 2 shared");
+        assert!(p.queue_room(&[0, 2, 0, 0], Class::Interactive), "its own bound");
+        assert!(!p.queue_room(&[0, 0, 1, 0], Class::Interactive));
+    }
+
+    const P: AdmissionParams = AdmissionParams {
+        capacity: 2,
+        refill_per_sec: 4.0,
+        queue_size: 1,
+        queue_timeout_ms: 1000,
+        classes: ClassLimits { reserved: [0; 4], queue_size: [None; 4], queue_timeout_ms: [None; 4] },
+    };
 
     #[test]
     fn a_full_bucket_admits_its_capacity_then_refills_over_time() {

@@ -14,8 +14,10 @@ use crate::admission::AdmissionParams;
 use crate::breaker::BreakerParams;
 use crate::models::ModelRules;
 use crate::policy::{CacheAwareParams, PolicyKind, PrefixHashParams, UtilityParams};
+use crate::priority::{parse_per_class, ClassLimits};
 use crate::router::RouterParams;
 use crate::settings::{PdDecider, PdProtocol, RoutingSettings};
+use crate::tenant::{valid_tenant, TenantParams, DEFAULT_TENANT_HEADER};
 use crate::worker::{AddrError, WorkerTable};
 
 #[derive(Debug, Error, PartialEq)]
@@ -80,6 +82,8 @@ pub struct Config {
     /// The concurrency limit and its queue (`max_concurrent_requests` and the rest); none when
     /// no limit is set (sglang-router's default).
     pub admission: Option<AdmissionParams>,
+    /// Tenant ids and their limits (issue 47); none when no tenant setting is given.
+    pub tenants: Option<TenantParams>,
     /// Passive health: the per-worker circuit breakers (sglang-router's `--cb-*` flags and
     /// `--disable-circuit-breaker`).
     pub breaker: BreakerParams,
@@ -284,6 +288,7 @@ impl Default for Config {
             overload_kv_usage: DEFAULT_OVERLOAD_KV_USAGE,
             max_attempts: DEFAULT_RETRY_MAX_RETRIES,
             admission: None,
+            tenants: None,
             breaker: BreakerParams::default(),
             upstream_cluster: DEFAULT_UPSTREAM_CLUSTER.to_string(),
             control_plane_cluster: None,
@@ -445,7 +450,89 @@ fn admission(s: &RoutingSettings) -> Result<Option<AdmissionParams>, ConfigError
     if timeout > 86_400 {
         return Err(invalid("queue_timeout_secs", format!("{timeout} is over a day")));
     }
-    Ok(Some(AdmissionParams { capacity, refill_per_sec, queue_size, queue_timeout_ms: timeout * 1000 }))
+    let classes = class_limits(s, capacity)?;
+    Ok(Some(AdmissionParams { capacity, refill_per_sec, queue_size, queue_timeout_ms: timeout * 1000, classes }))
+}
+
+/// The per-class settings (`priority_reserved`, `priority_queue_size`,
+/// `priority_queue_timeout_secs`): reserves within the limit, bounds and timeouts as the
+/// global ones.
+fn class_limits(s: &RoutingSettings, capacity: u32) -> Result<ClassLimits, ConfigError> {
+    let entries = |v: &Option<Vec<String>>| v.as_deref().unwrap_or_default().to_vec();
+    let reserved = parse_per_class("priority_reserved", &entries(&s.priority_reserved))
+        .map_err(|e| invalid("priority_reserved", e))?;
+    let sizes = parse_per_class("priority_queue_size", &entries(&s.priority_queue_size))
+        .map_err(|e| invalid("priority_queue_size", e))?;
+    let timeouts = parse_per_class("priority_queue_timeout_secs", &entries(&s.priority_queue_timeout_secs))
+        .map_err(|e| invalid("priority_queue_timeout_secs", e))?;
+    let mut out = ClassLimits::default();
+    let mut total = 0u64;
+    for (i, r) in reserved.iter().enumerate() {
+        let r = r.unwrap_or(0);
+        total = total.saturating_add(r);
+        if let (Some(slot), Ok(r)) = (out.reserved.get_mut(i), u32::try_from(r)) {
+            *slot = r;
+        }
+    }
+    if total > u64::from(capacity) {
+        return Err(invalid("priority_reserved", format!("{total} reserved slots are over max_concurrent_requests")));
+    }
+    for (i, n) in sizes.iter().enumerate() {
+        if let (Some(slot), Some(n)) = (out.queue_size.get_mut(i), n) {
+            *slot = Some(
+                u32::try_from(*n)
+                    .ok()
+                    .filter(|n| *n <= 1_000_000)
+                    .ok_or_else(|| invalid("priority_queue_size", format!("{n} is over 1000000")))?,
+            );
+        }
+    }
+    for (i, t) in timeouts.iter().enumerate() {
+        if let (Some(slot), Some(t)) = (out.queue_timeout_ms.get_mut(i), t) {
+            if *t == 0 || *t > 86_400 {
+                return Err(invalid("priority_queue_timeout_secs", format!("{t} is not within 1..=86400")));
+            }
+            *slot = Some(t * 1000);
+        }
+    }
+    Ok(out)
+}
+
+/// The tenant settings: on when any is given.
+fn tenants(s: &RoutingSettings) -> Result<Option<TenantParams>, ConfigError> {
+    let (header, identity) = (s.tenant_header.as_deref(), s.tenant_identity.as_deref().filter(|i| !i.is_empty()));
+    let rps = s.tenant_requests_per_second;
+    if header.is_none() && identity.is_none() && rps.is_none() && s.max_tenants.is_none() {
+        return Ok(None);
+    }
+    let header = header.filter(|h| !h.is_empty()).unwrap_or(DEFAULT_TENANT_HEADER);
+    if !valid_tenant(header) || header.len() > 64 {
+        return Err(invalid("tenant_header", "not a header name"));
+    }
+    let xfcc = match identity {
+        Some(i) if i.eq_ignore_ascii_case("xfcc") => true,
+        Some(other) => return Err(invalid("tenant_identity", format!("`{other}` is not one of: xfcc"))),
+        None => false,
+    };
+    let requests_per_second = match rps {
+        None | Some(0) => None,
+        Some(n) => Some(
+            u32::try_from(n)
+                .ok()
+                .filter(|n| *n <= 1_000_000)
+                .ok_or_else(|| invalid("tenant_requests_per_second", format!("{n} is over 1000000")))?,
+        ),
+    };
+    let max_tenants = s.max_tenants.unwrap_or(64);
+    if !(1..=4096).contains(&max_tenants) {
+        return Err(invalid("max_tenants", format!("{max_tenants} is not within 1..=4096")));
+    }
+    Ok(Some(TenantParams {
+        header: header.to_ascii_lowercase(),
+        xfcc,
+        requests_per_second,
+        max_tenants: max_tenants as usize,
+    }))
 }
 
 fn positive(field: &'static str, v: Option<u64>, default: u64) -> Result<u64, ConfigError> {
@@ -577,6 +664,7 @@ impl Config {
                 s.retry_max_retries.unwrap_or(d.max_attempts).clamp(1, MAX_ATTEMPTS)
             },
             admission: admission(s)?,
+            tenants: tenants(s)?,
             breaker,
             pd,
             passthrough_paths,

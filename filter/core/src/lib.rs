@@ -18,6 +18,8 @@
 //! - [`worker`]: the worker table (a snapshot of workers) the policies choose from.
 //! - [`breaker`]: per-worker circuit breakers (a state machine, and its shared-data encoding).
 //! - [`admission`]: the token bucket behind the concurrency limit and queue.
+//! - [`priority`]: request classes, their reserved slots and queue bounds (issue 47).
+//! - [`tenant`]: where a request's tenant id comes from, and its rate-limit window.
 //! - [`errors`]: the OpenAI-style JSON error body the gateway answers with.
 
 // Linked into the `.wasm`: a panic there kills the VM and every request on its Envoy thread.
@@ -39,11 +41,13 @@ pub mod paths;
 pub mod pd;
 pub mod pd_protocol;
 pub mod policy;
+pub mod priority;
 pub mod request;
 pub mod rng;
 pub mod router;
 pub mod secrets;
 pub mod settings;
+pub mod tenant;
 pub mod usage;
 pub mod vllm;
 pub mod worker;

@@ -221,6 +221,35 @@ routing_settings! {
     /// An extra client-facing name for a served model, `alias=canonical` (repeatable, as SMG).
     #[cfg_attr(feature = "cli", arg(action = clap::ArgAction::Append))]
     model_alias: Vec<String>,
+
+    // ---- Tenants and priorities (issue 47) ----
+    /// Slots of --max-concurrent-requests reserved for a priority class, `class=N`
+    /// (repeatable; classes sheddable, default, interactive, system): no lower class takes them
+    /// while that class does not use them (kvmesh, as SMG's reserved floors). Default none.
+    #[cfg_attr(feature = "cli", arg(action = clap::ArgAction::Append))]
+    priority_reserved: Vec<String>,
+    /// A class's own queue bound, `class=N` (repeatable); other classes share --queue-size
+    /// (kvmesh). Sheddable requests never queue. Default none.
+    #[cfg_attr(feature = "cli", arg(action = clap::ArgAction::Append))]
+    priority_queue_size: Vec<String>,
+    /// A class's own queue timeout in seconds, `class=N` (repeatable); others wait
+    /// --queue-timeout-secs (kvmesh). Default none.
+    #[cfg_attr(feature = "cli", arg(action = clap::ArgAction::Append))]
+    priority_queue_timeout_secs: Vec<String>,
+    /// The request header naming a request's tenant, e.g. llm-d's
+    /// x-llm-d-inference-fairness-id, SMG's x-smg-tenant-id, or the header Istio's
+    /// RequestAuthentication copies a JWT claim into (kvmesh). Default kvmesh-tenant.
+    tenant_header: String,
+    /// An identity source for the tenant id a client cannot forge: `xfcc` (the caller's SPIFFE
+    /// id, from the x-forwarded-client-cert element this Envoy added); the tenant header is
+    /// then removed and not read (kvmesh). Default none.
+    tenant_identity: String,
+    /// Requests per second per tenant through one Envoy, across its threads; past it, a JSON
+    /// 429 with OpenAI's x-ratelimit-* headers (kvmesh). Default none.
+    tenant_requests_per_second: u64,
+    /// Tenants tracked at once per Envoy (1..4096); requests of others count as `other`
+    /// (kvmesh). Default 64.
+    max_tenants: u64,
 }
 
 #[cfg(test)]
@@ -251,7 +280,7 @@ mod tests {
             .contains("polcy"));
         let e = serde_json::from_str::<RoutingSettings>(r#"{"policy":"fastest"}"#).unwrap_err().to_string();
         assert!(e.contains("unknown policy `fastest`"), "{e}");
-        assert_eq!(RoutingSettings::FIELDS.len(), 51);
+        assert_eq!(RoutingSettings::FIELDS.len(), 58);
         assert!(RoutingSettings::FIELDS.contains(&"rate_limit_tokens_per_second"));
     }
 }

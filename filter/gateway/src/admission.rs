@@ -5,9 +5,10 @@
 //! - [`SharedBucket`]: one value in shared data (`crate::shared::admission`), changed by
 //!   compare-and-swap: the bucket, and how many requests each VM holds admitted and in its
 //!   queue. A request is admitted only while fewer than the limit are held Envoy-wide.
-//! - [`WaitRoom`]: one VM's FIFO of paused requests. Its tick (the root context's) answers the
-//!   ones that waited too long (408) and admits the oldest while slots are free; the request
-//!   is then routed and resumed from the tick. It also keeps the VM's heartbeat in the shared
+//! - [`WaitRoom`]: one VM's queues of paused requests, a FIFO per priority class
+//!   ([`kvmesh_core::priority`]). Its tick (the root context's) answers the ones that waited
+//!   too long for their class (408) and admits the oldest of the highest class while slots are
+//!   free; the request is then routed and resumed from the tick. It also keeps the VM's heartbeat in the shared
 //!   value while the VM holds requests.
 //!
 //! The slots a VM that died held stop counting once its heartbeat is stale; its tokens come
@@ -16,8 +17,9 @@
 use std::collections::VecDeque;
 
 use kvmesh_core::admission::AdmissionParams;
+use kvmesh_core::priority::{Class, CLASSES};
 
-pub use crate::shared::admission::Entry;
+pub use crate::shared::admission::{Entry, PerClass};
 use crate::shared::admission::{SharedBucket, BEAT_MS};
 use crate::shared::SharedStore;
 
@@ -36,9 +38,10 @@ struct Waiting<T> {
     waiter: T,
 }
 
-/// One VM's queue of paused requests (`T`: how to reach one; the context id names it).
+/// One VM's queues of paused requests, one per class (`T`: how to reach one; the context id
+/// names it).
 pub struct WaitRoom<T> {
-    queue: VecDeque<Waiting<T>>,
+    queues: [VecDeque<Waiting<T>>; CLASSES],
     /// The count this VM last published in the shared value.
     published: u32,
     /// This VM's requests holding a slot (its own count: whether it must keep beating).
@@ -49,22 +52,29 @@ pub struct WaitRoom<T> {
 
 impl<T> Default for WaitRoom<T> {
     fn default() -> Self {
-        Self { queue: VecDeque::new(), published: 0, held: 0, beat_ms: 0 }
+        Self { queues: Default::default(), published: 0, held: 0, beat_ms: 0 }
     }
 }
 
 impl<T> WaitRoom<T> {
     pub fn len(&self) -> u32 {
-        u32::try_from(self.queue.len()).unwrap_or(u32::MAX)
+        self.counts().iter().fold(0u32, |a, n| a.saturating_add(*n))
+    }
+
+    /// Requests waiting, per class.
+    pub fn counts(&self) -> PerClass {
+        self.queues.each_ref().map(|q| u32::try_from(q.len()).unwrap_or(u32::MAX))
     }
 
     pub fn is_empty(&self) -> bool {
-        self.queue.is_empty()
+        self.queues.iter().all(VecDeque::is_empty)
     }
 
-    /// A request that [`SharedBucket::enter`] queued (its count already published).
-    pub fn push(&mut self, ctx: u32, now_ms: u64, waiter: T) {
-        self.queue.push_back(Waiting { ctx, since_ms: now_ms, waiter });
+    /// A request of `class` that [`SharedBucket::enter`] queued (its count already published).
+    pub fn push(&mut self, ctx: u32, class: Class, now_ms: u64, waiter: T) {
+        if let Some(q) = self.queues.get_mut(class.index()) {
+            q.push_back(Waiting { ctx, since_ms: now_ms, waiter });
+        }
         self.published = self.len();
     }
 
@@ -86,38 +96,45 @@ impl<T> WaitRoom<T> {
 
     /// A request that went away while waiting (the next tick publishes the new count).
     pub fn remove(&mut self, ctx: u32) {
-        self.queue.retain(|w| w.ctx != ctx);
+        for q in &mut self.queues {
+            q.retain(|w| w.ctx != ctx);
+        }
     }
 
-    /// The tick: the ones past the timeout expire, then the oldest are admitted while slots
-    /// are free (each counted as held: one that cannot be resumed must be given back). With
-    /// nothing waiting, the VM's heartbeat once a [`BEAT_MS`] while it holds requests. With no
-    /// limit configured any more, everyone is admitted.
+    /// The tick: the ones past their class's timeout expire, then the oldest of the highest
+    /// class are admitted while slots are free (each counted as held: one that cannot be
+    /// resumed must be given back). With nothing waiting, the VM's heartbeat once a
+    /// [`BEAT_MS`] while it holds requests. With no limit configured any more, everyone is
+    /// admitted.
     pub fn tick(&mut self, store: &dyn SharedStore, p: Option<&AdmissionParams>, vm: u32, now_ms: u64) -> Vec<Wake<T>> {
         let mut out = Vec::new();
         let Some(p) = p else {
-            out.extend(self.queue.drain(..).map(|w| Wake::Admit(w.ctx, w.waiter)));
+            for q in self.queues.iter_mut().rev() {
+                out.extend(q.drain(..).map(|w| Wake::Admit(w.ctx, w.waiter)));
+            }
             self.published = 0;
             return out;
         };
-        while let Some(w) = self.queue.front() {
-            if now_ms.saturating_sub(w.since_ms) < p.queue_timeout_ms {
-                break;
-            }
-            if let Some(w) = self.queue.pop_front() {
-                out.push(Wake::Expire(w.ctx, w.waiter));
+        for (q, class) in self.queues.iter_mut().zip(Class::ALL) {
+            let timeout = p.timeout_ms(class);
+            while q.front().is_some_and(|w| now_ms.saturating_sub(w.since_ms) >= timeout) {
+                if let Some(w) = q.pop_front() {
+                    out.push(Wake::Expire(w.ctx, w.waiter));
+                }
             }
         }
         let beat = self.held > 0 && now_ms.saturating_sub(self.beat_ms) >= BEAT_MS;
-        if self.queue.is_empty() && self.published == 0 && !beat {
+        if self.is_empty() && self.published == 0 && !beat {
             return out;
         }
-        let taken = SharedBucket::admit(store, p, vm, self.len(), now_ms);
+        let taken = SharedBucket::admit(store, p, vm, self.counts(), now_ms);
         self.beat_ms = now_ms;
-        for _ in 0..taken {
-            if let Some(w) = self.queue.pop_front() {
-                self.held = self.held.saturating_add(1);
-                out.push(Wake::Admit(w.ctx, w.waiter));
+        for (q, n) in self.queues.iter_mut().zip(taken).rev() {
+            for _ in 0..n {
+                if let Some(w) = q.pop_front() {
+                    self.held = self.held.saturating_add(1);
+                    out.push(Wake::Admit(w.ctx, w.waiter));
+                }
             }
         }
         self.published = self.len();
@@ -130,12 +147,15 @@ mod tests {
     use super::*;
     use crate::shared::admission::{HELD_STALE_MS, QUEUE_STALE_MS};
     use crate::shared::fake::{FakeStore, Racing};
+    use kvmesh_core::priority::ClassLimits;
 
+    const NO_CLASSES: ClassLimits =
+        ClassLimits { reserved: [0; 4], queue_size: [None; 4], queue_timeout_ms: [None; 4] };
     const P: AdmissionParams =
-        AdmissionParams { capacity: 1, refill_per_sec: 1.0, queue_size: 2, queue_timeout_ms: 500 };
+        AdmissionParams { capacity: 1, refill_per_sec: 1.0, queue_size: 2, queue_timeout_ms: 500, classes: NO_CLASSES };
 
     fn enter(store: &dyn SharedStore, p: &AdmissionParams, vm: u32, queued_here: u32, now: u64) -> Entry {
-        SharedBucket::enter(store, p, vm, queued_here, now).unwrap()
+        SharedBucket::enter(store, p, vm, Class::Default, [0, queued_here, 0, 0], now).unwrap()
     }
 
     #[test]
@@ -160,14 +180,14 @@ mod tests {
                     entries[1] += 1;
                     rooms[vm] += 1;
                 }
-                Entry::Full => entries[2] += 1,
+                Entry::Full | Entry::Shed => entries[2] += 1,
             }
         }
         assert_eq!(entries[0], P.capacity);
         assert_eq!(entries[1], P.queue_size, "{entries:?}");
         assert!(SharedBucket::queued(&store, 0) <= u64::from(P.queue_size));
         let value = store.get(SharedBucket::KEY).0.unwrap();
-        assert!(value.len() <= 16 + 4 * 20, "one line per VM at most: {} bytes", value.len());
+        assert!(value.len() <= 16 + 4 * (12 + 8 * CLASSES), "one line per VM at most: {} bytes", value.len());
     }
 
     #[test]
@@ -175,7 +195,7 @@ mod tests {
         let store = FakeStore::default();
         assert_eq!(enter(&store, &P, 1, 0, 0), Entry::Admitted);
         assert_eq!(enter(&store, &P, 1, 0, 0), Entry::Queued);
-        SharedBucket::give_back(&store, &P, 1, 10);
+        SharedBucket::give_back(&store, &P, 1, Class::Default, 10);
         assert_eq!(enter(&store, &P, 2, 0, 10), Entry::Queued, "a slot is back, but one waits");
     }
 
@@ -187,10 +207,10 @@ mod tests {
         room.took(0);
         for (ctx, at) in [(10, 0), (11, 300)] {
             assert_eq!(enter(&store, &P, 1, room.len(), at), Entry::Queued);
-            room.push(ctx, at, ctx * 100);
+            room.push(ctx, Class::Default, at, ctx * 100);
         }
         assert_eq!(room.tick(&store, Some(&P), 1, 100), vec![], "no slot yet");
-        SharedBucket::give_back(&store, &P, 1, 200);
+        SharedBucket::give_back(&store, &P, 1, Class::Default, 200);
         room.gave_back();
         assert_eq!(room.tick(&store, Some(&P), 1, 200), vec![Wake::Admit(10, 1000)], "the oldest first");
         assert_eq!((room.held(), SharedBucket::held(&store, 200)), (1, 1));
@@ -206,14 +226,20 @@ mod tests {
     /// tick's phase.
     #[test]
     fn the_refill_never_admits_past_the_limit() {
-        let p = AdmissionParams { capacity: 1, refill_per_sec: 1.0, queue_size: 1, queue_timeout_ms: 1_000 };
+        let p = AdmissionParams {
+            capacity: 1,
+            refill_per_sec: 1.0,
+            queue_size: 1,
+            queue_timeout_ms: 1_000,
+            classes: NO_CLASSES,
+        };
         for phase in 0..20 {
             let store = FakeStore::default();
             let mut rooms = [WaitRoom::default(), WaitRoom::default()];
             assert_eq!(enter(&store, &p, 0, 0, 0), Entry::Admitted);
             rooms[0].took(0);
             assert_eq!(enter(&store, &p, 1, 0, 5), Entry::Queued);
-            rooms[1].push(7, 5, ());
+            rooms[1].push(7, Class::Default, 5, ());
             assert_eq!(enter(&store, &p, 0, 0, 6), Entry::Full);
             assert_eq!(enter(&store, &p, 1, 1, 6), Entry::Full);
             let mut wakes = Vec::new();
@@ -259,7 +285,7 @@ mod tests {
         enter(&store, &P, 1, 0, 0);
         room.took(0);
         assert_eq!(enter(&store, &P, 1, 0, 0), Entry::Queued);
-        room.push(7, 0, ());
+        room.push(7, Class::Default, 0, ());
         room.remove(7);
         assert!(room.tick(&store, Some(&P), 1, 10).is_empty());
         assert_eq!(SharedBucket::queued(&store, 10), 0);
@@ -289,7 +315,7 @@ mod tests {
         assert_eq!(enter(&store, &p, 9, 0, 0), Entry::Admitted, "VM 9 then dies");
         let mut waiting = WaitRoom::default();
         assert_eq!(enter(&store, &p, 2, 0, 0), Entry::Queued);
-        waiting.push(3, 0, ());
+        waiting.push(3, Class::Default, 0, ());
         for now in (0..=HELD_STALE_MS).step_by(20) {
             assert!(live.tick(&store, Some(&p), 1, now).is_empty());
             assert!(waiting.tick(&store, Some(&p), 2, now).is_empty(), "at {now}");
@@ -308,8 +334,117 @@ mod tests {
     fn with_the_limit_turned_off_everyone_waiting_goes() {
         let store = FakeStore::default();
         let mut room = WaitRoom::default();
-        room.push(1, 0, ());
-        room.push(2, 0, ());
+        room.push(1, Class::Default, 0, ());
+        room.push(2, Class::Default, 0, ());
         assert_eq!(room.tick(&store, None, 1, 0), vec![Wake::Admit(1, ()), Wake::Admit(2, ())]);
+    }
+}
+
+#[cfg(test)]
+mod class_tests {
+    use super::*;
+    use crate::shared::fake::FakeStore;
+    use kvmesh_core::priority::ClassLimits;
+
+    fn params(capacity: u32, reserved: [u32; CLASSES]) -> AdmissionParams {
+        let classes = ClassLimits { reserved, ..ClassLimits::default() };
+        AdmissionParams { capacity, refill_per_sec: 1_000.0, queue_size: 10, queue_timeout_ms: 60_000, classes }
+    }
+
+    fn enter(store: &FakeStore, p: &AdmissionParams, vm: u32, class: Class, room: &WaitRoom<u32>) -> Entry {
+        SharedBucket::enter(store, p, vm, class, room.counts(), 0).unwrap()
+    }
+
+    /// One slot, held; a default and then an interactive request queue; when the slot comes
+    /// back the interactive one goes first. A sheddable one is refused at once, never queued.
+    #[test]
+    fn a_higher_class_goes_ahead_and_sheddable_requests_never_wait() {
+        let (store, p) = (FakeStore::default(), params(1, [0; CLASSES]));
+        let mut room = WaitRoom::default();
+        assert_eq!(enter(&store, &p, 1, Class::Default, &room), Entry::Admitted);
+        room.took(0);
+        assert_eq!(enter(&store, &p, 1, Class::Default, &room), Entry::Queued);
+        room.push(10, Class::Default, 0, 10);
+        assert_eq!(enter(&store, &p, 1, Class::Interactive, &room), Entry::Queued);
+        room.push(11, Class::Interactive, 0, 11);
+        assert_eq!(enter(&store, &p, 1, Class::Sheddable, &room), Entry::Shed);
+        assert_eq!(SharedBucket::queued(&store, 0), 2, "the shed one was never counted");
+        SharedBucket::give_back(&store, &p, 1, Class::Default, 5);
+        room.gave_back();
+        assert_eq!(room.tick(&store, Some(&p), 1, 5), vec![Wake::Admit(11, 11)], "interactive first");
+        SharedBucket::give_back(&store, &p, 1, Class::Interactive, 6);
+        room.gave_back();
+        assert_eq!(room.tick(&store, Some(&p), 1, 6), vec![Wake::Admit(10, 10)]);
+        assert_eq!(enter(&store, &p, 1, Class::Sheddable, &room), Entry::Shed, "the slot is held");
+    }
+
+    /// A sheddable request takes a free slot when nothing waits, and is refused while anything
+    /// waits even if a slot is free (before the tick hands it to the waiting one).
+    #[test]
+    fn sheddable_requests_run_only_when_nobody_waits() {
+        let (store, p) = (FakeStore::default(), params(2, [0; CLASSES]));
+        let mut room = WaitRoom::<u32>::default();
+        assert_eq!(enter(&store, &p, 1, Class::Sheddable, &room), Entry::Admitted);
+        assert_eq!(enter(&store, &p, 1, Class::Default, &room), Entry::Admitted);
+        assert_eq!(enter(&store, &p, 1, Class::Default, &room), Entry::Queued);
+        room.push(3, Class::Default, 0, 3);
+        SharedBucket::give_back(&store, &p, 1, Class::Sheddable, 1);
+        assert_eq!(enter(&store, &p, 1, Class::Sheddable, &room), Entry::Shed);
+    }
+
+    /// Reserved slots: with 3 slots and 2 reserved for interactive requests, default requests
+    /// get one; interactive ones get the rest, and a newcomer goes ahead of the waiting
+    /// default ones.
+    #[test]
+    fn reserved_slots_are_kept_for_their_class() {
+        let (store, p) = (FakeStore::default(), params(3, [0, 0, 2, 0]));
+        let mut room = WaitRoom::<u32>::default();
+        assert_eq!(enter(&store, &p, 1, Class::Default, &room), Entry::Admitted);
+        assert_eq!(enter(&store, &p, 1, Class::Default, &room), Entry::Queued, "two slots reserved");
+        room.push(1, Class::Default, 0, 1);
+        assert_eq!(enter(&store, &p, 1, Class::Interactive, &room), Entry::Admitted);
+        assert_eq!(enter(&store, &p, 1, Class::Interactive, &room), Entry::Admitted);
+        assert_eq!(enter(&store, &p, 1, Class::Interactive, &room), Entry::Queued, "all three held");
+        room.push(2, Class::Interactive, 0, 2);
+        assert!(room.tick(&store, Some(&p), 1, 1).is_empty());
+        SharedBucket::give_back(&store, &p, 1, Class::Default, 2);
+        assert_eq!(room.tick(&store, Some(&p), 1, 2), vec![Wake::Admit(2, 2)]);
+        SharedBucket::give_back(&store, &p, 1, Class::Interactive, 3);
+        assert_eq!(room.tick(&store, Some(&p), 1, 3), vec![Wake::Admit(1, 1)], "interactive uses its reserve");
+        assert_eq!(SharedBucket::held(&store, 3), 3);
+    }
+
+    /// Two VMs: one holds a waiting default request, the other an interactive one. A free slot
+    /// goes to the interactive one, whichever VM ticks first.
+    #[test]
+    fn across_vms_the_higher_class_gets_the_slot() {
+        let (store, p) = (FakeStore::default(), params(1, [0; CLASSES]));
+        let (mut low, mut high) = (WaitRoom::<u32>::default(), WaitRoom::<u32>::default());
+        assert_eq!(enter(&store, &p, 1, Class::Default, &low), Entry::Admitted);
+        low.took(0);
+        assert_eq!(enter(&store, &p, 1, Class::Default, &low), Entry::Queued);
+        low.push(1, Class::Default, 0, 1);
+        assert_eq!(enter(&store, &p, 2, Class::System, &high), Entry::Queued);
+        high.push(2, Class::System, 0, 2);
+        SharedBucket::give_back(&store, &p, 1, Class::Default, 1);
+        low.gave_back();
+        assert!(low.tick(&store, Some(&p), 1, 1).is_empty(), "VM 2's system request is ahead");
+        assert_eq!(high.tick(&store, Some(&p), 2, 1), vec![Wake::Admit(2, 2)]);
+    }
+
+    #[test]
+    fn each_class_waits_its_own_timeout() {
+        let store = FakeStore::default();
+        let mut p = params(1, [0; CLASSES]);
+        p.classes.queue_timeout_ms[Class::Interactive.index()] = Some(100);
+        let mut room = WaitRoom::<u32>::default();
+        assert_eq!(enter(&store, &p, 1, Class::Default, &room), Entry::Admitted);
+        room.took(0);
+        for (ctx, class) in [(1, Class::Default), (2, Class::Interactive)] {
+            assert_eq!(enter(&store, &p, 1, class, &room), Entry::Queued);
+            room.push(ctx, class, 0, ctx);
+        }
+        assert_eq!(room.tick(&store, Some(&p), 1, 100), vec![Wake::Expire(2, 2)]);
+        assert_eq!(room.counts(), [0, 1, 0, 0]);
     }
 }

@@ -193,7 +193,7 @@ impl Plugin {
             return;
         }
         for wake in wakes {
-            let (ctx, waiter, admit) = match wake {
+            let (ctx, (class, waiter), admit) = match wake {
                 Wake::Admit(ctx, w) => (ctx, w, true),
                 Wake::Expire(ctx, w) => (ctx, w, false),
             };
@@ -202,7 +202,7 @@ impl Plugin {
             let delivered = self.wake_one(host, ctx, &waiter, admit);
             if admit && !delivered {
                 if let Some(params) = &params {
-                    SharedBucket::give_back(host, params, vm, now);
+                    SharedBucket::give_back(host, params, vm, class, now);
                     if let Ok(mut room) = self.room.try_borrow_mut() {
                         room.gave_back();
                     }

@@ -17,6 +17,7 @@ use std::rc::{Rc, Weak};
 use std::time::Duration;
 
 use kvmesh_core::paths::PathClass;
+use kvmesh_core::priority::{Class, PRIORITY_HEADER, SMG_PRIORITY_HEADER};
 use kvmesh_core::{Endpoint, WorkerId};
 
 use crate::admission::{Entry, WaitRoom};
@@ -35,8 +36,9 @@ pub use worker_headers::{DST_HEADER, ENDPOINTS_HEADER, RETRIES_HEADER, TIMEOUT_H
 pub const WORKER_HEADER: &str = "x-kvmesh-worker";
 pub const PREFILL_HEADER: &str = "x-kvmesh-prefill";
 
-/// One VM's admission queue of paused requests.
-pub type Room = WaitRoom<Weak<RefCell<RequestFilter>>>;
+/// One VM's admission queue of paused requests (each with its class: a slot taken for one
+/// that went away goes back to that class).
+pub type Room = WaitRoom<(Class, Weak<RefCell<RequestFilter>>)>;
 
 /// Where a request waits when the concurrency limit is reached: the VM's queue, the request's
 /// own handle in it, and its context id (the tick enters that context to resume it).
@@ -64,6 +66,10 @@ pub struct RequestFilter {
     /// How this request can wait in the queue (none: it cannot; the limit then only admits).
     seat: Option<Seat>,
     admission: Admission,
+    /// Its priority class (read only under a concurrency limit).
+    class: Class,
+    /// Its tenant id (read only when tenants are configured).
+    tenant: Option<String>,
     /// The whole request body's size, once it is here.
     body_size: usize,
     endpoint: Option<Endpoint>,
@@ -125,6 +131,8 @@ impl RequestFilter {
             gateway,
             seat: None,
             admission: Admission::Free,
+            class: Class::Default,
+            tenant: None,
             body_size: 0,
             endpoint: None,
             path: String::new(),
@@ -174,6 +182,7 @@ impl RequestFilter {
         if let Some(methods) = reply.allow {
             headers.push(("allow", methods));
         }
+        headers.extend(reply.headers.iter().map(|(n, v)| (*n, v.as_str())));
         if let Err(e) = host.send_reply(reply.status, &headers, &reply.body) {
             log::warn!("cannot send a local reply: {e}");
         }
@@ -257,10 +266,29 @@ impl RequestFilter {
                 id
             }
         });
-        let pd;
-        (self.key_checked, self.routing_key, pd) = self
-            .with_gateway(|g| (g.front().wants_key(), g.front().routing_key(&headers), g.config().pd.is_some()))
+        let (pd, limited, tenants);
+        (self.key_checked, self.routing_key, pd, limited, tenants) = self
+            .with_gateway(|g| {
+                let (front, c) = (g.front(), g.config());
+                (
+                    front.wants_key(),
+                    front.routing_key(&headers),
+                    c.pd.is_some(),
+                    c.admission.is_some(),
+                    c.tenants.clone(),
+                )
+            })
             .unwrap_or_default();
+        if let Some(t) = tenants {
+            self.tenant = tenant::tenant_of(host, &t, &headers);
+            if let Err(reply) = tenant::check_limit(host, &t, self.tenant.as_deref()) {
+                return self.reply(host, reply);
+            }
+        }
+        if limited {
+            let [kvmesh, smg] = headers.lookup([PRIORITY_HEADER, SMG_PRIORITY_HEADER]);
+            self.class = Class::from_headers(kvmesh, smg);
+        }
         if pd {
             self.client_headers = Some(headers);
         }
@@ -311,6 +339,17 @@ impl RequestFilter {
         match self.enter(host) {
             Entry::Admitted => self.route_body(host),
             Entry::Queued => Action::Pause,
+            Entry::Shed => self.reply(
+                host,
+                Reply {
+                    retry_after: Some(1),
+                    ..Reply::error(
+                        503,
+                        "shed",
+                        "the gateway is at its concurrency limit: sheddable requests are refused",
+                    )
+                },
+            ),
             Entry::Full => self.reply(
                 host,
                 Reply {
@@ -332,17 +371,19 @@ impl RequestFilter {
         let Ok(mut room) = seat.room.try_borrow_mut() else { return Entry::Admitted };
         // Shared data refusing the write: let the request through (holding nothing) rather
         // than fail it.
-        let Some(entry) = SharedBucket::enter(host, &params, vm, room.len(), now_ms) else { return Entry::Admitted };
+        let Some(entry) = SharedBucket::enter(host, &params, vm, self.class, room.counts(), now_ms) else {
+            return Entry::Admitted;
+        };
         match entry {
             Entry::Admitted => {
                 room.took(now_ms);
                 self.admission = Admission::Holds;
             }
             Entry::Queued => {
-                room.push(seat.ctx, now_ms, seat.me.clone());
+                room.push(seat.ctx, self.class, now_ms, (self.class, seat.me.clone()));
                 self.admission = Admission::Waiting;
             }
-            Entry::Full => {}
+            Entry::Full | Entry::Shed => {}
         }
         entry
     }
@@ -368,7 +409,8 @@ impl RequestFilter {
             return;
         }
         self.admission = Admission::Free;
-        let timeout = self.with_gateway(|g| g.config().admission.map(|p| p.queue_timeout_ms / 1000)).flatten();
+        let class = self.class;
+        let timeout = self.with_gateway(|g| g.config().admission.map(|p| p.timeout_ms(class) / 1000)).flatten();
         let msg = format!("waited in the queue for {} s without a free slot", timeout.unwrap_or(0));
         self.reply(host, Reply::error(408, "queue_timeout", &msg));
     }
@@ -684,7 +726,7 @@ impl RequestFilter {
             }
             Admission::Holds => {
                 if let Some((Some(params), vm)) = self.with_gateway(|g| (g.config().admission, g.ledger().vm())) {
-                    SharedBucket::give_back(host, &params, vm, crate::host::now_ms(host));
+                    SharedBucket::give_back(host, &params, vm, self.class, crate::host::now_ms(host));
                     if let Some(Ok(mut room)) = self.seat.as_ref().map(|s| s.room.try_borrow_mut()) {
                         room.gave_back();
                     }
@@ -740,6 +782,7 @@ impl RequestFilter {
 
 mod hygiene;
 mod prefill;
+mod tenant;
 pub mod unanswered;
 mod verdict;
 mod worker_headers;

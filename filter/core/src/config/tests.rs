@@ -16,16 +16,47 @@ fn every_filter_only_key_is_documented() {
 }
 
 #[test]
+fn priority_classes_get_their_reserves_bounds_and_timeouts() {
+    let json = br#"{"max_concurrent_requests":4,"priority_reserved":["interactive=2","system=1"],
+        "priority_queue_size":["interactive=5"],"priority_queue_timeout_secs":["default=3"]}"#;
+    let p = Config::from_json(json).unwrap().admission.unwrap();
+    assert_eq!(p.classes.reserved, [0, 0, 2, 1]);
+    assert_eq!(p.classes.queue_size, [None, None, Some(5), None]);
+    assert_eq!(p.timeout_ms(crate::priority::Class::Default), 3_000);
+    assert_eq!(p.timeout_ms(crate::priority::Class::System), 60_000);
+    for (json, field) in [
+        (&br#"{"max_concurrent_requests":2,"priority_reserved":["system=3"]}"#[..], "priority_reserved"),
+        (br#"{"max_concurrent_requests":2,"priority_queue_size":["vip=3"]}"#, "priority_queue_size"),
+        (br#"{"max_concurrent_requests":2,"priority_queue_timeout_secs":["system=0"]}"#, "priority_queue_timeout_secs"),
+    ] {
+        let e = Config::from_json(json).unwrap_err().to_string();
+        assert!(e.contains(field), "{e}");
+    }
+}
+
+#[test]
 fn admission_is_off_unless_a_concurrency_limit_is_set() {
     for json in [&b"{}"[..], br#"{"max_concurrent_requests":-1}"#, br#"{"max_concurrent_requests":0}"#] {
         assert_eq!(Config::from_json(json).unwrap().admission, None);
     }
     let c = Config::from_json(br#"{"max_concurrent_requests":8}"#).unwrap();
-    let want = AdmissionParams { capacity: 8, refill_per_sec: 8.0, queue_size: 100, queue_timeout_ms: 60_000 };
+    let want = AdmissionParams {
+        capacity: 8,
+        refill_per_sec: 8.0,
+        queue_size: 100,
+        queue_timeout_ms: 60_000,
+        classes: Default::default(),
+    };
     assert_eq!(c.admission, Some(want), "sglang-router's defaults: refill = limit, queue 100, 60 s");
     let json =
         br#"{"max_concurrent_requests":4,"rate_limit_tokens_per_second":1,"queue_size":0,"queue_timeout_secs":2}"#;
-    let want = AdmissionParams { capacity: 4, refill_per_sec: 1.0, queue_size: 0, queue_timeout_ms: 2_000 };
+    let want = AdmissionParams {
+        capacity: 4,
+        refill_per_sec: 1.0,
+        queue_size: 0,
+        queue_timeout_ms: 2_000,
+        classes: Default::default(),
+    };
     assert_eq!(Config::from_json(json).unwrap().admission, Some(want));
     for (json, field) in [
         (&br#"{"max_concurrent_requests":4,"queue_timeout_secs":0}"#[..], "queue_timeout_secs"),

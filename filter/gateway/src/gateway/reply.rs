@@ -13,11 +13,13 @@ pub struct Reply {
     pub retry_after: Option<u32>,
     /// The methods an `allow` header lists (405).
     pub allow: Option<&'static str>,
+    /// More headers (a rate limit's `x-ratelimit-*`).
+    pub headers: Vec<(&'static str, String)>,
 }
 
 impl Reply {
     pub fn error(status: u16, code: &str, message: &str) -> Self {
-        Self { status, body: error_json(status, code, message), retry_after: None, allow: None }
+        Self { status, body: error_json(status, code, message), retry_after: None, allow: None, headers: Vec::new() }
     }
 
     /// 405 for an LLM endpoint asked with another method than POST.
@@ -61,7 +63,13 @@ impl Reply {
     }
 
     fn json(value: &Value) -> Self {
-        Self { status: 200, body: serde_json::to_vec(value).unwrap_or_default(), retry_after: None, allow: None }
+        Self {
+            status: 200,
+            body: serde_json::to_vec(value).unwrap_or_default(),
+            retry_after: None,
+            allow: None,
+            headers: Vec::new(),
+        }
     }
 
     /// 503 with retry-after: none available, or (`full`) all of them overloaded.

@@ -7,8 +7,12 @@
 //! limit while requests run). The held counts carry each VM's heartbeat, so those of a VM that
 //! died stop counting; every change is one compare-and-swap of the whole value, and the value
 //! exists before the first request (see [`SharedBucket::create`]).
+//!
+//! Counts are kept per priority class ([`kvmesh_core::priority`]): a class's reserved slots
+//! and its place ahead of lower classes' queues are Envoy-wide too.
 
 use kvmesh_core::admission::{AdmissionParams, Bucket};
+use kvmesh_core::priority::{Class, CLASSES};
 
 use super::{u32_at, u64_at, SetError, SharedStore, CAS_RETRIES};
 
@@ -20,8 +24,11 @@ pub const QUEUE_STALE_MS: u64 = 2_000;
 pub const HELD_STALE_MS: u64 = super::VmLedger::STALE_MS;
 /// How often a VM that holds requests but has none waiting refreshes its heartbeat.
 pub const BEAT_MS: u64 = 1_000;
-/// One VM's entry: `vm u32, queued u32, held u32, heartbeat u64`.
-const ENTRY: usize = 20;
+/// One VM's entry: `vm u32, heartbeat u64`, then per class `queued u32, held u32`.
+const ENTRY: usize = 12 + 8 * CLASSES;
+
+/// Per-class counts.
+pub type PerClass = [u32; CLASSES];
 
 /// What a request that wants in is told.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,15 +39,43 @@ pub enum Entry {
     Queued,
     /// No slot and the queue is full: 429.
     Full,
+    /// No slot for a sheddable request (it never queues): 503.
+    Shed,
 }
 
 /// One VM's line in the shared value.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Line {
     vm: u32,
-    queued: u32,
-    held: u32,
     at_ms: u64,
+    queued: PerClass,
+    held: PerClass,
+}
+
+impl Line {
+    fn decode(c: &[u8]) -> Option<Self> {
+        let (mut queued, mut held) = ([0; CLASSES], [0; CLASSES]);
+        for i in 0..CLASSES {
+            *queued.get_mut(i)? = u32_at(c, 12 + 8 * i)?;
+            *held.get_mut(i)? = u32_at(c, 16 + 8 * i)?;
+        }
+        Some(Line { vm: u32_at(c, 0)?, at_ms: u64_at(c, 4)?, queued, held })
+    }
+
+    fn busy(&self) -> bool {
+        self.queued.iter().chain(&self.held).any(|n| *n > 0)
+    }
+
+    fn holds(&self) -> bool {
+        self.held.iter().any(|n| *n > 0)
+    }
+}
+
+/// Changes class `c`'s count in `counts`.
+fn bump(counts: &mut PerClass, c: Class, f: impl FnOnce(u32) -> u32) {
+    if let Some(n) = counts.get_mut(c.index()) {
+        *n = f(*n);
+    }
 }
 
 /// The shared value: the bucket (16 bytes), then one [`Line`] per VM that holds or queues.
@@ -57,13 +92,11 @@ impl State {
             .get(16..)
             .unwrap_or_default()
             .chunks_exact(ENTRY)
-            .filter_map(|c| {
-                Some(Line { vm: u32_at(c, 0)?, queued: u32_at(c, 4)?, held: u32_at(c, 8)?, at_ms: u64_at(c, 12)? })
-            })
+            .filter_map(Line::decode)
             // Empty lines and those of VMs that stopped beating go.
             .filter(|l| {
-                let stale = if l.held > 0 { HELD_STALE_MS } else { QUEUE_STALE_MS };
-                (l.queued > 0 || l.held > 0) && now_ms.saturating_sub(l.at_ms) <= stale
+                let stale = if l.holds() { HELD_STALE_MS } else { QUEUE_STALE_MS };
+                l.busy() && now_ms.saturating_sub(l.at_ms) <= stale
             })
             .collect();
         Self { bucket, lines }
@@ -73,24 +106,38 @@ impl State {
         let mut out = self.bucket.encode().to_vec();
         for l in &self.lines {
             out.extend_from_slice(&l.vm.to_le_bytes());
-            out.extend_from_slice(&l.queued.to_le_bytes());
-            out.extend_from_slice(&l.held.to_le_bytes());
             out.extend_from_slice(&l.at_ms.to_le_bytes());
+            for (q, h) in l.queued.iter().zip(&l.held) {
+                out.extend_from_slice(&q.to_le_bytes());
+                out.extend_from_slice(&h.to_le_bytes());
+            }
+        }
+        out
+    }
+
+    /// Per class, summed over the lines (but `except`'s).
+    fn sum(&self, except: Option<u32>, f: impl Fn(&Line) -> &PerClass) -> [u64; CLASSES] {
+        let mut out = [0u64; CLASSES];
+        for line in self.lines.iter().filter(|l| Some(l.vm) != except) {
+            for (o, n) in out.iter_mut().zip(f(line)) {
+                *o += u64::from(*n);
+            }
         }
         out
     }
 
     fn queued(&self) -> u64 {
-        self.lines.iter().map(|l| u64::from(l.queued)).sum()
+        self.sum(None, |l| &l.queued).iter().sum()
     }
 
     fn held(&self) -> u64 {
-        self.lines.iter().map(|l| u64::from(l.held)).sum()
+        self.sum(None, |l| &l.held).iter().sum()
     }
 
-    /// A slot, if one is free: fewer than the capacity held, and a token in the bucket.
-    fn take(&mut self, p: &AdmissionParams, now_ms: u64) -> bool {
-        self.held() < u64::from(p.capacity) && self.bucket.take(p, now_ms)
+    /// A slot for a request of `class`, if one is free: fewer than the capacity held, none
+    /// of it reserved for a class above, and a token in the bucket.
+    fn take(&mut self, p: &AdmissionParams, class: Class, now_ms: u64) -> bool {
+        p.slot_free(&self.sum(None, |l| &l.held), class) && self.bucket.take(p, now_ms)
     }
 
     /// Changes `vm`'s line, which beats at `now_ms` (a new line if it had none).
@@ -101,12 +148,12 @@ impl State {
                 f(line);
             }
             None => {
-                let mut line = Line { vm, queued: 0, held: 0, at_ms: now_ms };
+                let mut line = Line { vm, at_ms: now_ms, queued: [0; CLASSES], held: [0; CLASSES] };
                 f(&mut line);
                 self.lines.push(line);
             }
         }
-        self.lines.retain(|l| l.queued > 0 || l.held > 0);
+        self.lines.retain(Line::busy);
     }
 }
 
@@ -141,7 +188,7 @@ fn change(store: &dyn SharedStore, p: &AdmissionParams, now_ms: u64, mut f: impl
 pub struct SharedBucket;
 
 impl SharedBucket {
-    pub const KEY: &'static str = "kvmesh.admission.v2";
+    pub const KEY: &'static str = "kvmesh.admission.v3";
 
     /// Writes a full bucket with no lines unless the value exists: each VM when it is
     /// configured (Envoy configures the main thread's before any worker thread takes a
@@ -155,27 +202,37 @@ impl SharedBucket {
         store.set(Self::KEY, &empty.encode(), None)
     }
 
-    /// A request of VM `vm` wants in. It takes a slot only when nobody waits (the queue is
-    /// first come, first served) and fewer than the capacity are held; else it queues if there
-    /// is room. `queued_here` is what this VM's queue holds before this request. `None`:
-    /// shared data refused the write (the request goes on, holding nothing).
+    /// A request of class `class` from VM `vm` wants in. It takes a slot only when nobody of
+    /// its class or above waits (each class is first come, first served, and goes ahead of the
+    /// classes below) and a slot is free for its class; else it queues if its class has room
+    /// (a sheddable request is refused instead). `queued_here` is what this VM's queue holds
+    /// before this request. `None`: shared data refused the write (the request goes on,
+    /// holding nothing).
     pub fn enter(
         store: &dyn SharedStore,
         p: &AdmissionParams,
         vm: u32,
-        queued_here: u32,
+        class: Class,
+        queued_here: PerClass,
         now_ms: u64,
     ) -> Option<Entry> {
         let mut entry = Entry::Full;
         let written = change(store, p, now_ms, |s| {
-            entry = if s.queued() == 0 && s.take(p, now_ms) {
+            let queued = s.sum(None, |l| &l.queued);
+            let ahead: u64 = queued.iter().skip(class.index()).sum();
+            entry = if ahead == 0 && s.take(p, class, now_ms) {
                 s.with_line(vm, now_ms, |l| {
-                    l.held = l.held.saturating_add(1);
+                    bump(&mut l.held, class, |n| n.saturating_add(1));
                     l.queued = queued_here;
                 });
                 Entry::Admitted
-            } else if s.queued() < u64::from(p.queue_size) {
-                s.with_line(vm, now_ms, |l| l.queued = queued_here.saturating_add(1));
+            } else if class == Class::Sheddable {
+                Entry::Shed
+            } else if p.queue_room(&queued, class) {
+                s.with_line(vm, now_ms, |l| {
+                    l.queued = queued_here;
+                    bump(&mut l.queued, class, |n| n.saturating_add(1));
+                });
                 Entry::Queued
             } else {
                 Entry::Full
@@ -184,27 +241,42 @@ impl SharedBucket {
         written.then_some(entry)
     }
 
-    /// A request of VM `vm` that held a slot ended: the slot and its token go back.
-    pub fn give_back(store: &dyn SharedStore, p: &AdmissionParams, vm: u32, now_ms: u64) {
+    /// A request of class `class` from VM `vm` that held a slot ended: the slot and its token
+    /// go back.
+    pub fn give_back(store: &dyn SharedStore, p: &AdmissionParams, vm: u32, class: Class, now_ms: u64) {
         change(store, p, now_ms, |s| {
             s.bucket.give_back(p, now_ms);
-            s.with_line(vm, now_ms, |l| l.held = l.held.saturating_sub(1));
+            s.with_line(vm, now_ms, |l| bump(&mut l.held, class, |n| n.saturating_sub(1)));
         });
     }
 
-    /// Takes up to `waiting` slots for VM `vm`'s queue; publishes what is left waiting, with a
-    /// heartbeat (also of what `vm` holds: with nothing waiting, this is the heartbeat).
-    /// Returns how many were taken.
-    pub fn admit(store: &dyn SharedStore, p: &AdmissionParams, vm: u32, waiting: u32, now_ms: u64) -> u32 {
-        let mut taken = 0;
+    /// Takes slots for VM `vm`'s queue (`waiting` per class), highest class first, none for a
+    /// class while another VM has requests of a higher class waiting; publishes what is left
+    /// waiting, with a heartbeat (also of what `vm` holds: with nothing waiting, this is the
+    /// heartbeat). Returns how many were taken per class.
+    pub fn admit(store: &dyn SharedStore, p: &AdmissionParams, vm: u32, waiting: PerClass, now_ms: u64) -> PerClass {
+        let mut taken = [0; CLASSES];
         change(store, p, now_ms, |s| {
-            taken = 0;
-            while taken < waiting && s.take(p, now_ms) {
-                taken += 1;
+            taken = [0; CLASSES];
+            let others = s.sum(Some(vm), |l| &l.queued);
+            'classes: for class in Class::ALL.into_iter().rev() {
+                let i = class.index();
+                if others.iter().skip(i + 1).any(|n| *n > 0) {
+                    break;
+                }
+                let (Some(want), Some(t)) = (waiting.get(i).copied(), taken.get_mut(i)) else { continue };
+                while *t < want {
+                    if !s.take(p, class, now_ms) {
+                        break 'classes;
+                    }
+                    *t += 1;
+                    s.with_line(vm, now_ms, |l| bump(&mut l.held, class, |n| n.saturating_add(1)));
+                }
             }
             s.with_line(vm, now_ms, |l| {
-                l.held = l.held.saturating_add(taken);
-                l.queued = waiting - taken;
+                for ((q, w), t) in l.queued.iter_mut().zip(waiting).zip(taken) {
+                    *q = w.saturating_sub(t);
+                }
             });
         });
         taken

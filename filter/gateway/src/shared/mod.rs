@@ -18,6 +18,7 @@ mod inflight;
 mod lease;
 pub mod model_series;
 mod table;
+pub mod tenants;
 mod vm_ledger;
 
 pub use breakers::SharedBreakers;
@@ -80,9 +81,10 @@ pub const KEYS: &[(&str, &str)] = &[
     ("kvmesh.cp.polled.v1", "table.rs"),
     ("kvmesh.breakers.v1", "breakers.rs"),
     ("kvmesh.feedback.v1", "feedback.rs"),
-    ("kvmesh.admission.v2", "admission.rs"),
+    ("kvmesh.admission.v3", "admission.rs"),
     ("kvmesh.gateway.id.v1", "gateway_id.rs"),
     ("kvmesh.models.v1", "model_series.rs"),
+    ("kvmesh.tenants.v1", "tenants.rs"),
 ];
 
 #[cfg(test)]

@@ -1,0 +1,47 @@
+//! A request's tenant (issue 47): its id, from the configured header or the caller's SPIFFE id
+//! (the header then removed), and the per-tenant requests-per-second limit, Envoy-wide
+//! (`crate::shared::tenants`). Nothing here runs unless a tenant setting is configured.
+
+use kvmesh_core::tenant::{reset_text, valid_tenant, xfcc_uri, TenantParams, XFCC_HEADER};
+
+use crate::gateway::Reply;
+use crate::headers::Headers;
+use crate::host::StreamHost;
+use crate::shared::tenants;
+
+/// The id requests that name no tenant are counted under.
+pub const ANONYMOUS: &str = "anonymous";
+
+/// The tenant of a request with `headers` (none: it names none, or not a usable id). With the
+/// identity source, the client's tenant header is removed, so no worker or log reads it.
+pub(super) fn tenant_of(host: &dyn StreamHost, params: &TenantParams, headers: &Headers) -> Option<String> {
+    if params.xfcc {
+        let [forged, xfcc] = headers.lookup([params.header.as_str(), XFCC_HEADER]);
+        if forged.is_some() {
+            let _ = host.set_request_header(&params.header, None);
+        }
+        return xfcc.and_then(xfcc_uri).map(str::to_string);
+    }
+    headers.get(&params.header).map(str::trim).filter(|v| valid_tenant(v)).map(str::to_string)
+}
+
+/// Counts the request against its tenant's limit: past it, a JSON 429 with OpenAI's
+/// `x-ratelimit-*-requests` headers and `retry-after`.
+pub(super) fn check_limit(host: &dyn StreamHost, params: &TenantParams, tenant: Option<&str>) -> Result<(), Reply> {
+    let Some(limit) = params.requests_per_second else { return Ok(()) };
+    let id = tenant.unwrap_or(ANONYMOUS);
+    let now_ms = crate::host::now_ms(host);
+    let Some((verdict, _)) = tenants::hit(host, id, limit, params.max_tenants, now_ms) else { return Ok(()) };
+    if verdict.allowed {
+        return Ok(());
+    }
+    let msg = format!("tenant {id} is over its limit of {limit} requests per second");
+    let mut reply = Reply::error(429, "rate_limit_exceeded", &msg);
+    reply.retry_after = Some(u32::try_from(verdict.reset_ms.div_ceil(1000)).unwrap_or(1).max(1));
+    reply.headers = vec![
+        ("x-ratelimit-limit-requests", limit.to_string()),
+        ("x-ratelimit-remaining-requests", verdict.remaining.to_string()),
+        ("x-ratelimit-reset-requests", reset_text(verdict.reset_ms)),
+    ];
+    Err(reply)
+}
