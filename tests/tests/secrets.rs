@@ -64,3 +64,18 @@ fn no_client_reads_the_workers_key_and_no_worker_adds_a_series() {
         |name: &str| all.iter().filter(|s| s.name == name).flat_map(|s| s.labels.clone()).collect::<Vec<_>>();
     assert!(labelled("kvmesh_worker_model").contains(&("model".to_string(), HOSTILE_MODEL.to_string())), "{text}");
 }
+
+/// kvmesh-cp's read endpoints (workers, snapshot, metrics, `/match`, a cache side channel)
+/// answer only with the key once `--protect-read-endpoints` is set; `/health` stays open.
+#[test]
+fn read_endpoints_can_be_protected_too() {
+    let cp = ControlPlane::start(&["--protect-read-endpoints"]).unwrap();
+    for path in ["/workers", "/list_workers", "/snapshot", "/metrics"] {
+        assert_eq!(http::get(&cp.url(path)).unwrap().status, 401, "{path}");
+    }
+    assert_eq!(http::post(&cp.url("/match"), b"text", &[]).unwrap().status, 401);
+    assert_eq!(http::get(&cp.url("/health")).unwrap().status, 200, "/health stays open");
+    let auth = format!("Bearer {}", cp.api_key.as_deref().unwrap());
+    let r = http::post(&cp.url("/match"), b"text", &[("authorization", &auth)]).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+}

@@ -13,9 +13,9 @@ use super::{non_test_tokens, rust_files, skip_group, tokenize, workspace_root};
 #[test]
 fn pd_protocols_are_named_only_in_their_modules() {
     let root = workspace_root();
-    let declaration = root.join("filter/core/src/pd_protocol.rs");
+    let declaration = root.join("core/src/pd_protocol.rs");
     let modules = root.join("filter/gateway/src/pd");
-    let allowed = [declaration.clone(), root.join("filter/core/src/config.rs")];
+    let allowed = [declaration.clone(), root.join("core/src/config.rs")];
     // The variants, from the declaration.
     let toks = tokenize(&fs::read_to_string(&declaration).unwrap());
     let start = toks.windows(2).position(|w| w[0] == "enum" && w[1] == "PdProtocol").expect("enum PdProtocol");
@@ -105,4 +105,47 @@ fn the_gateway_stays_a_composition() {
     let fns = toks[open..end].iter().filter(|t| *t == "fn").count();
     assert!(fns > 10, "the scan found the impl ({fns} functions)");
     assert!(fns <= 30, "Gateway has {fns} functions: lend a part out instead (see gateway/mod.rs's doc)");
+}
+
+/// The folders are the layers (ARCHITECTURE.md, "Code map"): a crate's normal and build
+/// dependencies are workspace crates of lower layers only (tests may reach up: dev-dependencies
+/// are not checked).
+#[test]
+fn crates_depend_only_on_lower_layers() {
+    let layers: [(&str, &str, u32); 11] = [
+        ("core", "kvmesh-core", 0),
+        ("filter/dynamic-module", "envoy-dynamic-module", 0),
+        ("proto", "kvmesh-proto", 1),
+        ("filter/gateway", "kvmesh-gateway", 2),
+        ("filter/wasm", "kvmesh-filter", 3),
+        ("filter/native", "kvmesh-native", 3),
+        ("control-plane", "kvmesh-cp", 2),
+        ("sim", "kvmesh-sim", 2),
+        ("tests", "kvmesh-testkit", 4),
+        ("xtask", "xtask", 5),
+        ("xtask/naive-filter", "kvmesh-naive-filter", 1),
+    ];
+    let layer_of = |name: &str| layers.iter().find(|(_, n, _)| *n == name).map(|l| l.2);
+    let mut wrong = Vec::new();
+    for (dir, name, layer) in layers {
+        let manifest = fs::read_to_string(workspace_root().join(dir).join("Cargo.toml")).unwrap();
+        assert!(manifest.contains(&format!("name = \"{name}\"")), "{dir} is {name}");
+        let mut section = String::new();
+        for line in manifest.lines().map(str::trim) {
+            if line.starts_with('[') {
+                section = line.to_string();
+                continue;
+            }
+            if !(section.ends_with("dependencies]") && !section.contains("dev-dependencies")) {
+                continue;
+            }
+            let dep = line.split(['=', '.', ' ']).next().unwrap_or("");
+            if let Some(dep_layer) = layer_of(dep).filter(|_| dep != name) {
+                if dep_layer >= layer {
+                    wrong.push(format!("{name} (layer {layer}) -> {dep} (layer {dep_layer})"));
+                }
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "dependencies that do not run down:\n  {}", wrong.join("\n  "));
 }
