@@ -136,7 +136,7 @@ fn crates_depend_only_on_lower_layers() {
                 section = line.to_string();
                 continue;
             }
-            if !(section.ends_with("dependencies]") && !section.contains("dev-dependencies")) {
+            if !section.ends_with("dependencies]") || section.contains("dev-dependencies") {
                 continue;
             }
             let dep = line.split(['=', '.', ' ']).next().unwrap_or("");
