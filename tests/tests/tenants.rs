@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use kvmesh_testkit::e2e::DECODE_20MS;
 use kvmesh_testkit::http::{self, Response};
-use kvmesh_testkit::{wait_until, Envoy, EnvoyOptions, Sim};
+use kvmesh_testkit::{scratch_dir, wait_until, Envoy, EnvoyOptions, Sim};
 use serde_json::{json, Value};
 
 fn body(text: &str, tokens: u32) -> Value {
@@ -26,6 +26,17 @@ fn post_in_thread(url: &str, body: Value, headers: &[(&str, &str)]) -> JoinHandl
         let r = http::post(&url, &bytes, &all).unwrap();
         (r, Instant::now())
     })
+}
+
+/// The filter's labelled counter `name{label="value"}` in Envoy's `/stats/prometheus` (0
+/// while absent; the native build's names keep their `envoy_wasmcustom_` prefix there).
+fn labelled(envoy: &Envoy, name: &str, label: &str, value: &str) -> u64 {
+    let text = http::get(&envoy.admin_url("/stats/prometheus")).map(|r| r.text()).unwrap_or_default();
+    let (series, tag) = (format!("{name}{{"), format!("{label}=\"{value}\""));
+    text.lines()
+        .filter(|l| !l.starts_with('#') && l.contains(&series) && l.contains(&tag))
+        .filter_map(|l| l.split_whitespace().last()?.parse::<u64>().ok())
+        .sum()
 }
 
 /// Two slots, one reserved for the interactive class. A default request runs; a second one
@@ -83,6 +94,14 @@ fn classes_reserve_slots_go_ahead_of_lower_ones_and_sheddable_requests_are_refus
     assert!(late_at < waited_at, "the interactive request went ahead of the default one waiting before it");
     assert_eq!(sim.stats().unwrap()["requests"], 4, "the shed requests never reached the worker");
     assert_eq!(envoy.filter_stat("kvmesh_queued"), 0);
+    // Counted per class: both sheddable ones shed, the four others admitted, two of them
+    // after waiting (one default, one interactive).
+    let class = |name, value| labelled(&envoy, name, "class", value);
+    assert_eq!(class("kvmesh_class_shed_total", "sheddable"), 2);
+    assert_eq!(class("kvmesh_class_admitted_total", "interactive"), 2);
+    assert_eq!(class("kvmesh_class_admitted_total", "default"), 2);
+    assert_eq!(class("kvmesh_class_queued_total", "default"), 1);
+    assert_eq!(class("kvmesh_class_queued_total", "interactive"), 1);
 }
 
 /// Tenants from a header: each has its own requests-per-second window, Envoy-wide; past it a
@@ -98,7 +117,10 @@ fn tenants_from_a_header_have_their_own_limit_and_an_identity_cannot_be_forged()
         "tenant_header": "x-llm-d-inference-fairness-id",
         "tenant_requests_per_second": 1,
     });
-    let envoy = Envoy::start(&EnvoyOptions::new(filter.clone()).unwrap()).unwrap();
+    let dir = scratch_dir("tenants").unwrap();
+    let mut opts = EnvoyOptions::new(filter.clone()).unwrap();
+    opts.access_log = Some(dir.path().join("access.log"));
+    let envoy = Envoy::start(&opts).unwrap();
     let url = envoy.url("/generate");
     let post = |url: &str, headers: &[(&str, &str)]| {
         let mut all = vec![("content-type", "application/json")];
@@ -127,6 +149,15 @@ fn tenants_from_a_header_have_their_own_limit_and_an_identity_cannot_be_forged()
     assert_eq!(r.header("retry-after"), Some("1"));
     let other = post(&url, &[("x-llm-d-inference-fairness-id", "team-b")]);
     assert_eq!(other.status, 200, "another tenant has its own window: {}", other.text());
+    // Counted per tenant, and the decision record names the tenant (no class: no limit).
+    let tenant = |name, value| labelled(&envoy, name, "tenant", value);
+    assert_eq!(tenant("kvmesh_tenant_requests_total", "team-b"), 1);
+    assert_eq!(tenant("kvmesh_tenant_limited_total", "team-a"), 1);
+    assert!(tenant("kvmesh_tenant_requests_total", "team-a") >= 2);
+    let log = || std::fs::read_to_string(dir.path().join("access.log")).unwrap_or_default();
+    wait_until("team-b's access-log line", Duration::from_secs(15), || log().contains("tenant=team-b")).unwrap();
+    let line = log().lines().find(|l| l.contains("tenant=team-b")).map(str::to_string).unwrap_or_default();
+    assert!(line.contains(";tenant=team-b") && !line.contains("class="), "{line}");
     drop(envoy);
 
     filter["tenant_identity"] = json!("xfcc");

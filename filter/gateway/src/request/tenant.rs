@@ -6,15 +6,27 @@ use kvmesh_core::tenant::{reset_text, valid_tenant, xfcc_uri, TenantParams, XFCC
 
 use crate::gateway::Reply;
 use crate::headers::Headers;
-use crate::host::StreamHost;
+use crate::host::{LabelledMetric, StreamHost};
 use crate::shared::tenants;
 
 /// The id requests that name no tenant are counted under.
 pub const ANONYMOUS: &str = "anonymous";
 
+/// The tenant of a request with `headers` (`anonymous` when it names none), counted in its
+/// series, and what its limit says.
+pub(super) fn admit(host: &dyn StreamHost, params: &TenantParams, headers: &Headers) -> (String, Result<(), Reply>) {
+    let id = tenant_of(host, params, headers).unwrap_or_else(|| ANONYMOUS.to_string());
+    host.increment_labelled(LabelledMetric::TenantRequests, &id);
+    let verdict = check_limit(host, params, Some(&id));
+    if verdict.is_err() {
+        host.increment_labelled(LabelledMetric::TenantLimited, &id);
+    }
+    (id, verdict)
+}
+
 /// The tenant of a request with `headers` (none: it names none, or not a usable id). With the
 /// identity source, the client's tenant header is removed, so no worker or log reads it.
-pub(super) fn tenant_of(host: &dyn StreamHost, params: &TenantParams, headers: &Headers) -> Option<String> {
+fn tenant_of(host: &dyn StreamHost, params: &TenantParams, headers: &Headers) -> Option<String> {
     if params.xfcc {
         let [forged, xfcc] = headers.lookup([params.header.as_str(), XFCC_HEADER]);
         if forged.is_some() {
@@ -27,7 +39,7 @@ pub(super) fn tenant_of(host: &dyn StreamHost, params: &TenantParams, headers: &
 
 /// Counts the request against its tenant's limit: past it, a JSON 429 with OpenAI's
 /// `x-ratelimit-*-requests` headers and `retry-after`.
-pub(super) fn check_limit(host: &dyn StreamHost, params: &TenantParams, tenant: Option<&str>) -> Result<(), Reply> {
+fn check_limit(host: &dyn StreamHost, params: &TenantParams, tenant: Option<&str>) -> Result<(), Reply> {
     let Some(limit) = params.requests_per_second else { return Ok(()) };
     let id = tenant.unwrap_or(ANONYMOUS);
     let now_ms = crate::host::now_ms(host);
