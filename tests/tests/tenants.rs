@@ -127,17 +127,17 @@ fn tenants_from_a_header_have_their_own_limit_and_an_identity_cannot_be_forged()
         all.extend_from_slice(headers);
         http::post(url, &serde_json::to_vec(&body("hi", 1)).unwrap(), &all).unwrap()
     };
-    // A window is one second: retry a pair that straddled a second's end (bounded).
+    // A window is one second: requests one after another until one meets the window of the
+    // one before (bounded; a pair may straddle a second's end, and the next request then
+    // meets the later one's window).
     let mut limited = None;
-    for _ in 0..5 {
-        let first = post(&url, &[("x-llm-d-inference-fairness-id", "team-a")]);
-        assert_eq!(first.status, 200, "{}", first.text());
-        let second = post(&url, &[("x-llm-d-inference-fairness-id", "team-a")]);
-        if second.status == 429 {
-            limited = Some(second);
+    for i in 0..10 {
+        let r = post(&url, &[("x-llm-d-inference-fairness-id", "team-a")]);
+        if r.status == 429 && i > 0 {
+            limited = Some(r);
             break;
         }
-        assert_eq!(second.status, 200, "{}", second.text());
+        assert_eq!(r.status, 200, "{}", r.text());
     }
     let r = limited.expect("team-a's second request within a second was refused");
     assert_eq!(r.json().unwrap()["error"]["code"], "rate_limit_exceeded", "{}", r.text());
@@ -168,16 +168,56 @@ fn tenants_from_a_header_have_their_own_limit_and_an_identity_cannot_be_forged()
         ("kvmesh-tenant", "team-a"),
         ("x-forwarded-client-cert", "By=spiffe://x;URI=spiffe://cluster.local/ns/team-a/sa/app"),
     ];
+    // Alternating claims: a 429 means the one before, claiming the other id, shared its window.
     let mut refused = None;
-    for _ in 0..5 {
-        let first = post(&url, &forged[..1]);
-        assert_eq!(first.status, 200, "{}", first.text());
-        let second = post(&url, &forged[1..]);
-        if second.status == 429 {
-            refused = Some(second);
+    for i in 0..10 {
+        let r = post(&url, &forged[i % 2..i % 2 + 1]);
+        if r.status == 429 && i > 0 {
+            refused = Some(r);
             break;
         }
+        assert_eq!(r.status, 200, "{}", r.text());
     }
     let r = refused.expect("two requests claiming two ids within a second counted as one tenant");
     assert!(r.text().contains("tenant anonymous"), "neither claimed id was believed: {}", r.text());
+}
+
+/// Fair shares by tenant weight: one slot, held by a long request of `flood`; three more of
+/// `flood` wait, then one of `team-b`. When the slot comes back, `team-b` (no tokens used)
+/// goes ahead of `flood`'s waiting requests (its first one charged), though it came last; a
+/// first-come queue would run it last. One Envoy thread: the usage table is per thread for now.
+#[test]
+fn a_tenant_that_used_less_goes_ahead_of_a_flooding_one() {
+    let sim = Sim::start(DECODE_20MS).unwrap();
+    let filter = json!({
+        "worker_urls": [sim.url()],
+        "max_concurrent_requests": 1,
+        "rate_limit_tokens_per_second": 1000,
+        "queue_size": 8,
+        "queue_timeout_secs": 30,
+        "tenant_weight": ["team-b=1"],
+    });
+    let mut opts = EnvoyOptions::new(filter).unwrap();
+    opts.concurrency = 1;
+    let envoy = Envoy::start(&opts).unwrap();
+    let url = envoy.url("/generate");
+    let flood = [("kvmesh-tenant", "flood")];
+    let long = post_in_thread(&url, body(&"a long flooding prompt. ".repeat(40), 100), &flood);
+    wait_until("the long request in flight", Duration::from_secs(10), || envoy.in_flight() == Some(1)).unwrap();
+    let mut waiting = Vec::new();
+    for i in 0..3 {
+        waiting.push(post_in_thread(&url, body(&format!("flood {i}"), 1), &flood));
+        envoy.wait_for_queued(i + 1);
+    }
+    let b = post_in_thread(&url, body("team-b", 1), &[("kvmesh-tenant", "team-b")]);
+    envoy.wait_for_queued(4);
+    let (b, b_at) = b.join().unwrap();
+    assert_eq!(b.status, 200, "{}", b.text());
+    assert_eq!(long.join().unwrap().0.status, 200);
+    for w in waiting {
+        let (r, at) = w.join().unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert!(b_at < at, "team-b went ahead of flood's waiting requests");
+    }
+    assert_eq!(labelled(&envoy, "kvmesh_tenant_queued_total", "tenant", "flood"), 3);
 }

@@ -29,6 +29,9 @@ pub struct TenantParams {
     pub requests_per_second: Option<u32>,
     /// Tenants tracked at once per Envoy; the others share [`OTHER`]'s entry.
     pub max_tenants: usize,
+    /// Weights in the fair share (`tenant_weight`, [`crate::fair`]); none given: no fair
+    /// ordering (each class's queue is first come, first served).
+    pub weights: Option<Vec<(String, u32)>>,
 }
 
 /// Whether `id` is usable as a tenant id as it is: 1 to [`MAX_TENANT_BYTES`] visible ASCII

@@ -68,8 +68,10 @@ pub struct RequestFilter {
     admission: Admission,
     /// Its priority class (read only under a concurrency limit: none without one).
     class: Option<Class>,
-    /// Its tenant id, `anonymous` if it names none (read only when tenants are configured).
+    /// Its tenant id, `anonymous` if it names none (read only when tenants are configured),
+    /// and its weight where tenant weights are (fair shares).
     tenant: Option<String>,
+    weight: Option<u32>,
     /// The whole request body's size, once it is here.
     body_size: usize,
     endpoint: Option<Endpoint>,
@@ -133,6 +135,7 @@ impl RequestFilter {
             admission: Admission::Free,
             class: None,
             tenant: None,
+            weight: None,
             body_size: 0,
             endpoint: None,
             path: String::new(),
@@ -281,6 +284,7 @@ impl RequestFilter {
             .unwrap_or_default();
         if let Some(t) = tenants {
             let (id, verdict) = tenant::admit(host, &t, &headers);
+            self.weight = t.weights.as_ref().map(|w| kvmesh_core::fair::weight_of(w, &id));
             self.tenant = Some(id);
             if let Err(reply) = verdict {
                 return self.reply(host, reply);
@@ -345,68 +349,6 @@ impl RequestFilter {
         }
     }
 
-    fn who(&self) -> admit::Who<'_> {
-        admit::Who { class: self.class, tenant: self.tenant.as_deref() }
-    }
-
-    /// Admission, when a concurrency limit is configured: a token, a place in the VM's queue,
-    /// or a 429. Without a seat (no queue to wait in), a request that would wait is admitted.
-    fn enter(&mut self, host: &dyn StreamHost) -> Entry {
-        let Some((Some(params), vm)) = self.with_gateway(|g| (g.config().admission, g.ledger().vm())) else {
-            return Entry::Admitted;
-        };
-        let now_ms = crate::host::now_ms(host);
-        let Some(seat) = &self.seat else { return Entry::Admitted };
-        let Ok(mut room) = seat.room.try_borrow_mut() else { return Entry::Admitted };
-        // Shared data refusing the write: let the request through (holding nothing) rather
-        // than fail it.
-        let class = self.class.unwrap_or_default();
-        let Some(entry) = SharedBucket::enter(host, &params, vm, class, room.counts(), now_ms) else {
-            return Entry::Admitted;
-        };
-        match entry {
-            Entry::Admitted => {
-                room.took(now_ms);
-                self.admission = Admission::Holds;
-            }
-            Entry::Queued => {
-                room.push(seat.ctx, class, now_ms, (class, seat.me.clone()));
-                self.admission = Admission::Waiting;
-            }
-            Entry::Full | Entry::Shed => {}
-        }
-        entry
-    }
-
-    /// The tick admitted this waiting request (its context entered) and took a slot for it:
-    /// route it and let it go. False if it was not waiting (the slot is not its to keep).
-    pub fn admitted(&mut self, host: &dyn StreamHost) -> bool {
-        if self.admission != Admission::Waiting {
-            return false;
-        }
-        self.admission = Admission::Holds;
-        self.who().count(host, LabelledMetric::ClassAdmitted, None);
-        if self.route_body(host) == Action::Continue {
-            if let Err(e) = host.resume_request() {
-                log::warn!("cannot resume a request admitted from the queue: {e}");
-            }
-        }
-        true
-    }
-
-    /// The tick found this request waiting past the queue timeout (its context entered).
-    pub fn expired(&mut self, host: &dyn StreamHost) {
-        if self.admission != Admission::Waiting {
-            return;
-        }
-        self.admission = Admission::Free;
-        self.who().count(host, LabelledMetric::ClassRefused, None);
-        let class = self.class.unwrap_or_default();
-        let timeout = self.with_gateway(|g| g.config().admission.map(|p| p.timeout_ms(class) / 1000)).flatten();
-        let msg = format!("waited in the queue for {} s without a free slot", timeout.unwrap_or(0));
-        self.reply(host, Reply::error(408, "queue_timeout", &msg));
-    }
-
     /// Whether this request waits in its VM's admission queue (only a tick moves it on).
     pub fn is_waiting(&self) -> bool {
         self.admission == Admission::Waiting
@@ -468,6 +410,7 @@ impl RequestFilter {
             return self.not_configured(host);
         };
         Self::count_route(host, &committed.main);
+        self.charge_routed(host, body_size, committed.main.matched_bytes);
         if let Some(model) = &committed.model {
             host.increment_labelled(LabelledMetric::ModelRequests, model);
             if committed.main.matched_bytes > 0 {
@@ -524,7 +467,9 @@ impl RequestFilter {
     /// metrics for a control plane (nobody else reads them). Otherwise the response body is
     /// not read at all.
     fn feedback_for(&self, prediction: Option<Prediction>, worker: WorkerId, now_ms: u64) -> Option<ResponseFeedback> {
-        let due = prediction.is_some() || self.with_gateway(|g| g.front().reports_usage()).unwrap_or(false);
+        let due = prediction.is_some()
+            || self.weight.is_some()
+            || self.with_gateway(|g| g.front().reports_usage()).unwrap_or(false);
         due.then(|| ResponseFeedback::new(prediction, worker, now_ms))
     }
 
@@ -727,6 +672,7 @@ impl RequestFilter {
             }
         }
         if let Some(f) = self.feedback.take() {
+            self.charge_generated(host, f.generated());
             let complete = self.complete;
             self.with_gateway(|g| f.finish(g, host, complete));
         }

@@ -35,6 +35,16 @@ fn priority_classes_get_their_reserves_bounds_and_timeouts() {
 }
 
 #[test]
+fn tenant_weights_turn_tenants_on_and_refuse_garbage() {
+    let t = Config::from_json(br#"{"tenant_weight":["team-a=3"]}"#).unwrap().tenants.unwrap();
+    assert_eq!(t.weights, Some(vec![("team-a".to_string(), 3)]));
+    assert_eq!(Config::from_json(b"{}").unwrap().tenants, None);
+    for bad in [&br#"{"tenant_weight":["team-a=0"]}"#[..], br#"{"tenant_weight":["team-a"]}"#] {
+        assert!(Config::from_json(bad).unwrap_err().to_string().contains("tenant_weight"));
+    }
+}
+
+#[test]
 fn admission_is_off_unless_a_concurrency_limit_is_set() {
     for json in [&b"{}"[..], br#"{"max_concurrent_requests":-1}"#, br#"{"max_concurrent_requests":0}"#] {
         assert_eq!(Config::from_json(json).unwrap().admission, None);

@@ -5,9 +5,106 @@
 
 use kvmesh_core::priority::Class;
 
+use super::{Admission, RequestFilter};
 use crate::admission::Entry;
 use crate::gateway::Reply;
-use crate::host::{LabelledMetric, StreamHost};
+use crate::host::{Action, LabelledMetric, StreamHost};
+use crate::shared::admission::SharedBucket;
+
+/// Prompt bytes per token, for the uncached prompt a request is charged as it is routed
+/// (before the worker says how many tokens it read).
+const BYTES_PER_TOKEN: usize = 4;
+
+impl RequestFilter {
+    /// Admission, when a concurrency limit is configured: a token, a place in the VM's queue,
+    /// or a 429. Without a seat (no queue to wait in), a request that would wait is admitted.
+    pub(super) fn enter(&mut self, host: &dyn StreamHost) -> Entry {
+        let Some((Some(params), vm)) = self.with_gateway(|g| (g.config().admission, g.ledger().vm())) else {
+            return Entry::Admitted;
+        };
+        let now_ms = crate::host::now_ms(host);
+        let Some(seat) = &self.seat else { return Entry::Admitted };
+        let Ok(mut room) = seat.room.try_borrow_mut() else { return Entry::Admitted };
+        // Shared data refusing the write: let the request through (holding nothing) rather
+        // than fail it.
+        let class = self.class.unwrap_or_default();
+        let Some(entry) = SharedBucket::enter(host, &params, vm, class, room.counts(), now_ms) else {
+            return Entry::Admitted;
+        };
+        match entry {
+            Entry::Admitted => {
+                room.took(now_ms);
+                self.admission = Admission::Holds;
+            }
+            Entry::Queued => {
+                let tenant = self.tenant.as_deref().zip(self.weight);
+                room.push_for(seat.ctx, class, tenant, now_ms, (class, seat.me.clone()));
+                self.admission = Admission::Waiting;
+            }
+            Entry::Full | Entry::Shed => {}
+        }
+        entry
+    }
+
+    /// The tick admitted this waiting request (its context entered) and took a slot for it:
+    /// route it and let it go. False if it was not waiting (the slot is not its to keep).
+    pub fn admitted(&mut self, host: &dyn StreamHost) -> bool {
+        if self.admission != Admission::Waiting {
+            return false;
+        }
+        self.admission = Admission::Holds;
+        self.who().count(host, LabelledMetric::ClassAdmitted, None);
+        if self.route_body(host) == Action::Continue {
+            if let Err(e) = host.resume_request() {
+                log::warn!("cannot resume a request admitted from the queue: {e}");
+            }
+        }
+        true
+    }
+
+    /// The tick found this request waiting past the queue timeout (its context entered).
+    pub fn expired(&mut self, host: &dyn StreamHost) {
+        if self.admission != Admission::Waiting {
+            return;
+        }
+        self.admission = Admission::Free;
+        self.who().count(host, LabelledMetric::ClassRefused, None);
+        let class = self.class.unwrap_or_default();
+        let timeout = self.with_gateway(|g| g.config().admission.map(|p| p.timeout_ms(class) / 1000)).flatten();
+        let msg = format!("waited in the queue for {} s without a free slot", timeout.unwrap_or(0));
+        self.reply(host, Reply::error(408, "queue_timeout", &msg));
+    }
+
+    pub(super) fn who(&self) -> Who<'_> {
+        Who { class: self.class, tenant: self.tenant.as_deref() }
+    }
+
+    /// Fair shares (tenant weights configured): charges the request's tenant `tokens` in its
+    /// VM's usage table.
+    fn charge(&self, host: &dyn StreamHost, tokens: u64) {
+        let (Some(tenant), Some(_), Some(seat)) = (self.tenant.as_deref(), self.weight, &self.seat) else { return };
+        let max = self.with_gateway(|g| g.config().tenants.as_ref().map(|t| t.max_tenants)).flatten().unwrap_or(64);
+        if let Ok(mut room) = seat.room.try_borrow_mut() {
+            room.charge(tenant, tokens, max, crate::host::now_ms(host));
+        }
+    }
+
+    /// As it is routed: its prompt's bytes the chosen worker was not believed to hold, in
+    /// tokens (estimated).
+    pub(super) fn charge_routed(&self, host: &dyn StreamHost, body_size: usize, cached_bytes: usize) {
+        if self.weight.is_some() {
+            let uncached = body_size.saturating_sub(cached_bytes) / BYTES_PER_TOKEN;
+            self.charge(host, u64::try_from(uncached).unwrap_or(u64::MAX));
+        }
+    }
+
+    /// As its response ends: the tokens the worker generated.
+    pub(super) fn charge_generated(&self, host: &dyn StreamHost, generated: Option<u64>) {
+        if let (Some(_), Some(tokens)) = (self.weight, generated) {
+            self.charge(host, tokens);
+        }
+    }
+}
 
 /// Who a request is, for its series and its record: its class (under a concurrency limit)
 /// and its tenant (tenants configured: an id, or `anonymous`).
