@@ -221,3 +221,35 @@ fn a_tenant_that_used_less_goes_ahead_of_a_flooding_one() {
     }
     assert_eq!(labelled(&envoy, "kvmesh_tenant_queued_total", "tenant", "flood"), 3);
 }
+
+/// Tokens per minute per tenant: a request's uncached prompt counts as it is routed, so after
+/// one long prompt a tenant's minute is spent and its next request is a JSON 429 with
+/// OpenAI's `x-ratelimit-*-tokens` headers; another tenant still has its own minute.
+#[test]
+fn a_tenant_past_its_tokens_per_minute_gets_a_429_with_token_headers() {
+    let sim = Sim::start(DECODE_20MS).unwrap();
+    let filter = json!({"worker_urls": [sim.url()], "tenant_tokens_per_minute": 50});
+    let envoy = Envoy::start(&EnvoyOptions::new(filter).unwrap()).unwrap();
+    let url = envoy.url("/generate");
+    let post = |tenant: &str, text: &str| {
+        let headers = [("content-type", "application/json"), ("kvmesh-tenant", tenant)];
+        http::post(&url, &serde_json::to_vec(&body(text, 1)).unwrap(), &headers).unwrap()
+    };
+    let first = post("team-t", &"a long prompt of many tokens. ".repeat(20));
+    assert_eq!(first.status, 200, "{}", first.text());
+    let r = post("team-t", "hi");
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(r.json().unwrap()["error"]["code"], "rate_limit_exceeded");
+    assert!(r.text().contains("tokens per minute"), "{}", r.text());
+    assert_eq!(r.header("x-ratelimit-limit-tokens"), Some("50"));
+    assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("0"));
+    assert!(
+        r.header("x-ratelimit-reset-tokens").is_some_and(|v| v.ends_with('s')),
+        "{:?}",
+        r.header("x-ratelimit-reset-tokens")
+    );
+    assert!(r.header("retry-after").is_some());
+    let other = post("team-u", "hi");
+    assert_eq!(other.status, 200, "another tenant has its own minute: {}", other.text());
+    assert_eq!(sim.stats().unwrap()["requests"], 2, "the refused request never reached the worker");
+}

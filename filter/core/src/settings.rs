@@ -255,6 +255,10 @@ routing_settings! {
     /// tokens per unit of weight goes first (kvmesh). Default none.
     #[cfg_attr(feature = "cli", arg(action = clap::ArgAction::Append))]
     tenant_weight: Vec<String>,
+    /// Tokens per minute per tenant through one Envoy (uncached prompt tokens as a request is
+    /// routed, generated tokens as its response ends); once a tenant's minute reached it, a
+    /// JSON 429 with OpenAI's x-ratelimit-*-tokens headers (kvmesh). Default none.
+    tenant_tokens_per_minute: u64,
 }
 
 #[cfg(test)]
@@ -285,7 +289,7 @@ mod tests {
             .contains("polcy"));
         let e = serde_json::from_str::<RoutingSettings>(r#"{"policy":"fastest"}"#).unwrap_err().to_string();
         assert!(e.contains("unknown policy `fastest`"), "{e}");
-        assert_eq!(RoutingSettings::FIELDS.len(), 59);
+        assert_eq!(RoutingSettings::FIELDS.len(), 60);
         assert!(RoutingSettings::FIELDS.contains(&"rate_limit_tokens_per_second"));
     }
 }

@@ -69,9 +69,11 @@ pub struct RequestFilter {
     /// Its priority class (read only under a concurrency limit: none without one).
     class: Option<Class>,
     /// Its tenant id, `anonymous` if it names none (read only when tenants are configured),
-    /// and its weight where tenant weights are (fair shares).
+    /// its weight where tenant weights are (fair shares), and whether its tokens are counted
+    /// (fair shares or a tokens-per-minute limit).
     tenant: Option<String>,
     weight: Option<u32>,
+    metered: bool,
     /// The whole request body's size, once it is here.
     body_size: usize,
     endpoint: Option<Endpoint>,
@@ -136,6 +138,7 @@ impl RequestFilter {
             class: None,
             tenant: None,
             weight: None,
+            metered: false,
             body_size: 0,
             endpoint: None,
             path: String::new(),
@@ -285,6 +288,7 @@ impl RequestFilter {
         if let Some(t) = tenants {
             let (id, verdict) = tenant::admit(host, &t, &headers);
             self.weight = t.weights.as_ref().map(|w| kvmesh_core::fair::weight_of(w, &id));
+            self.metered = self.weight.is_some() || t.tokens_per_minute.is_some();
             self.tenant = Some(id);
             if let Err(reply) = verdict {
                 return self.reply(host, reply);
@@ -467,9 +471,8 @@ impl RequestFilter {
     /// metrics for a control plane (nobody else reads them). Otherwise the response body is
     /// not read at all.
     fn feedback_for(&self, prediction: Option<Prediction>, worker: WorkerId, now_ms: u64) -> Option<ResponseFeedback> {
-        let due = prediction.is_some()
-            || self.weight.is_some()
-            || self.with_gateway(|g| g.front().reports_usage()).unwrap_or(false);
+        let due =
+            prediction.is_some() || self.metered || self.with_gateway(|g| g.front().reports_usage()).unwrap_or(false);
         due.then(|| ResponseFeedback::new(prediction, worker, now_ms))
     }
 

@@ -79,20 +79,27 @@ impl RequestFilter {
         Who { class: self.class, tenant: self.tenant.as_deref() }
     }
 
-    /// Fair shares (tenant weights configured): charges the request's tenant `tokens` in its
-    /// VM's usage table.
+    /// Charges the request's tenant `tokens`: in its VM's usage table (fair shares) and in
+    /// the Envoy's minute (a tokens-per-minute limit).
     fn charge(&self, host: &dyn StreamHost, tokens: u64) {
-        let (Some(tenant), Some(_), Some(seat)) = (self.tenant.as_deref(), self.weight, &self.seat) else { return };
-        let max = self.with_gateway(|g| g.config().tenants.as_ref().map(|t| t.max_tenants)).flatten().unwrap_or(64);
-        if let Ok(mut room) = seat.room.try_borrow_mut() {
-            room.charge(tenant, tokens, max, crate::host::now_ms(host));
+        let Some(tenant) = self.tenant.as_deref().filter(|_| self.metered) else { return };
+        let limits = self.with_gateway(|g| g.config().tenants.as_ref().map(|t| (t.max_tenants, t.tokens_per_minute)));
+        let (max, per_minute) = limits.flatten().unwrap_or((64, None));
+        let now_ms = crate::host::now_ms(host);
+        if let (Some(_), Some(seat)) = (self.weight, &self.seat) {
+            if let Ok(mut room) = seat.room.try_borrow_mut() {
+                room.charge(tenant, tokens, max, now_ms);
+            }
+        }
+        if per_minute.is_some() && !crate::shared::tenant_tokens::charge(host, tenant, tokens, max, now_ms) {
+            log::debug!("cannot count tenant {tenant}'s tokens: shared data refused the write");
         }
     }
 
     /// As it is routed: its prompt's bytes the chosen worker was not believed to hold, in
     /// tokens (estimated).
     pub(super) fn charge_routed(&self, host: &dyn StreamHost, body_size: usize, cached_bytes: usize) {
-        if self.weight.is_some() {
+        if self.metered {
             let uncached = body_size.saturating_sub(cached_bytes) / BYTES_PER_TOKEN;
             self.charge(host, u64::try_from(uncached).unwrap_or(u64::MAX));
         }
@@ -100,7 +107,7 @@ impl RequestFilter {
 
     /// As its response ends: the tokens the worker generated.
     pub(super) fn charge_generated(&self, host: &dyn StreamHost, generated: Option<u64>) {
-        if let (Some(_), Some(tokens)) = (self.weight, generated) {
+        if let (true, Some(tokens)) = (self.metered, generated) {
             self.charge(host, tokens);
         }
     }

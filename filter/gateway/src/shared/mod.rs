@@ -18,6 +18,7 @@ mod inflight;
 mod lease;
 pub mod series;
 mod table;
+pub mod tenant_tokens;
 pub mod tenants;
 mod vm_ledger;
 
@@ -86,6 +87,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ("kvmesh.models.v1", "series.rs"),
     ("kvmesh.tenants.v1", "tenants.rs"),
     ("kvmesh.tenant_series.v1", "series.rs"),
+    ("kvmesh.tenant_tokens.v1", "tenant_tokens.rs"),
 ];
 
 #[cfg(test)]
