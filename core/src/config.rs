@@ -502,7 +502,14 @@ fn class_limits(s: &RoutingSettings, capacity: u32) -> Result<ClassLimits, Confi
 fn tenants(s: &RoutingSettings) -> Result<Option<TenantParams>, ConfigError> {
     let (header, identity) = (s.tenant_header.as_deref(), s.tenant_identity.as_deref().filter(|i| !i.is_empty()));
     let rps = s.tenant_requests_per_second;
-    if header.is_none() && identity.is_none() && rps.is_none() && s.max_tenants.is_none() {
+    let weights = s.tenant_weight.as_deref().unwrap_or_default().to_vec();
+    if header.is_none()
+        && identity.is_none()
+        && rps.is_none()
+        && s.max_tenants.is_none()
+        && weights.is_empty()
+        && s.tenant_tokens_per_minute.is_none()
+    {
         return Ok(None);
     }
     let header = header.filter(|h| !h.is_empty()).unwrap_or(DEFAULT_TENANT_HEADER);
@@ -532,6 +539,12 @@ fn tenants(s: &RoutingSettings) -> Result<Option<TenantParams>, ConfigError> {
         xfcc,
         requests_per_second,
         max_tenants: max_tenants as usize,
+        tokens_per_minute: s.tenant_tokens_per_minute.filter(|n| *n > 0),
+        weights: if weights.is_empty() {
+            None
+        } else {
+            Some(crate::fair::parse_weights(&weights).map_err(|e| invalid("tenant_weight", e))?)
+        },
     }))
 }
 

@@ -32,6 +32,7 @@ pub mod breaker;
 pub mod config;
 pub mod dp;
 pub mod errors;
+pub mod fair;
 pub mod feedback;
 pub mod index;
 pub mod logprobs;

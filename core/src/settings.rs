@@ -250,6 +250,15 @@ routing_settings! {
     /// Tenants tracked at once per Envoy (1..4096); requests of others count as `other`
     /// (kvmesh). Default 64.
     max_tenants: u64,
+    /// A tenant's weight in the fair share of the concurrency limit, `tenant=W` (repeatable,
+    /// 1..1000; others 1): within a class, the waiting request whose tenant used the fewest
+    /// tokens per unit of weight goes first (kvmesh). Default none.
+    #[cfg_attr(feature = "cli", arg(action = clap::ArgAction::Append))]
+    tenant_weight: Vec<String>,
+    /// Tokens per minute per tenant through one Envoy (uncached prompt tokens as a request is
+    /// routed, generated tokens as its response ends); once a tenant's minute reached it, a
+    /// JSON 429 with OpenAI's x-ratelimit-*-tokens headers (kvmesh). Default none.
+    tenant_tokens_per_minute: u64,
 }
 
 #[cfg(test)]
@@ -280,7 +289,7 @@ mod tests {
             .contains("polcy"));
         let e = serde_json::from_str::<RoutingSettings>(r#"{"policy":"fastest"}"#).unwrap_err().to_string();
         assert!(e.contains("unknown policy `fastest`"), "{e}");
-        assert_eq!(RoutingSettings::FIELDS.len(), 58);
+        assert_eq!(RoutingSettings::FIELDS.len(), 60);
         assert!(RoutingSettings::FIELDS.contains(&"rate_limit_tokens_per_second"));
     }
 }

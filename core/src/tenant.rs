@@ -27,8 +27,13 @@ pub struct TenantParams {
     pub xfcc: bool,
     /// Requests per second a tenant may send through one Envoy (none: no limit).
     pub requests_per_second: Option<u32>,
+    /// Tokens per minute a tenant may use through one Envoy (none: no limit).
+    pub tokens_per_minute: Option<u64>,
     /// Tenants tracked at once per Envoy; the others share [`OTHER`]'s entry.
     pub max_tenants: usize,
+    /// Weights in the fair share (`tenant_weight`, [`crate::fair`]); none given: no fair
+    /// ordering (each class's queue is first come, first served).
+    pub weights: Option<Vec<(String, u32)>>,
 }
 
 /// Whether `id` is usable as a tenant id as it is: 1 to [`MAX_TENANT_BYTES`] visible ASCII
@@ -116,6 +121,43 @@ impl Window {
     }
 }
 
+/// A tenant's tokens in the current one-minute window (uncached prompt tokens as a request is
+/// routed, generated tokens as its response ends).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TokenWindow {
+    /// The window's minute (ms / 60 000).
+    pub minute: u64,
+    pub tokens: u64,
+}
+
+/// The most tokens one charge counts (a hostile count clamps).
+pub const MAX_TOKEN_CHARGE: u64 = 1 << 24;
+
+impl TokenWindow {
+    /// What the limit says about one more request at `now_ms`: refused once the window's
+    /// tokens reached `limit` (a request's own tokens are not known before it runs).
+    pub fn verdict(self, limit: u64, now_ms: u64) -> Verdict {
+        let minute = now_ms / 60_000;
+        let used = if minute == self.minute { self.tokens } else { 0 };
+        let clamp = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
+        Verdict {
+            allowed: used < limit,
+            limit: clamp(limit),
+            remaining: clamp(limit.saturating_sub(used)),
+            reset_ms: (minute + 1) * 60_000 - now_ms,
+        }
+    }
+
+    /// Counts `tokens` more at `now_ms` (a new minute starts a new window).
+    pub fn charge(&mut self, tokens: u64, now_ms: u64) {
+        let minute = now_ms / 60_000;
+        if minute != self.minute {
+            *self = TokenWindow { minute, tokens: 0 };
+        }
+        self.tokens = self.tokens.saturating_add(tokens.min(MAX_TOKEN_CHARGE));
+    }
+}
+
 /// A duration as OpenAI's `x-ratelimit-reset-*` headers write it (`1s`, `250ms`, `6m0s`).
 pub fn reset_text(ms: u64) -> String {
     match ms {
@@ -160,6 +202,19 @@ mod tests {
         assert!(w.hit(2, 1_500).allowed);
         assert_eq!(w.hit(2, 1_999), Verdict { allowed: false, limit: 2, remaining: 0, reset_ms: 1 });
         assert_eq!(w.hit(2, 2_000).remaining, 1, "a new second");
+    }
+
+    #[test]
+    fn a_token_window_counts_a_minute_and_clamps() {
+        let mut w = TokenWindow::default();
+        w.charge(70, 60_500);
+        assert_eq!(w.verdict(100, 61_000), Verdict { allowed: true, limit: 100, remaining: 30, reset_ms: 59_000 });
+        w.charge(u64::MAX, 61_000);
+        assert_eq!(w.tokens, 70 + MAX_TOKEN_CHARGE, "a hostile count clamps");
+        assert!(!w.verdict(100, 119_999).allowed);
+        assert!(w.verdict(100, 120_000).allowed, "the next minute");
+        w.charge(5, 120_000);
+        assert_eq!(w.tokens, 5);
     }
 
     #[test]

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use kvmesh_testkit::e2e::DECODE_20MS;
 use kvmesh_testkit::http::{self, Response};
-use kvmesh_testkit::{wait_until, Envoy, EnvoyOptions, Sim};
+use kvmesh_testkit::{scratch_dir, wait_until, Envoy, EnvoyOptions, Sim};
 use serde_json::{json, Value};
 
 fn body(text: &str, tokens: u32) -> Value {
@@ -26,6 +26,17 @@ fn post_in_thread(url: &str, body: Value, headers: &[(&str, &str)]) -> JoinHandl
         let r = http::post(&url, &bytes, &all).unwrap();
         (r, Instant::now())
     })
+}
+
+/// The filter's labelled counter `name{label="value"}` in Envoy's `/stats/prometheus` (0
+/// while absent; the native build's names keep their `envoy_wasmcustom_` prefix there).
+fn labelled(envoy: &Envoy, name: &str, label: &str, value: &str) -> u64 {
+    let text = http::get(&envoy.admin_url("/stats/prometheus")).map(|r| r.text()).unwrap_or_default();
+    let (series, tag) = (format!("{name}{{"), format!("{label}=\"{value}\""));
+    text.lines()
+        .filter(|l| !l.starts_with('#') && l.contains(&series) && l.contains(&tag))
+        .filter_map(|l| l.split_whitespace().last()?.parse::<u64>().ok())
+        .sum()
 }
 
 /// Two slots, one reserved for the interactive class. A default request runs; a second one
@@ -83,6 +94,14 @@ fn classes_reserve_slots_go_ahead_of_lower_ones_and_sheddable_requests_are_refus
     assert!(late_at < waited_at, "the interactive request went ahead of the default one waiting before it");
     assert_eq!(sim.stats().unwrap()["requests"], 4, "the shed requests never reached the worker");
     assert_eq!(envoy.filter_stat("kvmesh_queued"), 0);
+    // Counted per class: both sheddable ones shed, the four others admitted, two of them
+    // after waiting (one default, one interactive).
+    let class = |name, value| labelled(&envoy, name, "class", value);
+    assert_eq!(class("kvmesh_class_shed_total", "sheddable"), 2);
+    assert_eq!(class("kvmesh_class_admitted_total", "interactive"), 2);
+    assert_eq!(class("kvmesh_class_admitted_total", "default"), 2);
+    assert_eq!(class("kvmesh_class_queued_total", "default"), 1);
+    assert_eq!(class("kvmesh_class_queued_total", "interactive"), 1);
 }
 
 /// Tenants from a header: each has its own requests-per-second window, Envoy-wide; past it a
@@ -98,24 +117,27 @@ fn tenants_from_a_header_have_their_own_limit_and_an_identity_cannot_be_forged()
         "tenant_header": "x-llm-d-inference-fairness-id",
         "tenant_requests_per_second": 1,
     });
-    let envoy = Envoy::start(&EnvoyOptions::new(filter.clone()).unwrap()).unwrap();
+    let dir = scratch_dir("tenants").unwrap();
+    let mut opts = EnvoyOptions::new(filter.clone()).unwrap();
+    opts.access_log = Some(dir.path().join("access.log"));
+    let envoy = Envoy::start(&opts).unwrap();
     let url = envoy.url("/generate");
     let post = |url: &str, headers: &[(&str, &str)]| {
         let mut all = vec![("content-type", "application/json")];
         all.extend_from_slice(headers);
         http::post(url, &serde_json::to_vec(&body("hi", 1)).unwrap(), &all).unwrap()
     };
-    // A window is one second: retry a pair that straddled a second's end (bounded).
+    // A window is one second: requests one after another until one meets the window of the
+    // one before (bounded; a pair may straddle a second's end, and the next request then
+    // meets the later one's window).
     let mut limited = None;
-    for _ in 0..5 {
-        let first = post(&url, &[("x-llm-d-inference-fairness-id", "team-a")]);
-        assert_eq!(first.status, 200, "{}", first.text());
-        let second = post(&url, &[("x-llm-d-inference-fairness-id", "team-a")]);
-        if second.status == 429 {
-            limited = Some(second);
+    for i in 0..10 {
+        let r = post(&url, &[("x-llm-d-inference-fairness-id", "team-a")]);
+        if r.status == 429 && i > 0 {
+            limited = Some(r);
             break;
         }
-        assert_eq!(second.status, 200, "{}", second.text());
+        assert_eq!(r.status, 200, "{}", r.text());
     }
     let r = limited.expect("team-a's second request within a second was refused");
     assert_eq!(r.json().unwrap()["error"]["code"], "rate_limit_exceeded", "{}", r.text());
@@ -127,6 +149,15 @@ fn tenants_from_a_header_have_their_own_limit_and_an_identity_cannot_be_forged()
     assert_eq!(r.header("retry-after"), Some("1"));
     let other = post(&url, &[("x-llm-d-inference-fairness-id", "team-b")]);
     assert_eq!(other.status, 200, "another tenant has its own window: {}", other.text());
+    // Counted per tenant, and the decision record names the tenant (no class: no limit).
+    let tenant = |name, value| labelled(&envoy, name, "tenant", value);
+    assert_eq!(tenant("kvmesh_tenant_requests_total", "team-b"), 1);
+    assert_eq!(tenant("kvmesh_tenant_limited_total", "team-a"), 1);
+    assert!(tenant("kvmesh_tenant_requests_total", "team-a") >= 2);
+    let log = || std::fs::read_to_string(dir.path().join("access.log")).unwrap_or_default();
+    wait_until("team-b's access-log line", Duration::from_secs(15), || log().contains("tenant=team-b")).unwrap();
+    let line = log().lines().find(|l| l.contains("tenant=team-b")).map(str::to_string).unwrap_or_default();
+    assert!(line.contains(";tenant=team-b") && !line.contains("class="), "{line}");
     drop(envoy);
 
     filter["tenant_identity"] = json!("xfcc");
@@ -137,16 +168,88 @@ fn tenants_from_a_header_have_their_own_limit_and_an_identity_cannot_be_forged()
         ("kvmesh-tenant", "team-a"),
         ("x-forwarded-client-cert", "By=spiffe://x;URI=spiffe://cluster.local/ns/team-a/sa/app"),
     ];
+    // Alternating claims: a 429 means the one before, claiming the other id, shared its window.
     let mut refused = None;
-    for _ in 0..5 {
-        let first = post(&url, &forged[..1]);
-        assert_eq!(first.status, 200, "{}", first.text());
-        let second = post(&url, &forged[1..]);
-        if second.status == 429 {
-            refused = Some(second);
+    for i in 0..10 {
+        let r = post(&url, &forged[i % 2..i % 2 + 1]);
+        if r.status == 429 && i > 0 {
+            refused = Some(r);
             break;
         }
+        assert_eq!(r.status, 200, "{}", r.text());
     }
     let r = refused.expect("two requests claiming two ids within a second counted as one tenant");
     assert!(r.text().contains("tenant anonymous"), "neither claimed id was believed: {}", r.text());
+}
+
+/// Fair shares by tenant weight: one slot, held by a long request of `flood`; three more of
+/// `flood` wait, then one of `team-b`. When the slot comes back, `team-b` (no tokens used)
+/// goes ahead of `flood`'s waiting requests (its first one charged), though it came last; a
+/// first-come queue would run it last. One Envoy thread: the usage table is per thread for now.
+#[test]
+fn a_tenant_that_used_less_goes_ahead_of_a_flooding_one() {
+    let sim = Sim::start(DECODE_20MS).unwrap();
+    let filter = json!({
+        "worker_urls": [sim.url()],
+        "max_concurrent_requests": 1,
+        "rate_limit_tokens_per_second": 1000,
+        "queue_size": 8,
+        "queue_timeout_secs": 30,
+        "tenant_weight": ["team-b=1"],
+    });
+    let mut opts = EnvoyOptions::new(filter).unwrap();
+    opts.concurrency = 1;
+    let envoy = Envoy::start(&opts).unwrap();
+    let url = envoy.url("/generate");
+    let flood = [("kvmesh-tenant", "flood")];
+    let long = post_in_thread(&url, body(&"a long flooding prompt. ".repeat(40), 100), &flood);
+    wait_until("the long request in flight", Duration::from_secs(10), || envoy.in_flight() == Some(1)).unwrap();
+    let mut waiting = Vec::new();
+    for i in 0..3 {
+        waiting.push(post_in_thread(&url, body(&format!("flood {i}"), 1), &flood));
+        envoy.wait_for_queued(i + 1);
+    }
+    let b = post_in_thread(&url, body("team-b", 1), &[("kvmesh-tenant", "team-b")]);
+    envoy.wait_for_queued(4);
+    let (b, b_at) = b.join().unwrap();
+    assert_eq!(b.status, 200, "{}", b.text());
+    assert_eq!(long.join().unwrap().0.status, 200);
+    for w in waiting {
+        let (r, at) = w.join().unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert!(b_at < at, "team-b went ahead of flood's waiting requests");
+    }
+    assert_eq!(labelled(&envoy, "kvmesh_tenant_queued_total", "tenant", "flood"), 3);
+}
+
+/// Tokens per minute per tenant: a request's uncached prompt counts as it is routed, so after
+/// one long prompt a tenant's minute is spent and its next request is a JSON 429 with
+/// OpenAI's `x-ratelimit-*-tokens` headers; another tenant still has its own minute.
+#[test]
+fn a_tenant_past_its_tokens_per_minute_gets_a_429_with_token_headers() {
+    let sim = Sim::start(DECODE_20MS).unwrap();
+    let filter = json!({"worker_urls": [sim.url()], "tenant_tokens_per_minute": 50});
+    let envoy = Envoy::start(&EnvoyOptions::new(filter).unwrap()).unwrap();
+    let url = envoy.url("/generate");
+    let post = |tenant: &str, text: &str| {
+        let headers = [("content-type", "application/json"), ("kvmesh-tenant", tenant)];
+        http::post(&url, &serde_json::to_vec(&body(text, 1)).unwrap(), &headers).unwrap()
+    };
+    let first = post("team-t", &"a long prompt of many tokens. ".repeat(20));
+    assert_eq!(first.status, 200, "{}", first.text());
+    let r = post("team-t", "hi");
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(r.json().unwrap()["error"]["code"], "rate_limit_exceeded");
+    assert!(r.text().contains("tokens per minute"), "{}", r.text());
+    assert_eq!(r.header("x-ratelimit-limit-tokens"), Some("50"));
+    assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("0"));
+    assert!(
+        r.header("x-ratelimit-reset-tokens").is_some_and(|v| v.ends_with('s')),
+        "{:?}",
+        r.header("x-ratelimit-reset-tokens")
+    );
+    assert!(r.header("retry-after").is_some());
+    let other = post("team-u", "hi");
+    assert_eq!(other.status, 200, "another tenant has its own minute: {}", other.text());
+    assert_eq!(sim.stats().unwrap()["requests"], 2, "the refused request never reached the worker");
 }

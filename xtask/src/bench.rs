@@ -10,6 +10,7 @@
 
 pub(crate) mod charts;
 mod cp;
+mod fairness;
 mod instructions;
 mod models;
 mod overhead;
@@ -37,6 +38,7 @@ pub enum Suite {
     Quality,
     Scale,
     Instructions,
+    Fairness,
 }
 
 impl Suite {
@@ -46,6 +48,7 @@ impl Suite {
             Suite::Quality => "quality",
             Suite::Scale => "scale",
             Suite::Instructions => "instructions",
+            Suite::Fairness => "fairness",
         }
     }
 }
@@ -138,7 +141,7 @@ impl Opts {
 }
 
 const OPTIONS: &str =
-    "overhead | quality | scale (default: all) | instructions (only when named; needs valgrind), --quick, --seconds N, --connections N, --no-pd, --no-peers, --out DIR, --workload NAME (quality; repeatable), --only TEXT (overhead, quality: configurations named with it; scale: its parts micro, control-plane, propagation; repeatable), --rounds N (overhead, quality, scale's gateway at 10^6 blocks: each configuration N times, interleaved), --baseline-wasm FILE (overhead, instructions, scale's gateway at 10^6 blocks: that filter build beside this one), --baseline-native FILE (instructions: that native module beside this one), --variant-wasm FILE (overhead, repeatable: an experiment build beside this one, 1 thread), --pin (overhead: the proxy on the last core, everything else on the first), --threads N (instructions, quality: Envoy threads; instructions: as many connections), --warmup N, --requests N (instructions: requests before and while counting), --trace FILE (quality: replay that Mooncake-format trace; implies --workload trace), --trace-requests N (its first N requests; 0: all), --speed-up X (the trace's times divided by X), --kv-capacity TOKENS (each worker's KV cache in the trace workload)";
+    "overhead | quality | scale (default: all) | instructions (only when named; needs valgrind) | fairness (only when named: tenants and priorities), --quick, --seconds N, --connections N, --no-pd, --no-peers, --out DIR, --workload NAME (quality; repeatable), --only TEXT (overhead, quality: configurations named with it; scale: its parts micro, control-plane, propagation; repeatable), --rounds N (overhead, quality, scale's gateway at 10^6 blocks: each configuration N times, interleaved), --baseline-wasm FILE (overhead, instructions, scale's gateway at 10^6 blocks: that filter build beside this one), --baseline-native FILE (instructions: that native module beside this one), --variant-wasm FILE (overhead, repeatable: an experiment build beside this one, 1 thread), --pin (overhead: the proxy on the last core, everything else on the first), --threads N (instructions, quality: Envoy threads; instructions: as many connections), --warmup N, --requests N (instructions: requests before and while counting), --trace FILE (quality: replay that Mooncake-format trace; implies --workload trace), --trace-requests N (its first N requests; 0: all), --speed-up X (the trace's times divided by X), --kv-capacity TOKENS (each worker's KV cache in the trace workload)";
 
 fn parse(args: &[String]) -> anyhow::Result<Opts> {
     let mut o = Opts::new(args.iter().any(|a| a == "--quick"));
@@ -152,6 +155,7 @@ fn parse(args: &[String]) -> anyhow::Result<Opts> {
             "quality" => o.suites.push(Suite::Quality),
             "scale" | "cp" => o.suites.push(Suite::Scale),
             "instructions" => o.suites.push(Suite::Instructions),
+            "fairness" => o.suites.push(Suite::Fairness),
             "pd" => o.suites.push(Suite::Overhead),
             "--quick" => {}
             "--seconds" => {
@@ -278,6 +282,7 @@ pub fn run_suites(o: &Opts, bins: &PeerBins) -> anyhow::Result<()> {
             Suite::Quality => quality::run(o, bins)?,
             Suite::Scale => scale::run(o)?,
             Suite::Instructions => instructions::run(o)?,
+            Suite::Fairness => fairness::run(o)?,
         };
         if let (Some(d), Some(c)) = (doc.as_object_mut(), ctx.as_object()) {
             for (k, v) in c {

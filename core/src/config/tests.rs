@@ -5,7 +5,7 @@ use super::*;
 #[cfg(not(target_arch = "wasm32"))]
 #[test]
 fn every_filter_only_key_is_documented() {
-    let docs = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/configuration.md")).unwrap();
+    let docs = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/configuration.md")).unwrap();
     let table = docs.split("### Filter-only plugin keys").nth(1).unwrap().split("\n## ").next().unwrap();
     let documented: Vec<&str> = table.lines().filter_map(|l| l.strip_prefix("| `")?.split('`').next()).collect();
     let mut want = FILTER_KEYS.to_vec();
@@ -31,6 +31,16 @@ fn priority_classes_get_their_reserves_bounds_and_timeouts() {
     ] {
         let e = Config::from_json(json).unwrap_err().to_string();
         assert!(e.contains(field), "{e}");
+    }
+}
+
+#[test]
+fn tenant_weights_turn_tenants_on_and_refuse_garbage() {
+    let t = Config::from_json(br#"{"tenant_weight":["team-a=3"]}"#).unwrap().tenants.unwrap();
+    assert_eq!(t.weights, Some(vec![("team-a".to_string(), 3)]));
+    assert_eq!(Config::from_json(b"{}").unwrap().tenants, None);
+    for bad in [&br#"{"tenant_weight":["team-a=0"]}"#[..], br#"{"tenant_weight":["team-a"]}"#] {
+        assert!(Config::from_json(bad).unwrap_err().to_string().contains("tenant_weight"));
     }
 }
 

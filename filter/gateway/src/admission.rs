@@ -8,7 +8,8 @@
 //! - [`WaitRoom`]: one VM's queues of paused requests, a FIFO per priority class
 //!   ([`kvmesh_core::priority`]). Its tick (the root context's) answers the ones that waited
 //!   too long for their class (408) and admits the oldest of the highest class while slots are
-//!   free; the request is then routed and resumed from the tick. It also keeps the VM's heartbeat in the shared
+//!   free (with tenant weights, the one whose tenant used the fewest tokens per unit of
+//!   weight, [`kvmesh_core::fair`]); the request is then routed and resumed from the tick. It also keeps the VM's heartbeat in the shared
 //!   value while the VM holds requests.
 //!
 //! The slots a VM that died held stop counting once its heartbeat is stale; its tokens come
@@ -17,6 +18,7 @@
 use std::collections::VecDeque;
 
 use kvmesh_core::admission::AdmissionParams;
+use kvmesh_core::fair::{pick, Shares};
 use kvmesh_core::priority::{Class, CLASSES};
 
 pub use crate::shared::admission::{Entry, PerClass};
@@ -35,7 +37,19 @@ pub enum Wake<T> {
 struct Waiting<T> {
     ctx: u32,
     since_ms: u64,
+    /// Its tenant and weight, where tenant weights are configured.
+    tenant: Option<(Box<str>, u32)>,
     waiter: T,
+}
+
+/// Of a class's queue, the one to admit next: the oldest, or with tenants the fair pick.
+fn next<T>(q: &mut VecDeque<Waiting<T>>, shares: &Shares, now_ms: u64) -> Option<Waiting<T>> {
+    if q.iter().all(|w| w.tenant.is_none()) {
+        return q.pop_front();
+    }
+    let waiting = q.iter().map(|w| w.tenant.as_ref().map_or((None, 1), |(t, weight)| (Some(&**t), *weight)));
+    let i = pick(shares, waiting, now_ms)?;
+    q.remove(i)
 }
 
 /// One VM's queues of paused requests, one per class (`T`: how to reach one; the context id
@@ -48,11 +62,13 @@ pub struct WaitRoom<T> {
     held: u32,
     /// When this VM's line in the shared value last beat (ms).
     beat_ms: u64,
+    /// Each tenant's token usage (fair shares; empty without tenant weights).
+    shares: Shares,
 }
 
 impl<T> Default for WaitRoom<T> {
     fn default() -> Self {
-        Self { queues: Default::default(), published: 0, held: 0, beat_ms: 0 }
+        Self { queues: Default::default(), published: 0, held: 0, beat_ms: 0, shares: Shares::default() }
     }
 }
 
@@ -72,10 +88,24 @@ impl<T> WaitRoom<T> {
 
     /// A request of `class` that [`SharedBucket::enter`] queued (its count already published).
     pub fn push(&mut self, ctx: u32, class: Class, now_ms: u64, waiter: T) {
+        self.push_for(ctx, class, None, now_ms, waiter);
+    }
+
+    /// As [`Self::push`], for a request of `tenant` (its id and weight) under tenant weights.
+    pub fn push_for(&mut self, ctx: u32, class: Class, tenant: Option<(&str, u32)>, now_ms: u64, waiter: T) {
+        let tenant = tenant.map(|(t, w)| (Box::from(t), w));
         if let Some(q) = self.queues.get_mut(class.index()) {
-            q.push_back(Waiting { ctx, since_ms: now_ms, waiter });
+            q.push_back(Waiting { ctx, since_ms: now_ms, tenant, waiter });
         }
         self.published = self.len();
+    }
+
+    /// Counts `tokens` used by `tenant` (at most `max_tenants` tracked, then `other`).
+    pub fn charge(&mut self, tenant: &str, tokens: u64, max_tenants: usize, now_ms: u64) {
+        if self.shares.is_empty() {
+            self.shares = Shares::new(max_tenants);
+        }
+        self.shares.charge(tenant, tokens, now_ms);
     }
 
     /// A request of this VM took a slot when it came ([`SharedBucket::enter`]).
@@ -131,7 +161,7 @@ impl<T> WaitRoom<T> {
         self.beat_ms = now_ms;
         for (q, n) in self.queues.iter_mut().zip(taken).rev() {
             for _ in 0..n {
-                if let Some(w) = q.pop_front() {
+                if let Some(w) = next(q, &self.shares, now_ms) {
                     self.held = self.held.saturating_add(1);
                     out.push(Wake::Admit(w.ctx, w.waiter));
                 }
@@ -446,5 +476,44 @@ mod class_tests {
         }
         assert_eq!(room.tick(&store, Some(&p), 1, 100), vec![Wake::Expire(2, 2)]);
         assert_eq!(room.counts(), [0, 1, 0, 0]);
+    }
+}
+
+#[cfg(test)]
+mod fair_tests {
+    use super::*;
+    use crate::shared::fake::FakeStore;
+    use kvmesh_core::priority::ClassLimits;
+
+    /// One slot; tenant `a` (weight 1) has used 1000 tokens, `b` (weight 1) none and `c`
+    /// (weight 4) 2000: of the three waiting (a first), `b` goes first, then `c` (500 per unit
+    /// of weight), then `a`. Without tenants, the oldest.
+    #[test]
+    fn within_a_class_the_least_served_tenant_by_weight_goes_first() {
+        let p = AdmissionParams {
+            capacity: 1,
+            refill_per_sec: 1_000.0,
+            queue_size: 10,
+            queue_timeout_ms: 60_000,
+            classes: ClassLimits::default(),
+        };
+        let store = FakeStore::default();
+        let mut room = WaitRoom::<u32>::default();
+        room.charge("a", 1_000, 8, 0);
+        room.charge("c", 2_000, 8, 0);
+        assert_eq!(SharedBucket::enter(&store, &p, 1, Class::Default, room.counts(), 0), Some(Entry::Admitted));
+        room.took(0);
+        for (ctx, t, w) in [(1, "a", 1), (2, "b", 1), (3, "c", 4)] {
+            let entry = SharedBucket::enter(&store, &p, 1, Class::Default, room.counts(), 0);
+            assert_eq!(entry, Some(Entry::Queued));
+            room.push_for(ctx, Class::Default, Some((t, w)), 0, ctx);
+        }
+        let mut order = Vec::new();
+        for now in 1..4 {
+            SharedBucket::give_back(&store, &p, 1, Class::Default, now);
+            room.gave_back();
+            order.extend(room.tick(&store, Some(&p), 1, now));
+        }
+        assert_eq!(order, vec![Wake::Admit(2, 2), Wake::Admit(3, 3), Wake::Admit(1, 1)]);
     }
 }

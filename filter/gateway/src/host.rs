@@ -61,37 +61,92 @@ pub enum Metric {
     VmMemory,
 }
 
-/// Counters kept per model, labelled `model` (the pool's name a request routed by), for
-/// deployments serving several models.
+/// Counters with one label: per model (`model`, the pool's name a request routed by, for
+/// deployments serving several models), per priority class (`class`, four values) and per
+/// tenant (`tenant`, issue 47). Model and tenant labels are bounded per Envoy
+/// ([`MAX_LABEL_SERIES`], then `other`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ModelMetric {
+pub enum LabelledMetric {
     /// Requests routed for the model.
-    Requests,
+    ModelRequests,
     /// Of those, routed to a worker believed to hold part of the prompt.
-    CacheHits,
+    ModelCacheHits,
+    /// Under the concurrency limit: requests of the class given a slot (at once or from the
+    /// queue).
+    ClassAdmitted,
+    /// Requests of the class that waited in the queue.
+    ClassQueued,
+    /// Requests of the class refused at once as sheddable (503 `shed`).
+    ClassShed,
+    /// Requests of the class refused because the queue was full (429) or they waited past
+    /// their timeout (408).
+    ClassRefused,
+    /// Requests of the tenant (tenants configured).
+    TenantRequests,
+    /// Of those, refused by the tenant's requests-per-second limit (429).
+    TenantLimited,
+    /// Of those, waited in the admission queue.
+    TenantQueued,
+    /// Of those, refused as sheddable.
+    TenantShed,
 }
 
-impl ModelMetric {
-    pub const ALL: [ModelMetric; 2] = [ModelMetric::Requests, ModelMetric::CacheHits];
+impl LabelledMetric {
+    pub const ALL: [LabelledMetric; 10] = [
+        LabelledMetric::ModelRequests,
+        LabelledMetric::ModelCacheHits,
+        LabelledMetric::ClassAdmitted,
+        LabelledMetric::ClassQueued,
+        LabelledMetric::ClassShed,
+        LabelledMetric::ClassRefused,
+        LabelledMetric::TenantRequests,
+        LabelledMetric::TenantLimited,
+        LabelledMetric::TenantQueued,
+        LabelledMetric::TenantShed,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
-            ModelMetric::Requests => "kvmesh_model_requests_total",
-            ModelMetric::CacheHits => "kvmesh_model_cache_hits_total",
+            LabelledMetric::ModelRequests => "kvmesh_model_requests_total",
+            LabelledMetric::ModelCacheHits => "kvmesh_model_cache_hits_total",
+            LabelledMetric::ClassAdmitted => "kvmesh_class_admitted_total",
+            LabelledMetric::ClassQueued => "kvmesh_class_queued_total",
+            LabelledMetric::ClassShed => "kvmesh_class_shed_total",
+            LabelledMetric::ClassRefused => "kvmesh_class_refused_total",
+            LabelledMetric::TenantRequests => "kvmesh_tenant_requests_total",
+            LabelledMetric::TenantLimited => "kvmesh_tenant_limited_total",
+            LabelledMetric::TenantQueued => "kvmesh_tenant_queued_total",
+            LabelledMetric::TenantShed => "kvmesh_tenant_shed_total",
+        }
+    }
+
+    /// The label's name (the tag Envoy extracts from the name, [`tagged_name`]).
+    pub fn label(self) -> &'static str {
+        match self {
+            LabelledMetric::ModelRequests | LabelledMetric::ModelCacheHits => "model",
+            LabelledMetric::ClassAdmitted
+            | LabelledMetric::ClassQueued
+            | LabelledMetric::ClassShed
+            | LabelledMetric::ClassRefused => "class",
+            LabelledMetric::TenantRequests
+            | LabelledMetric::TenantLimited
+            | LabelledMetric::TenantQueued
+            | LabelledMetric::TenantShed => "tenant",
         }
     }
 }
 
-/// The most model names one Envoy keeps series for; requests for others count under `other`.
-pub const MAX_MODEL_SERIES: usize = 64;
+/// The most model names (and, apart, tenant ids) one Envoy keeps series for; the others
+/// count under `other`.
+pub const MAX_LABEL_SERIES: usize = 64;
 
-/// The `model` label values a VM has given out: a name as served, with every character but
+/// The label values of one kind a VM has given out: a value with every character but
 /// letters, digits and `-._/:@+` as `_` (Envoy's tag extraction reserves `;` and `=`; quotes,
-/// backslashes and line ends would reach the Prometheus page), up to [`MAX_MODEL_SERIES`] of
-/// them for the whole Envoy (counted in shared data, [`crate::shared::model_series`]), then
-/// `other`.
+/// backslashes and line ends would reach the Prometheus page), up to [`MAX_LABEL_SERIES`] of
+/// them for the whole Envoy (counted in shared data under the kind's key,
+/// [`crate::shared::series`]), then `other`.
 #[derive(Debug, Default)]
-pub struct ModelLabels {
+pub struct Labels {
     given: std::collections::HashSet<String>,
     /// Labels the Envoy had no room for (they stay without: given labels are never taken back).
     refused: std::collections::HashSet<String>,
@@ -100,11 +155,11 @@ pub struct ModelLabels {
 /// Most refusals a VM remembers (past them, it asks shared data again).
 const MAX_REFUSED: usize = 1024;
 
-impl ModelLabels {
-    /// `model`'s label; `shared`: the store the Envoy's VMs count their labels in (none: this
-    /// one counts for the Envoy, as the native build's single set does).
-    pub fn label(&mut self, model: &str, shared: Option<&dyn crate::shared::SharedStore>) -> String {
-        let clean: String = model
+impl Labels {
+    /// `value`'s label; `shared`: the store the Envoy's VMs count their labels in and the key
+    /// (none: this one counts for the Envoy, as the native build's single set does).
+    pub fn label(&mut self, value: &str, shared: Option<(&dyn crate::shared::SharedStore, &str)>) -> String {
+        let clean: String = value
             .chars()
             .map(|c| {
                 if c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_' | '/' | ':' | '@' | '+') {
@@ -117,10 +172,11 @@ impl ModelLabels {
         if self.given.contains(&clean) {
             return clean;
         }
-        if self.given.len() >= MAX_MODEL_SERIES || self.refused.contains(&clean) {
+        if self.given.len() >= MAX_LABEL_SERIES || self.refused.contains(&clean) {
             return "other".to_string();
         }
-        let admitted = shared.is_none_or(|store| crate::shared::model_series::admit(store, &clean, MAX_MODEL_SERIES));
+        let admitted =
+            shared.is_none_or(|(store, key)| crate::shared::series::admit(store, key, &clean, MAX_LABEL_SERIES));
         if admitted {
             self.given.insert(clean.clone());
             return clean;
@@ -132,11 +188,36 @@ impl ModelLabels {
     }
 }
 
+/// A VM's (or the native build's) labels of every kind: models and tenants bounded, each
+/// under its own shared-data key; class names as they are (four of them).
+#[derive(Debug, Default)]
+pub struct LabelSets {
+    models: Labels,
+    tenants: Labels,
+}
+
+impl LabelSets {
+    /// The label `metric`'s series for `value` is kept under (see [`Labels::label`]).
+    pub fn label(
+        &mut self,
+        metric: LabelledMetric,
+        value: &str,
+        shared: Option<&dyn crate::shared::SharedStore>,
+    ) -> String {
+        use crate::shared::series::{MODEL_SERIES_KEY, TENANT_SERIES_KEY};
+        match metric.label() {
+            "model" => self.models.label(value, shared.map(|s| (s, MODEL_SERIES_KEY))),
+            "tenant" => self.tenants.label(value, shared.map(|s| (s, TENANT_SERIES_KEY))),
+            _ => kvmesh_core::priority::Class::parse(value).map_or("other", |c| c.name()).to_string(),
+        }
+    }
+}
+
 /// A labelled counter's name for hosts that extract tags from names (Envoy's Wasm stats, with
-/// the `stats_tags` regex `(model=\.=(.*?);\.;)` the shipped configurations carry, which is
-/// also what Istio's `extraStatTags: [model]` adds).
-pub fn tagged_name(metric: ModelMetric, label: &str) -> String {
-    format!("model=.={label};.;{}", metric.name())
+/// the `stats_tags` regexes the shipped configurations carry, e.g. `(model=\.=(.*?);\.;)`,
+/// which is also what Istio's `extraStatTags: [model]` adds).
+pub fn tagged_name(metric: LabelledMetric, label: &str) -> String {
+    format!("{}=.={label};.;{}", metric.label(), metric.name())
 }
 
 /// How Envoy keeps a metric.
@@ -243,8 +324,8 @@ pub trait VmHost: SharedStore {
     fn vm_memory_bytes(&self) -> u64;
     fn increment(&self, metric: Metric);
     fn record(&self, metric: Metric, value: u64);
-    /// Adds one to `metric`'s series for `model` (a host without labelled stats keeps none).
-    fn increment_model(&self, _metric: ModelMetric, _model: &str) {}
+    /// Adds one to `metric`'s series for `value` (a host without labelled stats keeps none).
+    fn increment_labelled(&self, _metric: LabelledMetric, _value: &str) {}
     /// Whether the plugin's tick comes on a timer, also while its streams are idle (a Wasm
     /// VM's does; the native build's worker threads tick only on their streams' hooks).
     fn has_timer(&self) -> bool {

@@ -23,7 +23,7 @@ use kvmesh_core::{Endpoint, WorkerId};
 use crate::admission::{Entry, WaitRoom};
 use crate::gateway::{Gateway, Now, Outcome, Plan, Prediction, Reply, RequestInfo, Routed, DECISION_KEY, FAILOVER_KEY};
 use crate::headers::Headers;
-use crate::host::{Action, Callout, Metric, ModelMetric, StreamHost};
+use crate::host::{Action, Callout, LabelledMetric, Metric, StreamHost};
 use crate::pd::Leg;
 use crate::request::worker_headers::is_routing_header;
 use crate::response_feedback::ResponseFeedback;
@@ -66,10 +66,14 @@ pub struct RequestFilter {
     /// How this request can wait in the queue (none: it cannot; the limit then only admits).
     seat: Option<Seat>,
     admission: Admission,
-    /// Its priority class (read only under a concurrency limit).
-    class: Class,
-    /// Its tenant id (read only when tenants are configured).
+    /// Its priority class (read only under a concurrency limit: none without one).
+    class: Option<Class>,
+    /// Its tenant id, `anonymous` if it names none (read only when tenants are configured),
+    /// its weight where tenant weights are (fair shares), and whether its tokens are counted
+    /// (fair shares or a tokens-per-minute limit).
     tenant: Option<String>,
+    weight: Option<u32>,
+    metered: bool,
     /// The whole request body's size, once it is here.
     body_size: usize,
     endpoint: Option<Endpoint>,
@@ -131,8 +135,10 @@ impl RequestFilter {
             gateway,
             seat: None,
             admission: Admission::Free,
-            class: Class::Default,
+            class: None,
             tenant: None,
+            weight: None,
+            metered: false,
             body_size: 0,
             endpoint: None,
             path: String::new(),
@@ -280,14 +286,17 @@ impl RequestFilter {
             })
             .unwrap_or_default();
         if let Some(t) = tenants {
-            self.tenant = tenant::tenant_of(host, &t, &headers);
-            if let Err(reply) = tenant::check_limit(host, &t, self.tenant.as_deref()) {
+            let (id, verdict) = tenant::admit(host, &t, &headers);
+            self.weight = t.weights.as_ref().map(|w| kvmesh_core::fair::weight_of(w, &id));
+            self.metered = self.weight.is_some() || t.tokens_per_minute.is_some();
+            self.tenant = Some(id);
+            if let Err(reply) = verdict {
                 return self.reply(host, reply);
             }
         }
         if limited {
             let [kvmesh, smg] = headers.lookup([PRIORITY_HEADER, SMG_PRIORITY_HEADER]);
-            self.class = Class::from_headers(kvmesh, smg);
+            self.class = Some(Class::from_headers(kvmesh, smg));
         }
         if pd {
             self.client_headers = Some(headers);
@@ -336,83 +345,12 @@ impl RequestFilter {
             return Action::Pause; // Buffer until the whole body is here.
         }
         self.body_size = body_size;
-        match self.enter(host) {
-            Entry::Admitted => self.route_body(host),
-            Entry::Queued => Action::Pause,
-            Entry::Shed => self.reply(
-                host,
-                Reply {
-                    retry_after: Some(1),
-                    ..Reply::error(
-                        503,
-                        "shed",
-                        "the gateway is at its concurrency limit: sheddable requests are refused",
-                    )
-                },
-            ),
-            Entry::Full => self.reply(
-                host,
-                Reply {
-                    retry_after: Some(1),
-                    ..Reply::error(429, "too_many_requests", "the concurrency limit is reached and the queue is full")
-                },
-            ),
+        let entry = self.enter(host);
+        match self.who().entered(host, &entry) {
+            Some(reply) => self.reply(host, reply),
+            None if entry == Entry::Queued => Action::Pause,
+            None => self.route_body(host),
         }
-    }
-
-    /// Admission, when a concurrency limit is configured: a token, a place in the VM's queue,
-    /// or a 429. Without a seat (no queue to wait in), a request that would wait is admitted.
-    fn enter(&mut self, host: &dyn StreamHost) -> Entry {
-        let Some((Some(params), vm)) = self.with_gateway(|g| (g.config().admission, g.ledger().vm())) else {
-            return Entry::Admitted;
-        };
-        let now_ms = crate::host::now_ms(host);
-        let Some(seat) = &self.seat else { return Entry::Admitted };
-        let Ok(mut room) = seat.room.try_borrow_mut() else { return Entry::Admitted };
-        // Shared data refusing the write: let the request through (holding nothing) rather
-        // than fail it.
-        let Some(entry) = SharedBucket::enter(host, &params, vm, self.class, room.counts(), now_ms) else {
-            return Entry::Admitted;
-        };
-        match entry {
-            Entry::Admitted => {
-                room.took(now_ms);
-                self.admission = Admission::Holds;
-            }
-            Entry::Queued => {
-                room.push(seat.ctx, self.class, now_ms, (self.class, seat.me.clone()));
-                self.admission = Admission::Waiting;
-            }
-            Entry::Full | Entry::Shed => {}
-        }
-        entry
-    }
-
-    /// The tick admitted this waiting request (its context entered) and took a slot for it:
-    /// route it and let it go. False if it was not waiting (the slot is not its to keep).
-    pub fn admitted(&mut self, host: &dyn StreamHost) -> bool {
-        if self.admission != Admission::Waiting {
-            return false;
-        }
-        self.admission = Admission::Holds;
-        if self.route_body(host) == Action::Continue {
-            if let Err(e) = host.resume_request() {
-                log::warn!("cannot resume a request admitted from the queue: {e}");
-            }
-        }
-        true
-    }
-
-    /// The tick found this request waiting past the queue timeout (its context entered).
-    pub fn expired(&mut self, host: &dyn StreamHost) {
-        if self.admission != Admission::Waiting {
-            return;
-        }
-        self.admission = Admission::Free;
-        let class = self.class;
-        let timeout = self.with_gateway(|g| g.config().admission.map(|p| p.timeout_ms(class) / 1000)).flatten();
-        let msg = format!("waited in the queue for {} s without a free slot", timeout.unwrap_or(0));
-        self.reply(host, Reply::error(408, "queue_timeout", &msg));
     }
 
     /// Whether this request waits in its VM's admission queue (only a tick moves it on).
@@ -476,14 +414,15 @@ impl RequestFilter {
             return self.not_configured(host);
         };
         Self::count_route(host, &committed.main);
+        self.charge_routed(host, body_size, committed.main.matched_bytes);
         if let Some(model) = &committed.model {
-            host.increment_model(ModelMetric::Requests, model);
+            host.increment_labelled(LabelledMetric::ModelRequests, model);
             if committed.main.matched_bytes > 0 {
-                host.increment_model(ModelMetric::CacheHits, model);
+                host.increment_labelled(LabelledMetric::ModelCacheHits, model);
             }
         }
         // For access logs and tracing: one host call, whatever the mode.
-        if let Err(e) = host.set_filter_state(DECISION_KEY, &committed.record) {
+        if let Err(e) = host.set_filter_state(DECISION_KEY, &self.who().record(&committed.record)) {
             log::debug!("cannot record the decision: {e}");
         }
         let now_ms = decided.ms();
@@ -532,7 +471,8 @@ impl RequestFilter {
     /// metrics for a control plane (nobody else reads them). Otherwise the response body is
     /// not read at all.
     fn feedback_for(&self, prediction: Option<Prediction>, worker: WorkerId, now_ms: u64) -> Option<ResponseFeedback> {
-        let due = prediction.is_some() || self.with_gateway(|g| g.front().reports_usage()).unwrap_or(false);
+        let due =
+            prediction.is_some() || self.metered || self.with_gateway(|g| g.front().reports_usage()).unwrap_or(false);
         due.then(|| ResponseFeedback::new(prediction, worker, now_ms))
     }
 
@@ -726,7 +666,8 @@ impl RequestFilter {
             }
             Admission::Holds => {
                 if let Some((Some(params), vm)) = self.with_gateway(|g| (g.config().admission, g.ledger().vm())) {
-                    SharedBucket::give_back(host, &params, vm, self.class, crate::host::now_ms(host));
+                    let class = self.class.unwrap_or_default();
+                    SharedBucket::give_back(host, &params, vm, class, crate::host::now_ms(host));
                     if let Some(Ok(mut room)) = self.seat.as_ref().map(|s| s.room.try_borrow_mut()) {
                         room.gave_back();
                     }
@@ -734,6 +675,7 @@ impl RequestFilter {
             }
         }
         if let Some(f) = self.feedback.take() {
+            self.charge_generated(host, f.generated());
             let complete = self.complete;
             self.with_gateway(|g| f.finish(g, host, complete));
         }
@@ -780,6 +722,7 @@ impl RequestFilter {
     }
 }
 
+mod admit;
 mod hygiene;
 mod prefill;
 mod tenant;

@@ -52,6 +52,11 @@ impl ResponseFeedback {
         self.scanned = 0;
     }
 
+    /// The tokens the worker said it generated, where its answer counts (fair shares).
+    pub fn generated(&self) -> Option<u64> {
+        self.counts.then(|| self.scanner.usage().completion_tokens).flatten()
+    }
+
     /// The stream ended (`complete`: the worker's answer arrived whole).
     pub fn finish(self, gateway: &mut Gateway, host: &dyn StreamHost, complete: bool) {
         if !self.counts || !complete {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use envoy_dynamic_module::{Attribute, BodyKind, HeaderKind, Stream};
 use kvmesh_gateway::headers::Headers;
-use kvmesh_gateway::host::{Callout, HostError, Metric, ModelMetric, StreamHost, VmHost};
+use kvmesh_gateway::host::{Callout, HostError, LabelledMetric, Metric, StreamHost, VmHost};
 use kvmesh_gateway::shared::{SetError, SharedStore};
 
 use crate::outbox::Outbox;
@@ -168,8 +168,8 @@ impl VmHost for NativeHost {
     fn record(&self, metric: Metric, value: u64) {
         self.stats.record(metric, value);
     }
-    fn increment_model(&self, metric: ModelMetric, model: &str) {
-        self.stats.record_model(metric, model);
+    fn increment_labelled(&self, metric: LabelledMetric, value: &str) {
+        self.stats.record_labelled(metric, value);
     }
 }
 

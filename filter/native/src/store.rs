@@ -7,7 +7,7 @@ use std::ffi::c_void;
 use std::sync::Mutex;
 
 use envoy_dynamic_module::{config_stat, define_stat, define_tagged_counter, increment_tagged_counter, StatKind};
-use kvmesh_gateway::host::{Metric, MetricKind, ModelLabels, ModelMetric};
+use kvmesh_gateway::host::{LabelSets, LabelledMetric, Metric, MetricKind};
 use kvmesh_gateway::shared::{SetError, SharedStore};
 
 /// A shared-data value and its compare-and-swap version, by key. The keys are the filter's own
@@ -62,9 +62,9 @@ pub struct Stats {
     config: usize,
     /// Stat ids, in [`Metric::ALL`] order (None: Envoy refused to define it).
     ids: Vec<Option<usize>>,
-    /// Per-model counter ids, in [`ModelMetric::ALL`] order, and the labels given out.
-    model_ids: Vec<Option<usize>>,
-    model_labels: Mutex<ModelLabels>,
+    /// Labelled counter ids, in [`LabelledMetric::ALL`] order, and the labels given out.
+    labelled_ids: Vec<Option<usize>>,
+    labels: Mutex<LabelSets>,
 }
 
 fn stat_kind(kind: MetricKind) -> StatKind {
@@ -84,15 +84,16 @@ impl Stats {
     /// `Config::alive`).
     pub unsafe fn define(config: *mut c_void) -> Self {
         let ids = Metric::ALL.iter().map(|m| define_stat(config, stat_kind(m.kind()), m.name())).collect();
-        let model_ids = ModelMetric::ALL.iter().map(|m| define_tagged_counter(config, m.name(), "model")).collect();
-        Self { config: config as usize, ids, model_ids, model_labels: Default::default() }
+        let labelled_ids =
+            LabelledMetric::ALL.iter().map(|m| define_tagged_counter(config, m.name(), m.label())).collect();
+        Self { config: config as usize, ids, labelled_ids, labels: Default::default() }
     }
 
-    /// Adds one to `metric`'s series for `model`.
-    pub fn record_model(&self, metric: ModelMetric, model: &str) {
-        let pos = ModelMetric::ALL.iter().position(|m| *m == metric);
-        let Some(id) = pos.and_then(|p| self.model_ids.get(p).copied().flatten()) else { return };
-        let Ok(label) = self.model_labels.lock().map(|mut labels| labels.label(model, None)) else { return };
+    /// Adds one to `metric`'s series for `value`.
+    pub fn record_labelled(&self, metric: LabelledMetric, value: &str) {
+        let pos = LabelledMetric::ALL.iter().position(|m| *m == metric);
+        let Some(id) = pos.and_then(|p| self.labelled_ids.get(p).copied().flatten()) else { return };
+        let Ok(label) = self.labels.lock().map(|mut labels| labels.label(metric, value, None)) else { return };
         // SAFETY: the configuration is alive (see `define`).
         unsafe { increment_tagged_counter(self.config as *mut c_void, id, &label, 1) }
     }

@@ -12,7 +12,8 @@ use proxy_wasm::types::{Action as WasmAction, BufferType, ContextType, LogLevel,
 
 use kvmesh_gateway::headers::Headers;
 use kvmesh_gateway::host::{
-    tagged_name, Action, Callout, HostError, LinkHost, Metric, MetricKind, ModelLabels, ModelMetric, StreamHost, VmHost,
+    tagged_name, Action, Callout, HostError, LabelSets, LabelledMetric, LinkHost, Metric, MetricKind, StreamHost,
+    VmHost,
 };
 use kvmesh_gateway::plugin::Plugin;
 use kvmesh_gateway::request::RequestFilter;
@@ -52,16 +53,16 @@ fn header_map(map: MapType) -> Headers {
     Headers::from_raw(unsafe { Vec::from_raw_parts(data, size, size) })
 }
 
-/// Per-model counter ids by metric and label (None: the host refused to define it).
-type ModelMetricIds = std::collections::HashMap<(ModelMetric, String), Option<u32>>;
+/// Labelled counter ids by metric and label (None: the host refused to define it).
+type LabelledIds = std::collections::HashMap<(LabelledMetric, String), Option<u32>>;
 
 /// Envoy, as seen from one VM: shared data, the current stream, and the VM's stats.
 #[derive(Default)]
 pub struct EnvoyHost {
     /// Metric ids, in [`Metric::ALL`] order (None: the host refused to define it).
     metrics: Vec<Option<u32>>,
-    /// Per-model counters, defined on first use (their tagged names, see [`tagged_name`]).
-    model_metrics: RefCell<(ModelLabels, ModelMetricIds)>,
+    /// Labelled counters, defined on first use (their tagged names, see [`tagged_name`]).
+    labelled: RefCell<(LabelSets, LabelledIds)>,
 }
 
 impl EnvoyHost {
@@ -77,7 +78,7 @@ impl EnvoyHost {
                 hostcalls::define_metric(kind, m.name()).ok()
             })
             .collect();
-        Self { metrics, model_metrics: RefCell::default() }
+        Self { metrics, labelled: RefCell::default() }
     }
 
     fn metric_id(&self, metric: Metric) -> Option<u32> {
@@ -125,10 +126,10 @@ impl VmHost for EnvoyHost {
             let _ = hostcalls::record_metric(id, value);
         }
     }
-    fn increment_model(&self, metric: ModelMetric, model: &str) {
-        let Ok(mut guard) = self.model_metrics.try_borrow_mut() else { return };
+    fn increment_labelled(&self, metric: LabelledMetric, value: &str) {
+        let Ok(mut guard) = self.labelled.try_borrow_mut() else { return };
         let (labels, ids) = &mut *guard;
-        let label = labels.label(model, Some(self));
+        let label = labels.label(metric, value, Some(self));
         let id = *ids
             .entry((metric, label))
             .or_insert_with_key(|(m, l)| hostcalls::define_metric(MetricType::Counter, &tagged_name(*m, l)).ok());

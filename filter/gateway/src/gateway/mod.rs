@@ -36,7 +36,7 @@ pub use self::front::Front;
 pub use self::outcomes::Outcomes;
 pub use self::plan::{endpoint_list, Committed, Destination, Outcome, PdPlan, Plan, Prediction, RequestInfo};
 pub use self::publisher::{Publisher, REPORT_QUEUE_HASHES};
-pub use self::record::{DECISION_KEY, FAILOVER_KEY};
+pub use self::record::{push_who, DECISION_KEY, FAILOVER_KEY};
 pub use self::reply::Reply;
 pub use self::view::CONTROL_PLANE_EVICTION_CAP;
 pub use crate::now::Now;

@@ -16,6 +16,8 @@
 //! | `prefill_cached_bytes` | PD split: as `cached_bytes`, for the prefill worker |
 //! | `rid` | SGLang PD split: the `rid` the gateway gave the request (a batch's first item; the others end in their own index) |
 //! | `model` | the model pool the request was routed in, when workers name their models |
+//! | `class` | its priority class (`sheddable`, `default`, `interactive`, `system`), under a concurrency limit |
+//! | `tenant` | its tenant id (`anonymous` when it names none), where tenants are configured |
 //!
 //! e.g. `policy=cache_aware;worker=10.0.0.7:8000;cached_bytes=1536;model=llama-3-8b`. When
 //! Envoy fails the request over to another worker, a second key, [`FAILOVER_KEY`], names the
@@ -49,6 +51,18 @@ fn push_clean(out: &mut String, value: &str) {
         c if c.is_ascii_graphic() => c,
         _ => '_',
     }));
+}
+
+/// Adds the `class` and `tenant` pairs (those given) to a record (issue 47).
+pub fn push_who(out: &mut String, class: Option<&str>, tenant: Option<&str>) {
+    if let Some(class) = class {
+        out.push_str(";class=");
+        push_clean(out, class);
+    }
+    if let Some(tenant) = tenant {
+        out.push_str(";tenant=");
+        push_clean(out, tenant);
+    }
 }
 
 /// The record of a decision under `config`: `chosen`, sent to `worker` (and `prefill`'s

@@ -6,7 +6,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
 
-use super::{Callout, HostError, LinkHost, Metric, ModelMetric, StreamHost, VmHost};
+use super::{Callout, HostError, LabelledMetric, LinkHost, Metric, StreamHost, VmHost};
 use crate::headers::Headers;
 use crate::shared::fake::FakeStore;
 use crate::shared::{SetError, SharedStore};
@@ -75,7 +75,7 @@ pub struct MockHost {
     pub now_ms: Cell<u64>,
     pub metrics: RefCell<HashMap<Metric, Vec<u64>>>,
     /// Per-model counters: (metric, model) → count.
-    pub model_metrics: RefCell<HashMap<(ModelMetric, String), u64>>,
+    pub labelled_metrics: RefCell<HashMap<(LabelledMetric, String), u64>>,
     /// The request's filter state as the filter set it (`set_filter_state`), in order.
     pub filter_state: RefCell<Vec<(String, String)>>,
     /// Every host call made, in order (each crosses the Wasm boundary in Envoy).
@@ -207,8 +207,8 @@ impl VmHost for MockHost {
         self.note("record");
         self.metrics.borrow_mut().entry(metric).or_default().push(value);
     }
-    fn increment_model(&self, metric: ModelMetric, model: &str) {
-        *self.model_metrics.borrow_mut().entry((metric, model.to_string())).or_default() += 1;
+    fn increment_labelled(&self, metric: LabelledMetric, value: &str) {
+        *self.labelled_metrics.borrow_mut().entry((metric, value.to_string())).or_default() += 1;
     }
 }
 

@@ -1,20 +1,34 @@
 //! A request's tenant (issue 47): its id, from the configured header or the caller's SPIFFE id
-//! (the header then removed), and the per-tenant requests-per-second limit, Envoy-wide
-//! (`crate::shared::tenants`). Nothing here runs unless a tenant setting is configured.
+//! (the header then removed), and the per-tenant limits, Envoy-wide: requests per second
+//! (`crate::shared::tenants`) and tokens per minute (`crate::shared::tenant_tokens`).
+//! Nothing here runs unless a tenant setting is configured.
 
 use kvmesh_core::tenant::{reset_text, valid_tenant, xfcc_uri, TenantParams, XFCC_HEADER};
 
 use crate::gateway::Reply;
 use crate::headers::Headers;
-use crate::host::StreamHost;
-use crate::shared::tenants;
+use crate::host::{LabelledMetric, StreamHost};
+use crate::shared::{tenant_tokens, tenants};
 
 /// The id requests that name no tenant are counted under.
 pub const ANONYMOUS: &str = "anonymous";
 
+/// The tenant of a request with `headers` (`anonymous` when it names none), counted in its
+/// series, and what its limit says.
+pub(super) fn admit(host: &dyn StreamHost, params: &TenantParams, headers: &Headers) -> (String, Result<(), Reply>) {
+    let id = tenant_of(host, params, headers).unwrap_or_else(|| ANONYMOUS.to_string());
+    host.increment_labelled(LabelledMetric::TenantRequests, &id);
+    // The minute's tokens first (read only): a request it refuses is not counted in the second.
+    let verdict = check_tokens(host, params, &id).and_then(|()| check_limit(host, params, Some(&id)));
+    if verdict.is_err() {
+        host.increment_labelled(LabelledMetric::TenantLimited, &id);
+    }
+    (id, verdict)
+}
+
 /// The tenant of a request with `headers` (none: it names none, or not a usable id). With the
 /// identity source, the client's tenant header is removed, so no worker or log reads it.
-pub(super) fn tenant_of(host: &dyn StreamHost, params: &TenantParams, headers: &Headers) -> Option<String> {
+fn tenant_of(host: &dyn StreamHost, params: &TenantParams, headers: &Headers) -> Option<String> {
     if params.xfcc {
         let [forged, xfcc] = headers.lookup([params.header.as_str(), XFCC_HEADER]);
         if forged.is_some() {
@@ -27,7 +41,7 @@ pub(super) fn tenant_of(host: &dyn StreamHost, params: &TenantParams, headers: &
 
 /// Counts the request against its tenant's limit: past it, a JSON 429 with OpenAI's
 /// `x-ratelimit-*-requests` headers and `retry-after`.
-pub(super) fn check_limit(host: &dyn StreamHost, params: &TenantParams, tenant: Option<&str>) -> Result<(), Reply> {
+fn check_limit(host: &dyn StreamHost, params: &TenantParams, tenant: Option<&str>) -> Result<(), Reply> {
     let Some(limit) = params.requests_per_second else { return Ok(()) };
     let id = tenant.unwrap_or(ANONYMOUS);
     let now_ms = crate::host::now_ms(host);
@@ -42,6 +56,25 @@ pub(super) fn check_limit(host: &dyn StreamHost, params: &TenantParams, tenant: 
         ("x-ratelimit-limit-requests", limit.to_string()),
         ("x-ratelimit-remaining-requests", verdict.remaining.to_string()),
         ("x-ratelimit-reset-requests", reset_text(verdict.reset_ms)),
+    ];
+    Err(reply)
+}
+
+/// The tenant's tokens-per-minute limit: once its minute reached it, a JSON 429 with OpenAI's
+/// `x-ratelimit-*-tokens` headers and `retry-after`.
+fn check_tokens(host: &dyn StreamHost, params: &TenantParams, id: &str) -> Result<(), Reply> {
+    let Some(limit) = params.tokens_per_minute else { return Ok(()) };
+    let verdict = tenant_tokens::verdict(host, id, limit, params.max_tenants, crate::host::now_ms(host));
+    if verdict.allowed {
+        return Ok(());
+    }
+    let msg = format!("tenant {id} is over its limit of {limit} tokens per minute");
+    let mut reply = Reply::error(429, "rate_limit_exceeded", &msg);
+    reply.retry_after = Some(u32::try_from(verdict.reset_ms.div_ceil(1000)).unwrap_or(60).max(1));
+    reply.headers = vec![
+        ("x-ratelimit-limit-tokens", limit.to_string()),
+        ("x-ratelimit-remaining-tokens", verdict.remaining.to_string()),
+        ("x-ratelimit-reset-tokens", reset_text(verdict.reset_ms)),
     ];
     Err(reply)
 }

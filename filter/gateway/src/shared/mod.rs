@@ -16,8 +16,9 @@ pub mod feedback;
 mod gateway_id;
 mod inflight;
 mod lease;
-pub mod model_series;
+pub mod series;
 mod table;
+pub mod tenant_tokens;
 pub mod tenants;
 mod vm_ledger;
 
@@ -83,8 +84,10 @@ pub const KEYS: &[(&str, &str)] = &[
     ("kvmesh.feedback.v1", "feedback.rs"),
     ("kvmesh.admission.v3", "admission.rs"),
     ("kvmesh.gateway.id.v1", "gateway_id.rs"),
-    ("kvmesh.models.v1", "model_series.rs"),
+    ("kvmesh.models.v1", "series.rs"),
     ("kvmesh.tenants.v1", "tenants.rs"),
+    ("kvmesh.tenant_series.v1", "series.rs"),
+    ("kvmesh.tenant_tokens.v1", "tenant_tokens.rs"),
 ];
 
 #[cfg(test)]

@@ -183,37 +183,41 @@ fn a_request_carries_its_model_for_the_per_model_counters_only_where_routing_is_
 
 #[test]
 fn model_labels_are_bounded_and_never_confuse_tag_extraction() {
-    let mut labels = crate::host::ModelLabels::default();
+    let mut labels = crate::host::Labels::default();
     assert_eq!(labels.label("org/m;x=y", None), "org/m_x_y");
     assert_eq!(labels.label("a\"} 1\nb\\ c", None), "a___1_b__c", "nothing a scraper would read as syntax");
-    for i in 0..crate::host::MAX_MODEL_SERIES * 2 {
+    for i in 0..crate::host::MAX_LABEL_SERIES * 2 {
         labels.label(&format!("m{i}"), None);
     }
     assert_eq!(labels.label("m0", None), "m0", "a name seen early keeps its series");
     assert_eq!(labels.label("late", None), "other");
     assert_eq!(
-        crate::host::tagged_name(crate::host::ModelMetric::Requests, "m0"),
+        crate::host::tagged_name(crate::host::LabelledMetric::ModelRequests, "m0"),
         "model=.=m0;.;kvmesh_model_requests_total"
     );
 }
 
 /// The bound holds for the Envoy, not for each VM: two VMs sharing one store give out
-/// [`crate::host::MAX_MODEL_SERIES`] labels between them, exactly.
+/// [`crate::host::MAX_LABEL_SERIES`] labels between them, exactly.
 #[test]
 fn model_series_are_bounded_for_the_whole_envoy() {
     use std::collections::HashSet;
     let store = FakeStore::default();
-    let (mut a, mut b) = (crate::host::ModelLabels::default(), crate::host::ModelLabels::default());
-    let max = crate::host::MAX_MODEL_SERIES;
+    let (mut a, mut b) = (crate::host::Labels::default(), crate::host::Labels::default());
+    let max = crate::host::MAX_LABEL_SERIES;
     let mut given = HashSet::new();
     for i in 0..max {
-        given.insert(a.label(&format!("a{i}"), Some(&store)));
-        given.insert(b.label(&format!("b{i}"), Some(&store)));
+        given.insert(a.label(&format!("a{i}"), Some((&store, crate::shared::series::MODEL_SERIES_KEY))));
+        given.insert(b.label(&format!("b{i}"), Some((&store, crate::shared::series::MODEL_SERIES_KEY))));
     }
     given.remove("other");
     assert_eq!(given.len(), max, "{given:?}");
-    assert_eq!(b.label("a0", Some(&store)), "a0", "a label another VM gave out has its series here too");
-    assert_eq!(a.label("new", Some(&store)), "other");
+    assert_eq!(
+        b.label("a0", Some((&store, crate::shared::series::MODEL_SERIES_KEY))),
+        "a0",
+        "a label another VM gave out has its series here too"
+    );
+    assert_eq!(a.label("new", Some((&store, crate::shared::series::MODEL_SERIES_KEY))), "other");
 }
 
 /// The control plane's workers' key (its `--api-key`, on full snapshots) wins over the
