@@ -104,11 +104,7 @@ fn kv_endpoints(q: &WorkerQuery) -> Result<Option<KvEventEndpoints>, String> {
     }
 }
 
-async fn add_worker(
-    Axum(state): Shared,
-    axum::Extension(kv): axum::Extension<Arc<KvEvents>>,
-    Query(q): Query<WorkerQuery>,
-) -> (StatusCode, String) {
+async fn add_worker(Axum(state): Shared, Query(q): Query<WorkerQuery>) -> (StatusCode, String) {
     let endpoints = match kv_endpoints(&q) {
         Ok(e) => e,
         Err(e) => return (StatusCode::BAD_REQUEST, e),
@@ -135,9 +131,7 @@ async fn add_worker(
     match state.add_worker(&url, role, port, Source::Api) {
         Ok(id) => {
             state.set_model_id(id, q.model_id);
-            if let Ok(canonical) = crate::urls::canonical(&url) {
-                kv.set_api_endpoints(canonical, endpoints);
-            }
+            state.set_kv_events(id, endpoints);
             // Unhealthy until probed: probe it now rather than at the next interval.
             if state.settings.health_checks {
                 tokio::spawn(crate::probe::check_one(state.clone(), id));

@@ -75,6 +75,8 @@ impl EventMetrics {
 
 struct Running {
     endpoints: KvEventEndpoints,
+    /// The pool seed its blocks are keyed from.
+    seed: u64,
     task: tokio::task::JoinHandle<()>,
     rekeyer: Arc<Mutex<Rekeyer>>,
 }
@@ -84,8 +86,6 @@ pub struct KvEvents {
     settings: KvEventSettings,
     block_size: usize,
     vocab: Arc<Vocab>,
-    /// Endpoints given through the add-worker API, by canonical URL.
-    api: Mutex<HashMap<String, KvEventEndpoints>>,
     running: Mutex<HashMap<u32, Running>>,
     pub metrics: EventMetrics,
 }
@@ -105,25 +105,18 @@ impl KvEvents {
             settings: settings.clone(),
             block_size,
             vocab: Arc::new(vocab),
-            api: Mutex::default(),
             running: Mutex::default(),
             metrics: EventMetrics::default(),
         }))
     }
 
-    /// The add-worker API named a publisher for `url` (canonical).
-    pub fn set_api_endpoints(&self, url: String, endpoints: Option<KvEventEndpoints>) {
-        let mut api = self.api.lock().unwrap_or_else(|p| p.into_inner());
-        match endpoints {
-            Some(e) => api.insert(url, e),
-            None => api.remove(&url),
-        };
-    }
-
-    /// Where worker `w` publishes, if anywhere: the API's, the flag's for its URL, the template.
+    /// Where worker `w` publishes, if anywhere: its own (a pod annotation, the add-worker
+    /// API), the flag's for its URL, the template.
     fn endpoints_of(&self, w: &WorkerEntry) -> Option<KvEventEndpoints> {
-        let own = self.api.lock().unwrap_or_else(|p| p.into_inner()).get(&w.url).cloned();
-        let own = own.or_else(|| self.settings.workers.iter().find(|(u, _)| *u == w.url).map(|(_, e)| e.clone()));
+        let own = w
+            .kv_events
+            .clone()
+            .or_else(|| self.settings.workers.iter().find(|(u, _)| *u == w.url).map(|(_, e)| e.clone()));
         let e = match own {
             Some(e) => e,
             None => {
@@ -148,7 +141,9 @@ impl KvEvents {
     }
 
     /// Starts a subscriber for each worker with a publisher, stops those of workers gone
-    /// (their entries went with them) or whose publisher changed; every 200 ms.
+    /// (their entries went with them), whose publisher changed, or whose pool's seed changed
+    /// (the model names it serves became known): that one starts again at once, and its
+    /// replay on connect brings back what the engine holds, keyed anew; every 200 ms.
     pub async fn run(self: Arc<Self>, state: Arc<State>) {
         loop {
             self.sync(&state);
@@ -159,10 +154,10 @@ impl KvEvents {
     fn sync(self: &Arc<Self>, state: &Arc<State>) {
         let workers = state.workers();
         let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
-        let wanted: HashMap<u32, KvEventEndpoints> =
-            workers.iter().filter_map(|w| Some((w.id, self.endpoints_of(w)?))).collect();
+        let wanted: HashMap<u32, (KvEventEndpoints, u64)> =
+            workers.iter().filter_map(|w| Some((w.id, (self.endpoints_of(w)?, state.engine_seed(w.id)?)))).collect();
         running.retain(|id, r| {
-            let keep = wanted.get(id) == Some(&r.endpoints);
+            let keep = wanted.get(id).is_some_and(|(e, seed)| *e == r.endpoints && *seed == r.seed);
             if !keep {
                 r.task.abort();
                 let gone = r.rekeyer.lock().map(|mut k| k.clear()).unwrap_or_default();
@@ -171,12 +166,11 @@ impl KvEvents {
             }
             keep
         });
-        for (id, endpoints) in wanted {
+        for (id, (endpoints, seed)) in wanted {
             if running.contains_key(&id) {
                 continue;
             }
             let Some(w) = workers.iter().find(|w| w.id == id) else { continue };
-            let Some(seed) = state.engine_seed(id) else { continue };
             let rekeyer =
                 Arc::new(Mutex::new(Rekeyer::new(self.vocab.clone(), self.block_size, seed, self.settings.max_blocks)));
             let sub = subscriber::Subscriber {
@@ -190,7 +184,7 @@ impl KvEvents {
             };
             tracing::info!(worker = %w.name(), publisher = %endpoints.publisher, "KV-event subscriber starting");
             let task = tokio::spawn(sub.run());
-            running.insert(id, Running { endpoints, task, rekeyer });
+            running.insert(id, Running { endpoints, seed, task, rekeyer });
         }
     }
 }

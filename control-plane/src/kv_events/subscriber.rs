@@ -87,7 +87,10 @@ impl Subscriber {
 
     async fn on_live(&self, cursor: &mut Cursor, seq: u64, batch: Batch) {
         match cursor.next {
-            None => self.apply(cursor, seq, batch),
+            None => {
+                cursor.replayed_from = None;
+                self.apply(cursor, seq, batch)
+            }
             Some(next) if seq == next => {
                 cursor.replayed_from = None;
                 self.apply(cursor, seq, batch)
