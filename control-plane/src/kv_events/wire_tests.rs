@@ -16,10 +16,13 @@ fn uints(b: &mut Vec<u8>, v: &[u64]) {
     }
 }
 
+/// One `BlockStored`: hashes, parent, token ids, tokens per block.
+pub(crate) type StoredArgs = (Vec<u64>, Option<u64>, Vec<u64>, u64);
+
 /// SGLang: `[ts, [["BlockStored", hashes, parent, tokens, block_size, lora_id], ...]]`.
 pub(crate) fn sglang_batch(
     ts: f64,
-    stored: &[(Vec<u64>, Option<u64>, Vec<u64>, u64)],
+    stored: &[StoredArgs],
     removed: &[u64],
     clear: bool,
 ) -> Vec<u8> {
