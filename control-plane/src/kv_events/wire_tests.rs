@@ -20,12 +20,7 @@ fn uints(b: &mut Vec<u8>, v: &[u64]) {
 pub(crate) type StoredArgs = (Vec<u64>, Option<u64>, Vec<u64>, u64);
 
 /// SGLang: `[ts, [["BlockStored", hashes, parent, tokens, block_size, lora_id], ...]]`.
-pub(crate) fn sglang_batch(
-    ts: f64,
-    stored: &[StoredArgs],
-    removed: &[u64],
-    clear: bool,
-) -> Vec<u8> {
+pub(crate) fn sglang_batch(ts: f64, stored: &[StoredArgs], removed: &[u64], clear: bool) -> Vec<u8> {
     let mut b = Vec::new();
     write_array_len(&mut b, 2).unwrap();
     write_f64(&mut b, ts).unwrap();
