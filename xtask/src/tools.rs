@@ -402,14 +402,14 @@ const NATIVE_CONTROL_PLANE_TESTS: [&str; 7] = [
 /// process), decision records (filter state through the ABI), and the control plane's link
 /// (`standby`: the module's own connection through two replicas' leader changes), and a hung
 /// worker's requests (`hung`: sent again from a tick that only the ticker's wake-ups run, as
-/// callouts of other streams).
+/// callouts of other streams), and the engines' KV events routing (`kv_events`: under a second).
 /// The rest is the same code on
 /// the same Envoy path, or checks what only a Wasm VM has (trapped VMs, the lease moving).
 pub fn native_conformance(envoy: &Path, totals: &mut Totals) -> anyhow::Result<()> {
     let mut suites = cargo();
     suites.args(["test", "-p", "kvmesh-testkit", "--test", "pd", "--test", "pd_vllm", "--test", "pd_llm_d"]);
     suites.args(["--test", "admission", "--test", "breaker", "--test", "models", "--test", "traces", "--test", "dp"]);
-    suites.args(["--test", "standby", "--test", "secrets", "--test", "hung"]);
+    suites.args(["--test", "standby", "--test", "secrets", "--test", "hung", "--test", "kv_events"]);
     stack_env(&mut suites, envoy);
     run_tests(suites.env("KVMESH_TEST_NATIVE", "1"), totals)?;
     let mut control_plane = cargo();
