@@ -4,8 +4,8 @@
 //!
 //! - bypass: prompts sent straight to a worker (not through a gateway) are routed there
 //!   afterwards, because its engine said it holds them;
-//! - flush and restart: the worker's entries go as soon as its engine says so (a clear, or a
-//!   sequence that starts again);
+//! - flush and restart: the worker's entries go as soon as its engine says so (a clear, a
+//!   sequence that starts again in place, or a new process on the same ports);
 //! - a gap: a batch lost on the PUB socket is fetched from the replay socket;
 //! - a mixed pool: the worker without events is still routed to by the gateways' own index.
 
@@ -28,7 +28,10 @@ fn tokenizer() -> String {
 }
 
 fn publisher(encoding: &str) -> Publisher {
-    let (pub_port, replay_port) = (free_port().unwrap(), free_port().unwrap());
+    publisher_on(free_port().unwrap(), free_port().unwrap(), free_port().unwrap(), encoding)
+}
+
+fn publisher_on(port: u16, pub_port: u16, replay_port: u16, encoding: &str) -> Publisher {
     let (p, r) = (pub_port.to_string(), replay_port.to_string());
     let tok = tokenizer();
     let args = [
@@ -43,12 +46,18 @@ fn publisher(encoding: &str) -> Publisher {
         "--kv-events-encoding",
         encoding,
     ];
-    Publisher { sim: Sim::start(&args).unwrap(), pub_port, replay_port }
+    Publisher { sim: Sim::start_on(port, &args).unwrap(), pub_port, replay_port }
 }
 
 impl Publisher {
     fn flag(&self) -> String {
         format!("{}=tcp://127.0.0.1:{},tcp://127.0.0.1:{}", self.sim.url(), self.pub_port, self.replay_port)
+    }
+    /// The engine restarted as a new process on the same ports.
+    fn restart(self, encoding: &str) -> Publisher {
+        let (port, pub_port, replay_port) = (self.sim.port, self.pub_port, self.replay_port);
+        drop(self);
+        publisher_on(port, pub_port, replay_port, encoding)
     }
     /// A generation sent straight to the worker (bypassing every gateway).
     fn direct(&self, text: &str) {
@@ -164,6 +173,17 @@ fn engine_events_route_bypass_traffic_and_drop_flushed_restarted_and_removed_cac
     wait_until("the gateway's report of C's prefix", LIMIT, || entry(&cp, &c.url(), &on_c).is_some()).unwrap();
     assert_eq!(entry(&cp, &c.url(), &on_c).map(|e| e.1).as_deref(), Some("routed"));
     assert_eq!(served(&generate(&envoy, &on_c)), c.addr());
+
+    // A restarted as a new process on the same ports: the subscriber sees the publisher go,
+    // drops what A held, connects again and follows the new process.
+    let old = prompt("before the new process");
+    a.direct(&old);
+    wait_engine_holds(&cp, &ua, &old);
+    let a = a.restart("vllm-tagged");
+    let fresh = prompt("from the new process");
+    a.direct(&fresh);
+    wait_engine_holds(&cp, &ua, &fresh);
+    wait_gone(&cp, &ua, &old);
 
     // Removing B drops its entries at once.
     let kept = prompt("held when removed");

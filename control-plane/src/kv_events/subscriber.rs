@@ -9,11 +9,18 @@
 //! - a batch before the next expected one that no replay explains is a restarted engine (its
 //!   counter started again): the worker's entries are dropped at once;
 //! - `AllBlocksCleared` drops them too.
+//!
+//! The socket does not notice a publisher that closed its end (an engine restarted as a new
+//! process), nor connect again: after `IDLE_RECONNECT` without a batch the subscriber connects
+//! anew (keeping its place, asking the replay socket for what follows it), so a restarted
+//! engine's first batches show its sequence started again, and what it published before the
+//! new connection is asked for from 0.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use xxhash_rust::xxh3::xxh3_64;
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 use super::rekey::Rekeyer;
@@ -22,6 +29,8 @@ use super::{EventLabels, KvEvents};
 use crate::settings::KvEventEndpoints;
 use crate::state::State;
 
+/// A connection without a batch for this long is made again.
+const IDLE_RECONNECT: Duration = Duration::from_secs(2);
 /// How long one replay may take before it is given up.
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
 /// The most batches, and bytes, one replay may bring.
@@ -45,37 +54,45 @@ struct Cursor {
     next: Option<u64>,
     /// Numbers below `next` from here on came twice (a replay and the live stream).
     replayed_from: Option<u64>,
+    /// The last batch applied: its sequence number and payload's hash (a new connection
+    /// checks that the publisher still holds it, else the engine restarted).
+    last: Option<(u64, u64)>,
 }
 
 impl Subscriber {
-    /// Subscribes until aborted; a failed connection is tried again after a second.
+    /// Subscribes until aborted; a failed connection drops the worker's entries and is tried
+    /// again after a second, an idle one is made again at once.
     pub async fn run(self) {
+        let mut cursor = Cursor::default();
         loop {
-            if let Err(e) = self.session().await {
-                tracing::warn!(worker = self.worker, publisher = %self.endpoints.publisher, "KV events: {e}");
+            match self.session(&mut cursor).await {
+                Ok(()) => continue,
+                Err(e) => tracing::warn!(worker = self.worker, publisher = %self.endpoints.publisher, "KV events: {e}"),
             }
             self.drop_all();
+            cursor = Cursor::default();
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
     }
 
-    async fn session(&self) -> Result<(), zeromq::ZmqError> {
+    /// One connection: what the replay socket holds past the cursor, then the live stream
+    /// until it stays idle for [`IDLE_RECONNECT`] (`Ok`) or fails.
+    async fn session(&self, cursor: &mut Cursor) -> Result<(), zeromq::ZmqError> {
         let mut sub = SubSocket::new();
         sub.subscribe(&self.topic).await?;
         sub.connect(&self.endpoints.publisher).await?;
-        tracing::info!(worker = self.worker, publisher = %self.endpoints.publisher, "KV events connected");
-        let mut cursor = Cursor::default();
+        tracing::debug!(worker = self.worker, publisher = %self.endpoints.publisher, "KV events connected");
         if self.endpoints.replay.is_some() {
-            self.replay(&mut cursor, 0).await;
+            self.resume(cursor).await;
         }
         loop {
-            let msg = sub.recv().await?;
-            let Some((seq, batch)) = self.decode_live(msg) else { continue };
-            self.on_live(&mut cursor, seq, batch).await;
+            let Ok(msg) = tokio::time::timeout(IDLE_RECONNECT, sub.recv()).await else { return Ok(()) };
+            let Some((seq, batch, hash)) = self.decode_live(msg?) else { continue };
+            self.on_live(cursor, seq, batch, hash).await;
         }
     }
 
-    fn decode_live(&self, msg: ZmqMessage) -> Option<(u64, Batch)> {
+    fn decode_live(&self, msg: ZmqMessage) -> Option<(u64, Batch, u64)> {
         let frames = msg.into_vecdeque();
         let decoded = decode_frames(frames);
         if let Err(e) = &decoded {
@@ -85,15 +102,15 @@ impl Subscriber {
         decoded.ok()
     }
 
-    async fn on_live(&self, cursor: &mut Cursor, seq: u64, batch: Batch) {
+    async fn on_live(&self, cursor: &mut Cursor, seq: u64, batch: Batch, hash: u64) {
         match cursor.next {
             None => {
                 cursor.replayed_from = None;
-                self.apply(cursor, seq, batch)
+                self.apply(cursor, seq, batch, hash)
             }
             Some(next) if seq == next => {
                 cursor.replayed_from = None;
-                self.apply(cursor, seq, batch)
+                self.apply(cursor, seq, batch, hash)
             }
             Some(next) if seq > next => {
                 cursor.replayed_from = None;
@@ -103,11 +120,11 @@ impl Subscriber {
                 }
                 match cursor.next {
                     Some(n) if seq < n => {}
-                    Some(n) if seq == n => self.apply(cursor, seq, batch),
+                    Some(n) if seq == n => self.apply(cursor, seq, batch, hash),
                     _ => {
                         tracing::warn!(worker = self.worker, from = next, to = seq, "KV events lost: entries dropped");
                         self.drop_all();
-                        self.apply(cursor, seq, batch);
+                        self.apply(cursor, seq, batch, hash);
                     }
                 }
             }
@@ -117,27 +134,67 @@ impl Subscriber {
                 tracing::info!(worker = self.worker, seq, "engine restarted (sequence started again): entries dropped");
                 self.drop_all();
                 cursor.replayed_from = None;
-                self.apply(cursor, seq, batch);
+                cursor.next = None;
+                // What the new engine published before this batch, from its replay socket.
+                if seq > 0 && self.endpoints.replay.is_some() {
+                    self.replay(cursor, 0).await;
+                }
+                if cursor.next.is_none_or(|n| seq >= n) {
+                    self.apply(cursor, seq, batch, hash);
+                }
+            }
+        }
+    }
+
+    /// A new connection after an idle one: the publisher still holding the last batch applied
+    /// is the same engine (what follows is applied); otherwise it restarted, and everything
+    /// it holds is applied from 0 over nothing.
+    async fn resume(&self, cursor: &mut Cursor) {
+        let Some((seq, hash)) = cursor.last else {
+            let from = cursor.next.unwrap_or(0);
+            return self.replay(cursor, from).await;
+        };
+        let Some(batches) = self.fetch(seq).await else { return };
+        let same = batches.first().is_some_and(|(s, p)| *s == seq && xxh3_64(p) == hash);
+        if same {
+            self.apply_replayed(cursor, seq, batches);
+        } else {
+            self.events.metrics.restarts.get_or_create(&self.labels).inc();
+            tracing::info!(
+                worker = self.worker,
+                "engine restarted (its publisher no longer holds the last batch): entries dropped"
+            );
+            self.drop_all();
+            *cursor = Cursor::default();
+            self.replay(cursor, 0).await;
+        }
+    }
+
+    /// The replay socket's batches from `from` (none: no socket, or it failed).
+    async fn fetch(&self, from: u64) -> Option<Vec<(u64, bytes::Bytes)>> {
+        let endpoint = self.endpoints.replay.as_deref()?;
+        self.events.metrics.replays.get_or_create(&self.labels).inc();
+        match tokio::time::timeout(REPLAY_TIMEOUT, fetch_replay(endpoint, from)).await {
+            Ok(Ok(b)) => Some(b),
+            Ok(Err(e)) => {
+                tracing::warn!(worker = self.worker, %endpoint, "KV-event replay failed: {e}");
+                None
+            }
+            Err(_) => {
+                tracing::warn!(worker = self.worker, %endpoint, "KV-event replay timed out");
+                None
             }
         }
     }
 
     /// Asks the replay socket for every batch from `from`, applying those that are next.
     async fn replay(&self, cursor: &mut Cursor, from: u64) {
-        let Some(endpoint) = self.endpoints.replay.as_deref() else { return };
-        self.events.metrics.replays.get_or_create(&self.labels).inc();
-        let got = tokio::time::timeout(REPLAY_TIMEOUT, fetch_replay(endpoint, from)).await;
-        let batches = match got {
-            Ok(Ok(b)) => b,
-            Ok(Err(e)) => {
-                tracing::warn!(worker = self.worker, %endpoint, "KV-event replay failed: {e}");
-                return;
-            }
-            Err(_) => {
-                tracing::warn!(worker = self.worker, %endpoint, "KV-event replay timed out");
-                return;
-            }
-        };
+        let Some(batches) = self.fetch(from).await else { return };
+        self.apply_replayed(cursor, from, batches);
+    }
+
+    /// Applies replayed batches that come next (those before the cursor came already).
+    fn apply_replayed(&self, cursor: &mut Cursor, from: u64, batches: Vec<(u64, bytes::Bytes)>) {
         cursor.replayed_from = Some(from);
         for (seq, payload) in batches {
             if cursor.next.is_some_and(|n| seq < n) {
@@ -148,7 +205,7 @@ impl Subscriber {
                 self.drop_all();
             }
             match wire::decode_batch(&payload) {
-                Ok(batch) => self.apply(cursor, seq, batch),
+                Ok(batch) => self.apply(cursor, seq, batch, xxh3_64(&payload)),
                 Err(e) => {
                     self.events.metrics.refused.get_or_create(&self.labels).inc();
                     tracing::debug!(worker = self.worker, "KV events: replayed frame refused: {e}");
@@ -159,8 +216,9 @@ impl Subscriber {
     }
 
     /// Applies one batch in order; the sequence moves past it.
-    fn apply(&self, cursor: &mut Cursor, seq: u64, batch: Batch) {
+    fn apply(&self, cursor: &mut Cursor, seq: u64, batch: Batch, hash: u64) {
         cursor.next = Some(seq.saturating_add(1));
+        cursor.last = Some((seq, hash));
         let m = &self.events.metrics;
         m.received.get_or_create(&self.labels).inc_by(batch.events.len() as u64);
         let mut applied = 0u64;
@@ -210,14 +268,14 @@ impl Subscriber {
 }
 
 /// `[topic, seq, payload]` → the sequence number and the batch.
-fn decode_frames(mut frames: VecDeque<bytes::Bytes>) -> Result<(u64, Batch), wire::WireError> {
+fn decode_frames(mut frames: VecDeque<bytes::Bytes>) -> Result<(u64, Batch, u64), wire::WireError> {
     if frames.len() != 3 {
         return Err(wire::WireError::Frames(frames.len()));
     }
     let payload = frames.pop_back().unwrap_or_default();
     let seq = frames.pop_back().unwrap_or_default();
     let seq = wire::decode_seq(&seq)?;
-    Ok((seq.max(0) as u64, wire::decode_batch(&payload)?))
+    Ok((seq.max(0) as u64, wire::decode_batch(&payload)?, xxh3_64(&payload)))
 }
 
 /// Asks `endpoint` (a ROUTER) for the batches from `from`: `[empty, seq]` out, then
