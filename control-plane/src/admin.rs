@@ -18,6 +18,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::auth;
+use crate::kv_events::KvEvents;
+use crate::settings::KvEventEndpoints;
 use crate::state::{role_name, Source, State, WorkerEntry};
 use axum::middleware::from_fn_with_state;
 use kvmesh_core::settings::PdProtocol;
@@ -27,7 +29,7 @@ type Shared = Axum<Arc<State>>;
 /// The admin API: endpoints that change workers need an admin API key (when keys are
 /// configured), `/match` (it tells which worker holds a text) any key, the other read-only
 /// ones any key under `--protect-read-endpoints`; `/health` is open.
-pub fn router(state: Arc<State>, metrics: Arc<Metrics>) -> Router {
+pub fn router(state: Arc<State>, metrics: Arc<Metrics>, kv: Arc<KvEvents>) -> Router {
     let admin = Router::new()
         .route("/add_worker", post(add_worker))
         .route("/remove_worker", post(remove_worker))
@@ -46,6 +48,7 @@ pub fn router(state: Arc<State>, metrics: Arc<Metrics>) -> Router {
         .merge(cache)
         .route("/health", get(|| async { "OK" }))
         .with_state(state.clone())
+        .layer(axum::Extension(kv))
         .merge(metrics_router(metrics, state))
         .layer(axum::middleware::from_fn(traced))
 }
@@ -76,9 +79,36 @@ struct WorkerQuery {
     bootstrap_port: Option<String>,
     /// A model name the worker serves (SMG's `model_id`), besides what its /v1/models lists.
     model_id: Option<String>,
+    /// Its engine's KV-event publisher (`tcp://HOST:PORT`), and replay socket.
+    kv_events_endpoint: Option<String>,
+    kv_events_replay_endpoint: Option<String>,
+}
+
+/// The add-worker API's KV-event endpoints, checked.
+fn kv_endpoints(q: &WorkerQuery) -> Result<Option<KvEventEndpoints>, String> {
+    let ok = |e: &str| {
+        e.len() <= 256
+            && e.strip_prefix("tcp://")
+                .and_then(|r| r.rsplit_once(':'))
+                .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
+    };
+    match (&q.kv_events_endpoint, &q.kv_events_replay_endpoint) {
+        (None, None) => Ok(None),
+        (None, Some(_)) => Err("kv_events_replay_endpoint needs kv_events_endpoint".into()),
+        (Some(p), r) => {
+            if !ok(p) || r.as_deref().is_some_and(|r| !ok(r)) {
+                return Err("KV-event endpoints are tcp://HOST:PORT".into());
+            }
+            Ok(Some(KvEventEndpoints { publisher: p.clone(), replay: r.clone() }))
+        }
+    }
 }
 
 async fn add_worker(Axum(state): Shared, Query(q): Query<WorkerQuery>) -> (StatusCode, String) {
+    let endpoints = match kv_endpoints(&q) {
+        Ok(e) => e,
+        Err(e) => return (StatusCode::BAD_REQUEST, e),
+    };
     let Some(url) = q.url else { return (StatusCode::BAD_REQUEST, "missing `url` query parameter".into()) };
     let role = match q.role.as_deref() {
         None | Some("regular") if !state.settings.pd => Role::Regular,
@@ -101,6 +131,7 @@ async fn add_worker(Axum(state): Shared, Query(q): Query<WorkerQuery>) -> (Statu
     match state.add_worker(&url, role, port, Source::Api) {
         Ok(id) => {
             state.set_model_id(id, q.model_id);
+            state.set_kv_events(id, endpoints);
             // Unhealthy until probed: probe it now rather than at the next interval.
             if state.settings.health_checks {
                 tokio::spawn(crate::probe::check_one(state.clone(), id));
@@ -169,6 +200,7 @@ async fn workers(Axum(state): Shared) -> Json<Value> {
 /// `?model=NAME` asks within that model's pool (default: the one model served, if one is).
 async fn match_text(
     Axum(state): Shared,
+    axum::Extension(kv): axum::Extension<Arc<KvEvents>>,
     Query(q): Query<MatchQuery>,
     body: axum::body::Bytes,
 ) -> Result<Json<Value>, (StatusCode, Json<Value>)> {
@@ -179,7 +211,14 @@ async fn match_text(
         };
         (status, Json(json!({"error": e.to_string()})))
     })?;
-    Ok(Json(Value::Array(matches.into_iter().map(|(url, blocks)| json!({"url": url, "blocks": blocks})).collect())))
+    // The source of the deepest block: the engine's events, else the gateways' routing.
+    let source = |id: u32, deepest: u64| if kv.holds(id, deepest) { "kv-events" } else { "routed" };
+    Ok(Json(Value::Array(
+        matches
+            .into_iter()
+            .map(|(id, url, blocks, deepest)| json!({"url": url, "blocks": blocks, "source": source(id, deepest)}))
+            .collect(),
+    )))
 }
 
 #[derive(serde::Deserialize)]
@@ -230,7 +269,7 @@ struct ModelLabels {
 }
 
 impl Metrics {
-    pub fn new(state: Arc<State>) -> Arc<Self> {
+    pub fn new(state: Arc<State>, kv: &KvEvents) -> Arc<Self> {
         let mut registry = Registry::default();
         let m = Self {
             registry: Registry::default(),
@@ -285,6 +324,7 @@ impl Metrics {
             m.models.clone(),
         );
         m.cache.register(&mut registry);
+        kv.metrics.register(&mut registry);
         registry.register("kvmesh_index_blocks", "Distinct blocks in the global prefix index", m.index_blocks.clone());
         registry.register(
             "kvmesh_index_entries",
@@ -404,7 +444,8 @@ mod tests {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
         let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
-        let app = router(s.clone(), Metrics::new(s));
+        let kv = KvEvents::new(&Default::default(), 16).unwrap();
+        let app = router(s.clone(), Metrics::new(s, &kv), kv);
         rt.spawn(async move { axum::serve(listener, app).await });
         (rt, base)
     }
@@ -453,7 +494,7 @@ mod tests {
     #[test]
     fn control_plane_totals_are_counters_in_one_registry() {
         let s = state(&["--worker-urls", "http://127.0.0.1:1", "http://127.0.0.1:2"]);
-        let m = Metrics::new(s.clone());
+        let m = Metrics::new(s.clone(), &KvEvents::new(&Default::default(), 16).unwrap());
         s.report(kvmesh_proto::v1::ReportBatch { gateway_id: "a".into(), ..Default::default() });
         s.bad_report();
         s.publish();

@@ -28,6 +28,7 @@ mod auth;
 mod config_file;
 mod discovery;
 mod health;
+mod kv_events;
 mod limits;
 mod listen;
 mod observability;
@@ -68,6 +69,8 @@ pub struct Args {
     pub registry: registry::RegistryFlags,
     #[command(flatten)]
     pub limits: limits::LimitFlags,
+    #[command(flatten)]
+    pub kv_events: kv_events::KvEventFlags,
     #[command(flatten)]
     pub leader: crate::election::LeaderElectArgs,
     #[command(flatten)]
@@ -191,6 +194,7 @@ impl Args {
         let (worker_policy, workers) = self.worker_policy(prefill, &mut warnings)?;
         let kv_capacity = self.kv_capacity()?;
         let limits = self.limit_settings()?;
+        let kv_events = self.kv_event_settings()?;
         if self.observability.otlp_traces_endpoint.is_some() && !self.observability.enable_trace {
             warnings.push("--otlp-traces-endpoint has no effect without --enable-trace (as in sglang-router)".into());
         }
@@ -205,6 +209,7 @@ impl Args {
             auth,
             worker_policy,
             limits,
+            kv_events,
             prometheus_host: self.listen.prometheus_host.clone().unwrap_or_else(|| host.clone()),
             http_host,
             host,

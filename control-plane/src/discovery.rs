@@ -17,12 +17,16 @@ use kube::{Api, Client};
 use kvmesh_core::settings::PdProtocol;
 use kvmesh_proto::v1::Role;
 
-pub use crate::settings::{DiscoveryConfig, ModelIdFrom};
+pub use crate::settings::{DiscoveryConfig, KvEventEndpoints, ModelIdFrom};
 use crate::state::{Source, State};
 
 /// The pod annotation naming the PD protocol a pod speaks (`sglang`, `vllm`, `llm-d`) when
 /// it is not the deployment's `--pd-protocol`.
 pub const PD_PROTOCOL_ANNOTATION: &str = "kvmesh.io/pd-protocol";
+
+/// The pod annotation naming its engine's KV-event publisher and replay socket,
+/// `tcp://{host}:5557[,tcp://{host}:5558]` (`{host}`: the pod's IP), over `--kv-events-endpoint`.
+pub const KV_EVENTS_ANNOTATION: &str = "kvmesh.io/kv-events-endpoint";
 
 /// A worker a pod calls for.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -34,6 +38,24 @@ pub struct Desired {
     pub pd_protocol: Option<PdProtocol>,
     /// Its own model name (`--model-id-from`), when the pod's metadata gives one.
     pub model_id: Option<String>,
+    /// Its engine's KV-event publisher ([`KV_EVENTS_ANNOTATION`]).
+    pub kv_events: Option<KvEventEndpoints>,
+}
+
+/// [`KV_EVENTS_ANNOTATION`]'s value for a pod at `host`.
+fn kv_events_of(value: &str, host: &str) -> Option<KvEventEndpoints> {
+    let ok = |e: &str| {
+        e.strip_prefix("tcp://")
+            .and_then(|r| r.rsplit_once(':'))
+            .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
+    };
+    let value = value.replace("{host}", host);
+    let (publisher, replay) = match value.split_once(',') {
+        Some((p, r)) => (p.trim().to_string(), Some(r.trim().to_string())),
+        None => (value.trim().to_string(), None),
+    };
+    (value.len() <= 512 && ok(&publisher) && replay.as_deref().is_none_or(ok))
+        .then_some(KvEventEndpoints { publisher, replay })
 }
 
 fn matches(labels: &BTreeMap<String, String>, selector: &BTreeMap<String, String>) -> bool {
@@ -106,12 +128,14 @@ pub fn desired<'a>(pods: impl IntoIterator<Item = &'a Pod>, cfg: &DiscoveryConfi
             Some(ModelIdFrom::Annotation(key)) => annotation(key).cloned(),
         }
         .filter(|m| !m.is_empty() && m.len() <= kvmesh_core::models::MAX_MODEL_NAME);
+        let kv_events = annotation(KV_EVENTS_ANNOTATION).and_then(|v| kv_events_of(v, &host));
         // One worker per port (an InferencePool's target ports are each an endpoint).
         for port in &cfg.ports {
             // Spelled as the registry keeps it, so that reconciling compares like with like.
             let url = format!("http://{host}:{port}");
             let url = crate::urls::canonical(&url).unwrap_or(url);
-            out.push(Desired { url, role, bootstrap_port, pd_protocol, model_id: model_id.clone() });
+            let kv_events = kv_events.clone();
+            out.push(Desired { url, role, bootstrap_port, pd_protocol, model_id: model_id.clone(), kv_events });
         }
     }
     out.sort_by(|a, b| a.url.cmp(&b.url));
@@ -127,13 +151,14 @@ pub fn reconcile(state: &State, want: &[Desired]) {
     let current = state.workers();
     for w in current.iter().filter(|w| w.source == Source::Discovery) {
         // A changed model name is set in place (the worker keeps its id and index).
-        let model_id = want.iter().find(|d| d.url == w.url).and_then(|d| d.model_id.clone());
+        let wanted_one = want.iter().find(|d| d.url == w.url);
         let same = Desired {
             url: w.url.clone(),
             role: w.role,
             bootstrap_port: w.bootstrap_port,
             pd_protocol: w.pd_protocol,
-            model_id,
+            model_id: wanted_one.and_then(|d| d.model_id.clone()),
+            kv_events: wanted_one.and_then(|d| d.kv_events.clone()),
         };
         if !wanted.contains(&same) {
             state.remove_worker(&w.url);
@@ -146,8 +171,9 @@ pub fn reconcile(state: &State, want: &[Desired]) {
         }
     }
     for w in state.workers().into_iter().filter(|w| w.source == Source::Discovery) {
-        let model_id = want.iter().find(|d| d.url == w.url).and_then(|d| d.model_id.clone());
-        state.set_model_id(w.id, model_id);
+        let wanted_one = want.iter().find(|d| d.url == w.url);
+        state.set_model_id(w.id, wanted_one.and_then(|d| d.model_id.clone()));
+        state.set_kv_events(w.id, wanted_one.and_then(|d| d.kv_events.clone()));
     }
     span.record("workers", state.workers().len());
 }
@@ -280,6 +306,31 @@ mod tests {
         c.prefill_selector = [("tier".to_string(), "p".to_string())].into();
         let pods = [pod("x", "10.0.0.9", true, &[("app", "sglang"), ("tier", "p")], &[])];
         assert_eq!(desired(&pods, &c)[0].role, Role::Prefill);
+    }
+
+    #[test]
+    fn a_pods_annotation_names_its_kv_event_publisher() {
+        let pods = [
+            pod(
+                "a",
+                "10.0.0.1",
+                true,
+                &[("app", "sglang")],
+                &[(KV_EVENTS_ANNOTATION, "tcp://{host}:5557,tcp://{host}:5558")],
+            ),
+            pod("b", "10.0.0.2", true, &[("app", "sglang")], &[(KV_EVENTS_ANNOTATION, "zmq://nonsense")]),
+            pod("c", "10.0.0.3", true, &[("app", "sglang")], &[]),
+        ];
+        let want = desired(&pods, &cfg(false));
+        assert_eq!(
+            want[0].kv_events,
+            Some(KvEventEndpoints {
+                publisher: "tcp://10.0.0.1:5557".into(),
+                replay: Some("tcp://10.0.0.1:5558".into())
+            })
+        );
+        assert_eq!(want[1].kv_events, None, "a bad value is ignored");
+        assert_eq!(want[2].kv_events, None);
     }
 
     #[test]

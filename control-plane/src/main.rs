@@ -18,6 +18,7 @@ mod endpoint_acks;
 mod feedback;
 mod grpc;
 mod inference_pool;
+mod kv_events;
 mod label;
 mod models;
 mod peer_flags;
@@ -124,7 +125,10 @@ async fn run(settings: settings::Settings, election: Option<election::Config>) -
         tokio::net::TcpListener::bind(&grpc_addr).await.with_context(|| format!("cannot listen on {grpc_addr}"))?;
     tracing::info!(%grpc_addr, %http_addr, workers = state.workers().len(), "kvmesh-cp serving");
 
-    let metrics = admin::Metrics::new(state.clone());
+    let kv_events = kv_events::KvEvents::new(&state.settings.kv_events, state.settings.block_size)
+        .context("--kv-events-tokenizer")?;
+    tokio::spawn(kv_events.clone().run(state.clone()));
+    let metrics = admin::Metrics::new(state.clone(), &kv_events);
     if let Some(port) = state.settings.prometheus_port {
         let addr = format!("{}:{port}", state.settings.prometheus_host);
         let listener =
@@ -201,8 +205,9 @@ async fn run(settings: settings::Settings, election: Option<election::Config>) -
         .add_service(service)
         .add_service(eds)
         .serve_with_incoming_shutdown(incoming, stop.clone().cancelled_owned());
-    let http_server = axum::serve(http, admin::router(state, metrics).merge(election::ready_router(leadership)))
-        .with_graceful_shutdown(stop.clone().cancelled_owned());
+    let http_server =
+        axum::serve(http, admin::router(state, metrics, kv_events).merge(election::ready_router(leadership)))
+            .with_graceful_shutdown(stop.clone().cancelled_owned());
     // The streams end as this replica stops leading; a connection that lingers after that
     // does not hold the exit up for long.
     let drained = async {

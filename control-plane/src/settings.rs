@@ -77,6 +77,32 @@ pub struct Settings {
     pub limits: Limits,
     /// Where API-added workers and every worker's id are kept across restarts.
     pub state_file: Option<std::path::PathBuf>,
+    /// The engines' KV-event streams (`--kv-events-*`).
+    pub kv_events: KvEventSettings,
+}
+
+/// Where the engines publish their KV events, and how they are read.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct KvEventSettings {
+    /// Every worker's publisher, `{host}` for its host.
+    pub endpoint: Option<String>,
+    /// Every worker's replay socket, `{host}` for its host.
+    pub replay_endpoint: Option<String>,
+    /// Per worker (canonical URL), over the templates.
+    pub workers: Vec<(String, KvEventEndpoints)>,
+    /// The topic prefix subscribed to.
+    pub topic: String,
+    /// The served model's `tokenizer.json`.
+    pub tokenizer: Option<String>,
+    /// Most engine blocks kept per worker.
+    pub max_blocks: usize,
+}
+
+/// One worker's publisher and replay socket.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct KvEventEndpoints {
+    pub publisher: String,
+    pub replay: Option<String>,
 }
 
 impl Settings {

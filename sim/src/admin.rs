@@ -50,3 +50,24 @@ pub fn routes(engine: EngineKind) -> Router<Arc<Engine>> {
         )
     })
 }
+
+/// The simulator's own controls of its KV events: `POST /sim/restart` (an engine restarted in
+/// place) and `POST /sim/kv_events/drop_next` (the next batch lost on the PUB socket).
+pub fn kv_event_routes(engine: Arc<Engine>) -> Router {
+    Router::new()
+        .route(
+            "/sim/restart",
+            post(|State(e): State<Arc<Engine>>| async move {
+                e.restart();
+                Json(json!({"success": true}))
+            }),
+        )
+        .route(
+            "/sim/kv_events/drop_next",
+            post(|State(e): State<Arc<Engine>>| async move {
+                let on = e.kv_events.get().map(|k| k.drop_next()).is_some();
+                Json(json!({"success": on}))
+            }),
+        )
+        .with_state(engine)
+}

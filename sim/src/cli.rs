@@ -13,6 +13,17 @@ pub enum EngineKind {
     Vllm,
 }
 
+/// The KV-event wire format published.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum KvEventsEncoding {
+    /// vLLM ≤ 0.11: positional arrays, integer hashes, the data-parallel rank.
+    VllmArray,
+    /// vLLM now: tagged maps, 32-byte hashes.
+    VllmTagged,
+    /// SGLang: positional arrays, one `BlockStored` per page.
+    Sglang,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Role {
     Regular,
@@ -123,6 +134,21 @@ pub struct Args {
     /// How long the `--llm-d-sidecar` waits for the prefill worker's answer, in milliseconds.
     #[arg(long, default_value_t = 30_000)]
     pub sidecar_prefill_timeout_ms: u64,
+    /// Publish KV-cache events on a ZMQ PUB socket on this port (needs --tokenizer).
+    #[arg(long)]
+    pub kv_events_port: Option<u16>,
+    /// The replay socket (ZMQ ROUTER) for the KV events.
+    #[arg(long)]
+    pub kv_events_replay_port: Option<u16>,
+    /// The KV events' wire format.
+    #[arg(long, value_enum, default_value_t = KvEventsEncoding::VllmTagged)]
+    pub kv_events_encoding: KvEventsEncoding,
+    /// Tokens per engine block (vLLM's block size, SGLang's page size) in the KV events.
+    #[arg(long, default_value_t = 16)]
+    pub kv_events_page_tokens: usize,
+    /// A byte-level BPE `tokenizer.json` the prompts are tokenized with for the KV events.
+    #[arg(long)]
+    pub tokenizer: Option<String>,
 }
 
 impl Args {
@@ -158,6 +184,12 @@ impl Args {
         let mut seen = std::collections::HashSet::new();
         if let Some(dup) = names.clone().find(|n| !seen.insert(*n)) {
             return Err(format!("model name `{dup}` is given twice"));
+        }
+        if self.kv_events_port.is_some() && self.tokenizer.is_none() {
+            return Err("--kv-events-port needs --tokenizer".into());
+        }
+        if !(1..=4096).contains(&self.kv_events_page_tokens) {
+            return Err("--kv-events-page-tokens must be 1 to 4096".into());
         }
         if self.engine_id.as_ref().is_some_and(|id| id.is_empty() || id.len() > 256) {
             return Err("--engine-id must be 1 to 256 bytes".into());

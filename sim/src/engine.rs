@@ -75,6 +75,8 @@ pub struct Engine {
     /// workers one session reached is how well a router keeps a session in one place.
     sessions: Mutex<HashSet<String>>,
     cache: Mutex<KvCache>,
+    /// The KV-event publisher (`--kv-events-port`), once started.
+    pub kv_events: std::sync::OnceLock<Arc<crate::kv_events::KvEvents>>,
     slots: Semaphore,
     pub counters: Counters,
     /// The probability of an injected failure (`--fail-rate`, changed by `POST /sim/fault`),
@@ -150,6 +152,7 @@ impl Engine {
         Self {
             addr: format!("{}:{}", args.host, args.port),
             cache: Mutex::new(KvCache::new(args.kv_capacity_tokens)),
+            kv_events: std::sync::OnceLock::new(),
             rooms: Arc::new(Rooms::default()),
             transfers: Arc::new(transfers),
             models: Models::new(&args),
@@ -266,6 +269,11 @@ impl Engine {
         if let Ok(mut cache) = self.cache.lock() {
             run.pages = cache.run(prompt, prompt_tokens, seed).1;
         }
+        if seed == 0 {
+            if let Some(events) = self.kv_events.get() {
+                events.on_prompt(prompt);
+            }
+        }
         self.counters.transferred_tokens.fetch_add(prompt_tokens, Relaxed);
         run.cached_tokens = prompt_tokens;
         Ok(run)
@@ -283,6 +291,11 @@ impl Engine {
         };
         self.counters.running.fetch_add(1, Relaxed);
         let mut run = Run { engine: self, _slot: slot, tokens: 0, pages: Vec::new(), cached_tokens: 0, started };
+        if seed == 0 {
+            if let Some(events) = self.kv_events.get() {
+                events.on_prompt(prompt);
+            }
+        }
         let cached = match self.cache.lock() {
             Ok(mut cache) => {
                 let (cached, pages) = cache.run(prompt, prompt_tokens, seed);
@@ -360,8 +373,22 @@ impl Engine {
         if let Ok(mut cache) = self.cache.lock() {
             cache.clear();
         }
+        if let Some(events) = self.kv_events.get() {
+            events.cleared();
+        }
         if let Ok(mut sessions) = self.sessions.lock() {
             sessions.clear();
+        }
+    }
+
+    /// An engine restarted in place: its cache empty, its KV-event sequence from 0 (no
+    /// event says so: a subscriber sees the sequence start again).
+    pub fn restart(&self) {
+        if let Ok(mut cache) = self.cache.lock() {
+            cache.clear();
+        }
+        if let Some(events) = self.kv_events.get() {
+            events.restarted();
         }
     }
 

@@ -3,6 +3,7 @@
 mod admin;
 mod api;
 mod bootstrap;
+mod bpe;
 mod cache;
 mod cli;
 mod client;
@@ -10,6 +11,7 @@ mod dp;
 mod engine;
 #[cfg(test)]
 mod http_tests;
+mod kv_events;
 mod models;
 mod prompt;
 mod vllm;
@@ -50,7 +52,25 @@ async fn run(args: cli::Args) -> anyhow::Result<()> {
     eprintln!("kvmesh-sim: {:?}{engine_kind} worker listening on http://{addr}", args.role);
     let role = args.role;
     let bootstrap_addr = format!("{}:{}", args.host, args.bootstrap_port);
+    let events = match (args.kv_events_port, args.tokenizer.as_deref()) {
+        (Some(port), Some(tokenizer)) => Some(
+            kv_events::KvEvents::start(
+                tokenizer,
+                args.kv_events_encoding,
+                args.kv_events_page_tokens,
+                args.kv_capacity_tokens,
+                &args.host,
+                port,
+                args.kv_events_replay_port,
+            )
+            .await?,
+        ),
+        _ => None,
+    };
     let engine = Arc::new(engine::Engine::new(args));
+    if let Some(events) = events {
+        let _ = engine.kv_events.set(events);
+    }
     if sglang && role == cli::Role::Prefill {
         let boot = tokio::net::TcpListener::bind(&bootstrap_addr)
             .await
@@ -67,7 +87,7 @@ async fn run(args: cli::Args) -> anyhow::Result<()> {
             eprintln!("kvmesh-sim: TCP_NODELAY not set: {e}");
         }
     });
-    axum::serve(listener, api::router(engine))
+    axum::serve(listener, api::router(engine.clone()).merge(admin::kv_event_routes(engine)))
         .with_graceful_shutdown(async {
             let _ = tokio::signal::ctrl_c().await;
         })

@@ -402,15 +402,26 @@ const NATIVE_CONTROL_PLANE_TESTS: [&str; 7] = [
 /// process), decision records (filter state through the ABI), and the control plane's link
 /// (`standby`: the module's own connection through two replicas' leader changes), and a hung
 /// worker's requests (`hung`: sent again from a tick that only the ticker's wake-ups run, as
-/// callouts of other streams), and priorities and tenants (`tenants`: queues woken by the
-/// ticker, per-class counts in shared data).
+/// callouts of other streams), priorities and tenants (`tenants`: queues woken by the
+/// ticker, per-class counts in shared data), and the engines' KV events routing (`kv_events`).
 /// The rest is the same code on
 /// the same Envoy path, or checks what only a Wasm VM has (trapped VMs, the lease moving).
 pub fn native_conformance(envoy: &Path, totals: &mut Totals) -> anyhow::Result<()> {
     let mut suites = cargo();
     suites.args(["test", "-p", "kvmesh-testkit", "--test", "pd", "--test", "pd_vllm", "--test", "pd_llm_d"]);
     suites.args(["--test", "admission", "--test", "breaker", "--test", "models", "--test", "traces", "--test", "dp"]);
-    suites.args(["--test", "standby", "--test", "secrets", "--test", "hung", "--test", "tenants"]);
+    suites.args([
+        "--test",
+        "standby",
+        "--test",
+        "secrets",
+        "--test",
+        "hung",
+        "--test",
+        "tenants",
+        "--test",
+        "kv_events",
+    ]);
     stack_env(&mut suites, envoy);
     run_tests(suites.env("KVMESH_TEST_NATIVE", "1"), totals)?;
     let mut control_plane = cargo();

@@ -27,21 +27,25 @@ impl State {
     }
 
     /// Which workers hold leading blocks of `text` (the routing text) for a request naming
-    /// `model` (resolved to its pool as the filters do), deepest first.
-    pub fn match_text(&self, text: &[u8], model: Option<&str>) -> Result<Vec<(String, usize)>, ModelError> {
+    /// `model` (resolved to its pool as the filters do), deepest first: `(worker id, its name,
+    /// blocks, the deepest block's hash)`.
+    pub fn match_text(&self, text: &[u8], model: Option<&str>) -> Result<Vec<(u32, String, usize, u64)>, ModelError> {
         let inner = self.lock();
         let rules = ModelRules::from_settings(&self.settings.routing).unwrap_or_default();
         let served: Vec<Vec<ServedModel>> = inner.registry().entries().map(|w| w.served()).collect();
         let pools = Pools::new(served.iter().map(|m| &m[..]), &rules);
         let seed = model_seed(pools.resolve(model)?.key);
         let hashes = block_hashes_from(text, self.settings.block_size, seed);
-        let mut out: Vec<(String, usize)> = inner
+        let mut out: Vec<(u32, String, usize, u64)> = inner
             .index()
             .match_prefix(&hashes)
             .into_iter()
-            .filter_map(|m| Some((inner.registry().get(m.worker)?.name(), m.blocks)))
+            .filter_map(|m| {
+                let deepest = *hashes.get(m.blocks.checked_sub(1)?)?;
+                Some((m.worker, inner.registry().get(m.worker)?.name(), m.blocks, deepest))
+            })
             .collect();
-        out.sort_by_key(|m| std::cmp::Reverse(m.1));
+        out.sort_by_key(|m| std::cmp::Reverse(m.2));
         Ok(out)
     }
 

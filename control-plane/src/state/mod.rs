@@ -23,10 +23,12 @@
 //! - `index.rs`: reads of the global index and each worker's bound in it;
 //! - `publish.rs`: versioned deltas, full snapshots, their broadcast;
 //! - `reports.rs`: merging the gateways' reports (inserts, stale blocks, counts);
-//! - `eviction.rs`: evicting from the index (periodic, on a reported capacity, a flush).
+//! - `eviction.rs`: evicting from the index (periodic, on a reported capacity, a flush);
+//! - `engine.rs`: what the engines' KV events say a worker holds, in and out of the index.
 
 mod counts;
 mod dp;
+mod engine;
 mod eviction;
 mod gateways;
 mod global_index;

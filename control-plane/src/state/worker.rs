@@ -84,6 +84,9 @@ pub struct WorkerEntry {
     /// `--dp-aware`: the data-parallel rank of the worker at `url` this entry is (every rank
     /// is an entry of its own: own id, load, index); none: the worker is one target.
     pub dp_rank: Option<u32>,
+    /// Its engine's KV-event publisher, when a pod annotation or the add-worker API names one
+    /// (over `--kv-events-*`).
+    pub kv_events: Option<crate::settings::KvEventEndpoints>,
 }
 
 impl WorkerEntry {
@@ -169,6 +172,7 @@ impl WorkerEntry {
             models: Vec::new(),
             model_id: None,
             dp_rank: None,
+            kv_events: None,
         }
     }
 

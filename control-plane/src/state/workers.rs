@@ -200,6 +200,14 @@ impl State {
     }
 
     /// Gives worker `id` a model name of its own (`model_id`; none takes it back).
+    /// Worker `id`'s KV-event publisher (a pod annotation, the add-worker API).
+    pub fn set_kv_events(&self, id: u32, endpoints: Option<crate::settings::KvEventEndpoints>) {
+        let mut inner = self.lock();
+        if let Some(w) = inner.registry_mut().get_mut(id) {
+            w.kv_events = endpoints;
+        }
+    }
+
     pub fn set_model_id(&self, id: u32, model_id: Option<String>) {
         let api = {
             let mut inner = self.lock();
