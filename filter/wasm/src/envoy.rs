@@ -313,7 +313,7 @@ impl RootContext for Root {
         // traps mid-tick loses what it counted since its last heartbeat; see internals.md).
         #[cfg(feature = "test-crash")]
         {
-            let vm = self.plugin.gateway().and_then(|g| g.try_borrow().ok().map(|g| g.vm_id()));
+            let vm = self.plugin.gateway().and_then(|g| g.try_borrow().ok().map(|g| g.ledger().vm()));
             stop_if_lease_owner(self.host.as_ref(), vm);
         }
         self.retune_tick();
