@@ -282,6 +282,9 @@ fn a_bad_filter_configuration_is_refused_with_its_field_named() {
 
 #[test]
 fn the_shipped_envoy_config_validates_and_enables_body_access() {
+    if wasm_only() {
+        return;
+    }
     let shipped = kvmesh_testkit::repo_root().join("envoy/envoy.yaml");
     envoy::validate(&shipped).unwrap();
     // The rendered configuration used by every other test carries the same settings.
@@ -299,6 +302,9 @@ fn the_shipped_envoy_config_validates_and_enables_body_access() {
 
 #[test]
 fn filter_stats_are_exported() {
+    if wasm_only() {
+        return;
+    }
     const N: u64 = 4;
     let (_sims, envoy) = stack(2, FAST, json!({}));
     let text = "Tell me about Envoy filters. ".repeat(20);
@@ -353,4 +359,15 @@ fn a_dead_worker_is_failed_over_or_gives_a_json_502_naming_it() {
         }
     }
     assert_eq!(failed, 2, "round robin sends every other request to the dead worker");
+}
+
+/// What only the `.wasm` has (its shipped configuration, the `wasmcustom` stat names): under
+/// `KVMESH_TEST_NATIVE` (a by-hand conformance run; CI runs these suites on the `.wasm`) the
+/// test says so and checks nothing.
+fn wasm_only() -> bool {
+    let native = kvmesh_testkit::envoy::native_conformance().is_some();
+    if native {
+        eprintln!("skipped under KVMESH_TEST_NATIVE: this test checks the .wasm's configuration");
+    }
+    native
 }

@@ -111,6 +111,11 @@ fn classes_reserve_slots_go_ahead_of_lower_ones_and_sheddable_requests_are_refus
 /// counted as `anonymous`, never as the tenant it names.
 #[test]
 fn tenants_from_a_header_have_their_own_limit_and_an_identity_cannot_be_forged() {
+    // A valid id with characters a stat name or a label could split on: it comes out whole in
+    // the decision record, and as one `tenant` label with the characters outside letters,
+    // digits and `-._/:@+` as `_`.
+    const B: &str = "team.b/{x}#1:@+";
+    const B_LABEL: &str = "team.b/_x__1:@+";
     let sim = Sim::start(DECODE_20MS).unwrap();
     let mut filter = json!({
         "worker_urls": [sim.url()],
@@ -147,17 +152,24 @@ fn tenants_from_a_header_have_their_own_limit_and_an_identity_cannot_be_forged()
     let reset = r.header("x-ratelimit-reset-requests").unwrap();
     assert!(reset.ends_with("ms") || reset == "1s", "{reset}");
     assert_eq!(r.header("retry-after"), Some("1"));
-    let other = post(&url, &[("x-llm-d-inference-fairness-id", "team-b")]);
+    let other = post(&url, &[("x-llm-d-inference-fairness-id", B)]);
     assert_eq!(other.status, 200, "another tenant has its own window: {}", other.text());
     // Counted per tenant, and the decision record names the tenant (no class: no limit).
     let tenant = |name, value| labelled(&envoy, name, "tenant", value);
-    assert_eq!(tenant("kvmesh_tenant_requests_total", "team-b"), 1);
+    assert_eq!(tenant("kvmesh_tenant_requests_total", B_LABEL), 1);
     assert_eq!(tenant("kvmesh_tenant_limited_total", "team-a"), 1);
     assert!(tenant("kvmesh_tenant_requests_total", "team-a") >= 2);
+    let stats = http::get(&envoy.admin_url("/stats/prometheus")).unwrap().text();
+    for l in stats.lines().filter(|l| l.contains("team.b")) {
+        assert!(l.contains(&format!("{{tenant=\"{B_LABEL}\"}}")), "the id split a stat name or label: {l}");
+    }
     let log = || std::fs::read_to_string(dir.path().join("access.log")).unwrap_or_default();
-    wait_until("team-b's access-log line", Duration::from_secs(15), || log().contains("tenant=team-b")).unwrap();
-    let line = log().lines().find(|l| l.contains("tenant=team-b")).map(str::to_string).unwrap_or_default();
-    assert!(line.contains(";tenant=team-b") && !line.contains("class="), "{line}");
+    wait_until("the second tenant's access-log line", Duration::from_secs(15), || {
+        log().contains(&format!("tenant={B}"))
+    })
+    .unwrap();
+    let line = log().lines().find(|l| l.contains(&format!("tenant={B}"))).map(str::to_string).unwrap_or_default();
+    assert!(line.contains(&format!(";tenant={B}")) && !line.contains("class="), "{line}");
     drop(envoy);
 
     filter["tenant_identity"] = json!("xfcc");
