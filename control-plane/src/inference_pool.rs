@@ -9,6 +9,8 @@
 //! serve, and GIE gateways stop routing to a pool that is gone too. While the API server
 //! cannot be reached the last known pool stays in force (the watches retry with backoff).
 //!
+//! The pool's InferenceObjectives give request priorities ([`crate::inference_objective`]).
+//!
 //! In PD mode the pool is one set of pods (GIE has no roles); each pod's role comes from the
 //! role label or the role selectors within the pool, as with `--selector`.
 
@@ -116,9 +118,11 @@ pub async fn run(state: Arc<State>, cfg: DiscoveryConfig, name: String) -> anyho
     // A pool selects pods in its own namespace only.
     let namespace = cfg.namespace.clone().unwrap_or_else(|| client.default_namespace().to_string());
     let pools: Api<DynamicObject> = Api::namespaced_with(client.clone(), &namespace, &api_resource());
-    let pods: Api<Pod> = Api::namespaced(client, &namespace);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
     let (tx, mut rx) = watch::channel(Pool::Unknown);
     let follow = tokio::spawn(follow_pool(pools, name.clone(), namespace.clone(), tx));
+    let objectives =
+        tokio::spawn(crate::inference_objective::follow(state.clone(), client, namespace.clone(), name.clone()));
     let cfg = DiscoveryConfig { namespace: Some(namespace), ..cfg };
     loop {
         let pool = rx.borrow_and_update().clone();
@@ -139,6 +143,7 @@ pub async fn run(state: Arc<State>, cfg: DiscoveryConfig, name: String) -> anyho
         }
     }
     follow.abort();
+    objectives.abort();
     anyhow::bail!("the watch of InferencePool {name} ended")
 }
 

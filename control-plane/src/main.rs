@@ -17,6 +17,7 @@ mod election;
 mod endpoint_acks;
 mod feedback;
 mod grpc;
+mod inference_objective;
 mod inference_pool;
 mod kv_events;
 mod label;

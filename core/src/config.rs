@@ -84,6 +84,9 @@ pub struct Config {
     pub admission: Option<AdmissionParams>,
     /// Tenant ids and their limits (issue 47); none when no tenant setting is given.
     pub tenants: Option<TenantParams>,
+    /// InferenceObjective names and their priorities (`priority_objective`): a request's class
+    /// when its priority headers say nothing.
+    pub objectives: Vec<(String, i64)>,
     /// Passive health: the per-worker circuit breakers (sglang-router's `--cb-*` flags and
     /// `--disable-circuit-breaker`).
     pub breaker: BreakerParams,
@@ -289,6 +292,7 @@ impl Default for Config {
             max_attempts: DEFAULT_RETRY_MAX_RETRIES,
             admission: None,
             tenants: None,
+            objectives: Vec::new(),
             breaker: BreakerParams::default(),
             upstream_cluster: DEFAULT_UPSTREAM_CLUSTER.to_string(),
             control_plane_cluster: None,
@@ -678,6 +682,8 @@ impl Config {
             },
             admission: admission(s)?,
             tenants: tenants(s)?,
+            objectives: crate::priority::parse_objectives(s.priority_objective.as_deref().unwrap_or_default())
+                .map_err(|e| invalid("priority_objective", e))?,
             breaker,
             pd,
             passthrough_paths,

@@ -19,6 +19,14 @@ pub const PRIORITY_HEADER: &str = "kvmesh-priority";
 /// SMG's priority header: a class name (or an integer, read as kvmesh's).
 pub const SMG_PRIORITY_HEADER: &str = "x-smg-priority";
 
+/// The Gateway API Inference Extension's header naming a request's InferenceObjective, whose
+/// priority ([`parse_objectives`]) gives the class when neither priority header does.
+pub const OBJECTIVE_HEADER: &str = "x-gateway-inference-objective";
+/// The most objectives a configuration may name.
+pub const MAX_OBJECTIVES: usize = 1024;
+/// The longest objective name (a Kubernetes object name).
+pub const MAX_OBJECTIVE_NAME: usize = 253;
+
 /// A request's class, lowest first.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Class {
@@ -89,8 +97,52 @@ impl Class {
     /// The class of a request from its headers' values: kvmesh's header, else SMG's, else the
     /// default. A value that cannot be read counts as absent.
     pub fn from_headers(kvmesh: Option<&str>, smg: Option<&str>) -> Self {
-        kvmesh.and_then(Self::from_header).or_else(|| smg.and_then(Self::from_header)).unwrap_or_default()
+        Self::from_priority_headers(kvmesh, smg).unwrap_or_default()
     }
+
+    /// What the priority headers say (kvmesh's first), if they say anything readable.
+    pub fn from_priority_headers(kvmesh: Option<&str>, smg: Option<&str>) -> Option<Self> {
+        kvmesh.and_then(Self::from_header).or_else(|| smg.and_then(Self::from_header))
+    }
+
+    /// The class of the InferenceObjective `name` among `objectives` (none: not one of them).
+    pub fn of_objective(objectives: &[(String, i64)], name: &str) -> Option<Self> {
+        let name = name.trim();
+        objectives.iter().find(|(n, _)| n == name).map(|(_, p)| Self::of_priority(*p))
+    }
+}
+
+/// Whether `name` can be an InferenceObjective's name: 1 to [`MAX_OBJECTIVE_NAME`] lowercase
+/// letters, digits, `-` and `.` (a Kubernetes object name).
+pub fn valid_objective(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_OBJECTIVE_NAME
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+}
+
+/// Parses `name=N` entries (`priority_objective`): at most [`MAX_OBJECTIVES`], one per name,
+/// N an integer priority within ±1,000,000 (GIE's `spec.priority`).
+pub fn parse_objectives(entries: &[String]) -> Result<Vec<(String, i64)>, String> {
+    if entries.len() > MAX_OBJECTIVES {
+        return Err(format!("{} entries: at most {MAX_OBJECTIVES}", entries.len()));
+    }
+    let mut out: Vec<(String, i64)> = Vec::with_capacity(entries.len());
+    for entry in entries {
+        let (name, p) = entry.rsplit_once('=').ok_or_else(|| format!("`{entry}` is not name=N"))?;
+        let name = name.trim();
+        if !valid_objective(name) {
+            return Err(format!("`{name}` is not an InferenceObjective name"));
+        }
+        let p: i64 = p.trim().parse().map_err(|_| format!("`{}` is not an integer priority", p.trim()))?;
+        if p.unsigned_abs() > 1_000_000 {
+            return Err(format!("priority {p} of `{name}` is not within ±1000000"));
+        }
+        if out.iter().any(|(n, _)| n == name) {
+            return Err(format!("objective `{name}` given twice"));
+        }
+        out.push((name.to_string(), p));
+    }
+    Ok(out)
 }
 
 /// What each class is given under the concurrency limit (all zero/none: one FIFO as before,
@@ -139,6 +191,25 @@ mod tests {
         assert_eq!(Class::from_headers(Some("junk"), Some("system")), Class::System);
         assert_eq!(Class::from_headers(Some("-1"), Some("system")), Class::Sheddable, "kvmesh's first");
         assert_eq!(Class::from_headers(None, None), Class::Default);
+    }
+
+    #[test]
+    fn objectives_give_a_class_by_name_and_refuse_garbage() {
+        let o = parse_objectives(&["batch=-1".into(), " chat.v2 = 1".into(), "critical=5".into()]).unwrap();
+        assert_eq!(Class::of_objective(&o, "batch"), Some(Class::Sheddable));
+        assert_eq!(Class::of_objective(&o, " chat.v2 "), Some(Class::Interactive));
+        assert_eq!(Class::of_objective(&o, "critical"), Some(Class::System));
+        assert_eq!(Class::of_objective(&o, "Batch"), None, "names are exact");
+        assert_eq!(Class::of_objective(&o, "unknown"), None);
+        assert_eq!(Class::from_priority_headers(Some("junk"), None), None);
+        for bad in ["batch", "Batch=1", "=1", "a b=1", "batch=x", "batch=2000000", "a;b=1"] {
+            assert!(parse_objectives(&[bad.into()]).is_err(), "{bad}");
+        }
+        let long = format!("{}=1", "a".repeat(MAX_OBJECTIVE_NAME + 1));
+        assert!(parse_objectives(&[long]).is_err());
+        assert!(parse_objectives(&["a=1".into(), "a=2".into()]).unwrap_err().contains("twice"));
+        let many: Vec<String> = (0..=MAX_OBJECTIVES).map(|i| format!("o{i}=0")).collect();
+        assert!(parse_objectives(&many).unwrap_err().contains("at most"));
     }
 
     #[test]

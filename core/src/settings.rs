@@ -259,6 +259,12 @@ routing_settings! {
     /// routed, generated tokens as its response ends); once a tenant's minute reached it, a
     /// JSON 429 with OpenAI's x-ratelimit-*-tokens headers (kvmesh). Default none.
     tenant_tokens_per_minute: u64,
+    /// An InferenceObjective's priority, `name=N` (repeatable): a request whose
+    /// x-gateway-inference-objective header names it gets N's class, unless kvmesh-priority or
+    /// x-smg-priority say otherwise. kvmesh-cp with --inference-pool adds the pool's
+    /// InferenceObjectives (kvmesh, as GIE's endpoint picker). Default none.
+    #[cfg_attr(feature = "cli", arg(action = clap::ArgAction::Append))]
+    priority_objective: Vec<String>,
 }
 
 #[cfg(test)]
@@ -289,7 +295,7 @@ mod tests {
             .contains("polcy"));
         let e = serde_json::from_str::<RoutingSettings>(r#"{"policy":"fastest"}"#).unwrap_err().to_string();
         assert!(e.contains("unknown policy `fastest`"), "{e}");
-        assert_eq!(RoutingSettings::FIELDS.len(), 60);
+        assert_eq!(RoutingSettings::FIELDS.len(), 61);
         assert!(RoutingSettings::FIELDS.contains(&"rate_limit_tokens_per_second"));
     }
 }

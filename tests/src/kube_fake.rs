@@ -25,6 +25,7 @@ use tokio::sync::{oneshot, Notify};
 enum Kind {
     Pod,
     InferencePool,
+    InferenceObjective,
 }
 
 impl Kind {
@@ -33,6 +34,7 @@ impl Kind {
         match self {
             Kind::Pod => ("PodList", "v1"),
             Kind::InferencePool => ("InferencePoolList", "inference.networking.k8s.io/v1"),
+            Kind::InferenceObjective => ("InferenceObjectiveList", "inference.networking.x-k8s.io/v1alpha2"),
         }
     }
 }
@@ -161,6 +163,14 @@ async fn ns_pools(State(shared): State<Shared>, UrlPath(ns): UrlPath<String>, Qu
     list_or_watch(shared, Kind::InferencePool, Some(ns), q).await
 }
 
+async fn ns_objectives(
+    State(shared): State<Shared>,
+    UrlPath(ns): UrlPath<String>,
+    Query(q): Query<ListQuery>,
+) -> Response {
+    list_or_watch(shared, Kind::InferenceObjective, Some(ns), q).await
+}
+
 impl FakeKube {
     pub fn start() -> anyhow::Result<FakeKube> {
         let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
@@ -173,6 +183,10 @@ impl FakeKube {
             .route("/api/v1/namespaces/{ns}/pods", get(ns_pods))
             .route("/apis/inference.networking.k8s.io/v1/inferencepools", get(all_pools))
             .route("/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools", get(ns_pools))
+            .route(
+                "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/{ns}/inferenceobjectives",
+                get(ns_objectives),
+            )
             .with_state(shared.clone())
             .merge(leases.router());
         let (stop, stopped) = oneshot::channel::<()>();
@@ -246,6 +260,20 @@ impl FakeKube {
     /// Deletes an InferencePool (DELETED to watchers).
     pub fn delete_pool(&self, namespace: &str, name: &str) {
         self.remove(Kind::InferencePool, namespace, name);
+    }
+
+    /// Creates or updates an InferenceObjective (`inference.networking.x-k8s.io/v1alpha2`) of
+    /// `pool` with `priority` (ADDED or MODIFIED to watchers).
+    pub fn apply_objective(&self, namespace: &str, name: &str, pool: &str, priority: i64) {
+        self.put(
+            Kind::InferenceObjective,
+            serde_json::json!({
+                "apiVersion": "inference.networking.x-k8s.io/v1alpha2",
+                "kind": "InferenceObjective",
+                "metadata": {"name": name, "namespace": namespace},
+                "spec": {"priority": priority, "poolRef": {"group": "inference.networking.k8s.io", "name": pool}},
+            }),
+        );
     }
 
     /// A kubeconfig file pointing at this server.

@@ -1,14 +1,14 @@
 //! Kubernetes discovery end to end: `kvmesh-cp --service-discovery` watching an in-process
 //! API server (real list/watch protocol, real Pod objects; nothing here can install a real
 //! one), simulated workers on their own loopback addresses as pod IPs, and a real Envoy; and
-//! `--inference-pool`, from a real InferencePool object.
+//! `--inference-pool`, from a real InferencePool object and its InferenceObjectives.
 
 use std::collections::HashSet;
 use std::time::Duration;
 
 use kvmesh_testkit::e2e::{generate, served, sync, FAST};
 use kvmesh_testkit::kube_fake::{inference_pool, pod, FakeKube};
-use kvmesh_testkit::{free_port, repo_root, wait_until, ControlPlane, Envoy, EnvoyOptions, Sim};
+use kvmesh_testkit::{free_port, http, repo_root, wait_until, ControlPlane, Envoy, EnvoyOptions, Sim};
 use serde_json::{json, Value};
 
 fn urls(cp: &ControlPlane) -> HashSet<String> {
@@ -249,20 +249,37 @@ fn an_inference_pools_selector_and_target_ports_choose_the_workers_and_are_follo
     kube.apply(pod("other", "a3", "127.0.0.24", true, &vllm_a, &[])); // a pool selects in its namespace
     kube.apply_pool(&inference_pool("default", "pool", &vllm_a, &[p1]));
     kube.apply_pool(&inference_pool("default", "another-pool", &vllm_b, &[p1]));
+    // The pool's InferenceObjectives give priorities (another pool's does not).
+    kube.apply_objective("default", "batch", "pool", -1);
+    kube.apply_objective("default", "chat", "another-pool", 2);
 
     // The namespace is the kubeconfig context's (`default`), as for any namespaced client.
     let kubeconfig = kube.kubeconfig().unwrap();
     let env = [("KUBECONFIG", kubeconfig.to_str().unwrap())];
-    let cp =
-        ControlPlane::start_with_env(free_port().unwrap(), free_port().unwrap(), &["--inference-pool", "pool"], &env)
-            .unwrap();
+    let args = ["--inference-pool", "pool", "--max-concurrent-requests", "64"];
+    let cp = ControlPlane::start_with_env(free_port().unwrap(), free_port().unwrap(), &args, &env).unwrap();
     let url = |ip: &str, port: u16| format!("http://{ip}:{port}");
     wait_for_urls(&cp, &[url(a1, p1), url(a2, p1)]);
+    let objectives = || cp.snapshot().map(|s| s["settings"]["priority_objective"].clone()).unwrap_or_default();
+    wait_until("kvmesh-cp to ship the pool's objectives", Duration::from_secs(20), || {
+        objectives() == json!(["batch=-1"])
+    })
+    .unwrap_or_else(|e| panic!("{e}; it ships {}", objectives()));
     let envoy = synced_gateway(&cp, "envoy/envoy.yaml", json!({"worker_urls": []}));
     let seen: HashSet<String> =
         (0..6).map(|i| served(&generate(&envoy, &format!("{i} {}", "pooled ".repeat(30))))).collect();
     let pool_a: HashSet<String> = [a1, a2].iter().map(|ip| format!("{ip}:{p1}")).collect();
     assert!(seen.is_subset(&pool_a), "{seen:?}");
+    // A request naming the objective is of its class (sheddable, admitted while slots are free).
+    let sheddable = || {
+        let text = http::get(&envoy.admin_url("/stats/prometheus")).map(|r| r.text()).unwrap_or_default();
+        text.lines().any(|l| l.contains("kvmesh_class_admitted_total{") && l.contains("class=\"sheddable\""))
+    };
+    assert!(!sheddable());
+    let headers = [("content-type", "application/json"), ("x-gateway-inference-objective", "batch")];
+    let r = http::post(&envoy.url("/generate"), br#"{"text":"a batch job"}"#, &headers).unwrap();
+    served(&r);
+    assert!(sheddable(), "the objective's priority -1 made the request sheddable");
 
     // A second target port: every pod is a worker on each.
     kube.apply_pool(&inference_pool("default", "pool", &vllm_a, &[p1, p2]));

@@ -24,7 +24,8 @@
 //! - `publish.rs`: versioned deltas, full snapshots, their broadcast;
 //! - `reports.rs`: merging the gateways' reports (inserts, stale blocks, counts);
 //! - `eviction.rs`: evicting from the index (periodic, on a reported capacity, a flush);
-//! - `engine.rs`: what the engines' KV events say a worker holds, in and out of the index.
+//! - `engine.rs`: what the engines' KV events say a worker holds, in and out of the index;
+//! - `objectives.rs`: the InferenceObjective priorities discovery found, in the shipped settings.
 
 mod counts;
 mod dp;
@@ -33,6 +34,7 @@ mod eviction;
 mod gateways;
 mod global_index;
 mod index;
+mod objectives;
 mod persist;
 mod publication;
 mod publish;

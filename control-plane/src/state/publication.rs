@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvmesh_proto::v1::{IndexEvict, IndexInsert, Snapshot, Worker};
+use kvmesh_proto::v1::{IndexEvict, IndexInsert, RoutingSettings, Snapshot, Worker};
 use tokio::sync::broadcast;
 
 /// The changes not yet published, and the last version (behind the state's lock).
@@ -18,6 +18,8 @@ pub(super) struct Publication {
     pending_inserts: Vec<IndexInsert>,
     pending_evictions: Vec<IndexEvict>,
     workers_dirty: bool,
+    /// The routing settings, when they changed since the last delta (discovered objectives).
+    pending_settings: Option<RoutingSettings>,
 }
 
 impl Publication {
@@ -30,7 +32,10 @@ impl Publication {
 
     /// Whether anything waits for the next delta.
     pub(super) fn pending(&self) -> bool {
-        !self.pending_inserts.is_empty() || !self.pending_evictions.is_empty() || self.workers_dirty
+        !self.pending_inserts.is_empty()
+            || !self.pending_evictions.is_empty()
+            || self.workers_dirty
+            || self.pending_settings.is_some()
     }
 
     /// How long ago the last delta went out (none: never).
@@ -43,6 +48,11 @@ impl Publication {
     /// The worker table changed: it goes out whole with the next delta.
     pub(super) fn workers_changed(&mut self) {
         self.workers_dirty = true;
+    }
+
+    /// The routing settings changed: they go out with the next delta.
+    pub(super) fn settings_changed(&mut self, settings: RoutingSettings) {
+        self.pending_settings = Some(settings);
     }
 
     /// `worker` holds the new blocks `hashes`, reported by gateway `origin`.
@@ -82,7 +92,7 @@ impl Publication {
             workers_changed,
             inserts: std::mem::take(&mut self.pending_inserts),
             evictions: std::mem::take(&mut self.pending_evictions),
-            settings: None,
+            settings: self.pending_settings.take(),
             // Full snapshots only (a delta keeps the last).
             worker_authorization: String::new(),
             sent_at_ms,

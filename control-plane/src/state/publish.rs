@@ -42,7 +42,7 @@ impl State {
                 .map(|(worker, hashes)| IndexInsert { worker, hashes, ..Default::default() })
                 .collect(),
             evictions: Vec::new(),
-            settings: Some((&self.settings.routing).into()),
+            settings: Some((&self.routing()).into()),
             worker_authorization: self.settings.worker_key().map(|k| format!("Bearer {k}")).unwrap_or_default(),
             sent_at_ms: now_ms(),
         }
@@ -68,7 +68,7 @@ impl State {
             "index_blocks": inner.index().len(),
             "index_entries": inner.index().entries(),
             "gateways": inner.gateways().ids(),
-            "settings": self.settings.routing,
+            "settings": self.routing(),
         })
     }
 }

@@ -93,6 +93,9 @@ pub struct State {
     locked: Mutex<Locked>,
     pub counters: Counters,
     deltas: Deltas,
+    /// The InferenceObjectives discovery found, `name=N` (`objectives.rs`; its own lock, never
+    /// taken while waiting for the state's).
+    objectives: Mutex<Vec<String>>,
 }
 
 /// Now, in ms since the epoch.
@@ -110,7 +113,13 @@ impl State {
             locked: Mutex::new(locked),
             counters: Counters::default(),
             deltas: Deltas::default(),
+            objectives: Mutex::default(),
         })
+    }
+
+    /// The discovered objectives, behind their own lock.
+    pub(super) fn objectives(&self) -> MutexGuard<'_, Vec<String>> {
+        self.objectives.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The state behind its lock, taken even when poisoned (a panic while it was held leaves it usable).

@@ -17,7 +17,7 @@ use std::rc::{Rc, Weak};
 use std::time::Duration;
 
 use kvmesh_core::paths::PathClass;
-use kvmesh_core::priority::{Class, PRIORITY_HEADER, SMG_PRIORITY_HEADER};
+use kvmesh_core::priority::{Class, OBJECTIVE_HEADER, PRIORITY_HEADER, SMG_PRIORITY_HEADER};
 use kvmesh_core::{Endpoint, WorkerId};
 
 use crate::admission::{Entry, WaitRoom};
@@ -272,17 +272,17 @@ impl RequestFilter {
                 id
             }
         });
-        let (pd, limited, tenants);
-        (self.key_checked, self.routing_key, pd, limited, tenants) = self
+        let (pd, limited, tenants, objective);
+        (self.key_checked, self.routing_key, pd, limited, tenants, objective) = self
             .with_gateway(|g| {
                 let (front, c) = (g.front(), g.config());
-                (
-                    front.wants_key(),
-                    front.routing_key(&headers),
-                    c.pd.is_some(),
-                    c.admission.is_some(),
-                    c.tenants.clone(),
-                )
+                let limited = c.admission.is_some();
+                // A named InferenceObjective's class, looked up only where it can matter.
+                let objective = match limited && !c.objectives.is_empty() {
+                    true => headers.get(OBJECTIVE_HEADER).and_then(|n| Class::of_objective(&c.objectives, n)),
+                    false => None,
+                };
+                (front.wants_key(), front.routing_key(&headers), c.pd.is_some(), limited, c.tenants.clone(), objective)
             })
             .unwrap_or_default();
         if let Some(t) = tenants {
@@ -296,7 +296,7 @@ impl RequestFilter {
         }
         if limited {
             let [kvmesh, smg] = headers.lookup([PRIORITY_HEADER, SMG_PRIORITY_HEADER]);
-            self.class = Some(Class::from_headers(kvmesh, smg));
+            self.class = Some(Class::from_priority_headers(kvmesh, smg).or(objective).unwrap_or_default());
         }
         if pd {
             self.client_headers = Some(headers);

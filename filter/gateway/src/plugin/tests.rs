@@ -559,3 +559,36 @@ fn a_hung_worker_that_answers_first_keeps_its_response() {
     assert!(host.replies.borrow().is_empty(), "no local reply over a response under way");
     assert!(sent.iter().any(|c| c.token == token));
 }
+
+#[test]
+fn a_named_inference_objective_gives_the_class_unless_a_priority_header_does() {
+    use crate::host::Action;
+    let host = MockHost::new();
+    let mut p = Plugin::default();
+    let config = r#"{"worker_urls":["http://127.0.0.1:30001"],"max_concurrent_requests":1,"queue_size":4,
+        "priority_objective":["batch=-1","chat=1"]}"#;
+    p.configure(&host, config.as_bytes(), 1).unwrap();
+    p.set_context_id(1);
+    let send = |ctx: u32, headers: &[(&str, &str)]| {
+        let body = br#"{"text":"x"}"#;
+        host.request("POST", "/generate", headers, body);
+        let f = p.new_request(ctx);
+        f.borrow_mut().on_request_headers(&host, false);
+        let action = f.borrow_mut().on_request_body(&host, body.len(), true);
+        (f, action)
+    };
+    let (_holder, action) = send(10, &[]);
+    assert_eq!(action, Action::Continue, "the one slot");
+    // `batch` is priority -1: sheddable, refused at once while no slot is free.
+    let (_shed, _) = send(11, &[(OBJECTIVE, "batch")]);
+    let reply = host.reply().expect("a sheddable objective is refused under overload");
+    assert_eq!((reply.status, reply.json()["error"]["code"].as_str()), (503, Some("shed")));
+    // A priority header wins over the objective; an unknown objective says nothing.
+    for (ctx, headers) in [(12, vec![(OBJECTIVE, "batch"), ("kvmesh-priority", "0")]), (13, vec![(OBJECTIVE, "nope")])]
+    {
+        let (_waiting, action) = send(ctx, &headers);
+        assert_eq!((action, host.reply().map(|r| r.status)), (Action::Pause, None), "{headers:?} waits");
+    }
+}
+
+const OBJECTIVE: &str = kvmesh_core::priority::OBJECTIVE_HEADER;
