@@ -154,6 +154,10 @@ fn tenants_from_a_header_have_their_own_limit_and_an_identity_cannot_be_forged()
     assert_eq!(r.header("retry-after"), Some("1"));
     let other = post(&url, &[("x-llm-d-inference-fairness-id", B)]);
     assert_eq!(other.status, 200, "another tenant has its own window: {}", other.text());
+    // A served request carries its tenant's limit too, as OpenAI's responses do.
+    assert_eq!(other.header("x-ratelimit-limit-requests"), Some("1"));
+    assert_eq!(other.header("x-ratelimit-remaining-requests"), Some("0"));
+    assert!(other.header("x-ratelimit-reset-requests").is_some());
     // Counted per tenant, and the decision record names the tenant (no class: no limit).
     let tenant = |name, value| labelled(&envoy, name, "tenant", value);
     assert_eq!(tenant("kvmesh_tenant_requests_total", B_LABEL), 1);
@@ -249,6 +253,9 @@ fn a_tenant_past_its_tokens_per_minute_gets_a_429_with_token_headers() {
     };
     let first = post("team-t", &"a long prompt of many tokens. ".repeat(20));
     assert_eq!(first.status, 200, "{}", first.text());
+    // Served, with the minute as it stood on admission (nothing spent yet).
+    assert_eq!(first.header("x-ratelimit-limit-tokens"), Some("50"));
+    assert_eq!(first.header("x-ratelimit-remaining-tokens"), Some("50"));
     let r = post("team-t", "hi");
     assert_eq!(r.status, 429, "{}", r.text());
     assert_eq!(r.json().unwrap()["error"]["code"], "rate_limit_exceeded");

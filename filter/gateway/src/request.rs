@@ -74,6 +74,8 @@ pub struct RequestFilter {
     tenant: Option<String>,
     weight: Option<u32>,
     metered: bool,
+    /// Its tenant's `x-ratelimit-*` headers, for the response (tenant limits only).
+    rate_headers: tenant::RateHeaders,
     /// The whole request body's size, once it is here.
     body_size: usize,
     endpoint: Option<Endpoint>,
@@ -139,6 +141,7 @@ impl RequestFilter {
             tenant: None,
             weight: None,
             metered: false,
+            rate_headers: Vec::new(),
             body_size: 0,
             endpoint: None,
             path: String::new(),
@@ -290,8 +293,9 @@ impl RequestFilter {
             self.weight = t.weights.as_ref().map(|w| kvmesh_core::fair::weight_of(w, &id));
             self.metered = self.weight.is_some() || t.tokens_per_minute.is_some();
             self.tenant = Some(id);
-            if let Err(reply) = verdict {
-                return self.reply(host, reply);
+            match verdict {
+                Ok(rate) => self.rate_headers = rate,
+                Err(reply) => return self.reply(host, reply),
             }
         }
         if limited {
@@ -613,6 +617,9 @@ impl RequestFilter {
         }
         if let Some(addr) = self.leg.as_ref().and_then(Leg::named_prefill) {
             let _ = host.set_response_header(PREFILL_HEADER, Some(addr));
+        }
+        for (name, value) in &self.rate_headers {
+            let _ = host.set_response_header(name, Some(value));
         }
         if self.redact.is_some() {
             // Read through whole, perhaps shortened.
