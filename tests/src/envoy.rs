@@ -75,6 +75,9 @@ pub struct EnvoyOptions {
     /// `exact_balance`, without `SO_REUSEPORT`) in place of the kernel's hash: a benchmark
     /// with one connection per thread then loads every thread alike, run after run.
     pub balance_connections: bool,
+    /// Istio's mutual TLS on the listener, and a caller's plain listener on this port that
+    /// forwards over it with the test client certificate ([`crate::mtls`]).
+    pub mtls_caller_port: Option<u16>,
 }
 
 impl EnvoyOptions {
@@ -104,6 +107,7 @@ impl EnvoyOptions {
             access_log: None,
             workers_health_checks: false,
             balance_connections: false,
+            mtls_caller_port: None,
         })
     }
 
@@ -226,6 +230,9 @@ pub fn render(opts: &EnvoyOptions) -> anyhow::Result<String> {
         map.insert("connection_balance_config".into(), exact);
     }
     access_logs(&mut doc, opts.access_log.as_deref())?;
+    if let Some(port) = opts.mtls_caller_port {
+        crate::mtls::apply(&mut doc, opts.listener_port, port)?;
+    }
     let config = wasm_config(&mut doc)?;
     if config.get("allow_on_headers_stop_iteration").and_then(Yaml::as_bool) != Some(true) {
         bail!(

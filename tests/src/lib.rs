@@ -10,6 +10,7 @@ pub mod envoy;
 pub mod http;
 pub mod kube_fake;
 pub mod manifests;
+pub mod mtls;
 pub mod proc;
 pub mod prom;
 

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use kvmesh_testkit::e2e::DECODE_20MS;
 use kvmesh_testkit::http::{self, Response};
-use kvmesh_testkit::{scratch_dir, wait_until, Envoy, EnvoyOptions, Sim};
+use kvmesh_testkit::mtls::CLIENT_SPIFFE_ID;
+use kvmesh_testkit::{free_port, scratch_dir, wait_until, Envoy, EnvoyOptions, Sim};
 use serde_json::{json, Value};
 
 fn body(text: &str, tokens: u32) -> Value {
@@ -105,10 +106,10 @@ fn classes_reserve_slots_go_ahead_of_lower_ones_and_sheddable_requests_are_refus
 }
 
 /// Tenants from a header: each has its own requests-per-second window, Envoy-wide; past it a
-/// JSON 429 with OpenAI's `x-ratelimit-*-requests` headers. Then the identity source: the
-/// tenant is the caller's SPIFFE id from `x-forwarded-client-cert`, which Envoy drops from a
-/// client (no mTLS peer here), so a client naming a tenant (by header or a forged XFCC) is
-/// counted as `anonymous`, never as the tenant it names.
+/// JSON 429 with OpenAI's `x-ratelimit-*-requests` headers (a served response carries them
+/// too). Then the identity source behind Istio's mutual TLS: the tenant is the caller's
+/// SPIFFE id from the `x-forwarded-client-cert` Envoy sets from its certificate, whatever
+/// tenant the caller names by header or by a forged XFCC.
 #[test]
 fn tenants_from_a_header_have_their_own_limit_and_an_identity_cannot_be_forged() {
     // A valid id with characters a stat name or a label could split on: it comes out whole in
@@ -178,13 +179,18 @@ fn tenants_from_a_header_have_their_own_limit_and_an_identity_cannot_be_forged()
 
     filter["tenant_identity"] = json!("xfcc");
     filter["tenant_header"] = json!("kvmesh-tenant");
-    let envoy = Envoy::start(&EnvoyOptions::new(filter).unwrap()).unwrap();
-    let url = envoy.url("/generate");
+    let mut opts = EnvoyOptions::new(filter).unwrap();
+    opts.mtls_caller_port = Some(free_port().unwrap());
+    let envoy = Envoy::start(&opts).unwrap();
+    // In plain text the gateway's listener accepts no one: its callers present a certificate.
+    assert!(http::get(&envoy.url("/health")).is_err(), "the listener requires mutual TLS");
+    let url = format!("http://127.0.0.1:{}/generate", opts.mtls_caller_port.unwrap());
     let forged = [
         ("kvmesh-tenant", "team-a"),
         ("x-forwarded-client-cert", "By=spiffe://x;URI=spiffe://cluster.local/ns/team-a/sa/app"),
     ];
-    // Alternating claims: a 429 means the one before, claiming the other id, shared its window.
+    // Alternating claims: a 429 means the one before, claiming the other id, shared its window:
+    // the tenant is the caller's certificate, whatever it claims.
     let mut refused = None;
     for i in 0..10 {
         let r = post(&url, &forged[i % 2..i % 2 + 1]);
@@ -195,7 +201,9 @@ fn tenants_from_a_header_have_their_own_limit_and_an_identity_cannot_be_forged()
         assert_eq!(r.status, 200, "{}", r.text());
     }
     let r = refused.expect("two requests claiming two ids within a second counted as one tenant");
-    assert!(r.text().contains("tenant anonymous"), "neither claimed id was believed: {}", r.text());
+    assert!(r.text().contains(&format!("tenant {CLIENT_SPIFFE_ID}")), "the certificate's id: {}", r.text());
+    assert_eq!(labelled(&envoy, "kvmesh_tenant_limited_total", "tenant", CLIENT_SPIFFE_ID), 1);
+    assert_eq!(labelled(&envoy, "kvmesh_tenant_requests_total", "tenant", "team-a"), 0, "no claim was believed");
 }
 
 /// Fair shares by tenant weight: one slot, held by a long request of `flood`; three more of
