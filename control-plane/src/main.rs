@@ -61,13 +61,14 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let settings = match args.load() {
+    let mut settings = match args.load() {
         Ok(s) => s,
         Err(e) => {
             eprintln!("kvmesh-cp: {e}");
             return ExitCode::from(2);
         }
     };
+    kv_events::chat::apply(&mut settings);
     let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
         Ok(r) => r,
         Err(e) => {

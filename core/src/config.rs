@@ -84,9 +84,10 @@ pub struct Config {
     pub admission: Option<AdmissionParams>,
     /// Tenant ids and their limits (issue 47); none when no tenant setting is given.
     pub tenants: Option<TenantParams>,
-    /// InferenceObjective names and their priorities (`priority_objective`): a request's class
-    /// when its priority headers say nothing.
+    /// InferenceObjectives' priorities (`priority_objective`), when no priority header says.
     pub objectives: Vec<(String, i64)>,
+    /// The served model's chat template as a shape (`chat_shape`): chats' routing text.
+    pub chat_shape: Option<crate::chat_shape::ChatShape>,
     /// Passive health: the per-worker circuit breakers (sglang-router's `--cb-*` flags and
     /// `--disable-circuit-breaker`).
     pub breaker: BreakerParams,
@@ -293,6 +294,7 @@ impl Default for Config {
             admission: None,
             tenants: None,
             objectives: Vec::new(),
+            chat_shape: None,
             breaker: BreakerParams::default(),
             upstream_cluster: DEFAULT_UPSTREAM_CLUSTER.to_string(),
             control_plane_cluster: None,
@@ -684,6 +686,8 @@ impl Config {
             tenants: tenants(s)?,
             objectives: crate::priority::parse_objectives(s.priority_objective.as_deref().unwrap_or_default())
                 .map_err(|e| invalid("priority_objective", e))?,
+            chat_shape: crate::chat_shape::ChatShape::from_setting(s.chat_shape.as_deref())
+                .map_err(|e| invalid("chat_shape", e))?,
             breaker,
             pd,
             passthrough_paths,

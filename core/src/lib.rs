@@ -29,6 +29,7 @@ pub mod admission;
 pub mod blocks;
 pub mod bootstrap;
 pub mod breaker;
+pub mod chat_shape;
 pub mod config;
 pub mod dp;
 pub mod errors;

@@ -13,6 +13,7 @@ use std::borrow::Cow;
 use std::fmt;
 use std::ops::Range;
 
+use crate::chat_shape::ChatShape;
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -309,6 +310,16 @@ fn logprob_requested(raw: Option<&RawValue>) -> Result<bool, RequestError> {
 
 /// Parses `body` for `endpoint` and extracts its routing text.
 pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest<'_>, RequestError> {
+    parse_with(endpoint, body, None)
+}
+
+/// [`parse`], a chat's routing text laid out as the model's template lays its prompt out
+/// (`shape`: [`ChatShape`]; none: kvmesh's `role: content` lines).
+pub fn parse_with<'b>(
+    endpoint: Endpoint,
+    body: &'b [u8],
+    shape: Option<&ChatShape>,
+) -> Result<ParsedRequest<'b>, RequestError> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Err(RequestError::EmptyBody);
     }
@@ -324,7 +335,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest<'_>, Reque
             None => return Err(RequestError::Missing("`prompt`")),
         },
         Endpoint::ChatCompletions => match present(fields.messages) {
-            Some(raw) => chat_text(raw)?,
+            Some(raw) => chat_text(raw, shape)?,
             None => return Err(RequestError::Missing("`messages`")),
         },
     };
@@ -615,6 +626,7 @@ struct Part<'a> {
 /// Streams the messages of a chat into its routing text, one at a time.
 struct Messages<'t> {
     text: &'t mut Text,
+    shape: Option<&'t ChatShape>,
 }
 
 /// Why a message could not be read (the field is named by position).
@@ -633,7 +645,7 @@ impl<'de> Visitor<'de> for Messages<'_> {
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
         let mut i = 0usize;
         while let Some(m) = seq.next_element::<&'de RawValue>()? {
-            if let Err(e) = append_message(self.text, i, m) {
+            if let Err(e) = append_message(self.text, self.shape, i, m) {
                 return Ok(Err(match e {
                     MessageError::Json => wrong_type(format!("messages[{i}]"), "an object"),
                     MessageError::Field(e) => e,
@@ -645,31 +657,66 @@ impl<'de> Visitor<'de> for Messages<'_> {
     }
 }
 
-fn append_message(text: &mut Text, i: usize, m: &RawValue) -> Result<(), MessageError> {
+fn append_message(text: &mut Text, shape: Option<&ChatShape>, i: usize, m: &RawValue) -> Result<(), MessageError> {
     let msg: Message<'_> = serde_json::from_str(m.get()).map_err(|_| MessageError::Json)?;
-    if let Some(role) = present(msg.role) {
-        let role =
-            json_str(role).ok_or_else(|| MessageError::Field(wrong_type(format!("messages[{i}].role"), "a string")))?;
-        text.push(role.as_bytes());
+    let role = match present(msg.role) {
+        Some(role) => Some(
+            json_str(role).ok_or_else(|| MessageError::Field(wrong_type(format!("messages[{i}].role"), "a string")))?,
+        ),
+        None => None,
+    };
+    let Some(shape) = shape else {
+        if let Some(role) = role {
+            text.push(role.as_bytes());
+        }
+        text.push(b": ");
+        if let Some(content) = present(msg.content) {
+            append_content(text, i, content).map_err(MessageError::Field)?;
+        }
+        text.push(b"\n");
+        return Ok(());
+    };
+    for part in shape.open(role.as_deref().unwrap_or_default()) {
+        text.push(part);
     }
-    text.push(b": ");
     if let Some(content) = present(msg.content) {
-        append_content(text, i, content).map_err(MessageError::Field)?;
+        if shape.trim {
+            let mut whole = Text::default();
+            append_content(&mut whole, i, content).map_err(MessageError::Field)?;
+            text.push(trim_ascii_and_unicode(&whole.kept));
+        } else {
+            append_content(text, i, content).map_err(MessageError::Field)?;
+        }
     }
-    text.push(b"\n");
+    text.push(shape.after.as_bytes());
     Ok(())
 }
 
+/// `bytes` without surrounding whitespace (as Python's `str.strip()`, for valid UTF-8).
+fn trim_ascii_and_unicode(bytes: &[u8]) -> &[u8] {
+    match std::str::from_utf8(bytes) {
+        Ok(s) => s.trim().as_bytes(),
+        Err(_) => bytes.trim_ascii(),
+    }
+}
+
 /// The chat's routing text: `role: content\n` per message, in order, with only the text parts
-/// of multi-part contents.
-fn chat_text(raw: &RawValue) -> Result<Routing<'static>, RequestError> {
+/// of multi-part contents; with a template's `shape`, its layout (start, each message, the
+/// generation prompt).
+fn chat_text(raw: &RawValue, shape: Option<&ChatShape>) -> Result<Routing<'static>, RequestError> {
     let mut text = Text::default();
+    if let Some(s) = shape {
+        text.push(s.start.as_bytes());
+    }
     let mut de = serde_json::Deserializer::from_str(raw.get());
     let n = de
-        .deserialize_seq(Messages { text: &mut text })
+        .deserialize_seq(Messages { text: &mut text, shape })
         .map_err(|_| wrong_type("messages", "a list of message objects"))??;
     if n == 0 {
         return Err(RequestError::EmptyList { field: "messages".into() });
+    }
+    if let Some(s) = shape {
+        text.push(s.generation.as_bytes());
     }
     Ok(text.into_routing(None))
 }

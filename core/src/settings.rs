@@ -265,6 +265,11 @@ routing_settings! {
     /// InferenceObjectives (kvmesh, as GIE's endpoint picker). Default none.
     #[cfg_attr(feature = "cli", arg(action = clap::ArgAction::Append))]
     priority_objective: Vec<String>,
+    /// The served model's chat template as a shape (JSON: start, role_before, role_after,
+    /// after, trim, generation): a chat's routing text is then the prompt the engine
+    /// tokenizes. kvmesh-cp derives it from the tokenizer_config.json beside
+    /// --kv-events-tokenizer (kvmesh). Default none (kvmesh's `role: content` lines).
+    chat_shape: String,
 }
 
 #[cfg(test)]
@@ -295,7 +300,7 @@ mod tests {
             .contains("polcy"));
         let e = serde_json::from_str::<RoutingSettings>(r#"{"policy":"fastest"}"#).unwrap_err().to_string();
         assert!(e.contains("unknown policy `fastest`"), "{e}");
-        assert_eq!(RoutingSettings::FIELDS.len(), 61);
+        assert_eq!(RoutingSettings::FIELDS.len(), 62);
         assert!(RoutingSettings::FIELDS.contains(&"rate_limit_tokens_per_second"));
     }
 }

@@ -2,8 +2,9 @@
 //! publishing as engines do: vLLM's tagged maps on one, SGLang's positional form on another,
 //! none on the third). One stack for every case:
 //!
-//! - bypass: prompts sent straight to a worker (not through a gateway) are routed there
-//!   afterwards, because its engine said it holds them;
+//! - bypass: prompts and chats sent straight to a worker (not through a gateway) are routed
+//!   there afterwards, because its engine said it holds them (chats laid out by the model's
+//!   chat template);
 //! - flush and restart: the worker's entries go as soon as its engine says so (a clear, a
 //!   sequence that starts again in place, or a new process on the same ports);
 //! - a gap: a batch lost on the PUB socket is fetched from the replay socket;
@@ -129,6 +130,21 @@ fn engine_events_route_bypass_traffic_and_drop_flushed_restarted_and_removed_cac
         wait_engine_holds(&cp, &ub, &p);
         sync(&cp, &envoy);
         assert_eq!(served(&generate(&envoy, &p)), b.sim.addr(), "bypass prompt {i}");
+    }
+    // Chats: kvmesh-cp lays them out as the model's chat template does (sim/data's
+    // tokenizer_config.json), so a conversation held by B's engine is routed there too.
+    for i in 0..3 {
+        let content = prompt(&format!("chat {i}"));
+        let body = json!({"model": "kvmesh-sim", "messages": [{"role": "user", "content": content}], "max_tokens": 1});
+        let r = http::post_json(&format!("{}/v1/chat/completions", b.sim.url()), &body).unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        wait_engine_holds(&cp, &ub, &format!("<|user|>\n{content}\n"));
+        sync(&cp, &envoy);
+        assert_eq!(
+            served(&http::post_json(&envoy.url("/v1/chat/completions"), &body).unwrap()),
+            b.sim.addr(),
+            "chat {i}"
+        );
     }
     // The same through the other encoding.
     let pa = prompt("bypass on A");

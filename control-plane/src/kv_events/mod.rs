@@ -8,6 +8,7 @@
 //! the sockets, sequence numbers, gaps and replays; this file which workers have a publisher
 //! (`--kv-events-*`, the add-worker API), the tasks, the metrics.
 
+pub mod chat;
 pub mod rekey;
 mod subscriber;
 pub mod vocab;

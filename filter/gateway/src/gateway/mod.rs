@@ -184,7 +184,7 @@ impl Gateway {
         if self.front().over_limit(body.len()) {
             return Outcome::Reply(self.front().too_large());
         }
-        let parsed = match request::parse(endpoint, body) {
+        let parsed = match request::parse_with(endpoint, body, self.config().chat_shape.as_ref()) {
             Ok(p) => p,
             Err(e) => return Outcome::Reply(Reply::request(&e)),
         };
@@ -199,7 +199,7 @@ impl Gateway {
             Ok(b) => b,
             Err(e) => return Outcome::Reply(Reply::request(&e)),
         };
-        let parsed = match request::parse(endpoint, &body) {
+        let parsed = match request::parse_with(endpoint, &body, self.config().chat_shape.as_ref()) {
             Ok(p) => p,
             Err(e) => return Outcome::Reply(Reply::request(&e)),
         };
