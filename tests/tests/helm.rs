@@ -184,6 +184,7 @@ fn everything() -> Value {
         },
         "filter": {"module": {"uri": "oci://example.org/kvmesh-filter:1.2.3", "sha256": "ab".repeat(32)}},
         "metrics": {"scrapeNamespaces": ["monitoring"], "serviceMonitor": {"enabled": true, "labels": {"release": "prom"}}},
+        "kvEvents": {"enabled": true, "replayEndpoint": "tcp://{host}:5558", "topic": "kv@", "tokenizerConfigMap": "model-tokenizer"},
     })
 }
 
@@ -292,6 +293,14 @@ fn the_names_tie_together_wherever_and_however_it_is_installed() {
             format!("{}/{}", mount("auth"), volume("auth")["secret"]["items"][0]["path"].as_str().unwrap());
         assert_eq!(cfg["grpc-token-file"], token_path, "{what}");
         assert_eq!(volume("config")["configMap"]["name"], "kvmesh-cp");
+        // The engines' KV events: the tokenizer (and chat template) ConfigMap where the
+        // configuration reads it.
+        assert_eq!(volume("tokenizer")["configMap"]["name"], "model-tokenizer");
+        assert_eq!(cfg["kv-events-tokenizer"], format!("{}/tokenizer.json", mount("tokenizer")), "{what}");
+        assert_eq!(
+            (&cfg["kv-events-replay-endpoint"], &cfg["kv-events-topic"]),
+            (&json!("tcp://{host}:5558"), &json!("kv@"))
+        );
         // The workers' key: from its Secret into kvmesh-cp's environment, never on its
         // command line, nor in the filter's configuration (kvmesh-cp ships it to the gateways).
         let config = format!("{}/kvmesh-cp.yaml", mount("config"));
@@ -371,6 +380,7 @@ fn values_that_cannot_work_are_refused() {
     refused(with(json!({"mode": "disaggregated"})), "mode");
     refused(with(json!({"mode": "pd", "pd": {"protocol": "triton"}})), "protocol");
     refused(with(json!({"workerCIDRs": ["10.0.0.0/8"]})), "workerCIDRs");
+    refused(with(json!({"kvEvents": {"enabled": true}})), "kvEvents.tokenizerConfigMap");
     // An existing Secret's token cannot be read without a cluster: say so, never render a
     // filter with a wrong token.
     refused(with(json!({"auth": {"existingSecret": "mine"}})), "auth.existingSecret");

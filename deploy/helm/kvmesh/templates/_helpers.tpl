@@ -115,6 +115,15 @@ readable (helm install/upgrade) or given (helm template).
 {{- $_ := set $c "enable-igw" true -}}
 {{- if .Values.multiModel.aliases -}}{{- $_ := set $c "model-alias" .Values.multiModel.aliases -}}{{- end -}}
 {{- end -}}
+{{- if .Values.kvEvents.enabled -}}
+{{- if not .Values.kvEvents.tokenizerConfigMap -}}
+{{- fail "kvEvents.tokenizerConfigMap: name the ConfigMap with the model's tokenizer.json (event token ids become the text the gateways hash)" -}}
+{{- end -}}
+{{- $_ := set $c "kv-events-endpoint" .Values.kvEvents.endpoint -}}
+{{- $_ := set $c "kv-events-tokenizer" "/etc/kvmesh/tokenizer/tokenizer.json" -}}
+{{- if .Values.kvEvents.replayEndpoint -}}{{- $_ := set $c "kv-events-replay-endpoint" .Values.kvEvents.replayEndpoint -}}{{- end -}}
+{{- if .Values.kvEvents.topic -}}{{- $_ := set $c "kv-events-topic" .Values.kvEvents.topic -}}{{- end -}}
+{{- end -}}
 {{- toYaml (mergeOverwrite $c .Values.controlPlane.extraConfig) -}}
 {{- end -}}
 
