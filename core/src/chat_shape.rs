@@ -15,6 +15,8 @@ use serde::{Deserialize, Serialize};
 
 /// The longest string of a shape.
 pub const MAX_PART: usize = 512;
+/// The longest default system message.
+pub const MAX_DEFAULT_SYSTEM: usize = 8192;
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -22,6 +24,10 @@ pub struct ChatShape {
     /// Once, before the first message (a BOS the template or tokenizer writes).
     #[serde(default)]
     pub start: String,
+    /// After `start` when the first message is not a system one: the template's default
+    /// system message (Qwen's), whole.
+    #[serde(default)]
+    pub default_system: String,
     /// Before a message's role.
     #[serde(default)]
     pub role_before: String,
@@ -45,8 +51,10 @@ impl ChatShape {
     pub fn parse(json: &str) -> Result<Self, String> {
         let shape: ChatShape = serde_json::from_str(json).map_err(|e| format!("not a chat shape: {e}"))?;
         let parts = [&shape.start, &shape.role_before, &shape.role_after, &shape.after, &shape.generation];
-        if parts.iter().any(|p| p.len() > MAX_PART) {
-            return Err(format!("a chat shape's strings are at most {MAX_PART} bytes"));
+        if parts.iter().any(|p| p.len() > MAX_PART) || shape.default_system.len() > MAX_DEFAULT_SYSTEM {
+            return Err(format!(
+                "a chat shape's strings are at most {MAX_PART} bytes, its default system message {MAX_DEFAULT_SYSTEM}"
+            ));
         }
         Ok(shape)
     }
@@ -68,7 +76,10 @@ impl ChatShape {
     /// and what kvmesh-cp checks the template's renderings against.
     pub fn render<'a>(&self, messages: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
         let mut out = self.start.clone();
-        for (role, content) in messages {
+        for (i, (role, content)) in messages.into_iter().enumerate() {
+            if i == 0 && role != "system" {
+                out.push_str(&self.default_system);
+            }
             out.push_str(&self.role_before);
             out.push_str(role);
             out.push_str(&self.role_after);
@@ -111,6 +122,7 @@ mod tests {
             after: "</m>\n".into(),
             trim: true,
             generation: "[assistant]\n".into(),
+            ..Default::default()
         };
         let body = br#"{"messages":[{"role":"system","content":"  Be brief. "},
             {"role":"user","content":[{"type":"text","text":"Hi "},{"type":"image_url","image_url":{"url":"x"}},{"text":"there"}]}]}"#;
@@ -124,6 +136,14 @@ mod tests {
             "system:   Be brief. \nuser: Hi there\n",
             "no shape: kvmesh's lines"
         );
+        // A default system message opens a chat that has none, and only such a chat.
+        let qwen = ChatShape { default_system: "[system]\nDefault.</m>\n".into(), ..shape.clone() };
+        let user_only = br#"{"messages":[{"role":"user","content":"Hi"}]}"#;
+        let text = parse_with(Endpoint::ChatCompletions, user_only, Some(&qwen)).unwrap().text.into_owned();
+        assert_eq!(String::from_utf8(text).unwrap(), qwen.render([("user", "Hi")]));
+        assert!(qwen.render([("user", "Hi")]).starts_with("<s>[system]\nDefault."));
+        let shaped = parse_with(Endpoint::ChatCompletions, body, Some(&qwen)).unwrap();
+        assert_eq!(String::from_utf8_lossy(&shaped.text), want, "a chat with its own system message");
         // Other endpoints are not chats.
         let gen = parse_with(Endpoint::Generate, br#"{"text":"x"}"#, Some(&shape)).unwrap();
         assert_eq!(&gen.text[..], b"x");

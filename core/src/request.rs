@@ -676,6 +676,9 @@ fn append_message(text: &mut Text, shape: Option<&ChatShape>, i: usize, m: &RawV
         text.push(b"\n");
         return Ok(());
     };
+    if i == 0 && role.as_deref() != Some("system") {
+        text.push(shape.default_system.as_bytes());
+    }
     for part in shape.open(role.as_deref().unwrap_or_default()) {
         text.push(part);
     }

@@ -265,8 +265,8 @@ routing_settings! {
     /// InferenceObjectives (kvmesh, as GIE's endpoint picker). Default none.
     #[cfg_attr(feature = "cli", arg(action = clap::ArgAction::Append))]
     priority_objective: Vec<String>,
-    /// The served model's chat template as a shape (JSON: start, role_before, role_after,
-    /// after, trim, generation): a chat's routing text is then the prompt the engine
+    /// The served model's chat template as a shape (JSON: start, default_system, role_before,
+    /// role_after, after, trim, generation): a chat's routing text is then the prompt the engine
     /// tokenizes. kvmesh-cp derives it from the tokenizer_config.json beside
     /// --kv-events-tokenizer (kvmesh). Default none (kvmesh's `role: content` lines).
     chat_shape: String,

@@ -3,7 +3,7 @@
 //! (minijinja, with Python's string methods) on probe conversations. The shape is the strings
 //! around a message's role and content, the start, and the generation prompt; it is shipped
 //! only if it reproduces every probe byte for byte, so a template it cannot express (a default
-//! system prompt, roles rewritten, alternation rules, dates) leaves chats on kvmesh's own
+//! system message written apart, roles rewritten, alternation rules, dates) leaves chats on kvmesh's own
 //! layout, with a warning saying why. Rendering happens once, at startup.
 
 use std::path::Path;
@@ -126,10 +126,22 @@ pub fn derive(template: &str, bos: &str, eos: &str) -> Result<ChatShape, ChatErr
     let start = head
         .strip_suffix(&format!("{role_before}user{role_after}"))
         .ok_or_else(|| shape_err("the user role is written differently from the assistant's"))?;
+    // A system message first: what precedes it is the start proper; the rest of the user-only
+    // start is the template's default system message.
+    let system = render(&env, &[("system", MARK)], false, special)?;
+    let own = system.strip_suffix(&format!("{role_before}system{role_after}{MARK}{after}"));
+    let (start, default_system) = match own {
+        Some(proper) if proper.len() < start.len() => match start.strip_prefix(proper) {
+            Some(rest) => (proper, rest),
+            None => return Err(shape_err("a system message changes the start")),
+        },
+        _ => (start, ""),
+    };
     let trim = render(&env, &[("user", &format!(" {MARK} "))], false, special)?
         .contains(&format!("{role_after}{MARK}{after}"));
     let shape = ChatShape {
         start: start.to_string(),
+        default_system: default_system.to_string(),
         role_before: role_before.to_string(),
         role_after: role_after.to_string(),
         after: after.to_string(),
@@ -164,7 +176,7 @@ mod tests {
     const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
     const LLAMA3: &str = "{{ bos_token }}{% for message in messages %}{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' %}{{ content }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}";
     /// Qwen 2.5's habit: a default system prompt when the conversation has none.
-    const DEFAULT_SYSTEM: &str = "{% if messages[0]['role'] != 'system' %}<|im_start|>system\\nYou are helpful.<|im_end|>\\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\\n{{ m.content }}<|im_end|>\\n{% endfor %}";
+    const DEFAULT_SYSTEM: &str = "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}";
 
     #[test]
     fn chatml_and_llama3_templates_become_shapes() {
@@ -181,8 +193,24 @@ mod tests {
     }
 
     #[test]
+    fn a_default_system_message_is_part_of_the_shape() {
+        let s = derive(DEFAULT_SYSTEM, "", "").unwrap();
+        assert_eq!(
+            (s.start.as_str(), s.default_system.as_str()),
+            ("", "<|im_start|>system\nYou are helpful.<|im_end|>\n")
+        );
+        assert_eq!(
+            s.render([("user", "Hi")]),
+            "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        );
+        assert!(s.render([("system", "Mine."), ("user", "Hi")]).starts_with("<|im_start|>system\nMine."));
+    }
+
+    #[test]
     fn templates_a_shape_cannot_express_are_refused_with_a_reason() {
-        let e = derive(DEFAULT_SYSTEM, "", "").unwrap_err().to_string();
+        // The system message's role is written apart from the others'.
+        let apart = "{% for m in messages %}{% if m.role == 'system' %}<<SYS>>{{ m.content }}<</SYS>>{% else %}[{{ m.role }}]{{ m.content }}\n{% endif %}{% endfor %}";
+        let e = derive(apart, "", "").unwrap_err().to_string();
         assert!(e.contains("not one kvmesh can lay out"), "{e}");
         let e = derive("{{ raise_exception('no') }}", "", "").unwrap_err().to_string();
         assert!(e.contains("does not render"), "{e}");
