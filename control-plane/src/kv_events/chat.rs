@@ -14,6 +14,8 @@ use serde_json::Value;
 
 /// A content no template writes by itself (a private-use character).
 const MARK: &str = "\u{E000}";
+/// The instructions one rendering may take (a real template takes a few thousand).
+const FUEL: u64 = 1_000_000;
 /// The largest tokenizer_config.json read.
 const MAX_CONFIG_BYTES: u64 = 16 << 20;
 
@@ -99,6 +101,8 @@ fn render(
 /// The shape of `template`, checked against its renderings of the probe conversations.
 pub fn derive(template: &str, bos: &str, eos: &str) -> Result<ChatShape, ChatError> {
     let mut env = Environment::new();
+    // A template that loops without end stops here (each probe renders within this fuel).
+    env.set_fuel(Some(FUEL));
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_function("raise_exception", |msg: String| -> Result<String, Error> {
         Err(Error::new(ErrorKind::InvalidOperation, msg))
@@ -216,6 +220,8 @@ mod tests {
         assert!(e.contains("does not render"), "{e}");
         assert!(derive("{% for m in messages %}{{ m.role | upper }}: {{ m.content }}\n{% endfor %}", "", "").is_err());
         assert!(derive("{{ unclosed", "", "").is_err());
+        let endless = "{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}";
+        assert!(derive(endless, "", "").unwrap_err().to_string().contains("does not render"), "bounded by fuel");
     }
 
     #[test]
