@@ -34,6 +34,7 @@ pub mod dp;
 pub mod errors;
 pub mod fair;
 pub mod feedback;
+pub mod fleet;
 pub mod index;
 pub mod logprobs;
 pub mod models;
