@@ -7,12 +7,16 @@
 //! (two reserved slots) and the flood's in `default`. Reported per tenant: TTFT p99, requests
 //! answered and refused, and its share of the generated tokens beside its weight's share.
 //!
-//! Not yet here: three gateways (shares across gateways are not implemented yet) and SMG 1.13
-//! beside it (it has `--priority-scheduler-enabled`).
+//! Then shares by weight: three backlogged tenants of weights 1, 2 and 3 (identical requests,
+//! each tenant's connections over every gateway, most of them at one of its own), at one
+//! gateway and at three on one kvmesh-cp (the fair pick counting the fleet's usage, shipped in
+//! its snapshots); reported: each one's share of the generated tokens beside its weight's.
+//!
+//! Not yet here: SMG 1.13 beside it (it has `--priority-scheduler-enabled`).
 
 use std::time::Duration;
 
-use kvmesh_testkit::{Envoy, EnvoyOptions, Sim};
+use kvmesh_testkit::{wait_until, ControlPlane, Envoy, EnvoyOptions, Sim};
 use serde_json::{json, Value};
 
 use super::report::{f, table};
@@ -107,6 +111,133 @@ fn measure(sims: &[Sim], c: &Config, seconds: f64) -> anyhow::Result<Vec<(&'stat
     Ok(out)
 }
 
+/// Backlogged tenants and their weights (shares by weight).
+const WEIGHTED: [(&str, u32); 3] = [("w1", 1), ("w2", 2), ("w3", 3)];
+/// Each weighted tenant's connections, spread over the gateways.
+const WEIGHTED_CONNECTIONS: usize = 12;
+const WEIGHTED_TOKENS: u32 = 16;
+
+/// The weighted tenants through `gateways` gateways (on one kvmesh-cp past one) with `limit`
+/// slots each; each tenant's connections go half to "its" gateway, the rest round the others.
+fn measure_weighted(
+    sims: &[Sim],
+    gateways: usize,
+    limit: u32,
+    seconds: f64,
+) -> anyhow::Result<Vec<(&'static str, Load)>> {
+    let urls: Vec<String> = sims.iter().map(Sim::url).collect();
+    let cp = if gateways > 1 {
+        let mut args = vec!["--worker-urls"];
+        args.extend(urls.iter().map(String::as_str));
+        Some(ControlPlane::start(&args)?)
+    } else {
+        None
+    };
+    let weights: Vec<String> = WEIGHTED.iter().map(|(t, w)| format!("{t}={w}")).collect();
+    let mut envoys = Vec::new();
+    for _ in 0..gateways {
+        let mut f = json!({
+            "worker_urls": if cp.is_some() { json!([]) } else { json!(urls) },
+            "policy": "round_robin",
+            "max_concurrent_requests": limit,
+            "rate_limit_tokens_per_second": 100_000,
+            "queue_size": 1_000,
+            "queue_timeout_secs": 120,
+            "tenant_weight": weights,
+        });
+        if cp.is_some() {
+            f["report_interval_ms"] = json!(100);
+        }
+        let mut opts = EnvoyOptions::new(f)?;
+        opts.concurrency = 1;
+        if let Some(cp) = &cp {
+            opts.use_control_plane(cp);
+        }
+        let envoy = Envoy::start(&opts)?;
+        if cp.is_some() {
+            wait_until("the gateway's first snapshot", Duration::from_secs(30), || envoy.version() > 0)?;
+        }
+        envoys.push(envoy);
+    }
+    let ports: Vec<_> = envoys.iter().map(|e| addr(e.port)).collect();
+    let mut rng = Rng::new(SEED);
+    let runs: Vec<_> = WEIGHTED
+        .iter()
+        .enumerate()
+        .map(|(i, &(t, _))| {
+            let body = |rng: &mut Rng| {
+                let body = json!({"text": text(rng, 100), "sampling_params": {"max_new_tokens": WEIGHTED_TOKENS}});
+                loadgen::post_with("/generate", &body.to_string(), &[("kvmesh-tenant", t)])
+            };
+            let requests: Vec<Vec<u8>> = (0..2_000).map(|_| body(&mut rng)).collect();
+            // Connection c goes to targets[c % len]: half to gateway i, the rest round all.
+            let n = ports.len();
+            let mut targets: Vec<_> = (0..n).map(|k| ports[(i + k) % n]).collect();
+            targets.extend(std::iter::repeat_n(ports[i % n], n.saturating_sub(1)));
+            std::thread::spawn(move || {
+                (
+                    t,
+                    loadgen::run(
+                        t,
+                        &targets,
+                        &requests,
+                        WEIGHTED_CONNECTIONS,
+                        Stop::For(Duration::from_secs_f64(seconds)),
+                    ),
+                )
+            })
+        })
+        .collect();
+    let out = runs.into_iter().filter_map(|h| h.join().ok()).collect();
+    drop(envoys);
+    drop(cp);
+    Ok(out)
+}
+
+/// Shares by weight at 1 and 3 gateways: rows, JSON results and the largest deviation.
+fn weighted(sims: &[Sim], seconds: f64, rows: &mut Vec<Vec<String>>, results: &mut Vec<Value>) -> anyhow::Result<()> {
+    let total_weight: u32 = WEIGHTED.iter().map(|(_, w)| w).sum();
+    for (gateways, limit) in [(1usize, LIMIT), (3, LIMIT.div_ceil(3))] {
+        let name = format!("backlogged by weight, {gateways} gateway(s) × {limit} slots");
+        step(&format!("fairness: {name}"));
+        let loads = measure_weighted(sims, gateways, limit, seconds)?;
+        let total: u64 = loads.iter().map(|(_, l)| l.ok).sum();
+        let mut worst = 0.0f64;
+        for (t, l) in &loads {
+            let w = WEIGHTED.iter().find(|(n, _)| n == t).map_or(1, |(_, w)| *w);
+            let share = l.ok as f64 / total.max(1) as f64;
+            let ideal = f64::from(w) / f64::from(total_weight);
+            let off = (share - ideal) / ideal;
+            worst = worst.max(off.abs());
+            results.push(json!({
+                "config": name, "tenant": t, "weight": w, "ok": l.ok, "errors": l.errors,
+                "ttft_p99_ms": l.ttft_ms(0.99), "token_share": share, "weight_share": ideal,
+            }));
+            rows.push(vec![
+                name.clone(),
+                format!("{t} (weight {w})"),
+                l.ok.to_string(),
+                l.errors.to_string(),
+                f(l.ttft_ms(0.5), 0),
+                f(l.ttft_ms(0.99), 0),
+                format!("{} ({:+}%)", f(100.0 * share, 1), f(100.0 * off, 0)),
+                f(100.0 * ideal, 1),
+            ]);
+        }
+        rows.push(vec![
+            name.clone(),
+            "**largest deviation from the weight's share**".into(),
+            String::new(),
+            String::new(),
+            String::new(),
+            String::new(),
+            format!("{}%", f(100.0 * worst, 1)),
+            String::new(),
+        ]);
+    }
+    Ok(())
+}
+
 pub fn run(o: &Opts) -> anyhow::Result<(Value, String)> {
     let seconds = if o.quick { 6.0 } else { o.seconds.max(20.0) };
     let sim_args = ["--time-scale", "1", "--decode-ms-per-token", "5", "--batch-slowdown", "0"];
@@ -155,6 +286,7 @@ pub fn run(o: &Opts) -> anyhow::Result<(Value, String)> {
             String::new(),
         ]);
     }
+    weighted(&sims, seconds, &mut rows, &mut results)?;
     let headers = [
         "configuration",
         "tenant",
@@ -171,7 +303,10 @@ pub fn run(o: &Opts) -> anyhow::Result<(Value, String)> {
          {INTERACTIVE_CONNECTIONS} each of ~100-token prompts. Refused: requests answered with an error. \
          With priorities, `t1`..`t3` send `kvmesh-priority: 1` (two slots reserved), `batch` 0. Token shares count answered requests × their \
          `max_new_tokens`; interactive tenants are not backlogged, so their share is below their \
-         weight's by design.\n\n{}",
+         weight's by design. Backlogged by weight: `w1`..`w3` (weights 1, 2, 3) each over \
+         {WEIGHTED_CONNECTIONS} connections of ~25-token prompts and {WEIGHTED_TOKENS} generated tokens, half of a \
+         tenant's connections at one gateway, the rest spread; 3 gateways on one kvmesh-cp, each its own \
+         Envoy (1 thread) with its share of the slots.\n\n{}",
         table(&headers, &rows)
     );
     Ok((json!({"results": results, "seconds": seconds, "limit": LIMIT}), md))
