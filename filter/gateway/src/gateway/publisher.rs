@@ -97,6 +97,7 @@ impl Publisher {
         if !on && self.reporting {
             self.unreported.take();
             self.stale.clear();
+            self.reported_usage = Usage::default();
         }
         self.reporting = on;
     }
@@ -188,10 +189,13 @@ impl Publisher {
 
     /// The fleet's tenant usage a snapshot carries, received at `now_ms`: less what this Envoy
     /// reported itself, it becomes the rest of the fleet's for every VM's fair pick
-    /// (`crate::shared::tenant_usage`).
+    /// (`crate::shared::tenant_usage`). A VM that has not reported yet (it just took the
+    /// streams over) takes off the Envoy's usage as it stands.
     pub fn fleet_usage(&self, store: &dyn SharedStore, snapshot: &proto::Snapshot, now_ms: u64) {
         let Some(usage) = &snapshot.tenant_usage else { return };
-        let rest = kvmesh_proto::usage_from_wire(usage, MAX_SHIPPED, now_ms).minus(&self.reported_usage, now_ms);
+        let envoy = || crate::shared::tenant_usage::read(store).map(|(envoy, _)| envoy).unwrap_or_default();
+        let own = if self.reported_usage.entries.is_empty() { envoy() } else { self.reported_usage.clone() };
+        let rest = kvmesh_proto::usage_from_wire(usage, MAX_SHIPPED, now_ms).minus(&own, now_ms);
         if !crate::shared::tenant_usage::set_rest(store, &rest) {
             log::debug!("cannot share the fleet's tenant usage: shared data refused the write");
         }
