@@ -14,7 +14,7 @@
 //! reported itself ([`Usage::minus`]) and adds its own table back, up to date: the fleet's
 //! usage, counted once.
 
-use crate::fair::decayed;
+use crate::fair::{decayed, HALF_LIFE_MS};
 use crate::tenant::{valid_tenant, OTHER};
 
 /// The largest usage a table holds for one tenant.
@@ -139,6 +139,15 @@ impl Usage {
     }
 }
 
+/// Tokens per minute a tenant with `usage` (decayed, as shipped) uses, were its rate steady:
+/// a steady rate `r` a millisecond decays to `r` × [`HALF_LIFE_MS`] / ln 2, so the minute is
+/// that × 60,000 ln 2 / [`HALF_LIFE_MS`] (≈ 4.16 × `usage`). An estimate: tokens-per-minute
+/// limits across gateways (kvmesh-cp ships usage, not minutes).
+pub fn per_minute(usage: f64) -> u64 {
+    let minute = clamp(usage) * 60_000.0 * std::f64::consts::LN_2 / HALF_LIFE_MS as f64;
+    minute.min(u64::MAX as f64) as u64
+}
+
 /// The sum of several tables (each gateway's last report) at `now_ms`, at most `max` tenants.
 /// O(entries) with a map, as kvmesh-cp sums up to a thousand gateways' tables.
 pub fn sum<'a>(tables: impl IntoIterator<Item = &'a Usage>, max: usize, now_ms: u64) -> Usage {
@@ -159,7 +168,20 @@ pub fn sum<'a>(tables: impl IntoIterator<Item = &'a Usage>, max: usize, now_ms: 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fair::HALF_LIFE_MS;
+
+    /// A steady 100 tokens a second, charged each second for a long while, decays to a usage
+    /// whose estimate is 6,000 a minute (within the second's granularity).
+    #[test]
+    fn a_steady_rates_usage_estimates_its_minute() {
+        let mut u = Usage::default();
+        for s in 0..600u64 {
+            u = u.plus(&Usage::sanitized([("a", 100.0)], 8, s * 1_000), 8, s * 1_000);
+        }
+        let minute = per_minute(u.get("a", 599_000));
+        assert!((5_800..=6_400).contains(&minute), "{minute}");
+        assert_eq!(per_minute(f64::NAN), 0);
+        assert!(per_minute(f64::INFINITY) > 0);
+    }
 
     fn table(entries: &[(&str, f64)], at_ms: u64) -> Usage {
         Usage::sanitized(entries.iter().copied(), 8, at_ms)
