@@ -232,7 +232,7 @@ fn a_tenant_busy_at_one_gateway_waits_behind_an_idle_one_at_another() {
     let sim = Sim::start(DECODE_20MS).unwrap();
     let cp = control_plane(std::slice::from_ref(&sim), &[]);
     let weights = json!(["team-b=1"]);
-    let busy = gateway_with(&cp, EnvoyOptions::new(json!({"worker_urls": [], "tenant_weight": weights})).unwrap());
+    let busy_opts = EnvoyOptions::new(json!({"worker_urls": [], "tenant_weight": weights})).unwrap();
     let filter = json!({
         "worker_urls": [],
         "tenant_weight": weights,
@@ -243,7 +243,11 @@ fn a_tenant_busy_at_one_gateway_waits_behind_an_idle_one_at_another() {
     });
     let mut opts = EnvoyOptions::new(filter).unwrap();
     opts.concurrency = 1; // one queue: each Envoy thread keeps its own
-    let fair = gateway_with(&cp, opts);
+    let (busy, fair) = std::thread::scope(|s| {
+        let busy = s.spawn(|| gateway_with(&cp, busy_opts));
+        let fair = gateway_with(&cp, opts);
+        (busy.join().unwrap(), fair)
+    });
     let a = [("content-type", "application/json"), ("kvmesh-tenant", "team-a")];
     for i in 0..3 {
         let text = format!("{i}: a prompt of the busy tenant. ").repeat(10);
