@@ -12,15 +12,19 @@
 //! gateway and at three on one kvmesh-cp (the fair pick counting the fleet's usage, shipped in
 //! its snapshots); reported: each one's share of the generated tokens beside its weight's.
 //!
-//! Not yet here: SMG 1.13 beside it (it has `--priority-scheduler-enabled`).
+//! With the peers, SMG 1.13's priority scheduler beside it: `smg launch` with the same
+//! concurrency limit, `--priority-scheduler-enabled` (its built-in classes; any tenant may
+//! claim `interactive`), the interactive tenants sending `x-smg-priority: interactive`, the
+//! flood `default`; alone and under the flood.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use kvmesh_testkit::{wait_until, ControlPlane, Envoy, EnvoyOptions, Sim};
 use serde_json::{json, Value};
 
 use super::report::{f, table};
-use super::stack::addr;
+use super::stack::{self, addr, Peer, PeerBins, Workers};
 use super::workload::{text, Rng};
 use super::Opts;
 use crate::loadgen::{self, Load, Stop};
@@ -35,15 +39,19 @@ const FLOOD_TOKENS: u32 = 32;
 const INTERACTIVE_TOKENS: u32 = 8;
 const TENANTS: [&str; 4] = ["batch", "t1", "t2", "t3"];
 
-/// One tenant's request stream (`priority`: its `kvmesh-priority` header, if any).
-fn stream(tenant: &str, priority: Option<&str>, n: usize, rng: &mut Rng) -> Vec<Vec<u8>> {
+/// The priority header requests send and its value for the flood and for the interactive
+/// tenants (none: no priorities).
+type Priority = Option<(&'static str, &'static str, &'static str)>;
+
+/// One tenant's request stream (`priority`: its priority header and value, if any).
+fn stream(tenant: &str, priority: Option<(&str, &str)>, n: usize, rng: &mut Rng) -> Vec<Vec<u8>> {
     let (chars, tokens) = if tenant == "batch" { (8_000, FLOOD_TOKENS) } else { (400, INTERACTIVE_TOKENS) };
     (0..n)
         .map(|_| {
             let body = json!({"text": text(rng, chars), "sampling_params": {"max_new_tokens": tokens}});
             let mut headers = vec![("kvmesh-tenant", tenant)];
             if let Some(p) = priority {
-                headers.push(("kvmesh-priority", p));
+                headers.push(p);
             }
             loadgen::post_with("/generate", &body.to_string(), &headers)
         })
@@ -88,17 +96,44 @@ fn measure(sims: &[Sim], c: &Config, seconds: f64) -> anyhow::Result<Vec<(&'stat
     let mut opts = EnvoyOptions::new(filter(sims, c))?;
     opts.concurrency = 1;
     let envoy = Envoy::start(&opts)?;
-    let target = [addr(envoy.port)];
+    let out = load(addr(envoy.port), c.flood, c.priorities.then_some(("kvmesh-priority", "0", "1")), seconds);
+    drop(envoy);
+    Ok(out)
+}
+
+/// The same through SMG 1.13 with its priority scheduler (see the module's doc).
+fn measure_smg(bins: &PeerBins, sims: &[Sim], flood: bool, seconds: f64) -> anyhow::Result<Vec<(&'static str, Load)>> {
+    let urls = Workers::Regular(sims.iter().map(Sim::url).collect());
+    let limit = LIMIT.to_string();
+    let extra = [
+        "--max-concurrent-requests",
+        &limit,
+        "--queue-size",
+        "1000",
+        "--queue-timeout-secs",
+        "120",
+        "--priority-scheduler-enabled",
+        "--priority-scheduler-default-max-class",
+        "interactive",
+        "--trust-tenant-header",
+        "--tenant-header-name",
+        "kvmesh-tenant",
+    ];
+    let smg = stack::peer_with(bins, Peer::Smg, &urls, 1, false, "round_robin", &extra)?;
+    let out = load(smg.targets[0], flood, Some(("x-smg-priority", "default", "interactive")), seconds);
+    drop(smg);
+    Ok(out)
+}
+
+/// Each tenant's stream (the flood's only with `flood`) against `target`, all at once.
+fn load(target: SocketAddr, flood: bool, priority: Priority, seconds: f64) -> Vec<(&'static str, Load)> {
+    let target = [target];
     let mut rng = Rng::new(SEED);
     let runs: Vec<_> = TENANTS
         .iter()
-        .filter(|t| c.flood || **t != "batch")
+        .filter(|t| flood || **t != "batch")
         .map(|&t| {
-            let priority = match (c.priorities, t) {
-                (false, _) => None,
-                (true, "batch") => Some("0"),
-                (true, _) => Some("1"),
-            };
+            let priority = priority.map(|(h, f, i)| (h, if t == "batch" { f } else { i }));
             let (conns, n) = if t == "batch" { (FLOOD_CONNECTIONS, 400) } else { (INTERACTIVE_CONNECTIONS, 200) };
             let requests = stream(t, priority, n, &mut rng);
             std::thread::spawn(move || {
@@ -106,9 +141,7 @@ fn measure(sims: &[Sim], c: &Config, seconds: f64) -> anyhow::Result<Vec<(&'stat
             })
         })
         .collect();
-    let out = runs.into_iter().filter_map(|h| h.join().ok()).collect();
-    drop(envoy);
-    Ok(out)
+    runs.into_iter().filter_map(|h| h.join().ok()).collect()
 }
 
 /// Backlogged tenants and their weights (shares by weight).
@@ -238,7 +271,53 @@ fn weighted(sims: &[Sim], seconds: f64, rows: &mut Vec<Vec<String>>, results: &m
     Ok(())
 }
 
-pub fn run(o: &Opts) -> anyhow::Result<(Value, String)> {
+/// One configuration's rows (and JSON results): per tenant, then the interactive tenants'
+/// TTFT p99 beside `alone_p99`; returns that p99.
+fn flood_rows(
+    name: &str,
+    loads: &[(&'static str, Load)],
+    alone_p99: Option<f64>,
+    rows: &mut Vec<Vec<String>>,
+    results: &mut Vec<Value>,
+) -> f64 {
+    let tokens =
+        |t: &str, l: &Load| l.ok as f64 * f64::from(if t == "batch" { FLOOD_TOKENS } else { INTERACTIVE_TOKENS });
+    let total: f64 = loads.iter().map(|(t, l)| tokens(t, l)).sum();
+    let interactive_p99 =
+        loads.iter().filter(|(t, _)| *t != "batch").map(|(_, l)| l.ttft_ms(0.99)).fold(0.0f64, f64::max);
+    for (t, l) in loads {
+        let share = tokens(t, l) / total.max(1.0);
+        let ideal = 1.0 / loads.len() as f64;
+        results.push(json!({
+            "config": name, "tenant": t, "ok": l.ok, "errors": l.errors,
+            "ttft_p99_ms": l.ttft_ms(0.99), "ttft_p50_ms": l.ttft_ms(0.5),
+            "token_share": share, "weight_share": ideal,
+        }));
+        rows.push(vec![
+            name.to_string(),
+            t.to_string(),
+            l.ok.to_string(),
+            l.errors.to_string(),
+            f(l.ttft_ms(0.5), 0),
+            f(l.ttft_ms(0.99), 0),
+            f(100.0 * share, 1),
+            f(100.0 * ideal, 1),
+        ]);
+    }
+    rows.push(vec![
+        name.to_string(),
+        "**interactive p99 / alone**".into(),
+        String::new(),
+        String::new(),
+        String::new(),
+        f(interactive_p99, 0),
+        alone_p99.map_or(String::new(), |a| format!("{}×", f(interactive_p99 / a.max(1e-9), 2))),
+        String::new(),
+    ]);
+    interactive_p99
+}
+
+pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
     let seconds = if o.quick { 6.0 } else { o.seconds.max(20.0) };
     let sim_args = ["--time-scale", "1", "--decode-ms-per-token", "5", "--batch-slowdown", "0"];
     let sims = vec![Sim::start(&sim_args)?, Sim::start(&sim_args)?];
@@ -248,43 +327,23 @@ pub fn run(o: &Opts) -> anyhow::Result<(Value, String)> {
     for c in &CONFIGS {
         step(&format!("fairness: {}", c.name));
         let loads = measure(&sims, c, seconds)?;
-        let tokens =
-            |t: &str, l: &Load| l.ok as f64 * f64::from(if t == "batch" { FLOOD_TOKENS } else { INTERACTIVE_TOKENS });
-        let total: f64 = loads.iter().map(|(t, l)| tokens(t, l)).sum();
-        let interactive_p99 =
-            loads.iter().filter(|(t, _)| *t != "batch").map(|(_, l)| l.ttft_ms(0.99)).fold(0.0f64, f64::max);
+        let p99 = flood_rows(c.name, &loads, alone_p99, &mut rows, &mut results);
         if !c.flood {
-            alone_p99 = Some(interactive_p99);
+            alone_p99 = Some(p99);
         }
-        for (t, l) in &loads {
-            let share = tokens(t, l) / total.max(1.0);
-            let ideal = 1.0 / loads.len() as f64;
-            results.push(json!({
-                "config": c.name, "tenant": t, "ok": l.ok, "errors": l.errors,
-                "ttft_p99_ms": l.ttft_ms(0.99), "ttft_p50_ms": l.ttft_ms(0.5),
-                "token_share": share, "weight_share": ideal,
-            }));
-            rows.push(vec![
-                c.name.to_string(),
-                t.to_string(),
-                l.ok.to_string(),
-                l.errors.to_string(),
-                f(l.ttft_ms(0.5), 0),
-                f(l.ttft_ms(0.99), 0),
-                f(100.0 * share, 1),
-                f(100.0 * ideal, 1),
-            ]);
+    }
+    if bins.smg.is_some() {
+        let mut smg_alone = None;
+        for (name, flood) in
+            [("SMG 1.13 priority scheduler, interactive alone", false), ("SMG 1.13 priority scheduler, flood", true)]
+        {
+            step(&format!("fairness: {name}"));
+            let loads = measure_smg(bins, &sims, flood, seconds)?;
+            let p99 = flood_rows(name, &loads, smg_alone, &mut rows, &mut results);
+            if !flood {
+                smg_alone = Some(p99);
+            }
         }
-        rows.push(vec![
-            c.name.to_string(),
-            "**interactive p99 / alone**".into(),
-            String::new(),
-            String::new(),
-            String::new(),
-            f(interactive_p99, 0),
-            alone_p99.map_or(String::new(), |a| format!("{}×", f(interactive_p99 / a.max(1e-9), 2))),
-            String::new(),
-        ]);
     }
     weighted(&sims, seconds, &mut rows, &mut results)?;
     let headers = [
@@ -306,7 +365,9 @@ pub fn run(o: &Opts) -> anyhow::Result<(Value, String)> {
          weight's by design. Backlogged by weight: `w1`..`w3` (weights 1, 2, 3) each over \
          {WEIGHTED_CONNECTIONS} connections of ~25-token prompts and {WEIGHTED_TOKENS} generated tokens, half of a \
          tenant's connections at one gateway, the rest spread; 3 gateways on one kvmesh-cp, each its own \
-         Envoy (1 thread) with its share of the slots.\n\n{}",
+         Envoy (1 thread) with its share of the slots. SMG 1.13 (with the peers): `--max-concurrent-requests \
+         {LIMIT} --priority-scheduler-enabled`, `t1`..`t3` sending `x-smg-priority: interactive`, `batch` \
+         `default`.\n\n{}",
         table(&headers, &rows)
     );
     Ok((json!({"results": results, "seconds": seconds, "limit": LIMIT}), md))
