@@ -311,7 +311,7 @@ fn flood_rows(
         String::new(),
         String::new(),
         f(interactive_p99, 0),
-        alone_p99.map_or(String::new(), |a| format!("{}×", f(interactive_p99 / a.max(1e-9), 2))),
+        format!("{}×", f(interactive_p99 / alone_p99.unwrap_or(interactive_p99).max(1e-9), 2)),
         String::new(),
     ]);
     interactive_p99
