@@ -138,6 +138,11 @@ impl Shares {
         self.entries.len()
     }
 
+    /// Forgets every tenant (their usage went elsewhere: [`crate::fleet`]).
+    pub fn clear(&mut self) {
+        self.entries.clear();
+    }
+
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }
@@ -146,9 +151,17 @@ impl Shares {
 /// Of `waiting` (each its tenant and weight, oldest first), the position of the one to go
 /// next: the least virtual time, the oldest on a tie. `None` when nothing waits.
 pub fn pick<'a>(shares: &Shares, waiting: impl Iterator<Item = (Option<&'a str>, u32)>, now_ms: u64) -> Option<usize> {
+    pick_by(|t| shares.usage(t, now_ms), waiting)
+}
+
+/// As [`pick`], by the usage `usage` gives each tenant (the fleet's: [`crate::fleet`]).
+pub fn pick_by<'a>(
+    usage: impl Fn(&str) -> f64,
+    waiting: impl Iterator<Item = (Option<&'a str>, u32)>,
+) -> Option<usize> {
     let mut best: Option<(usize, f64)> = None;
     for (i, (tenant, weight)) in waiting.enumerate() {
-        let vt = tenant.map_or(0.0, |t| shares.virtual_time(t, weight, now_ms));
+        let vt = tenant.map_or(0.0, |t| usage(t) / f64::from(weight.clamp(1, MAX_WEIGHT)));
         if best.is_none_or(|(_, b)| vt < b) {
             best = Some((i, vt));
         }

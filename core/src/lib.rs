@@ -35,6 +35,7 @@ pub mod dp;
 pub mod errors;
 pub mod fair;
 pub mod feedback;
+pub mod fleet;
 pub mod index;
 pub mod logprobs;
 pub mod models;

@@ -137,8 +137,14 @@ impl TokenWindow {
     /// What the limit says about one more request at `now_ms`: refused once the window's
     /// tokens reached `limit` (a request's own tokens are not known before it runs).
     pub fn verdict(self, limit: u64, now_ms: u64) -> Verdict {
+        self.verdict_with(limit, 0, now_ms)
+    }
+
+    /// As [`Self::verdict`], with `elsewhere` tokens more used this minute (the rest of the
+    /// fleet's, estimated: [`crate::fleet::per_minute`]).
+    pub fn verdict_with(self, limit: u64, elsewhere: u64, now_ms: u64) -> Verdict {
         let minute = now_ms / 60_000;
-        let used = if minute == self.minute { self.tokens } else { 0 };
+        let used = if minute == self.minute { self.tokens } else { 0 }.saturating_add(elsewhere);
         let clamp = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
         Verdict {
             allowed: used < limit,

@@ -28,3 +28,15 @@ pub use settings::{pd_protocol_from_wire, pd_protocol_to_wire, SettingsError};
 pub const SERVICE: &str = "kvmesh.v1.Kvmesh";
 pub const WATCH: &str = "Watch";
 pub const REPORT: &str = "Report";
+
+/// A tenant usage table on the wire (issue 47's fair shares across gateways).
+pub fn usage_to_wire(u: &kvmesh_core::fleet::Usage) -> v1::TenantUsage {
+    let tenants = u.entries.iter().map(|(tenant, tokens)| v1::TenantTokens { tenant: tenant.clone(), tokens: *tokens });
+    v1::TenantUsage { tenants: tenants.collect() }
+}
+
+/// A tenant usage table from the wire, counted at `at_ms` (sanitized: ids checked, values
+/// clamped, at most `max` tenants, [`kvmesh_core::fleet::Usage::sanitized`]).
+pub fn usage_from_wire(u: &v1::TenantUsage, max: usize, at_ms: u64) -> kvmesh_core::fleet::Usage {
+    kvmesh_core::fleet::Usage::sanitized(u.tenants.iter().map(|t| (t.tenant.as_str(), t.tokens)), max, at_ms)
+}

@@ -1,12 +1,13 @@
 //! Tenants and priorities (issue 47) through the real Envoy and the real filter (`.wasm`, or
 //! the native build with `KVMESH_TEST_NATIVE=1`): priority classes with reserved slots under
 //! the concurrency limit, a higher class going ahead of waiting lower ones, and sheddable
-//! requests refused (never queued) when no slot is free.
+//! requests refused (never queued) when no slot is free; fair shares by tenant, at one
+//! gateway and across two on one kvmesh-cp.
 
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvmesh_testkit::e2e::DECODE_20MS;
+use kvmesh_testkit::e2e::{control_plane, gateway_with, DECODE_20MS};
 use kvmesh_testkit::http::{self, Response};
 use kvmesh_testkit::mtls::CLIENT_SPIFFE_ID;
 use kvmesh_testkit::{free_port, scratch_dir, wait_until, Envoy, EnvoyOptions, Sim};
@@ -209,7 +210,7 @@ fn tenants_from_a_header_have_their_own_limit_and_an_identity_cannot_be_forged()
 /// Fair shares by tenant weight: one slot, held by a long request of `flood`; three more of
 /// `flood` wait, then one of `team-b`. When the slot comes back, `team-b` (no tokens used)
 /// goes ahead of `flood`'s waiting requests (its first one charged), though it came last; a
-/// first-come queue would run it last. One Envoy thread: the usage table is per thread for now.
+/// first-come queue would run it last. One Envoy thread: each keeps its own queue.
 #[test]
 fn a_tenant_that_used_less_goes_ahead_of_a_flooding_one() {
     let sim = Sim::start(DECODE_20MS).unwrap();
@@ -244,6 +245,57 @@ fn a_tenant_that_used_less_goes_ahead_of_a_flooding_one() {
         assert!(b_at < at, "team-b went ahead of flood's waiting requests");
     }
     assert_eq!(labelled(&envoy, "kvmesh_tenant_queued_total", "tenant", "flood"), 3);
+}
+
+/// Fair shares across gateways: `team-a` sends through one gateway only. Once kvmesh-cp's
+/// snapshot carried its usage to the other gateway (one slot, held), a `team-a` request waits
+/// there, then a `team-b` one; when the slot frees, `team-b` goes first, as `team-a` used more
+/// of the fleet. Counting only its own usage, that gateway sees both at 0 and runs the oldest.
+#[test]
+fn a_tenant_busy_at_one_gateway_waits_behind_an_idle_one_at_another() {
+    let sim = Sim::start(DECODE_20MS).unwrap();
+    let cp = control_plane(std::slice::from_ref(&sim), &[]);
+    let weights = json!(["team-b=1"]);
+    let busy_opts = EnvoyOptions::new(json!({"worker_urls": [], "tenant_weight": weights})).unwrap();
+    let filter = json!({
+        "worker_urls": [],
+        "tenant_weight": weights,
+        "max_concurrent_requests": 1,
+        "rate_limit_tokens_per_second": 1000,
+        "queue_size": 8,
+        "queue_timeout_secs": 30,
+    });
+    let mut opts = EnvoyOptions::new(filter).unwrap();
+    opts.concurrency = 1; // one queue: each Envoy thread keeps its own
+    let (busy, fair) = std::thread::scope(|s| {
+        let busy = s.spawn(|| gateway_with(&cp, busy_opts));
+        let fair = gateway_with(&cp, opts);
+        (busy.join().unwrap(), fair)
+    });
+    let a = [("content-type", "application/json"), ("kvmesh-tenant", "team-a")];
+    for i in 0..3 {
+        let text = format!("{i}: a prompt of the busy tenant. ").repeat(10);
+        let r = http::post(&busy.url("/generate"), &serde_json::to_vec(&body(&text, 5)).unwrap(), &a).unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let mut version = 0;
+    wait_until("kvmesh-cp to ship team-a's usage", Duration::from_secs(10), || {
+        let s = cp.snapshot().unwrap_or_default();
+        version = s["version"].as_u64().unwrap_or(0);
+        s["tenant_usage"]["team-a"].as_f64().is_some_and(|u| u > 0.0)
+    })
+    .unwrap();
+    fair.wait_for_version(version);
+    let url = fair.url("/generate");
+    let hold = post_in_thread(&url, body("hold the slot", 40), &[("kvmesh-tenant", "team-h")]);
+    wait_until("the slot held", Duration::from_secs(10), || fair.in_flight() == Some(1)).unwrap();
+    let queued_a = post_in_thread(&url, body("team-a, elsewhere", 1), &a[1..]);
+    fair.wait_for_queued(1);
+    let queued_b = post_in_thread(&url, body("team-b", 1), &[("kvmesh-tenant", "team-b")]);
+    fair.wait_for_queued(2);
+    let ((ra, a_at), (rb, b_at)) = (queued_a.join().unwrap(), queued_b.join().unwrap());
+    assert_eq!((ra.status, rb.status, hold.join().unwrap().0.status), (200, 200, 200), "{}", ra.text());
+    assert!(b_at < a_at, "team-b (idle everywhere) went ahead of team-a (busy at the other gateway)");
 }
 
 /// Tokens per minute per tenant: a request's uncached prompt counts as it is routed, so after

@@ -282,7 +282,7 @@ pub fn run_suites(o: &Opts, bins: &PeerBins) -> anyhow::Result<()> {
             Suite::Quality => quality::run(o, bins)?,
             Suite::Scale => scale::run(o)?,
             Suite::Instructions => instructions::run(o)?,
-            Suite::Fairness => fairness::run(o)?,
+            Suite::Fairness => fairness::run(o, bins)?,
         };
         if let (Some(d), Some(c)) = (doc.as_object_mut(), ctx.as_object()) {
             for (k, v) in c {

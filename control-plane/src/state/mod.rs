@@ -4,7 +4,8 @@
 //!
 //! [`State`] holds it all behind one lock (`store.rs`), as four owners that keep their data
 //! private and change it only through their methods (each piece of data is written in its
-//! owner's file): the registry, the global index, the publication, the gateways. A job that
+//! owner's file): the registry, the global index, the publication, the gateways, the tenants'
+//! usage. A job that
 //! spans parts holds the one guard and calls each part. The jobs are modules of their own.
 //! Listed from the bottom up, each imports only modules listed before it, and none imports
 //! this one (which only re-exports):
@@ -14,8 +15,9 @@
 //! - the owners: `registry.rs` (entries by id, ids by name, remembered ids, the next id),
 //!   `global_index.rs` (the prefix index), `publication.rs` (version, pending inserts,
 //!   evictions and table change; the deltas' channel), `gateways.rs` (gateway ids, their
-//!   streams and insert budgets);
-//! - `store.rs`: the state, its lock (the guard holding the four owners), its counters;
+//!   streams and insert budgets), `tenants.rs` (each gateway's reported tenant usage, the
+//!   fleet's sum and what the deltas last shipped);
+//! - `store.rs`: the state, its lock (the guard holding the five owners), its counters;
 //! - `persist.rs`: `--state-file`, read at the start and written on each change;
 //! - `workers.rs`: adding and removing workers (ids never reused), health thresholds, load;
 //! - `dp.rs`: a worker's data-parallel ranks as entries of their own (`--dp-aware`);
@@ -42,6 +44,7 @@ mod registry;
 mod reports;
 mod store;
 mod streams;
+mod tenants;
 mod worker;
 mod workers;
 

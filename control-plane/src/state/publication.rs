@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvmesh_proto::v1::{IndexEvict, IndexInsert, RoutingSettings, Snapshot, Worker};
+use kvmesh_proto::v1::{IndexEvict, IndexInsert, RoutingSettings, Snapshot, TenantUsage, Worker};
 use tokio::sync::broadcast;
 
 /// The changes not yet published, and the last version (behind the state's lock).
@@ -77,9 +77,15 @@ impl Publication {
     }
 
     /// The next delta, if anything changed (`workers`: the table, asked for only when it
-    /// changed), stamped `sent_at_ms`; the pending changes are taken.
-    pub(super) fn next_delta(&mut self, workers: impl FnOnce() -> Vec<Worker>, sent_at_ms: u64) -> Option<Snapshot> {
-        if !self.pending() {
+    /// changed; `tenant_usage`: the fleet's, when it changed enough), stamped `sent_at_ms`;
+    /// the pending changes are taken.
+    pub(super) fn next_delta(
+        &mut self,
+        workers: impl FnOnce() -> Vec<Worker>,
+        tenant_usage: Option<TenantUsage>,
+        sent_at_ms: u64,
+    ) -> Option<Snapshot> {
+        if !self.pending() && tenant_usage.is_none() {
             return None;
         }
         self.version += 1;
@@ -96,6 +102,7 @@ impl Publication {
             // Full snapshots only (a delta keeps the last).
             worker_authorization: String::new(),
             sent_at_ms,
+            tenant_usage,
         })
     }
 }

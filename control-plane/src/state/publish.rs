@@ -15,8 +15,10 @@ impl State {
     /// Sends a delta if anything changed. Returns its version.
     pub fn publish(&self) -> Option<u64> {
         let mut inner = self.lock();
+        let now = now_ms();
+        let usage = inner.tenants_mut().due(now).map(|u| kvmesh_proto::usage_to_wire(&u));
         let (registry, _, publication, _) = inner.parts();
-        let delta = publication.next_delta(|| registry.entries().map(WorkerEntry::proto).collect(), now_ms())?;
+        let delta = publication.next_delta(|| registry.entries().map(WorkerEntry::proto).collect(), usage, now)?;
         drop(inner);
         let (version, workers_changed) = (delta.version, delta.workers_changed);
         let _span = tracing::info_span!(target: crate::telemetry::SPANS, "snapshot.publish", version, workers_changed,
@@ -30,6 +32,8 @@ impl State {
     /// Everything, for a gateway that (re)connects.
     pub fn full_snapshot(&self) -> Snapshot {
         let inner = self.lock();
+        let now = now_ms();
+        let usage = inner.tenants().fleet(now);
         Snapshot {
             version: inner.publication().version(),
             full: true,
@@ -44,7 +48,8 @@ impl State {
             evictions: Vec::new(),
             settings: Some((&self.routing()).into()),
             worker_authorization: self.settings.worker_key().map(|k| format!("Bearer {k}")).unwrap_or_default(),
-            sent_at_ms: now_ms(),
+            sent_at_ms: now,
+            tenant_usage: (!usage.entries.is_empty()).then(|| kvmesh_proto::usage_to_wire(&usage)),
         }
     }
 
@@ -68,6 +73,8 @@ impl State {
             "index_blocks": inner.index().len(),
             "index_entries": inner.index().entries(),
             "gateways": inner.gateways().ids(),
+            // The fleet's tenant usage as the last delta carried it (decayed to now).
+            "tenant_usage": inner.tenants().shipped().at(now_ms()).entries.into_iter().map(|(t, v)| (t, json!(v))).collect::<serde_json::Map<_, _>>(),
             "settings": self.routing(),
         })
     }

@@ -26,7 +26,7 @@ impl State {
     /// the gateway's budget, each worker it named bounded to its KV capacity, its stale blocks
     /// forgotten, the whole index bounded, then its counts; counted once the lock is released.
     fn report_at(&self, batch: ReportBatch, at_ms: u64) {
-        let ReportBatch { gateway_id, inserts, counts, stale } = batch;
+        let ReportBatch { gateway_id, inserts, counts, stale, tenant_usage } = batch;
         let gateway = if gateway_id.is_empty() { "unknown".to_string() } else { gateway_id };
         let mut tally = Tally::default();
         {
@@ -36,6 +36,10 @@ impl State {
             self.forget_stale(&mut inner, stale, &mut tally);
             self.bound_total(&mut inner, &mut tally);
             self.merge_counts(&mut inner, &gateway, &counts, at_ms, &mut tally);
+            if let Some(usage) = tenant_usage {
+                let usage = kvmesh_proto::usage_from_wire(&usage, kvmesh_core::fleet::MAX_SHIPPED, at_ms);
+                inner.tenants_mut().reported(&gateway, usage);
+            }
         }
         if tally.bad > 0 {
             tracing::warn!(bad = tally.bad, "report names unknown workers; entries dropped");

@@ -1,5 +1,5 @@
 //! The state itself: what kvmesh-cp tracks, behind one lock (the registry, the global prefix
-//! index, the publication, the gateways: each an owner of its own), its counters, and the
+//! index, the publication, the gateways, the tenants' usage: each an owner of its own), its counters, and the
 //! channel the deltas go out on. The jobs done on it are the sibling modules'.
 
 use std::collections::HashMap;
@@ -13,6 +13,7 @@ use super::gateways::Gateways;
 use super::global_index::GlobalIndex;
 use super::publication::{Deltas, Publication};
 use super::registry::Registry;
+use super::tenants::TenantUsage;
 use crate::settings::Settings;
 
 /// Everything behind the lock: one owner per part, each holding its data privately. Where an
@@ -24,6 +25,7 @@ pub(super) struct Locked {
     index: GlobalIndex,
     publication: Publication,
     gateways: Gateways,
+    tenants: TenantUsage,
 }
 
 impl Locked {
@@ -42,6 +44,15 @@ impl Locked {
 
     pub(super) fn gateways(&self) -> &Gateways {
         &self.gateways
+    }
+
+    /// The tenants' usage as each gateway reported it (fair shares across gateways).
+    pub(super) fn tenants(&self) -> &TenantUsage {
+        &self.tenants
+    }
+
+    pub(super) fn tenants_mut(&mut self) -> &mut TenantUsage {
+        &mut self.tenants
     }
 
     /// The registry, to write (the publication is then told by the caller).

@@ -10,7 +10,9 @@
 //!   too long for their class (408) and admits the oldest of the highest class while slots are
 //!   free (with tenant weights, the one whose tenant used the fewest tokens per unit of
 //!   weight, [`kvmesh_core::fair`]); the request is then routed and resumed from the tick. It also keeps the VM's heartbeat in the shared
-//!   value while the VM holds requests.
+//!   value while the VM holds requests. A tenant's usage is the fleet's: the VM's charges
+//!   since its last tick, its Envoy's and the rest of the fleet's as kvmesh-cp shipped them
+//!   (`crate::shared::tenant_usage`, to which each tick adds the VM's charges).
 //!
 //! The slots a VM that died held stop counting once its heartbeat is stale; its tokens come
 //! back through the refill.
@@ -18,7 +20,8 @@
 use std::collections::VecDeque;
 
 use kvmesh_core::admission::AdmissionParams;
-use kvmesh_core::fair::{pick, Shares};
+use kvmesh_core::fair::{pick_by, Shares};
+use kvmesh_core::fleet::Usage;
 use kvmesh_core::priority::{Class, CLASSES};
 
 pub use crate::shared::admission::{Entry, PerClass};
@@ -42,13 +45,14 @@ struct Waiting<T> {
     waiter: T,
 }
 
-/// Of a class's queue, the one to admit next: the oldest, or with tenants the fair pick.
-fn next<T>(q: &mut VecDeque<Waiting<T>>, shares: &Shares, now_ms: u64) -> Option<Waiting<T>> {
+/// Of a class's queue, the one to admit next: the oldest, or with tenants the fair pick by
+/// each tenant's `usage`.
+fn next<T>(q: &mut VecDeque<Waiting<T>>, usage: &dyn Fn(&str) -> f64) -> Option<Waiting<T>> {
     if q.iter().all(|w| w.tenant.is_none()) {
         return q.pop_front();
     }
     let waiting = q.iter().map(|w| w.tenant.as_ref().map_or((None, 1), |(t, weight)| (Some(&**t), *weight)));
-    let i = pick(shares, waiting, now_ms)?;
+    let i = pick_by(usage, waiting)?;
     q.remove(i)
 }
 
@@ -62,13 +66,22 @@ pub struct WaitRoom<T> {
     held: u32,
     /// When this VM's line in the shared value last beat (ms).
     beat_ms: u64,
-    /// Each tenant's token usage (fair shares; empty without tenant weights).
+    /// Each tenant's token usage charged on this VM since its last tick (fair shares; empty
+    /// without tenant weights), and the bound on tenants it was charged under.
     shares: Shares,
+    max_tenants: usize,
 }
 
 impl<T> Default for WaitRoom<T> {
     fn default() -> Self {
-        Self { queues: Default::default(), published: 0, held: 0, beat_ms: 0, shares: Shares::default() }
+        Self {
+            queues: Default::default(),
+            published: 0,
+            held: 0,
+            beat_ms: 0,
+            shares: Shares::default(),
+            max_tenants: 64,
+        }
     }
 }
 
@@ -104,8 +117,25 @@ impl<T> WaitRoom<T> {
     pub fn charge(&mut self, tenant: &str, tokens: u64, max_tenants: usize, now_ms: u64) {
         if self.shares.is_empty() {
             self.shares = Shares::new(max_tenants);
+            self.max_tenants = max_tenants;
         }
         self.shares.charge(tenant, tokens, now_ms);
+    }
+
+    /// Whether tenants were charged since the last tick (the tick shares them).
+    pub fn has_charges(&self) -> bool {
+        !self.shares.is_empty()
+    }
+
+    /// The VM's charges go into its Envoy's usage (kept here while shared data refuses them).
+    pub fn share_charges(&mut self, store: &dyn SharedStore, now_ms: u64) {
+        if self.shares.is_empty() {
+            return;
+        }
+        let charges = Usage::sanitized(self.shares.each(now_ms), self.max_tenants, now_ms);
+        if crate::shared::tenant_usage::add(store, &charges, self.max_tenants, now_ms) {
+            self.shares.clear();
+        }
     }
 
     /// A request of this VM took a slot when it came ([`SharedBucket::enter`]).
@@ -138,6 +168,7 @@ impl<T> WaitRoom<T> {
     /// admitted.
     pub fn tick(&mut self, store: &dyn SharedStore, p: Option<&AdmissionParams>, vm: u32, now_ms: u64) -> Vec<Wake<T>> {
         let mut out = Vec::new();
+        self.share_charges(store, now_ms);
         let Some(p) = p else {
             for q in self.queues.iter_mut().rev() {
                 out.extend(q.drain(..).map(|w| Wake::Admit(w.ctx, w.waiter)));
@@ -159,9 +190,14 @@ impl<T> WaitRoom<T> {
         }
         let taken = SharedBucket::admit(store, p, vm, self.counts(), now_ms);
         self.beat_ms = now_ms;
+        // The fleet's usage, read once and only when a tenant's request may be admitted.
+        let fair = taken.iter().any(|n| *n > 0) && self.queues.iter().flatten().any(|w| w.tenant.is_some());
+        let (envoy, rest) = fair.then(|| crate::shared::tenant_usage::read(store)).flatten().unwrap_or_default();
+        let shares = &self.shares;
+        let usage = |t: &str| shares.usage(t, now_ms) + envoy.get(t, now_ms) + rest.get(t, now_ms);
         for (q, n) in self.queues.iter_mut().zip(taken).rev() {
             for _ in 0..n {
-                if let Some(w) = next(q, &self.shares, now_ms) {
+                if let Some(w) = next(q, &usage) {
                     self.held = self.held.saturating_add(1);
                     out.push(Wake::Admit(w.ctx, w.waiter));
                 }
@@ -515,5 +551,65 @@ mod fair_tests {
             order.extend(room.tick(&store, Some(&p), 1, now));
         }
         assert_eq!(order, vec![Wake::Admit(2, 2), Wake::Admit(3, 3), Wake::Admit(1, 1)]);
+    }
+}
+
+#[cfg(test)]
+mod fleet_tests {
+    use super::*;
+    use crate::shared::fake::FakeStore;
+    use kvmesh_core::priority::ClassLimits;
+
+    const P: AdmissionParams = AdmissionParams {
+        capacity: 1,
+        refill_per_sec: 1_000.0,
+        queue_size: 10,
+        queue_timeout_ms: 60_000,
+        classes: ClassLimits { reserved: [0; 4], queue_size: [None; 4], queue_timeout_ms: [None; 4] },
+    };
+
+    /// With one slot held, `a` then `b` wait in `room`; the order they are admitted in.
+    fn order(store: &FakeStore, room: &mut WaitRoom<u32>, vm: u32) -> Vec<Wake<u32>> {
+        assert_eq!(SharedBucket::enter(store, &P, vm, Class::Default, room.counts(), 1), Some(Entry::Admitted));
+        room.took(1);
+        for (ctx, t) in [(1, "a"), (2, "b")] {
+            assert_eq!(SharedBucket::enter(store, &P, vm, Class::Default, room.counts(), 1), Some(Entry::Queued));
+            room.push_for(ctx, Class::Default, Some((t, 1)), 1, ctx);
+        }
+        let mut out = Vec::new();
+        for now in 2..4 {
+            SharedBucket::give_back(store, &P, vm, Class::Default, now);
+            room.gave_back();
+            out.extend(room.tick(store, Some(&P), vm, now));
+        }
+        out
+    }
+
+    /// Another VM of the Envoy charged `a`: its tick shares the charge, and this VM's pick
+    /// counts it (`b` first, though it came last).
+    #[test]
+    fn the_vms_of_one_envoy_pick_by_their_shared_usage() {
+        let store = FakeStore::default();
+        let mut other = WaitRoom::<u32>::default();
+        other.charge("a", 1_000, 8, 0);
+        assert!(other.has_charges());
+        assert!(other.tick(&store, None, 2, 1).is_empty());
+        assert!(!other.has_charges(), "shared on its tick");
+        let mut room = WaitRoom::<u32>::default();
+        assert_eq!(order(&store, &mut room, 1), vec![Wake::Admit(2, 2), Wake::Admit(1, 1)]);
+    }
+
+    /// The rest of the fleet (kvmesh-cp's usage less this Envoy's) used `a`: `b` goes first;
+    /// without it, the oldest (`a`).
+    #[test]
+    fn the_rest_of_the_fleets_usage_counts_in_the_pick() {
+        let store = FakeStore::default();
+        let mut room = WaitRoom::<u32>::default();
+        assert_eq!(order(&store, &mut room, 1), vec![Wake::Admit(1, 1), Wake::Admit(2, 2)], "no usage: oldest first");
+        let store = FakeStore::default();
+        let rest = Usage::sanitized([("a", 5_000.0)], 8, 0);
+        assert!(crate::shared::tenant_usage::set_rest(&store, &rest));
+        let mut room = WaitRoom::<u32>::default();
+        assert_eq!(order(&store, &mut room, 1), vec![Wake::Admit(2, 2), Wake::Admit(1, 1)]);
     }
 }

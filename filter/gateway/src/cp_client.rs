@@ -114,6 +114,7 @@ impl ControlPlaneClient {
             log::info!("control plane snapshot {} with {} workers", snapshot.version, snapshot.workers.len());
         }
         gateway.apply_snapshot(host, &snapshot);
+        gateway.publisher().fleet_usage(host, &snapshot, now_ms(host));
         host.record(Metric::SnapshotVersion, snapshot.version);
         host.record(Metric::IndexBlocks, gateway.index_len() as u64);
         // The first snapshot of a connection is full and its table now applied (ids that name

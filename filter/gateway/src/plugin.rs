@@ -183,7 +183,9 @@ impl Plugin {
         // Callouts whose request went away (Envoy cancelled them with the stream).
         self.callouts.retain(|_, (_, w)| w.strong_count() > 0);
         let wakes = match self.room.try_borrow_mut() {
-            Ok(mut room) if !room.is_empty() || params.is_some() => room.tick(host, params.as_ref(), vm, now),
+            Ok(mut room) if !room.is_empty() || params.is_some() || room.has_charges() => {
+                room.tick(host, params.as_ref(), vm, now)
+            }
             _ => return,
         };
         if params.is_some() {
@@ -288,9 +290,15 @@ impl Plugin {
     /// A stream of this plugin ended, `others` of its streams still live. For a host without
     /// a timer, the last one's end may be the last chance to run for a long while: what the
     /// tick keeps goes to shared data now — unless the VM is alone in its Envoy: then nobody
-    /// else reads it, and its next tick writes it.
+    /// else reads it, and its next tick writes it. Its tenants' charges go either way: the
+    /// stream owner that reports them to kvmesh-cp is another plugin there.
     pub fn on_stream_end(&self, host: &dyn VmHost, others: usize) {
         let alone = self.gateway.as_ref().and_then(|g| g.try_borrow().ok()).is_some_and(|g| g.ledger().alone());
+        if others == 0 {
+            if let Ok(mut room) = self.room.try_borrow_mut() {
+                room.share_charges(host, now_ms(host));
+            }
+        }
         if others == 0 && !alone {
             self.flush(host);
         }

@@ -352,6 +352,19 @@ pub fn peer(
     mesh: bool,
     policy: &str,
 ) -> anyhow::Result<Running> {
+    peer_with(bins, which, workers, replicas, mesh, policy, &[])
+}
+
+/// As [`peer`], each replica with the flags `extra` too.
+pub fn peer_with(
+    bins: &PeerBins,
+    which: Peer,
+    workers: &Workers,
+    replicas: usize,
+    mesh: bool,
+    policy: &str,
+    extra: &[&str],
+) -> anyhow::Result<Running> {
     let mut r = Running::new(Vec::new());
     let mesh_ports: Vec<u16> = (0..replicas).map(|_| free_port()).collect::<Result<_, _>>()?;
     for i in 0..replicas {
@@ -385,6 +398,7 @@ pub fn peer(
                 }
             }
         }
+        cmd.args(extra);
         if mesh && which == Peer::Smg && replicas > 1 {
             cmd.args(["--enable-mesh", "--mesh-host", "127.0.0.1", "--mesh-advertise-host", "127.0.0.1"]);
             cmd.args(["--mesh-port", &mesh_ports[i].to_string(), "--mesh-server-name", &format!("smg-{i}")]);

@@ -6,6 +6,7 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use kvmesh_core::breaker::BreakerState;
+use kvmesh_core::fleet::{Usage, MAX_SHIPPED};
 use kvmesh_core::{Router, WorkerId};
 use kvmesh_proto::v1::{self as proto, IndexEvict, IndexInsert, ReportBatch, WorkerCounts};
 
@@ -57,6 +58,9 @@ pub struct Publisher {
     /// The epoch this VM publishes under while it holds the streams: new with every full
     /// snapshot (a connection, so a control plane that may have restarted).
     pub(super) epoch: u64,
+    /// This Envoy's tenant usage as last reported: taken off the fleet's the control plane
+    /// ships, so that it is not counted twice.
+    reported_usage: Usage,
 }
 
 impl Publisher {
@@ -93,6 +97,7 @@ impl Publisher {
         if !on && self.reporting {
             self.unreported.take();
             self.stale.clear();
+            self.reported_usage = Usage::default();
         }
         self.reporting = on;
     }
@@ -168,7 +173,32 @@ impl Publisher {
                 Some(feedback);
         }
         let stale = self.stale.drain(..).map(|(worker, hashes)| IndexEvict { worker, hashes }).collect();
-        ReportBatch { gateway_id: gateway_id.to_string(), inserts, counts: counts.into_values().collect(), stale }
+        // This Envoy's tenant usage, where its VMs charge any (tenant weights).
+        let tenant_usage = crate::shared::tenant_usage::read(store).map(|(envoy, _)| {
+            self.reported_usage = envoy.at(now.ms());
+            kvmesh_proto::usage_to_wire(&self.reported_usage)
+        });
+        ReportBatch {
+            gateway_id: gateway_id.to_string(),
+            inserts,
+            counts: counts.into_values().collect(),
+            stale,
+            tenant_usage,
+        }
+    }
+
+    /// The fleet's tenant usage a snapshot carries, received at `now_ms`: less what this Envoy
+    /// reported itself, it becomes the rest of the fleet's for every VM's fair pick
+    /// (`crate::shared::tenant_usage`). A VM that has not reported yet (it just took the
+    /// streams over) takes off the Envoy's usage as it stands.
+    pub fn fleet_usage(&self, store: &dyn SharedStore, snapshot: &proto::Snapshot, now_ms: u64) {
+        let Some(usage) = &snapshot.tenant_usage else { return };
+        let envoy = || crate::shared::tenant_usage::read(store).map(|(envoy, _)| envoy).unwrap_or_default();
+        let own = if self.reported_usage.entries.is_empty() { envoy() } else { self.reported_usage.clone() };
+        let rest = kvmesh_proto::usage_from_wire(usage, MAX_SHIPPED, now_ms).minus(&own, now_ms);
+        if !crate::shared::tenant_usage::set_rest(store, &rest) {
+            log::debug!("cannot share the fleet's tenant usage: shared data refused the write");
+        }
     }
 
     /// Everything `view`'s index holds, for a control plane that just (re)connected: report

@@ -86,7 +86,9 @@ impl RequestFilter {
         let limits = self.with_gateway(|g| g.config().tenants.as_ref().map(|t| (t.max_tenants, t.tokens_per_minute)));
         let (max, per_minute) = limits.flatten().unwrap_or((64, None));
         let now_ms = crate::host::now_ms(host);
-        if let (Some(_), Some(seat)) = (self.weight, &self.seat) {
+        // Into the VM's table either way: shared on its tick, reported to kvmesh-cp, it counts
+        // in the fleet's fair shares and tokens-per-minute limits.
+        if let Some(seat) = &self.seat {
             if let Ok(mut room) = seat.room.try_borrow_mut() {
                 room.charge(tenant, tokens, max, now_ms);
             }

@@ -19,6 +19,7 @@ mod lease;
 pub mod series;
 mod table;
 pub mod tenant_tokens;
+pub mod tenant_usage;
 pub mod tenants;
 mod vm_ledger;
 
@@ -88,6 +89,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ("kvmesh.tenants.v1", "tenants.rs"),
     ("kvmesh.tenant_series.v1", "series.rs"),
     ("kvmesh.tenant_tokens.v1", "tenant_tokens.rs"),
+    ("kvmesh.tenant_usage.v1", "tenant_usage.rs"),
 ];
 
 #[cfg(test)]

@@ -51,10 +51,13 @@ fn window_of(entries: &[(String, TokenWindow)], tenant: &str, max_tenants: usize
     own.or_else(other).map(|(_, w)| *w).unwrap_or_default()
 }
 
-/// What `limit` tokens per minute say about one more request of `tenant` at `now_ms`.
+/// What `limit` tokens per minute say about one more request of `tenant` at `now_ms`: this
+/// Envoy's minute, plus the rest of the fleet's where kvmesh-cp ships tenants' usage (its
+/// steady-rate estimate from `super::tenant_usage`: approximate, a snapshot behind).
 pub fn verdict(store: &dyn SharedStore, tenant: &str, limit: u64, max_tenants: usize, now_ms: u64) -> Verdict {
     let entries = store.get(KEY).0.map(|v| decode(&v)).unwrap_or_default();
-    window_of(&entries, tenant, max_tenants).verdict(limit, now_ms)
+    let rest = super::tenant_usage::read(store).map_or(0.0, |(_, rest)| rest.get(tenant, now_ms));
+    window_of(&entries, tenant, max_tenants).verdict_with(limit, kvmesh_core::fleet::per_minute(rest), now_ms)
 }
 
 /// Counts `tokens` for `tenant` at `now_ms`; false when shared data refused every write.
@@ -99,6 +102,22 @@ mod tests {
         assert_eq!((v.allowed, v.remaining, v.reset_ms), (false, 0, 30_000));
         assert!(verdict(&store, "b", 100, 8, 30_000).allowed, "another tenant");
         assert!(verdict(&store, "a", 100, 8, 60_000).allowed, "the next minute");
+    }
+
+    /// Across gateways: the rest of the fleet's usage (kvmesh-cp's less this Envoy's) counts
+    /// as its steady-rate estimate in the minute.
+    #[test]
+    fn the_rest_of_the_fleets_usage_counts_in_the_minute() {
+        use kvmesh_core::fleet::Usage;
+        let store = FakeStore::default();
+        assert!(charge(&store, "a", 100, 8, 0));
+        assert_eq!(verdict(&store, "a", 1_000, 8, 0).remaining, 900);
+        // 100 tokens of usage elsewhere: about 416 a minute.
+        assert!(crate::shared::tenant_usage::set_rest(&store, &Usage::sanitized([("a", 100.0)], 8, 0)));
+        assert_eq!(verdict(&store, "a", 1_000, 8, 0).remaining, 1_000 - 100 - 415);
+        assert!(crate::shared::tenant_usage::set_rest(&store, &Usage::sanitized([("a", 1_000.0)], 8, 0)));
+        assert!(!verdict(&store, "a", 1_000, 8, 0).allowed);
+        assert!(verdict(&store, "b", 1_000, 8, 0).allowed, "another tenant");
     }
 
     #[test]

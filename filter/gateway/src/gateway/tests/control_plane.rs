@@ -297,3 +297,32 @@ fn reports_carry_new_inserts_once_and_the_counts() {
     assert!(sizes.iter().all(|&n| (1..=3).contains(&n)), "{sizes:?}");
     assert!(chunks.iter().all(|b| b.gateway_id == "gw" && b.counts.is_empty()));
 }
+
+/// Tenant usage (issue 47): a report carries this Envoy's (what its VMs shared), and the
+/// fleet's usage a snapshot carries goes to the other VMs less that, counted once.
+#[test]
+fn reports_carry_the_envoys_tenant_usage_and_the_fleets_comes_back_less_it() {
+    use crate::shared::tenant_usage;
+    use kvmesh_core::fleet::Usage;
+    let store = FakeStore::default();
+    let mut g = gateway(&store, 1);
+    assert_eq!(g.take_report(&store, "gw", Now::default()).tenant_usage, None, "no tenants charged");
+    assert!(tenant_usage::add(&store, &Usage::sanitized([("a", 300.0)], 8, 0), 8, 0));
+    // Not reported yet (a VM that just took the streams over): the Envoy's own usage as it
+    // stands is taken off.
+    let fleet = kvmesh_proto::usage_to_wire(&Usage::sanitized([("a", 1_300.0)], 8, 0));
+    g.publisher().fleet_usage(&store, &proto::Snapshot { tenant_usage: Some(fleet), ..Default::default() }, 0);
+    assert_eq!(tenant_usage::read(&store).unwrap().1.get("a", 0), 1_000.0);
+    let report = g.take_report(&store, "gw", Now::default());
+    let sent = report.tenant_usage.unwrap();
+    assert_eq!((sent.tenants[0].tenant.as_str(), sent.tenants[0].tokens), ("a", 300.0));
+    // The fleet: this Envoy's 300 of `a` plus 1000 elsewhere, and `b`'s 50 elsewhere.
+    let fleet = kvmesh_proto::usage_to_wire(&Usage::sanitized([("a", 1_300.0), ("b", 50.0)], 8, 0));
+    let snapshot = proto::Snapshot { version: 2, tenant_usage: Some(fleet), ..Default::default() };
+    g.publisher().fleet_usage(&store, &snapshot, 0);
+    let (envoy, rest) = tenant_usage::read(&store).unwrap();
+    assert_eq!((envoy.get("a", 0), rest.get("a", 0), rest.get("b", 0)), (300.0, 1_000.0, 50.0));
+    // A snapshot without usage changes nothing.
+    g.publisher().fleet_usage(&store, &proto::Snapshot::default(), 0);
+    assert_eq!(tenant_usage::read(&store).unwrap().1.get("a", 0), 1_000.0);
+}
