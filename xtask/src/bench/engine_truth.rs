@@ -325,22 +325,48 @@ fn time_until(mut done: impl FnMut() -> bool) -> Option<f64> {
     None
 }
 
-/// Worker 0 restarts in place, worker 1 is flushed. With events (a control plane that holds
-/// the flushed worker's entries): the milliseconds until kvmesh-cp holds none of them, before
-/// the stream goes on (the gateways have the eviction within `--push-interval-ms` more).
-fn midway(w: &Workload, sims: &[Sim], running: &Running, events: bool) -> Option<f64> {
-    if w.midway != Midway::RestartAndFlush {
-        return None;
-    }
-    let _ = http::post(&format!("{}/sim/restart", sims[0].url()), b"{}", &[]);
-    let flushed = sims[1].url();
-    let held = || cp_metric(running, "kvmesh_worker_index_tokens", &flushed);
-    let before = held();
-    let _ = http::post(&format!("{flushed}/flush_cache"), b"{}", &[]);
-    if !events || before.is_none_or(|b| b == 0.0) {
-        return None;
-    }
-    time_until(|| held() == Some(0.0))
+/// kvmesh-cp's index entries for the worker at `url`.
+fn cp_entries(running: &Running, url: &str) -> Option<f64> {
+    let cp = running.control_plane()?;
+    let workers = http::get(&format!("http://127.0.0.1:{}/workers", cp.http_port)).ok()?.json().ok()?;
+    workers.as_array()?.iter().find(|w| w["url"] == url)?["index_entries"].as_f64()
+}
+
+/// Halfway: worker 0 restarts in place (no event says so: kvmesh-cp sees it at its next
+/// batch, or when an idle reconnect finds its replay buffer empty), worker 1 is flushed
+/// (`AllBlocksCleared`), then the rest of the stream. With events: the milliseconds from the
+/// flush until kvmesh-cp held none of worker 1's entries (waited for before the stream goes
+/// on), and from the restart until it counted worker 0's restart (the gateways have the
+/// evictions within `--push-interval-ms` more).
+fn restart_and_flush(
+    sims: &[Sim],
+    running: &Running,
+    events: bool,
+    rest: impl FnOnce() -> Tally,
+) -> (Tally, Option<f64>, Option<f64>) {
+    let (restarted, flushed) = (sims[0].url(), sims[1].url());
+    let seen = || cp_metric(running, "kvmesh_kv_events_restarts_total", &restarted).is_some_and(|n| n >= 1.0);
+    std::thread::scope(|s| {
+        let _ = http::post(&format!("{restarted}/sim/restart"), b"{}", &[]);
+        let watch = events.then(|| s.spawn(|| time_until(seen)));
+        let before = cp_entries(running, &flushed);
+        let _ = http::post(&format!("{flushed}/flush_cache"), b"{}", &[]);
+        let flush_ms = if events && before.is_some_and(|b| b > 0.0) {
+            time_until(|| cp_entries(running, &flushed) == Some(0.0))
+        } else {
+            None
+        };
+        if events {
+            eprintln!(
+                "      worker 1's entries in kvmesh-cp: {} before the flush, {} after",
+                before.map_or("-".into(), |b| b.to_string()),
+                cp_entries(running, &flushed).map_or("-".into(), |b| b.to_string())
+            );
+        }
+        let tally = rest();
+        let restart_ms = watch.and_then(|h| h.join().ok()).flatten();
+        (tally, flush_ms, restart_ms)
+    })
 }
 
 fn measure(w: &Workload, row: &Row, p: &Publishers, running: &Running) -> Value {
@@ -352,17 +378,9 @@ fn measure(w: &Workload, row: &Row, p: &Publishers, running: &Running) -> Value 
     let mut t = send(&w.requests[..half], &targets, &workers);
     let (mut flush_ms, mut restart_ms) = (None, None);
     if half < w.requests.len() {
-        flush_ms = midway(w, &p.sims, running, row.events);
-        // The restarted engine's first batch comes with the first request it serves: how long
-        // after the stream went on kvmesh-cp saw its sequence start again.
-        let restarted = p.sims[0].url();
-        let seen = || cp_metric(running, "kvmesh_kv_events_restarts_total", &restarted).is_some_and(|n| n >= 1.0);
-        let rest = std::thread::scope(|s| {
-            let watch = row.events.then(|| s.spawn(|| time_until(seen)));
-            let rest = send(&w.requests[half..], &targets, &workers);
-            restart_ms = watch.and_then(|h| h.join().ok()).flatten();
-            rest
-        });
+        let (rest, f, r) =
+            restart_and_flush(&p.sims, running, row.events, || send(&w.requests[half..], &targets, &workers));
+        (flush_ms, restart_ms) = (f, r);
         t.ok += rest.ok;
         t.errors += rest.errors;
         t.prompt += rest.prompt;
@@ -392,7 +410,7 @@ fn measure(w: &Workload, row: &Row, p: &Publishers, running: &Running) -> Value 
         match (flush_ms, restart_ms) {
             (None, None) => String::new(),
             (f, r) => format!(
-                "  flush dropped in {} ms, restart seen {} ms into the second half",
+                "  flush dropped in {} ms, restart seen in {} ms",
                 f.map_or("-".into(), |x| format!("{x:.0}")),
                 r.map_or("-".into(), |x| format!("{x:.0}"))
             ),
