@@ -9,7 +9,7 @@
 //! What is spoken (ZMTP 3.0, which libzmq 4 and the `zeromq` crate accept): the 64-byte
 //! greeting with the NULL mechanism, a READY command with `Socket-Type`, a SUB's subscription
 //! as a message frame (`0x01` + the topic), multipart messages. Commands after the handshake
-//! (a 3.1 peer's PING when heartbeats are on) are read within the bound and ignored.
+//! are read within the bound; a 3.1 peer's heartbeat PING is answered PONG, others ignored.
 
 use std::time::Duration;
 
@@ -160,6 +160,13 @@ impl Peer {
         loop {
             let f = self.read_frame().await?;
             if f.command {
+                // A 3.1 peer's heartbeat: PING (TTL, context) is answered PONG (context).
+                if let Some(rest) = f.body.strip_prefix(b"\x04PING") {
+                    let mut pong = b"\x04PONG".to_vec();
+                    pong.extend_from_slice(rest.get(2..).unwrap_or_default());
+                    self.write_frame(true, false, &pong).await?;
+                    self.write.flush().await?;
+                }
                 continue;
             }
             if frames.len() == MAX_FRAMES {
@@ -255,6 +262,37 @@ mod tests {
                 server.abort();
             });
         }
+    }
+
+    #[test]
+    fn a_heartbeat_ping_is_answered_pong_with_its_context() {
+        rt().block_on(async {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let ep = format!("tcp://{}", listener.local_addr().unwrap());
+            let server = tokio::spawn(async move {
+                let (mut s, _) = listener.accept().await.unwrap();
+                s.write_all(&greeting()).await.unwrap();
+                let mut theirs = [0u8; 64];
+                s.read_exact(&mut theirs).await.unwrap();
+                let mut r = ready("PUB");
+                let mut cmd = vec![0x04u8, r.len() as u8];
+                cmd.append(&mut r);
+                s.write_all(&cmd).await.unwrap();
+                // Their READY, then: PING (TTL 10, context "ab"), then a message.
+                let mut head = [0u8; 2];
+                s.read_exact(&mut head).await.unwrap();
+                let mut body = vec![0u8; head[1] as usize];
+                s.read_exact(&mut body).await.unwrap();
+                s.write_all(&[0x04, 9, 4, b'P', b'I', b'N', b'G', 0, 10, b'a', b'b']).await.unwrap();
+                s.write_all(&[0x00, 1, b'm']).await.unwrap();
+                let mut pong = [0u8; 9];
+                s.read_exact(&mut pong).await.unwrap();
+                pong
+            });
+            let mut sub = Peer::connect(&ep, "SUB").await.unwrap();
+            assert_eq!(sub.recv().await.unwrap(), vec![Bytes::from_static(b"m")]);
+            assert_eq!(&server.await.unwrap(), b"\x04\x07\x04PONGab");
+        });
     }
 
     #[test]
