@@ -193,12 +193,6 @@ impl PrefixIndex {
         let n = hashes.len() as u32;
         let base = self.clock;
         self.clock = self.clock.wrapping_add(n);
-        if self.recency.is_some() {
-            // In stamping order: the deepest block first (the oldest stamp).
-            for (i, &hash) in hashes.iter().enumerate().rev() {
-                self.stamped(worker, base.wrapping_add(n - 1 - i as u32), hash);
-            }
-        }
         for (i, &hash) in hashes.iter().enumerate() {
             // Deeper blocks get older stamps, so eviction takes leaves first.
             let tick = base.wrapping_add(n - 1 - i as u32);
@@ -220,6 +214,13 @@ impl PrefixIndex {
             if added {
                 *self.sizes.entry(worker).or_default() += 1;
                 added_block(hash);
+            }
+        }
+        if self.recency.is_some() {
+            // In stamping order: the deepest block first (the oldest stamp). After the blocks
+            // carry their new stamps: a compaction of the log within this loop keeps them.
+            for (i, &hash) in hashes.iter().enumerate().rev() {
+                self.stamped(worker, base.wrapping_add(n - 1 - i as u32), hash);
             }
         }
     }

@@ -312,6 +312,9 @@ async fn run_item(e: &Engine, item: &Prompt, plan: Plan, logprobs: bool, max_tok
         e.decode_step().await;
         text.push_str(&token(i));
     }
+    if matches!(plan, Plan::Local) {
+        e.finished(&item.bytes, &text, seed);
+    }
     Some(Done {
         text,
         prompt_tokens: item.tokens,
@@ -630,6 +633,9 @@ fn stream(
                     Endpoint::ChatCompletions => chunk(&ctx, object, index, json!({"delta": {"content": piece}}), finish),
                 };
                 yield event(&v);
+            }
+            if matches!(plan, Plan::Local) {
+                e.finished(&item.bytes, &text, seed);
             }
             all.push(Done { text, prompt_tokens: item.tokens, cached_tokens: run.cached_tokens, completion_tokens: n, latency: run.started.elapsed().as_secs_f64(), input_logprobs: None });
         }

@@ -11,6 +11,8 @@ use serde::Deserialize;
 
 pub struct Bpe {
     ids: HashMap<String, u32>,
+    /// Bytes each id stands for (one a character of its vocabulary entry).
+    lens: HashMap<u32, u64>,
     ranks: HashMap<(String, String), usize>,
     byte_char: [char; 256],
 }
@@ -53,7 +55,13 @@ impl Bpe {
             .enumerate()
             .filter_map(|(i, m)| m.split_once(' ').map(|(a, b)| ((a.to_string(), b.to_string()), i)))
             .collect();
-        Ok(Self { ids: file.model.vocab, ranks, byte_char: byte_to_char() })
+        let lens = file.model.vocab.iter().map(|(k, &id)| (id, k.chars().count() as u64)).collect();
+        Ok(Self { ids: file.model.vocab, lens, ranks, byte_char: byte_to_char() })
+    }
+
+    /// Bytes of text `id` stands for (0 for an unknown id).
+    pub fn byte_len(&self, id: u32) -> u64 {
+        self.lens.get(&id).copied().unwrap_or(0)
     }
 
     /// The token ids of `text`.
@@ -100,5 +108,6 @@ mod tests {
         let chars: HashMap<char, u8> = bpe.byte_char.iter().enumerate().map(|(b, c)| (*c, b as u8)).collect();
         let bytes: Vec<u8> = ids.iter().flat_map(|i| back[i].chars().map(|c| chars[&c])).collect();
         assert_eq!(bytes, text.as_bytes());
+        assert_eq!(ids.iter().map(|&i| bpe.byte_len(i)).sum::<u64>(), text.len() as u64);
     }
 }

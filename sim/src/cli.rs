@@ -134,7 +134,9 @@ pub struct Args {
     /// How long the `--llm-d-sidecar` waits for the prefill worker's answer, in milliseconds.
     #[arg(long, default_value_t = 30_000)]
     pub sidecar_prefill_timeout_ms: u64,
-    /// Publish KV-cache events on a ZMQ PUB socket on this port (needs --tokenizer).
+    /// Publish KV-cache events on a ZMQ PUB socket on this port (needs --tokenizer). The
+    /// event block cache is then the truth: `cached_tokens` is what it held of a prompt on
+    /// arrival (whole pages, 4 bytes a token), and finished outputs take cache space.
     #[arg(long)]
     pub kv_events_port: Option<u16>,
     /// The replay socket (ZMQ ROUTER) for the KV events.

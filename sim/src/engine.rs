@@ -291,11 +291,12 @@ impl Engine {
         };
         self.counters.running.fetch_add(1, Relaxed);
         let mut run = Run { engine: self, _slot: slot, tokens: 0, pages: Vec::new(), cached_tokens: 0, started };
-        if seed == 0 {
-            if let Some(events) = self.kv_events.get() {
-                events.on_prompt(prompt);
-            }
-        }
+        // With KV events the engine's block cache is the truth: the answer is what it held of
+        // the prompt when it arrived, in whole pages (their bytes in the simulator's tokens).
+        let held = match (seed, self.kv_events.get()) {
+            (0, Some(events)) => Some(events.on_prompt(prompt)),
+            _ => None,
+        };
         let cached = match self.cache.lock() {
             Ok(mut cache) => {
                 let (cached, pages) = cache.run(prompt, prompt_tokens, seed);
@@ -304,6 +305,7 @@ impl Engine {
             }
             Err(_) => 0,
         };
+        let cached = held.map_or(cached, |bytes| (bytes / crate::cache::BYTES_PER_TOKEN).min(prompt_tokens));
         self.counters.prompt_tokens.fetch_add(prompt_tokens, Relaxed);
         self.counters.cached_tokens.fetch_add(cached, Relaxed);
         self.pause((prompt_tokens - cached) as f64 * self.args.prefill_us_per_token / 1e6).await;
@@ -366,6 +368,14 @@ impl Engine {
     /// Tokens the prefix cache holds, and its capacity.
     pub fn cache_usage(&self) -> (u64, u64) {
         self.cache.lock().map(|c| (c.used_tokens(), c.capacity_tokens())).unwrap_or((0, 1))
+    }
+
+    /// A request prefilled here finished with `output`: with KV events, the pages its output
+    /// completed are cached after its prompt (decode tokens take cache space).
+    pub fn finished(&self, prompt: &[u8], output: &str, seed: u64) {
+        if let (0, Some(events)) = (seed, self.kv_events.get()) {
+            events.on_finished(prompt, output.as_bytes());
+        }
     }
 
     /// Empties the prefix KV cache.

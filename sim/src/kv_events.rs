@@ -5,12 +5,16 @@
 //! (one `BlockStored` per page) — with the last batches kept for a ROUTER replay socket
 //! (request: the first sequence number, answered batch by batch, then −1).
 //!
+//! With events on, this block cache is the engine's truth: `cached_tokens` is what it held of
+//! a prompt when the request arrived (its leading full pages, their bytes counted as the
+//! simulator counts tokens, 4 a token), its capacity is `--kv-capacity-tokens` × 4 bytes, and
+//! a finished request's output pages are cached after its prompt (decode takes cache space).
+//!
 //! `/flush_cache` publishes `AllBlocksCleared`; `POST /sim/restart` is an engine restarted
 //! in place (blocks gone, sequence from 0, replay buffer empty, no event);
 //! `POST /sim/kv_events/drop_next` loses the next batch on the PUB socket only (a gap).
 
 use std::collections::VecDeque;
-use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
@@ -35,9 +39,74 @@ enum Ev {
 }
 
 struct Inner {
-    blocks: LruCache<u64, ()>,
+    blocks: Blocks,
     seq: u64,
     replay: VecDeque<(u64, Bytes)>,
+}
+
+/// The engine's block cache: full pages by chained hash, each with the bytes of text its
+/// tokens stand for, least recently used first out once they pass the capacity in bytes (the
+/// simulator's tokens are 4 bytes: `--kv-capacity-tokens` × 4). A request touches its pages
+/// deepest first, so a parent is always used more recently than its children and a leaf goes
+/// before its parent (SGLang's radix tree evicts leaves; vLLM frees a request's blocks tail
+/// first): what is held of a prompt is a run of its leading pages.
+struct Blocks {
+    lru: LruCache<u64, u64>,
+    bytes: u64,
+    capacity_bytes: u64,
+}
+
+impl Blocks {
+    fn new(capacity_bytes: u64) -> Self {
+        Self { lru: LruCache::unbounded(), bytes: 0, capacity_bytes: capacity_bytes.max(1) }
+    }
+
+    fn clear(&mut self) {
+        self.lru.clear();
+        self.bytes = 0;
+    }
+
+    /// A sequence's full pages (`(hash, bytes)`, chained, with their tokens in `tokens`, `page`
+    /// a page) are used: returns the bytes of its leading pages held before, and the events
+    /// (one `BlockStored` per run of new pages, the evictions).
+    fn run(&mut self, pages: &[(u64, u64)], tokens: &[u32], page: usize) -> (u64, Vec<Ev>) {
+        let held: u64 = pages.iter().take_while(|(h, _)| self.lru.contains(h)).map(|(_, b)| b).sum();
+        let mut events = Vec::new();
+        let mut run: Option<Ev> = None;
+        for (i, &(hash, _)) in pages.iter().enumerate() {
+            if self.lru.contains(&hash) {
+                events.extend(run.take());
+                continue;
+            }
+            let page_tokens = tokens.get(i * page..(i + 1) * page).unwrap_or_default();
+            match &mut run {
+                Some(Ev::Stored { hashes, tokens, .. }) => {
+                    hashes.push(hash);
+                    tokens.extend_from_slice(page_tokens);
+                }
+                _ => {
+                    let parent = i.checked_sub(1).and_then(|p| pages.get(p)).map(|(h, _)| *h);
+                    run = Some(Ev::Stored { hashes: vec![hash], parent, tokens: page_tokens.to_vec() })
+                }
+            }
+        }
+        events.extend(run);
+        for &(hash, bytes) in pages.iter().rev() {
+            if self.lru.put(hash, bytes).is_none() {
+                self.bytes += bytes;
+            }
+        }
+        let mut removed = Vec::new();
+        while self.bytes > self.capacity_bytes {
+            let Some((hash, bytes)) = self.lru.pop_lru() else { break };
+            self.bytes -= bytes;
+            removed.push(hash);
+        }
+        if !removed.is_empty() {
+            events.push(Ev::Removed(removed));
+        }
+        (held, events)
+    }
 }
 
 pub struct KvEvents {
@@ -65,14 +134,13 @@ impl KvEvents {
         let mut publisher = PubSocket::new();
         publisher.bind(&format!("tcp://{host}:{port}")).await.context("KV-event PUB socket")?;
         let (tx, mut rx) = mpsc::unbounded_channel::<(u64, Bytes)>();
-        let blocks = (capacity_tokens / page as u64).max(1) as usize;
         let events = Arc::new(Self {
             bpe,
             encoding,
             page: page.max(1),
             topic: String::new(),
             inner: Mutex::new(Inner {
-                blocks: LruCache::new(NonZeroUsize::new(blocks).unwrap_or(NonZeroUsize::MIN)),
+                blocks: Blocks::new(capacity_tokens.saturating_mul(crate::cache::BYTES_PER_TOKEN)),
                 seq: 0,
                 replay: VecDeque::new(),
             }),
@@ -123,41 +191,37 @@ impl KvEvents {
         }
     }
 
-    /// A prompt ran: its full pages are stored (those not yet held), the least recently
-    /// used beyond the capacity removed; the changes are published as one batch.
-    pub fn on_prompt(&self, prompt: &[u8]) {
-        let tokens = self.bpe.encode(prompt);
-        let Ok(mut inner) = self.inner.lock() else { return };
+    /// A prompt arrived: returns the bytes of its leading full pages the cache held; its full
+    /// pages are stored (those not yet held), the least recently used beyond the capacity
+    /// removed; the changes are published as one batch.
+    pub fn on_prompt(&self, prompt: &[u8]) -> u64 {
+        self.run(&self.bpe.encode(prompt))
+    }
+
+    /// A request finished: the pages its output completed (the prompt's tokens, then the
+    /// output's) are cached after its prompt, as an engine keeps a finished sequence's KV —
+    /// decode tokens take cache space.
+    pub fn on_finished(&self, prompt: &[u8], output: &[u8]) {
+        let mut tokens = self.bpe.encode(prompt);
+        tokens.extend(self.bpe.encode(output));
+        self.run(&tokens);
+    }
+
+    fn run(&self, tokens: &[u32]) -> u64 {
         let mut parent: Option<u64> = None;
-        let mut new_hashes = Vec::new();
-        let mut new_tokens = Vec::new();
-        let mut first_parent = None;
-        let mut removed = Vec::new();
-        for page in tokens.chunks_exact(self.page) {
-            let bytes: Vec<u8> = page.iter().flat_map(|t| t.to_le_bytes()).collect();
-            let hash = xxh3_64_with_seed(&bytes, parent.unwrap_or(0x5eed));
-            if inner.blocks.get(&hash).is_none() {
-                if new_hashes.is_empty() {
-                    first_parent = parent;
-                }
-                if let Some((old, ())) = inner.blocks.push(hash, ()) {
-                    if old != hash {
-                        removed.push(old);
-                    }
-                }
-                new_hashes.push(hash);
-                new_tokens.extend_from_slice(page);
-            }
-            parent = Some(hash);
-        }
-        let mut events = Vec::new();
-        if !new_hashes.is_empty() {
-            events.push(Ev::Stored { hashes: new_hashes, parent: first_parent, tokens: new_tokens });
-        }
-        if !removed.is_empty() {
-            events.push(Ev::Removed(removed));
-        }
+        let pages: Vec<(u64, u64)> = tokens
+            .chunks_exact(self.page)
+            .map(|page| {
+                let bytes: Vec<u8> = page.iter().flat_map(|t| t.to_le_bytes()).collect();
+                let hash = xxh3_64_with_seed(&bytes, parent.unwrap_or(0x5eed));
+                parent = Some(hash);
+                (hash, page.iter().map(|&t| self.bpe.byte_len(t)).sum())
+            })
+            .collect();
+        let Ok(mut inner) = self.inner.lock() else { return 0 };
+        let (held, events) = inner.blocks.run(&pages, tokens, self.page);
         self.publish(&mut inner, events);
+        held
     }
 
     /// The cache was emptied (`/flush_cache`, a weight update): `AllBlocksCleared`.
@@ -349,5 +413,55 @@ impl KvEvents {
                 let _ = write_str(b, "AllBlocksCleared");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A chain of `n` pages of 10 bytes, one token each, hashes `base + i`.
+    fn chain(base: u64, n: u64) -> Vec<(u64, u64)> {
+        (0..n).map(|i| (base + i, 10)).collect()
+    }
+
+    fn stored(events: &[Ev]) -> Vec<(Vec<u64>, Option<u64>)> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                Ev::Stored { hashes, parent, .. } => Some((hashes.clone(), *parent)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn removed(events: &[Ev]) -> Vec<u64> {
+        events.iter().flat_map(|e| if let Ev::Removed(h) = e { h.clone() } else { Vec::new() }).collect()
+    }
+
+    #[test]
+    fn the_answer_is_the_leading_pages_held_when_the_request_arrived() {
+        let mut b = Blocks::new(1000);
+        let tokens: Vec<u32> = (0..8).collect();
+        let (held, ev) = b.run(&chain(100, 4), &tokens, 1);
+        assert_eq!((held, stored(&ev)), (0, vec![(vec![100, 101, 102, 103], None)]));
+        let (held, ev) = b.run(&chain(100, 6), &tokens, 1);
+        assert_eq!(held, 40, "4 pages of 10 bytes");
+        assert_eq!(stored(&ev), vec![(vec![104, 105], Some(103))], "the new run, from its parent");
+    }
+
+    #[test]
+    fn eviction_keeps_the_bytes_within_capacity_and_takes_leaves_first() {
+        let mut b = Blocks::new(60);
+        let tokens: Vec<u32> = (0..8).collect();
+        b.run(&chain(100, 4), &tokens, 1);
+        // Another prompt of 3 pages: 70 bytes > 60, the oldest leaf (103) goes, not the root.
+        let (_, ev) = b.run(&chain(200, 3), &tokens, 1);
+        assert_eq!(removed(&ev), vec![103]);
+        assert_eq!(b.bytes, 60);
+        let (held, _) = b.run(&chain(100, 4), &tokens, 1);
+        assert_eq!(held, 30, "what is held of a prompt is a run of its leading pages");
+        b.clear();
+        assert_eq!((b.bytes, b.run(&chain(100, 1), &tokens, 1).0), (0, 0));
     }
 }

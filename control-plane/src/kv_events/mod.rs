@@ -4,7 +4,7 @@
 //! worker (`State::engine_stored`), removed when the engine removes them, all of them dropped
 //! when it clears, restarts (its sequence starts again) or leaves the registry.
 //!
-//! `wire.rs` the formats, `vocab.rs` token ids as bytes, `rekey.rs` the chain, `subscriber.rs`
+//! `wire.rs` the formats, `zmtp.rs` the sockets' protocol (bounded), `vocab.rs` token ids as bytes, `rekey.rs` the chain, `subscriber.rs`
 //! the sockets, sequence numbers, gaps and replays; this file which workers have a publisher
 //! (`--kv-events-*`, the add-worker API), the tasks, the metrics.
 
@@ -13,6 +13,7 @@ pub mod rekey;
 mod subscriber;
 pub mod vocab;
 pub mod wire;
+pub mod zmtp;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -44,6 +45,7 @@ pub struct EventMetrics {
     pub gaps: Family<EventLabels, Counter>,
     pub replays: Family<EventLabels, Counter>,
     pub restarts: Family<EventLabels, Counter>,
+    pub dropped: Family<EventLabels, Counter>,
     pub lag_ms: Family<EventLabels, Gauge>,
     pub blocks: Family<EventLabels, Gauge>,
 }
@@ -64,6 +66,11 @@ impl EventMetrics {
             "kvmesh_kv_events_restarts",
             "Engine restarts seen (sequence started again): the worker's entries dropped",
             self.restarts.clone(),
+        );
+        r.register(
+            "kvmesh_kv_events_dropped",
+            "Live batches dropped over the per-worker rate bound (32 MiB/s): the worker's entries dropped",
+            self.dropped.clone(),
         );
         r.register(
             "kvmesh_kv_events_lag_ms",

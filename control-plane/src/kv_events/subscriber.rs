@@ -8,20 +8,22 @@
 //!   removal would leave an entry the engine no longer holds) and it starts again from there;
 //! - a batch before the next expected one that no replay explains is a restarted engine (its
 //!   counter started again): the worker's entries are dropped at once;
-//! - `AllBlocksCleared` drops them too.
+//! - `AllBlocksCleared` drops them too;
+//! - a live batch past the per-worker rate bound (`MAX_LIVE_BYTES_PER_SEC`) is dropped
+//!   undecoded and counted, and the worker's entries with it.
 //!
-//! The socket does not notice a publisher that closed its end (an engine restarted as a new
-//! process), nor connect again: after `IDLE_RECONNECT` without a batch the subscriber connects
-//! anew (keeping its place, asking the replay socket for what follows it), so a restarted
+//! The sockets are kvmesh's own (`zmtp.rs`: every frame bounded before it is read). When the
+//! publisher closes its end (an engine restarted as a new process), or after `IDLE_RECONNECT`
+//! without a batch, the subscriber connects anew (keeping its place, asking the replay socket for what follows it), so a restarted
 //! engine's first batches show its sequence started again, and what it published before the
 //! new connection is asked for from 0.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use super::zmtp::{Peer, ZmtpError};
 use xxhash_rust::xxh3::xxh3_64;
-use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 use super::rekey::Rekeyer;
 use super::wire::{self, Batch, Event};
@@ -29,8 +31,10 @@ use super::{EventLabels, KvEvents};
 use crate::settings::KvEventEndpoints;
 use crate::state::State;
 
-/// A connection without a batch for this long is made again.
-const IDLE_RECONNECT: Duration = Duration::from_secs(2);
+/// A connection without a batch for this long is made again (a restart in place shows in
+/// the next batch; an engine restarted as a new process closes the connection, seen at once,
+/// or, where nothing closes it, within this).
+const IDLE_RECONNECT: Duration = Duration::from_millis(500);
 /// How long one replay may take before it is given up.
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
 /// The most batches, and bytes, one replay may bring.
@@ -47,9 +51,43 @@ pub(super) struct Subscriber {
     pub rekeyer: Arc<Mutex<Rekeyer>>,
 }
 
+/// Bytes of live batches a worker's publisher may send a second (and in one burst): a
+/// hundred times what an engine decoding 100k tokens a second publishes. Beyond it a batch is
+/// dropped undecoded and counted, and the worker's entries go (it may have been a removal).
+const MAX_LIVE_BYTES_PER_SEC: f64 = (32 << 20) as f64;
+
+/// A token bucket over the bytes of live batches.
+struct Gate {
+    tokens: f64,
+    last: Option<Instant>,
+}
+
+impl Default for Gate {
+    fn default() -> Self {
+        Self { tokens: MAX_LIVE_BYTES_PER_SEC, last: None }
+    }
+}
+
+impl Gate {
+    /// Whether a batch of `bytes` arriving at `now` is within the rate.
+    fn admit(&mut self, now: Instant, bytes: usize) -> bool {
+        let elapsed = self.last.map_or(0.0, |l| now.saturating_duration_since(l).as_secs_f64());
+        self.last = Some(now);
+        self.tokens = (self.tokens + elapsed * MAX_LIVE_BYTES_PER_SEC).min(MAX_LIVE_BYTES_PER_SEC);
+        if self.tokens >= bytes as f64 {
+            self.tokens -= bytes as f64;
+            true
+        } else {
+            false
+        }
+    }
+}
+
 /// Where the sequence stands.
 #[derive(Default)]
 struct Cursor {
+    /// The live stream's rate bound.
+    gate: Gate,
     /// The next sequence number expected (none before the first batch).
     next: Option<u64>,
     /// Numbers below `next` from here on came twice (a replay and the live stream).
@@ -77,24 +115,48 @@ impl Subscriber {
 
     /// One connection: what the replay socket holds past the cursor, then the live stream
     /// until it stays idle for [`IDLE_RECONNECT`] (`Ok`) or fails.
-    async fn session(&self, cursor: &mut Cursor) -> Result<(), zeromq::ZmqError> {
-        let mut sub = SubSocket::new();
+    async fn session(&self, cursor: &mut Cursor) -> Result<(), ZmtpError> {
+        let mut sub = Peer::connect(&self.endpoints.publisher, "SUB").await?;
         sub.subscribe(&self.topic).await?;
-        sub.connect(&self.endpoints.publisher).await?;
         tracing::debug!(worker = self.worker, publisher = %self.endpoints.publisher, "KV events connected");
         if self.endpoints.replay.is_some() {
             self.resume(cursor).await;
         }
         loop {
-            let Ok(msg) = tokio::time::timeout(IDLE_RECONNECT, sub.recv()).await else { return Ok(()) };
-            let Some((seq, batch, hash)) = self.decode_live(msg?) else { continue };
+            let frames = match tokio::time::timeout(IDLE_RECONNECT, sub.recv()).await {
+                Err(_) => return Ok(()),
+                Ok(Ok(frames)) => frames,
+                // The publisher closed its end (an engine restarted as a new process).
+                Ok(Err(ZmtpError::Io(e))) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+                Ok(Err(e)) => {
+                    self.events.metrics.refused.get_or_create(&self.labels).inc();
+                    return Err(e);
+                }
+            };
+            let bytes = frames.iter().map(bytes::Bytes::len).sum();
+            if !cursor.gate.admit(Instant::now(), bytes) {
+                self.flooded(cursor, &frames);
+                continue;
+            }
+            let Some((seq, batch, hash)) = self.decode_live(frames) else { continue };
             self.on_live(cursor, seq, batch, hash).await;
         }
     }
 
-    fn decode_live(&self, msg: ZmqMessage) -> Option<(u64, Batch, u64)> {
-        let frames = msg.into_vecdeque();
-        let decoded = decode_frames(frames);
+    /// A live batch over the rate bound: dropped undecoded, with the worker's entries; the
+    /// sequence moves past it (no replay brings the flood back).
+    fn flooded(&self, cursor: &mut Cursor, frames: &[bytes::Bytes]) {
+        self.events.metrics.dropped.get_or_create(&self.labels).inc();
+        self.drop_all();
+        if let Some(seq) = frames.get(1).and_then(|f| wire::decode_seq(f).ok()) {
+            cursor.next = Some((seq.max(0) as u64).saturating_add(1));
+            cursor.last = None;
+            cursor.replayed_from = None;
+        }
+    }
+
+    fn decode_live(&self, frames: Vec<bytes::Bytes>) -> Option<(u64, Batch, u64)> {
+        let decoded = decode_frames(VecDeque::from(frames));
         if let Err(e) = &decoded {
             self.events.metrics.refused.get_or_create(&self.labels).inc();
             tracing::debug!(worker = self.worker, "KV events: frame refused: {e}");
@@ -280,17 +342,13 @@ fn decode_frames(mut frames: VecDeque<bytes::Bytes>) -> Result<(u64, Batch, u64)
 
 /// Asks `endpoint` (a ROUTER) for the batches from `from`: `[empty, seq]` out, then
 /// `[empty, seq, payload]` back until the sequence number −1.
-async fn fetch_replay(endpoint: &str, from: u64) -> Result<Vec<(u64, bytes::Bytes)>, zeromq::ZmqError> {
-    let mut dealer = DealerSocket::new();
-    dealer.connect(endpoint).await?;
-    let mut request = ZmqMessage::from(bytes::Bytes::new());
-    request.push_back(bytes::Bytes::copy_from_slice(&from.to_be_bytes()));
-    dealer.send(request).await?;
+async fn fetch_replay(endpoint: &str, from: u64) -> Result<Vec<(u64, bytes::Bytes)>, ZmtpError> {
+    let mut dealer = Peer::connect(endpoint, "DEALER").await?;
+    dealer.send(&[b"", &from.to_be_bytes()]).await?;
     let mut out = Vec::new();
     let mut bytes = 0usize;
     loop {
-        let msg = dealer.recv().await?;
-        let mut frames = msg.into_vecdeque();
+        let mut frames = VecDeque::from(dealer.recv().await?);
         // The empty delimiter, if the ROUTER kept it.
         if frames.front().is_some_and(|f| f.is_empty()) {
             frames.pop_front();
@@ -306,5 +364,25 @@ async fn fetch_replay(endpoint: &str, from: u64) -> Result<Vec<(u64, bytes::Byte
         if out.len() >= MAX_REPLAY_BATCHES || bytes >= MAX_REPLAY_BYTES {
             return Ok(out);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_gate_passes_a_burst_of_its_rate_then_refills_with_time() {
+        let mut g = Gate::default();
+        let t0 = Instant::now();
+        let rate = MAX_LIVE_BYTES_PER_SEC as usize;
+        assert!(g.admit(t0, rate / 2) && g.admit(t0, rate / 2), "a second's worth at once");
+        assert!(!g.admit(t0, 1), "then nothing");
+        assert!(!g.admit(t0 + Duration::from_millis(100), rate / 5), "a tenth of a second refills a tenth");
+        assert!(g.admit(t0 + Duration::from_millis(300), rate / 5));
+        assert!(
+            g.admit(t0 + Duration::from_secs(100), rate) && !g.admit(t0 + Duration::from_secs(100), 1),
+            "capped at one second's worth"
+        );
     }
 }

@@ -339,3 +339,23 @@ fn remove_worker_and_single_block() {
     assert!(idx.is_empty());
     assert_eq!(idx.entries(), 0);
 }
+
+/// The recency log compacts itself while an insert stamps its blocks: the insert's own stamps
+/// must survive it, or a worker's eviction (a cleared engine: down to 0) misses those blocks.
+#[test]
+fn a_worker_evicted_to_nothing_holds_nothing_after_log_compactions() {
+    let chain: Vec<u64> = (1..=10).collect();
+    // Whichever insert the compaction falls in.
+    for rounds in 1..40 {
+        let mut index = PrefixIndex::with_recency();
+        for _ in 0..rounds {
+            index.insert(1, &chain);
+            index.insert(2, &chain[..3]);
+        }
+        let evicted = index.evict_worker_to(1, 0);
+        assert_eq!(evicted.len(), 10, "after {rounds} rounds: {evicted:?}");
+        assert_eq!(index.size_of(1), 0);
+        assert!(index.match_prefix(&chain).iter().all(|m| m.worker != 1));
+        assert_eq!(index.size_of(2), 3, "the other worker keeps its blocks");
+    }
+}

@@ -5,7 +5,8 @@
 //! gateways sharing one kvmesh-cp, the peers at 1, 3 and 8 replicas (SMG also with its mesh).
 //! The `trace` workload (a Mooncake-format trace replayed on its schedule) is in `trace.rs`,
 //! the PD decider's (`pd_decider`: llm-d's protocol, prefix decider against always) in
-//! `pd_decider.rs`.
+//! `pd_decider.rs`; the workloads where the approximate index is wrong, run against workers
+//! publishing KV events (`bypass`, `restart`, `tight_decode`), in `engine_truth.rs`.
 
 use kvmesh_testkit::{http, Sim};
 use serde_json::{json, Value};
@@ -16,7 +17,7 @@ use super::routers::{delta, start, stats, Config};
 use super::stack::{PeerBins, Running, Workers};
 use super::workload::{self, Workload};
 use super::Opts;
-use super::{pd_decider, trace};
+use super::{engine_truth, pd_decider, trace};
 use crate::loadgen::{self, Stop};
 use crate::tools::step;
 
@@ -189,6 +190,7 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
     } else {
         let mut known: Vec<&str> = workloads.iter().map(|w| w.name).collect();
         known.extend(["trace", "two_models", pd_decider::NAME]);
+        known.extend(engine_truth::NAMES);
         if let Some(bad) = o.workloads.iter().find(|n| !known.contains(&n.as_str())) {
             anyhow::bail!("--workload {bad}: unknown (one of {})", known.join(", "));
         }
@@ -239,6 +241,7 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
             }
         }
     }
+    let engine_truth = engine_truth::run(o, bins, &mut results, &mut failures)?;
     let trace = if with_trace { Some(trace::run(o, bins, &mut results, &mut failures)?) } else { None };
     // Two models behind one router: in a full run, or when named.
     let with_models = if o.workloads.is_empty() { !o.quick } else { o.workloads.iter().any(|n| n == "two_models") };
@@ -256,6 +259,7 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
             "workloads": workloads.iter().map(|w| json!({"name": w.name, "what": w.what, "kv_capacity_tokens": w.kv_capacity_tokens})).collect::<Vec<_>>(),
             "trace": trace,
             "two_models": two_models,
+            "engine_truth": engine_truth,
         },
         "pd_decider": pd,
         "results": results,
@@ -346,7 +350,7 @@ fn ratios(results: &[Value]) -> Vec<Value> {
     let mut out = Vec::new();
     for k in results.iter().filter(|r| r["router"] == "kvmesh") {
         for p in results.iter().filter(|r| {
-            r["router"] != "kvmesh"
+            !r["router"].as_str().unwrap_or("").starts_with("kvmesh")
                 && r["workload"] == k["workload"]
                 && r["policy"] == k["policy"]
                 && r["replicas"] == k["replicas"]
@@ -430,6 +434,9 @@ fn markdown(doc: &Value, workloads: &[Workload]) -> String {
         ]);
         md.push_str(&table(&header, &rows));
         md.push('\n');
+    }
+    if !p["engine_truth"].is_null() {
+        md.push_str(&engine_truth::markdown(doc));
     }
     if !p["trace"].is_null() {
         md.push_str(&trace::markdown(doc));

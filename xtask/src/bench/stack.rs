@@ -97,6 +97,11 @@ impl Running {
         Ok(())
     }
 
+    /// The control plane the kvmesh gateways share, if any.
+    pub fn control_plane(&self) -> Option<&ControlPlane> {
+        self._cp.as_ref()
+    }
+
     /// Takes over another router's processes (the mesh path: Envoy in front of a peer).
     fn absorb(&mut self, other: Running) {
         self.pids.extend(other.pids);
@@ -279,10 +284,34 @@ pub fn kvmesh_with(
     control_plane: bool,
     wasm: Option<&std::path::Path>,
 ) -> anyhow::Result<Running> {
+    kvmesh_full(workers, threads, gateways, policy, control_plane, wasm, &[])
+}
+
+/// [`kvmesh`] with a control plane given `cp_args` besides the workers (the KV events'
+/// subscriptions).
+pub fn kvmesh_cp_args(
+    workers: &Workers,
+    threads: u32,
+    gateways: usize,
+    policy: &str,
+    cp_args: &[String],
+) -> anyhow::Result<Running> {
+    kvmesh_full(workers, threads, gateways, policy, true, None, cp_args)
+}
+
+fn kvmesh_full(
+    workers: &Workers,
+    threads: u32,
+    gateways: usize,
+    policy: &str,
+    control_plane: bool,
+    wasm: Option<&std::path::Path>,
+    cp_args: &[String],
+) -> anyhow::Result<Running> {
     let mut r = Running::new(Vec::new());
     let pd_template = repo_root().join("envoy/envoy-pd.yaml");
     let cp = if control_plane || gateways > 1 {
-        let mut args: Vec<String> = Vec::new();
+        let mut args: Vec<String> = cp_args.to_vec();
         if matches!(workers, Workers::Regular(_)) {
             args.extend(["--policy".into(), policy.into()]);
         }
