@@ -92,6 +92,8 @@ struct Running {
 /// The subscribers.
 pub struct KvEvents {
     settings: KvEventSettings,
+    /// The flags' endpoints by worker URL (the first entry for a URL wins).
+    by_url: HashMap<String, KvEventEndpoints>,
     block_size: usize,
     vocab: Arc<Vocab>,
     running: Mutex<HashMap<u32, Running>>,
@@ -109,8 +111,13 @@ impl KvEvents {
             }
             None => Vocab::default(),
         };
+        let mut by_url = HashMap::new();
+        for (url, e) in &settings.workers {
+            by_url.entry(url.clone()).or_insert_with(|| e.clone());
+        }
         Ok(Arc::new(Self {
             settings: settings.clone(),
+            by_url,
             block_size,
             vocab: Arc::new(vocab),
             running: Mutex::default(),
@@ -121,10 +128,7 @@ impl KvEvents {
     /// Where worker `w` publishes, if anywhere: its own (a pod annotation, the add-worker
     /// API), the flag's for its URL, the template.
     fn endpoints_of(&self, w: &WorkerEntry) -> Option<KvEventEndpoints> {
-        let own = w
-            .kv_events
-            .clone()
-            .or_else(|| self.settings.workers.iter().find(|(u, _)| *u == w.url).map(|(_, e)| e.clone()));
+        let own = w.kv_events.clone().or_else(|| self.by_url.get(&w.url).cloned());
         let e = match own {
             Some(e) => e,
             None => {
@@ -161,9 +165,10 @@ impl KvEvents {
 
     fn sync(self: &Arc<Self>, state: &Arc<State>) {
         let workers = state.workers();
+        let seeds = state.engine_seeds();
         let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
         let wanted: HashMap<u32, (KvEventEndpoints, u64)> =
-            workers.iter().filter_map(|w| Some((w.id, (self.endpoints_of(w)?, state.engine_seed(w.id)?)))).collect();
+            workers.iter().filter_map(|w| Some((w.id, (self.endpoints_of(w)?, *seeds.get(&w.id)?)))).collect();
         running.retain(|id, r| {
             let keep = wanted.get(id).is_some_and(|(e, seed)| *e == r.endpoints && *seed == r.seed);
             if !keep {
@@ -174,11 +179,12 @@ impl KvEvents {
             }
             keep
         });
+        let by_id: HashMap<u32, &WorkerEntry> = workers.iter().map(|w| (w.id, w)).collect();
         for (id, (endpoints, seed)) in wanted {
             if running.contains_key(&id) {
                 continue;
             }
-            let Some(w) = workers.iter().find(|w| w.id == id) else { continue };
+            let Some(w) = by_id.get(&id) else { continue };
             let rekeyer =
                 Arc::new(Mutex::new(Rekeyer::new(self.vocab.clone(), self.block_size, seed, self.settings.max_blocks)));
             let sub = subscriber::Subscriber {

@@ -4,6 +4,8 @@
 //! any report's inserts and evictions do. Entries from events and from routed reports are
 //! the same entries: the engine removing a block removes it whatever put it there.
 
+use std::collections::HashMap;
+
 use kvmesh_core::blocks::model_seed;
 use kvmesh_core::models::{ModelRules, Pools, ServedModel};
 
@@ -48,16 +50,21 @@ impl State {
         publication.evicted(worker, hashes);
     }
 
-    /// The first block's seed of worker `worker`'s pool, as a gateway keys a request for the
-    /// model it serves (None: not registered).
-    pub fn engine_seed(&self, worker: u32) -> Option<u64> {
+    /// The first block's seed of every registered worker's pool, as a gateway keys a request
+    /// for the model it serves (a worker whose pool does not resolve is left out). The pools
+    /// are built once for all workers: O(workers), as it runs every 200 ms under the lock.
+    pub fn engine_seeds(&self) -> HashMap<u32, u64> {
         let inner = self.lock();
         let rules = ModelRules::from_settings(&self.settings.routing).unwrap_or_default();
-        let served: Vec<Vec<ServedModel>> = inner.registry().entries().map(|w| w.served()).collect();
-        let pools = Pools::new(served.iter().map(|m| &m[..]), &rules);
-        let own = inner.registry().get(worker)?.served();
-        let name = own.first().map(|m| m.id.as_str());
-        Some(model_seed(pools.resolve(name).ok()?.key))
+        let served: Vec<(u32, Vec<ServedModel>)> = inner.registry().entries().map(|w| (w.id, w.served())).collect();
+        let pools = Pools::new(served.iter().map(|(_, m)| &m[..]), &rules);
+        served
+            .iter()
+            .filter_map(|(id, own)| {
+                let name = own.first().map(|m| m.id.as_str());
+                Some((*id, model_seed(pools.resolve(name).ok()?.key)))
+            })
+            .collect()
     }
 }
 
@@ -75,7 +82,8 @@ mod tests {
         s.engine_removed(id, vec![3]);
         assert_eq!(held(&s, id, &[1, 2, 3]), vec![1, 2]);
         assert!(!s.engine_stored(999, &[4]), "unknown workers are refused");
-        assert!(s.engine_seed(id).is_some());
-        assert_eq!(s.engine_seed(999), None);
+        let seeds = s.engine_seeds();
+        assert!(seeds.contains_key(&id));
+        assert_eq!(seeds.len(), 1, "only registered workers have a seed");
     }
 }
