@@ -4,8 +4,11 @@
 //! short ones. Configurations: the interactive tenants alone (their TTFT without the flood),
 //! then with the flood: first come, first served (today's queue), fair shares by tenant
 //! weight, and fair shares with the interactive tenants' requests in the `interactive` class
-//! (two reserved slots) and the flood's in `default`. Reported per tenant: TTFT p99, requests
-//! answered and refused, and its share of the generated tokens beside its weight's share.
+//! and the flood's in `default`, with two reserved slots and with as many as the interactive
+//! tenants have connections (running requests are never cut, so short of that an interactive
+//! request may wait for a long one to end). The same at three gateways on one kvmesh-cp, the
+//! slots shared out. Reported per tenant: TTFT p99, requests answered and refused, and its
+//! share of the generated tokens beside its weight's share.
 //!
 //! Then shares by weight: three backlogged tenants of weights 1, 2 and 3 (identical requests,
 //! each tenant's connections over every gateway, most of them at one of its own), at one
@@ -60,23 +63,41 @@ fn stream(tenant: &str, priority: Option<(&str, &str)>, n: usize, rng: &mut Rng)
 
 struct Config {
     name: &'static str,
+    /// Gateways (one Envoy thread each; past one, on one kvmesh-cp) sharing the slots.
+    gateways: usize,
     flood: bool,
     fair: bool,
-    priorities: bool,
+    /// Slots reserved for the `interactive` class at each gateway; 0: no priorities.
+    reserved: u32,
 }
 
-const CONFIGS: [Config; 4] = [
-    Config { name: "interactive alone (FIFO)", flood: false, fair: false, priorities: false },
-    Config { name: "flood, FIFO (today)", flood: true, fair: false, priorities: false },
-    Config { name: "flood, fair shares", flood: true, fair: true, priorities: false },
-    Config { name: "flood, fair shares + priorities", flood: true, fair: true, priorities: true },
+const CONFIGS: [Config; 9] = [
+    Config { name: "interactive alone (FIFO)", gateways: 1, flood: false, fair: false, reserved: 0 },
+    Config { name: "flood, FIFO (today)", gateways: 1, flood: true, fair: false, reserved: 0 },
+    Config { name: "flood, fair shares", gateways: 1, flood: true, fair: true, reserved: 0 },
+    Config { name: "flood, fair shares + priorities (2 reserved)", gateways: 1, flood: true, fair: true, reserved: 2 },
+    Config { name: "flood, fair shares + priorities (6 reserved)", gateways: 1, flood: true, fair: true, reserved: 6 },
+    Config { name: "3 gateways: interactive alone (FIFO)", gateways: 3, flood: false, fair: false, reserved: 0 },
+    Config { name: "3 gateways: flood, FIFO", gateways: 3, flood: true, fair: false, reserved: 0 },
+    Config { name: "3 gateways: flood, fair shares", gateways: 3, flood: true, fair: true, reserved: 0 },
+    Config {
+        name: "3 gateways: flood, fair shares + priorities (2 reserved each)",
+        gateways: 3,
+        flood: true,
+        fair: true,
+        reserved: 2,
+    },
 ];
 
-fn filter(sims: &[Sim], c: &Config) -> Value {
+/// The slots of each of `gateways` gateways: the limit shared out.
+fn slots(gateways: usize) -> u32 {
+    LIMIT.div_ceil(u32::try_from(gateways).unwrap_or(1).max(1))
+}
+
+fn filter(c: &Config) -> Value {
     let mut f = json!({
-        "worker_urls": sims.iter().map(Sim::url).collect::<Vec<_>>(),
         "policy": "round_robin",
-        "max_concurrent_requests": LIMIT,
+        "max_concurrent_requests": slots(c.gateways),
         "rate_limit_tokens_per_second": 100_000,
         "queue_size": 1_000,
         "queue_timeout_secs": 120,
@@ -85,19 +106,52 @@ fn filter(sims: &[Sim], c: &Config) -> Value {
     if c.fair {
         f["tenant_weight"] = json!(TENANTS.iter().map(|t| format!("{t}=1")).collect::<Vec<_>>());
     }
-    if c.priorities {
-        f["priority_reserved"] = json!(["interactive=2"]);
+    if c.reserved > 0 {
+        f["priority_reserved"] = json!([format!("interactive={}", c.reserved)]);
     }
     f
 }
 
-/// Runs one configuration: each tenant's stream on its own connections, all at once.
+/// `gateways` gateways, each its own Envoy (1 thread) with `filter`; past one, all on one
+/// kvmesh-cp that knows the workers (each gateway's first snapshot awaited).
+fn gateways(sims: &[Sim], n: usize, mut filter: Value) -> anyhow::Result<(Option<ControlPlane>, Vec<Envoy>)> {
+    let urls: Vec<String> = sims.iter().map(Sim::url).collect();
+    let cp = if n > 1 {
+        let mut args = vec!["--worker-urls"];
+        args.extend(urls.iter().map(String::as_str));
+        Some(ControlPlane::start(&args)?)
+    } else {
+        None
+    };
+    filter["worker_urls"] = if cp.is_some() { json!([]) } else { json!(urls) };
+    if cp.is_some() {
+        filter["report_interval_ms"] = json!(100);
+    }
+    let mut envoys = Vec::new();
+    for _ in 0..n {
+        let mut opts = EnvoyOptions::new(filter.clone())?;
+        opts.concurrency = 1;
+        if let Some(cp) = &cp {
+            opts.use_control_plane(cp);
+        }
+        let envoy = Envoy::start(&opts)?;
+        if cp.is_some() {
+            wait_until("the gateway's first snapshot", Duration::from_secs(30), || envoy.version() > 0)?;
+        }
+        envoys.push(envoy);
+    }
+    Ok((cp, envoys))
+}
+
+/// Runs one configuration: each tenant's stream on its own connections (spread over the
+/// gateways), all at once.
 fn measure(sims: &[Sim], c: &Config, seconds: f64) -> anyhow::Result<Vec<(&'static str, Load)>> {
-    let mut opts = EnvoyOptions::new(filter(sims, c))?;
-    opts.concurrency = 1;
-    let envoy = Envoy::start(&opts)?;
-    let out = load(addr(envoy.port), c.flood, c.priorities.then_some(("kvmesh-priority", "0", "1")), seconds);
-    drop(envoy);
+    let (cp, envoys) = gateways(sims, c.gateways, filter(c))?;
+    let targets: Vec<_> = envoys.iter().map(|e| addr(e.port)).collect();
+    let priority = (c.reserved > 0).then_some(("kvmesh-priority", "0", "1"));
+    let out = load(&targets, c.flood, priority, seconds);
+    drop(envoys);
+    drop(cp);
     Ok(out)
 }
 
@@ -120,24 +174,28 @@ fn measure_smg(bins: &PeerBins, sims: &[Sim], flood: bool, seconds: f64) -> anyh
         "kvmesh-tenant",
     ];
     let smg = stack::peer_with(bins, Peer::Smg, &urls, 1, false, "round_robin", &extra)?;
-    let out = load(smg.targets[0], flood, Some(("x-smg-priority", "default", "interactive")), seconds);
+    let out = load(&smg.targets[..1], flood, Some(("x-smg-priority", "default", "interactive")), seconds);
     drop(smg);
     Ok(out)
 }
 
-/// Each tenant's stream (the flood's only with `flood`) against `target`, all at once.
-fn load(target: SocketAddr, flood: bool, priority: Priority, seconds: f64) -> Vec<(&'static str, Load)> {
-    let target = [target];
+/// Each tenant's stream (the flood's only with `flood`) against `targets` (connection `c` to
+/// `targets[c % len]`), all at once.
+fn load(targets: &[SocketAddr], flood: bool, priority: Priority, seconds: f64) -> Vec<(&'static str, Load)> {
     let mut rng = Rng::new(SEED);
     let runs: Vec<_> = TENANTS
         .iter()
-        .filter(|t| flood || **t != "batch")
-        .map(|&t| {
+        .enumerate()
+        .filter(|(_, t)| flood || **t != "batch")
+        .map(|(i, &t)| {
             let priority = priority.map(|(h, f, i)| (h, if t == "batch" { f } else { i }));
             let (conns, n) = if t == "batch" { (FLOOD_CONNECTIONS, 400) } else { (INTERACTIVE_CONNECTIONS, 200) };
             let requests = stream(t, priority, n, &mut rng);
+            // Each tenant's connections start at a gateway of their own, so that every
+            // gateway sees as many interactive connections as the next.
+            let targets: Vec<_> = (0..targets.len()).map(|k| targets[(i + k) % targets.len()]).collect();
             std::thread::spawn(move || {
-                (t, loadgen::run(t, &target, &requests, conns, Stop::For(Duration::from_secs_f64(seconds))))
+                (t, loadgen::run(t, &targets, &requests, conns, Stop::For(Duration::from_secs_f64(seconds))))
             })
         })
         .collect();
@@ -158,40 +216,16 @@ fn measure_weighted(
     limit: u32,
     seconds: f64,
 ) -> anyhow::Result<Vec<(&'static str, Load)>> {
-    let urls: Vec<String> = sims.iter().map(Sim::url).collect();
-    let cp = if gateways > 1 {
-        let mut args = vec!["--worker-urls"];
-        args.extend(urls.iter().map(String::as_str));
-        Some(ControlPlane::start(&args)?)
-    } else {
-        None
-    };
     let weights: Vec<String> = WEIGHTED.iter().map(|(t, w)| format!("{t}={w}")).collect();
-    let mut envoys = Vec::new();
-    for _ in 0..gateways {
-        let mut f = json!({
-            "worker_urls": if cp.is_some() { json!([]) } else { json!(urls) },
-            "policy": "round_robin",
-            "max_concurrent_requests": limit,
-            "rate_limit_tokens_per_second": 100_000,
-            "queue_size": 1_000,
-            "queue_timeout_secs": 120,
-            "tenant_weight": weights,
-        });
-        if cp.is_some() {
-            f["report_interval_ms"] = json!(100);
-        }
-        let mut opts = EnvoyOptions::new(f)?;
-        opts.concurrency = 1;
-        if let Some(cp) = &cp {
-            opts.use_control_plane(cp);
-        }
-        let envoy = Envoy::start(&opts)?;
-        if cp.is_some() {
-            wait_until("the gateway's first snapshot", Duration::from_secs(30), || envoy.version() > 0)?;
-        }
-        envoys.push(envoy);
-    }
+    let f = json!({
+        "policy": "round_robin",
+        "max_concurrent_requests": limit,
+        "rate_limit_tokens_per_second": 100_000,
+        "queue_size": 1_000,
+        "queue_timeout_secs": 120,
+        "tenant_weight": weights,
+    });
+    let (cp, envoys) = self::gateways(sims, gateways, f)?;
     let ports: Vec<_> = envoys.iter().map(|e| addr(e.port)).collect();
     let mut rng = Rng::new(SEED);
     let runs: Vec<_> = WEIGHTED
@@ -360,7 +394,9 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
         "One gateway (1 Envoy thread), {LIMIT} slots, 2 simulated workers (5 ms/token), {seconds} s per \
          configuration: `batch` {FLOOD_CONNECTIONS} connections of ~2000-token prompts, `t1`..`t3` \
          {INTERACTIVE_CONNECTIONS} each of ~100-token prompts. Refused: requests answered with an error. \
-         With priorities, `t1`..`t3` send `kvmesh-priority: 1` (two slots reserved), `batch` 0. Token shares count answered requests × their \
+         With priorities, `t1`..`t3` send `kvmesh-priority: 1` (slots reserved as named), `batch` 0. \
+         3 gateways: each its own Envoy (1 thread, {} slots) on one kvmesh-cp, every tenant's connections \
+         spread over them. Token shares count answered requests × their \
          `max_new_tokens`; interactive tenants are not backlogged, so their share is below their \
          weight's by design. Backlogged by weight: `w1`..`w3` (weights 1, 2, 3) each over \
          {WEIGHTED_CONNECTIONS} connections of ~25-token prompts and {WEIGHTED_TOKENS} generated tokens, half of a \
@@ -368,6 +404,7 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
          Envoy (1 thread) with its share of the slots. SMG 1.13 (with the peers): `--max-concurrent-requests \
          {LIMIT} --priority-scheduler-enabled`, `t1`..`t3` sending `x-smg-priority: interactive`, `batch` \
          `default`.\n\n{}",
+        slots(3),
         table(&headers, &rows)
     );
     Ok((json!({"results": results, "seconds": seconds, "limit": LIMIT}), md))
