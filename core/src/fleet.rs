@@ -23,8 +23,10 @@ pub const MAX_USAGE: f64 = 1e15;
 pub const MAX_SHIPPED: usize = 256;
 /// A change a snapshot's delta need not carry: within this fraction of the larger value...
 pub const CHANGE_FRACTION: f64 = 0.1;
-/// ... or within this many tokens.
+/// ... or within this many tokens (a usage table) ...
 pub const CHANGE_TOKENS: f64 = 64.0;
+/// ... or this many requests (an admitted-requests table: about 0.07 requests a second).
+pub const CHANGE_REQUESTS: f64 = 1.0;
 
 /// A usage value from outside, clamped: not a number or below 0 → 0, above [`MAX_USAGE`] →
 /// that.
@@ -130,10 +132,10 @@ impl Usage {
 
     /// Whether this table differs from `shipped` (both decayed to `now_ms`) by more than a
     /// delta need carry: a tenant's value moved past [`CHANGE_FRACTION`] of the larger and
-    /// [`CHANGE_TOKENS`] tokens.
-    pub fn changed_enough(&self, shipped: &Usage, now_ms: u64) -> bool {
+    /// `min` ([`CHANGE_TOKENS`] or [`CHANGE_REQUESTS`]).
+    pub fn changed_enough(&self, shipped: &Usage, min: f64, now_ms: u64) -> bool {
         let (a, b) = (self.at(now_ms), shipped.at(now_ms));
-        let moved = |x: f64, y: f64| (x - y).abs() > (CHANGE_FRACTION * x.max(y)).max(CHANGE_TOKENS);
+        let moved = |x: f64, y: f64| (x - y).abs() > (CHANGE_FRACTION * x.max(y)).max(min);
         let value = |u: &Usage, t: &str| u.entries.iter().find(|(o, _)| o == t).map_or(0.0, |(_, v)| *v);
         a.entries.iter().any(|(t, v)| moved(*v, value(&b, t))) || b.entries.iter().any(|(t, v)| moved(*v, value(&a, t)))
     }
@@ -146,6 +148,14 @@ impl Usage {
 pub fn per_minute(usage: f64) -> u64 {
     let minute = clamp(usage) * 60_000.0 * std::f64::consts::LN_2 / HALF_LIFE_MS as f64;
     minute.min(u64::MAX as f64) as u64
+}
+
+/// Requests per second a tenant with request `usage` (decayed, as shipped) makes, were its
+/// rate steady (as [`per_minute`], over a second; rounded down): an estimate for
+/// requests-per-second limits across gateways.
+pub fn per_second(usage: f64) -> u32 {
+    let second = clamp(usage) * 1_000.0 * std::f64::consts::LN_2 / HALF_LIFE_MS as f64;
+    second.min(f64::from(u32::MAX)) as u32
 }
 
 /// The sum of several tables (each gateway's last report) at `now_ms`, at most `max` tenants.
@@ -180,6 +190,10 @@ mod tests {
         let minute = per_minute(u.get("a", 599_000));
         assert!((5_800..=6_400).contains(&minute), "{minute}");
         assert_eq!(per_minute(f64::NAN), 0);
+        // 20 requests a second, steady: 20 × 10 s / ln 2 ≈ 288.5 decayed.
+        assert_eq!(per_second(288.6), 20);
+        assert_eq!((per_second(f64::NAN), per_second(-1.0)), (0, 0));
+        assert!(per_second(f64::INFINITY) > 0, "clamped, not overflowed");
         assert!(per_minute(f64::INFINITY) > 0);
     }
 
@@ -224,12 +238,18 @@ mod tests {
     #[test]
     fn only_a_change_past_the_thresholds_is_shipped() {
         let shipped = table(&[("x", 10_000.0)], 0);
-        assert!(!table(&[("x", 10_500.0)], 0).changed_enough(&shipped, 0));
-        assert!(table(&[("x", 12_000.0)], 0).changed_enough(&shipped, 0));
-        assert!(!table(&[("x", 10_000.0), ("y", 10.0)], 0).changed_enough(&shipped, 0), "a few tokens");
-        assert!(table(&[("x", 10_000.0), ("y", 1_000.0)], 0).changed_enough(&shipped, 0), "a new tenant");
-        assert!(Usage::default().changed_enough(&shipped, 0), "a tenant gone");
+        assert!(!table(&[("x", 10_500.0)], 0).changed_enough(&shipped, CHANGE_TOKENS, 0));
+        assert!(table(&[("x", 12_000.0)], 0).changed_enough(&shipped, CHANGE_TOKENS, 0));
+        assert!(!table(&[("x", 10_000.0), ("y", 10.0)], 0).changed_enough(&shipped, CHANGE_TOKENS, 0), "a few tokens");
+        assert!(
+            table(&[("x", 10_000.0), ("y", 1_000.0)], 0).changed_enough(&shipped, CHANGE_TOKENS, 0),
+            "a new tenant"
+        );
+        assert!(Usage::default().changed_enough(&shipped, CHANGE_TOKENS, 0), "a tenant gone");
         // Decay alone changes nothing: both sides decay alike.
-        assert!(!shipped.at(HALF_LIFE_MS).changed_enough(&shipped, 3 * HALF_LIFE_MS));
+        assert!(!shipped.at(HALF_LIFE_MS).changed_enough(&shipped, CHANGE_TOKENS, 3 * HALF_LIFE_MS));
+        let requests = table(&[("x", 10.0)], 0);
+        assert!(table(&[("x", 12.0)], 0).changed_enough(&requests, CHANGE_REQUESTS, 0), "2 requests moved");
+        assert!(!table(&[("x", 10.5)], 0).changed_enough(&requests, CHANGE_REQUESTS, 0));
     }
 }

@@ -108,16 +108,22 @@ impl Window {
     /// Counts one more request at `now_ms` under `limit` per second (a new second starts a
     /// new window); a refused request is not counted.
     pub fn hit(&mut self, limit: u32, now_ms: u64) -> Verdict {
+        self.hit_with(limit, 0, now_ms)
+    }
+
+    /// As [`Self::hit`], with `elsewhere` requests more in this second (the rest of the
+    /// fleet's, estimated as a steady rate: [`crate::fleet::per_second`]).
+    pub fn hit_with(&mut self, limit: u32, elsewhere: u32, now_ms: u64) -> Verdict {
         let second = now_ms / 1000;
         if second != self.second {
             *self = Window { second, count: 0 };
         }
-        let allowed = self.count < limit;
+        let allowed = self.count.saturating_add(elsewhere) < limit;
         if allowed {
             self.count += 1;
         }
         let reset_ms = (second + 1) * 1000 - now_ms;
-        Verdict { allowed, limit, remaining: limit.saturating_sub(self.count), reset_ms }
+        Verdict { allowed, limit, remaining: limit.saturating_sub(self.count.saturating_add(elsewhere)), reset_ms }
     }
 }
 
@@ -190,6 +196,16 @@ mod tests {
         assert_eq!(xfcc_uri("URI=http://not-spiffe"), None);
         assert_eq!(xfcc_uri(&format!("URI=spiffe://{}", "a".repeat(200))), None);
         assert_eq!(xfcc_uri(""), None);
+    }
+
+    #[test]
+    fn the_rest_of_the_fleets_requests_take_their_part_of_the_second() {
+        let mut w = Window { second: 0, count: 0 };
+        assert_eq!(w.hit_with(5, 3, 100), Verdict { allowed: true, limit: 5, remaining: 1, reset_ms: 900 });
+        assert!(w.hit_with(5, 3, 200).allowed);
+        assert_eq!(w.hit_with(5, 3, 300), Verdict { allowed: false, limit: 5, remaining: 0, reset_ms: 700 });
+        assert!(!Window { second: 1, count: 0 }.hit_with(5, u32::MAX, 1_000).allowed, "no overflow");
+        assert!(w.hit_with(5, 0, 1_000).allowed, "a new second");
     }
 
     #[test]

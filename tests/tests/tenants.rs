@@ -2,12 +2,12 @@
 //! the native build with `KVMESH_TEST_NATIVE=1`): priority classes with reserved slots under
 //! the concurrency limit, a higher class going ahead of waiting lower ones, and sheddable
 //! requests refused (never queued) when no slot is free; fair shares by tenant, at one
-//! gateway and across two on one kvmesh-cp.
+//! gateway and across two on one kvmesh-cp; per-tenant limits, also across two.
 
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvmesh_testkit::e2e::{control_plane, gateway_with, DECODE_20MS};
+use kvmesh_testkit::e2e::{control_plane, gateway_with, DECODE_20MS, FAST};
 use kvmesh_testkit::http::{self, Response};
 use kvmesh_testkit::mtls::CLIENT_SPIFFE_ID;
 use kvmesh_testkit::{free_port, scratch_dir, wait_until, Envoy, EnvoyOptions, Sim};
@@ -296,6 +296,40 @@ fn a_tenant_busy_at_one_gateway_waits_behind_an_idle_one_at_another() {
     let ((ra, a_at), (rb, b_at)) = (queued_a.join().unwrap(), queued_b.join().unwrap());
     assert_eq!((ra.status, rb.status, hold.join().unwrap().0.status), (200, 200, 200), "{}", ra.text());
     assert!(b_at < a_at, "team-b (idle everywhere) went ahead of team-a (busy at the other gateway)");
+}
+
+/// Requests per second per tenant across gateways: the requests a tenant made at one gateway
+/// reach the other through kvmesh-cp (reported, summed, shipped) and take their estimated
+/// part of its second there: its first request at the other gateway is told fewer requests
+/// remain than its own second would leave.
+#[test]
+fn a_tenants_requests_at_one_gateway_count_against_its_limit_at_another() {
+    let sim = Sim::start(FAST).unwrap();
+    let cp = control_plane(std::slice::from_ref(&sim), &["--tenant-requests-per-second", "150"]);
+    let opts = || EnvoyOptions::new(json!({"worker_urls": [], "report_interval_ms": 100})).unwrap();
+    let (busy, other) = std::thread::scope(|s| {
+        let busy = s.spawn(|| gateway_with(&cp, opts()));
+        (busy.join().unwrap(), gateway_with(&cp, opts()))
+    });
+    let x = [("content-type", "application/json"), ("kvmesh-tenant", "team-x")];
+    let generate = serde_json::to_vec(&body("a short prompt", 1)).unwrap();
+    for _ in 0..120 {
+        let r = http::post(&busy.url("/generate"), &generate, &x).unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let mut version = 0;
+    wait_until("kvmesh-cp to ship team-x's requests", Duration::from_secs(10), || {
+        let s = cp.snapshot().unwrap_or_default();
+        version = s["version"].as_u64().unwrap_or(0);
+        s["tenant_requests"]["team-x"].as_f64().is_some_and(|u| u > 100.0)
+    })
+    .unwrap();
+    other.wait_for_version(version);
+    let r = http::post(&other.url("/generate"), &generate, &x).unwrap();
+    assert_eq!((r.status, r.header("x-ratelimit-limit-requests")), (200, Some("150")), "{}", r.text());
+    // About 120 decayed requests elsewhere: some 8 a second, taken off this one's 149.
+    let remaining: u32 = r.header("x-ratelimit-remaining-requests").and_then(|v| v.parse().ok()).unwrap();
+    assert!((130..=145).contains(&remaining), "remaining {remaining}: the other gateway's requests not counted");
 }
 
 /// Tokens per minute per tenant: a request's uncached prompt counts as it is routed, so after

@@ -77,15 +77,16 @@ impl Publication {
     }
 
     /// The next delta, if anything changed (`workers`: the table, asked for only when it
-    /// changed; `tenant_usage`: the fleet's, when it changed enough), stamped `sent_at_ms`;
-    /// the pending changes are taken.
+    /// changed; `tenants`: the fleet's tenant usage and admitted requests, each when it changed
+    /// enough), stamped `sent_at_ms`; the pending changes are taken.
     pub(super) fn next_delta(
         &mut self,
         workers: impl FnOnce() -> Vec<Worker>,
-        tenant_usage: Option<TenantUsage>,
+        tenants: [Option<TenantUsage>; 2],
         sent_at_ms: u64,
     ) -> Option<Snapshot> {
-        if !self.pending() && tenant_usage.is_none() {
+        let [tenant_usage, tenant_requests] = tenants;
+        if !self.pending() && tenant_usage.is_none() && tenant_requests.is_none() {
             return None;
         }
         self.version += 1;
@@ -103,6 +104,7 @@ impl Publication {
             worker_authorization: String::new(),
             sent_at_ms,
             tenant_usage,
+            tenant_requests,
         })
     }
 }

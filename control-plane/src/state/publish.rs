@@ -8,6 +8,8 @@ use kvmesh_proto::v1::{IndexInsert, ServedModel, Snapshot, Worker};
 use serde_json::{json, Value};
 use tokio::sync::broadcast;
 
+use kvmesh_core::fleet;
+
 use super::store::{now_ms, State};
 use super::worker::{role_name, WorkerEntry};
 
@@ -16,9 +18,12 @@ impl State {
     pub fn publish(&self) -> Option<u64> {
         let mut inner = self.lock();
         let now = now_ms();
-        let usage = inner.tenants_mut().due(now).map(|u| kvmesh_proto::usage_to_wire(&u));
+        let usage = inner.tenants_mut().due(fleet::CHANGE_TOKENS, now).map(|u| kvmesh_proto::usage_to_wire(&u));
+        let requests =
+            inner.tenant_requests_mut().due(fleet::CHANGE_REQUESTS, now).map(|u| kvmesh_proto::usage_to_wire(&u));
         let (registry, _, publication, _) = inner.parts();
-        let delta = publication.next_delta(|| registry.entries().map(WorkerEntry::proto).collect(), usage, now)?;
+        let workers = || registry.entries().map(WorkerEntry::proto).collect();
+        let delta = publication.next_delta(workers, [usage, requests], now)?;
         drop(inner);
         let (version, workers_changed) = (delta.version, delta.workers_changed);
         let _span = tracing::info_span!(target: crate::telemetry::SPANS, "snapshot.publish", version, workers_changed,
@@ -34,6 +39,7 @@ impl State {
         let inner = self.lock();
         let now = now_ms();
         let usage = inner.tenants().fleet(now);
+        let requests = inner.tenant_requests().fleet(now);
         Snapshot {
             version: inner.publication().version(),
             full: true,
@@ -50,6 +56,7 @@ impl State {
             worker_authorization: self.settings.worker_key().map(|k| format!("Bearer {k}")).unwrap_or_default(),
             sent_at_ms: now,
             tenant_usage: (!usage.entries.is_empty()).then(|| kvmesh_proto::usage_to_wire(&usage)),
+            tenant_requests: (!requests.entries.is_empty()).then(|| kvmesh_proto::usage_to_wire(&requests)),
         }
     }
 
@@ -75,6 +82,7 @@ impl State {
             "gateways": inner.gateways().ids(),
             // The fleet's tenant usage as the last delta carried it (decayed to now).
             "tenant_usage": inner.tenants().shipped().at(now_ms()).entries.into_iter().map(|(t, v)| (t, json!(v))).collect::<serde_json::Map<_, _>>(),
+            "tenant_requests": inner.tenant_requests().shipped().at(now_ms()).entries.into_iter().map(|(t, v)| (t, json!(v))).collect::<serde_json::Map<_, _>>(),
             "settings": self.routing(),
         })
     }

@@ -26,7 +26,7 @@ impl State {
     /// the gateway's budget, each worker it named bounded to its KV capacity, its stale blocks
     /// forgotten, the whole index bounded, then its counts; counted once the lock is released.
     fn report_at(&self, batch: ReportBatch, at_ms: u64) {
-        let ReportBatch { gateway_id, inserts, counts, stale, tenant_usage } = batch;
+        let ReportBatch { gateway_id, inserts, counts, stale, tenant_usage, tenant_requests } = batch;
         let gateway = if gateway_id.is_empty() { "unknown".to_string() } else { gateway_id };
         let mut tally = Tally::default();
         {
@@ -39,6 +39,10 @@ impl State {
             if let Some(usage) = tenant_usage {
                 let usage = kvmesh_proto::usage_from_wire(&usage, kvmesh_core::fleet::MAX_SHIPPED, at_ms);
                 inner.tenants_mut().reported(&gateway, usage);
+            }
+            if let Some(requests) = tenant_requests {
+                let requests = kvmesh_proto::usage_from_wire(&requests, kvmesh_core::fleet::MAX_SHIPPED, at_ms);
+                inner.tenant_requests_mut().reported(&gateway, requests);
             }
         }
         if tally.bad > 0 {

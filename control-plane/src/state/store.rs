@@ -1,5 +1,5 @@
 //! The state itself: what kvmesh-cp tracks, behind one lock (the registry, the global prefix
-//! index, the publication, the gateways, the tenants' usage: each an owner of its own), its counters, and the
+//! index, the publication, the gateways, the tenants' usage and requests: each an owner of its own), its counters, and the
 //! channel the deltas go out on. The jobs done on it are the sibling modules'.
 
 use std::collections::HashMap;
@@ -26,6 +26,8 @@ pub(super) struct Locked {
     publication: Publication,
     gateways: Gateways,
     tenants: TenantUsage,
+    /// The same tables for admitted requests (requests-per-second limits across gateways).
+    tenant_requests: TenantUsage,
 }
 
 impl Locked {
@@ -53,6 +55,15 @@ impl Locked {
 
     pub(super) fn tenants_mut(&mut self) -> &mut TenantUsage {
         &mut self.tenants
+    }
+
+    /// The tenants' admitted requests as each gateway reported them.
+    pub(super) fn tenant_requests(&self) -> &TenantUsage {
+        &self.tenant_requests
+    }
+
+    pub(super) fn tenant_requests_mut(&mut self) -> &mut TenantUsage {
+        &mut self.tenant_requests
     }
 
     /// The registry, to write (the publication is then told by the caller).

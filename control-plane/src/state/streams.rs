@@ -56,10 +56,11 @@ impl State {
         self.lock().gateways_mut().closed(id, Stream::Watch);
     }
 
-    /// Forgets what `gateway` said about now: its in-flight counts, breaker states and tenant
-    /// usage.
+    /// Forgets what `gateway` said about now: its in-flight counts, breaker states, tenant
+    /// usage and admitted requests.
     fn drop_inflight(inner: &mut Locked, gateway: &str) {
         inner.tenants_mut().forget(gateway);
+        inner.tenant_requests_mut().forget(gateway);
         let mut changed = false;
         for w in inner.registry_mut().entries_mut() {
             changed |= w.drop_gateway_now(gateway);

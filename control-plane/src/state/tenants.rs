@@ -1,6 +1,6 @@
-//! The tenants' owner (issue 47's fair shares across gateways): each gateway's last reported
-//! token usage per tenant, and the fleet's sum as the snapshots last shipped it. Only this
-//! file writes them. The arithmetic (decay, sums, bounds, what counts as a change) is
+//! The tenants' owner (issue 47's fair shares and limits across gateways): each gateway's last
+//! reported usage per tenant, and the fleet's sum as the snapshots last shipped it; one for
+//! tokens, one for admitted requests (the same arithmetic). Only this file writes them. The arithmetic (decay, sums, bounds, what counts as a change) is
 //! [`kvmesh_core::fleet`]'s.
 
 use std::collections::HashMap;
@@ -55,14 +55,14 @@ impl TenantUsage {
         self.dirty |= self.reported.remove(gateway).is_some();
     }
 
-    /// For the next delta at `now_ms`: the fleet's usage, when it changed enough since the
-    /// last one shipped (which it then is).
-    pub(super) fn due(&mut self, now_ms: u64) -> Option<Usage> {
+    /// For the next delta at `now_ms`: the fleet's usage, when it changed enough (a tenant's
+    /// value by a tenth and by `min`) since the last one shipped (which it then is).
+    pub(super) fn due(&mut self, min: f64, now_ms: u64) -> Option<Usage> {
         if !std::mem::take(&mut self.dirty) {
             return None;
         }
         let now = self.fleet(now_ms);
-        if !now.changed_enough(&self.shipped, now_ms) {
+        if !now.changed_enough(&self.shipped, min, now_ms) {
             return None;
         }
         self.shipped = now.clone();
@@ -95,17 +95,21 @@ mod tests {
     #[test]
     fn a_delta_carries_the_usage_only_when_it_changed_enough() {
         let mut t = TenantUsage::default();
-        assert_eq!(t.due(0), None, "nothing to ship");
+        assert_eq!(t.due(fleet::CHANGE_TOKENS, 0), None, "nothing to ship");
         t.reported("gw-1", usage(&[("a", 1_000.0)], 0));
-        assert_eq!(t.due(0).map(|u| u.get("a", 0)), Some(1_000.0));
+        assert_eq!(t.due(fleet::CHANGE_TOKENS, 0).map(|u| u.get("a", 0)), Some(1_000.0));
         assert_eq!(t.shipped().get("a", 0), 1_000.0);
         t.reported("gw-1", usage(&[("a", 1_050.0)], 0));
-        assert_eq!(t.due(0), None, "within the thresholds");
+        assert_eq!(t.due(fleet::CHANGE_TOKENS, 0), None, "within the thresholds");
         // The same table reported again later: it decayed as the shipped one did.
         t.reported("gw-1", usage(&[("a", 500.0)], HALF_LIFE_MS));
-        assert_eq!(t.due(HALF_LIFE_MS), None);
+        assert_eq!(t.due(fleet::CHANGE_TOKENS, HALF_LIFE_MS), None);
         t.forget("gw-1");
-        assert_eq!(t.due(HALF_LIFE_MS).map(|u| u.entries.len()), Some(0), "a gateway gone is shipped");
+        assert_eq!(
+            t.due(fleet::CHANGE_TOKENS, HALF_LIFE_MS).map(|u| u.entries.len()),
+            Some(0),
+            "a gateway gone is shipped"
+        );
     }
 
     /// Through the state: a report's usage (hostile entries dropped) goes out in the next
@@ -121,18 +125,32 @@ mod tests {
         s.report_stream_opened("gw-1").unwrap();
         let tokens = |tenant: &str, tokens: f64| TenantTokens { tenant: tenant.into(), tokens };
         let usage = Wire { tenants: vec![tokens("a", 1_000.0), tokens("bad id", 5.0), tokens("b", f64::NAN)] };
-        let report = ReportBatch { gateway_id: "gw-1".into(), tenant_usage: Some(usage), ..Default::default() };
+        let requests = Wire { tenants: vec![tokens("c", 40.0)] };
+        let report = ReportBatch {
+            gateway_id: "gw-1".into(),
+            tenant_usage: Some(usage),
+            tenant_requests: Some(requests),
+            ..Default::default()
+        };
         s.report(report.clone());
         assert!(s.publish().is_some());
-        let shipped = deltas.try_recv().unwrap().tenant_usage.clone().unwrap();
-        assert_eq!(shipped.tenants.iter().map(|t| t.tenant.as_str()).collect::<Vec<_>>(), ["a"]);
-        assert!(s.full_snapshot().tenant_usage.is_some_and(|u| u.tenants.len() == 1));
+        let delta = deltas.try_recv().unwrap();
+        let names = |u: &Option<Wire>| u.iter().flat_map(|u| &u.tenants).map(|t| t.tenant.clone()).collect::<Vec<_>>();
+        assert_eq!(names(&delta.tenant_usage), ["a"]);
+        assert_eq!(names(&delta.tenant_requests), ["c"], "admitted requests travel beside the usage");
+        let full = s.full_snapshot();
+        assert_eq!((names(&full.tenant_usage), names(&full.tenant_requests)), (vec!["a".into()], vec!["c".into()]));
         s.report(report);
         assert_eq!(s.publish(), None, "unchanged");
         s.report_stream_closed("gw-1");
         assert!(s.publish().is_some());
-        assert_eq!(deltas.try_recv().unwrap().tenant_usage, Some(Wire::default()), "gone");
-        assert_eq!(s.full_snapshot().tenant_usage, None);
+        let delta = deltas.try_recv().unwrap();
+        assert_eq!(
+            (delta.tenant_usage.clone(), delta.tenant_requests.clone()),
+            (Some(Wire::default()), Some(Wire::default())),
+            "gone"
+        );
+        assert_eq!((s.full_snapshot().tenant_usage, s.full_snapshot().tenant_requests), (None, None));
     }
 
     #[test]

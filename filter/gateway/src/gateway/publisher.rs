@@ -61,6 +61,8 @@ pub struct Publisher {
     /// This Envoy's tenant usage as last reported: taken off the fleet's the control plane
     /// ships, so that it is not counted twice.
     reported_usage: Usage,
+    /// This Envoy's admitted requests per tenant as last reported, likewise.
+    reported_requests: Usage,
 }
 
 impl Publisher {
@@ -98,6 +100,7 @@ impl Publisher {
             self.unreported.take();
             self.stale.clear();
             self.reported_usage = Usage::default();
+            self.reported_requests = Usage::default();
         }
         self.reporting = on;
     }
@@ -178,20 +181,38 @@ impl Publisher {
             self.reported_usage = envoy.at(now.ms());
             kvmesh_proto::usage_to_wire(&self.reported_usage)
         });
+        // Its admitted requests per tenant, where a requests-per-second limit counts them.
+        let tenant_requests = crate::shared::tenants::usage(store, now.ms()).map(|requests| {
+            self.reported_requests = requests;
+            kvmesh_proto::usage_to_wire(&self.reported_requests)
+        });
         ReportBatch {
             gateway_id: gateway_id.to_string(),
             inserts,
             counts: counts.into_values().collect(),
             stale,
             tenant_usage,
+            tenant_requests,
         }
     }
 
     /// The fleet's tenant usage a snapshot carries, received at `now_ms`: less what this Envoy
     /// reported itself, it becomes the rest of the fleet's for every VM's fair pick
-    /// (`crate::shared::tenant_usage`). A VM that has not reported yet (it just took the
-    /// streams over) takes off the Envoy's usage as it stands.
+    /// (`crate::shared::tenant_usage`); its admitted requests likewise become the rest of the
+    /// fleet's for the requests-per-second limit (`crate::shared::tenant_requests`). A VM that
+    /// has not reported yet (it just took the streams over) takes off the Envoy's as it stands.
     pub fn fleet_usage(&self, store: &dyn SharedStore, snapshot: &proto::Snapshot, now_ms: u64) {
+        if let Some(requests) = &snapshot.tenant_requests {
+            let own = if self.reported_requests.entries.is_empty() {
+                crate::shared::tenants::usage(store, now_ms).unwrap_or_default()
+            } else {
+                self.reported_requests.clone()
+            };
+            let rest = kvmesh_proto::usage_from_wire(requests, MAX_SHIPPED, now_ms).minus(&own, now_ms);
+            if !crate::shared::tenant_requests::set_rest(store, &rest) {
+                log::debug!("cannot share the fleet's tenant requests: shared data refused the write");
+            }
+        }
         let Some(usage) = &snapshot.tenant_usage else { return };
         let envoy = || crate::shared::tenant_usage::read(store).map(|(envoy, _)| envoy).unwrap_or_default();
         let own = if self.reported_usage.entries.is_empty() { envoy() } else { self.reported_usage.clone() };

@@ -1,6 +1,7 @@
 //! A request's tenant (issue 47): its id, from the configured header or the caller's SPIFFE id
 //! (the header then removed), and the per-tenant limits, Envoy-wide: requests per second
-//! (`crate::shared::tenants`) and tokens per minute (`crate::shared::tenant_tokens`).
+//! (`crate::shared::tenants`) and tokens per minute (`crate::shared::tenant_tokens`), each
+//! with the rest of the fleet's use as kvmesh-cp last shipped it.
 //! Nothing here runs unless a tenant setting is configured.
 
 use kvmesh_core::tenant::{reset_text, valid_tenant, xfcc_uri, TenantParams, XFCC_HEADER};
@@ -8,7 +9,7 @@ use kvmesh_core::tenant::{reset_text, valid_tenant, xfcc_uri, TenantParams, XFCC
 use crate::gateway::Reply;
 use crate::headers::Headers;
 use crate::host::{LabelledMetric, StreamHost};
-use crate::shared::{tenant_tokens, tenants};
+use crate::shared::{tenant_requests, tenant_tokens, tenants};
 
 /// The id requests that name no tenant are counted under.
 pub const ANONYMOUS: &str = "anonymous";
@@ -56,7 +57,11 @@ fn check_limit(host: &dyn StreamHost, params: &TenantParams, tenant: Option<&str
     let Some(limit) = params.requests_per_second else { return Ok(Vec::new()) };
     let id = tenant.unwrap_or(ANONYMOUS);
     let now_ms = crate::host::now_ms(host);
-    let Some((verdict, _)) = tenants::hit(host, id, limit, params.max_tenants, now_ms) else { return Ok(Vec::new()) };
+    // The rest of the fleet's requests this second, estimated from what kvmesh-cp shipped.
+    let elsewhere = kvmesh_core::fleet::per_second(tenant_requests::rest(host).get(id, now_ms));
+    let Some((verdict, _)) = tenants::hit(host, id, limit, elsewhere, params.max_tenants, now_ms) else {
+        return Ok(Vec::new());
+    };
     let headers = vec![
         ("x-ratelimit-limit-requests", limit.to_string()),
         ("x-ratelimit-remaining-requests", verdict.remaining.to_string()),

@@ -18,6 +18,7 @@ mod inflight;
 mod lease;
 pub mod series;
 mod table;
+pub mod tenant_requests;
 pub mod tenant_tokens;
 pub mod tenant_usage;
 pub mod tenants;
@@ -86,7 +87,8 @@ pub const KEYS: &[(&str, &str)] = &[
     ("kvmesh.admission.v3", "admission.rs"),
     ("kvmesh.gateway.id.v1", "gateway_id.rs"),
     ("kvmesh.models.v1", "series.rs"),
-    ("kvmesh.tenants.v1", "tenants.rs"),
+    ("kvmesh.tenants.v2", "tenants.rs"),
+    ("kvmesh.tenant_requests.v1", "tenant_requests.rs"),
     ("kvmesh.tenant_series.v1", "series.rs"),
     ("kvmesh.tenant_tokens.v1", "tenant_tokens.rs"),
     ("kvmesh.tenant_usage.v1", "tenant_usage.rs"),

@@ -19,7 +19,7 @@ use super::{u64_at, SharedStore};
 pub const KEY: &str = "kvmesh.tenant_usage.v1";
 
 /// Reads one table from `bytes` at `*at`, moving `*at` past it.
-fn decode_table(bytes: &[u8], at: &mut usize) -> Usage {
+pub(super) fn decode_table(bytes: &[u8], at: &mut usize) -> Usage {
     let Some(at_ms) = u64_at(bytes, *at) else { return Usage::default() };
     let count = bytes.get(*at + 8..*at + 10).and_then(|b| <[u8; 2]>::try_from(b).ok()).map_or(0, u16::from_le_bytes);
     *at += 10;
@@ -36,7 +36,7 @@ fn decode_table(bytes: &[u8], at: &mut usize) -> Usage {
     Usage::sanitized(entries, MAX_SHIPPED, at_ms)
 }
 
-fn encode_table(out: &mut Vec<u8>, u: &Usage) {
+pub(super) fn encode_table(out: &mut Vec<u8>, u: &Usage) {
     out.extend_from_slice(&u.at_ms.to_le_bytes());
     let entries = u.entries.iter().filter(|(id, _)| id.len() <= 255).take(usize::from(u16::MAX));
     let count = entries.clone().count();

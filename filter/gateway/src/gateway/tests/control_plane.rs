@@ -326,3 +326,28 @@ fn reports_carry_the_envoys_tenant_usage_and_the_fleets_comes_back_less_it() {
     g.publisher().fleet_usage(&store, &proto::Snapshot::default(), 0);
     assert_eq!(tenant_usage::read(&store).unwrap().1.get("a", 0), 1_000.0);
 }
+
+/// Admitted requests (issue 47's requests-per-second limit across gateways): a report carries
+/// this Envoy's, and the fleet's a snapshot carries comes back less them, for the limit.
+#[test]
+fn reports_carry_the_envoys_admitted_requests_and_the_fleets_come_back_less_them() {
+    use crate::shared::{tenant_requests, tenants};
+    use kvmesh_core::fleet::Usage;
+    let store = FakeStore::default();
+    let mut g = gateway(&store, 1);
+    assert_eq!(g.take_report(&store, "gw", Now::default()).tenant_requests, None, "no limit counted any");
+    for _ in 0..4 {
+        assert!(tenants::hit(&store, "a", 100, 0, 8, 0).is_some_and(|(v, _)| v.allowed));
+    }
+    let sent = g.take_report(&store, "gw", Now::default()).tenant_requests.unwrap();
+    assert_eq!((sent.tenants[0].tenant.as_str(), sent.tenants[0].tokens), ("a", 4.0));
+    let fleet = kvmesh_proto::usage_to_wire(&Usage::sanitized([("a", 104.0), ("b", 7.0)], 8, 0));
+    g.publisher().fleet_usage(&store, &proto::Snapshot { tenant_requests: Some(fleet), ..Default::default() }, 0);
+    let rest = tenant_requests::rest(&store);
+    assert_eq!((rest.get("a", 0), rest.get("b", 0)), (100.0, 7.0), "this Envoy's own taken off");
+    // 100 decayed requests elsewhere: about 6.9 a second, which the limit counts.
+    let elsewhere = kvmesh_core::fleet::per_second(rest.get("a", 0));
+    assert_eq!(elsewhere, 6);
+    let (v, _) = tenants::hit(&store, "a", 10, elsewhere, 8, 0).unwrap();
+    assert_eq!((v.allowed, v.remaining), (false, 0), "4 here and 6 elsewhere fill a limit of 10");
+}
