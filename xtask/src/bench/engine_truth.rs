@@ -33,7 +33,7 @@ use super::Opts;
 use crate::tools::step;
 
 /// The workloads' names (`--workload`).
-pub const NAMES: [&str; 3] = ["bypass", "restart", "tight_decode"];
+pub const NAMES: [&str; 5] = ["bypass", "restart", "tight_decode", "hot_restart", "hot_decode"];
 const SEED: u64 = 20_261_206;
 const CONCURRENCY: usize = 16;
 const WORKERS: usize = 4;
@@ -63,6 +63,8 @@ pub struct Workload {
     pub requests: Vec<(Target, Value)>,
     pub kv_capacity_tokens: u64,
     pub midway: Midway,
+    /// Requests in flight at most.
+    pub concurrency: usize,
 }
 
 fn generate(prompt: String, max_new_tokens: u64) -> Value {
@@ -71,7 +73,53 @@ fn generate(prompt: String, max_new_tokens: u64) -> Value {
 
 /// `n` requests each (about), from `seed`.
 pub fn all(seed: u64, n: usize) -> Vec<Workload> {
-    vec![bypass(seed, n), restart(seed, n), tight_decode(seed, n)]
+    vec![bypass(seed, n), restart(seed, n), tight_decode(seed, n), hot(seed, n, false), hot(seed, n, true)]
+}
+
+/// A busy fleet's skewed traffic: 32 system prompts of ~1500 tokens with Zipf(1.1)
+/// popularity (the first takes about a quarter), a ~50-token question each, 128 requests in
+/// flight: the hottest prompts' holders pass the imbalance threshold and their prompts are
+/// copied to other workers. `decode`: 128 output tokens each on workers holding 12k tokens
+/// (the engines evict copies for decoded pages); else 8 on 64k, and halfway worker 0
+/// restarts in place and worker 1 is flushed.
+fn hot(seed: u64, n: usize, decode: bool) -> Workload {
+    let mut rng = Rng::new(seed ^ if decode { 15 } else { 14 });
+    let systems: Vec<String> = (0..32).map(|i| format!("You are service {i}. {}", text(&mut rng, 6000))).collect();
+    let weights: Vec<f64> = (1..=systems.len()).map(|k| 1.0 / (k as f64).powf(1.1)).collect();
+    let total: f64 = weights.iter().sum();
+    let requests = (0..n)
+        .map(|_| {
+            let mut x = rng.unit() * total;
+            let k = weights
+                .iter()
+                .position(|w| {
+                    x -= w;
+                    x <= 0.0
+                })
+                .unwrap_or(systems.len() - 1);
+            let out = if decode { 128 } else { 8 };
+            (Target::Router, generate(format!("{}\nUser: {}", systems[k], text(&mut rng, 200)), out))
+        })
+        .collect();
+    if decode {
+        Workload {
+            name: "hot_decode",
+            what: "32 system prompts of ~1500 tokens, Zipf(1.1), 128 in flight, 128 output tokens each, 12k tokens a worker",
+            requests,
+            kv_capacity_tokens: 12_288,
+            midway: Midway::Nothing,
+            concurrency: 128,
+        }
+    } else {
+        Workload {
+            name: "hot_restart",
+            what: "32 system prompts of ~1500 tokens, Zipf(1.1), 128 in flight; halfway worker 0 restarts in place and worker 1 is flushed",
+            requests,
+            kv_capacity_tokens: 65_536,
+            midway: Midway::RestartAndFlush,
+            concurrency: 128,
+        }
+    }
 }
 
 /// 48 documents of ~1200 tokens with a ~50-token question each; every fifth request goes
@@ -93,6 +141,7 @@ fn bypass(seed: u64, n: usize) -> Workload {
         requests,
         kv_capacity_tokens: 20_480,
         midway: Midway::Nothing,
+        concurrency: CONCURRENCY,
     }
 }
 
@@ -113,6 +162,7 @@ fn restart(seed: u64, n: usize) -> Workload {
         requests,
         kv_capacity_tokens: 65_536,
         midway: Midway::RestartAndFlush,
+        concurrency: CONCURRENCY,
     }
 }
 
@@ -133,17 +183,18 @@ fn tight_decode(seed: u64, n: usize) -> Workload {
         requests,
         kv_capacity_tokens: 12_288,
         midway: Midway::Nothing,
+        concurrency: CONCURRENCY,
     }
 }
 
 /// A router to compare: a quality configuration, kvmesh's with or without the events.
-struct Row {
-    config: Config,
-    events: bool,
+pub(super) struct Row {
+    pub config: Config,
+    pub events: bool,
 }
 
 impl Row {
-    fn label(&self) -> String {
+    pub fn label(&self) -> String {
         let l = self.config.label();
         if self.events {
             l.replacen("kvmesh", "kvmesh +events", 1)
@@ -153,25 +204,27 @@ impl Row {
     }
 }
 
-fn rows(o: &Opts, bins: &PeerBins) -> Vec<Row> {
-    let c = |router, replicas| Config { router, replicas, mesh: false, policy: "cache_aware" };
-    let mut out = vec![Row { config: c("kvmesh", 1), events: true }, Row { config: c("kvmesh", 1), events: false }];
-    if bins.smg.is_some() {
-        out.push(Row { config: c("smg", 1), events: false });
-    }
-    if bins.sglang_python.is_some() {
-        out.push(Row { config: c("sglang-router", 1), events: false });
-    }
-    for &n in if o.quick { &[3][..] } else { &[3, 8][..] } {
-        out.push(Row { config: c("kvmesh", n), events: true });
-        out.push(Row { config: c("kvmesh", n), events: false });
+/// kvmesh with and without events, SMG and sglang-router, at 1 gateway or replica and at 3
+/// (8 too in a full run); SMG's replicas with its mesh, as in the trace workload.
+pub(super) fn rows(o: &Opts, bins: &PeerBins) -> Vec<Row> {
+    let c = |router, replicas, mesh| Config { router, replicas, mesh, policy: "cache_aware" };
+    let mut out = Vec::new();
+    for &n in if o.quick { &[1, 3][..] } else { &[1, 3, 8][..] } {
+        out.push(Row { config: c("kvmesh", n, false), events: true });
+        out.push(Row { config: c("kvmesh", n, false), events: false });
+        if bins.smg.is_some() {
+            out.push(Row { config: c("smg", n, n > 1), events: false });
+        }
+        if bins.sglang_python.is_some() {
+            out.push(Row { config: c("sglang-router", n, false), events: false });
+        }
     }
     out
 }
 
 /// Four workers publishing their KV events (the encodings in turn), with their endpoints.
-struct Publishers {
-    sims: Vec<Sim>,
+pub(super) struct Publishers {
+    pub sims: Vec<Sim>,
     /// `URL=tcp://PUB,tcp://REPLAY` per worker (kvmesh-cp's `--kv-events-worker`).
     flags: Vec<String>,
 }
@@ -180,16 +233,17 @@ fn tokenizer() -> String {
     repo_root().join("sim/data/tokenizer.json").to_string_lossy().into_owned()
 }
 
-fn publishers(capacity: u64) -> anyhow::Result<Publishers> {
+/// The publishing workers, each of `capacity` KV tokens running `max_running` at once.
+pub(super) fn publishers(capacity: u64, max_running: u32) -> anyhow::Result<Publishers> {
     let (mut sims, mut flags) = (Vec::new(), Vec::new());
-    let (cap, tok) = (capacity.to_string(), tokenizer());
+    let (cap, tok, running) = (capacity.to_string(), tokenizer(), max_running.to_string());
     for i in 0..WORKERS {
         let (p, r) = (free_port()?.to_string(), free_port()?.to_string());
         let args = [
             "--kv-capacity-tokens",
             &cap,
             "--max-running",
-            "32",
+            &running,
             "--tokenizer",
             &tok,
             "--kv-events-port",
@@ -206,7 +260,7 @@ fn publishers(capacity: u64) -> anyhow::Result<Publishers> {
     Ok(Publishers { sims, flags })
 }
 
-fn start(bins: &PeerBins, row: &Row, p: &Publishers, threads: u32) -> anyhow::Result<Running> {
+pub(super) fn start(bins: &PeerBins, row: &Row, p: &Publishers, threads: u32) -> anyhow::Result<Running> {
     let workers = Workers::Regular(p.sims.iter().map(Sim::url).collect());
     if row.config.router != "kvmesh" {
         return super::routers::start(bins, &row.config, &workers, threads);
@@ -233,13 +287,13 @@ struct Tally {
     ms: Vec<f64>,
 }
 
-/// Sends `requests` over [`CONCURRENCY`] connections, in order (whichever is free takes the
+/// Sends `requests` over `concurrency` connections, in order (whichever is free takes the
 /// next); a routed request `i` goes to `targets[i % len]`.
-fn send(requests: &[(Target, Value)], targets: &[String], workers: &[String]) -> Tally {
+fn send(requests: &[(Target, Value)], concurrency: usize, targets: &[String], workers: &[String]) -> Tally {
     let next = AtomicUsize::new(0);
     let tally = Mutex::new(Tally::default());
     std::thread::scope(|s| {
-        for _ in 0..CONCURRENCY {
+        for _ in 0..concurrency {
             s.spawn(|| loop {
                 let i = next.fetch_add(1, Relaxed);
                 let Some((target, body)) = requests.get(i) else { break };
@@ -277,7 +331,7 @@ fn send(requests: &[(Target, Value)], targets: &[String], workers: &[String]) ->
 
 /// kvmesh-cp's engine-feedback totals over every worker: (compared, accurate, predicted
 /// tokens, cached tokens).
-fn feedback(running: &Running) -> Option<[f64; 4]> {
+pub(super) fn feedback(running: &Running) -> Option<[f64; 4]> {
     let cp = running.control_plane()?;
     let workers = http::get(&format!("http://127.0.0.1:{}/workers", cp.http_port)).ok()?.json().ok()?;
     let mut sum = [0.0; 4];
@@ -292,7 +346,7 @@ fn feedback(running: &Running) -> Option<[f64; 4]> {
 
 /// The feedback once the gateways' reports of the last responses arrived (the counts stop
 /// moving), at most a few seconds on.
-fn settled_feedback(running: &Running) -> Option<[f64; 4]> {
+pub(super) fn settled_feedback(running: &Running) -> Option<[f64; 4]> {
     let mut last = feedback(running)?;
     for _ in 0..10 {
         std::thread::sleep(Duration::from_millis(500));
@@ -375,11 +429,12 @@ fn measure(w: &Workload, row: &Row, p: &Publishers, running: &Running) -> Value 
     let before = feedback(running);
     let half = if w.midway == Midway::Nothing { w.requests.len() } else { w.requests.len() / 2 };
     let began = Instant::now();
-    let mut t = send(&w.requests[..half], &targets, &workers);
+    let mut t = send(&w.requests[..half], w.concurrency, &targets, &workers);
     let (mut flush_ms, mut restart_ms) = (None, None);
     if half < w.requests.len() {
-        let (rest, f, r) =
-            restart_and_flush(&p.sims, running, row.events, || send(&w.requests[half..], &targets, &workers));
+        let (rest, f, r) = restart_and_flush(&p.sims, running, row.events, || {
+            send(&w.requests[half..], w.concurrency, &targets, &workers)
+        });
         (flush_ms, restart_ms) = (f, r);
         t.ok += rest.ok;
         t.errors += rest.errors;
@@ -421,7 +476,7 @@ fn measure(w: &Workload, row: &Row, p: &Publishers, running: &Running) -> Value 
         "router": if row.events { "kvmesh-events" } else { row.config.router },
         "config": row.label(),
         "replicas": row.config.replicas,
-        "mesh": false,
+        "mesh": row.config.mesh,
         "policy": row.config.policy,
         "requests_ok": t.ok,
         "errors": t.errors,
@@ -457,7 +512,7 @@ pub fn run(
     for w in &workloads {
         step(&format!("quality: {} ({} requests; {})", w.name, w.requests.len(), w.what));
         for row in &rows {
-            let p = publishers(w.kv_capacity_tokens)?;
+            let p = publishers(w.kv_capacity_tokens, 32)?;
             match start(bins, row, &p, o.threads) {
                 Ok(running) => results.push(measure(w, row, &p, &running)),
                 Err(e) => {
@@ -471,7 +526,7 @@ pub fn run(
         "seed": SEED,
         "requests_per_workload": n,
         "concurrency": CONCURRENCY,
-        "workloads": workloads.iter().map(|w| json!({"name": w.name, "what": w.what, "kv_capacity_tokens": w.kv_capacity_tokens})).collect::<Vec<_>>(),
+        "workloads": workloads.iter().map(|w| json!({"name": w.name, "what": w.what, "kv_capacity_tokens": w.kv_capacity_tokens, "concurrency": w.concurrency})).collect::<Vec<_>>(),
     })))
 }
 
@@ -548,18 +603,33 @@ mod tests {
         assert!(all[1..].iter().all(|w| w.requests.iter().all(|(t, _)| *t == Target::Router)));
         assert_eq!(
             all.iter().map(|w| w.midway).collect::<Vec<_>>(),
-            [Midway::Nothing, Midway::RestartAndFlush, Midway::Nothing]
+            [Midway::Nothing, Midway::RestartAndFlush, Midway::Nothing, Midway::RestartAndFlush, Midway::Nothing]
         );
+        // The skewed ones: the hottest prompt takes about a quarter of the requests.
+        let hottest = all[3]
+            .requests
+            .iter()
+            .filter(|(_, b)| b["text"].as_str().unwrap().starts_with("You are service 0."))
+            .count();
+        assert!((15..=40).contains(&hottest), "{hottest}");
         assert_eq!(all[2].requests[0].1["sampling_params"]["max_new_tokens"], 128, "decode growth");
     }
 
     #[test]
-    fn kvmesh_runs_with_and_without_events_at_one_and_three_gateways_and_the_peers_at_one() {
+    fn every_router_runs_at_one_and_three_gateways_and_eight_in_a_full_run() {
         let bins = PeerBins { smg: Some("smg".into()), sglang_python: Some("python".into()) };
         let labels: Vec<String> = rows(&Opts::new(true), &bins).iter().map(Row::label).collect();
-        assert_eq!(labels.len(), 6, "{labels:?}");
-        assert!(labels.contains(&"kvmesh +events ×1 gateway (cache_aware)".to_string()), "{labels:?}");
-        assert!(labels.contains(&"kvmesh ×3 gateways (cache_aware)".to_string()), "{labels:?}");
-        assert_eq!(rows(&Opts::new(false), &bins).len(), 8, "8 gateways too in a full run");
+        assert_eq!(labels.len(), 8, "{labels:?}");
+        for l in [
+            "kvmesh +events ×1 gateway (cache_aware)",
+            "kvmesh ×3 gateways (cache_aware)",
+            "SMG 1.13.0 ×1 replica (cache_aware)",
+            "SMG 1.13.0 ×3 replicas +mesh (cache_aware)",
+            "sglang-router 0.3.2 ×3 replicas (cache_aware)",
+        ] {
+            assert!(labels.iter().any(|x| x == l), "{l}: {labels:?}");
+        }
+        assert_eq!(rows(&Opts::new(false), &bins).len(), 12, "8 gateways and replicas too in a full run");
+        assert_eq!(rows(&Opts::new(true), &PeerBins::default()).len(), 4, "--no-peers: kvmesh only");
     }
 }
