@@ -1,15 +1,17 @@
 //! The engines' own truth (issue 46): quality workloads where kvmesh's approximate index is
 //! wrong, each run against workers that publish their KV-cache events. kvmesh with events
 //! (kvmesh-cp subscribed to every worker), kvmesh without (the gateways' own index, the
-//! control plane's capacity model and engine feedback), SMG and sglang-router at one gateway
-//! or replica, kvmesh also at 3 gateways (8 in a full run).
+//! control plane's capacity model and engine feedback), SMG and sglang-router, each at one
+//! gateway or replica and at 3 (8 too in a full run; SMG's replicas with its mesh).
 //!
 //! - `bypass`: a fifth of the traffic goes straight to the workers (a batch job pinned to
 //!   each pod), the rest through the router;
 //! - `restart`: halfway, one worker restarts in place (cache empty, event sequence from 0, no
 //!   event saying so) and another is flushed (`/flush_cache`: `AllBlocksCleared`);
 //! - `tight_decode`: long outputs on tight KV capacity: the engines cache the decoded pages
-//!   and evict prefixes for them, which no router sees.
+//!   and evict prefixes for them, which no router sees;
+//!
+//! The Mooncake trace against the same publishing workers is `engine_trace.rs`.
 //!
 //! Requests are SGLang's `/generate` (the routing text is the prompt the engine tokenizes;
 //! a chat's is not its rendered template), not streamed: each answer's `meta_info` gives its
@@ -33,7 +35,7 @@ use super::Opts;
 use crate::tools::step;
 
 /// The workloads' names (`--workload`).
-pub const NAMES: [&str; 5] = ["bypass", "restart", "tight_decode", "hot_restart", "hot_decode"];
+pub const NAMES: [&str; 3] = ["bypass", "restart", "tight_decode"];
 const SEED: u64 = 20_261_206;
 const CONCURRENCY: usize = 16;
 const WORKERS: usize = 4;
@@ -63,8 +65,6 @@ pub struct Workload {
     pub requests: Vec<(Target, Value)>,
     pub kv_capacity_tokens: u64,
     pub midway: Midway,
-    /// Requests in flight at most.
-    pub concurrency: usize,
 }
 
 fn generate(prompt: String, max_new_tokens: u64) -> Value {
@@ -73,53 +73,7 @@ fn generate(prompt: String, max_new_tokens: u64) -> Value {
 
 /// `n` requests each (about), from `seed`.
 pub fn all(seed: u64, n: usize) -> Vec<Workload> {
-    vec![bypass(seed, n), restart(seed, n), tight_decode(seed, n), hot(seed, n, false), hot(seed, n, true)]
-}
-
-/// A busy fleet's skewed traffic: 32 system prompts of ~1500 tokens with Zipf(1.1)
-/// popularity (the first takes about a quarter), a ~50-token question each, 128 requests in
-/// flight: the hottest prompts' holders pass the imbalance threshold and their prompts are
-/// copied to other workers. `decode`: 128 output tokens each on workers holding 12k tokens
-/// (the engines evict copies for decoded pages); else 8 on 64k, and halfway worker 0
-/// restarts in place and worker 1 is flushed.
-fn hot(seed: u64, n: usize, decode: bool) -> Workload {
-    let mut rng = Rng::new(seed ^ if decode { 15 } else { 14 });
-    let systems: Vec<String> = (0..32).map(|i| format!("You are service {i}. {}", text(&mut rng, 6000))).collect();
-    let weights: Vec<f64> = (1..=systems.len()).map(|k| 1.0 / (k as f64).powf(1.1)).collect();
-    let total: f64 = weights.iter().sum();
-    let requests = (0..n)
-        .map(|_| {
-            let mut x = rng.unit() * total;
-            let k = weights
-                .iter()
-                .position(|w| {
-                    x -= w;
-                    x <= 0.0
-                })
-                .unwrap_or(systems.len() - 1);
-            let out = if decode { 128 } else { 8 };
-            (Target::Router, generate(format!("{}\nUser: {}", systems[k], text(&mut rng, 200)), out))
-        })
-        .collect();
-    if decode {
-        Workload {
-            name: "hot_decode",
-            what: "32 system prompts of ~1500 tokens, Zipf(1.1), 128 in flight, 128 output tokens each, 12k tokens a worker",
-            requests,
-            kv_capacity_tokens: 12_288,
-            midway: Midway::Nothing,
-            concurrency: 128,
-        }
-    } else {
-        Workload {
-            name: "hot_restart",
-            what: "32 system prompts of ~1500 tokens, Zipf(1.1), 128 in flight; halfway worker 0 restarts in place and worker 1 is flushed",
-            requests,
-            kv_capacity_tokens: 65_536,
-            midway: Midway::RestartAndFlush,
-            concurrency: 128,
-        }
-    }
+    vec![bypass(seed, n), restart(seed, n), tight_decode(seed, n)]
 }
 
 /// 48 documents of ~1200 tokens with a ~50-token question each; every fifth request goes
@@ -141,7 +95,6 @@ fn bypass(seed: u64, n: usize) -> Workload {
         requests,
         kv_capacity_tokens: 20_480,
         midway: Midway::Nothing,
-        concurrency: CONCURRENCY,
     }
 }
 
@@ -162,7 +115,6 @@ fn restart(seed: u64, n: usize) -> Workload {
         requests,
         kv_capacity_tokens: 65_536,
         midway: Midway::RestartAndFlush,
-        concurrency: CONCURRENCY,
     }
 }
 
@@ -183,7 +135,6 @@ fn tight_decode(seed: u64, n: usize) -> Workload {
         requests,
         kv_capacity_tokens: 12_288,
         midway: Midway::Nothing,
-        concurrency: CONCURRENCY,
     }
 }
 
@@ -285,15 +236,16 @@ struct Tally {
     direct_prompt: f64,
     direct_cached: f64,
     ms: Vec<f64>,
+    first_error: Option<String>,
 }
 
-/// Sends `requests` over `concurrency` connections, in order (whichever is free takes the
+/// Sends `requests` over [`CONCURRENCY`] connections, in order (whichever is free takes the
 /// next); a routed request `i` goes to `targets[i % len]`.
-fn send(requests: &[(Target, Value)], concurrency: usize, targets: &[String], workers: &[String]) -> Tally {
+fn send(requests: &[(Target, Value)], targets: &[String], workers: &[String]) -> Tally {
     let next = AtomicUsize::new(0);
     let tally = Mutex::new(Tally::default());
     std::thread::scope(|s| {
-        for _ in 0..concurrency {
+        for _ in 0..CONCURRENCY {
             s.spawn(|| loop {
                 let i = next.fetch_add(1, Relaxed);
                 let Some((target, body)) = requests.get(i) else { break };
@@ -302,15 +254,20 @@ fn send(requests: &[(Target, Value)], concurrency: usize, targets: &[String], wo
                     Target::Worker(w) => &workers[*w % workers.len()],
                 };
                 let began = Instant::now();
-                let answer = http::post_json(&format!("{base}/generate"), body)
-                    .ok()
-                    .filter(|r| r.status == 200)
-                    .and_then(|r| r.json().ok());
+                let answer = match http::post_json(&format!("{base}/generate"), body) {
+                    Ok(r) if r.status == 200 => r.json().map_err(|e| format!("{e:#}")),
+                    Ok(r) => Err(format!("status {}: {}", r.status, r.text().chars().take(200).collect::<String>())),
+                    Err(e) => Err(format!("{e:#}")),
+                };
                 let ms = began.elapsed().as_secs_f64() * 1e3;
                 let Ok(mut t) = tally.lock() else { break };
-                let Some(meta) = answer.as_ref().map(|a| &a["meta_info"]) else {
-                    t.errors += 1;
-                    continue;
+                let meta = match &answer {
+                    Ok(a) => &a["meta_info"],
+                    Err(e) => {
+                        t.errors += 1;
+                        t.first_error.get_or_insert_with(|| e.clone());
+                        continue;
+                    }
                 };
                 let (prompt, cached) =
                     (meta["prompt_tokens"].as_f64().unwrap_or(0.0), meta["cached_tokens"].as_f64().unwrap_or(0.0));
@@ -429,12 +386,11 @@ fn measure(w: &Workload, row: &Row, p: &Publishers, running: &Running) -> Value 
     let before = feedback(running);
     let half = if w.midway == Midway::Nothing { w.requests.len() } else { w.requests.len() / 2 };
     let began = Instant::now();
-    let mut t = send(&w.requests[..half], w.concurrency, &targets, &workers);
+    let mut t = send(&w.requests[..half], &targets, &workers);
     let (mut flush_ms, mut restart_ms) = (None, None);
     if half < w.requests.len() {
-        let (rest, f, r) = restart_and_flush(&p.sims, running, row.events, || {
-            send(&w.requests[half..], w.concurrency, &targets, &workers)
-        });
+        let (rest, f, r) =
+            restart_and_flush(&p.sims, running, row.events, || send(&w.requests[half..], &targets, &workers));
         (flush_ms, restart_ms) = (f, r);
         t.ok += rest.ok;
         t.errors += rest.errors;
@@ -443,6 +399,10 @@ fn measure(w: &Workload, row: &Row, p: &Publishers, running: &Running) -> Value 
         t.direct_prompt += rest.direct_prompt;
         t.direct_cached += rest.direct_cached;
         t.ms.extend(rest.ms);
+        t.first_error = t.first_error.or(rest.first_error);
+    }
+    if let Some(e) = &t.first_error {
+        eprintln!("      the first error of {}: {e}", t.errors);
     }
     let seconds = began.elapsed().as_secs_f64();
     let fb = match (before, settled_feedback(running)) {
@@ -526,7 +486,7 @@ pub fn run(
         "seed": SEED,
         "requests_per_workload": n,
         "concurrency": CONCURRENCY,
-        "workloads": workloads.iter().map(|w| json!({"name": w.name, "what": w.what, "kv_capacity_tokens": w.kv_capacity_tokens, "concurrency": w.concurrency})).collect::<Vec<_>>(),
+        "workloads": workloads.iter().map(|w| json!({"name": w.name, "what": w.what, "kv_capacity_tokens": w.kv_capacity_tokens})).collect::<Vec<_>>(),
     })))
 }
 
@@ -603,15 +563,8 @@ mod tests {
         assert!(all[1..].iter().all(|w| w.requests.iter().all(|(t, _)| *t == Target::Router)));
         assert_eq!(
             all.iter().map(|w| w.midway).collect::<Vec<_>>(),
-            [Midway::Nothing, Midway::RestartAndFlush, Midway::Nothing, Midway::RestartAndFlush, Midway::Nothing]
+            [Midway::Nothing, Midway::RestartAndFlush, Midway::Nothing]
         );
-        // The skewed ones: the hottest prompt takes about a quarter of the requests.
-        let hottest = all[3]
-            .requests
-            .iter()
-            .filter(|(_, b)| b["text"].as_str().unwrap().starts_with("You are service 0."))
-            .count();
-        assert!((15..=40).contains(&hottest), "{hottest}");
         assert_eq!(all[2].requests[0].1["sampling_params"]["max_new_tokens"], 128, "decode growth");
     }
 
