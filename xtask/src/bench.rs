@@ -10,6 +10,7 @@
 
 pub(crate) mod charts;
 mod cp;
+mod engine_trace;
 mod engine_truth;
 mod fairness;
 mod instructions;

@@ -1,15 +1,17 @@
 //! The engines' own truth (issue 46): quality workloads where kvmesh's approximate index is
 //! wrong, each run against workers that publish their KV-cache events. kvmesh with events
 //! (kvmesh-cp subscribed to every worker), kvmesh without (the gateways' own index, the
-//! control plane's capacity model and engine feedback), SMG and sglang-router at one gateway
-//! or replica, kvmesh also at 3 gateways (8 in a full run).
+//! control plane's capacity model and engine feedback), SMG and sglang-router, each at one
+//! gateway or replica and at 3 (8 too in a full run; SMG's replicas with its mesh).
 //!
 //! - `bypass`: a fifth of the traffic goes straight to the workers (a batch job pinned to
 //!   each pod), the rest through the router;
 //! - `restart`: halfway, one worker restarts in place (cache empty, event sequence from 0, no
 //!   event saying so) and another is flushed (`/flush_cache`: `AllBlocksCleared`);
 //! - `tight_decode`: long outputs on tight KV capacity: the engines cache the decoded pages
-//!   and evict prefixes for them, which no router sees.
+//!   and evict prefixes for them, which no router sees;
+//!
+//! The Mooncake trace against the same publishing workers is `engine_trace.rs`.
 //!
 //! Requests are SGLang's `/generate` (the routing text is the prompt the engine tokenizes;
 //! a chat's is not its rendered template), not streamed: each answer's `meta_info` gives its
@@ -137,13 +139,13 @@ fn tight_decode(seed: u64, n: usize) -> Workload {
 }
 
 /// A router to compare: a quality configuration, kvmesh's with or without the events.
-struct Row {
-    config: Config,
-    events: bool,
+pub(super) struct Row {
+    pub config: Config,
+    pub events: bool,
 }
 
 impl Row {
-    fn label(&self) -> String {
+    pub fn label(&self) -> String {
         let l = self.config.label();
         if self.events {
             l.replacen("kvmesh", "kvmesh +events", 1)
@@ -153,25 +155,27 @@ impl Row {
     }
 }
 
-fn rows(o: &Opts, bins: &PeerBins) -> Vec<Row> {
-    let c = |router, replicas| Config { router, replicas, mesh: false, policy: "cache_aware" };
-    let mut out = vec![Row { config: c("kvmesh", 1), events: true }, Row { config: c("kvmesh", 1), events: false }];
-    if bins.smg.is_some() {
-        out.push(Row { config: c("smg", 1), events: false });
-    }
-    if bins.sglang_python.is_some() {
-        out.push(Row { config: c("sglang-router", 1), events: false });
-    }
-    for &n in if o.quick { &[3][..] } else { &[3, 8][..] } {
-        out.push(Row { config: c("kvmesh", n), events: true });
-        out.push(Row { config: c("kvmesh", n), events: false });
+/// kvmesh with and without events, SMG and sglang-router, at 1 gateway or replica and at 3
+/// (8 too in a full run); SMG's replicas with its mesh, as in the trace workload.
+pub(super) fn rows(o: &Opts, bins: &PeerBins) -> Vec<Row> {
+    let c = |router, replicas, mesh| Config { router, replicas, mesh, policy: "cache_aware" };
+    let mut out = Vec::new();
+    for &n in if o.quick { &[1, 3][..] } else { &[1, 3, 8][..] } {
+        out.push(Row { config: c("kvmesh", n, false), events: true });
+        out.push(Row { config: c("kvmesh", n, false), events: false });
+        if bins.smg.is_some() {
+            out.push(Row { config: c("smg", n, n > 1), events: false });
+        }
+        if bins.sglang_python.is_some() {
+            out.push(Row { config: c("sglang-router", n, false), events: false });
+        }
     }
     out
 }
 
 /// Four workers publishing their KV events (the encodings in turn), with their endpoints.
-struct Publishers {
-    sims: Vec<Sim>,
+pub(super) struct Publishers {
+    pub sims: Vec<Sim>,
     /// `URL=tcp://PUB,tcp://REPLAY` per worker (kvmesh-cp's `--kv-events-worker`).
     flags: Vec<String>,
 }
@@ -180,16 +184,17 @@ fn tokenizer() -> String {
     repo_root().join("sim/data/tokenizer.json").to_string_lossy().into_owned()
 }
 
-fn publishers(capacity: u64) -> anyhow::Result<Publishers> {
+/// The publishing workers, each of `capacity` KV tokens running `max_running` at once.
+pub(super) fn publishers(capacity: u64, max_running: u32) -> anyhow::Result<Publishers> {
     let (mut sims, mut flags) = (Vec::new(), Vec::new());
-    let (cap, tok) = (capacity.to_string(), tokenizer());
+    let (cap, tok, running) = (capacity.to_string(), tokenizer(), max_running.to_string());
     for i in 0..WORKERS {
         let (p, r) = (free_port()?.to_string(), free_port()?.to_string());
         let args = [
             "--kv-capacity-tokens",
             &cap,
             "--max-running",
-            "32",
+            &running,
             "--tokenizer",
             &tok,
             "--kv-events-port",
@@ -206,7 +211,7 @@ fn publishers(capacity: u64) -> anyhow::Result<Publishers> {
     Ok(Publishers { sims, flags })
 }
 
-fn start(bins: &PeerBins, row: &Row, p: &Publishers, threads: u32) -> anyhow::Result<Running> {
+pub(super) fn start(bins: &PeerBins, row: &Row, p: &Publishers, threads: u32) -> anyhow::Result<Running> {
     let workers = Workers::Regular(p.sims.iter().map(Sim::url).collect());
     if row.config.router != "kvmesh" {
         return super::routers::start(bins, &row.config, &workers, threads);
@@ -231,6 +236,7 @@ struct Tally {
     direct_prompt: f64,
     direct_cached: f64,
     ms: Vec<f64>,
+    first_error: Option<String>,
 }
 
 /// Sends `requests` over [`CONCURRENCY`] connections, in order (whichever is free takes the
@@ -248,15 +254,20 @@ fn send(requests: &[(Target, Value)], targets: &[String], workers: &[String]) ->
                     Target::Worker(w) => &workers[*w % workers.len()],
                 };
                 let began = Instant::now();
-                let answer = http::post_json(&format!("{base}/generate"), body)
-                    .ok()
-                    .filter(|r| r.status == 200)
-                    .and_then(|r| r.json().ok());
+                let answer = match http::post_json(&format!("{base}/generate"), body) {
+                    Ok(r) if r.status == 200 => r.json().map_err(|e| format!("{e:#}")),
+                    Ok(r) => Err(format!("status {}: {}", r.status, r.text().chars().take(200).collect::<String>())),
+                    Err(e) => Err(format!("{e:#}")),
+                };
                 let ms = began.elapsed().as_secs_f64() * 1e3;
                 let Ok(mut t) = tally.lock() else { break };
-                let Some(meta) = answer.as_ref().map(|a| &a["meta_info"]) else {
-                    t.errors += 1;
-                    continue;
+                let meta = match &answer {
+                    Ok(a) => &a["meta_info"],
+                    Err(e) => {
+                        t.errors += 1;
+                        t.first_error.get_or_insert_with(|| e.clone());
+                        continue;
+                    }
                 };
                 let (prompt, cached) =
                     (meta["prompt_tokens"].as_f64().unwrap_or(0.0), meta["cached_tokens"].as_f64().unwrap_or(0.0));
@@ -277,7 +288,7 @@ fn send(requests: &[(Target, Value)], targets: &[String], workers: &[String]) ->
 
 /// kvmesh-cp's engine-feedback totals over every worker: (compared, accurate, predicted
 /// tokens, cached tokens).
-fn feedback(running: &Running) -> Option<[f64; 4]> {
+pub(super) fn feedback(running: &Running) -> Option<[f64; 4]> {
     let cp = running.control_plane()?;
     let workers = http::get(&format!("http://127.0.0.1:{}/workers", cp.http_port)).ok()?.json().ok()?;
     let mut sum = [0.0; 4];
@@ -292,7 +303,7 @@ fn feedback(running: &Running) -> Option<[f64; 4]> {
 
 /// The feedback once the gateways' reports of the last responses arrived (the counts stop
 /// moving), at most a few seconds on.
-fn settled_feedback(running: &Running) -> Option<[f64; 4]> {
+pub(super) fn settled_feedback(running: &Running) -> Option<[f64; 4]> {
     let mut last = feedback(running)?;
     for _ in 0..10 {
         std::thread::sleep(Duration::from_millis(500));
@@ -388,6 +399,10 @@ fn measure(w: &Workload, row: &Row, p: &Publishers, running: &Running) -> Value 
         t.direct_prompt += rest.direct_prompt;
         t.direct_cached += rest.direct_cached;
         t.ms.extend(rest.ms);
+        t.first_error = t.first_error.or(rest.first_error);
+    }
+    if let Some(e) = &t.first_error {
+        eprintln!("      the first error of {}: {e}", t.errors);
     }
     let seconds = began.elapsed().as_secs_f64();
     let fb = match (before, settled_feedback(running)) {
@@ -421,7 +436,7 @@ fn measure(w: &Workload, row: &Row, p: &Publishers, running: &Running) -> Value 
         "router": if row.events { "kvmesh-events" } else { row.config.router },
         "config": row.label(),
         "replicas": row.config.replicas,
-        "mesh": false,
+        "mesh": row.config.mesh,
         "policy": row.config.policy,
         "requests_ok": t.ok,
         "errors": t.errors,
@@ -457,7 +472,7 @@ pub fn run(
     for w in &workloads {
         step(&format!("quality: {} ({} requests; {})", w.name, w.requests.len(), w.what));
         for row in &rows {
-            let p = publishers(w.kv_capacity_tokens)?;
+            let p = publishers(w.kv_capacity_tokens, 32)?;
             match start(bins, row, &p, o.threads) {
                 Ok(running) => results.push(measure(w, row, &p, &running)),
                 Err(e) => {
@@ -554,12 +569,20 @@ mod tests {
     }
 
     #[test]
-    fn kvmesh_runs_with_and_without_events_at_one_and_three_gateways_and_the_peers_at_one() {
+    fn every_router_runs_at_one_and_three_gateways_and_eight_in_a_full_run() {
         let bins = PeerBins { smg: Some("smg".into()), sglang_python: Some("python".into()) };
         let labels: Vec<String> = rows(&Opts::new(true), &bins).iter().map(Row::label).collect();
-        assert_eq!(labels.len(), 6, "{labels:?}");
-        assert!(labels.contains(&"kvmesh +events ×1 gateway (cache_aware)".to_string()), "{labels:?}");
-        assert!(labels.contains(&"kvmesh ×3 gateways (cache_aware)".to_string()), "{labels:?}");
-        assert_eq!(rows(&Opts::new(false), &bins).len(), 8, "8 gateways too in a full run");
+        assert_eq!(labels.len(), 8, "{labels:?}");
+        for l in [
+            "kvmesh +events ×1 gateway (cache_aware)",
+            "kvmesh ×3 gateways (cache_aware)",
+            "SMG 1.13.0 ×1 replica (cache_aware)",
+            "SMG 1.13.0 ×3 replicas +mesh (cache_aware)",
+            "sglang-router 0.3.2 ×3 replicas (cache_aware)",
+        ] {
+            assert!(labels.iter().any(|x| x == l), "{l}: {labels:?}");
+        }
+        assert_eq!(rows(&Opts::new(false), &bins).len(), 12, "8 gateways and replicas too in a full run");
+        assert_eq!(rows(&Opts::new(true), &PeerBins::default()).len(), 4, "--no-peers: kvmesh only");
     }
 }

@@ -6,7 +6,8 @@
 //! The `trace` workload (a Mooncake-format trace replayed on its schedule) is in `trace.rs`,
 //! the PD decider's (`pd_decider`: llm-d's protocol, prefix decider against always) in
 //! `pd_decider.rs`; the workloads where the approximate index is wrong, run against workers
-//! publishing KV events (`bypass`, `restart`, `tight_decode`), in `engine_truth.rs`.
+//! publishing KV events (`bypass`, `restart`, `tight_decode`), in `engine_truth.rs`, and the
+//! trace against such workers (`trace_events`) in `engine_trace.rs`.
 
 use kvmesh_testkit::{http, Sim};
 use serde_json::{json, Value};
@@ -17,7 +18,7 @@ use super::routers::{delta, start, stats, Config};
 use super::stack::{PeerBins, Running, Workers};
 use super::workload::{self, Workload};
 use super::Opts;
-use super::{engine_truth, pd_decider, trace};
+use super::{engine_trace, engine_truth, pd_decider, trace};
 use crate::loadgen::{self, Stop};
 use crate::tools::step;
 
@@ -191,6 +192,7 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
         let mut known: Vec<&str> = workloads.iter().map(|w| w.name).collect();
         known.extend(["trace", "two_models", pd_decider::NAME]);
         known.extend(engine_truth::NAMES);
+        known.push(engine_trace::NAME);
         if let Some(bad) = o.workloads.iter().find(|n| !known.contains(&n.as_str())) {
             anyhow::bail!("--workload {bad}: unknown (one of {})", known.join(", "));
         }
@@ -242,6 +244,7 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
         }
     }
     let engine_truth = engine_truth::run(o, bins, &mut results, &mut failures)?;
+    let trace_events = engine_trace::run(o, bins, &mut results, &mut failures)?;
     let trace = if with_trace { Some(trace::run(o, bins, &mut results, &mut failures)?) } else { None };
     // Two models behind one router: in a full run, or when named.
     let with_models = if o.workloads.is_empty() { !o.quick } else { o.workloads.iter().any(|n| n == "two_models") };
@@ -260,6 +263,7 @@ pub fn run(o: &Opts, bins: &PeerBins) -> anyhow::Result<(Value, String)> {
             "trace": trace,
             "two_models": two_models,
             "engine_truth": engine_truth,
+            "trace_events": trace_events,
         },
         "pd_decider": pd,
         "results": results,
@@ -437,6 +441,9 @@ fn markdown(doc: &Value, workloads: &[Workload]) -> String {
     }
     if !p["engine_truth"].is_null() {
         md.push_str(&engine_truth::markdown(doc));
+    }
+    if !p["trace_events"].is_null() {
+        md.push_str(&engine_trace::markdown(doc));
     }
     if !p["trace"].is_null() {
         md.push_str(&trace::markdown(doc));
