@@ -142,17 +142,9 @@ pub fn markdown(doc: &Value) -> String {
         .filter(|r| r["workload"] == NAME)
         .map(|r| {
             let v = |k: &str, d: usize| r[k].as_f64().map_or("-".into(), |x| f(x, d));
-            let pct = |k: &str| r[k].as_f64().map_or("-".into(), |x| f(x * 100.0, 1));
-            vec![
-                r["config"].as_str().unwrap_or("").to_string(),
-                pct("hit_rate"),
-                r["prediction_error"].as_f64().map_or("-".into(), |x| format!("{:+.2}", x * 100.0)),
-                pct("prediction_accuracy"),
-                v("ttft_p50_ms", 1),
-                v("imbalance", 2),
-                v("lateness_p99_ms", 0),
-                r["errors"].to_string(),
-            ]
+            let mut row = engine_truth::prediction_cells(r);
+            row.extend([v("ttft_p50_ms", 1), v("imbalance", 2), v("lateness_p99_ms", 0), r["errors"].to_string()]);
+            row
         })
         .collect();
     md.push_str(&table(

@@ -509,17 +509,10 @@ pub fn markdown(doc: &Value) -> String {
             .flatten()
             .filter(|r| r["workload"] == name)
             .map(|r| {
-                let pct = |k: &str, d: usize| r[k].as_f64().map_or("-".into(), |x| f(x * 100.0, d));
-                vec![
-                    r["config"].as_str().unwrap_or("").to_string(),
-                    pct("hit_rate", 1),
-                    r["prediction_error"].as_f64().map_or("-".into(), |x| format!("{:+.2}", x * 100.0)),
-                    pct("prediction_accuracy", 1),
-                    r["e2e_p50_ms"].as_f64().map_or("-".into(), |x| f(x, 0)),
-                    r["flush_dropped_ms"].as_f64().map_or("-".into(), |x| f(x, 0)),
-                    r["restart_seen_ms"].as_f64().map_or("-".into(), |x| f(x, 0)),
-                    r["errors"].to_string(),
-                ]
+                let ms = |k: &str| r[k].as_f64().map_or("-".into(), |x| f(x, 0));
+                let mut row = prediction_cells(r);
+                row.extend([ms("e2e_p50_ms"), ms("flush_dropped_ms"), ms("restart_seen_ms"), r["errors"].to_string()]);
+                row
             })
             .collect();
         md.push_str(&table(
@@ -538,6 +531,18 @@ pub fn markdown(doc: &Value) -> String {
         md.push('\n');
     }
     md
+}
+
+/// A result row's first report cells, as every engine-truth table starts: the router, its
+/// hit %, kvmesh's prediction error % and share within a block % ("-" where absent).
+pub(super) fn prediction_cells(r: &Value) -> Vec<String> {
+    let pct = |k: &str| r[k].as_f64().map_or("-".into(), |x| f(x * 100.0, 1));
+    vec![
+        r["config"].as_str().unwrap_or("").to_string(),
+        pct("hit_rate"),
+        r["prediction_error"].as_f64().map_or("-".into(), |x| format!("{:+.2}", x * 100.0)),
+        pct("prediction_accuracy"),
+    ]
 }
 
 #[cfg(test)]
